@@ -107,6 +107,10 @@ class CofferError(Exception):
     """A problem the user can fix; the CLI prints it as one line and exits 1."""
 
 
+class NotListedYet(CofferError):
+    """A capability name on a registered server that Coffer has not seen listed (yet)."""
+
+
 def negotiate_version(requested) -> str:
     return requested if requested in PROTOCOL_VERSIONS else LATEST_PROTOCOL_VERSION
 
@@ -404,8 +408,7 @@ class Vault:
             raise CofferError(f"{target!r} is published by several servers ({servers}); "
                               f"use coffer+<server>:{target}")
         if sep and db.execute("SELECT 1 FROM servers WHERE name=?", (server,)).fetchone():
-            raise CofferError(f"unknown target {target!r}: server {server!r} has not listed it "
-                              f"(run `coffer tools` to refresh what Coffer knows)")
+            raise NotListedYet(f"unknown target {target!r}: server {server!r} does not list it")
         raise CofferError(f"unknown target {target!r}: not a server, tool, prompt or resource Coffer knows")
 
     def sync_capabilities(self, server: str, kind: str, definitions: dict[str, dict]) -> dict[str, bool]:
@@ -516,8 +519,8 @@ def _coerce_setting(key: str, raw: str):
         value = type(default)(raw)
     except ValueError:
         raise CofferError(f"setting {key} needs a {type(default).__name__}, got {raw!r}") from None
-    if key == "name_max_length" and not 24 <= value <= 64:
-        raise CofferError("name_max_length must be between 24 and 64")
+    if key == "name_max_length" and not 34 <= value <= 64:  # 24-char server + "__" + "x_" + hash
+        raise CofferError("name_max_length must be between 34 and 64")
     if key == "expose" and value not in ("all", "search"):
         raise CofferError("expose must be 'all' or 'search'")
     if isinstance(value, (int, float)) and key != "expose" and value <= 0:
@@ -2371,7 +2374,13 @@ def cmd_tools(vault: Vault, args) -> int:
 
 
 def cmd_enable(vault: Vault, args, enabled: bool = True) -> int:
-    what = vault.set_enabled(args.target, enabled)
+    try:
+        what = vault.set_enabled(args.target, enabled)
+    except NotListedYet:
+        # Probably a server added but never started: ask it what it offers, then try once more.
+        with GatewayClient(vault):
+            pass
+        what = vault.set_enabled(args.target, enabled)
     print(f"{'enabled' if enabled else 'disabled'} {what}")
     return 0
 
