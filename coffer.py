@@ -1560,9 +1560,12 @@ class SearchIndex:
     """
 
     # field: (weight, length-normalisation b)
-    FIELDS = {"name": (3.0, 0.5), "server": (1.0, 0.3), "title": (2.0, 0.5), "description": (1.0, 0.75),
-              "params": (0.5, 0.5), "param_text": (0.25, 0.75), "translated": (0.8, 0.75)}
+    FIELDS = {"name": (3.0, 0.5), "server": (1.5, 0.3), "title": (2.0, 0.5), "description": (0.8, 0.75),
+              "params": (0.5, 0.5), "param_text": (0.5, 0.75), "translated": (0.8, 0.75)}
     K1 = 1.2
+    # A tool whose server also holds the best match for the query is likelier to be wanted too (tasks span
+    # several tools of one server): each tool gains this share of its server's best score.
+    SERVER_BOOST = 0.2
 
     def __init__(self, tools: list[dict]):
         self.tools = list(tools)
@@ -1588,8 +1591,13 @@ class SearchIndex:
                 idf = math.log(1.0 + (n - df[term] + 0.5) / (df[term] + 0.5))
                 self.postings[term].append((doc_id, idf * value / (self.K1 + value)))
         self.postings = dict(self.postings)
-        self._order = sorted(range(n), key=lambda i: str(self.tools[i].get("name", "")))
-        self._rank_of = {doc_id: rank for rank, doc_id in enumerate(self._order)}
+        order = sorted(range(n), key=lambda i: str(self.tools[i].get("name", "")))
+        self._rank_of = [0] * n
+        for rank, doc_id in enumerate(order):
+            self._rank_of[doc_id] = rank
+        servers: dict[str, int] = {}
+        self._server_of = [servers.setdefault(str(tool.get("name", "")).partition(SEPARATOR)[0], len(servers))
+                           if SEPARATOR in str(tool.get("name", "")) else -1 for tool in self.tools]
 
     @staticmethod
     def _fields(tool: dict) -> dict[str, list[str]]:
@@ -1630,9 +1638,16 @@ class SearchIndex:
         for term, weight in self.query_terms(query).items():
             for doc_id, value in postings.get(term, ()):
                 scores[doc_id] += weight * value
-        rank_of = self._rank_of
-        best = heapq.nsmallest(top_k, ((-score, rank_of[doc_id], doc_id) for doc_id, score in scores.items()
-                                       if score > 0.0))
+        server_of, rank_of = self._server_of, self._rank_of
+        server_best: dict[int, float] = {-1: 0.0}  # -1: tools with no server prefix get no boost
+        for doc_id, score in scores.items():
+            server = server_of[doc_id]
+            if server >= 0 and score > server_best.get(server, 0.0):
+                server_best[server] = score
+        boost = self.SERVER_BOOST
+        ranked = ((-(score + boost * server_best[server_of[doc_id]]), rank_of[doc_id], doc_id)
+                  for doc_id, score in scores.items() if score > 0.0)
+        best = heapq.nsmallest(top_k, ranked)
         return [(self.tools[doc_id], round(-neg, 4)) for neg, _, doc_id in best]
 
 # ============================================================================================================
