@@ -758,8 +758,6 @@ class HttpTransport:
                 session = response.headers.get("Mcp-Session-Id")
                 if session and message.get("method") == "initialize":
                     self.session_id = session
-                if message.get("method") == "initialize":
-                    pass
                 self._consume(response)
         except urllib.error.HTTPError as exc:
             if exc.code == 404 and self.session_id:
@@ -790,11 +788,14 @@ class HttpTransport:
                 if line.startswith("data:"):
                     data_lines.append(line[5:].lstrip(" "))
                 elif not line and data_lines:
+                    data = "\n".join(data_lines).strip()
+                    data_lines = []
+                    if not data:
+                        continue  # a priming event (id only), sent so a client could resume the stream
                     try:
-                        self._deliver(json.loads("\n".join(data_lines)))
+                        self._deliver(json.loads(data))
                     except ValueError:
                         warn(f"[{self.name}] skipped a non-JSON SSE event")
-                    data_lines = []
 
     def _deliver(self, item) -> None:
         if isinstance(item, dict):
@@ -1760,7 +1761,10 @@ class Gateway:
     def serve(self, stream) -> None:
         """Read the client until EOF.  Every line gets an answer or is a notification; nothing ends the session
         but the client closing stdin (or a signal)."""
-        self.vault.prune()
+        try:
+            self.vault.prune()
+        except sqlite3.Error as exc:  # a busy vault must not stop the agent's session from starting
+            warn(f"retention pruning skipped: {exc}")
         for config in self.vault.servers():
             if config["enabled"]:
                 self.configs[config["name"]] = config

@@ -239,3 +239,50 @@ def test_every_call_is_logged_and_no_argument_or_result_is_stored(three_servers)
         if path.is_file():
             data = path.read_bytes()
             assert marker.encode() not in data and numeric_marker.encode() not in data, f"{path.name} holds call data"
+
+
+@pytest.fixture
+def http_everything(tmp_path):
+    """server-everything in its Streamable HTTP mode on a free local port."""
+    import socket
+    import subprocess
+    import time
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(["node", everything_cmd()[1], "streamableHttp"], env={**os.environ, "PORT": str(port)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_remote_streamable_http_upstream_is_aggregated_beside_stdio(home, http_everything):
+    cli("add", "remote", "--url", http_everything, "--header", "X-Trace=${COFFER_TEST_TRACE:-none}")
+    cli("add", "time", "--", *TIME_SERVER)
+
+    async def body(client):
+        tools = [t.name for t in (await client.list_tools()).tools]
+        total = await client.call_tool("remote__get-sum", {"a": 20, "b": 22})
+
+        progress = []
+
+        async def on_progress(value, total_steps, message):
+            progress.append(value)
+
+        slow = await client.call_tool("remote__trigger-long-running-operation", {"duration": 1, "steps": 2},
+                                      progress_callback=on_progress)
+        return tools, total, slow, progress
+
+    tools, total, slow, progress = run(body)
+    assert "remote__get-sum" in tools and "time__get_current_time" in tools
+    assert "42" in text_of(total)
+    assert not slow.is_error and progress == [1, 2]
+    assert json.loads(cli("list", "--json").stdout)["servers"][0]["status"] == "ready"
