@@ -76,6 +76,11 @@ DEFAULTS = {
     "retention_invocations_days": 30,
     "retention_audit_days": 365,
     "expose": "all",                # "all": full catalogue plus search; "search": only coffer__search_tools
+    "embedder_url": "",             # e.g. http://127.0.0.1:11434/v1 (OpenAI-compatible) or an Ollama base URL
+    "embedder_model": "",
+    "embedder_api": "openai",       # "openai" (POST {url}/embeddings) or "ollama" (POST {url}/api/embed)
+    "embedder_key_env": "",         # name of the environment variable holding the API key (never the key)
+    "embedder_timeout": 1.0,        # seconds a query may wait for its embedding before BM25 answers alone
 }
 
 INSTRUCTIONS = (
@@ -523,6 +528,8 @@ def _coerce_setting(key: str, raw: str):
         raise CofferError("name_max_length must be between 34 and 64")
     if key == "expose" and value not in ("all", "search"):
         raise CofferError("expose must be 'all' or 'search'")
+    if key == "embedder_api" and value not in ("openai", "ollama"):
+        raise CofferError("embedder_api must be 'openai' or 'ollama'")
     if isinstance(value, (int, float)) and key != "expose" and value <= 0:
         raise CofferError(f"{key} must be positive")
     return value
@@ -1632,8 +1639,8 @@ class SearchIndex:
                 weights[other] = max(weights.get(other, 0.0), EQUIVALENCE_WEIGHT * weights[term])
         return weights
 
-    def search(self, query: str, top_k: int = 5) -> list[tuple[dict, float]]:
-        top_k = max(1, min(20, int(top_k)))
+    def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
+        """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name."""
         scores: dict[int, float] = collections.defaultdict(float)
         postings = self.postings
         for term, weight in self.query_terms(query).items():
@@ -1648,8 +1655,263 @@ class SearchIndex:
         boost = self.SERVER_BOOST
         ranked = ((-(score + boost * server_best[server_of[doc_id]]), rank_of[doc_id], doc_id)
                   for doc_id, score in scores.items() if score > 0.0)
-        best = heapq.nsmallest(top_k, ranked)
-        return [(self.tools[doc_id], round(-neg, 4)) for neg, _, doc_id in best]
+        return [(doc_id, -neg) for neg, _, doc_id in heapq.nsmallest(limit, ranked)]
+
+    def search(self, query: str, top_k: int = 5) -> list[tuple[dict, float]]:
+        top_k = max(1, min(20, int(top_k)))
+        return [(self.tools[doc_id], round(score, 4)) for doc_id, score in self.rank(query, top_k)]
+
+# ------------------------------------------------------------------------------------------------------------
+# 6b. Semantic ranking (optional): an embeddings endpoint, a vector cache in the vault, hybrid fusion
+# ------------------------------------------------------------------------------------------------------------
+#
+# Lexical matching cannot connect "let the team know the deploy finished" to slack__post_message.  When the
+# user configures an embeddings endpoint (any OpenAI-compatible /embeddings, or Ollama's /api/embed), tools are
+# embedded once, off the request path, and cached in coffer.db by model and text hash; a query is embedded under
+# a short time budget and the semantic ranking is fused with BM25.  Any failure answers with BM25 alone.
+
+EMBEDDING_SCHEMA = """
+CREATE TABLE IF NOT EXISTS embeddings (
+    model TEXT NOT NULL, text_hash TEXT NOT NULL, dim INTEGER NOT NULL, vector BLOB NOT NULL, created_at TEXT,
+    PRIMARY KEY (model, text_hash)
+);
+"""
+RRF_K = 60
+
+
+class EmbedderError(Exception):
+    """The embeddings endpoint failed, timed out, or answered with something that is not embeddings."""
+
+
+def _unit(vector) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [x / norm for x in vector]
+
+
+class Embedder:
+    """A client for an embeddings endpoint, with urllib.  The API key is read from a named environment variable
+    at call time and never stored."""
+
+    def __init__(self, url: str, model: str, api: str = "openai", key_env: str = "", batch_size: int = 64):
+        if api not in ("openai", "ollama"):
+            raise CofferError(f"embedder_api must be 'openai' or 'ollama', not {api!r}")
+        self.url, self.model, self.api, self.key_env = url.rstrip("/"), model, api, key_env
+        self.batch_size = batch_size
+
+    @classmethod
+    def from_settings(cls, settings: dict):
+        url = os.environ.get("COFFER_EMBEDDER_URL", settings.get("embedder_url") or "")
+        if not url:
+            return None
+        return cls(url, os.environ.get("COFFER_EMBEDDER_MODEL", settings.get("embedder_model") or ""),
+                   os.environ.get("COFFER_EMBEDDER_API", settings.get("embedder_api") or "openai"),
+                   os.environ.get("COFFER_EMBEDDER_KEY_ENV", settings.get("embedder_key_env") or ""))
+
+    @property
+    def cache_key(self) -> str:
+        return f"{self.api}:{self.model}"
+
+    def embed(self, texts: list[str], timeout: float) -> list[list[float]]:
+        """Unit vectors for ``texts``, in order, batched; raises EmbedderError on any failure."""
+        vectors: list[list[float]] = []
+        deadline = time.monotonic() + timeout
+        for start in range(0, len(texts), self.batch_size):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EmbedderError(f"timed out after {timeout:g}s")
+            vectors.extend(self._request(texts[start:start + self.batch_size], remaining))
+        return vectors
+
+    def _request(self, batch: list[str], timeout: float) -> list[list[float]]:
+        if self.api == "ollama":
+            endpoint, body = f"{self.url}/api/embed", {"model": self.model, "input": batch}
+        else:
+            endpoint, body = f"{self.url}/embeddings", {"model": self.model, "input": batch}
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.key_env) if self.key_env else None
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(endpoint, data=dumps(body).encode("utf-8"), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=max(0.01, timeout)) as response:
+                payload = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise EmbedderError(f"HTTP {exc.code} from {endpoint}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise EmbedderError("timed out" if "timed out" in str(reason) else f"unreachable: {reason}") from None
+        except ValueError:
+            raise EmbedderError("the reply is not JSON") from None
+        try:
+            if self.api == "ollama":
+                raw = payload["embeddings"]
+            else:
+                raw = [item["embedding"] for item in sorted(payload["data"], key=lambda item: item["index"])]
+            if len(raw) != len(batch) or not all(raw) or len({len(v) for v in raw}) != 1:
+                raise ValueError
+            return [_unit([float(x) for x in vector]) for vector in raw]
+        except (KeyError, TypeError, ValueError):
+            raise EmbedderError("the reply holds no usable embeddings") from None
+
+
+def embedding_text(tool: dict) -> str:
+    """What a tool is embedded as: its words and its description, like an agent would describe the task."""
+    name = str(tool.get("name") or "")
+    server, sep, short = name.partition(SEPARATOR)
+    words = " ".join(_words(short if sep else name))
+    title = tool.get("title") if isinstance(tool.get("title"), str) else ""
+    description = tool.get("description") if isinstance(tool.get("description"), str) else ""
+    prefix = f"{server} " if sep else ""
+    return f"{prefix}{words}: {title + '. ' if title else ''}{description}"[:1000]
+
+
+def text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def _dot_products():
+    """The fastest dot product available: numpy when installed, math.sumprod (3.12+), else a plain loop."""
+    try:
+        import numpy  # optional: only used when it happens to be installed
+    except ImportError:
+        numpy = None
+    if numpy is not None:
+        def rank_all(matrix, query):
+            return (matrix @ numpy.asarray(query, dtype=numpy.float32)).tolist()
+        return rank_all, lambda rows: numpy.asarray(rows, dtype=numpy.float32).reshape(len(rows), -1)
+    sumprod = getattr(math, "sumprod", None)
+    if sumprod is None:
+        import operator
+        def sumprod(a, b, _mul=operator.mul):
+            return sum(map(_mul, a, b))
+    return (lambda matrix, query: [sumprod(row, query) for row in matrix]), (lambda rows: rows)
+
+
+class SemanticIndex:
+    """Cosine similarity over pre-normalised tool vectors (missing vectors simply do not rank)."""
+
+    def __init__(self, tools: list[dict], vectors: list):
+        rank_all, to_matrix = _dot_products()
+        self._rank_all = rank_all
+        self.doc_ids = [i for i, vector in enumerate(vectors) if vector is not None]
+        self.matrix = to_matrix([vectors[i] for i in self.doc_ids]) if self.doc_ids else None
+        self.tools = tools
+
+    def rank(self, query_vector, limit: int) -> list[tuple[int, float]]:
+        if self.matrix is None:
+            return []
+        sims = self._rank_all(self.matrix, query_vector)
+        best = heapq.nlargest(limit, range(len(sims)), key=sims.__getitem__)
+        return [(self.doc_ids[i], float(sims[i])) for i in best]
+
+
+def fuse(lexical: list[tuple[int, float]], semantic: list[tuple[int, float]], top_k: int,
+         k: int = RRF_K) -> list[tuple[int, float]]:
+    """Reciprocal-rank fusion: robust to the two rankers' incomparable score scales."""
+    scores: dict[int, float] = collections.defaultdict(float)
+    for ranking in (lexical, semantic):
+        for rank, (doc_id, _) in enumerate(ranking):
+            scores[doc_id] += 1.0 / (k + rank + 1)
+    return heapq.nsmallest(top_k, ((doc, score) for doc, score in scores.items()),
+                           key=lambda item: (-item[1], item[0]))
+
+
+class SemanticRanker:
+    """Owns the embedder, the vector cache (memory + coffer.db) and the semantic index of the live catalogue.
+
+    ``refresh(tools)`` is cheap and non-blocking: tools without a cached vector are embedded on a background
+    thread.  ``search`` returns (hits, ranker, note): ``ranker`` is "hybrid" or "bm25"; ``note`` says why a
+    fallback happened.
+    """
+
+    CANDIDATES = 50
+
+    def __init__(self, embedder: Embedder, db_path: str, query_timeout: float, build_timeout: float = 120.0):
+        self.embedder, self.db_path = embedder, db_path
+        self.query_timeout, self.build_timeout = query_timeout, build_timeout
+        self.vectors: dict[str, list[float]] = {}
+        self.lock = threading.Lock()
+        self.index: SemanticIndex | None = None
+        self._index_for = None
+        self._wanted = threading.Event()
+        self._tools: list[dict] = []
+        self._load_cache()
+        threading.Thread(target=self._embed_loop, name="coffer-embedder", daemon=True).start()
+
+    def _connect(self):
+        db = Vault._connect(self.db_path)
+        db.executescript(EMBEDDING_SCHEMA)
+        return db
+
+    def _load_cache(self) -> None:
+        import array
+        try:
+            db = self._connect()
+            for row in db.execute("SELECT text_hash, vector FROM embeddings WHERE model=?", (self.embedder.cache_key,)):
+                self.vectors[row["text_hash"]] = array.array("f", row["vector"]).tolist()
+            db.close()
+        except sqlite3.Error as exc:
+            warn(f"embedding cache unavailable: {exc}")
+
+    def refresh(self, tools: list[dict]) -> None:
+        with self.lock:
+            self._tools = tools
+        self._wanted.set()
+
+    def _embed_loop(self) -> None:
+        import array
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            with self.lock:
+                tools = self._tools
+            hashes = [text_hash(embedding_text(tool)) for tool in tools]
+            missing = {h: embedding_text(tool) for h, tool in zip(hashes, tools) if h not in self.vectors}
+            if missing:
+                try:
+                    vectors = self.embedder.embed(list(missing.values()), self.build_timeout)
+                except EmbedderError as exc:
+                    warn(f"embedder: could not embed {len(missing)} tools ({exc}); search uses BM25 until it can")
+                    time.sleep(5.0)
+                    self._wanted.set()  # retry later; the catalogue is served by BM25 meanwhile
+                    continue
+                new = dict(zip(missing, vectors))
+                self.vectors.update(new)
+                try:
+                    db = self._connect()
+                    with _Transaction(db):
+                        db.executemany("INSERT OR REPLACE INTO embeddings(model, text_hash, dim, vector, created_at)"
+                                       " VALUES (?,?,?,?,?)",
+                                       [(self.embedder.cache_key, h, len(v), array.array("f", v).tobytes(), utcnow())
+                                        for h, v in new.items()])
+                    db.close()
+                except sqlite3.Error as exc:
+                    warn(f"embedding cache not saved: {exc}")
+            index = SemanticIndex(tools, [self.vectors.get(h) for h in hashes])
+            with self.lock:
+                if self._tools is tools:
+                    self.index, self._index_for = index, tools
+
+    def ready_for(self, tools) -> bool:
+        return self._index_for is tools
+
+    def search(self, lexical_index: SearchIndex, query: str, top_k: int):
+        """Hybrid search, or BM25 with a note saying why not."""
+        with self.lock:
+            index = self.index if self._index_for is lexical_index.tools else None
+        if index is None:
+            warn("embedder: tool vectors not ready yet; this query is answered by BM25")
+            return lexical_index.search(query, top_k), "bm25", "embedder: tool vectors not ready yet"
+        try:
+            query_vector = self.embedder.embed([query], self.query_timeout)[0]
+        except EmbedderError as exc:
+            warn(f"embedder fallback to BM25: {exc}")
+            return lexical_index.search(query, top_k), "bm25", f"embedder fallback: {exc}"
+        lexical = lexical_index.rank(query, self.CANDIDATES)
+        semantic = index.rank(query_vector, self.CANDIDATES)
+        tools = lexical_index.tools
+        return [(tools[doc], round(score, 6)) for doc, score in fuse(lexical, semantic, top_k)], "hybrid", None
+
 
 # ============================================================================================================
 # 7. Gateway session: the MCP server a client talks to
@@ -1736,6 +1998,9 @@ class Gateway:
         self._reported_missing = False
         self._stopping = threading.Event()
         self._data_version = vault.data_version()
+        embedder = Embedder.from_settings(self.settings)
+        self.semantic = SemanticRanker(embedder, vault.path, float(self.settings["embedder_timeout"])) \
+            if embedder else None
         self.handlers = {
             "initialize": self._initialize, "ping": lambda _id, _p: {},
             "tools/list": self._tools_list, "tools/call": self._tools_call,
@@ -2033,6 +2298,8 @@ class Gateway:
             catalogue = Catalogue(live, self.enabled, self.settings["name_max_length"])
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new
+            if self.semantic is not None:
+                self.semantic.refresh(catalogue.index.tools)
         if not self.initialized:
             return
         for key in ("tools", "prompts", "resources"):
@@ -2043,7 +2310,7 @@ class Gateway:
         return [up.name for up in list(self.upstreams.values())
                 if up.state not in ("failed", "stopped") and not up.ready_at]
 
-    def _after_discovery(self, msg_id, work) -> None:
+    def _after_discovery(self, msg_id, work, background: bool = False) -> None:
         """Run ``work`` once every upstream has been discovered or the discovery budget is spent.
 
         Answers at once when nothing is pending; otherwise waits on a helper thread, so the client's other
@@ -2066,7 +2333,7 @@ class Gateway:
             if result is not None:
                 self.send(rpc_result(msg_id, result))
 
-        if not self._discovering() or time.monotonic() >= self.discovery_deadline:
+        if not background and (not self._discovering() or time.monotonic() >= self.discovery_deadline):
             return work()
         threading.Thread(target=finish, name="coffer-discovery-wait", daemon=True).start()
         return None
@@ -2155,7 +2422,9 @@ class Gateway:
         if arguments is not None and not isinstance(arguments, dict):
             raise RpcError(INVALID_PARAMS, "'arguments' must be an object")
         if name == SEARCH_TOOL:
-            return self._after_discovery(msg_id, lambda: self._search_tools(arguments or {}, started))
+            # With an embedder a query may wait up to embedder_timeout: answer it off the client's reader thread.
+            return self._after_discovery(msg_id, lambda: self._search_tools(arguments or {}, started),
+                                         background=self.semantic is not None)
         catalogue = self.catalogue
         route = catalogue.tool_routes.get(name)
         if route is None:
@@ -2264,14 +2533,19 @@ class Gateway:
         if isinstance(top_k, bool) or not isinstance(top_k, int):
             return fail("top_k must be an integer between 1 and 20")
         index = self.catalogue.index
-        hits = index.search(query, max(1, min(20, top_k)))
+        top_k = max(1, min(20, top_k))
+        if self.semantic is not None:
+            hits, ranker, note = self.semantic.search(index, query, top_k)
+        else:
+            hits, ranker, note = index.search(query, top_k), "bm25", None
         payload = {
             "tools": [{"name": tool["name"], "description": tool.get("description") or "",
                        "inputSchema": tool.get("inputSchema") or {"type": "object"}, "score": score}
                       for tool, score in hits],
             "total_searched": len(index),
+            "ranker": ranker,
         }
-        self.log.record(self.client_name, RESERVED_SERVER, SEARCH_TOOL, "tool", started, "ok")
+        self.log.record(self.client_name, RESERVED_SERVER, SEARCH_TOOL, "tool", started, "ok", note)
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
 # ============================================================================================================

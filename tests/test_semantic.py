@@ -1,0 +1,174 @@
+"""Semantic ranking plumbing against a stdlib HTTP stub: every failure of the embedder degrades to BM25 within
+the time bound, vectors are cached across restarts, the key comes from the environment and is never stored.
+(The real-model quality check lives in evals: `python -m evals.run --embedder URL`.)"""
+
+import hashlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import coffer
+from conftest import FAKE, cli
+
+
+def hashed_vector(text, dim=64):
+    """A deterministic bag-of-words vector: enough for a stub to answer like an embedder does."""
+    vector = [0.0] * dim
+    for word in text.lower().split():
+        vector[int(hashlib.md5(word.encode()).hexdigest(), 16) % dim] += 1.0
+    return vector
+
+
+class Stub:
+    def __init__(self):
+        self.mode = "ok"
+        self.inputs = []
+        self.auth = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.auth.append(self.headers.get("Authorization"))
+                texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
+                stub.inputs.extend(texts)
+                if stub.mode == "slow":
+                    time.sleep(30)
+                if stub.mode == "500":
+                    self.send_response(500)
+                    self.end_headers()
+                    return
+                if stub.mode == "garbage":
+                    payload = b"<html>not json</html>"
+                elif stub.mode == "wrong-shape":
+                    payload = json.dumps({"data": [{"index": 0, "embedding": []}]}).encode()
+                elif self.path.endswith("/api/embed"):
+                    payload = json.dumps({"embeddings": [hashed_vector(t) for t in texts]}).encode()
+                else:
+                    payload = json.dumps({"data": [{"index": i, "embedding": hashed_vector(t)}
+                                                   for i, t in enumerate(texts)]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def stub():
+    server = Stub()
+    yield server
+    server.close()
+
+
+def configure(url, timeout="0.5", api="openai"):
+    cli("add", "fx", "--", *FAKE, "--tools", "echo,slow,crash,big,fail")
+    cli("config", "embedder_url", url)
+    cli("config", "embedder_model", "stub-model")
+    cli("config", "embedder_api", api)
+    cli("config", "embedder_timeout", timeout)
+
+
+def search(gw, query="echo text back", timeout=10):
+    reply = gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {"query": query}},
+                       timeout=timeout)
+    return reply["result"]["structuredContent"]
+
+
+def wait_hybrid(gw):
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        payload = search(gw)
+        if payload["ranker"] == "hybrid":
+            return payload
+        time.sleep(0.1)
+    raise AssertionError("semantic index never became ready")
+
+
+@pytest.mark.parametrize("mode", ["slow", "500", "garbage", "wrong-shape", "refused"])
+def test_every_embedder_failure_falls_back_to_bm25_within_the_time_bound(home, raw_gateway, stub, mode):
+    configure(stub.url)
+    gw = raw_gateway()
+    gw.initialize()
+    wait_hybrid(gw)                # tool vectors are in; now the embedder goes bad for the query
+    if mode == "refused":
+        stub.close()
+    stub.mode = mode
+    payload = search(gw)           # the stub may sleep 30 s; the answer must come long before that
+    assert payload["ranker"] == "bm25" and payload["tools"][0]["name"] == "fx__echo"
+    gw.close()
+    rows = json.loads(cli("log", "--json").stdout)["invocations"]
+    assert rows[-1]["status"] == "ok" and "embedder fallback" in (rows[-1]["error"] or "")
+    deadline = time.monotonic() + 5
+    while not any("embedder fallback" in line for line in gw.stderr_lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any("embedder fallback" in line for line in gw.stderr_lines)
+
+
+def test_search_answers_with_bm25_while_tool_vectors_are_still_being_embedded(home, raw_gateway, stub):
+    stub.mode = "slow"
+    configure(stub.url)
+    gw = raw_gateway()
+    gw.initialize()
+    payload = search(gw)
+    assert payload["ranker"] == "bm25" and payload["tools"][0]["name"] == "fx__echo"
+
+
+@pytest.mark.parametrize("api", ["openai", "ollama"])
+def test_tool_vectors_are_cached_so_a_restart_embeds_only_queries(home, raw_gateway, stub, api):
+    configure(stub.url if api == "openai" else stub.url[:-3], api=api)
+    gw = raw_gateway()
+    gw.initialize()
+    payload = wait_hybrid(gw)
+    assert payload["tools"][0]["name"] == "fx__echo"
+    gw.close()
+    tool_texts = [t for t in stub.inputs if t.startswith("fx ")]
+    assert len(tool_texts) == 5
+    stub.inputs.clear()
+    gw = raw_gateway()
+    gw.initialize()
+    wait_hybrid(gw)
+    assert stub.inputs and all(t == "echo text back" for t in stub.inputs)   # no tool was embedded again
+
+
+def test_the_api_key_is_read_from_the_named_variable_and_never_stored(home, raw_gateway, stub):
+    configure(stub.url)
+    cli("config", "embedder_key_env", "MY_EMBED_KEY")
+    gw = raw_gateway(env={"MY_EMBED_KEY": "sk-test-never-stored"})
+    gw.initialize()
+    wait_hybrid(gw)
+    gw.close()
+    assert "Bearer sk-test-never-stored" in stub.auth
+    for path in home.rglob("*"):
+        if path.is_file():
+            assert b"sk-test-never-stored" not in path.read_bytes()
+
+
+def test_fusion_is_reciprocal_rank_and_deterministic():
+    lexical = [(0, 9.0), (1, 5.0), (2, 1.0)]
+    semantic = [(2, 0.9), (0, 0.8), (3, 0.1)]
+    fused = coffer.fuse(lexical, semantic, 4)
+    assert [doc for doc, _ in fused] == [0, 2, 1, 3]
+    assert fused[0][1] == pytest.approx(1 / 61 + 1 / 62)
+
+
+def test_semantic_index_ranks_by_cosine_of_unit_vectors():
+    tools = [{"name": f"s__{i}"} for i in range(3)]
+    vectors = [coffer._unit(v) for v in ([1, 0], [0.7, 0.7], [0, 1])]
+    index = coffer.SemanticIndex(tools, vectors[:2] + [None])
+    ranked = index.rank(coffer._unit([0.2, 1.0]), 3)
+    assert [doc for doc, _ in ranked] == [1, 0]     # the tool without a vector is simply not ranked
