@@ -23,6 +23,7 @@ import argparse
 import collections
 import hashlib
 import heapq
+import io
 import json
 import math
 import os
@@ -621,6 +622,7 @@ class StdioTransport:
         self.proc: subprocess.Popen | None = None
         self._write_lock = threading.Lock()
         self._closed = False
+        self._close_signalled = False
 
     def start(self) -> None:
         argv = list(self.argv)
@@ -638,8 +640,32 @@ class StdioTransport:
                                          **kwargs)
         except OSError as exc:
             raise UpstreamFailure(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
-        threading.Thread(target=self._read_stdout, name=f"coffer-{self.name}-out", daemon=True).start()
+        self._reader = threading.Thread(target=self._read_stdout, name=f"coffer-{self.name}-out", daemon=True)
+        self._reader.start()
         threading.Thread(target=self._read_stderr, name=f"coffer-{self.name}-err", daemon=True).start()
+        threading.Thread(target=self._watch_exit, name=f"coffer-{self.name}-wait", daemon=True).start()
+
+    def _watch_exit(self) -> None:
+        """Notice the server's exit even if a grandchild (npx, uvx, sh -c) keeps its stdout open."""
+        self.proc.wait()
+        self._reader.join(0.5)
+        if not self._reader.is_alive() or self._closed:
+            return
+        if os.name == "posix":
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the leftovers of the dead server; the pipe then ends
+            except (ProcessLookupError, PermissionError):
+                pass
+            self._reader.join(2.0)
+        if self._reader.is_alive():
+            self._signal_close()
+
+    def _signal_close(self) -> None:
+        with self._write_lock:
+            if self._close_signalled:
+                return
+            self._close_signalled = True
+        self.on_close()
 
     @property
     def pid(self):
@@ -655,7 +681,9 @@ class StdioTransport:
             return False
 
     def _read_stdout(self) -> None:
-        stream = self.proc.stdout
+        # stdout is unbuffered (bufsize=0, so writes to stdin need no flush); reading it raw would cost one
+        # system call per byte of a 10 MB reply.
+        stream = io.BufferedReader(self.proc.stdout, 1 << 16)
         skipped = 0
         while True:
             try:
@@ -679,7 +707,7 @@ class StdioTransport:
                         self.on_message(item)
                     except Exception as exc:  # a bug in routing must not kill the reader
                         warn(f"[{self.name}] error handling a message: {exc!r}")
-        self.on_close()
+        self._signal_close()
 
     def _read_stderr(self) -> None:
         for raw in iter(self.proc.stderr.readline, b""):
@@ -929,6 +957,7 @@ class Upstream:
 
     def _start(self) -> None:
         transport = None
+        self.stderr_tail.clear()  # what a failed start reports must be this attempt's own output
         try:
             transport = self._make_transport()
             with self.lock:
@@ -1098,9 +1127,11 @@ class Upstream:
                 meta = params.get("_meta")
                 if isinstance(meta, dict) and "progressToken" in meta:
                     token = meta["progressToken"]
+            if isinstance(token, bool) or not isinstance(token, (str, int)):
+                token = None  # the spec allows only strings and integers; anything else cannot reset a timeout
             pending = Pending(method, on_reply, timeout, token)
             self.pending[request_id] = pending
-            if token is not None and isinstance(token, (str, int)):
+            if token is not None:
                 self.by_token[token] = pending
             transport = self.transport
         message = {"jsonrpc": "2.0", "id": request_id, "method": method}
@@ -1157,8 +1188,8 @@ class Upstream:
     def _finish(self, request_id):
         with self.lock:
             pending = self.pending.pop(request_id, None)
-            if pending is not None and pending.token is not None:
-                self.by_token.pop(pending.token, None)
+            if pending is not None and pending.token is not None and self.by_token.get(pending.token) is pending:
+                del self.by_token[pending.token]
         return pending
 
     def expire(self, now: float) -> None:
@@ -1194,7 +1225,8 @@ class Upstream:
         if method == "notifications/progress":
             params = message.get("params") or {}
             token = params.get("progressToken") if isinstance(params, dict) else None
-            pending = self.by_token.get(token) if isinstance(token, (str, int)) else None
+            pending = self.by_token.get(token) if isinstance(token, (str, int)) and not isinstance(token, bool) \
+                else None
             if pending is not None and pending.timeout:
                 pending.deadline = time.monotonic() + pending.timeout
         elif method in ("notifications/tools/list_changed", "notifications/prompts/list_changed",
@@ -2158,7 +2190,10 @@ class Gateway:
         while not self._stopping.wait(0.05):
             now = time.monotonic()
             for upstream in list(self.upstreams.values()):
-                upstream.expire(now)
+                try:
+                    upstream.expire(now)
+                except Exception as exc:  # noqa: BLE001 - the ticker guards every timeout; it must not die
+                    warn(f"[{upstream.name}] error while expiring requests: {exc!r}")
             if now - last_reload >= 1.0:
                 last_reload = now
                 try:
@@ -2175,9 +2210,15 @@ class Gateway:
             self._data_version = version
             enabled = self.vault.enabled_map()
             configs = {c["name"]: c for c in self.vault.servers() if c["enabled"]}
+            settings = self.vault.settings()
         keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy")
         changed = enabled != self.enabled
         self.enabled = enabled
+        if settings != self.settings:
+            self.settings.update(settings)  # the upstreams share this dict
+            for upstream in list(self.upstreams.values()):
+                upstream.call_timeout = float(upstream.config.get("timeout") or settings["call_timeout"])
+            changed = True
         if not self.initialized:
             self.configs = configs
             return
@@ -2489,16 +2530,16 @@ class Gateway:
         if not isinstance(ref, dict):
             raise RpcError(INVALID_PARAMS, "'ref' must be an object")
         catalogue = self.catalogue
-        if ref.get("type") == "ref/prompt":
-            route = catalogue.prompt_routes.get(ref.get("name"))
-            key = "name"
-        elif ref.get("type") == "ref/resource":
-            uri = ref.get("uri")
-            route = catalogue.template_by_text.get(uri) or catalogue.route_resource(uri if isinstance(uri, str)
-                                                                                    else "")
-            key = "uri"
-        else:
+        if ref.get("type") not in ("ref/prompt", "ref/resource"):
             raise RpcError(INVALID_PARAMS, "ref.type must be 'ref/prompt' or 'ref/resource'")
+        key = "name" if ref["type"] == "ref/prompt" else "uri"
+        target = ref.get(key)
+        if not isinstance(target, str):
+            raise RpcError(INVALID_PARAMS, f"ref.{key} must be a string")
+        if key == "name":
+            route = catalogue.prompt_routes.get(target)
+        else:
+            route = catalogue.template_by_text.get(target) or catalogue.route_resource(target)
         if route is None:
             raise RpcError(INVALID_PARAMS, f"Unknown completion target: {ref.get(key)}")
         upstream, original = route
