@@ -3,11 +3,9 @@ retention, and a busy vault that must never slow or fail a call."""
 
 import json
 import sqlite3
-import sys
 import textwrap
 import time
 
-import pytest
 
 from conftest import FAKE, PY, cli, everything_cmd, needs_node
 

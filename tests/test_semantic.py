@@ -202,7 +202,7 @@ def real_embedder():
 
 @pytest.mark.skipif(not _real_model_available(), reason="the dev embedding model is not installed (.ci/run does)")
 def test_a_real_model_finds_tools_that_share_no_word_with_the_query(home, raw_gateway, real_embedder):
-    from conftest import TIME_SERVER, everything_cmd, memory_cmd, needs_node
+    from conftest import TIME_SERVER, everything_cmd, memory_cmd
     import shutil
     if not shutil.which("node"):
         pytest.skip("node is not installed")
