@@ -93,3 +93,20 @@ def test_a_locked_vault_never_holds_up_or_fails_a_call_and_nothing_is_lost(home,
     gw.close()
     rows = json.loads(cli("log", "--json", "--limit", "100").stdout)["invocations"]
     assert sum(1 for r in rows if r["capability"] == "fx__echo" and r["status"] == "ok") == 20
+
+
+def test_client_roots_changes_and_capabilities_reach_every_upstream(home, tmp_path, raw_gateway):
+    logs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for name, log in zip("ab", logs):
+        cli("add", name, "--", *FAKE, "--tools", "echo", "--recv-log", str(log))
+    gw = raw_gateway()
+    gw.initialize(capabilities={"roots": {"listChanged": True}})
+    assert len(gw.request("tools/list")["result"]["tools"]) == 3
+    gw.send({"jsonrpc": "2.0", "method": "notifications/roots/list_changed"})
+    assert gw.request("ping")["result"] == {}
+    gw.close()
+    for log in logs:
+        methods = [json.loads(line).get("method") for line in log.read_text().splitlines()]
+        assert "notifications/roots/list_changed" in methods
+        init = next(json.loads(line) for line in log.read_text().splitlines() if '"initialize"' in line)
+        assert init["params"]["capabilities"] == {"roots": {"listChanged": True}}  # the client's, passed up
