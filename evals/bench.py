@@ -1,0 +1,892 @@
+"""Performance benchmarks for Coffer: what does putting a gateway between an agent and its servers cost?
+
+Run from the repository root::
+
+    python -m evals.bench                 # full run, a few minutes on 2 cores
+    python -m evals.bench --quick         # small sizes, < 60 s, for smoke tests
+    python -m evals.bench --json          # everything machine-readable on stdout (tables go to stderr)
+
+Every number is relative to a baseline measured in the same run, on the same machine, by the same client (the
+official MCP Python SDK), so machine speed cancels out and the ratios travel:
+
+1. call overhead   one tool call at a time, direct to the upstream vs through ``coffer serve`` (and FastMCP),
+                   interleaved in batches so drift (thermal, noisy neighbours) hits every path alike;
+2. throughput      32 and 256 calls in flight over one client session;
+3. startup         spawn + initialize + a tools/list holding every upstream's tools, for 1, 4 and 8 real
+                   upstreams, against the slowest of those upstreams started alone;
+4. search          ``SearchIndex`` build time and query latency in-process for 100 .. 30k tools, the
+                   end-to-end ``coffer__search_tools`` latency through the gateway, and the gateway's RSS
+                   holding a ~1k-tool catalogue;
+5. peer            FastMCP's multi-server proxy fronting the same upstreams, in rows 1-3.
+
+Targets are printed as PASS/MISS next to the numbers; a miss never changes the exit status, because a benchmark
+on a loaded CI runner is evidence, not a verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from evals.run import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+COFFER = str(ROOT / "coffer.py")
+PY = sys.executable
+FAKE_SERVER = str(ROOT / "tests" / "fixtures" / "fake_server.py")
+CATALOG_SERVER = str(ROOT / "evals" / "fixtures" / "catalog_server.py")
+FASTMCP_PROXY = str(ROOT / "evals" / "fixtures" / "fastmcp_proxy.py")
+PROFILED_COFFER = str(ROOT / "evals" / "fixtures" / "profiled_coffer.py")
+NODE_MODULES = ROOT / ".ci" / "node_modules" / "@modelcontextprotocol"
+EVERYTHING_JS = NODE_MODULES / "server-everything" / "dist" / "index.js"
+MEMORY_JS = NODE_MODULES / "server-memory" / "dist" / "index.js"
+PROJECT_CATALOG = ROOT / "evals" / "data" / "catalog.jsonl"
+PROJECT_QUERIES = ROOT / "evals" / "data" / "queries.jsonl"
+SHARED_EVALS = ROOT.parent / "shared" / "evals"
+
+sys.path.insert(0, str(ROOT))
+import coffer  # noqa: E402  (the module under test lives at the repository root, not in a package)
+
+# Targets: (key in results, label, comparison, threshold).  Evaluated after the run, printed PASS/MISS.
+TARGETS = [
+    ("call.max_added_p50_ms", "added median latency per call (worst tool)", "<=", 0.25),
+    ("throughput.ratio_32", "throughput at 32 in flight vs direct (worst tool)", ">=", 0.85),
+    ("startup.excess_ms_8", "startup with 8 upstreams minus slowest single", "<=", 50.0),
+    ("search.p50_ms_1000", "search p50 at 1k tools (in-process)", "<=", 1.0),
+    ("search.p50_ms_10000", "search p50 at 10k tools (in-process)", "<=", 10.0),
+    ("search.build_ms_10000", "index build at 10k tools", "<=", 300.0),
+    ("rss.idle_mb", "idle RSS of coffer serve at ~1k tools", "<=", 40.0),
+]
+
+
+# ------------------------------------------------------------------------------------------------- output
+
+def log(message: str) -> None:
+    """Progress goes to stderr so ``--json`` keeps stdout clean."""
+    print(message, file=sys.stderr, flush=True)
+
+
+class Report:
+    """Collects tables (for people) and a nested dict (for machines) as the benchmarks run."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+        self.data: dict = {}
+        self.tables: list[str] = []
+
+    def table(self, title: str, headers: list[str], rows: list[list], note: str | None = None) -> None:
+        cells = [[_cell(v) for v in row] for row in rows]
+        widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+        lines = [f"\n== {title}", "  ".join(h.ljust(w) for h, w in zip(headers, widths)),
+                 "  ".join("-" * w for w in widths)]
+        lines += ["  ".join(c.rjust(w) if _numeric(c) else c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+        if note:
+            lines.append(note)
+        text = "\n".join(lines)
+        self.tables.append(text)
+        print(text, file=sys.stderr if self.as_json else sys.stdout, flush=True)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value == 0 or abs(value) >= 100:
+            return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.1f}"
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.2f}"
+    return str(value)
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text.rstrip("x%"))
+        return True
+    except ValueError:
+        return False
+
+
+def pct(values: list[float], p: float) -> float:
+    """Percentile by linear interpolation between closest ranks (p in 0..100)."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+# ------------------------------------------------------------------------------------------------- servers
+
+@dataclass
+class Upstream:
+    """A real MCP server the benchmarks put behind the gateways: how to spawn it, and what to call on it."""
+
+    name: str
+    kind: str
+    command: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def params(self):
+        from mcp.client.stdio import StdioServerParameters
+        return StdioServerParameters(command=self.command, args=self.args, env={**os.environ, **self.env})
+
+
+def node_available() -> bool:
+    return bool(shutil.which("node")) and EVERYTHING_JS.exists() and MEMORY_JS.exists()
+
+
+def make_upstream(kind: str, name: str, workdir: Path) -> Upstream:
+    if kind == "time":
+        return Upstream(name, kind, PY, ["-m", "mcp_server_time"])
+    if kind == "fx":
+        return Upstream(name, kind, PY, [FAKE_SERVER, "--tools", "echo"])
+    if kind == "everything":
+        return Upstream(name, kind, "node", [str(EVERYTHING_JS), "stdio"])
+    if kind == "memory":
+        return Upstream(name, kind, "node", [str(MEMORY_JS)], {"MEMORY_FILE_PATH": str(workdir / f"{name}.jsonl")})
+    raise ValueError(kind)
+
+
+# The tool each benchmark calls on an upstream kind: cheap, deterministic, no side effects.
+CALL_TARGETS = {"time": ("get_current_time", {"timezone": "UTC"}), "fx": ("echo", {"text": "hello"})}
+
+
+@dataclass
+class Path_:
+    """One way for the client to reach the upstreams: directly, through Coffer, or through FastMCP."""
+
+    label: str
+    params: object                  # StdioServerParameters
+    prefix: str | None              # how the gateway names tools: "<server>__", "<server>_", or None (direct)
+    slow: bool = False              # FastMCP's default proxy spawns every upstream per request
+
+
+class Gateways:
+    """Builds the gateway processes' configuration (a COFFER_HOME, a FastMCP config file) for a set of upstreams."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.errlog = open(workdir / "stderr.log", "a", encoding="utf-8")  # noqa: SIM115 - lives as long as we do
+        self._count = 0
+
+    def coffer(self, upstreams: list[Upstream], settings: dict | None = None) -> Path_:
+        from mcp.client.stdio import StdioServerParameters
+        self._count += 1
+        home = self.workdir / f"coffer-home-{self._count}"
+        env = {**os.environ, "COFFER_HOME": str(home)}
+        for up in upstreams:
+            flags = [f"--env={k}={v}" for k, v in up.env.items()]
+            _run([PY, COFFER, "add", up.name, *flags, "--", up.command, *up.args], env)
+        # Wait for every upstream on the first tools/list (the default 5 s budget would cut startup short on a
+        # loaded 2-core runner and make the startup numbers measure the budget instead of the servers).
+        for key, value in {"discovery_timeout": "60", **(settings or {})}.items():
+            _run([PY, COFFER, "config", key, str(value)], env)
+        return Path_("coffer", StdioServerParameters(command=PY, args=[COFFER, "serve"], env=env), "__")
+
+    def fastmcp(self, upstreams: list[Upstream], shared: bool) -> Path_:
+        from mcp.client.stdio import StdioServerParameters
+        self._count += 1
+        config = {"mcpServers": {up.name: {"command": up.command, "args": up.args, "env": up.env}
+                                 for up in upstreams}}
+        path = self.workdir / f"fastmcp-{self._count}.json"
+        path.write_text(json.dumps(config), encoding="utf-8")
+        env = {**os.environ, "FASTMCP_LOG_LEVEL": "WARNING"}
+        args = [FASTMCP_PROXY, str(path)] + (["--shared"] if shared else [])
+        label = "fastmcp-shared" if shared else "fastmcp-default"
+        return Path_(label, StdioServerParameters(command=PY, args=args, env=env), "_", slow=not shared)
+
+
+def _run(argv: list[str], env: dict) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[1:4])} failed: {proc.stderr.strip()}")
+
+
+def fastmcp_problem() -> str | None:
+    """Why FastMCP cannot be benchmarked here, or None when it can."""
+    try:
+        import fastmcp  # noqa: F401
+        from fastmcp.server import create_proxy  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "skip the peer rows"
+        return f"fastmcp is not importable ({exc.__class__.__name__}: {exc}); pip install fastmcp"
+    return None
+
+
+@contextlib.asynccontextmanager
+async def connect(params, errlog):
+    """An SDK client session over stdio with the server's stderr kept out of the report.
+
+    ``cache=None``: the SDK's response cache would otherwise answer repeated list requests itself.
+    """
+    from mcp import Client
+    from mcp.client.stdio import stdio_client
+    async with Client(stdio_client(params, errlog=errlog), mode="legacy", cache=None,
+                      read_timeout_seconds=300) as client:
+        yield client
+
+
+def resolve_tool(names: list[str], server: str, tool: str, prefix: str | None) -> str:
+    """The name a path exposes ``server``'s ``tool`` under (FastMCP leaves a lone server's names unprefixed)."""
+    candidates = [tool] if prefix is None else [f"{server}{prefix}{tool}", tool]
+    for candidate in candidates:
+        if candidate in names:
+            return candidate
+    raise RuntimeError(f"{tool!r} of {server!r} not listed; saw {sorted(names)[:10]}")
+
+
+# ------------------------------------------------------------------------------------------------- 1. latency
+
+async def bench_latency(paths: list[Path_], upstream: Upstream, n: int, slow_n: int, batch: int, warmup: int,
+                        errlog) -> dict:
+    """Sequential calls to one tool on every path, interleaved: round r runs one batch per path, in an order
+    rotated by r, so slow drift and ordering effects are shared instead of landing on one path."""
+    tool, arguments = CALL_TARGETS[upstream.kind]
+    samples: dict[str, list[float]] = {p.label: [] for p in paths}
+    rounds = max(1, math.ceil(n / batch))
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = []
+        for path in paths:
+            client = await stack.enter_async_context(connect(path.params, errlog))
+            names = [t.name for t in (await client.list_tools()).tools]
+            name = resolve_tool(names, upstream.name, tool, path.prefix)
+            quota = slow_n if path.slow else n
+            for _ in range(min(warmup, quota)):
+                await client.call_tool(name, arguments)
+            sessions.append((path, client, name, quota))
+        gateway_pids = children_matching(os.getpid(), "coffer.py serve")
+        cpu_before = cpu_seconds(gateway_pids[0]) if len(gateway_pids) == 1 else None
+        for r in range(rounds):
+            for i in range(len(sessions)):
+                path, client, name, quota = sessions[(i + r) % len(sessions)]
+                got = samples[path.label]
+                size = min(math.ceil(quota / rounds), quota - len(got))
+                for _ in range(size):
+                    t0 = time.perf_counter()
+                    result = await client.call_tool(name, arguments)
+                    got.append(time.perf_counter() - t0)
+                    if result.is_error:
+                        raise RuntimeError(f"{path.label}: {name} failed: {result.content}")
+        if cpu_before is not None:
+            # Coffer's CPU per forwarded call (idle ticking while other paths run is included: an upper bound).
+            samples["_coffer_cpu_us_per_call"] = (cpu_seconds(gateway_pids[0]) - cpu_before) / n * 1e6
+    return samples
+
+
+def latency_rows(tool_label: str, samples: dict[str, list[float]]) -> tuple[list[list], dict]:
+    cpu = samples.pop("_coffer_cpu_us_per_call", None)
+    direct = samples["direct"]
+    d50 = pct(direct, 50) * 1000
+    rows, data = [], {"coffer_cpu_us_per_call": cpu}
+    for label, values in samples.items():
+        p50, p99 = pct(values, 50) * 1000, pct(values, 99) * 1000
+        added = None if label == "direct" else p50 - d50
+        ratio = p50 / d50 if d50 else None
+        rows.append([tool_label, label, len(values), p50, p99, added, f"{ratio:.2f}x"])
+        data[label] = {"n": len(values), "p50_ms": p50, "p99_ms": p99, "mean_ms": statistics.fmean(values) * 1000,
+                       "added_p50_ms": added, "ratio_p50": ratio}
+    return rows, data
+
+
+# ------------------------------------------------------------------------------------------------- 2. throughput
+
+async def run_inflight(client, name: str, arguments: dict, inflight: int, total: int) -> float:
+    """Calls per second with ``inflight`` concurrent callers sharing one session until ``total`` calls are done."""
+    remaining = total
+
+    async def worker():
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            result = await client.call_tool(name, arguments)
+            if result.is_error:
+                raise RuntimeError(f"{name} failed under load: {result.content}")
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(inflight, total)):
+            tg.start_soon(worker)
+    return total / (time.perf_counter() - t0)
+
+
+async def bench_throughput(paths: list[Path_], upstream: Upstream, levels: list[int], total: int, rounds: int,
+                           errlog) -> dict:
+    """Median calls/s per path and concurrency level over ``rounds`` alternating rounds.
+
+    FastMCP's default proxy spawns every upstream per request, so it runs one round of exactly ``level`` calls
+    at the lowest level only (at 256 in flight it would start hundreds of interpreters at once)."""
+    tool, arguments = CALL_TARGETS[upstream.kind]
+    rates: dict[str, dict[int, list[float]]] = {p.label: {lv: [] for lv in levels} for p in paths}
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = []
+        for path in paths:
+            client = await stack.enter_async_context(connect(path.params, errlog))
+            names = [t.name for t in (await client.list_tools()).tools]
+            name = resolve_tool(names, upstream.name, tool, path.prefix)
+            await run_inflight(client, name, arguments, 8, 8 if path.slow else 64)  # warm up
+            sessions.append((path, client, name))
+        for r in range(rounds):
+            for level in levels:
+                for i in range(len(sessions)):
+                    path, client, name = sessions[(i + r) % len(sessions)]
+                    if path.slow:
+                        if r == 0 and level == min(levels):
+                            rates[path.label][level].append(await run_inflight(client, name, arguments, level, level))
+                        continue
+                    rates[path.label][level].append(
+                        await run_inflight(client, name, arguments, level, max(total, 2 * level)))
+    return {label: {lv: statistics.median(v) if v else None for lv, v in by.items()} for label, by in rates.items()}
+
+
+# ------------------------------------------------------------------------------------------------- 3. startup
+
+async def time_startup(params, expected_tools: int, extra: int, errlog, deadline_s: float = 120.0) -> float:
+    """Seconds from spawn to a tools/list holding ``expected_tools`` upstream tools (+``extra`` of the gateway's)."""
+    t0 = time.perf_counter()
+    async with connect(params, errlog) as client:
+        while True:
+            tools = (await client.list_tools()).tools
+            if len(tools) >= expected_tools + extra:
+                elapsed = time.perf_counter() - t0
+                break
+            if time.perf_counter() - t0 > deadline_s:
+                raise RuntimeError(f"only {len(tools)} of {expected_tools + extra} tools after {deadline_s:g}s")
+            await anyio.sleep(0.005)
+    return elapsed
+
+
+async def time_parallel_direct(upstreams: list[Upstream], counts: dict[str, int], errlog) -> float:
+    """Seconds until every upstream, each spawned directly by its own client at the same moment, has listed its
+    tools.  Not a target baseline, a diagnostic: on a 2-core machine N servers starting at once compete for the
+    CPU, and this row separates that contention (paid with or without a gateway) from the gateway's own cost."""
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for up in upstreams:
+            tg.start_soon(time_startup, up.params(), counts[up.kind], 0, errlog)
+    return time.perf_counter() - t0
+
+
+STARTUP_MIX = ["time", "everything", "memory", "fx"]
+
+
+def startup_sets(workdir: Path, sizes: list[int]) -> dict[int, list[Upstream]]:
+    """1 upstream: mcp-server-time; 4: time, everything, memory, fixture; 8: the four twice, names suffixed -2."""
+    kinds = STARTUP_MIX if node_available() else ["time", "fx"]
+    sets = {}
+    for size in sizes:
+        ups = []
+        for i in range(size):
+            kind = kinds[i % len(kinds)]
+            copy = i // len(kinds)
+            ups.append(make_upstream(kind, kind if copy == 0 else f"{kind}-{copy + 1}", workdir))
+        sets[size] = ups
+    return sets
+
+
+async def bench_startup(gateways: Gateways, sets: dict[int, list[Upstream]], reps: int, peers: list[str],
+                        errlog, warmup: bool = True) -> dict:
+    """Median startup per gateway and set size, and per upstream kind started alone (the baseline).
+    FastMCP rows are timed once (they take seconds and differ by seconds; repeats would dominate the run).
+
+    One warm-up pass first, so every run sees a warm page cache (Node and Python imports) and none pays for
+    first-touch disk reads."""
+    kinds = {}
+    for ups in sets.values():
+        for up in ups:
+            kinds.setdefault(up.kind, up)
+    counts = {}
+    for kind, up in kinds.items():
+        async with connect(up.params(), errlog) as client:
+            counts[kind] = len((await client.list_tools()).tools)
+    configs = {size: {"coffer": gateways.coffer(ups)} for size, ups in sets.items()}
+    for size, ups in sets.items():
+        for peer in peers:
+            configs[size][peer] = gateways.fastmcp(ups, shared=peer == "fastmcp-shared")
+    direct: dict[str, list[float]] = {k: [] for k in kinds}
+    via: dict[int, dict[str, list[float]]] = {s: {label: [] for label in ["direct-parallel", *configs[s]]}
+                                              for s in sets}
+    for rep in range(0 if warmup else 1, reps + 1):  # rep 0 is the warm-up
+        for kind, up in kinds.items():
+            t = await time_startup(up.params(), counts[kind], 0, errlog)
+            if rep:
+                direct[kind].append(t)
+        for size, ups in sets.items():
+            expected = sum(counts[up.kind] for up in ups)
+            t = await time_parallel_direct(ups, counts, errlog)
+            if rep:
+                via[size]["direct-parallel"].append(t)
+            for label, path in configs[size].items():
+                if label.startswith("fastmcp") and (rep > 1 or (rep == 0 and size > min(sets))):
+                    continue  # seconds per pass, and seconds slower than the rest: one timed pass suffices
+                t = await time_startup(path.params, expected, 1 if label == "coffer" else 0, errlog)
+                if rep:
+                    via[size][label].append(t)
+    return {"direct": {k: statistics.median(v) for k, v in direct.items()},
+            "direct_samples": direct, "counts": counts,
+            "via": {s: {label: statistics.median(v) for label, v in by.items()} for s, by in via.items()},
+            "via_samples": via}
+
+
+# ------------------------------------------------------------------------------------------------- 4. search
+
+def base_catalog() -> tuple[list[dict], list[str]]:
+    """Every real tool catalogue at hand, deduplicated by name: the project's and the shared eval sets'."""
+    sources = [PROJECT_CATALOG]
+    if SHARED_EVALS.is_dir():
+        sources += sorted(p for p in SHARED_EVALS.glob("*/catalog.jsonl") if p.is_file())
+    tools, seen = [], set()
+    for source in sources:
+        for tool in read_jsonl(source):
+            if tool.get("name") not in seen:
+                seen.add(tool["name"])
+                tools.append(tool)
+    return tools, [str(s) for s in sources]
+
+
+def synth_catalog(base: list[dict], size: int) -> list[dict]:
+    """``size`` tools: a fixed-seed sample of ``base`` when it is big enough, else copies of it with the server
+    part renamed (``github-2__create_issue``) so names stay unique and each copy looks like another server."""
+    if size <= len(base):
+        return random.Random(0).sample(base, size)
+    tools = []
+    for copy in range(1, math.ceil(size / len(base)) + 1):
+        for tool in base:
+            if len(tools) == size:
+                return tools
+            name = tool["name"]
+            if copy > 1:
+                server, sep, short = name.partition("__")
+                name = f"{server}-{copy}__{short}" if sep else f"{name}-{copy}"
+            tools.append({**tool, "name": name})
+    return tools
+
+
+def queries() -> list[str]:
+    return [row["query"] for row in read_jsonl(PROJECT_QUERIES)]
+
+
+def bench_search_inprocess(base: list[dict], sizes: list[int], n_queries: int, build_reps: int) -> dict:
+    """Index build (median of ``build_reps``; one above 10k tools) and per-query latency, in this process."""
+    texts = queries()
+    out = {}
+    for size in sizes:
+        tools = synth_catalog(base, size)
+        builds = []
+        for _ in range(build_reps if size <= 10_000 else 1):
+            t0 = time.perf_counter()
+            index = coffer.SearchIndex(tools)
+            builds.append(time.perf_counter() - t0)
+        for q in texts[:20]:  # warm caches (stemmer memo, if any) before timing
+            index.search(q, 5)
+        lat = []
+        for i in range(n_queries):
+            q = texts[i % len(texts)]
+            t0 = time.perf_counter()
+            index.search(q, 5)
+            lat.append(time.perf_counter() - t0)
+        out[size] = {"build_ms": statistics.median(builds) * 1000, "p50_ms": pct(lat, 50) * 1000,
+                     "p95_ms": pct(lat, 95) * 1000, "queries": n_queries}
+        log(f"  search in-process {size} tools: build {out[size]['build_ms']:.0f} ms, p50 {out[size]['p50_ms']:.3f} ms")
+    return out
+
+
+def proc_status(pid: int) -> dict[str, int] | None:
+    """VmRSS/VmHWM of a process in kB from /proc, or None where there is no /proc (macOS, Windows)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in fh) if k in ("VmRSS", "VmHWM")}
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used so far (10 ms resolution), or None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def children_matching(parent: int, needle: str) -> list[int]:
+    """Pids of ``parent``'s children whose command line contains ``needle`` (the SDK does not expose its pids)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and needle in cmdline:
+            found.append(int(entry))
+    return found
+
+
+async def bench_search_gateway(gateways: Gateways, base: list[dict], size: int, calls: int, measure_rss: bool,
+                               errlog) -> dict:
+    """``coffer__search_tools`` through ``coffer serve`` fronting one upstream that lists ``size`` tools.
+
+    Each search is paired with a ``ping`` on the same session (interleaved), the cheapest round trip the
+    gateway answers itself: search p50 minus ping p50 is the cost of searching as the client sees it.  With
+    ``measure_rss``, the gateway's idle RSS is read after discovery settles and its peak after the load."""
+    catalog_file = gateways.workdir / f"catalog-{size}.jsonl"
+    with open(catalog_file, "w", encoding="utf-8") as fh:
+        for tool in synth_catalog(base, size):
+            fh.write(json.dumps(tool) + "\n")
+    upstream = Upstream("cat", "catalog", PY, [CATALOG_SERVER, str(catalog_file)])
+    path = gateways.coffer([upstream])
+    texts = queries()
+    out: dict = {"size": size}
+    t0 = time.perf_counter()
+    async with connect(path.params, errlog) as client:
+        listed = len((await client.list_tools()).tools)
+        out["ready_s"] = time.perf_counter() - t0
+        out["listed"] = listed
+        pids = children_matching(os.getpid(), "coffer.py serve")
+        if measure_rss and pids:
+            await anyio.sleep(1.0)  # let the discovery burst settle; the invocation-log thread flushes
+            gateway_pid = pids[0]
+            upstream_pids = children_matching(gateway_pid, "catalog_server.py")
+            out["idle"] = proc_status(gateway_pid)
+            out["upstream_idle"] = proc_status(upstream_pids[0]) if upstream_pids else None
+        search, ping = [], []
+        warnings.filterwarnings("ignore", message="ping is removed")  # deprecated in modern mode; we use legacy
+        for i in range(calls):
+            t1 = time.perf_counter()
+            await client.send_ping()
+            t2 = time.perf_counter()
+            result = await client.call_tool(coffer.SEARCH_TOOL, {"query": texts[i % len(texts)], "top_k": 5})
+            t3 = time.perf_counter()
+            if result.is_error:
+                raise RuntimeError(f"search failed: {result.content}")
+            ping.append(t2 - t1)
+            search.append(t3 - t2)
+        if measure_rss and pids:
+            out["peak"] = proc_status(pids[0])
+    out.update({"calls": calls, "p50_ms": pct(search, 50) * 1000, "p95_ms": pct(search, 95) * 1000,
+                "ping_p50_ms": pct(ping, 50) * 1000})
+    log(f"  search via gateway {size} tools: p50 {out['p50_ms']:.2f} ms (ping {out['ping_p50_ms']:.2f} ms)")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- profile
+
+async def profile_gateway(gateways: Gateways, upstream: Upstream, calls: int, out: Path, errlog) -> str:
+    """Run the call-overhead load (sequential calls, then 32 in flight) against a ``coffer serve`` profiled in
+    every thread, and return the top of the merged profile, by cumulative and by own time."""
+    import io
+    import pstats
+
+    from mcp.client.stdio import StdioServerParameters
+    env = gateways.coffer([upstream]).params.env
+    params = StdioServerParameters(command=PY, args=[PROFILED_COFFER, str(out), "serve"], env=env)
+    tool, arguments = CALL_TARGETS[upstream.kind]
+    async with connect(params, errlog) as client:
+        names = [t.name for t in (await client.list_tools()).tools]
+        name = resolve_tool(names, upstream.name, tool, "__")
+        for _ in range(calls):
+            await client.call_tool(name, arguments)
+        await run_inflight(client, name, arguments, 32, calls)
+    for _ in range(100):  # the shim writes the file as the process exits
+        if out.exists():
+            break
+        await anyio.sleep(0.05)
+    buffer = io.StringIO()
+    stats = pstats.Stats(str(out), stream=buffer)
+    stats.strip_dirs().sort_stats("cumulative").print_stats(r"coffer\.py", 25)  # Coffer's own functions
+    stats.sort_stats("tottime").print_stats(20)  # everything, own time (blocking waits show up here too)
+    return buffer.getvalue()
+
+
+# ------------------------------------------------------------------------------------------------- driver
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m evals.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (< 60 s)")
+    parser.add_argument("--json", action="store_true", help="print all results as JSON on stdout")
+    parser.add_argument("--only", default="call,throughput,startup,search",
+                        help="comma-separated sections to run (call, throughput, startup, search)")
+    parser.add_argument("--no-fastmcp", action="store_true", help="skip the FastMCP peer rows")
+    parser.add_argument("--calls", type=int, help="sequential calls per path and tool (default 2000; quick 200)")
+    parser.add_argument("--fastmcp-default-calls", type=int,
+                        help="calls through FastMCP's default proxy, which spawns per request (default 10; quick 4)")
+    parser.add_argument("--batch", type=int, default=100, help="calls per path per interleaved batch")
+    parser.add_argument("--inflight", help="concurrency levels for throughput (default 32,256; quick 32)")
+    parser.add_argument("--throughput-calls", type=int, help="calls per throughput measurement, at least 2x the level (default 1000; quick 200)")
+    parser.add_argument("--throughput-rounds", type=int, help="alternating rounds, median kept (default 2; quick 1)")
+    parser.add_argument("--startup-sizes", default="1,4,8", help="numbers of upstreams for startup")
+    parser.add_argument("--startup-reps", type=int, help="startup repetitions after a warm-up pass, median kept (default 3; quick 1, no warm-up)")
+    parser.add_argument("--search-sizes", help="catalogue sizes (default 100,1000,10000,30000)")
+    parser.add_argument("--search-queries", type=int, help="timed in-process queries per size (default 2000)")
+    parser.add_argument("--e2e-sizes", help="sizes searched through the gateway (default 1000,10000)")
+    parser.add_argument("--e2e-calls", type=int, help="searches through the gateway per size (default 300)")
+    parser.add_argument("--profile", metavar="OUT.pstats",
+                        help="also profile `coffer serve` (all threads) under the call load, print its top "
+                             "functions and keep the pstats file")
+    parser.add_argument("--profile-calls", type=int, default=2000, help="calls per phase of the profiled load")
+    parser.add_argument("--build-reps", type=int, help="index builds per size up to 10k, median kept (default 3; "
+                                                        "quick 1)")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    defaults = {"calls": 200 if quick else 2000, "fastmcp_default_calls": 4 if quick else 10,
+                "throughput_calls": 200 if quick else 1000, "throughput_rounds": 1 if quick else 2,
+                "startup_reps": 1 if quick else 3, "search_queries": 300 if quick else 2000,
+                "e2e_calls": 100 if quick else 300, "build_reps": 1 if quick else 3,
+                "search_sizes": "100,1000,10000" if quick else "100,1000,10000,30000",
+                "e2e_sizes": "1000" if quick else "1000,10000", "inflight": "32" if quick else "32,256"}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if quick:
+        args.startup_sizes = args.startup_sizes if "--startup-sizes" in (argv or sys.argv) else "1,4"
+    args.sections = {s.strip() for s in args.only.split(",") if s.strip()}
+    return args
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
+    gateways = Gateways(workdir)
+    errlog = gateways.errlog
+    peers: list[str] = []
+    if not args.no_fastmcp:
+        problem = fastmcp_problem()
+        if problem:
+            log(f"FastMCP rows skipped: {problem}")
+            report.data["fastmcp_skipped"] = problem
+        else:
+            import fastmcp
+            # --quick leaves out the default proxy: it spawns every upstream per request, seconds per row.
+            peers = ["fastmcp-shared"] if args.quick else ["fastmcp-shared", "fastmcp-default"]
+            report.data["fastmcp_version"] = fastmcp.__version__
+
+    targets = [make_upstream("time", "time", workdir), make_upstream("fx", "fx", workdir)]
+    timings = report.data.setdefault("section_seconds", {})
+    clock = {"name": None, "t": time.perf_counter()}
+
+    def mark(name: str | None) -> None:
+        """Wall time per section, so a slow section is visible when tuning --quick."""
+        now = time.perf_counter()
+        if clock["name"]:
+            timings[clock["name"]] = round(now - clock["t"], 1)
+        clock.update(name=name, t=now)
+
+    def paths_for() -> list[Path_]:
+        paths = [Path_("direct", None, None), gateways.coffer(targets)]
+        for peer in peers:
+            paths.append(gateways.fastmcp(targets, shared=peer == "fastmcp-shared"))
+        return paths
+
+    async def guarded(name: str, coro_fn):
+        """A peer that breaks mid-run costs its rows, not the benchmark: retry the section without it."""
+        nonlocal peers
+        try:
+            return await coro_fn()
+        except Exception as exc:  # noqa: BLE001
+            if not peers:
+                raise
+            log(f"{name}: failed with FastMCP in the mix ({exc!r}); rerunning without FastMCP")
+            report.data.setdefault("fastmcp_errors", []).append(f"{name}: {exc!r}")
+            peers = []
+            return await coro_fn()
+
+    if "call" in args.sections:
+        mark("call")
+        log(f"[1] call overhead: {args.calls} calls per path per tool")
+        rows, data = [], {}
+        for up in targets:
+            async def one(up=up):
+                paths = paths_for()
+                for p in paths:
+                    if p.label == "direct":
+                        p.params = up.params()
+                return await bench_latency(paths, up, args.calls, args.fastmcp_default_calls, args.batch,
+                                           min(50, args.calls // 10), errlog)
+            samples = await guarded("call", one)
+            tool = f"{up.name}.{CALL_TARGETS[up.kind][0]}"
+            r, d = latency_rows(tool, samples)
+            rows += r
+            data[tool] = d
+        report.data["call"] = data
+        cpu = ", ".join(f"{tool} {d['coffer_cpu_us_per_call']:.0f}" for tool, d in data.items()
+                        if d.get("coffer_cpu_us_per_call") is not None)
+        report.data["call"]["max_added_p50_ms"] = max(d["coffer"]["added_p50_ms"] for d in data.values())
+        report.table("1. Call overhead (sequential calls, SDK client, interleaved batches)",
+                     ["tool", "path", "n", "p50 ms", "p99 ms", "added p50 ms", "p50 ratio"], rows,
+                     f"coffer serve CPU per forwarded call (us, from /proc, includes its idle ticker): {cpu}"
+                     if cpu else None)
+
+    if "throughput" in args.sections:
+        mark("throughput")
+        levels = ints(args.inflight)
+        log(f"[2] throughput: {levels} in flight, {args.throughput_calls} calls x {args.throughput_rounds} rounds")
+        rows, data = [], {}
+        for up in targets:
+            async def one(up=up):
+                paths = paths_for()
+                paths[0].params = up.params()
+                return await bench_throughput(paths, up, levels, args.throughput_calls, args.throughput_rounds,
+                                              errlog)
+            rates = await guarded("throughput", one)
+            tool = f"{up.name}.{CALL_TARGETS[up.kind][0]}"
+            data[tool] = {}
+            for level in levels:
+                base = rates["direct"][level]
+                for label, by in rates.items():
+                    rate = by.get(level)
+                    ratio = rate / base if rate and base else None
+                    rows.append([tool, level, label, rate, f"{ratio:.2f}x" if ratio else None])
+                    data[tool].setdefault(label, {})[str(level)] = {"calls_per_s": rate, "ratio": ratio}
+        report.data["throughput"] = data
+        if 32 in levels:
+            report.data["throughput"]["ratio_32"] = min(d["coffer"]["32"]["ratio"] for d in data.values())
+        report.table("2. Throughput (calls in flight over one session)",
+                     ["tool", "in flight", "path", "calls/s", "vs direct"], rows,
+                     "fastmcp-default: one round of exactly <in flight> calls, lowest level only "
+                     "(it spawns every upstream per request)." if "fastmcp-default" in peers else None)
+
+    if "startup" in args.sections:
+        mark("startup")
+        sizes = ints(args.startup_sizes)
+        sets = startup_sets(workdir, sizes)
+        log(f"[3] startup: {sizes} upstreams, {args.startup_reps} reps")
+        res = await guarded("startup", lambda: bench_startup(gateways, sets, args.startup_reps, peers, errlog,
+                                                                    warmup=not args.quick))
+        rows = []
+        data = {"direct_ms": {k: v * 1000 for k, v in res["direct"].items()}, "tools": res["counts"], "sets": {}}
+        for size, ups in sets.items():
+            slowest_kind = max({up.kind for up in ups}, key=lambda k: res["direct"][k])
+            slowest = res["direct"][slowest_kind] * 1000
+            entry = {"upstreams": [up.name for up in ups], "slowest_single": slowest_kind,
+                     "slowest_single_ms": slowest}
+            parallel = res["via"][size]["direct-parallel"] * 1000
+            for label, t in res["via"][size].items():
+                ms = t * 1000
+                rows.append([size, label, ms, f"{slowest_kind} {slowest:.0f}", ms - slowest, f"{ms / slowest:.2f}x",
+                             None if label == "direct-parallel" else ms - parallel])
+                entry[label] = {"ms": ms, "excess_ms": ms - slowest, "ratio": ms / slowest,
+                                "excess_vs_parallel_ms": ms - parallel}
+            data["sets"][str(size)] = entry
+            if size == 8:
+                data["excess_ms_8"] = entry["coffer"]["excess_ms"]
+        report.data["startup"] = data
+        singles = ", ".join(f"{k} {v:.0f} ms ({res['counts'][k]} tools)" for k, v in data["direct_ms"].items())
+        report.table("3. Startup (spawn -> initialize -> tools/list with every upstream's tools; median)",
+                     ["upstreams", "path", "ms", "slowest single ms", "excess ms", "ratio", "vs parallel ms"],
+                     rows, f"direct, each alone: {singles}\n"
+                     "direct-parallel: every upstream spawned at once by its own SDK client, no gateway (the CPU "
+                     "contention any gateway also pays); 'vs parallel' = path minus that.")
+
+    if "search" in args.sections:
+        mark("search")
+        base, sources = base_catalog()
+        sizes = ints(args.search_sizes)
+        log(f"[4] search: base catalogue {len(base)} tools from {len(sources)} files; sizes {sizes}")
+        inproc = bench_search_inprocess(base, sizes, args.search_queries, args.build_reps)
+        e2e = {}
+        for size in ints(args.e2e_sizes):
+            e2e[size] = await bench_search_gateway(gateways, base, size, args.e2e_calls, size == 1000, errlog)
+        rows = []
+        for size in sorted(set(sizes) | set(e2e)):
+            i, e = inproc.get(size, {}), e2e.get(size, {})
+            rows.append([size, i.get("build_ms"), i.get("p50_ms"), i.get("p95_ms"), e.get("p50_ms"),
+                         e.get("p95_ms"), e.get("ping_p50_ms"), e.get("ready_s")])
+        report.data["search"] = {"base_tools": len(base), "sources": sources, "queries": str(PROJECT_QUERIES),
+                                 "in_process": {str(k): v for k, v in inproc.items()},
+                                 "gateway": {str(k): v for k, v in e2e.items()}}
+        for size in (1000, 10000):
+            if size in inproc:
+                report.data["search"][f"p50_ms_{size}"] = inproc[size]["p50_ms"]
+                report.data["search"][f"build_ms_{size}"] = inproc[size]["build_ms"]
+        report.table("4. Search (coffer__search_tools; top_k=5)",
+                     ["tools", "build ms", "p50 ms", "p95 ms", "gw p50 ms", "gw p95 ms", "gw ping p50 ms",
+                      "gw ready s"], rows,
+                     "p50/p95: SearchIndex.search in-process; gw: the tool called through `coffer serve` (one "
+                     "upstream listing the catalogue), with a ping on the same session as the protocol baseline; "
+                     "ready: spawn to first tools/list.")
+        rss = e2e.get(1000)
+        if rss and rss.get("idle"):
+            kb = lambda s, k: (s or {}).get(k)  # noqa: E731
+            idle, peak, up = rss["idle"], rss.get("peak"), rss.get("upstream_idle")
+            report.data["rss"] = {"tools": 1000, "idle_mb": idle["VmRSS"] / 1024,
+                                  "peak_mb": kb(peak, "VmHWM") / 1024 if peak else None,
+                                  "upstream_idle_mb": up["VmRSS"] / 1024 if up else None}
+            report.table("4b. Memory of `coffer serve` holding ~1k tools (from /proc)",
+                         ["process", "idle RSS MB", "peak RSS MB (VmHWM)"],
+                         [["coffer serve", idle["VmRSS"] / 1024, kb(peak, "VmHWM") / 1024 if peak else None],
+                          ["catalog_server.py (same 1k tools, baseline)", up["VmRSS"] / 1024 if up else None,
+                           up["VmHWM"] / 1024 if up else None]])
+        elif 1000 in e2e:
+            report.data["rss"] = {"skipped": "no /proc here (not Linux)"}
+            log("RSS skipped: no /proc on this platform")
+    if args.profile:
+        mark("profile")
+        out = Path(args.profile).resolve()
+        out.unlink(missing_ok=True)
+        log(f"[profile] coffer serve under {args.profile_calls} sequential + {args.profile_calls} concurrent calls")
+        text = await profile_gateway(gateways, targets[1], args.profile_calls, out, errlog)
+        report.data["profile"] = {"pstats": str(out), "top": text}
+        print(f"\n== Profile of `coffer serve` (all threads; fx.echo load)\n{text}",
+              file=sys.stderr if args.json else sys.stdout, flush=True)
+    mark(None)
+    log(f"section wall times (s): {timings}")
+
+
+def evaluate_targets(report: Report) -> None:
+    rows, verdicts = [], {}
+    for key, label, op, threshold in TARGETS:
+        value = report.data
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
+            verdict = "n/a"
+        else:
+            verdict = "PASS" if (value <= threshold if op == "<=" else value >= threshold) else "MISS"
+        verdicts[key] = {"value": value, "target": f"{op} {threshold:g}", "verdict": verdict}
+        rows.append([label, value, f"{op} {threshold:g}", verdict])
+    report.data["targets"] = verdicts
+    report.table("Targets (a MISS is reported, never fatal)", ["target", "value", "goal", "verdict"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = Report(args.json)
+    report.data["env"] = {"python": platform.python_version(), "platform": platform.platform(),
+                          "cpus": os.cpu_count(), "node": shutil.which("node") is not None and node_available(),
+                          "quick": args.quick, "args": {k: v for k, v in vars(args).items() if k != "sections"}}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="coffer-bench-") as tmp:
+        anyio.run(run, args, report, Path(tmp))
+    evaluate_targets(report)
+    report.data["elapsed_s"] = time.perf_counter() - started
+    log(f"\nbenchmark finished in {report.data['elapsed_s']:.0f} s")
+    if args.json:
+        print(json.dumps(report.data, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
