@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import hashlib
 import heapq
 import io
@@ -38,8 +39,6 @@ import sys
 import threading
 import time
 import unicodedata
-import urllib.error
-import urllib.request
 from datetime import datetime, timedelta, timezone
 
 __version__ = "0.1.0"
@@ -568,10 +567,12 @@ class InvocationLog:
         pending: list[tuple] = []
         while True:
             try:
-                item = self.queue.get(timeout=self.FLUSH_INTERVAL)
+                item = self.queue.get(timeout=self.FLUSH_INTERVAL if pending else None)
                 if item is not None:
                     pending.append(item)
-                while len(pending) < 1000:  # drain what is already queued into one transaction
+                    # Let the rest of this burst arrive: one commit per interval, not one per call.
+                    self._stop.wait(self.FLUSH_INTERVAL)
+                while len(pending) < 10_000:
                     item = self.queue.get_nowait()
                     if item is not None:
                         pending.append(item)
@@ -597,6 +598,7 @@ class InvocationLog:
                         self._warned = True
                     del pending[:-self.MAX_BUFFER]
                     if self._stop.is_set():
+                        warn(f"{len(pending)} invocation rows could not be written: {exc}")
                         break
                     time.sleep(0.5)
             if self._stop.is_set() and self.queue.empty() and not pending:
@@ -786,6 +788,7 @@ class HttpTransport:
         return headers
 
     def _post(self, message: dict) -> None:
+        import urllib.error, urllib.request  # noqa: E401 - lazily: http.client and email cost ~19 MB of RSS
         body = dumps(message).encode("utf-8")
         request = urllib.request.Request(self.url, data=body, headers=self._request_headers(), method="POST")
         try:
@@ -846,6 +849,7 @@ class HttpTransport:
         self._listening = True
 
         def listen():
+            import urllib.error, urllib.request  # noqa: E401
             headers = self._request_headers()
             headers["Accept"] = "text/event-stream"
             time.sleep(0.05)  # after notifications/initialized has gone out
@@ -863,6 +867,7 @@ class HttpTransport:
             return
         self._closed = True
         if self.session_id:
+            import urllib.error, urllib.request  # noqa: E401
             try:
                 request = urllib.request.Request(self.url, headers=self._request_headers(), method="DELETE")
                 urllib.request.urlopen(request, timeout=grace).close()
@@ -1404,6 +1409,7 @@ _IRREGULAR = {"children": "child", "people": "person", "men": "man", "women": "w
               "bus": "bus", "gas": "gas", "alias": "alias", "canvas": "canvas", "https": "http"}
 
 
+@functools.lru_cache(maxsize=1 << 17)  # catalogues repeat words heavily: 350k calls, ~20k distinct at 10k tools
 def stem(word: str) -> str:
     """A light suffix stripper: plurals, -ing, -ed, -ation, final -e.  Consistency matters more than linguistics:
     the index and the query go through the same function."""
@@ -1527,6 +1533,14 @@ _LEXICON_CJK = tuple((k, v) for k, v in LEXICON.items() if _CJK_RE.search(k))
 
 def _words(text: str) -> list[str]:
     """NFKC, identifier splitting, lowercase; CJK runs become overlapping bigrams so substrings can match."""
+    if text.isascii():  # the common case: NFKC is the identity and there is no CJK to split
+        words = []
+        for word in _WORD_RE.findall(text):
+            if word.isupper() or word[1:].islower():   # "API", "Get", "mp3": no camelCase inside
+                words.append(word.lower())
+            else:
+                words.extend(_CAMEL_RE.sub(" ", word).lower().split())
+        return words
     text = _CAMEL_RE.sub(" ", unicodedata.normalize("NFKC", text)).lower()
     words = []
     for run in _WORD_RE.findall(text):
@@ -1547,13 +1561,19 @@ def _words(text: str) -> list[str]:
 
 def tokenize(text: str) -> list[str]:
     """Index/query terms of a text: split, stop words dropped, stemmed."""
-    return [stem(word) for word in _words(text) if word not in STOP_WORDS]
+    return list(_cached_terms(text))
+
+
+@functools.lru_cache(maxsize=1 << 15)  # a rebuild after one upstream changes re-tokenizes only new texts
+def _cached_terms(text: str) -> tuple[str, ...]:
+    return tuple(stem(word) for word in _words(text) if word not in STOP_WORDS)
 
 
 def translations(text: str) -> list[str]:
     """English index terms for the foreign tool-domain words in ``text`` (see LEXICON)."""
     normal = unicodedata.normalize("NFKC", text).lower()
-    found = [word for key, words in _LEXICON_CJK if key in normal for word in words]
+    found = [word for key, words in _LEXICON_CJK if key in normal for word in words] \
+        if _CJK_RE.search(normal) else []
     found += [word for token in _WORD_RE.findall(normal) for word in LEXICON.get(token, ())]
     return [stem(word) for word in found]
 
@@ -1613,24 +1633,26 @@ class SearchIndex:
         n = len(self.tools)
         avg = {f: (sum(len(doc[f]) for doc in fields_per_doc) / n if n else 0.0) or 1.0 for f in self.FIELDS}
         weighted_tf: list[dict[str, float]] = []
-        df: collections.Counter = collections.Counter()
+        df: dict[str, int] = {}
+        fields = [(field, weight, b, avg[field]) for field, (weight, b) in self.FIELDS.items()]
         for doc in fields_per_doc:
-            tf: dict[str, float] = collections.defaultdict(float)
-            for field, terms in doc.items():
-                if not terms:
-                    continue
-                weight, b = self.FIELDS[field]
-                norm = weight / (1.0 - b + b * len(terms) / avg[field])
-                for term, count in collections.Counter(terms).items():
-                    tf[term] += count * norm
+            tf: dict[str, float] = {}
+            for field, weight, b, average in fields:
+                terms = doc[field]
+                if terms:
+                    norm = weight / (1.0 - b + b * len(terms) / average)
+                    for term in terms:
+                        tf[term] = tf.get(term, 0.0) + norm
             weighted_tf.append(tf)
-            df.update(tf.keys())
-        self.postings: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
+            for term in tf:
+                df[term] = df.get(term, 0) + 1
+        k1 = self.K1
+        idf = {term: math.log(1.0 + (n - count + 0.5) / (count + 0.5)) for term, count in df.items()}
+        postings: dict[str, list[tuple[int, float]]] = {term: [] for term in df}
         for doc_id, tf in enumerate(weighted_tf):
             for term, value in tf.items():
-                idf = math.log(1.0 + (n - df[term] + 0.5) / (df[term] + 0.5))
-                self.postings[term].append((doc_id, idf * value / (self.K1 + value)))
-        self.postings = dict(self.postings)
+                postings[term].append((doc_id, idf[term] * value / (k1 + value)))
+        self.postings = postings
         order = sorted(range(n), key=lambda i: str(self.tools[i].get("name", "")))
         self._rank_of = [0] * n
         for rank, doc_id in enumerate(order):
@@ -1651,9 +1673,10 @@ class SearchIndex:
         if not title and isinstance(annotations.get("title"), str):
             title = annotations["title"]
         param_names, param_text = _schema_text(tool.get("inputSchema"))
-        return {"name": tokenize(short), "server": tokenize(server), "title": tokenize(title),
-                "description": tokenize(description), "params": tokenize(param_names),
-                "param_text": tokenize(param_text), "translated": translations(f"{short} {title} {description}")}
+        terms = _cached_terms
+        return {"name": terms(short), "server": terms(server), "title": terms(title),
+                "description": terms(description), "params": terms(param_names),
+                "param_text": terms(param_text), "translated": translations(f"{short} {title} {description}")}
 
     def __len__(self) -> int:
         return len(self.tools)
@@ -1763,6 +1786,7 @@ class Embedder:
         key = os.environ.get(self.key_env) if self.key_env else None
         if key:
             headers["Authorization"] = f"Bearer {key}"
+        import urllib.error, urllib.request  # noqa: E401 - lazily, only when an embedder is configured
         request = urllib.request.Request(endpoint, data=dumps(body).encode("utf-8"), headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=max(0.01, timeout)) as response:
@@ -2027,6 +2051,8 @@ class Gateway:
         self.catalogue = Catalogue([], self.enabled, self.settings["name_max_length"])
         self._fingerprint = self.catalogue.fingerprint()
         self._rebuild_lock = threading.Lock()
+        self._rebuilds_wanted = self._rebuilds_done = 0
+        self._force_tools_notice = False
         self.initialized = False
         self.client_capabilities: dict = {}
         self.client_name = "unknown"
@@ -2342,19 +2368,32 @@ class Gateway:
 
     # -- the catalogue -------------------------------------------------------------------------------------
     def rebuild(self, force: bool = False) -> None:
-        """Swap in a fresh catalogue (and search index); tell the client which lists changed."""
+        """Swap in a fresh catalogue (and search index); tell the client which lists changed.
+
+        Concurrent requests coalesce: when several upstreams come up at once, a caller whose request is covered
+        by a build that started after it returns as soon as that build is done, instead of building again.
+        """
+        with self.lock:
+            self._rebuilds_wanted += 1
+            wanted = self._rebuilds_wanted
+            self._force_tools_notice = self._force_tools_notice or force
         with self._rebuild_lock:
+            if self._rebuilds_done >= wanted:
+                return
+            with self.lock:
+                self._rebuilds_done = self._rebuilds_wanted
+                force, self._force_tools_notice = self._force_tools_notice, False
             live = [up for up in list(self.upstreams.values()) if up.state not in ("failed", "stopped")]
             catalogue = Catalogue(live, self.enabled, self.settings["name_max_length"])
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new
             if self.semantic is not None:
                 self.semantic.refresh(catalogue.index.tools)
-        if not self.initialized:
-            return
-        for key in ("tools", "prompts", "resources"):
-            if old[key] != new[key] or (force and key == "tools"):
-                self.send({"jsonrpc": "2.0", "method": f"notifications/{key}/list_changed"})
+            if not self.initialized:
+                return
+            for key in ("tools", "prompts", "resources"):
+                if old[key] != new[key] or (force and key == "tools"):
+                    self.send({"jsonrpc": "2.0", "method": f"notifications/{key}/list_changed"})
 
     def _discovering(self) -> list[str]:
         return [up.name for up in list(self.upstreams.values())
