@@ -26,6 +26,17 @@ needs_node = pytest.mark.skipif(not (shutil.which("node") and EVERYTHING_JS.exis
                                 reason="Node reference servers not installed (.ci/run installs them)")
 
 
+def rss_kb(pid):
+    """Resident memory of a process in kB, from /proc (None where there is no /proc)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def everything_cmd():
     return ["node", str(EVERYTHING_JS), "stdio"]
 

@@ -9,12 +9,11 @@ import json
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAKE, RawGateway, cli
+from conftest import FAKE, RawGateway, cli, rss_kb
 
 SAFE_INT = 2**53 - 1
 KNOWN_METHODS = ["ping", "initialize", "tools/list", "tools/call", "prompts/list", "prompts/get",
@@ -146,14 +145,6 @@ def well_formed(message) -> bool:
                 and isinstance(error.get("message"), str))
     return True
 
-
-def rss_kb(pid):
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
 
 
 def test_bad_clients_never_break_the_gateway(home):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAKE, RawGateway, cli
+from conftest import FAKE, RawGateway, cli, rss_kb
 
 POSIX = os.name == "posix"
 posix_only = pytest.mark.skipif(not POSIX, reason="POSIX signals and process checks")
@@ -62,15 +62,6 @@ def alive(pid: int) -> bool:
         return True
     return True
 
-
-def rss_kb(pid: int):
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def log_rows():

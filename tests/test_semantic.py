@@ -229,3 +229,20 @@ def test_a_real_model_finds_tools_that_share_no_word_with_the_query(home, raw_ga
     assert search(gw2, clock)["ranker"] == "bm25"
     assert search(gw2, clock)["tools"][0]["name"] == "time__convert_time"
     assert search(gw2, total)["tools"][0]["name"] == "mem__add_observations"
+
+
+def test_vector_ranking_without_numpy_matches_numpy(monkeypatch):
+    """numpy is optional: without it the same ranking comes from math.sumprod or a plain loop."""
+    import random
+    rng = random.Random(3)
+    tools = [{"name": f"s__t{i}"} for i in range(200)]
+    vectors = [coffer._unit([rng.uniform(-1, 1) for _ in range(32)]) for _ in tools]
+    query = coffer._unit([rng.uniform(-1, 1) for _ in range(32)])
+    with_default = coffer.SemanticIndex(tools, vectors).rank(query, 10)
+    monkeypatch.setitem(__import__("sys").modules, "numpy", None)     # import numpy now raises ImportError
+    pure = coffer.SemanticIndex(tools, vectors)
+    assert isinstance(pure.matrix, list)
+    assert [d for d, _ in pure.rank(query, 10)] == [d for d, _ in with_default]
+    monkeypatch.delattr(coffer.math, "sumprod", raising=False)          # Python 3.10/3.11: the plain loop
+    loop = coffer.SemanticIndex(tools, vectors)
+    assert [(d, round(s, 5)) for d, s in loop.rank(query, 10)] == [(d, round(s, 5)) for d, s in with_default]
