@@ -924,7 +924,6 @@ class Upstream:
         self.secrets: list[str] = []
         self.server_info: dict = {}
         self.capabilities: dict = {}
-        self.instructions = None
         self.lists = {kind: {} for kind in CAPABILITY_KINDS}  # kind -> {name: definition}, in upstream order
         self.generation = 0
         self._timer: threading.Timer | None = None
@@ -979,7 +978,6 @@ class Upstream:
             self.notify("notifications/initialized")
             self.capabilities = result.get("capabilities") if isinstance(result.get("capabilities"), dict) else {}
             self.server_info = result.get("serverInfo") if isinstance(result.get("serverInfo"), dict) else {}
-            self.instructions = result.get("instructions")
             for kind in CAPABILITY_KINDS:
                 self.refresh(kind, notify=False)
         except Exception as exc:  # noqa: BLE001 - any failure of a third-party server is a failed start
@@ -1957,9 +1955,6 @@ class SemanticRanker:
                 if self._tools is tools:
                     self.index, self._index_for = index, tools
 
-    def ready_for(self, tools) -> bool:
-        return self._index_for is tools
-
     def search(self, lexical_index: SearchIndex, query: str, top_k: int):
         """Hybrid search, or BM25 with a note saying why not."""
         with self.lock:
@@ -2286,7 +2281,10 @@ class Gateway:
 
     def on_ready(self, upstream: Upstream) -> None:
         counts = {kind: len(items) for kind, items in upstream.lists.items() if items}
-        self._record_status(upstream, "ready", ", ".join(f"{n} {k}s" for k, n in counts.items()) or "no capabilities")
+        info = upstream.server_info
+        who = f"{info.get('name', '?')} {info.get('version', '')}".strip() + ": " if info else ""
+        self._record_status(upstream, "ready",
+                            who + (", ".join(f"{n} {k}s" for k, n in counts.items()) or "no capabilities"))
         if self.log_level and "logging" in upstream.capabilities:
             upstream.request("logging/setLevel", {"level": self.log_level}, lambda *a: None)
         restarted = upstream.spawns > 1
