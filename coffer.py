@@ -729,21 +729,23 @@ class StdioTransport:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
             pass
-        for sig in ("SIGTERM", "SIGKILL"):
-            alive = proc.poll() is None
-            if os.name == "posix":
+        if os.name != "posix":
+            if proc.poll() is None:  # no process groups to signal: taskkill /T takes the whole tree
+                subprocess.run(["taskkill", "/T", "/F", "/PID", str(proc.pid)], capture_output=True, check=False)
+                proc.kill()
+        else:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                alive = proc.poll() is None
                 try:  # the group may outlive its leader: npx exits, the node server it started does not
-                    os.killpg(proc.pid, getattr(signal, sig))
+                    os.killpg(proc.pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
-            elif alive:
-                proc.terminate() if sig == "SIGTERM" else proc.kill()
-            if not alive:
-                break
-            try:
-                proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                continue
+                if not alive:
+                    break
+                try:
+                    proc.wait(1.0)
+                except subprocess.TimeoutExpired:
+                    pass
         for stream in (proc.stdout, proc.stderr):
             try:
                 stream.close()
