@@ -224,7 +224,8 @@ CREATE TABLE IF NOT EXISTS servers (
     timeout REAL,                            -- per-call timeout in seconds; NULL = the global default
     position INTEGER NOT NULL,
     created_at TEXT NOT NULL,
-    status TEXT, status_detail TEXT, status_at TEXT
+    status TEXT, status_detail TEXT, status_at TEXT,
+    capabilities TEXT                        -- JSON: what the server advertised at its last initialize
 );
 CREATE TABLE IF NOT EXISTS capabilities (
     server TEXT NOT NULL,
@@ -277,6 +278,9 @@ class Vault:
         self.db = self._connect(self.path)
         with self.db:
             self.db.executescript(SCHEMA)
+            columns = {row["name"] for row in self.db.execute("PRAGMA table_info(servers)")}
+            if "capabilities" not in columns:  # a vault written by an earlier Coffer
+                self.db.execute("ALTER TABLE servers ADD COLUMN capabilities TEXT")
 
     @staticmethod
     def _connect(path: str) -> sqlite3.Connection:
@@ -362,10 +366,11 @@ class Vault:
             db.execute("UPDATE servers SET policy=? WHERE name=?", (policy, name))
             self._audit(db, "policy", name, f"{old} -> {policy}")
 
-    def record_status(self, name: str, status: str, detail: str | None) -> None:
+    def record_status(self, name: str, status: str, detail: str | None, capabilities: dict | None = None) -> None:
         with self.transaction() as db:
-            db.execute("UPDATE servers SET status=?, status_detail=?, status_at=? WHERE name=?",
-                       (status, detail, utcnow(), name))
+            db.execute("UPDATE servers SET status=?, status_detail=?, status_at=?,"
+                       " capabilities=coalesce(?, capabilities) WHERE name=?",
+                       (status, detail, utcnow(), dumps(capabilities) if capabilities is not None else None, name))
 
     @staticmethod
     def _require_server(db, name):
@@ -515,6 +520,7 @@ def _server_row(row) -> dict:
     server["env"] = json.loads(server["env"] or "{}")
     server["headers"] = json.loads(server["headers"] or "{}")
     server["enabled"] = bool(server["enabled"])
+    server["capabilities"] = json.loads(server["capabilities"]) if server.get("capabilities") else None
     return server
 
 
@@ -2190,14 +2196,32 @@ class Gateway:
             instructions += " Failed at their last start: " + ", ".join(failed)[:200] + "."
         return {
             "protocolVersion": self.protocol_version,
-            "capabilities": {
-                "tools": {"listChanged": True}, "prompts": {"listChanged": True},
-                "resources": {"listChanged": True, "subscribe": True},
-                "completions": {}, "logging": {},
-            },
+            "capabilities": self._advertised_capabilities(),
             "serverInfo": {"name": "coffer", "title": "Coffer MCP gateway", "version": __version__},
             "instructions": instructions[:800],
         }
+
+    def _advertised_capabilities(self) -> dict:
+        """The union of what the upstreams offered when they last started, every list with listChanged.
+
+        Upstreams start only now, after the client's initialize (they need its capabilities), so the union is
+        taken from the vault; a server never seen yet could offer anything, so it counts as offering everything.
+        """
+        known = [c.get("capabilities") for c in self.configs.values()]
+        if any(caps is None for caps in known):
+            known.append({"prompts": {}, "resources": {"subscribe": True}, "completions": {}, "logging": {}})
+        advertised: dict = {"tools": {"listChanged": True}}
+        for caps in known:
+            for key in ("prompts", "resources", "completions", "logging"):
+                if isinstance(caps, dict) and key in caps:
+                    advertised.setdefault(key, {})
+        for key in ("prompts", "resources"):
+            if key in advertised:
+                advertised[key]["listChanged"] = True
+        if any(isinstance(c, dict) and isinstance(c.get("resources"), dict) and c["resources"].get("subscribe")
+               for c in known):
+            advertised["resources"]["subscribe"] = True
+        return advertised
 
     def _add_upstream(self, config: dict) -> None:
         caps = {k: v for k, v in self.client_capabilities.items() if k in CLIENT_SIDE_CAPABILITIES}
@@ -2286,7 +2310,8 @@ class Gateway:
         info = upstream.server_info
         who = f"{info.get('name', '?')} {info.get('version', '')}".strip() + ": " if info else ""
         self._record_status(upstream, "ready",
-                            who + (", ".join(f"{n} {k}s" for k, n in counts.items()) or "no capabilities"))
+                            who + (", ".join(f"{n} {k}s" for k, n in counts.items()) or "no capabilities"),
+                            upstream.capabilities)
         if self.log_level and "logging" in upstream.capabilities:
             upstream.request("logging/setLevel", {"level": self.log_level}, lambda *a: None)
         restarted = upstream.spawns > 1
@@ -2302,10 +2327,10 @@ class Gateway:
         with self.changed:
             self.changed.notify_all()
 
-    def _record_status(self, upstream: Upstream, status: str, detail: str) -> None:
+    def _record_status(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
         try:
             with self.vault_lock:
-                self.vault.record_status(upstream.name, status, detail[:2000])
+                self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
         except sqlite3.Error as exc:
             warn(f"[{upstream.name}] could not record status: {exc}")
 

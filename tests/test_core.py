@@ -181,3 +181,18 @@ def test_server_to_client_requests_are_relayed_under_coffers_own_ids(home, raw_g
     gw.send({"jsonrpc": "2.0", "id": request["id"], "result": {
         "role": "assistant", "model": "m", "content": {"type": "text", "text": "the model says hi"}}})
     assert gw.wait_response(50)["result"]["content"][0]["text"] == "the model says hi"
+
+
+def test_a_vault_from_before_the_capabilities_column_is_upgraded_in_place(home):
+    home.mkdir(parents=True)
+    old = sqlite3.connect(home / "coffer.db")
+    old.executescript(coffer.SCHEMA.replace(",\n    capabilities TEXT", "").split("CREATE TABLE IF NOT EXISTS capabilities")[0])
+    old.execute("INSERT INTO servers(name, transport, command, position, created_at) "
+                "VALUES ('t', 'stdio', '[\"x\"]', 1, 'then')")
+    old.commit()
+    old.close()
+    servers = json.loads(cli("list", "--json").stdout)["servers"]
+    assert [s["name"] for s in servers] == ["t"]
+    vault = coffer.Vault(str(home))
+    vault.record_status("t", "ready", "ok", {"tools": {}})
+    assert vault.server("t")["capabilities"] == {"tools": {}}

@@ -110,3 +110,14 @@ def test_client_roots_changes_and_capabilities_reach_every_upstream(home, tmp_pa
         assert "notifications/roots/list_changed" in methods
         init = next(json.loads(line) for line in log.read_text().splitlines() if '"initialize"' in line)
         assert init["params"]["capabilities"] == {"roots": {"listChanged": True}}  # the client's, passed up
+
+
+def test_advertised_capabilities_are_the_union_of_what_upstreams_offered(home, raw_gateway):
+    cli("add", "fx", "--", *FAKE, "--tools", "echo")           # tools only
+    first = raw_gateway()
+    caps = first.initialize()["result"]["capabilities"]
+    assert set(caps) >= {"tools", "prompts", "resources"}      # never seen yet: it might offer anything
+    assert first.request("tools/list")["result"]["tools"]
+    first.close()
+    second = raw_gateway()
+    assert second.initialize()["result"]["capabilities"] == {"tools": {"listChanged": True}}
