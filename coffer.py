@@ -510,7 +510,14 @@ class _Transaction:
         return self.db
 
     def __exit__(self, exc_type, exc, tb):
-        self.db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        if exc_type is None:
+            try:
+                self.db.execute("COMMIT")
+                return False
+            except sqlite3.Error:
+                self.db.execute("ROLLBACK")
+                raise
+        self.db.execute("ROLLBACK")
         return False
 
 
@@ -628,11 +635,14 @@ class StdioTransport:
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
         self.on_message, self.on_close, self.on_stderr = on_message, on_close, on_stderr
         self.proc: subprocess.Popen | None = None
-        self._write_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._close_lock = threading.Lock()
         self._closed = False
         self._close_signalled = False
 
     def start(self) -> None:
+        if self._closed:
+            raise UpstreamFailure("stopped before it started")
         argv = list(self.argv)
         resolved = shutil.which(argv[0], path=self.env.get("PATH"))
         if resolved:
@@ -652,6 +662,24 @@ class StdioTransport:
         self._reader.start()
         threading.Thread(target=self._read_stderr, name=f"coffer-{self.name}-err", daemon=True).start()
         threading.Thread(target=self._watch_exit, name=f"coffer-{self.name}-wait", daemon=True).start()
+        threading.Thread(target=self._write_stdin, name=f"coffer-{self.name}-in", daemon=True).start()
+
+    def _write_stdin(self) -> None:
+        """Own the blocking pipe writes: a server that stops reading must stall only itself, never the
+        client's reader or the timeout ticker."""
+        stdin = self.proc.stdin
+        while True:
+            data = self._outbox.get()
+            if data is None:
+                break
+            try:
+                stdin.write(data)
+            except (OSError, ValueError):
+                break  # the server is gone; its reader sees EOF and reports it
+        try:
+            stdin.close()
+        except OSError:
+            pass
 
     def _watch_exit(self) -> None:
         """Notice the server's exit even if a grandchild (npx, uvx, sh -c) keeps its stdout open."""
@@ -669,7 +697,7 @@ class StdioTransport:
             self._signal_close()
 
     def _signal_close(self) -> None:
-        with self._write_lock:
+        with self._close_lock:
             if self._close_signalled:
                 return
             self._close_signalled = True
@@ -680,13 +708,10 @@ class StdioTransport:
         return self.proc.pid if self.proc else None
 
     def send(self, message: dict) -> bool:
-        data = (dumps(message) + "\n").encode("utf-8")
-        try:
-            with self._write_lock:
-                self.proc.stdin.write(data)
-            return True
-        except (OSError, ValueError, AttributeError):
+        if self._closed or self.proc is None or self.proc.poll() is not None:
             return False
+        self._outbox.put((dumps(message) + "\n").encode("utf-8"))
+        return True
 
     def _read_stdout(self) -> None:
         # stdout is unbuffered (bufsize=0, so writes to stdin need no flush); reading it raw would cost one
@@ -723,14 +748,14 @@ class StdioTransport:
 
     def close(self, grace: float = 2.0) -> None:
         """Close stdin, give the server ``grace`` seconds to exit, then terminate and kill its process group."""
-        if self._closed or self.proc is None:
-            return
-        self._closed = True
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         proc = self.proc
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
+        if proc is None:
+            return
+        self._outbox.put(None)  # the writer flushes what is queued, then closes stdin
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
@@ -796,7 +821,7 @@ class HttpTransport:
         return headers
 
     def _post(self, message: dict) -> None:
-        import urllib.error, urllib.request  # noqa: E401 - lazily: http.client and email cost ~19 MB of RSS
+        import http.client, urllib.error, urllib.request  # noqa: E401 - lazily: they cost ~19 MB of RSS
         body = dumps(message).encode("utf-8")
         request = urllib.request.Request(self.url, data=body, headers=self._request_headers(), method="POST")
         try:
@@ -812,7 +837,7 @@ class HttpTransport:
                 self.on_close()
                 return
             self._fail(message, f"HTTP {exc.code} {exc.reason}")
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
             self._fail(message, f"cannot reach {self.name}: {getattr(exc, 'reason', exc)}")
 
     def _fail(self, message: dict, text: str) -> None:
@@ -934,6 +959,7 @@ class Upstream:
         self.capabilities: dict = {}
         self.lists = {kind: {} for kind in CAPABILITY_KINDS}  # kind -> {name: definition}, in upstream order
         self.generation = 0
+        self._closed_generation = -1
         self._timer: threading.Timer | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -954,7 +980,8 @@ class Upstream:
             headers = {k: expand_vars(v, missing=missing) for k, v in cfg["headers"].items()}
             self.secrets = [v for k, v in headers.items() if v != cfg["headers"][k] and len(v) >= 4]
             transport = HttpTransport(self.name, expand_vars(cfg["url"], missing=missing), headers,
-                                      self._on_message, on_close, self.settings["init_timeout"])
+                                      self._on_message, on_close,
+                                      max(float(self.settings["init_timeout"]), self.call_timeout))
         else:
             env = dict(os.environ)
             extra = {k: expand_vars(v, missing=missing) for k, v in cfg["env"].items()}
@@ -973,6 +1000,8 @@ class Upstream:
         try:
             transport = self._make_transport()
             with self.lock:
+                if self.state == "stopped":
+                    return
                 self.transport = transport
                 self.generation += 1
             transport.start()
@@ -988,11 +1017,14 @@ class Upstream:
             self.server_info = result.get("serverInfo") if isinstance(result.get("serverInfo"), dict) else {}
             for kind in CAPABILITY_KINDS:
                 self.refresh(kind, notify=False)
+            if self._closed_generation == self.generation:
+                raise UpstreamFailure("the server exited during discovery")
         except Exception as exc:  # noqa: BLE001 - any failure of a third-party server is a failed start
             self._start_failed(transport, exc)
             return
         with self.lock:
             if self.state == "stopped":
+                threading.Thread(target=transport.close, daemon=True).start()
                 return
             self.state = "ready"
             self.ready_at = time.monotonic()
@@ -1052,32 +1084,38 @@ class Upstream:
         with self.lock:
             if generation != self.generation:
                 return
-            state = self.state
+            self._closed_generation = generation
+            state, transport = self.state, self.transport
             orphaned = self._take_pending()
         code = None
-        proc = getattr(self.transport, "proc", None)
+        proc = getattr(transport, "proc", None)
         if proc is not None:
             try:
                 code = proc.wait(1.0)
             except subprocess.TimeoutExpired:
                 code = None
-        reason = f"upstream '{self.name}' exited" + (f" with code {code}" if code is not None else "")
+        reason = f"upstream '{self.name}' " + (f"exited with code {code}" if code is not None else "closed its connection")
+        # The old connection may have only closed stdout; make sure its process and pipes are gone too.
+        threading.Thread(target=transport.close, args=(0.5,), daemon=True).start()
         for pending in orphaned:
             pending.on_reply(None, "error", reason)
         if state != "ready":
-            return  # a start in progress fails through its own initialize wait
+            return  # a start in progress notices through its initialize wait or its closed-generation check
         with self.lock:
             quick = time.monotonic() - self.ready_at < self.QUICK_DEATH
             self.failures = self.failures + 1 if quick else 0
             self.last_error = self.redact(reason)
-            self.state = "backoff"
-        warn(f"[{self.name}] {reason}; restarting")
+            give_up = self.failures >= int(self.settings["max_restarts"])
+            self.state = "failed" if give_up else "backoff"
+            backlog = self.backlog if give_up else []
+            if give_up:
+                self.backlog = []
+        warn(f"[{self.name}] {reason}; " + ("giving up, marked failed" if give_up else "restarting"))
         self.events.on_down(self)
-        if self.failures >= int(self.settings["max_restarts"]):
-            with self.lock:
-                self.state = "failed"
-            return
-        self._schedule_start(0.0 if not quick else min(30.0, 0.5 * 2 ** (self.failures - 1)))
+        for run in backlog:
+            run()
+        if not give_up:
+            self._schedule_start(0.0 if not quick else min(30.0, 0.5 * 2 ** (self.failures - 1)))
 
     def _take_pending(self) -> list[Pending]:
         orphaned = list(self.pending.values())
@@ -1212,7 +1250,8 @@ class Upstream:
         for request_id in expired:
             pending = self._finish(request_id)
             if pending is not None:
-                self.notify("notifications/cancelled", {"requestId": request_id, "reason": "timed out"})
+                if pending.method != "initialize":  # the spec forbids cancelling initialize
+                    self.notify("notifications/cancelled", {"requestId": request_id, "reason": "timed out"})
                 pending.on_reply(None, "timeout",
                                  f"upstream '{self.name}' did not answer {pending.method} within {pending.timeout:g}s")
 
@@ -1792,16 +1831,16 @@ class Embedder:
         key = os.environ.get(self.key_env) if self.key_env else None
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        import urllib.error, urllib.request  # noqa: E401 - lazily, only when an embedder is configured
+        import http.client, urllib.error, urllib.request  # noqa: E401 - lazily, only with an embedder
         request = urllib.request.Request(endpoint, data=dumps(body).encode("utf-8"), headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=max(0.01, timeout)) as response:
                 payload = json.loads(response.read())
         except urllib.error.HTTPError as exc:
             raise EmbedderError(f"HTTP {exc.code} from {endpoint}") from None
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
-            raise EmbedderError("timed out" if "timed out" in str(reason) else f"unreachable: {reason}") from None
+            raise EmbedderError("timed out" if "timed out" in str(reason) else f"unreachable: {reason!r}") from None
         except ValueError:
             raise EmbedderError("the reply is not JSON") from None
         try:
@@ -1930,38 +1969,54 @@ class SemanticRanker:
         self._wanted.set()
 
     def _embed_loop(self) -> None:
-        import array
+        delay, last_error = 5.0, None
         while True:
             self._wanted.wait()
             self._wanted.clear()
             with self.lock:
                 tools = self._tools
-            hashes = [text_hash(embedding_text(tool)) for tool in tools]
-            missing = {h: embedding_text(tool) for h, tool in zip(hashes, tools) if h not in self.vectors}
-            if missing:
-                try:
-                    vectors = self.embedder.embed(list(missing.values()), self.build_timeout)
-                except EmbedderError as exc:
-                    warn(f"embedder: could not embed {len(missing)} tools ({exc}); search uses BM25 until it can")
-                    time.sleep(5.0)
-                    self._wanted.set()  # retry later; the catalogue is served by BM25 meanwhile
-                    continue
-                new = dict(zip(missing, vectors))
-                self.vectors.update(new)
-                try:
-                    db = self._connect()
-                    with _Transaction(db):
-                        db.executemany("INSERT OR REPLACE INTO embeddings(model, text_hash, dim, vector, created_at)"
-                                       " VALUES (?,?,?,?,?)",
-                                       [(self.embedder.cache_key, h, len(v), array.array("f", v).tobytes(), utcnow())
-                                        for h, v in new.items()])
-                    db.close()
-                except sqlite3.Error as exc:
-                    warn(f"embedding cache not saved: {exc}")
-            index = SemanticIndex(tools, [self.vectors.get(h) for h in hashes])
+            try:
+                index = self._index(tools)
+            except Exception as exc:  # noqa: BLE001 - BM25 serves meanwhile; this thread must live on
+                if str(exc) != last_error:
+                    warn(f"embedder: tool vectors unavailable ({exc}); search uses BM25 until they are")
+                    last_error = str(exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 120.0)
+                self._wanted.set()
+                continue
+            delay, last_error = 5.0, None
             with self.lock:
                 if self._tools is tools:
                     self.index, self._index_for = index, tools
+
+    def _index(self, tools: list[dict]) -> SemanticIndex:
+        """Embed what is not cached yet (saving it), then index the whole catalogue."""
+        import array
+        hashes = [text_hash(embedding_text(tool)) for tool in tools]
+        missing = {h: embedding_text(tool) for h, tool in zip(hashes, tools) if h not in self.vectors}
+        if missing:
+            new = dict(zip(missing, self.embedder.embed(list(missing.values()), self.build_timeout)))
+            self.vectors.update(new)
+            try:
+                db = self._connect()
+                with _Transaction(db):
+                    db.executemany("INSERT OR REPLACE INTO embeddings(model, text_hash, dim, vector, created_at)"
+                                   " VALUES (?,?,?,?,?)",
+                                   [(self.embedder.cache_key, h, len(v), array.array("f", v).tobytes(), utcnow())
+                                    for h, v in new.items()])
+                db.close()
+            except sqlite3.Error as exc:
+                warn(f"embedding cache not saved: {exc}")
+        vectors = [self.vectors.get(h) for h in hashes]
+        dims = collections.Counter(len(v) for v in vectors if v)
+        if len(dims) > 1:  # the model behind the name changed: keep the current dimension, re-embed the rest
+            current = len(self.embedder.embed(["dimension probe"], self.build_timeout)[0])
+            for h in hashes:
+                if h in self.vectors and len(self.vectors[h]) != current:
+                    del self.vectors[h]
+            raise EmbedderError(f"cached vectors of another dimension than {current}; re-embedding")
+        return SemanticIndex(tools, vectors)
 
     def search(self, lexical_index: SearchIndex, query: str, top_k: int):
         """Hybrid search, or BM25 with a note saying why not."""
@@ -1976,7 +2031,11 @@ class SemanticRanker:
             warn(f"embedder fallback to BM25: {exc}")
             return lexical_index.search(query, top_k), "bm25", f"embedder fallback: {exc}"
         lexical = lexical_index.rank(query, self.CANDIDATES)
-        semantic = index.rank(query_vector, self.CANDIDATES)
+        try:
+            semantic = index.rank(query_vector, self.CANDIDATES)
+        except ValueError as exc:  # a query vector of another dimension: the endpoint's model changed
+            warn(f"embedder fallback to BM25: {exc}")
+            return lexical_index.search(query, top_k), "bm25", "embedder fallback: vector dimension changed"
         tools = lexical_index.tools
         return [(tools[doc], round(score, 4)) for doc, score in fuse(lexical, semantic, top_k)], "hybrid", None
 
@@ -2061,6 +2120,8 @@ class Gateway:
         self.client_name = "unknown"
         self.protocol_version = LATEST_PROTOCOL_VERSION
         self.log_level = None
+        self.advertised: dict = {}
+        self.subscriptions: dict[str, set[str]] = collections.defaultdict(set)  # server -> original URIs
         self.inflight: dict = {}          # client request id -> (upstream, upstream id, capability, kind, started)
         self.client_requests: dict = {}   # id Coffer gave a server->client request -> (upstream, upstream's id)
         self._client_request_seq = 0
@@ -2134,13 +2195,15 @@ class Gateway:
         method = message.get("method")
         has_id = "id" in message
         msg_id = message.get("id")
+        if method is None and ("result" in message or "error" in message):
+            if valid_request_id(msg_id):
+                self._client_response(message)
+            return  # JSON-RPC never answers a response, even a malformed one
         if has_id and not valid_request_id(msg_id):
             self.send(rpc_error(None, INVALID_REQUEST, "Invalid Request: id must be a string or an integer"))
             return
         if method is None:
-            if has_id and ("result" in message or "error" in message):
-                self._client_response(message)
-            elif has_id:
+            if has_id:
                 self.send(rpc_error(msg_id, INVALID_REQUEST, "Invalid Request: no method"))
             return
         if not isinstance(method, str):
@@ -2163,8 +2226,12 @@ class Gateway:
         if not self.initialized and method not in ("initialize", "ping"):
             self.send(rpc_error(msg_id, INVALID_REQUEST, "Invalid Request: send initialize first"))
             return
+        self._answer(msg_id, method, lambda: handler(msg_id, params))
+
+    def _answer(self, msg_id, method: str, work) -> None:
+        """Run ``work`` and send its result; errors become JSON-RPC errors.  None means "answered later"."""
         try:
-            result = handler(msg_id, params)
+            result = work()
         except RpcError as exc:
             self.send(rpc_error(msg_id, exc.code, exc.message, exc.data))
             return
@@ -2194,9 +2261,10 @@ class Gateway:
         failed = [c["name"] for c in self.configs.values() if c.get("status") == "failed"]
         if failed:
             instructions += " Failed at their last start: " + ", ".join(failed)[:200] + "."
+        self.advertised = self._advertised_capabilities()
         return {
             "protocolVersion": self.protocol_version,
-            "capabilities": self._advertised_capabilities(),
+            "capabilities": self.advertised,
             "serverInfo": {"name": "coffer", "title": "Coffer MCP gateway", "version": __version__},
             "instructions": instructions[:800],
         }
@@ -2225,8 +2293,10 @@ class Gateway:
 
     def _add_upstream(self, config: dict) -> None:
         caps = {k: v for k, v in self.client_capabilities.items() if k in CLIENT_SIDE_CAPABILITIES}
-        upstream = Upstream(config, self.settings, self, caps, self.protocol_version)
-        with self.lock:
+        with self.lock:  # initialize (client thread) and a vault reload (ticker) may both get here
+            if config["name"] in self.upstreams:
+                return
+            upstream = Upstream(config, self.settings, self, caps, self.protocol_version)
             self.upstreams[config["name"]] = upstream
         upstream.start()
 
@@ -2254,8 +2324,8 @@ class Gateway:
                 last_reload = now
                 try:
                     self._reload_if_vault_changed()
-                except sqlite3.Error as exc:
-                    warn(f"could not read the vault: {exc}")
+                except Exception as exc:  # noqa: BLE001 - the ticker also guards every timeout
+                    warn(f"could not apply vault changes: {exc!r}")
 
     def _reload_if_vault_changed(self) -> None:
         """Apply `coffer enable/disable/add/remove` made while this session runs."""
@@ -2267,9 +2337,9 @@ class Gateway:
             enabled = self.vault.enabled_map()
             configs = {c["name"]: c for c in self.vault.servers() if c["enabled"]}
             settings = self.vault.settings()
+            changed = enabled != self.enabled
+            self.enabled = enabled
         keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy")
-        changed = enabled != self.enabled
-        self.enabled = enabled
         if settings != self.settings:
             self.settings.update(settings)  # the upstreams share this dict
             for upstream in list(self.upstreams.values()):
@@ -2297,11 +2367,14 @@ class Gateway:
         try:
             with self.vault_lock:
                 states = self.vault.sync_capabilities(upstream.name, kind, items)
+                for name, state in states.items():
+                    self.enabled[(upstream.name, kind, name)] = state
         except sqlite3.Error as exc:
             warn(f"[{upstream.name}] could not record its {kind}s in the vault: {exc}")
-            states = {}
-        for name, state in states.items():
-            self.enabled[(upstream.name, kind, name)] = state
+            if upstream.config.get("policy") == "disabled":  # fail closed: unrecorded means not allowed
+                with self.vault_lock:
+                    for name in items:
+                        self.enabled.setdefault((upstream.name, kind, name), False)
         if notify:
             self.rebuild()
 
@@ -2315,11 +2388,23 @@ class Gateway:
         if self.log_level and "logging" in upstream.capabilities:
             upstream.request("logging/setLevel", {"level": self.log_level}, lambda *a: None)
         restarted = upstream.spawns > 1
+        if restarted:
+            with self.lock:
+                uris = sorted(self.subscriptions.get(upstream.name, ()))
+            for uri in uris:
+                upstream.request("resources/subscribe", {"uri": uri}, lambda *a: None)
         self.rebuild(force=restarted)
         with self.changed:
             self.changed.notify_all()
 
     def on_down(self, upstream: Upstream) -> None:
+        with self.lock:  # what the dead process asked of the client can no longer be answered
+            stale = [cid for cid, (up, _, _) in self.client_requests.items() if up is upstream]
+            for cid in stale:
+                del self.client_requests[cid]
+        for cid in stale:
+            self.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                       "params": {"requestId": cid, "reason": f"upstream '{upstream.name}' went away"}})
         detail = upstream.last_error or ""
         self._record_status(upstream, upstream.state, detail)
         if upstream.state == "failed":
@@ -2347,7 +2432,7 @@ class Gateway:
             message = {"jsonrpc": "2.0", "method": method, "params": params}
         elif method == "notifications/cancelled":
             with self.lock:
-                ours = next((cid for cid, (up, uid) in self.client_requests.items()
+                ours = next((cid for cid, (up, _, uid) in self.client_requests.items()
                              if up is upstream and uid == params.get("requestId")), None)
                 if ours is None:
                     return
@@ -2366,15 +2451,16 @@ class Gateway:
         with self.lock:
             self._client_request_seq += 1
             ours = f"coffer-{self._client_request_seq}"
-            self.client_requests[ours] = (upstream, message["id"])
+            self.client_requests[ours] = (upstream, upstream.generation, message["id"])
         self.send({**message, "id": ours})
 
     def _client_response(self, message: dict) -> None:
         with self.lock:
             route = self.client_requests.pop(message["id"], None)
         if route is not None:
-            upstream, their_id = route
-            upstream.respond({**message, "id": their_id})
+            upstream, generation, their_id = route
+            if upstream.generation == generation:  # a restarted server never asked this; drop the answer
+                upstream.respond({**message, "id": their_id})
 
     def _client_notification(self, method: str, params: dict) -> None:
         if method == "notifications/cancelled":
@@ -2417,7 +2503,7 @@ class Gateway:
             if not self.initialized:
                 return
             for key in ("tools", "prompts", "resources"):
-                if old[key] != new[key] or (force and key == "tools"):
+                if key in self.advertised and (old[key] != new[key] or (force and key == "tools")):
                     self.send({"jsonrpc": "2.0", "method": f"notifications/{key}/list_changed"})
 
     def _discovering(self) -> list[str]:
@@ -2439,13 +2525,7 @@ class Gateway:
                 self._reported_missing = True
                 warn(f"still starting after {self.settings['discovery_timeout']:g}s: {', '.join(missing)}; "
                      "their tools will be announced with notifications/tools/list_changed")
-            try:
-                result = work()
-            except RpcError as exc:
-                self.send(rpc_error(msg_id, exc.code, exc.message, exc.data))
-                return
-            if result is not None:
-                self.send(rpc_result(msg_id, result))
+            self._answer(msg_id, "a deferred request", work)
 
         if not background and (not self._discovering() or time.monotonic() >= self.discovery_deadline):
             return work()
@@ -2595,6 +2675,9 @@ class Gateway:
         def handler(msg_id, params):
             uri = _require_str(params, "uri")
             upstream, original = self._resource_route(uri, time.monotonic(), None)
+            with self.lock:  # remembered so a restarted upstream is subscribed again
+                subscribed = self.subscriptions[upstream.name]
+                subscribed.add(original) if method == "resources/subscribe" else subscribed.discard(original)
             self._forward(msg_id, upstream, method, {**params, "uri": original}, uri, None, time.monotonic())
         return handler
 

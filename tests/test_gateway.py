@@ -4,6 +4,7 @@ retention, and a busy vault that must never slow or fail a call."""
 import json
 import sqlite3
 import textwrap
+import threading
 import time
 
 
@@ -121,3 +122,59 @@ def test_advertised_capabilities_are_the_union_of_what_upstreams_offered(home, r
     first.close()
     second = raw_gateway()
     assert second.initialize()["result"]["capabilities"] == {"tools": {"listChanged": True}}
+
+
+def test_an_upstream_that_stops_reading_stalls_only_itself(home, raw_gateway):
+    cli("add", "stuck", "--timeout", "2", "--", *FAKE, "--tools", "echo", "--stop-reading")
+    cli("add", "ok", "--", *FAKE, "--tools", "echo")
+    gw = raw_gateway()
+    gw.initialize()
+    assert len(gw.request("tools/list")["result"]["tools"]) == 3
+    big = "x" * (2 * 1024 * 1024)                      # far more than a pipe buffer holds
+    def flood():  # on a thread: if the gateway regressed to blocking, this write blocks, not the test
+        for msg_id in (100, 101):
+            gw.send({"jsonrpc": "2.0", "id": msg_id, "method": "tools/call",
+                     "params": {"name": "stuck__echo", "arguments": {"text": big}}})
+    threading.Thread(target=flood, daemon=True).start()
+    time.sleep(0.5)
+    answers = {}
+
+    def probe():
+        answers["ok"] = gw.request("tools/call", {"name": "ok__echo", "arguments": {"text": "still here"}})
+        answers["ping"] = gw.request("ping")
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    prober.join(20)
+    if prober.is_alive():
+        gw.proc.kill()  # a regression: the gateway stopped reading its client
+    assert answers.get("ping", {}).get("result") == {}, "the gateway stalled behind the stuck upstream"
+    assert answers["ok"]["result"]["content"][0]["text"] == "still here"
+    timed_out = gw.wait_response(100, timeout=15)["result"]   # and the timeout still fires for the stuck one
+    assert timed_out["isError"] and "did not answer" in timed_out["content"][0]["text"]
+
+
+def test_a_server_that_crashes_past_max_restarts_is_reported_failed_and_removed(home, raw_gateway):
+    cli("config", "max_restarts", "1")
+    cli("add", "fragile", "--", *FAKE, "--tools", "echo,crash")
+    gw = raw_gateway()
+    gw.initialize()
+    assert "fragile__crash" in [t["name"] for t in gw.request("tools/list")["result"]["tools"]]
+    crashed = gw.request("tools/call", {"name": "fragile__crash", "arguments": {}}, timeout=10)["result"]
+    assert crashed["isError"]
+    gw.wait_for(lambda g: any(n["method"] == "notifications/tools/list_changed" for n in g.notifications))
+    assert [t["name"] for t in gw.request("tools/list")["result"]["tools"]] == ["coffer__search_tools"]
+    after = gw.request("tools/call", {"name": "fragile__echo", "arguments": {"text": "x"}}, timeout=10)
+    assert "error" in after
+    gw.close()
+    status = json.loads(cli("list", "--json").stdout)["servers"][0]
+    assert status["status"] == "failed" and "exited" in status["detail"]
+
+
+def test_a_response_is_never_answered_even_with_a_null_id(home, raw_gateway):
+    gw = raw_gateway()
+    gw.initialize()
+    gw.send({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "your parse error"}})
+    gw.send({"jsonrpc": "2.0", "id": "never-asked", "result": {}})
+    assert gw.request("ping")["result"] == {}
+    assert json.dumps(None) not in gw.responses or not gw.responses[json.dumps(None)]
