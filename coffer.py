@@ -570,6 +570,12 @@ class InvocationLog:
         duration = round((time.monotonic() - started) * 1000.0, 3)
         self.queue.put((utcnow(), client, server, capability, kind, duration, status, error))
 
+    def flush(self, timeout: float = 5.0) -> None:
+        """Write everything recorded so far before returning (used first thing at shutdown)."""
+        written = threading.Event()
+        self.queue.put(written)
+        written.wait(timeout)
+
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self.queue.put(None)
@@ -578,16 +584,21 @@ class InvocationLog:
     def _run(self) -> None:
         db = None
         pending: list[tuple] = []
+        waiters: list[threading.Event] = []
         while True:
             try:
                 item = self.queue.get(timeout=self.FLUSH_INTERVAL if pending else None)
-                if item is not None:
+                if isinstance(item, threading.Event):
+                    waiters.append(item)
+                elif item is not None:
                     pending.append(item)
                     # Let the rest of this burst arrive: one commit per interval, not one per call.
                     self._stop.wait(self.FLUSH_INTERVAL)
                 while len(pending) < 10_000:
                     item = self.queue.get_nowait()
-                    if item is not None:
+                    if isinstance(item, threading.Event):
+                        waiters.append(item)
+                    elif item is not None:
                         pending.append(item)
             except queue.Empty:
                 pass
@@ -600,6 +611,9 @@ class InvocationLog:
                                    " status, error) VALUES (?,?,?,?,?,?,?,?)", pending)
                     db.execute("COMMIT")
                     pending.clear()
+                    for waiter in waiters:
+                        waiter.set()
+                    waiters.clear()
                 except sqlite3.Error as exc:
                     try:
                         if db is not None and db.in_transaction:
@@ -614,6 +628,10 @@ class InvocationLog:
                         warn(f"{len(pending)} invocation rows could not be written: {exc}")
                         break
                     time.sleep(0.5)
+            if not pending:
+                for waiter in waiters:
+                    waiter.set()
+                waiters.clear()
             if self._stop.is_set() and self.queue.empty() and not pending:
                 break
         if db is not None:
@@ -2304,6 +2322,8 @@ class Gateway:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        # Rows first: a client that closes stdin usually kills its server a few seconds later.
+        self.log.flush(3.0)
         threads = [threading.Thread(target=up.stop, daemon=True) for up in list(self.upstreams.values())]
         for thread in threads:
             thread.start()
@@ -2938,7 +2958,8 @@ def cmd_serve(vault: Vault, args) -> int:
     gateway = Gateway(vault)
 
     def on_signal(signum, frame):
-        raise SystemExit(0)
+        if not gateway._stopping.is_set():  # a second signal must not interrupt the shutdown itself
+            raise SystemExit(0)
 
     for name in ("SIGTERM", "SIGHUP"):
         if hasattr(signal, name):

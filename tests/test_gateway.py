@@ -160,9 +160,14 @@ def test_a_server_that_crashes_past_max_restarts_is_reported_failed_and_removed(
     gw = raw_gateway()
     gw.initialize()
     assert "fragile__crash" in [t["name"] for t in gw.request("tools/list")["result"]["tools"]]
+
+    def changes(g):
+        return sum(n["method"] == "notifications/tools/list_changed" for n in g.notifications)
+
+    before = changes(gw)
     crashed = gw.request("tools/call", {"name": "fragile__crash", "arguments": {}}, timeout=10)["result"]
     assert crashed["isError"]
-    gw.wait_for(lambda g: any(n["method"] == "notifications/tools/list_changed" for n in g.notifications))
+    gw.wait_for(lambda g: changes(g) > before)
     assert [t["name"] for t in gw.request("tools/list")["result"]["tools"]] == ["coffer__search_tools"]
     after = gw.request("tools/call", {"name": "fragile__echo", "arguments": {"text": "x"}}, timeout=10)
     assert "error" in after
