@@ -2629,7 +2629,7 @@ class Gateway:
         hint = f"; call {SEARCH_TOOL} to find tools" if kind == "tool" else ""
         raise RpcError(INVALID_PARAMS, f"Unknown {kind}: {name}{hint}")
 
-    def _tools_call(self, msg_id, params, retried: bool = False):
+    def _tools_call(self, msg_id, params):
         started = time.monotonic()
         name = _require_str(params, "name")
         arguments = params.get("arguments")
@@ -2639,29 +2639,25 @@ class Gateway:
             # With an embedder a query may wait up to embedder_timeout: answer it off the client's reader thread.
             return self._after_discovery(msg_id, lambda: self._search_tools(arguments or {}, started),
                                          background=self.semantic is not None)
-        catalogue = self.catalogue
-        route = catalogue.tool_routes.get(name)
-        if route is None:
-            if name in catalogue.disabled:
-                self._deny(name, "tool", started, "tool")
-            return self._unknown(msg_id, name, "tool", started,
-                                 None if retried else lambda: self._tools_call(msg_id, params, True))
-        upstream, original = route
-        self._forward(msg_id, upstream, "tools/call", {**params, "name": original}, name, "tool", started)
-        return None
+        return self._route_named(msg_id, params, name, "tool", "tools/call", started)
 
-    def _prompts_get(self, msg_id, params, retried: bool = False):
+    def _prompts_get(self, msg_id, params):
         started = time.monotonic()
-        name = _require_str(params, "name")
+        return self._route_named(msg_id, params, _require_str(params, "name"), "prompt", "prompts/get", started)
+
+    def _route_named(self, msg_id, params, name: str, kind: str, method: str, started: float,
+                     retried: bool = False):
+        """Send a tool call or prompt fetch to the upstream that owns ``name``, under its original name."""
         catalogue = self.catalogue
-        route = catalogue.prompt_routes.get(name)
+        route = (catalogue.tool_routes if kind == "tool" else catalogue.prompt_routes).get(name)
         if route is None:
             if name in catalogue.disabled:
-                self._deny(name, "prompt", started, "prompt")
-            return self._unknown(msg_id, name, "prompt", started,
-                                 None if retried else lambda: self._prompts_get(msg_id, params, True))
+                self._deny(name, kind, started, kind)
+            retry = None if retried else (
+                lambda: self._route_named(msg_id, params, name, kind, method, started, True))
+            return self._unknown(msg_id, name, kind, started, retry)
         upstream, original = route
-        self._forward(msg_id, upstream, "prompts/get", {**params, "name": original}, name, "prompt", started)
+        self._forward(msg_id, upstream, method, {**params, "name": original}, name, kind, started)
         return None
 
     def _resource_route(self, uri: str, started: float, log_kind):
