@@ -2582,17 +2582,16 @@ class Gateway:
                 entry = self.inflight.get(msg_id)
                 if entry is not None and entry[0] is upstream and entry[1] == state.get("their_id"):
                     del self.inflight[msg_id]
+            # The row is queued before the client sees the reply, so the log's order is the order of causes.
             if response is None:
+                if kind:
+                    self.log.record(client, upstream.name, capability, kind, started, failure, text[:200])
                 if method == "tools/call":
                     self.send(rpc_result(msg_id, tool_error_result(f"coffer: {text}")))
                 else:
                     code = REQUEST_TIMEOUT if failure == "timeout" else UPSTREAM_ERROR
                     self.send(rpc_error(msg_id, code, text))
-                if kind:
-                    self.log.record(client, upstream.name, capability, kind, started, failure, text[:200])
                 return
-            response["id"] = msg_id
-            self.send(response)
             if kind:
                 error = response.get("error")
                 if error is not None:
@@ -2605,6 +2604,8 @@ class Gateway:
                                     "tool reported isError")
                 else:
                     self.log.record(client, upstream.name, capability, kind, started, "ok")
+            response["id"] = msg_id
+            self.send(response)
 
         their_id = upstream.request(method, params, on_reply)
         if their_id is not None:
