@@ -253,6 +253,13 @@ def resolve_tool(names: list[str], server: str, tool: str, prefix: str | None) -
 
 # ------------------------------------------------------------------------------------------------- 1. latency
 
+async def open_session(stack, path, upstream, tool, errlog):
+    """Connect one path's client and find what the tool is called on that path."""
+    client = await stack.enter_async_context(connect(path.params, errlog))
+    names = [t.name for t in (await client.list_tools()).tools]
+    return client, resolve_tool(names, upstream.name, tool, path.prefix)
+
+
 async def bench_latency(paths: list[Path_], upstream: Upstream, n: int, slow_n: int, batch: int, warmup: int,
                         errlog) -> dict:
     """Sequential calls to one tool on every path, interleaved: round r runs one batch per path, in an order
@@ -263,9 +270,7 @@ async def bench_latency(paths: list[Path_], upstream: Upstream, n: int, slow_n: 
     async with contextlib.AsyncExitStack() as stack:
         sessions = []
         for path in paths:
-            client = await stack.enter_async_context(connect(path.params, errlog))
-            names = [t.name for t in (await client.list_tools()).tools]
-            name = resolve_tool(names, upstream.name, tool, path.prefix)
+            client, name = await open_session(stack, path, upstream, tool, errlog)
             quota = slow_n if path.slow else n
             for _ in range(min(warmup, quota)):
                 await client.call_tool(name, arguments)
@@ -336,9 +341,7 @@ async def bench_throughput(paths: list[Path_], upstream: Upstream, levels: list[
     async with contextlib.AsyncExitStack() as stack:
         sessions = []
         for path in paths:
-            client = await stack.enter_async_context(connect(path.params, errlog))
-            names = [t.name for t in (await client.list_tools()).tools]
-            name = resolve_tool(names, upstream.name, tool, path.prefix)
+            client, name = await open_session(stack, path, upstream, tool, errlog)
             await run_inflight(client, name, arguments, 8, 8 if path.slow else 64)  # warm up
             sessions.append((path, client, name))
         for r in range(rounds):

@@ -438,6 +438,14 @@ def _start_with_upstreams(tmp_path, tag):
     return gw, pids
 
 
+def _reap(gw, pids):
+    """Whatever a failed assertion left running: the upstreams, then the gateway."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    gw.close()
+
+
 @posix_only
 def test_kill_9_of_the_gateway_leaves_no_orphans(home, tmp_path):
     gw, pids = _start_with_upstreams(tmp_path, "k")
@@ -447,10 +455,7 @@ def test_kill_9_of_the_gateway_leaves_no_orphans(home, tmp_path):
         wait_until(lambda: not any(alive(pid) for pid in pids), timeout=5.0, interval=0.05,
                    what=f"upstreams {pids} to exit after kill -9 of the gateway")
     finally:
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        gw.close()
+        _reap(gw, pids)
 
 
 @posix_only
@@ -462,10 +467,7 @@ def test_sigterm_shuts_down_every_upstream(home, tmp_path):
         wait_until(lambda: not any(alive(pid) for pid in pids), timeout=2.0, interval=0.05,
                    what=f"upstreams {pids} to be gone after a clean shutdown")
     finally:
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        gw.close()
+        _reap(gw, pids)
 
 
 # -- 11. secrets and privacy -----------------------------------------------------------------------------------
