@@ -24,7 +24,6 @@ import collections
 import functools
 import hashlib
 import heapq
-import io
 import json
 import math
 import os
@@ -97,6 +96,59 @@ def dumps(obj) -> str:
 
 def utcnow() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def read_line_bursts(read, size: int = 1 << 16):
+    """Yield, per system call, the list of complete lines that arrived together (without their newlines).
+
+    ``read(size)`` must return what is available now (one ``os.read``), b"" at EOF.  An unterminated last
+    line is yielded at EOF like any other.
+    """
+    partial: list[bytes] = []
+    while True:
+        chunk = read(size)
+        if not chunk:
+            if partial:
+                yield [b"".join(partial)]
+            return
+        if b"\n" not in chunk:
+            partial.append(chunk)
+            continue
+        lines = chunk.split(b"\n")
+        if partial:
+            partial.append(lines[0])
+            lines[0] = b"".join(partial)
+            partial = []
+        tail = lines.pop()
+        if tail:
+            partial.append(tail)
+        yield lines
+
+
+# Messages that arrive together are answered together: while a reader thread handles one burst of lines, a
+# writer may hold its output and write it once at the end, so a busy client gets its replies in one write
+# (and parses them in one read) instead of one system call each.
+_burst = threading.local()
+
+
+def handle_burst(lines: list[bytes], handle) -> None:
+    _burst.flushes = flushes = {}
+    try:
+        for line in lines:
+            handle(line)
+    finally:
+        _burst.flushes = None
+        for flush in flushes.values():
+            flush()
+
+
+def defer_to_burst_end(key, flush) -> bool:
+    """Ask for ``flush()`` when the current thread's burst ends; False when no burst is being handled."""
+    flushes = getattr(_burst, "flushes", None)
+    if flushes is None:
+        return False
+    flushes[key] = flush
+    return True
 
 
 def warn(message: str) -> None:
@@ -684,14 +736,19 @@ class StdioTransport:
 
     def _write_stdin(self) -> None:
         """Own the blocking pipe writes: a server that stops reading must stall only itself, never the
-        client's reader or the timeout ticker."""
-        stdin = self.proc.stdin
-        while True:
-            data = self._outbox.get()
-            if data is None:
-                break
+        client's reader or the timeout ticker.  Whatever queued up meanwhile goes out in one write."""
+        stdin, outbox = self.proc.stdin, self._outbox
+        closing = False
+        while not closing:
+            batch = [outbox.get()]
+            while not outbox.empty() and len(batch) < 256:
+                batch.append(outbox.get_nowait())
+            if None in batch:
+                closing = True
+                batch = batch[:batch.index(None)]
             try:
-                stdin.write(data)
+                if batch:
+                    stdin.write(b"".join(batch))
             except (OSError, ValueError):
                 break  # the server is gone; its reader sees EOF and reports it
         try:
@@ -732,32 +789,32 @@ class StdioTransport:
         return True
 
     def _read_stdout(self) -> None:
-        # stdout is unbuffered (bufsize=0, so writes to stdin need no flush); reading it raw would cost one
-        # system call per byte of a 10 MB reply.
-        stream = io.BufferedReader(self.proc.stdout, 1 << 16)
+        # stdout is unbuffered (bufsize=0): each read returns what has arrived, so a reply burst is one call.
         skipped = 0
-        while True:
-            try:
-                line = stream.readline()
-            except (OSError, ValueError):
-                break
-            if not line:
-                break
+
+        def handle(line: bytes) -> None:
+            nonlocal skipped
             if not line.strip():
-                continue
+                return
             try:
                 message = json.loads(line)
             except ValueError:  # UnicodeDecodeError included: invalid UTF-8 is skipped like any junk
                 skipped += 1
                 if skipped <= 20 or skipped % 1000 == 0:
                     warn(f"[{self.name}] skipped a non-JSON line on stdout ({len(line)} bytes; {skipped} so far)")
-                continue
+                return
             for item in (message if isinstance(message, list) else [message]):
                 if isinstance(item, dict):
                     try:
                         self.on_message(item)
                     except Exception as exc:  # a bug in routing must not kill the reader
                         warn(f"[{self.name}] error handling a message: {exc!r}")
+
+        try:
+            for lines in read_line_bursts(self.proc.stdout.read):
+                handle_burst(lines, handle)
+        except (OSError, ValueError):
+            pass
         self._signal_close()
 
     def _read_stderr(self) -> None:
@@ -2122,6 +2179,7 @@ class Gateway:
         self.settings = vault.settings()
         self.out = out if out is not None else sys.stdout.buffer
         self.out_lock = threading.Lock()
+        self._unsent: list[bytes] = []
         self.log = InvocationLog(vault.path)
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
@@ -2166,6 +2224,16 @@ class Gateway:
     def send(self, message: dict) -> None:
         data = (dumps(message) + "\n").encode("utf-8")
         with self.out_lock:
+            self._unsent.append(data)
+        if not defer_to_burst_end(self, self._write_unsent):
+            self._write_unsent()
+
+    def _write_unsent(self) -> None:
+        with self.out_lock:
+            if not self._unsent:
+                return  # another thread's write took it along
+            data = self._unsent[0] if len(self._unsent) == 1 else b"".join(self._unsent)
+            self._unsent.clear()
             try:
                 self.out.write(data)
                 self.out.flush()

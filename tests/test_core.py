@@ -196,3 +196,35 @@ def test_a_vault_from_before_the_capabilities_column_is_upgraded_in_place(home):
     vault = coffer.Vault(str(home))
     vault.record_status("t", "ready", "ok", {"tools": {}})
     assert vault.server("t")["capabilities"] == {"tools": {}}
+
+
+def test_line_bursts_rebuild_every_line_whatever_the_read_boundaries():
+    """Upstream replies are split into lines from raw reads: a line may straddle reads (a 200 KB reply spans
+    several), several may share one, and the last may lack its newline."""
+    import random
+    lines = [b'{"id":1}', b"", b'{"big":"' + b"x" * 200_000 + b'"}', b'{"id":2}\r', b'{"id":3}', b"tail"]
+    stream = b"\n".join(lines)
+    rng = random.Random(5)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(stream)), 40))
+        chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+        reads = iter(chunks + [b""])
+        got = [line for burst in coffer.read_line_bursts(lambda size: next(reads)) for line in burst]
+        assert got == lines
+    reads = iter([b'{"a":1}\n{"b":2}\n{"c"', b':3}\n', b""])
+    assert list(coffer.read_line_bursts(lambda size: next(reads))) == [[b'{"a":1}', b'{"b":2}'], [b'{"c":3}']]
+
+
+def test_output_held_during_a_burst_is_written_once_at_its_end_even_on_error():
+    written = []
+
+    def handle(line):
+        if line == b"boom":
+            raise RuntimeError("a handler failed mid-burst")
+        assert coffer.defer_to_burst_end("client", lambda: written.append("flush"))
+        written.append(line)
+
+    with pytest.raises(RuntimeError):
+        coffer.handle_burst([b"1", b"2", b"boom"], handle)
+    assert written == [b"1", b"2", "flush"]  # one flush, after the burst, despite the error
+    assert coffer.defer_to_burst_end("client", lambda: None) is False  # outside a burst: write at once
