@@ -1684,9 +1684,18 @@ def tokenize(text: str) -> list[str]:
     return list(_cached_terms(text))
 
 
-@functools.lru_cache(maxsize=1 << 15)  # a rebuild after one upstream changes re-tokenizes only new texts
 def _cached_terms(text: str) -> tuple[str, ...]:
-    return tuple(stem(word) for word in _words(text) if word not in STOP_WORDS)
+    return _analysed(text)[0]
+
+
+@functools.lru_cache(maxsize=1 << 15)  # a rebuild after one upstream changes re-tokenizes only new texts
+def _analysed(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(index terms, English terms for its foreign tool-domain words) of one text, computed once per text."""
+    words = _words(text)
+    terms = tuple(stem(word) for word in words if word not in STOP_WORDS)
+    if text.isascii():  # no CJK phrase can match: the lexicon's word look-up is all there is to do
+        return terms, tuple(stem(english) for word in words for english in LEXICON.get(word, ()))
+    return terms, tuple(translations(text))
 
 
 def translations(text: str) -> list[str]:
@@ -1793,10 +1802,11 @@ class SearchIndex:
         if not title and isinstance(annotations.get("title"), str):
             title = annotations["title"]
         param_names, param_text = _schema_text(tool.get("inputSchema"))
-        terms = _cached_terms
-        return {"name": terms(short), "server": terms(server), "title": terms(title),
-                "description": terms(description), "params": terms(param_names),
-                "param_text": terms(param_text), "translated": translations(f"{short} {title} {description}")}
+        (name, name_foreign), (title, title_foreign), (description, description_foreign) = \
+            _analysed(short), _analysed(title), _analysed(description)
+        return {"name": name, "server": _cached_terms(server), "title": title, "description": description,
+                "params": _cached_terms(param_names), "param_text": _cached_terms(param_text),
+                "translated": name_foreign + title_foreign + description_foreign}
 
     def __len__(self) -> int:
         return len(self.tools)
