@@ -512,6 +512,18 @@ class Vault:
                 "SELECT name, enabled FROM capabilities WHERE server=? AND kind=?", (server, kind))
                 if row["name"] in definitions}
 
+    def remembered_lists(self) -> dict[str, dict[str, dict[str, dict]]]:
+        """server -> kind -> {name: definition}: the tools and prompts each server listed when last seen."""
+        remembered: dict = {}
+        for row in self.db.execute("SELECT server, kind, name, definition FROM capabilities WHERE present=1 AND"
+                                   " kind IN ('tool', 'prompt') AND definition IS NOT NULL ORDER BY rowid"):
+            try:
+                definition = json.loads(row["definition"])
+            except ValueError:
+                continue
+            remembered.setdefault(row["server"], {}).setdefault(row["kind"], {})[row["name"]] = definition
+        return remembered
+
     def enabled_map(self) -> dict[tuple[str, str, str], bool]:
         return {(row["server"], row["kind"], row["name"]): bool(row["enabled"])
                 for row in self.db.execute("SELECT server, kind, name, enabled FROM capabilities")}
@@ -1033,6 +1045,7 @@ class Upstream:
         self.server_info: dict = {}
         self.capabilities: dict = {}
         self.lists = {kind: {} for kind in CAPABILITY_KINDS}  # kind -> {name: definition}, in upstream order
+        self.remembered: dict[str, dict] = {}  # kind -> what the vault holds from the last start (see Catalogue)
         self.generation = 0
         self._closed_generation = -1
         self._timer: threading.Timer | None = None
@@ -1418,6 +1431,18 @@ class Catalogue:
     once per server, and the bare URI routes to the first of them in registration order.
     """
 
+    @staticmethod
+    def lists_of(up) -> dict[str, dict]:
+        """What an upstream offers: its live lists once it has started, before that what it listed last time.
+
+        Remembering means a client's first tools/list is complete at once instead of waiting for (or, past the
+        discovery budget, missing) a slow server; a call to a remembered tool waits for its server to start,
+        and a server that lists something different after all gets a list_changed notification.
+        """
+        if up.ready_at or not up.remembered:
+            return up.lists
+        return {**up.lists, **up.remembered}
+
     def __init__(self, upstreams, enabled: dict, max_length: int):
         self.tools: list[dict] = []
         self.tool_routes: dict[str, tuple] = {}
@@ -1432,6 +1457,7 @@ class Catalogue:
         self.qualified: dict[tuple[str, str], str] = {}  # (server, uri) -> exposed uri, for notifications
         uri_count = collections.Counter(uri for up in upstreams for uri in up.lists["resource"])
         tpl_count = collections.Counter(t for up in upstreams for t in up.lists["template"])
+        offered = {up.name: self.lists_of(up) for up in upstreams}
 
         def allowed(up, kind, name, exposed):
             if enabled.get((up.name, kind, name), True):
@@ -1442,7 +1468,7 @@ class Catalogue:
         for up in upstreams:
             for kind, items, routes in (("tool", self.tools, self.tool_routes),
                                         ("prompt", self.prompts, self.prompt_routes)):
-                for name, definition in up.lists[kind].items():
+                for name, definition in offered[up.name][kind].items():
                     exposed = expose_name(up.name, name, max_length)
                     if exposed in routes or not allowed(up, kind, name, exposed):
                         continue
@@ -2183,8 +2209,9 @@ class Gateway:
     client; a ticker enforces timeouts and notices vault edits; the invocation log writes on its own thread.
     """
 
-    def __init__(self, vault: Vault, out=None):
+    def __init__(self, vault: Vault, out=None, remember: bool = True):
         self.vault = vault
+        self.remember = remember
         self.vault_lock = threading.Lock()
         self.settings = vault.settings()
         self.out = out if out is not None else sys.stdout.buffer
@@ -2195,6 +2222,7 @@ class Gateway:
         self.changed = threading.Condition(self.lock)
         self.upstreams: dict[str, Upstream] = {}
         self.configs: dict[str, dict] = {}
+        self.remembered: dict[str, dict] = {}  # server -> kind -> {name: definition}, from the vault
         self.enabled = vault.enabled_map()
         self.catalogue = Catalogue([], self.enabled, self.settings["name_max_length"])
         self._fingerprint = self.catalogue.fingerprint()
@@ -2260,6 +2288,7 @@ class Gateway:
         for config in self.vault.servers():
             if config["enabled"]:
                 self.configs[config["name"]] = config
+        self.remembered = self.vault.remembered_lists() if self.remember else {}
         threading.Thread(target=self._tick, name="coffer-ticker", daemon=True).start()
         while True:
             line = stream.readline()
@@ -2349,10 +2378,12 @@ class Gateway:
         self.client_capabilities = capabilities or {}
         info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else {}
         self.client_name = str(info.get("name") or "unknown")[:64]
-        self.initialized = True
         self.discovery_deadline = time.monotonic() + float(self.settings["discovery_timeout"])
         for config in self.configs.values():
             self._add_upstream(config)
+        if any(up.remembered for up in list(self.upstreams.values())):
+            self.rebuild()  # remembered tools are listable at once; before `initialized`, so no notification
+        self.initialized = True
         instructions = INSTRUCTIONS
         failed = [c["name"] for c in self.configs.values() if c.get("status") == "failed"]
         if failed:
@@ -2393,6 +2424,7 @@ class Gateway:
             if config["name"] in self.upstreams:
                 return
             upstream = Upstream(config, self.settings, self, caps, self.protocol_version)
+            upstream.remembered = self.remembered.pop(config["name"], {})  # only for the first start of a session
             self.upstreams[config["name"]] = upstream
         upstream.start()
 
@@ -2604,28 +2636,31 @@ class Gateway:
                 if key in self.advertised and (old[key] != new[key] or (force and key == "tools")):
                     self.send({"jsonrpc": "2.0", "method": f"notifications/{key}/list_changed"})
 
-    def _discovering(self) -> list[str]:
+    def _discovering(self, kind: str | None = None) -> list[str]:
+        """Upstreams still starting; with ``kind``, only those with no remembered list of that kind."""
         return [up.name for up in list(self.upstreams.values())
-                if up.state not in ("failed", "stopped") and not up.ready_at]
+                if up.state not in ("failed", "stopped") and not up.ready_at
+                and not (kind and kind in up.remembered)]
 
-    def _after_discovery(self, msg_id, work, background: bool = False) -> None:
-        """Run ``work`` once every upstream has been discovered or the discovery budget is spent.
+    def _after_discovery(self, msg_id, work, background: bool = False, kind: str | None = None) -> None:
+        """Run ``work`` once every upstream has been discovered (or, for ``kind``, is remembered from its last
+        start) or the discovery budget is spent.
 
         Answers at once when nothing is pending; otherwise waits on a helper thread, so the client's other
         requests (a ping, a call to a ready server) are not held up behind a slow server.
         """
         def finish():
             with self.changed:
-                while self._discovering() and time.monotonic() < self.discovery_deadline:
+                while self._discovering(kind) and time.monotonic() < self.discovery_deadline:
                     self.changed.wait(max(0.01, self.discovery_deadline - time.monotonic()))
-            missing = self._discovering()
+            missing = self._discovering(kind)
             if missing and not self._reported_missing:
                 self._reported_missing = True
                 warn(f"still starting after {self.settings['discovery_timeout']:g}s: {', '.join(missing)}; "
                      "their tools will be announced with notifications/tools/list_changed")
             self._answer(msg_id, "a deferred request", work)
 
-        if not background and (not self._discovering() or time.monotonic() >= self.discovery_deadline):
+        if not background and (not self._discovering(kind) or time.monotonic() >= self.discovery_deadline):
             return work()
         threading.Thread(target=finish, name="coffer-discovery-wait", daemon=True).start()
         return None
@@ -2636,10 +2671,10 @@ class Gateway:
             if self.settings["expose"] == "search":
                 return {"tools": [SEARCH_TOOL_DEFINITION]}
             return {"tools": [SEARCH_TOOL_DEFINITION] + catalogue.tools}
-        return self._after_discovery(msg_id, work)
+        return self._after_discovery(msg_id, work, kind="tool")
 
     def _prompts_list(self, msg_id, params):
-        return self._after_discovery(msg_id, lambda: {"prompts": self.catalogue.prompts})
+        return self._after_discovery(msg_id, lambda: {"prompts": self.catalogue.prompts}, kind="prompt")
 
     def _resources_list(self, msg_id, params):
         return self._after_discovery(msg_id, lambda: {"resources": self.catalogue.resources})
@@ -2717,7 +2752,7 @@ class Gateway:
         if name == SEARCH_TOOL:
             # With an embedder a query may wait up to embedder_timeout: answer it off the client's reader thread.
             return self._after_discovery(msg_id, lambda: self._search_tools(arguments or {}, started),
-                                         background=self.semantic is not None)
+                                         background=self.semantic is not None, kind="tool")
         return self._route_named(msg_id, params, name, "tool", "tools/call", started)
 
     def _prompts_get(self, msg_id, params):
@@ -2858,7 +2893,7 @@ class GatewayClient:
         # Imported rather than run as a script, so Python uses the cached bytecode (compiling coffer.py costs
         # ~30 ms per start); sys.path is extended in-process so the upstreams' environment stays untouched.
         bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                     "import coffer; sys.exit(coffer.main(['serve']))")
+                     "import coffer; sys.exit(coffer.main(['serve', '--live']))")
         config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
                   "command": [sys.executable, "-c", bootstrap], "headers": {}}
         self.ready = threading.Event()
@@ -3030,7 +3065,7 @@ def cmd_config(vault: Vault, args) -> int:
 
 def cmd_serve(vault: Vault, args) -> int:
     vault.actor = "gateway"
-    gateway = Gateway(vault)
+    gateway = Gateway(vault, remember=not args.live)
 
     def on_signal(signum, frame):
         if not gateway._stopping.is_set():  # a second signal must not interrupt the shutdown itself
@@ -3116,7 +3151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("config", cmd_config, "show or change a setting")
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?")
-    command("serve", cmd_serve, "run the MCP gateway on stdio (what an agent's config runs)")
+    p = command("serve", cmd_serve, "run the MCP gateway on stdio (what an agent's config runs)")
+    p.add_argument("--live", action="store_true",
+                   help="list only what started servers offer now; by default a server still starting is "
+                        "listed as it was at its last start, and a change is announced when it is up")
     return parser
 
 

@@ -183,3 +183,70 @@ def test_a_response_is_never_answered_even_with_a_null_id(home, raw_gateway):
     gw.send({"jsonrpc": "2.0", "id": "never-asked", "result": {}})
     assert gw.request("ping")["result"] == {}
     assert json.dumps(None) not in gw.responses or not gw.responses[json.dumps(None)]
+
+
+def _tool_names(reply):
+    return {t["name"] for t in reply["result"]["tools"]}
+
+
+def _list_changes(gw):
+    return sum(n["method"] == "notifications/tools/list_changed" for n in gw.notifications)
+
+
+def test_a_slow_server_is_listed_at_once_from_its_last_start_and_corrected_if_it_changed(home, raw_gateway,
+                                                                                         tmp_path):
+    """The first session waits for discovery; later ones answer tools/list from what the vault remembers
+    (the server is still starting), a call waits for the server, and a changed or failed server is announced."""
+    args, started = tmp_path / "slow.args", tmp_path / "slow.started"
+    args.write_text("--tools echo")
+    cli("add", "slow", "--", *FAKE, "--args-file", str(args), "--spawn-log", str(started))
+    cli("config", "discovery_timeout", "30")
+    cli("config", "max_restarts", "1")
+
+    gw = raw_gateway()  # first session: nothing remembered, the list waits for the server
+    gw.initialize()
+    assert "slow__echo" in _tool_names(gw.request("tools/list"))
+    gw.close()
+
+    started.unlink()
+    args.write_text("--start-delay 4 --tools echo")
+    gw = raw_gateway()
+    gw.initialize()
+    listed = _tool_names(gw.request("tools/list"))
+    assert not started.exists(), "the list should not have waited for the server"
+    assert "slow__echo" in listed
+    hits = json.loads(gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {
+        "query": "echo text"}})["result"]["content"][0]["text"])["tools"]
+    assert hits and hits[0]["name"] == "slow__echo"
+    reply = gw.request("tools/call", {"name": "slow__echo", "arguments": {"text": "waited"}})
+    assert started.exists() and reply["result"]["content"][0]["text"] == "waited"
+    assert _list_changes(gw) == 0  # it listed what was remembered: nothing to announce
+    gw.close()
+
+    args.write_text("--start-delay 2 --tools echo,fail")  # an upgrade while Coffer was not running
+    gw = raw_gateway()
+    gw.initialize()
+    assert "slow__echo" in _tool_names(gw.request("tools/list"))
+    gw.wait_for(_list_changes)
+    assert {"slow__echo", "slow__fail"} <= _tool_names(gw.request("tools/list"))
+    gw.close()
+
+    args.write_text("--exit-at-start")  # remembered tools of a server that no longer starts are withdrawn
+    gw = raw_gateway()
+    gw.initialize()
+    gw.request("tools/list")
+    gw.wait_for(_list_changes)
+    assert not any(name.startswith("slow__") for name in _tool_names(gw.request("tools/list")))
+    gw.close()
+
+
+def test_coffer_tools_shows_what_servers_list_now_not_what_was_remembered(home, tmp_path):
+    args = tmp_path / "up.args"
+    args.write_text("--tools echo")
+    cli("add", "up", "--", *FAKE, "--args-file", str(args))
+    first = {t["name"] for t in json.loads(cli("tools", "--json").stdout)["tools"]}
+    args.write_text("--tools echo,fail")
+    cached = {t["name"] for t in json.loads(cli("tools", "--json", "--cached").stdout)["tools"]}
+    live = {t["name"] for t in json.loads(cli("tools", "--json").stdout)["tools"]}
+    assert "up__fail" not in first and "up__fail" not in cached
+    assert {"up__echo", "up__fail"} <= live

@@ -528,10 +528,13 @@ def test_choices_survive_upstream_upgrades(home, raw_gateway, tmp_path):
     version = tmp_path / "upstream-version.args"
     cli("add", "up", "--", *FAKE, "--args-file", str(version))
 
-    def run(flags):
+    def run(flags, upgraded=False):
         version.write_text(flags)
         gw = raw_gateway()
         gw.initialize()
+        if upgraded:  # the first list may be the one remembered from the last run; the upgrade is announced
+            gw.request("tools/list")
+            gw.wait_for(lambda g: any(n["method"] == "notifications/tools/list_changed" for n in g.notifications))
         tools = {t["name"]: t for t in gw.request("tools/list")["result"]["tools"]}
         return gw, tools
 
@@ -543,7 +546,7 @@ def test_choices_survive_upstream_upgrades(home, raw_gateway, tmp_path):
     cli("policy", "up", "disabled")
 
     # run 2: fail removed, newtool added (policy: disabled), echo's schema changed
-    gw, tools = run("--tools echo,slow,newtool --schema-tag ' (v2)'")
+    gw, tools = run("--tools echo,slow,newtool --schema-tag ' (v2)'", upgraded=True)
     assert "up__fail" not in tools and "up__newtool" not in tools
     assert tools["up__echo"]["description"].endswith("(v2)")
     reply = gw.request("tools/call", {"name": "up__newtool", "arguments": {}})
