@@ -95,7 +95,12 @@ def dumps(obj) -> str:
 
 
 def utcnow() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return iso_timestamp(time.time())
+
+
+def iso_timestamp(epoch_seconds: float) -> str:
+    return datetime.fromtimestamp(epoch_seconds, timezone.utc).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
 
 
 def read_line_bursts(read, size: int = 1 << 16):
@@ -632,7 +637,7 @@ class InvocationLog:
 
     def record(self, client, server, capability, kind, started: float, status: str, error: str | None = None):
         duration = round((time.monotonic() - started) * 1000.0, 3)
-        self.queue.put((utcnow(), client, server, capability, kind, duration, status, error))
+        self.queue.put((time.time(), client, server, capability, kind, duration, status, error))  # ts: see _run
 
     def flush(self, timeout: float = 5.0) -> None:
         """Write everything recorded so far before returning (used first thing at shutdown)."""
@@ -672,7 +677,8 @@ class InvocationLog:
                         db = Vault._connect(self.path)
                     db.execute("BEGIN IMMEDIATE")
                     db.executemany("INSERT INTO invocations(ts, client, server, capability, kind, duration_ms,"
-                                   " status, error) VALUES (?,?,?,?,?,?,?,?)", pending)
+                                   " status, error) VALUES (?,?,?,?,?,?,?,?)",
+                                   [(iso_timestamp(row[0]), *row[1:]) for row in pending])
                     db.execute("COMMIT")
                     pending.clear()
                     for waiter in waiters:
