@@ -29,6 +29,7 @@ import math
 import os
 import queue
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -724,6 +725,9 @@ class StdioTransport:
         self.on_message, self.on_close, self.on_stderr = on_message, on_close, on_stderr
         self.proc: subprocess.Popen | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._send_lock = threading.Lock()
+        self._queued = 0          # messages handed to the writer thread and not yet written
+        self._stdin_fd = None     # set when stdin is non-blocking (POSIX): send() may then write it directly
         self._close_lock = threading.Lock()
         self._closed = False
         self._close_signalled = False
@@ -746,6 +750,9 @@ class StdioTransport:
                                          **kwargs)
         except OSError as exc:
             raise UpstreamFailure(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
+        if os.name == "posix":
+            os.set_blocking(self.proc.stdin.fileno(), False)
+            self._stdin_fd = self.proc.stdin.fileno()
         self._reader = threading.Thread(target=self._read_stdout, name=f"coffer-{self.name}-out", daemon=True)
         self._reader.start()
         threading.Thread(target=self._read_stderr, name=f"coffer-{self.name}-err", daemon=True).start()
@@ -753,7 +760,7 @@ class StdioTransport:
         threading.Thread(target=self._write_stdin, name=f"coffer-{self.name}-in", daemon=True).start()
 
     def _write_stdin(self) -> None:
-        """Own the blocking pipe writes: a server that stops reading must stall only itself, never the
+        """Write what ``send`` could not: a server that stops reading must stall only itself, never the
         client's reader or the timeout ticker.  Whatever queued up meanwhile goes out in one write."""
         stdin, outbox = self.proc.stdin, self._outbox
         closing = False
@@ -761,14 +768,17 @@ class StdioTransport:
             batch = [outbox.get()]
             while not outbox.empty() and len(batch) < 256:
                 batch.append(outbox.get_nowait())
+            count = len(batch)
             if None in batch:
                 closing = True
                 batch = batch[:batch.index(None)]
             try:
                 if batch:
-                    stdin.write(b"".join(batch))
+                    self._write_all(stdin, b"".join(batch))
             except (OSError, ValueError):
                 break  # the server is gone; its reader sees EOF and reports it
+            with self._send_lock:
+                self._queued -= count
         try:
             stdin.close()
         except OSError:
@@ -800,10 +810,35 @@ class StdioTransport:
     def pid(self):
         return self.proc.pid if self.proc else None
 
+    def _write_all(self, stdin, data: bytes) -> None:
+        if self._stdin_fd is None:
+            stdin.write(data)  # a blocking pipe (Windows): write() returns when all of it is written
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self._stdin_fd, view):]
+            except BlockingIOError:
+                select.select([], [self._stdin_fd], [], 1.0)  # the server is busy; wait until it reads
+
     def send(self, message: dict) -> bool:
         if self._closed or self.proc is None or self.proc.poll() is not None:
             return False
-        self._outbox.put((dumps(message) + "\n").encode("utf-8"))
+        data = (dumps(message) + "\n").encode("utf-8")
+        with self._send_lock:
+            if self._queued == 0 and self._stdin_fd is not None:
+                # The common case: the pipe has room and nothing is queued ahead, so write it here and spare
+                # the writer thread a wake-up; whatever does not fit is queued behind, in order.
+                try:
+                    data = data[os.write(self._stdin_fd, data):]
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    return False
+                if not data:
+                    return True
+            self._queued += 1
+            self._outbox.put(data)
         return True
 
     def _read_stdout(self) -> None:
@@ -848,7 +883,9 @@ class StdioTransport:
         proc = self.proc
         if proc is None:
             return
-        self._outbox.put(None)  # the writer flushes what is queued, then closes stdin
+        with self._send_lock:
+            self._queued += 1
+            self._outbox.put(None)  # the writer flushes what is queued, then closes stdin
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:

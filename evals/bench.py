@@ -52,6 +52,7 @@ PY = sys.executable
 FAKE_SERVER = str(ROOT / "tests" / "fixtures" / "fake_server.py")
 CATALOG_SERVER = str(ROOT / "evals" / "fixtures" / "catalog_server.py")
 FASTMCP_PROXY = str(ROOT / "evals" / "fixtures" / "fastmcp_proxy.py")
+RELAY = str(ROOT / "evals" / "fixtures" / "passthrough_relay.py")
 PROFILED_COFFER = str(ROOT / "evals" / "fixtures" / "profiled_coffer.py")
 NODE_MODULES = ROOT / ".ci" / "node_modules" / "@modelcontextprotocol"
 EVERYTHING_JS = NODE_MODULES / "server-everything" / "dist" / "index.js"
@@ -165,6 +166,12 @@ class Upstream:
     def params(self):
         from mcp.client.stdio import StdioServerParameters
         return StdioServerParameters(command=self.command, args=self.args, env={**os.environ, **self.env})
+
+    def relayed(self):
+        """The same server behind passthrough_relay.py: one process hop that parses nothing."""
+        from mcp.client.stdio import StdioServerParameters
+        return StdioServerParameters(command=PY, args=[RELAY, self.command, *self.args],
+                                     env={**os.environ, **self.env})
 
 
 def node_available() -> bool:
@@ -744,7 +751,7 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         clock.update(name=name, t=now)
 
     def paths_for() -> list[Path_]:
-        paths = [Path_("direct", None, None), gateways.coffer(targets)]
+        paths = [Path_("direct", None, None), Path_("relay-floor", None, None), gateways.coffer(targets)]
         for peer in peers:
             paths.append(gateways.fastmcp(targets, shared=peer == "fastmcp-shared"))
         return paths
@@ -769,9 +776,7 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         for up in targets:
             async def one(up=up):
                 paths = paths_for()
-                for p in paths:
-                    if p.label == "direct":
-                        p.params = up.params()
+                paths[0].params, paths[1].params = up.params(), up.relayed()
                 return await bench_latency(paths, up, args.calls, args.fastmcp_default_calls, args.batch,
                                            min(50, args.calls // 10), errlog)
             samples = await guarded("call", one)
@@ -785,8 +790,10 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         report.data["call"]["max_added_p50_ms"] = max(d["coffer"]["added_p50_ms"] for d in data.values())
         report.table("1. Call overhead (sequential calls, SDK client, interleaved batches)",
                      ["tool", "path", "n", "p50 ms", "p99 ms", "added p50 ms", "p50 ratio"], rows,
-                     f"coffer serve CPU per forwarded call (us, from /proc, includes its idle ticker): {cpu}"
-                     if cpu else None)
+                     "relay-floor: the same server behind a Python relay that copies lines and parses nothing "
+                     "(evals/fixtures/passthrough_relay.py), the cost of the process hop alone."
+                     + (f"\ncoffer serve CPU per forwarded call (us, from /proc, includes its idle ticker): {cpu}"
+                        if cpu else ""))
 
     if "throughput" in args.sections:
         mark("throughput")
@@ -796,7 +803,7 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         for up in targets:
             async def one(up=up):
                 paths = paths_for()
-                paths[0].params = up.params()
+                paths[0].params, paths[1].params = up.params(), up.relayed()
                 return await bench_throughput(paths, up, levels, args.throughput_calls, args.throughput_rounds,
                                               errlog)
             rates = await guarded("throughput", one)

@@ -569,3 +569,24 @@ def test_choices_survive_upstream_upgrades(home, raw_gateway, tmp_path):
     added = next(row for row in audit if row["action"] == "upstream-added" and row["target"] == "up:newtool")
     assert "disabled by policy" in added["detail"]
     assert ("disable", "up__fail") in actions
+
+
+def test_a_request_bigger_than_the_pipe_and_the_calls_behind_it_arrive_whole_and_in_order(home, raw_gateway,
+                                                                                         tmp_path):
+    """A 3 MB argument fills the upstream's stdin pipe many times over: what does not fit is written later
+    by another thread, and the small calls sent right behind it must neither overtake it nor be lost."""
+    received = tmp_path / "received.jsonl"
+    cli("add", "s", "--", *FAKE, "--tools", "echo", "--recv-log", str(received))
+    gw = raw_gateway()
+    gw.initialize()
+    gw.request("tools/list")
+    big = "".join(chr(0x41 + i % 26) for i in range(3 * 1024 * 1024))
+    batch = [call_msg("big", "s__echo", {"text": big})]
+    batch += [call_msg(f"small-{i}", "s__echo", {"text": f"small {i}"}) for i in range(50)]
+    gw.send_raw(b"".join((json.dumps(m) + "\n").encode() for m in batch))
+    assert text_of(gw.wait_response("big", timeout=60)) == big
+    for i in range(50):
+        assert text_of(gw.wait_response(f"small-{i}", timeout=60)) == f"small {i}"
+    calls = [json.loads(line) for line in received.read_text().splitlines()]
+    texts = [m["params"]["arguments"]["text"] for m in calls if m.get("method") == "tools/call"]
+    assert texts == [big] + [f"small {i}" for i in range(50)]
