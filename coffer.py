@@ -1804,8 +1804,10 @@ def _schema_text(schema) -> tuple[str, str]:
                         texts.append(sub["description"])
                     if isinstance(sub.get("enum"), list):
                         texts.extend(str(v) for v in sub["enum"][:50])
-                    walk(sub, depth + 1)
-                    walk(sub.get("items"), depth + 1)
+                    if "properties" in sub:  # most parameters are leaves: skip the call
+                        walk(sub, depth + 1)
+                    if isinstance(sub.get("items"), dict):
+                        walk(sub["items"], depth + 1)
 
     walk(schema, 0)
     return " ".join(names), " ".join(texts)
@@ -1830,9 +1832,8 @@ class SearchIndex:
         fields_per_doc = [self._fields(tool) for tool in self.tools]
         n = len(self.tools)
         avg = {f: (sum(len(doc[f]) for doc in fields_per_doc) / n if n else 0.0) or 1.0 for f in self.FIELDS}
-        weighted_tf: list[dict[str, float]] = []
-        df: dict[str, int] = {}
         fields = [(field, weight, b, avg[field]) for field, (weight, b) in self.FIELDS.items()]
+        self._doc_terms: list[dict[str, float]] = []  # per tool: term -> field-weighted, length-normalised tf
         for doc in fields_per_doc:
             tf: dict[str, float] = {}
             for field, weight, b, average in fields:
@@ -1841,16 +1842,9 @@ class SearchIndex:
                     norm = weight / (1.0 - b + b * len(terms) / average)
                     for term in terms:
                         tf[term] = tf.get(term, 0.0) + norm
-            weighted_tf.append(tf)
-            for term in tf:
-                df[term] = df.get(term, 0) + 1
-        k1 = self.K1
-        idf = {term: math.log(1.0 + (n - count + 0.5) / (count + 0.5)) for term, count in df.items()}
-        postings: dict[str, list[tuple[int, float]]] = {term: [] for term in df}
-        for doc_id, tf in enumerate(weighted_tf):
-            for term, value in tf.items():
-                postings[term].append((doc_id, idf[term] * value / (k1 + value)))
-        self.postings = postings
+            self._doc_terms.append(tf)
+        self._vocabulary = set().union(*self._doc_terms)
+        self._postings: dict[str, list[tuple[int, float]]] = {}
         order = sorted(range(n), key=lambda i: str(self.tools[i].get("name", "")))
         self._rank_of = [0] * n
         for rank, doc_id in enumerate(order):
@@ -1880,6 +1874,19 @@ class SearchIndex:
     def __len__(self) -> int:
         return len(self.tools)
 
+    def postings(self, term: str) -> list[tuple[int, float]]:
+        """(doc id, BM25 weight) of every tool holding ``term``, built by the first query that uses the term:
+        most of a catalogue's vocabulary is never searched for, so a rebuild does not pay for it."""
+        found = self._postings.get(term)
+        if found is None:
+            if term not in self._vocabulary:
+                return []
+            pairs = [(doc_id, tf[term]) for doc_id, tf in enumerate(self._doc_terms) if term in tf]
+            n, k1 = len(self._doc_terms), self.K1
+            idf = math.log(1.0 + (n - len(pairs) + 0.5) / (len(pairs) + 0.5))
+            found = self._postings[term] = [(doc_id, idf * value / (k1 + value)) for doc_id, value in pairs]
+        return found
+
     def query_terms(self, query: str) -> dict[str, float]:
         """Query term -> weight: the query's own terms at 1, foreign-word translations and equivalents lower."""
         weights: dict[str, float] = {}
@@ -1896,9 +1903,8 @@ class SearchIndex:
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
         """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name."""
         scores: dict[int, float] = collections.defaultdict(float)
-        postings = self.postings
         for term, weight in self.query_terms(query).items():
-            for doc_id, value in postings.get(term, ()):
+            for doc_id, value in self.postings(term):
                 scores[doc_id] += weight * value
         server_of, rank_of = self._server_of, self._rank_of
         server_best: dict[int, float] = {-1: 0.0}  # -1: tools with no server prefix get no boost
