@@ -1052,6 +1052,17 @@ class Pending:
         self.deadline = time.monotonic() + timeout if timeout else None
 
 
+class Ticket:
+    """What ``Upstream.request`` hands back for ``cancel``: the upstream's request id once the request is sent;
+    before that (queued behind a server that is still starting) cancelling it means it is never sent."""
+
+    __slots__ = ("request_id", "cancelled")
+
+    def __init__(self):
+        self.request_id: int | None = None
+        self.cancelled = False
+
+
 class Upstream:
     """One registered server: its connection, its in-flight requests, its advertised lists, its restarts.
 
@@ -1279,24 +1290,29 @@ class Upstream:
         return text
 
     # -- requests ------------------------------------------------------------------------------------------
-    def request(self, method: str, params, on_reply, timeout: float | None = None):
-        """Send a request; ``on_reply(response, failure_status, failure_text)`` runs exactly once.
+    def request(self, method: str, params, on_reply, timeout: float | None = None, ticket: Ticket | None = None):
+        """Send a request, or queue it while the server starts; ``on_reply(response, failure_status,
+        failure_text)`` runs exactly once, unless the request is cancelled first.
 
-        Returns a handle (the upstream request id, or None while queued) for ``cancel``.
+        Returns a Ticket for ``cancel``, or None when the request failed at once (``on_reply`` has run).
         """
         timeout = self.call_timeout if timeout is None else timeout
+        ticket = ticket or Ticket()
         with self.lock:
+            if ticket.cancelled:
+                return None  # cancelled while it waited in the backlog: never sent, never answered
             state = self.state
             if state in ("starting", "backoff", "idle"):
-                self.backlog.append(lambda: self.request(method, params, on_reply, timeout))
+                self.backlog.append(lambda: self.request(method, params, on_reply, timeout, ticket))
                 if state == "idle":
                     self.start()
-                return None
+                return ticket
             if state != "ready":
                 detail = f": {self.last_error}" if self.last_error else ""
                 on_reply(None, "error", f"upstream '{self.name}' is unavailable ({state}){detail}")
                 return None
-            return self._send_request(method, params, on_reply, timeout)
+            ticket.request_id = self._send_request(method, params, on_reply, timeout)
+            return ticket if ticket.request_id is not None else None
 
     def _send_request(self, method, params, on_reply, timeout):
         with self.lock:
@@ -1358,8 +1374,16 @@ class Upstream:
         if transport is not None:
             transport.send(message)
 
-    def cancel(self, request_id, reason: str = "cancelled by the client") -> bool:
-        """Forget a request (a late reply is then dropped) and tell the upstream, with its own id."""
+    def cancel(self, ticket: Ticket, reason: str = "cancelled by the client") -> bool:
+        """Forget a request (a late reply is then dropped) and tell the upstream, with its own id; a request
+        still queued is simply never sent.  False if it was already answered or cancelled."""
+        with self.lock:
+            if ticket.cancelled:
+                return False
+            ticket.cancelled = True
+            request_id = ticket.request_id
+        if request_id is None:
+            return True
         if self._finish(request_id) is None:
             return False
         self.notify("notifications/cancelled", {"requestId": request_id, "reason": reason})
@@ -2285,7 +2309,7 @@ class Gateway:
         self.log_level = None
         self.advertised: dict = {}
         self.subscriptions: dict[str, set[str]] = collections.defaultdict(set)  # server -> original URIs
-        self.inflight: dict = {}          # client request id -> (upstream, upstream id, capability, kind, started)
+        self.inflight: dict = {}          # client request id -> (upstream, Ticket, capability, kind, started)
         self.client_requests: dict = {}   # id Coffer gave a server->client request -> (upstream, upstream's id)
         self._client_request_seq = 0
         self.discovery_deadline = 0.0
@@ -2647,8 +2671,8 @@ class Gateway:
             with self.lock:
                 entry = self.inflight.pop(request_id, None) if valid_request_id(request_id) else None
             if entry is not None:
-                upstream, their_id, capability, kind, started = entry
-                if upstream.cancel(their_id, str(params.get("reason") or "cancelled by the client")[:200]):
+                upstream, ticket, capability, kind, started = entry
+                if upstream.cancel(ticket, str(params.get("reason") or "cancelled by the client")[:200]):
                     self.log.record(self.client_name, upstream.name, capability, kind, started, "cancelled",
                                     "cancelled by the client")
         elif method == "notifications/roots/list_changed":
@@ -2742,7 +2766,7 @@ class Gateway:
             with self.lock:
                 state["done"] = True
                 entry = self.inflight.get(msg_id)
-                if entry is not None and entry[0] is upstream and entry[1] == state.get("their_id"):
+                if entry is not None and entry[0] is upstream and entry[1] is state.get("ticket"):
                     del self.inflight[msg_id]
             # The row is queued before the client sees the reply, so the log's order is the order of causes.
             if response is None:
@@ -2769,12 +2793,12 @@ class Gateway:
             response["id"] = msg_id
             self.send(response)
 
-        their_id = upstream.request(method, params, on_reply)
-        if their_id is not None:
+        ticket = upstream.request(method, params, on_reply)
+        if ticket is not None:
             with self.lock:
                 if not state["done"]:
-                    state["their_id"] = their_id
-                    self.inflight[msg_id] = (upstream, their_id, capability, kind, started)
+                    state["ticket"] = ticket
+                    self.inflight[msg_id] = (upstream, ticket, capability, kind, started)
 
     def _deny(self, capability: str, kind: str, started: float, what: str):
         server = capability.partition(SEPARATOR)[0] if kind != "resource" else ""

@@ -250,3 +250,33 @@ def test_coffer_tools_shows_what_servers_list_now_not_what_was_remembered(home, 
     live = {t["name"] for t in json.loads(cli("tools", "--json").stdout)["tools"]}
     assert "up__fail" not in first and "up__fail" not in cached
     assert {"up__echo", "up__fail"} <= live
+
+
+def test_a_call_cancelled_while_its_server_starts_is_never_sent(home, raw_gateway, tmp_path):
+    """With the catalogue remembered, a call can wait behind a starting server; if the client cancels it
+    meanwhile, the server must never run it, and the client gets no answer for it."""
+    args, received = tmp_path / "up.args", tmp_path / "received.jsonl"
+    args.write_text("--tools echo")
+    cli("add", "up", "--", *FAKE, "--args-file", str(args), "--recv-log", str(received))
+    gw = raw_gateway()
+    gw.initialize()
+    gw.request("tools/list")
+    gw.close()
+
+    received.unlink()
+    args.write_text("--tools echo --start-delay 3")
+    gw = raw_gateway()
+    gw.initialize()
+    assert "up__echo" in _tool_names(gw.request("tools/list"))
+    for msg_id, text in (("doomed", "must not run"), ("kept", "runs")):
+        gw.send({"jsonrpc": "2.0", "id": msg_id, "method": "tools/call",
+                 "params": {"name": "up__echo", "arguments": {"text": text}}})
+    gw.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "doomed"}})
+    assert gw.wait_response("kept")["result"]["content"][0]["text"] == "runs"
+    gw.request("ping")
+    assert not gw.responses.get(json.dumps("doomed"))
+    calls = [json.loads(line) for line in received.read_text().splitlines()]
+    assert [m["params"]["arguments"]["text"] for m in calls if m.get("method") == "tools/call"] == ["runs"]
+    gw.close()
+    rows = json.loads(cli("log", "--json", "--limit", "10").stdout)["invocations"]
+    assert any(r["capability"] == "up__echo" and r["status"] == "cancelled" for r in rows)
