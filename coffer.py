@@ -1564,7 +1564,18 @@ class Catalogue:
                 self.template_routes.append((template_regex(text), up, text))
                 self.template_by_text[exposed] = (up, text)
                 self.template_by_text.setdefault(text, (up, text))
-        self.index = SearchIndex(self.tools)
+        self._index: SearchIndex | None = None
+        self._index_lock = threading.Lock()
+
+    @property
+    def index(self) -> SearchIndex:
+        """The search index, built by the first search rather than by every rebuild: a session that never
+        searches never pays for it, and a catalogue change is announced without waiting for it."""
+        if self._index is None:
+            with self._index_lock:
+                if self._index is None:
+                    self._index = SearchIndex(self.tools)
+        return self._index
 
     def route_resource(self, uri: str):
         """(upstream, original uri) for a URI the client wants to read or subscribe to, or None."""
@@ -1852,7 +1863,7 @@ class SearchIndex:
     SERVER_BOOST = 0.2
 
     def __init__(self, tools: list[dict]):
-        self.tools = list(tools)
+        self.tools = tools  # a snapshot the caller does not change (the semantic ranker matches it by identity)
         fields_per_doc = [self._fields(tool) for tool in self.tools]
         n = len(self.tools)
         avg = {f: (sum(len(doc[f]) for doc in fields_per_doc) / n if n else 0.0) or 1.0 for f in self.FIELDS}
@@ -2702,7 +2713,7 @@ class Gateway:
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new
             if self.semantic is not None:
-                self.semantic.refresh(catalogue.index.tools)
+                self.semantic.refresh(catalogue.tools)
             if not self.initialized:
                 return
             for key in ("tools", "prompts", "resources"):
