@@ -1100,6 +1100,7 @@ class Upstream:
         self.capabilities: dict = {}
         self.lists = {kind: {} for kind in CAPABILITY_KINDS}  # kind -> {name: definition}, in upstream order
         self.remembered: dict[str, dict] = {}  # kind -> what the vault holds from the last start (see Catalogue)
+        self._refresh_again: dict[str, bool] = {}  # kind -> refreshing now; True: list_changed came meanwhile
         self.generation = 0
         self._closed_generation = -1
         self._timer: threading.Timer | None = None
@@ -1438,9 +1439,33 @@ class Upstream:
                         "notifications/resources/list_changed"):
             kinds = {"tools": ("tool",), "prompts": ("prompt",), "resources": ("resource", "template")}
             for kind in kinds[method.split("/")[1]]:
-                threading.Thread(target=self.refresh, args=(kind,), daemon=True).start()
+                self._refresh_soon(kind)
             return
         self.events.on_notification(self, message)
+
+    def _refresh_soon(self, kind: str) -> None:
+        """Refresh one list on a helper thread, one at a time per kind: a list_changed that arrives during a
+        refresh asks for one more pass, so a chatty server costs a couple of fetches, not a thread each, and
+        an older list can never land after a newer one."""
+        with self.lock:
+            if kind in self._refresh_again:
+                self._refresh_again[kind] = True
+                return
+            self._refresh_again[kind] = False
+
+        def run():
+            while True:
+                try:
+                    self.refresh(kind)
+                except Exception as exc:  # noqa: BLE001 - the pass is lost, not the ability to refresh again
+                    warn(f"[{self.name}] error refreshing its {kind}s: {exc!r}")
+                with self.lock:
+                    if not self._refresh_again[kind]:
+                        del self._refresh_again[kind]
+                        return
+                    self._refresh_again[kind] = False
+
+        threading.Thread(target=run, name=f"coffer-{self.name}-refresh", daemon=True).start()
 
     def refresh(self, kind: str, notify: bool = True) -> None:
         """Fetch one list (every page) and hand it to the gateway."""

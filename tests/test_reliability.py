@@ -590,3 +590,20 @@ def test_a_request_bigger_than_the_pipe_and_the_calls_behind_it_arrive_whole_and
     calls = [json.loads(line) for line in received.read_text().splitlines()]
     texts = [m["params"]["arguments"]["text"] for m in calls if m.get("method") == "tools/call"]
     assert texts == [big] + [f"small {i}" for i in range(50)]
+
+
+def test_a_burst_of_list_changed_costs_a_couple_of_refreshes_and_the_last_list_wins(home, raw_gateway, tmp_path):
+    received = tmp_path / "received.jsonl"
+    cli("add", "chatty", "--", *FAKE, "--tools", "echo,churn", "--recv-log", str(received))
+    gw = raw_gateway()
+    gw.initialize()
+    assert "chatty__extra" not in tool_names(gw.request("tools/list"))
+    gw.request("tools/call", {"name": "chatty__churn", "arguments": {"count": 200}})
+    deadline = time.monotonic() + 30
+    while "chatty__extra" not in tool_names(gw.request("tools/list")):
+        assert time.monotonic() < deadline, "the added tool never showed up"
+        time.sleep(0.05)
+    time.sleep(1.0)  # let any straggling refresh finish before counting
+    lists = [line for line in received.read_text().splitlines() if '"tools/list"' in line]
+    assert len(lists) <= 1 + 10, f"{len(lists) - 1} refreshes for 200 notifications"
+    assert "chatty__extra" in tool_names(gw.request("tools/list"))
