@@ -91,8 +91,8 @@ INSTRUCTIONS = (
 )
 
 
-def dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+# One encoder for every message: json.dumps with non-default options builds a new one per call (~2 us a hop).
+dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def utcnow() -> str:
