@@ -756,8 +756,11 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
             timings[clock["name"]] = round(now - clock["t"], 1)
         clock.update(name=name, t=now)
 
-    def paths_for() -> list[Path_]:
-        paths = [Path_("direct", None, None), Path_("relay-floor", None, None), gateways.coffer(targets)]
+    def paths_for(up: Upstream) -> list[Path_]:
+        """Ways to reach ``up``: directly, through the relay floor, through Coffer (and the peers) fronting all
+        the targets."""
+        paths = [Path_("direct", up.params(), None), Path_("relay-floor", up.relayed(), None),
+                 gateways.coffer(targets)]
         for peer in peers:
             paths.append(gateways.fastmcp(targets, shared=peer == "fastmcp-shared"))
         return paths
@@ -781,8 +784,7 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         rows, data = [], {}
         for up in targets:
             async def one(up=up):
-                paths = paths_for()
-                paths[0].params, paths[1].params = up.params(), up.relayed()
+                paths = paths_for(up)
                 return await bench_latency(paths, up, args.calls, args.fastmcp_default_calls, args.batch,
                                            min(50, args.calls // 10), errlog)
             samples = await guarded("call", one)
@@ -808,8 +810,7 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         rows, data = [], {}
         for up in targets:
             async def one(up=up):
-                paths = paths_for()
-                paths[0].params, paths[1].params = up.params(), up.relayed()
+                paths = paths_for(up)
                 return await bench_throughput(paths, up, levels, args.throughput_calls, args.throughput_rounds,
                                               errlog)
             rates = await guarded("throughput", one)
