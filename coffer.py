@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import difflib
+import errno
 import functools
 import hashlib
 import heapq
 import json
+import logging
 import math
 import os
 import queue
@@ -34,12 +37,15 @@ import shlex
 import shutil
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
 import time
 import unicodedata
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import Callable, NamedTuple
 
 __version__ = "0.1.0"
 
@@ -81,6 +87,9 @@ DEFAULTS = {
     "embedder_api": "openai",       # "openai" (POST {url}/embeddings) or "ollama" (POST {url}/api/embed)
     "embedder_key_env": "",         # name of the environment variable holding the API key (never the key)
     "embedder_timeout": 1.0,        # seconds a query may wait for its embedding before BM25 answers alone
+    "max_message_bytes": 64 << 20,  # a longer line, HTTP body or SSE event fails that message, not the gateway
+    "max_list_pages": 100,          # pages Coffer follows when an upstream paginates one list
+    "max_list_items": 10_000,       # tools (prompts, resources...) kept per list per upstream
 }
 
 INSTRUCTIONS = (
@@ -89,10 +98,6 @@ INSTRUCTIONS = (
     "in plain words (e.g. 'create a GitHub issue'); it returns the best-matching real tools with their input "
     "schemas, which you then call by name."
 )
-
-
-# One encoder for every message: json.dumps with non-default options builds a new one per call (~2 us a hop).
-dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def utcnow() -> str:
@@ -104,30 +109,133 @@ def iso_timestamp(epoch_seconds: float) -> str:
         "+00:00", "Z")
 
 
-def read_line_bursts(read, size: int = 1 << 16):
+# -- JSON at the boundary ------------------------------------------------------------------------------------
+# One encoder for every message: json.dumps with non-default options builds a new one per call (~2 us a hop).
+# allow_nan=False: NaN and Infinity are not JSON, and a client that cannot parse a line never sees its answer.
+dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+_decode = json.JSONDecoder(parse_float=_finite_float, parse_constant=_reject_constant).decode
+
+
+def decode_json(data):
+    """Parse one JSON text that came from outside; anything but plain JSON raises ValueError.
+
+    That covers invalid UTF-8, NaN/Infinity and out-of-range numbers (which would be re-encoded as text no peer can
+    parse), and nesting deeper than the interpreter can follow (a 2 KB line of brackets raises RecursionError,
+    which must cost one message, never the reader thread).
+    """
+    try:
+        if isinstance(data, (bytes, bytearray)):
+            data = data.decode("utf-8")
+        return _decode(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+class EncodeError(ValueError):
+    """A message Coffer cannot write as JSON (nested too deeply to encode, or holding a non-JSON value)."""
+
+
+def encode_line(message) -> bytes:
+    """One JSON-RPC message as a newline-terminated UTF-8 line.
+
+    A lone surrogate (legal in a JSON text as an escape, impossible in UTF-8) is written back as its \\uXXXX escape,
+    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.
+    """
+    try:
+        text = dumps(message)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise EncodeError(f"cannot encode a message: {exc.__class__.__name__}") from None
+    try:
+        return (text + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (text + "\n").encode("utf-8", "backslashreplace")
+
+
+_REQUEST_ID_RE = re.compile(rb'"id"\s*:\s*(-?\d{1,18}|"(?:[^"\\]|\\.){0,512}")')
+
+
+def request_id_in(head: bytes):
+    """The JSON-RPC id near the start of a message too large to parse, so its sender still gets an answer."""
+    match = _REQUEST_ID_RE.search(head)
+    if not match:
+        return None
+    try:
+        value = decode_json(match.group(1))
+    except ValueError:
+        return None
+    return value if valid_request_id(value) else None
+
+
+def valid_request_id(value) -> bool:
+    """The one rule for request ids, from clients and upstreams alike: a string or an integer, bounded."""
+    if isinstance(value, str):
+        return len(value) <= 512
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
+
+
+class OversizedLine(NamedTuple):
+    """A line longer than max_message_bytes, skipped without being held: its head, to find an id in, and size."""
+    head: bytes
+    size: int
+
+
+def read_line_bursts(read, size: int = 1 << 16, max_line: int = 0):
     """Yield, per system call, the list of complete lines that arrived together (without their newlines).
 
     ``read(size)`` must return what is available now (one ``os.read``), b"" at EOF.  An unterminated last
-    line is yielded at EOF like any other.
+    line is yielded at EOF like any other.  With ``max_line``, a longer line is yielded as an OversizedLine and
+    its bytes are dropped as they arrive, so a 400 MB line costs at most ``max_line`` of memory.
     """
     partial: list[bytes] = []
+    held = 0
+    skipping: OversizedLine | None = None
     while True:
         chunk = read(size)
         if not chunk:
-            if partial:
+            if skipping is not None:
+                yield [skipping]
+            elif partial:
                 yield [b"".join(partial)]
             return
         if b"\n" not in chunk:
+            if skipping is not None:
+                skipping = skipping._replace(size=skipping.size + len(chunk))
+                continue
             partial.append(chunk)
+            held += len(chunk)
+            if max_line and held > max_line:
+                skipping = OversizedLine(b"".join(partial)[:4096], held)
+                partial, held = [], 0
             continue
-        lines = chunk.split(b"\n")
-        if partial:
+        lines: list = chunk.split(b"\n")
+        tail = lines.pop()
+        if skipping is not None:
+            lines[0] = skipping._replace(size=skipping.size + len(lines[0]))
+            skipping = None
+        elif partial:
             partial.append(lines[0])
             lines[0] = b"".join(partial)
             partial = []
-        tail = lines.pop()
+        held = 0
         if tail:
             partial.append(tail)
+            held = len(tail)
+        if max_line:
+            lines = [OversizedLine(line[:4096], len(line)) if isinstance(line, bytes) and len(line) > max_line
+                     else line for line in lines]
         yield lines
 
 
@@ -137,7 +245,7 @@ def read_line_bursts(read, size: int = 1 << 16):
 _burst = threading.local()
 
 
-def handle_burst(lines: list[bytes], handle) -> None:
+def handle_burst(lines: list, handle) -> None:
     _burst.flushes = flushes = {}
     try:
         for line in lines:
@@ -157,13 +265,124 @@ def defer_to_burst_end(key, flush) -> bool:
     return True
 
 
-def warn(message: str) -> None:
-    """Every diagnostic goes to stderr: stdout belongs to the JSON-RPC stream."""
+# -- what reaches a terminal or a log --------------------------------------------------------------------------
+# Every diagnostic goes to stderr through the "coffer" logger: stdout belongs to the JSON-RPC stream.  Text an
+# upstream wrote (its stderr, tool descriptions, error messages) passes through printable() before a terminal sees
+# it, and every known secret value is replaced by *** before anything is printed, logged or stored.
+log = logging.getLogger("coffer")
+
+_UNPRINTABLE_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _visible(match) -> str:
+    char = match.group()
+    return "\ufffd" if "\ud800" <= char <= "\udfff" else f"\\x{ord(char):02x}"
+
+
+def printable(text) -> str:
+    """``text`` made safe for a terminal: C0/C1 control characters (ESC, BEL, CR, OSC 52 clipboard writes...) shown
+    as visible \\xNN, lone surrogates as U+FFFD; newlines and tabs stay."""
+    text = str(text)
+    return _UNPRINTABLE_RE.sub(_visible, text) if _UNPRINTABLE_RE.search(text) else text
+
+
+_JSON_UNSAFE_RE = re.compile("[\x7f-\x9f\ud800-\udfff\u2028\u2029]")
+
+
+def terminal_json(value) -> str:
+    """Pretty JSON for a terminal: json escapes C0 itself; DEL, C1 and lone surrogates are escaped here too."""
+    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    return _JSON_UNSAFE_RE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+class Redactor:
+    """Every secret value this process knows: the secret store's values and what ${VAR} references expanded to.
+
+    ``redact(text)`` replaces each with *** — applied to every log record, to stored stderr and status details, and
+    to CLI output.  Values shorter than MIN_LENGTH are not redacted (they would blank out ordinary words).
+    """
+
+    MIN_LENGTH = 4
+
+    def __init__(self):
+        self._values: tuple[str, ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, *values) -> None:
+        fresh = {v for v in values if isinstance(v, str) and len(v) >= self.MIN_LENGTH} - set(self._values)
+        if fresh:
+            with self._lock:  # longest first, so a secret containing another is replaced whole
+                self._values = tuple(sorted(set(self._values) | fresh, key=len, reverse=True))
+
+    def __call__(self, text: str) -> str:
+        for value in self._values:
+            if value in text:
+                text = text.replace(value, "***")
+        return text
+
+
+redact = Redactor()
+
+
+class _TerminalFormatter(logging.Formatter):
+    """``coffer: message``, redacted and printable; a traceback when COFFER_LOG=debug or stderr is not a terminal
+    (a client's log file), else one line naming the exception, so a user never faces a traceback."""
+
+    def __init__(self, tracebacks: bool):
+        super().__init__()
+        self.tracebacks = tracebacks
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"coffer: {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            if self.tracebacks:
+                text += "\n" + self.formatException(record.exc_info)
+            else:
+                exc = record.exc_info[1]
+                text += f" [{exc.__class__.__name__}: {exc}; COFFER_LOG=debug shows the traceback]"
+        return printable(redact(text))
+
+
+def configure_logging() -> None:
+    """Log to stderr at COFFER_LOG's level (debug traces every message; default info).  Idempotent."""
+    if getattr(log, "_coffer_configured", False):
+        return
+    level = (os.environ.get("COFFER_LOG") or "info").strip().upper()
+    log.setLevel(getattr(logging, level, logging.INFO) if level in ("DEBUG", "INFO", "WARNING", "ERROR")
+                 else logging.INFO)
     try:
-        sys.stderr.write(f"coffer: {message}\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_TerminalFormatter(tracebacks=log.level <= logging.DEBUG or not tty))
+    log.addHandler(handler)
+    log.propagate = False
+    log._coffer_configured = True
+
+    def excepthook(args):  # a thread that dies says so, with its traceback, through the same redaction
+        if args.exc_type is not SystemExit:
+            log.error("thread %s died", getattr(args.thread, "name", "?"),
+                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    threading.excepthook = excepthook
+
+
+def warn(message: str) -> None:
+    log.warning(message)
+
+
+def start_thread(target, name: str, *args) -> threading.Thread:
+    """A daemon thread whose unexpected death is logged with its traceback instead of vanishing."""
+    def run():
+        try:
+            target(*args)
+        except Exception:  # noqa: BLE001 - the thread is lost, the reason must not be
+            log.exception("internal error in thread %s", name)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 class CofferError(Exception):
@@ -172,6 +391,21 @@ class CofferError(Exception):
 
 class NotListedYet(CofferError):
     """A capability name on a registered server that Coffer has not seen listed (yet)."""
+
+
+TOP_K_DEFAULT, TOP_K_MAX = 5, 20
+
+
+def bounded_top_k(value) -> int:
+    """The one rule for a top_k argument: absent means 5; an integer (or integral float) is clamped to 1..20;
+    anything else is a ValueError the caller turns into its own error."""
+    if value is None:
+        return TOP_K_DEFAULT
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"top_k must be an integer between 1 and {TOP_K_MAX}")
+    return max(1, min(TOP_K_MAX, value))
 
 
 def negotiate_version(requested) -> str:
@@ -194,14 +428,8 @@ def tool_error_result(text: str) -> dict:
     return {"content": [{"type": "text", "text": text}], "isError": True}
 
 
-def valid_request_id(value) -> bool:
-    return (isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))) and (
-        len(value) <= 512 if isinstance(value, str) else abs(value) < 2**63
-    )
-
-
 # ============================================================================================================
-# 2. Naming and ${VAR} expansion
+# 2. Names and secrets: exposed names, ${VAR} references, the secret store, an upstream's environment
 # ============================================================================================================
 
 
@@ -213,19 +441,55 @@ def check_server_name(name: str) -> str:
     return name
 
 
-def expose_name(server: str, name: str, max_length: int = DEFAULTS["name_max_length"]) -> str:
-    """``<server>__<name>``, shortened stably when too long or not a legal MCP tool name.
+_DIGEST_WIDTHS = (6, 8, 10, 12, 16, 24, 32, 64)
 
-    The shortened form keeps the readable start of the name and appends six hex digits of its hash, so the same
-    upstream name always maps to the same exposed name across restarts and machines.
-    """
+
+def _natural_name(server: str, name: str, max_length: int) -> str | None:
     full = f"{server}{SEPARATOR}{name}"
-    if len(full) <= max_length and EXPOSED_NAME_RE.match(full):
-        return full
-    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:6]
+    return full if len(full) <= max_length and EXPOSED_NAME_RE.match(full) else None
+
+
+def _shortened_name(server: str, name: str, max_length: int, width: int) -> str:
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:width]
     safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
-    room = max(1, max_length - len(server) - len(SEPARATOR) - 7)
+    room = max(1, max_length - len(server) - len(SEPARATOR) - width - 1)
     return f"{server}{SEPARATOR}{safe[:room].rstrip('_') or 'x'}_{digest}"
+
+
+def expose_name(server: str, name: str, max_length: int = DEFAULTS["name_max_length"]) -> str:
+    """``<server>__<name>``, or — when that is too long or not a legal MCP tool name — a readable prefix plus six hex
+    digits of the name's hash, stable across restarts and machines.  This is the name a tool gets when nothing
+    collides with it; ``exposed_names`` decides for a whole list."""
+    return _natural_name(server, name, max_length) or _shortened_name(server, name, max_length, 6)
+
+
+def exposed_names(server: str, names, max_length: int) -> dict[str, str]:
+    """{upstream name: exposed name} for one server's tools (or prompts), collision-free by construction.
+
+    Server names hold no '_', so ``<server>__`` prefixes never collide and only one server's own names can.
+    Names that fit are kept as they are (they are unique); each shortened name then takes the shortest hash
+    width not already taken, in sorted order, so the result depends only on the set of names: a tool literally
+    named like another's shortened form, or two long names whose short hashes collide, lengthen the hash of
+    the shortened one instead of hiding either.
+    """
+    result: dict[str, str] = {}
+    taken: set[str] = set()
+    shortened = []
+    for name in names:
+        natural = _natural_name(server, name, max_length)
+        if natural is None:
+            shortened.append(name)
+        else:
+            result[name] = natural
+            taken.add(natural)
+    for name in sorted(shortened):
+        for width in _DIGEST_WIDTHS:
+            exposed = _shortened_name(server, name, max_length, width)
+            if exposed not in taken:
+                break
+        result[name] = exposed
+        taken.add(exposed)
+    return result
 
 
 def qualify_uri(server: str, uri: str) -> str:
@@ -233,20 +497,25 @@ def qualify_uri(server: str, uri: str) -> str:
     return f"coffer+{server}:{uri}"
 
 
+# -- ${VAR} references and the secret store ------------------------------------------------------------------
+
 _ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$")
 
 
-def expand_vars(value: str, environ=None, missing=None) -> str:
-    """Expand ``${VAR}`` and ``${VAR:-default}`` from the gateway's environment at spawn time.
+def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | None = None) -> str:
+    """Expand ``${VAR}`` and ``${VAR:-default}``: from the environment first, then from the secret store.
 
     Values are stored unexpanded, so a secret only ever exists in the gateway's and the upstream's memory.
-    Names of unset variables without a default are appended to ``missing``.
+    Names found nowhere (and without a default) are appended to ``missing``.
     """
     environ = os.environ if environ is None else environ
 
     def replace(match):
         name, default = match.group(1), match.group(2)
         current = environ.get(name)
+        if current is None and secrets is not None:
+            current = secrets.get(name)
         if current is None or (current == "" and default is not None):
             if default is None and missing is not None:
                 missing.append(name)
@@ -254,6 +523,188 @@ def expand_vars(value: str, environ=None, missing=None) -> str:
         return current
 
     return _ENV_REF_RE.sub(replace, value)
+
+
+def references(value: str) -> list[str]:
+    """The variable names a stored value refers to."""
+    return [match.group(1) for match in _ENV_REF_RE.finditer(value)]
+
+
+class SecretStore:
+    """Named secret values, in COFFER_HOME/secrets.json (0600 inside the 0700 home), never in coffer.db.
+
+    Why a file rather than an OS keychain: none is reachable from the standard library on all three systems
+    (macOS needs the `security` tool, Windows DPAPI needs ctypes, Linux's Secret Service needs a D-Bus session that
+    a headless or SSH agent host usually lacks), and the agent host must work air-gapped and unattended.  A private
+    file is what ssh, aws and gh use; it is as safe as the user's account.
+
+    Any thread, any process: a read re-parses the file only when its mtime or size changed; a write replaces it
+    atomically (write a private temporary file, then rename), so no reader ever sees half of it.  Every value read
+    is registered with the redactor, so it never reaches a log or the terminal.
+    """
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, home: str):
+        self.path = os.path.join(home, "secrets.json")
+        self._values: dict[str, str] = {}
+        self._stamp = None
+        self._problem: str | None = None
+        self._lock = threading.Lock()
+
+    def _read(self) -> dict[str, str]:
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise CofferError(f"cannot read the secret store {self.path}: {exc.strerror or exc}") from None
+        stamp = (info.st_mtime_ns, info.st_size)
+        with self._lock:
+            if stamp == self._stamp:
+                if self._problem:
+                    raise CofferError(self._problem)
+                return self._values
+        problem, values = None, {}
+        try:
+            if info.st_size > self.MAX_BYTES:
+                raise ValueError(f"larger than {self.MAX_BYTES} bytes")
+            with open(self.path, "rb") as handle:
+                data = decode_json(handle.read(self.MAX_BYTES + 1))
+            if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in data.items()):
+                raise ValueError("not an object of names to text values")
+            values = data
+        except (OSError, ValueError) as exc:
+            problem = f"the secret store {self.path} is damaged ({exc}); fix or remove it"
+        redact.add(*values.values())
+        with self._lock:
+            self._values, self._stamp, self._problem = values, stamp, problem
+        if problem:
+            raise CofferError(problem)
+        return values
+
+    def get(self, name: str) -> str | None:
+        """The value, or None when absent (a damaged store is logged once and treated as empty)."""
+        try:
+            return self._read().get(name)
+        except CofferError as exc:
+            if self._problem != getattr(self, "_reported", None):
+                self._reported = self._problem
+                log.warning("%s", exc)
+            return None
+
+    def names(self) -> list[str]:
+        return sorted(self._read())
+
+    def values(self) -> list[str]:
+        try:
+            return list(self._read().values())
+        except CofferError:
+            return []
+
+    def set(self, name: str, value: str) -> None:
+        if not SECRET_NAME_RE.match(name or ""):
+            raise CofferError(f"invalid secret name {name!r}: use letters, digits and _ (start with a letter)")
+        if not isinstance(value, str) or "\x00" in value or len(value) > 64 << 10:
+            raise CofferError("a secret value must be text without NUL bytes, at most 64 KiB")
+        values = dict(self._read())
+        values[name] = value
+        self._write(values)
+
+    def delete(self, name: str) -> bool:
+        values = dict(self._read())
+        if values.pop(name, None) is None:
+            return False
+        self._write(values)
+        return True
+
+    def _write(self, values: dict[str, str]) -> None:
+        temporary = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(json.dumps(values, indent=1, sort_keys=True).encode("utf-8"))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+            raise CofferError(f"cannot write the secret store {self.path}: {exc.strerror or exc}") from None
+        redact.add(*values.values())
+        with self._lock:
+            self._stamp = None  # re-read on next use, whoever wrote last
+
+
+_AUTH_SCHEME_RE = re.compile(r"^(Bearer|Basic|Token|Bot|Digest)\s+(\S.*)$", re.I | re.S)
+
+
+def secret_name_for(server: str, key: str) -> str:
+    name = re.sub(r"[^A-Z0-9_]", "_", f"{server}_{key}".upper())
+    return name if not name[0].isdigit() else f"S_{name}"
+
+
+def store_literals(server: str, values: dict[str, str], secrets: SecretStore, header: bool = False
+                   ) -> tuple[dict[str, str], list[str]]:
+    """Move every literal value of an --env/--header mapping into the secret store; return the mapping with
+    ${NAME} references in their place, and the names used.
+
+    Any value that holds no ${...} reference counts as literal: Coffer cannot tell a token from a setting, and a
+    setting in the store costs nothing.  For an Authorization-style header only the credential moves
+    ("Bearer ${NAME}"), so the stored definition still reads as what it is.
+    """
+    result, moved = {}, []
+    for key, value in values.items():
+        if value == "" or _ENV_REF_RE.search(value):
+            result[key] = value
+            continue
+        scheme, credential = "", value
+        match = _AUTH_SCHEME_RE.match(value) if header else None
+        if match:
+            scheme, credential = match.group(1) + " ", match.group(2)
+        base = secret_name_for(server, key)
+        name, n = base, 1
+        while (existing := secrets.get(name)) is not None and existing != credential:
+            n += 1
+            name = f"{base}_{n}"
+        if existing is None:
+            secrets.set(name, credential)
+        result[key] = f"{scheme}${{{name}}}"
+        moved.append(name)
+    return result, moved
+
+
+# -- an upstream's environment -------------------------------------------------------------------------------
+# A stdio upstream gets what a program needs to run and to reach the user's package registry through the
+# user's proxy and certificates, plus its own --env; never the rest of Coffer's environment, where other
+# servers' tokens and the user's cloud keys live.  --inherit-env NAME (or '*') passes more, explicitly.
+
+SAFE_ENV_NAMES = frozenset("""
+PATH HOME USER LOGNAME USERNAME SHELL TERM COLORTERM LANG LANGUAGE TZ TMPDIR TMP TEMP PWD
+HTTP_PROXY HTTPS_PROXY NO_PROXY ALL_PROXY FTP_PROXY SSL_CERT_FILE SSL_CERT_DIR REQUESTS_CA_BUNDLE CURL_CA_BUNDLE
+NODE_EXTRA_CA_CERTS GIT_SSL_CAINFO JAVA_HOME GOPATH GOROOT GOPROXY CARGO_HOME RUSTUP_HOME DENO_DIR BUN_INSTALL
+PNPM_HOME COREPACK_HOME
+SYSTEMROOT SYSTEMDRIVE WINDIR COMSPEC PATHEXT APPDATA LOCALAPPDATA PROGRAMDATA PROGRAMFILES PROGRAMFILES(X86)
+PROGRAMW6432 COMMONPROGRAMFILES COMMONPROGRAMFILES(X86) USERPROFILE HOMEDRIVE HOMEPATH PUBLIC ALLUSERSPROFILE
+NUMBER_OF_PROCESSORS PROCESSOR_ARCHITECTURE OS __CF_USER_TEXT_ENCODING
+""".split())
+SAFE_ENV_PREFIXES = ("LC_", "NPM_CONFIG_", "PIP_", "UV_", "PIPX_", "PYENV_", "NVM_", "VOLTA_", "XDG_")
+
+
+def upstream_environment(own: dict[str, str], inherit=(), environ=None) -> dict[str, str]:
+    """The environment a stdio upstream starts with: the safe subset of ``environ``, what ``inherit`` names (or
+    all of it for '*'), then the server's own --env on top."""
+    environ = os.environ if environ is None else environ
+    wanted = {name.upper() for name in inherit}
+    everything = "*" in wanted
+    env = {key: value for key, value in environ.items()
+           if everything or key.upper() in SAFE_ENV_NAMES or key.upper().startswith(SAFE_ENV_PREFIXES)
+           or key.upper() in wanted}
+    env.update(own)
+    return env
 
 
 def parse_env_assignment(text: str) -> tuple[str, str]:
@@ -274,8 +725,8 @@ CREATE TABLE IF NOT EXISTS servers (
     transport TEXT NOT NULL,                 -- 'stdio' or 'http'
     command TEXT,                            -- JSON argv, unexpanded
     url TEXT,
-    env TEXT NOT NULL DEFAULT '{}',          -- JSON, unexpanded (${VAR} references, never secrets)
-    headers TEXT NOT NULL DEFAULT '{}',      -- JSON, unexpanded
+    env TEXT NOT NULL DEFAULT '{}',          -- JSON, unexpanded: ${VAR} references, literal values never
+    headers TEXT NOT NULL DEFAULT '{}',      -- JSON, unexpanded, like env
     cwd TEXT,
     enabled INTEGER NOT NULL DEFAULT 1,
     policy TEXT NOT NULL DEFAULT 'enabled',  -- what a capability seen for the first time gets
@@ -283,7 +734,9 @@ CREATE TABLE IF NOT EXISTS servers (
     position INTEGER NOT NULL,
     created_at TEXT NOT NULL,
     status TEXT, status_detail TEXT, status_at TEXT,
-    capabilities TEXT                        -- JSON: what the server advertised at its last initialize
+    capabilities TEXT,                       -- JSON: what the server advertised at its last initialize
+    inherit_env TEXT NOT NULL DEFAULT '[]',  -- JSON: names of Coffer's environment variables it also gets
+    updates TEXT NOT NULL DEFAULT 'pin'      -- 'pin': a changed definition waits for `coffer approve`; 'trust'
 );
 CREATE TABLE IF NOT EXISTS capabilities (
     server TEXT NOT NULL,
@@ -291,10 +744,12 @@ CREATE TABLE IF NOT EXISTS capabilities (
     name TEXT NOT NULL,                      -- the upstream's own name or URI
     enabled INTEGER NOT NULL,
     present INTEGER NOT NULL DEFAULT 1,      -- 0 once the upstream stops listing it; the choice is kept
-    fingerprint TEXT,
+    fingerprint TEXT,                        -- of the definition the upstream lists now
     definition TEXT,                         -- last advertised definition (schemas, never call data)
     first_seen TEXT NOT NULL,
     last_seen TEXT NOT NULL,
+    approved TEXT,                           -- fingerprint the user accepted; differs from fingerprint = quarantined
+    approved_definition TEXT,                -- that definition, for the diff `coffer approve` shows
     PRIMARY KEY (server, kind, name)
 );
 CREATE TABLE IF NOT EXISTS invocations (
@@ -309,50 +764,179 @@ CREATE TABLE IF NOT EXISTS audit (
 );
 CREATE INDEX IF NOT EXISTS audit_ts ON audit(ts);
 """
+# Columns added after the first release: (table, column, declaration).  A vault written by an earlier Coffer gains
+# them on open; an approved fingerprint of NULL means "accept what is listed next" (no quarantine on upgrade).
+MIGRATIONS = (
+    ("servers", "capabilities", "TEXT"),
+    ("servers", "inherit_env", "TEXT NOT NULL DEFAULT '[]'"),
+    ("servers", "updates", "TEXT NOT NULL DEFAULT 'pin'"),
+    ("capabilities", "approved", "TEXT"),
+    ("capabilities", "approved_definition", "TEXT"),
+)
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+TRANSPORTS = ("stdio", "http")
+PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
 
 def coffer_home() -> str:
     return os.path.abspath(os.path.expanduser(os.environ.get("COFFER_HOME") or os.path.join("~", ".coffer")))
 
 
-def fingerprint(definition: dict) -> str:
-    return hashlib.sha256(json.dumps(definition, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+def vault_json(value) -> str:
+    """JSON for a vault column: ASCII, so no string an upstream sent (a lone surrogate included) can fail the
+    write, and it decodes back to exactly the same value."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def storable(text):
+    """Text for a vault column or a log: lone surrogates replaced, so SQLite's UTF-8 encoding cannot fail."""
+    if not isinstance(text, str):
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+# What a definition's pin covers: everything the model reads or the call depends on, not the volatile fields
+# (a resource's size or modification time changes with its content, not with its meaning).
+_UNPINNED_FIELDS = {"tool": ("_meta",), "prompt": ("_meta",), "resource": ("_meta", "size", "annotations"),
+                    "template": ("_meta", "annotations")}
+
+
+def fingerprint(definition: dict, kind: str = "tool") -> str:
+    pinned = {k: v for k, v in definition.items() if k not in _UNPINNED_FIELDS.get(kind, ())}
+    return hashlib.sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
+
+
+class CapabilityState(NamedTuple):
+    """The user's standing choice for one capability: enabled or not, and quarantined when its definition changed
+    since the user (or the first listing) accepted it."""
+    enabled: bool
+    quarantined: bool = False
+
+    @property
+    def usable(self) -> bool:
+        return self.enabled and not self.quarantined
+
+
+def _private_path(path: str, directory: bool) -> str | None:
+    """Make ``path`` accessible to its owner only; a notice when it was not (POSIX; Windows ACLs are left alone)."""
+    if os.name != "posix":
+        return None
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    if not mode & 0o077:
+        return None
+    wanted = 0o700 if directory else mode & 0o600
+    try:
+        os.chmod(path, wanted)
+    except OSError as exc:
+        return f"{path} is readable by other users (mode {mode:04o}) and could not be fixed: {exc.strerror}"
+    return f"{path} was readable by other users (mode {mode:04o}); now {wanted:04o}"
+
+
+_reported_settings: set[str] = set()
 
 
 class Vault:
     """coffer.db: the registered servers, the user's choices, and the logs.
 
     Every change is one transaction.  Many processes share the file (several ``coffer serve`` plus the CLI), so
-    it runs in WAL mode with a busy timeout, and writers keep their transactions short.
+    it runs in WAL mode with a busy timeout, and writers keep their transactions short.  COFFER_HOME is 0700 and
+    every file in it 0600; looser permissions are fixed on open, with a notice.  A vault that cannot be written
+    (a read-only file or directory) opens read-only: reading commands work, changing ones say why they cannot.
+    One damaged row costs that row only: a server whose definition does not parse is reported and not started,
+    a setting that does not parse falls back to its default with a warning.
     """
 
     def __init__(self, home: str | None = None, actor: str = "cli"):
         self.home = home or coffer_home()
-        os.makedirs(self.home, exist_ok=True)
-        self.path = os.path.join(self.home, "coffer.db")
         self.actor = actor
-        self.db = self._connect(self.path)
-        with self.db:
-            self.db.executescript(SCHEMA)
-            columns = {row["name"] for row in self.db.execute("PRAGMA table_info(servers)")}
-            if "capabilities" not in columns:  # a vault written by an earlier Coffer
-                self.db.execute("ALTER TABLE servers ADD COLUMN capabilities TEXT")
+        self.read_only = False
+        if not os.path.isdir(self.home):
+            try:
+                os.makedirs(self.home, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise CofferError(f"cannot create {self.home}: {exc.strerror or exc}") from None
+        self.path = os.path.join(self.home, "coffer.db")
+        self.secrets = SecretStore(self.home)
+        was_empty = os.path.isfile(self.path) and os.path.getsize(self.path) == 0
+        if not os.path.exists(self.path):
+            try:  # created private from the start; SQLite gives -wal and -shm the same mode
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except OSError:
+                pass  # a race with another process, or a read-only home: connecting says which
+        try:
+            self.db = self._connect(self.path)
+            self._migrate()
+        except sqlite3.OperationalError as exc:
+            if not self._cannot_write(exc):
+                raise
+            self._open_read_only(exc)
+        for notice in filter(None, [_private_path(self.home, True)] +
+                             [_private_path(os.path.join(self.home, name), False) for name in PRIVATE_FILES]):
+            log.warning("%s", notice)
+        if was_empty:
+            log.warning("coffer.db in %s was EMPTY (0 bytes): it now holds a new, empty vault. Your servers, "
+                        "choices and logs are gone unless you restore the file from a backup.", self.home)
+        self.secrets.values()  # registers the stored secrets with the redactor before anything is printed
 
     @staticmethod
-    def _connect(path: str) -> sqlite3.Connection:
-        db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+    def _connect(path: str, uri: bool = False) -> sqlite3.Connection:
+        db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA busy_timeout=10000")
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-        except sqlite3.OperationalError:
-            pass  # another process is switching it right now; WAL is persistent, so it is already set
-        db.execute("PRAGMA synchronous=NORMAL")
+        if not uri:
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+            except sqlite3.OperationalError:
+                pass  # another process is switching it right now (WAL is persistent), or the file is read-only
+            db.execute("PRAGMA synchronous=NORMAL")
         return db
 
+    @staticmethod
+    def _cannot_write(exc: sqlite3.Error) -> bool:
+        text = str(exc).lower()
+        return "readonly" in text or "read-only" in text or "unable to open" in text
+
+    def _migrate(self) -> None:
+        tables = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        missing = [(t, c, d) for t, c, d in MIGRATIONS if t in tables and c not in
+                   {row["name"] for row in self.db.execute(f"PRAGMA table_info({t})")}]
+        if tables >= {"settings", "servers", "capabilities", "invocations", "audit"} and not missing:
+            return  # nothing to write: a read-only vault opens without a write
+        script = SCHEMA + "".join(f"ALTER TABLE {t} ADD COLUMN {c} {d};\n" for t, c, d in missing)
+        try:
+            self.db.executescript(f"BEGIN IMMEDIATE;\n{script}COMMIT;")
+        except sqlite3.Error:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+
+    def _open_read_only(self, cause: sqlite3.Error) -> None:
+        location = "file:" + self.path.replace("?", "%3f").replace("#", "%23")
+        last = cause
+        for suffix in ("?mode=ro", "?immutable=1"):  # immutable: a read-only directory where -shm cannot exist
+            try:
+                self.db = self._connect(location + suffix, uri=True)
+                self.db.execute("SELECT count(*) FROM servers").fetchone()
+                break
+            except sqlite3.Error as exc:
+                last = exc
+        else:
+            raise CofferError(f"cannot open the vault {self.path}: {last}") from None
+        self.read_only = True
+        log.warning("the vault %s is read-only (%s): commands that only read work, changes are refused",
+                    self.path, cause)
+
     def transaction(self):
+        if self.read_only:
+            raise CofferError(f"the vault {self.path} is read-only: this command would change it")
         return _Transaction(self.db)
 
     def close(self) -> None:
@@ -360,19 +944,29 @@ class Vault:
 
     # -- settings ------------------------------------------------------------------------------------------
     def setting(self, key: str):
-        row = self.db.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()
-        return json.loads(row["value"]) if row else DEFAULTS.get(key)
+        return self.settings()[key] if key in DEFAULTS else None
 
     def settings(self) -> dict:
+        """Every setting; a stored value that does not parse or is out of range counts as the default (warned
+        once per process), so a damaged row can never stop the gateway."""
         current = dict(DEFAULTS)
         for row in self.db.execute("SELECT key, value FROM settings"):
-            current[row["key"]] = json.loads(row["value"])
+            key = row["key"]
+            if key not in DEFAULTS:
+                continue  # written by a newer Coffer
+            try:
+                current[key] = _checked_setting(key, json.loads(row["value"]))
+            except (ValueError, TypeError, CofferError) as exc:
+                if key not in _reported_settings:
+                    _reported_settings.add(key)
+                    log.warning("setting %s in coffer.db is damaged (%s); using the default %r "
+                                "(fix: coffer config %s VALUE)", key, exc, DEFAULTS[key], key)
         return current
 
     def set_setting(self, key: str, raw: str) -> None:
         if key not in DEFAULTS:
             raise CofferError(f"unknown setting {key!r}; known: {', '.join(sorted(DEFAULTS))}")
-        value = _coerce_setting(key, raw)
+        value = _checked_setting(key, raw)
         with self.transaction() as db:
             old = self.setting(key)
             db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, json.dumps(value)))
@@ -380,7 +974,7 @@ class Vault:
 
     # -- servers -------------------------------------------------------------------------------------------
     def add_server(self, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy="enabled",
-                   timeout=None) -> None:
+                   timeout=None, inherit_env=None, transport=None) -> None:
         check_server_name(name)
         if bool(command) == bool(url):
             raise CofferError("give either a command after '--' (stdio) or --url (Streamable HTTP)")
@@ -388,15 +982,19 @@ class Vault:
             raise CofferError(f"bad policy {policy!r}: use 'enabled' or 'disabled'")
         if timeout is not None and not (timeout > 0):
             raise CofferError("--timeout must be a positive number of seconds")
+        transport = transport or ("http" if url else "stdio")
+        if transport not in TRANSPORTS:
+            raise CofferError(f"unknown transport {transport!r}")
         with self.transaction() as db:
             if db.execute("SELECT 1 FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone():
                 raise CofferError(f"server {name!r} already exists; remove it first or pick another name")
             position = db.execute("SELECT coalesce(max(position), 0) + 1 FROM servers").fetchone()[0]
             db.execute(
                 "INSERT INTO servers(name, transport, command, url, env, headers, cwd, policy, timeout, position,"
-                " created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (name, "http" if url else "stdio", json.dumps(command) if command else None, url,
-                 json.dumps(env or {}), json.dumps(headers or {}), cwd, policy, timeout, position, utcnow()))
+                " created_at, inherit_env) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (name, transport, vault_json(command) if command else None, url,
+                 vault_json(env or {}), vault_json(headers or {}), cwd, policy, timeout, position, utcnow(),
+                 vault_json(list(inherit_env or []))))
             target = url or " ".join(shlex.quote(part) for part in command)
             self._audit(db, "add", name, target)
 
@@ -408,36 +1006,103 @@ class Vault:
             self._audit(db, "remove", name, None)
 
     def servers(self) -> list[dict]:
-        return [_server_row(row) for row in self.db.execute("SELECT * FROM servers ORDER BY position")]
+        """Every registered server; one whose row is damaged carries ``damaged`` (the reason) and is disabled."""
+        return [_server_row(row) for row in self.db.execute("SELECT * FROM servers ORDER BY position, name")]
 
     def server(self, name: str) -> dict:
         row = self.db.execute("SELECT * FROM servers WHERE name=?", (name,)).fetchone()
         if not row:
-            raise CofferError(f"unknown server {name!r}")
+            raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names())}")
         return _server_row(row)
 
     def set_policy(self, name: str, policy: str) -> None:
-        if policy not in ("enabled", "disabled"):
-            raise CofferError(f"bad policy {policy!r}: use 'enabled' or 'disabled'")
+        """enabled|disabled: what capabilities the server adds later start as; trust-updates|pin-updates: whether a
+        changed definition applies at once or waits for `coffer approve`."""
+        column, value = {"enabled": ("policy", "enabled"), "disabled": ("policy", "disabled"),
+                         "trust-updates": ("updates", "trust"), "pin-updates": ("updates", "pin")}.get(
+            policy, (None, None))
+        if column is None:
+            raise CofferError(f"bad policy {policy!r}: use enabled, disabled, trust-updates or pin-updates")
         with self.transaction() as db:
-            old = self._require_server(db, name)["policy"]
-            db.execute("UPDATE servers SET policy=? WHERE name=?", (policy, name))
-            self._audit(db, "policy", name, f"{old} -> {policy}")
+            old = self._require_server(db, name)[column]
+            db.execute(f"UPDATE servers SET {column}=? WHERE name=?", (value, name))
+            if value == "trust":  # what waits for approval now is trusted too
+                db.execute("UPDATE capabilities SET approved=fingerprint, approved_definition=definition"
+                           " WHERE server=? AND approved IS NOT fingerprint", (name,))
+            self._audit(db, "policy", name, f"{column}: {old} -> {value}")
 
     def record_status(self, name: str, status: str, detail: str | None, capabilities: dict | None = None) -> None:
         with self.transaction() as db:
             db.execute("UPDATE servers SET status=?, status_detail=?, status_at=?,"
                        " capabilities=coalesce(?, capabilities) WHERE name=?",
-                       (status, detail, utcnow(), dumps(capabilities) if capabilities is not None else None, name))
+                       (status, storable(redact(detail)) if detail else detail, utcnow(),
+                        vault_json(capabilities) if capabilities is not None else None, name))
 
-    @staticmethod
-    def _require_server(db, name):
+    def _require_server(self, db, name):
         row = db.execute("SELECT * FROM servers WHERE name=?", (name,)).fetchone()
         if not row:
-            raise CofferError(f"unknown server {name!r}")
+            raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names(db))}")
         return row
 
-    # -- enable / disable ----------------------------------------------------------------------------------
+    # -- targets: what a CLI argument names, exactly as a client sees it ------------------------------------
+    def _all_names(self, db=None) -> list[str]:
+        db = db or self.db
+        max_length = self.setting("name_max_length")
+        names = [row["name"] for row in db.execute("SELECT name FROM servers")]
+        listed: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+        for row in db.execute("SELECT server, kind, name FROM capabilities WHERE present=1"):
+            if row["kind"] in ("tool", "prompt"):
+                listed[(row["server"], row["kind"])].append(row["name"])
+            else:
+                names.append(row["name"])
+        for (server, _), items in listed.items():
+            names.extend(exposed_names(server, items, max_length).values())
+        return names
+
+    def resolve(self, target: str, db=None) -> tuple[str, str, str]:
+        """(server, kind, upstream name) of a tool/prompt by the exact name a client sees, or of a resource or
+        template by its URI (``coffer+<server>:<uri>`` when two servers publish it).  ``tool:`` or ``prompt:``
+        in front picks the kind when a tool and a prompt share a name."""
+        db = db or self.db
+        max_length = self.setting("name_max_length")
+        kinds = ("tool", "prompt")
+        for prefix in kinds:
+            if target.startswith(prefix + ":"):
+                kinds, target = (prefix,), target[len(prefix) + 1:]
+        qualified = QUALIFIED_URI_RE.match(target)
+        if qualified:
+            rows = db.execute("SELECT server, kind, name FROM capabilities WHERE server=? AND name=? AND kind IN"
+                              " ('resource','template')", qualified.groups()).fetchall()
+            if rows:
+                return tuple(rows[0])
+        server, sep, _ = target.partition(SEPARATOR)
+        if sep:
+            found = []
+            for kind in kinds:
+                rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=?",
+                                  (server, kind)).fetchall()
+                listed = exposed_names(server, [row["name"] for row in rows if row["present"]], max_length)
+                names = [name for name, exposed in listed.items() if exposed == target] or [
+                    row["name"] for row in rows if not row["present"] and f"{server}{SEPARATOR}{row['name']}" == target]
+                found += [(server, kind, name) for name in names]
+            if len(found) > 1:
+                raise CofferError(f"{target!r} is both a tool and a prompt: write tool:{target} or prompt:{target}")
+            if found:
+                return found[0]
+        rows = db.execute("SELECT server, kind, name FROM capabilities WHERE name=? AND kind IN"
+                          " ('resource','template')", (target,)).fetchall()
+        if len(rows) == 1:
+            return tuple(rows[0])
+        if len(rows) > 1:
+            servers = ", ".join(row["server"] for row in rows)
+            raise CofferError(f"{target!r} is published by several servers ({servers}); "
+                              f"use coffer+<server>:{target}")
+        hint = _did_you_mean(target, self._all_names(db))
+        if sep and db.execute("SELECT 1 FROM servers WHERE name=?", (server,)).fetchone():
+            raise NotListedYet(f"unknown target {target!r}: server {server!r} does not list it{hint}")
+        raise CofferError(f"unknown target {target!r}: not a server, tool, prompt or resource Coffer knows{hint}")
+
+    # -- enable / disable / approve ------------------------------------------------------------------------
     def set_enabled(self, target: str, enabled: bool) -> str:
         """Enable or disable a server (by name) or one capability (by exposed name, or resource URI)."""
         verb = "enable" if enabled else "disable"
@@ -447,76 +1112,103 @@ class Vault:
                 db.execute("UPDATE servers SET enabled=? WHERE name=?", (int(enabled), target))
                 self._audit(db, verb, target, "server")
                 return f"server {target}"
-            server, kind, name = self._resolve_capability(db, target)
+            server, kind, name = self.resolve(target, db)
             db.execute("UPDATE capabilities SET enabled=? WHERE server=? AND kind=? AND name=?",
                        (int(enabled), server, kind, name))
-            self._audit(db, verb, f"{server}{SEPARATOR}{name}" if kind in ("tool", "prompt") else target, kind)
-            return f"{kind} {target}"
+            self._audit(db, verb, target if kind in ("tool", "prompt") else f"{server}:{name}", kind)
+            return f"{kind} {target}" + (f" ({server}:{name})" if kind in ("tool", "prompt") and
+                                         target != f"{server}{SEPARATOR}{name}" else "")
 
-    def _resolve_capability(self, db, target: str):
+    def pending_approvals(self, server: str | None = None) -> list[dict]:
+        sql = ("SELECT * FROM capabilities WHERE present=1 AND approved IS NOT NULL AND approved != fingerprint"
+               + (" AND server=?" if server else "") + " ORDER BY server, kind, name")
+        return [dict(row) for row in self.db.execute(sql, (server,) if server else ())]
+
+    def approve(self, target: str) -> list[tuple[str, str]]:
+        """Accept the current definition of a quarantined capability (or of every one of a server's); returns
+        [(label, diff)] of what was approved."""
         max_length = self.setting("name_max_length")
-        qualified = QUALIFIED_URI_RE.match(target)
-        if qualified:
-            rows = db.execute("SELECT server, kind, name FROM capabilities WHERE server=? AND name=? AND kind IN"
-                              " ('resource','template')", qualified.groups()).fetchall()
-            if rows:
-                return tuple(rows[0])
-        server, sep, _ = target.partition(SEPARATOR)
-        if sep:
-            for row in db.execute("SELECT server, kind, name FROM capabilities WHERE server=? AND kind IN"
-                                  " ('tool','prompt') ORDER BY kind DESC", (server,)):
-                if target in (f"{server}{SEPARATOR}{row['name']}", expose_name(server, row["name"], max_length)):
-                    return tuple(row)
-        rows = db.execute("SELECT server, kind, name FROM capabilities WHERE name=? AND kind IN"
-                          " ('resource','template')", (target,)).fetchall()
-        if len(rows) == 1:
-            return tuple(rows[0])
-        if len(rows) > 1:
-            servers = ", ".join(row["server"] for row in rows)
-            raise CofferError(f"{target!r} is published by several servers ({servers}); "
-                              f"use coffer+<server>:{target}")
-        if sep and db.execute("SELECT 1 FROM servers WHERE name=?", (server,)).fetchone():
-            raise NotListedYet(f"unknown target {target!r}: server {server!r} does not list it")
-        raise CofferError(f"unknown target {target!r}: not a server, tool, prompt or resource Coffer knows")
+        with self.transaction() as db:
+            if db.execute("SELECT 1 FROM servers WHERE name=?", (target,)).fetchone():
+                rows = db.execute("SELECT * FROM capabilities WHERE server=? AND present=1 AND approved IS NOT NULL"
+                                  " AND approved != fingerprint ORDER BY kind, name", (target,)).fetchall()
+            else:
+                server, kind, name = self.resolve(target, db)
+                rows = db.execute("SELECT * FROM capabilities WHERE server=? AND kind=? AND name=? AND approved IS"
+                                  " NOT NULL AND approved != fingerprint", (server, kind, name)).fetchall()
+            approved = []
+            for row in rows:
+                label = (exposed_names(row["server"], [row["name"]], max_length)[row["name"]]
+                         if row["kind"] in ("tool", "prompt") else row["name"])
+                approved.append((f"{row['kind']} {label}", definition_diff(row["approved_definition"],
+                                                                          row["definition"])))
+                db.execute("UPDATE capabilities SET approved=fingerprint, approved_definition=definition WHERE"
+                           " server=? AND kind=? AND name=?", (row["server"], row["kind"], row["name"]))
+                self._audit(db, "approve", f"{row['server']}:{row['name']}", row["kind"])
+            return approved
 
-    def sync_capabilities(self, server: str, kind: str, definitions: dict[str, dict]) -> dict[str, bool]:
-        """Record what an upstream lists now; return {name: enabled}.
+    def sync_capabilities(self, server: str, kind: str, definitions: dict[str, dict],
+                          rejected: dict[str, str] | None = None) -> dict[str, CapabilityState]:
+        """Record what an upstream lists now; return {name: CapabilityState} for those names.
 
-        New names follow the server's policy; names that vanish keep their row (and the user's choice) with
-        present=0, so a choice survives an upstream upgrade that drops and later restores a tool.
+        New names follow the server's policy and are pinned as they are; a name whose definition differs from
+        the pinned one is quarantined until `coffer approve` (or pinned again at once under trust-updates).  Names
+        that vanish keep their row (and the user's choice) with present=0, so a choice survives an upgrade that
+        drops and later restores a tool.  ``rejected`` (name -> why) are definitions dropped at the boundary.
         """
         now = utcnow()
+        max_length = self.setting("name_max_length")
         with self.transaction() as db:
-            srv = db.execute("SELECT policy FROM servers WHERE name=?", (server,)).fetchone()
+            srv = db.execute("SELECT policy, updates FROM servers WHERE name=?", (server,)).fetchone()
             default = 1 if (srv is None or srv["policy"] == "enabled") else 0
+            trusting = srv is not None and srv["updates"] == "trust"
             known = {row["name"]: row for row in db.execute(
-                "SELECT name, enabled, present, fingerprint FROM capabilities WHERE server=? AND kind=?",
+                "SELECT name, enabled, present, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
                 (server, kind))}
+            labels = exposed_names(server, definitions, max_length) if kind in ("tool", "prompt") else {}
             for name, definition in definitions.items():
-                fp = fingerprint(definition)
+                fp, text = fingerprint(definition, kind), vault_json(definition)
                 row = known.get(name)
-                text = dumps(definition)
                 if row is None:
                     db.execute("INSERT OR IGNORE INTO capabilities(server, kind, name, enabled, present, fingerprint,"
-                               " definition, first_seen, last_seen) VALUES (?,?,?,?,1,?,?,?,?)",
-                               (server, kind, name, default, fp, text, now, now))
+                               " definition, first_seen, last_seen, approved, approved_definition)"
+                               " VALUES (?,?,?,?,1,?,?,?,?,?,?)",
+                               (server, kind, name, default, fp, text, now, now, fp, text))
                     if srv is not None:
                         self._audit(db, "upstream-added", f"{server}:{name}",
                                     f"{kind}; {'enabled' if default else 'disabled'} by policy", actor="upstream")
+                    continue
+                approved = row["approved"]
+                if approved is None or trusting:
+                    approved_sql = "approved=?, approved_definition=?,"
+                    approved_args = (fp, text)
+                    if approved is not None and approved != fp:
+                        self._audit(db, "upstream-changed", f"{server}:{name}", f"{kind}; trusted (trust-updates)",
+                                    actor="upstream")
                 else:
-                    if row["fingerprint"] != fp or not row["present"]:
-                        self._audit(db, "upstream-changed" if row["present"] else "upstream-restored",
-                                    f"{server}:{name}", kind, actor="upstream")
-                    db.execute("UPDATE capabilities SET present=1, fingerprint=?, definition=?, last_seen=? WHERE"
-                               " server=? AND kind=? AND name=?", (fp, text, now, server, kind, name))
+                    approved_sql, approved_args = "", ()
+                    if fp != row["fingerprint"] and fp != approved:
+                        label = labels.get(name, name)
+                        self._audit(db, "upstream-changed", f"{server}:{name}",
+                                    f"{kind}; quarantined until `coffer approve {label}`", actor="upstream")
+                        log.warning("[%s] %s %s changed its definition since it was approved; it is hidden until "
+                                    "you review it with `coffer approve %s`", server, kind, label, label)
+                if not row["present"]:
+                    self._audit(db, "upstream-restored", f"{server}:{name}", kind, actor="upstream")
+                db.execute(f"UPDATE capabilities SET present=1, fingerprint=?, definition=?, {approved_sql}"
+                           " last_seen=? WHERE server=? AND kind=? AND name=?",
+                           (fp, text, *approved_args, now, server, kind, name))
             for name, row in known.items():
                 if name not in definitions and row["present"]:
                     db.execute("UPDATE capabilities SET present=0 WHERE server=? AND kind=? AND name=?",
                                (server, kind, name))
                     self._audit(db, "upstream-removed", f"{server}:{name}", kind, actor="upstream")
-            return {row["name"]: bool(row["enabled"]) for row in db.execute(
-                "SELECT name, enabled FROM capabilities WHERE server=? AND kind=?", (server, kind))
-                if row["name"] in definitions}
+            for name, why in (rejected or {}).items():
+                self._audit(db, "upstream-rejected", f"{server}:{storable(name)[:200]}", f"{kind}; {why}",
+                            actor="upstream")
+            return {row["name"]: _state(row) for row in db.execute(
+                "SELECT name, enabled, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
+                (server, kind)) if row["name"] in definitions}
 
     def remembered_lists(self) -> dict[str, dict[str, dict[str, dict]]]:
         """server -> kind -> {name: definition}: the tools and prompts each server listed when last seen."""
@@ -527,12 +1219,14 @@ class Vault:
                 definition = json.loads(row["definition"])
             except ValueError:
                 continue
-            remembered.setdefault(row["server"], {}).setdefault(row["kind"], {})[row["name"]] = definition
+            if isinstance(definition, dict):
+                remembered.setdefault(row["server"], {}).setdefault(row["kind"], {})[row["name"]] = definition
         return remembered
 
-    def enabled_map(self) -> dict[tuple[str, str, str], bool]:
-        return {(row["server"], row["kind"], row["name"]): bool(row["enabled"])
-                for row in self.db.execute("SELECT server, kind, name, enabled FROM capabilities")}
+    def capability_states(self) -> dict[tuple[str, str, str], CapabilityState]:
+        return {(row["server"], row["kind"], row["name"]): _state(row)
+                for row in self.db.execute("SELECT server, kind, name, enabled, fingerprint, approved"
+                                           " FROM capabilities")}
 
     def capabilities(self, server: str | None = None) -> list[dict]:
         sql = "SELECT * FROM capabilities" + (" WHERE server=?" if server else "") + " ORDER BY server, kind, name"
@@ -545,7 +1239,7 @@ class Vault:
     # -- logs ----------------------------------------------------------------------------------------------
     def _audit(self, db, action: str, target, detail, actor: str | None = None) -> None:
         db.execute("INSERT INTO audit(ts, actor, action, target, detail) VALUES (?,?,?,?,?)",
-                   (utcnow(), actor or self.actor, action, target, detail))
+                   (utcnow(), actor or self.actor, action, storable(target), storable(detail)))
 
     def invocations(self, limit: int = 50) -> list[dict]:
         rows = self.db.execute("SELECT ts, client, server, capability, kind, duration_ms, status, error FROM"
@@ -569,6 +1263,26 @@ class Vault:
         return n_inv, n_aud
 
 
+def _state(row) -> CapabilityState:
+    return CapabilityState(bool(row["enabled"]), row["approved"] is not None and row["approved"] != row["fingerprint"])
+
+
+def definition_diff(before: str | None, after: str | None) -> str:
+    """A readable unified diff of two stored definitions (pretty JSON, keys sorted)."""
+    def lines(text):
+        try:
+            value = json.loads(text) if text else {}
+        except ValueError:
+            value = text
+        return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False).splitlines()
+    return "\n".join(difflib.unified_diff(lines(before), lines(after), "approved", "now listed", lineterm=""))
+
+
+def _did_you_mean(target: str, names) -> str:
+    close = difflib.get_close_matches(target, list(names), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
 class _Transaction:
     """BEGIN IMMEDIATE ... COMMIT: take the write lock up front so a busy vault waits instead of failing late."""
 
@@ -576,7 +1290,12 @@ class _Transaction:
         self.db = db
 
     def __enter__(self):
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if Vault._cannot_write(exc):
+                raise CofferError(f"the vault cannot be written ({exc}): this command would change it") from None
+            raise
         return self.db
 
     def __exit__(self, exc_type, exc, tb):
@@ -591,29 +1310,72 @@ class _Transaction:
         return False
 
 
+def _json_column(text, kind, default):
+    if text in (None, ""):
+        return default
+    value = json.loads(text)
+    if not isinstance(value, kind):
+        raise ValueError(f"expected a JSON {kind.__name__}")
+    return value
+
+
 def _server_row(row) -> dict:
+    """A servers row as a dict; a row that does not parse is kept (so `list` and `remove` can see it) but marked
+    ``damaged`` with the reason and never started."""
     server = dict(row)
-    server["command"] = json.loads(server["command"]) if server["command"] else None
-    server["env"] = json.loads(server["env"] or "{}")
-    server["headers"] = json.loads(server["headers"] or "{}")
-    server["enabled"] = bool(server["enabled"])
-    server["capabilities"] = json.loads(server["capabilities"]) if server.get("capabilities") else None
+    server.setdefault("inherit_env", "[]")
+    server.setdefault("updates", "pin")
+    try:
+        command = _json_column(server["command"], list, None)
+        if command is not None and not (command and all(isinstance(a, str) for a in command)):
+            raise ValueError("command is not a list of strings")
+        server["command"] = command
+        for key in ("env", "headers"):
+            server[key] = _json_column(server[key], dict, {})
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in server[key].items()):
+                raise ValueError(f"{key} holds a value that is not text")
+        server["inherit_env"] = [str(x) for x in _json_column(server["inherit_env"], list, [])]
+        if server["transport"] not in TRANSPORTS:
+            raise ValueError(f"unknown transport {server['transport']!r}")
+        if (server["transport"] == "stdio") != bool(command) or (server["transport"] != "stdio"
+                                                                and not isinstance(server["url"], str)):
+            raise ValueError("neither a command nor a URL to reach it")
+        if server["timeout"] is not None and not (isinstance(server["timeout"], (int, float))
+                                                  and server["timeout"] > 0):
+            raise ValueError("timeout is not a positive number")
+        server["damaged"] = None
+        server["enabled"] = bool(server["enabled"])
+    except (ValueError, TypeError) as exc:
+        server.update(damaged=str(exc)[:200], enabled=False, command=None, env={}, headers={}, inherit_env=[])
+    try:
+        server["capabilities"] = _json_column(server.get("capabilities"), dict, None)
+    except (ValueError, TypeError):
+        server["capabilities"] = None  # forgotten, as if never started: the union then assumes everything
     return server
 
 
-def _coerce_setting(key: str, raw: str):
+def _checked_setting(key: str, raw):
+    """A setting's value from the CLI (text) or the vault (JSON), converted and range-checked, or CofferError."""
     default = DEFAULTS[key]
+    kind = type(default)
+    if isinstance(raw, bool) or (not isinstance(raw, (str, int, float)) or
+                                 (kind is str and not isinstance(raw, str))):
+        raise CofferError(f"setting {key} needs a {kind.__name__}, got {raw!r}")
     try:
-        value = type(default)(raw)
-    except ValueError:
-        raise CofferError(f"setting {key} needs a {type(default).__name__}, got {raw!r}") from None
+        value = kind(raw)
+    except (ValueError, OverflowError):
+        raise CofferError(f"setting {key} needs a {kind.__name__}, got {raw!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CofferError(f"setting {key} needs a finite number")
     if key == "name_max_length" and not 34 <= value <= 64:  # 24-char server + "__" + "x_" + hash
         raise CofferError("name_max_length must be between 34 and 64")
     if key == "expose" and value not in ("all", "search"):
         raise CofferError("expose must be 'all' or 'search'")
     if key == "embedder_api" and value not in ("openai", "ollama"):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
-    if isinstance(value, (int, float)) and key != "expose" and value <= 0:
+    if key == "max_message_bytes" and value < 4096:
+        raise CofferError("max_message_bytes must be at least 4096")
+    if isinstance(value, (int, float)) and value <= 0:
         raise CofferError(f"{key} must be positive")
     return value
 
@@ -622,7 +1384,9 @@ class InvocationLog:
     """Writes invocation rows on its own thread, in batches, so no tool call ever waits on SQLite.
 
     If the vault is locked or read-only the rows are kept (up to a bound) and retried; a persistent failure is a
-    stderr warning, never a failed call.
+    warning, never a failed call.  Every text is made storable first (a client name holding a lone surrogate must
+    not stop the logging of everything after it), and the thread survives any error in a batch: the batch is
+    reported and dropped, the log goes on.
     """
 
     FLUSH_INTERVAL = 0.2
@@ -651,6 +1415,11 @@ class InvocationLog:
         self.queue.put(None)
         self._thread.join(timeout)
 
+    @staticmethod
+    def _row(item: tuple) -> tuple:
+        ts, *rest = item
+        return (iso_timestamp(ts), *(storable(redact(v))[:500] if isinstance(v, str) else v for v in rest))
+
     def _run(self) -> None:
         db = None
         pending: list[tuple] = []
@@ -678,27 +1447,23 @@ class InvocationLog:
                         db = Vault._connect(self.path)
                     db.execute("BEGIN IMMEDIATE")
                     db.executemany("INSERT INTO invocations(ts, client, server, capability, kind, duration_ms,"
-                                   " status, error) VALUES (?,?,?,?,?,?,?,?)",
-                                   [(iso_timestamp(row[0]), *row[1:]) for row in pending])
+                                   " status, error) VALUES (?,?,?,?,?,?,?,?)", [self._row(row) for row in pending])
                     db.execute("COMMIT")
                     pending.clear()
-                    for waiter in waiters:
-                        waiter.set()
-                    waiters.clear()
                 except sqlite3.Error as exc:
-                    try:
-                        if db is not None and db.in_transaction:
-                            db.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass
+                    self._rollback(db)
                     if not self._warned:
-                        warn(f"invocation log not written yet ({exc}); will retry")
+                        log.warning("invocation log not written yet (%s); will retry", exc)
                         self._warned = True
                     del pending[:-self.MAX_BUFFER]
                     if self._stop.is_set():
-                        warn(f"{len(pending)} invocation rows could not be written: {exc}")
+                        log.warning("%d invocation rows could not be written: %s", len(pending), exc)
                         break
                     time.sleep(0.5)
+                except Exception:  # noqa: BLE001 - a bad row costs its batch, never the log itself
+                    self._rollback(db)
+                    log.exception("invocation log: dropped a batch of %d rows it could not write", len(pending))
+                    pending.clear()
             if not pending:
                 for waiter in waiters:
                     waiter.set()
@@ -708,21 +1473,153 @@ class InvocationLog:
         if db is not None:
             db.close()
 
+    @staticmethod
+    def _rollback(db) -> None:
+        try:
+            if db is not None and db.in_transaction:
+                db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+
 # ============================================================================================================
-# 4. Transports and the upstream supervisor
+# 4. Transports: how Coffer reaches an upstream (a subprocess on stdio, or Streamable HTTP)
 # ============================================================================================================
 
 
-class StdioTransport:
-    """An upstream MCP server as a subprocess speaking newline-delimited JSON-RPC on stdin/stdout.
+class UpstreamFailure(Exception):
+    """An upstream could not be started, initialized or reached.
 
-    The child gets its own process group (POSIX) so shutdown can reach the whole tree (``npx`` and ``uvx``
-    start grandchildren); if Coffer is killed outright, the children see stdin close and exit by themselves.
+    ``permanent``: retrying cannot help (a command that is not installed, a URL that is not a URL, HTTP 401/403/404),
+    so the server is marked failed at once with the real reason instead of being retried into the same wall.
     """
 
-    def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr):
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class Transport:
+    """What the upstream supervisor needs from a connection.
+
+    Callbacks run on the transport's own threads: ``on_message(dict)`` for each message, ``on_close()`` once when
+    the connection ends, ``on_oversized(head, size)`` for a message over max_message_bytes (skipped unread), and
+    ``on_stderr(line)`` for a subprocess's diagnostics.  ``send`` returns False when the connection no longer
+    accepts input and raises EncodeError for a message that cannot be written.  ``fatal`` is set when the
+    connection failed in a way retrying cannot fix.
+    """
+
+    pid = None
+    fatal: str | None = None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def send(self, message: dict) -> bool:
+        raise NotImplementedError
+
+    def close(self, grace: float = 2.0) -> None:
+        raise NotImplementedError
+
+    def exit_detail(self) -> str | None:
+        """Why the connection ended, in the user's terms (e.g. "exited with code 3"), once it has."""
+        return None
+
+
+class WorkerPool:
+    """At most ``size`` daemon threads running submitted jobs in arrival order; idle threads wait for more.
+
+    Used where work would otherwise cost a thread each (HTTP requests to one upstream, requests that wait for a
+    starting server): a burst of 5,000 is 5,000 queued jobs, not 5,000 threads.  A job's exception is logged with
+    its traceback and costs that job only.
+    """
+
+    def __init__(self, name: str, size: int):
+        self.name, self.size = name, size
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, job, *args) -> None:
+        self._jobs.put((job, args))
+        with self._lock:
+            if self._idle > 0 or self._threads >= self.size:
+                return
+            self._threads += 1
+        threading.Thread(target=self._work, name=f"{self.name}-{self._threads}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            job, args = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+            try:
+                job(*args)
+            except Exception:  # noqa: BLE001 - one job's failure must not take the worker with it
+                log.exception("internal error in %s", self.name)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process descended from ``pid``, in any session or process group (POSIX).
+
+    A server's ``setsid`` grandchild leaves its process group, so killing the group misses it; its ancestry
+    does not change while its parent lives, which is why shutdown reads it before closing anything.  A
+    descendant whose own parent already exited has been re-parented to init and cannot be found this way.
+    """
+    parents: dict[int, list[int]] = collections.defaultdict(list)
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    data = handle.read(4096)
+                parents[int(data[data.rindex(b")") + 2:].split()[1])].append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    else:
+        try:
+            listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True,
+                                     timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        for line in listing.splitlines():
+            fields = line.split()
+            if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+                parents[int(fields[1])].append(int(fields[0]))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+class StdioTransport(Transport):
+    """An upstream MCP server as a subprocess speaking newline-delimited JSON-RPC on stdin/stdout.
+
+    The child gets its own process group (POSIX) so shutdown can reach the whole tree (``npx`` and ``uvx`` start
+    grandchildren), and shutdown also ends descendants that left the group (a ``setsid`` daemon).  If Coffer is
+    killed outright, the children see stdin close and exit by themselves.  Threads: one reader each for stdout and
+    stderr, one that notices the exit, one writer for what ``send`` could not write at once.
+    """
+
+    def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_oversized=None, max_line=0):
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
         self.on_message, self.on_close, self.on_stderr = on_message, on_close, on_stderr
+        self.on_oversized = on_oversized or (lambda head, size: None)
+        self.max_line = max_line
         self.proc: subprocess.Popen | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._send_lock = threading.Lock()
@@ -731,6 +1628,7 @@ class StdioTransport:
         self._close_lock = threading.Lock()
         self._closed = False
         self._close_signalled = False
+        self._stderr_reader: threading.Thread | None = None
 
     def start(self) -> None:
         if self._closed:
@@ -739,6 +1637,10 @@ class StdioTransport:
         resolved = shutil.which(argv[0], path=self.env.get("PATH"))
         if resolved:
             argv[0] = resolved  # Windows needs npx.cmd spelled out; elsewhere this is harmless
+        elif not os.path.dirname(argv[0]):
+            raise UpstreamFailure(f"command {argv[0]!r} not found on PATH", permanent=True)
+        if self.cwd and not os.path.isdir(self.cwd):
+            raise UpstreamFailure(f"working directory {self.cwd!r} does not exist", permanent=True)
         kwargs = {}
         if os.name == "posix":
             kwargs["start_new_session"] = True
@@ -749,15 +1651,19 @@ class StdioTransport:
                                          stderr=subprocess.PIPE, env=self.env, cwd=self.cwd or None, bufsize=0,
                                          **kwargs)
         except OSError as exc:
-            raise UpstreamFailure(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
+            transient = exc.errno in (errno.EAGAIN, errno.ENOMEM, errno.ENFILE, errno.EMFILE)
+            raise UpstreamFailure(f"cannot start {argv[0]!r}: {exc.strerror or exc}", permanent=not transient) \
+                from None
         if os.name == "posix":
             os.set_blocking(self.proc.stdin.fileno(), False)
             self._stdin_fd = self.proc.stdin.fileno()
         self._reader = threading.Thread(target=self._read_stdout, name=f"coffer-{self.name}-out", daemon=True)
         self._reader.start()
-        threading.Thread(target=self._read_stderr, name=f"coffer-{self.name}-err", daemon=True).start()
-        threading.Thread(target=self._watch_exit, name=f"coffer-{self.name}-wait", daemon=True).start()
-        threading.Thread(target=self._write_stdin, name=f"coffer-{self.name}-in", daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, name=f"coffer-{self.name}-err",
+                                               daemon=True)
+        self._stderr_reader.start()
+        start_thread(self._watch_exit, f"coffer-{self.name}-wait")
+        start_thread(self._write_stdin, f"coffer-{self.name}-in")
 
     def _write_stdin(self) -> None:
         """Write what ``send`` could not: a server that stops reading must stall only itself, never the
@@ -810,6 +1716,18 @@ class StdioTransport:
     def pid(self):
         return self.proc.pid if self.proc else None
 
+    def exit_detail(self) -> str | None:
+        proc = self.proc
+        if proc is None:
+            return None
+        try:
+            code = proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return None
+        if self._stderr_reader is not None:
+            self._stderr_reader.join(0.5)  # its last words are usually the reason
+        return f"exited with code {code}"
+
     def _write_all(self, stdin, data: bytes) -> None:
         if self._stdin_fd is None:
             stdin.write(data)  # a blocking pipe (Windows): write() returns when all of it is written
@@ -824,7 +1742,7 @@ class StdioTransport:
     def send(self, message: dict) -> bool:
         if self._closed or self.proc is None or self.proc.poll() is not None:
             return False
-        data = (dumps(message) + "\n").encode("utf-8")
+        data = encode_line(message)
         with self._send_lock:
             if self._queued == 0 and self._stdin_fd is not None:
                 # The common case: the pipe has room and nothing is queued ahead, so write it here and spare
@@ -845,37 +1763,52 @@ class StdioTransport:
         # stdout is unbuffered (bufsize=0): each read returns what has arrived, so a reply burst is one call.
         skipped = 0
 
-        def handle(line: bytes) -> None:
+        def handle(line) -> None:
             nonlocal skipped
+            if isinstance(line, OversizedLine):
+                self.on_oversized(line.head, line.size)
+                return
             if not line.strip():
                 return
             try:
-                message = json.loads(line)
-            except ValueError:  # UnicodeDecodeError included: invalid UTF-8 is skipped like any junk
+                message = decode_json(line)
+            except ValueError:  # invalid UTF-8, NaN, nested too deeply...: skipped like any junk
                 skipped += 1
                 if skipped <= 20 or skipped % 1000 == 0:
-                    warn(f"[{self.name}] skipped a non-JSON line on stdout ({len(line)} bytes; {skipped} so far)")
+                    log.warning("[%s] skipped a non-JSON line on stdout (%d bytes; %d so far)",
+                                self.name, len(line), skipped)
                 return
             for item in (message if isinstance(message, list) else [message]):
                 if isinstance(item, dict):
                     try:
                         self.on_message(item)
-                    except Exception as exc:  # a bug in routing must not kill the reader
-                        warn(f"[{self.name}] error handling a message: {exc!r}")
+                    except Exception:  # noqa: BLE001 - a bug in routing costs one message, not the reader
+                        log.exception("[%s] internal error handling a message", self.name)
 
         try:
-            for lines in read_line_bursts(self.proc.stdout.read):
+            for lines in read_line_bursts(self.proc.stdout.read, max_line=self.max_line):
                 handle_burst(lines, handle)
         except (OSError, ValueError):
             pass
-        self._signal_close()
+        except Exception:  # noqa: BLE001 - the connection is lost either way; say why, then restart it
+            log.exception("[%s] internal error reading stdout", self.name)
+        finally:
+            self._signal_close()
 
     def _read_stderr(self) -> None:
-        for raw in iter(self.proc.stderr.readline, b""):
-            self.on_stderr(raw.decode("utf-8", "replace").rstrip("\r\n"))
+        try:
+            for lines in read_line_bursts(self.proc.stderr.read, max_line=8192):
+                for line in lines:
+                    raw = line.head if isinstance(line, OversizedLine) else line
+                    self.on_stderr(raw.decode("utf-8", "replace").rstrip("\r"))
+        except (OSError, ValueError):
+            pass  # the pipe closed under us at shutdown
+        except Exception:  # noqa: BLE001
+            log.exception("[%s] internal error reading stderr", self.name)
 
     def close(self, grace: float = 2.0) -> None:
-        """Close stdin, give the server ``grace`` seconds to exit, then terminate and kill its process group."""
+        """Close stdin, give the server ``grace`` seconds to exit, then terminate and kill its process group and
+        every descendant found before closing (including those in other sessions)."""
         with self._close_lock:
             if self._closed:
                 return
@@ -883,6 +1816,7 @@ class StdioTransport:
         proc = self.proc
         if proc is None:
             return
+        family = _descendants(proc.pid) if os.name == "posix" and proc.poll() is None else []
         with self._send_lock:
             self._queued += 1
             self._outbox.put(None)  # the writer flushes what is queued, then closes stdin
@@ -896,12 +1830,17 @@ class StdioTransport:
                 proc.kill()
         else:
             for sig in (signal.SIGTERM, signal.SIGKILL):
-                alive = proc.poll() is None
+                leader_alive = proc.poll() is None
                 try:  # the group may outlive its leader: npx exits, the node server it started does not
                     os.killpg(proc.pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
-                if not alive:
+                for pid in family:
+                    try:
+                        os.kill(pid, sig)
+                    except OSError:
+                        pass
+                if not leader_alive and not any(_alive(pid) for pid in family):
                     break
                 try:
                     proc.wait(1.0)
@@ -914,31 +1853,173 @@ class StdioTransport:
                 pass
 
 
-class HttpTransport:
-    """An upstream MCP server over Streamable HTTP, with urllib.
+# -- HTTP: one function decides redirects, so credentials never leave their origin ----------------------------
 
-    Each outgoing message is one POST on a worker thread; the reply is either one JSON body or an SSE stream
-    that may carry the server's own requests and notifications before the response.
+class HttpError(Exception):
+    """An HTTP request that did not succeed; ``status`` is the HTTP status when there was one."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+MAX_REDIRECTS = 3
+_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def url_origin(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of a URL: what a credential is bound to."""
+    import urllib.parse
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme, 0)
+    except ValueError:
+        raise HttpError(f"invalid port in {printable(url)[:200]!r}") from None
+    return scheme, (parts.hostname or "").lower(), port
+
+
+def origin_text(origin: tuple[str, str, int]) -> str:
+    return f"{origin[0]}://{origin[1]}:{origin[2]}"
+
+
+def check_remote_url(url: str) -> str:
+    """A URL Coffer may connect to (http or https with a host), or CofferError saying what is wrong."""
+    try:
+        scheme, host, _ = url_origin(url)
+    except HttpError as exc:
+        raise CofferError(str(exc)) from None
+    if scheme not in ("http", "https") or not host or any(c.isspace() for c in url):
+        raise CofferError(f"invalid URL {printable(url)[:200]!r}: use http:// or https:// and a host name")
+    return url
+
+
+def is_loopback(host: str) -> bool:
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+_http_opener = None
+
+
+def http_open(method: str, url: str, headers: dict, body: bytes | None = None, timeout: float = 30.0):
+    """Send one HTTP request with urllib and return the open 2xx response; HttpError for anything else.
+
+    Redirects are decided here, not by urllib (which re-sends every header, Authorization included, to whatever
+    host a redirect names, https->http included): a redirect is followed, with the same method and body, only
+    within the configured origin (scheme, host and port) and at most MAX_REDIRECTS times; any other is refused.
+    """
+    global _http_opener
+    import http.client, urllib.error, urllib.parse, urllib.request  # noqa: E401 - lazily: ~19 MB of RSS
+    if _http_opener is None:
+        class _Decline(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):
+                return None  # a 3xx then surfaces as HTTPError, and http_open decides
+
+        _http_opener = urllib.request.build_opener(_Decline)
+    origin = url_origin(url)
+    if origin[0] not in ("http", "https"):
+        raise HttpError(f"unsupported URL scheme {origin[0]!r}")
+    for _ in range(MAX_REDIRECTS + 1):
+        request = urllib.request.Request(url, data=body, headers=headers, method=method)
+        try:
+            return _http_opener.open(request, timeout=timeout)
+        except urllib.error.HTTPError as exc:
+            status, reason = exc.code, exc.reason
+            location = exc.headers.get("Location") if exc.headers is not None else None
+            try:
+                exc.close()
+            except Exception:  # noqa: BLE001 - closing a failed response is best effort
+                pass
+            if status not in (301, 302, 303, 307, 308):
+                raise HttpError(f"HTTP {status} {printable(reason)[:100]}", status) from None
+            target = urllib.parse.urljoin(url, location or "")
+            if not location or url_origin(target) != origin:
+                where = origin_text(url_origin(target)) if location else "nowhere"
+                raise HttpError(f"refused a redirect (HTTP {status}) from {origin_text(origin)} to {where}: Coffer "
+                                "sends credentials only to the configured origin; register the final URL instead",
+                                status) from None
+            url = target
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise HttpError(f"cannot reach {origin_text(origin)}: {printable(reason)[:200]}") from None
+    raise HttpError(f"more than {MAX_REDIRECTS} redirects within {origin_text(origin)}")
+
+
+def read_limited(response, limit: int) -> bytes:
+    data = response.read(limit + 1)
+    if len(data) > limit:
+        raise HttpError(f"a response body larger than max_message_bytes ({limit} bytes)")
+    return data
+
+
+def sse_events(read, limit: int):
+    """(event type, data) of each complete server-sent event; data over ``limit`` comes as an OversizedLine."""
+    data: list[bytes] = []
+    size, event, oversized = 0, "", None
+    for lines in read_line_bursts(read, max_line=limit):
+        for line in lines:
+            if isinstance(line, OversizedLine):
+                oversized = line
+                continue
+            line = line.rstrip(b"\r")
+            if not line:
+                if oversized is not None:
+                    yield event or "message", oversized
+                elif data:
+                    yield event or "message", b"\n".join(data)
+                data, size, event, oversized = [], 0, "", None
+                continue
+            if line.startswith(b":"):
+                continue
+            name, _, value = line.partition(b":")
+            if value.startswith(b" "):
+                value = value[1:]
+            if name == b"data" and oversized is None:
+                size += len(value) + 1
+                if size > limit:
+                    oversized = OversizedLine((b"\n".join(data) or value)[:4096], size)
+                    data = []
+                else:
+                    data.append(value)
+            elif name == b"event":
+                event = value.decode("utf-8", "replace")[:64]
+
+
+_SESSION_ID_RE = re.compile(r"^[\x21-\x7e]{1,1024}$")
+
+
+class HttpTransport(Transport):
+    """An upstream MCP server over Streamable HTTP, with urllib through ``http_open``.
+
+    Each outgoing message is one POST on a bounded worker pool; the reply is either one JSON body or an SSE
+    stream that may carry the server's own requests and notifications before the response.  Bodies and events
+    are bounded by max_message_bytes.
     """
 
-    def __init__(self, name, url, headers, on_message, on_close, timeout):
+    POOL_SIZE = 16
+
+    def __init__(self, name, url, headers, on_message, on_close, timeout, on_oversized=None, max_body=64 << 20):
         self.name, self.url, self.headers = name, url, headers
         self.on_message, self.on_close = on_message, on_close
-        self.timeout = timeout
+        self.on_oversized = on_oversized or (lambda head, size: None)
+        self.timeout, self.max_body = timeout, max_body
         self.session_id: str | None = None
         self.protocol_version: str | None = None
         self._closed = False
         self._listening = False
-        self.pid = None
+        self._pool = WorkerPool(f"coffer-{name}-http", self.POOL_SIZE)
 
     def start(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise UpstreamFailure(f"unsupported URL {self.url!r}")
+        try:
+            check_remote_url(self.url)
+        except CofferError as exc:
+            raise UpstreamFailure(str(exc), permanent=True) from None
 
     def send(self, message: dict) -> bool:
         if self._closed:
             return False
-        threading.Thread(target=self._post, args=(message,), name=f"coffer-{self.name}-http", daemon=True).start()
+        body = encode_line(message)
+        self._pool.submit(self._post, message, body)
         return True
 
     def _request_headers(self) -> dict:
@@ -950,58 +2031,72 @@ class HttpTransport:
             headers["MCP-Protocol-Version"] = self.protocol_version
         return headers
 
-    def _post(self, message: dict) -> None:
-        import http.client, urllib.error, urllib.request  # noqa: E401 - lazily: they cost ~19 MB of RSS
-        body = dumps(message).encode("utf-8")
-        request = urllib.request.Request(self.url, data=body, headers=self._request_headers(), method="POST")
+    def _post(self, message: dict, body: bytes) -> None:
+        initializing = message.get("method") == "initialize"
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                session = response.headers.get("Mcp-Session-Id")
-                if session and message.get("method") == "initialize":
-                    self.session_id = session
-                self._consume(response)
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404 and self.session_id:
-                warn(f"[{self.name}] HTTP session expired")
+            response = http_open("POST", self.url, self._request_headers(), body, self.timeout)
+        except HttpError as exc:
+            if exc.status == 404 and self.session_id:
+                log.warning("[%s] HTTP session expired", self.name)
                 self._closed = True
                 self.on_close()
                 return
-            self._fail(message, f"HTTP {exc.code} {exc.reason}")
-        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-            self._fail(message, f"cannot reach {self.name}: {getattr(exc, 'reason', exc)}")
+            text = str(exc)
+            if initializing and (exc.status in (401, 403, 404, 405) or "redirect" in text):
+                hints = {401: " (the server wants credentials: check --header)",
+                         403: " (the credentials were refused)",
+                         404: " (check the URL; an older HTTP+SSE server is not supported yet)",
+                         405: " (an older HTTP+SSE server? it is not supported yet)"}
+                self.fatal = text + hints.get(exc.status, "")
+                text = self.fatal
+            self._fail(message, text)
+            return
+        with response:
+            session = response.headers.get("Mcp-Session-Id")
+            if session and initializing:
+                if not _SESSION_ID_RE.match(session):
+                    self.fatal = "the server sent an invalid Mcp-Session-Id"
+                    self._fail(message, self.fatal)
+                    return
+                self.session_id = session
+            try:
+                self._consume(response, message)
+            except HttpError as exc:
+                self._fail(message, str(exc))
+            except (OSError, ValueError) as exc:
+                self._fail(message, f"connection to {self.name} lost: {exc}")
 
     def _fail(self, message: dict, text: str) -> None:
         if "id" in message and "method" in message:
             self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, text))
 
-    def _consume(self, response) -> None:
+    def _consume(self, response, message: dict | None = None) -> None:
         kind = (response.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if kind == "application/json":
-            data = response.read()
+            data = read_limited(response, self.max_body)
             if data.strip():
-                payload = json.loads(data)
+                try:
+                    payload = decode_json(data)
+                except ValueError:
+                    raise HttpError("the server answered with a body that is not JSON") from None
                 for item in payload if isinstance(payload, list) else [payload]:
                     self._deliver(item)
         elif kind == "text/event-stream":
-            data_lines: list[str] = []
-            for raw in response:
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                if line.startswith("data:"):
-                    data_lines.append(line[5:].lstrip(" "))
-                elif not line and data_lines:
-                    data = "\n".join(data_lines).strip()
-                    data_lines = []
-                    if not data:
-                        continue  # a priming event (id only), sent so a client could resume the stream
-                    try:
-                        self._deliver(json.loads(data))
-                    except ValueError:
-                        warn(f"[{self.name}] skipped a non-JSON SSE event")
+            for _, data in sse_events(getattr(response, "read1", response.read), self.max_body):
+                if isinstance(data, OversizedLine):
+                    self.on_oversized(data.head, data.size)
+                    continue
+                if not data.strip():
+                    continue  # a priming event (id only), sent so a client could resume the stream
+                try:
+                    self._deliver(decode_json(data))
+                except ValueError:
+                    log.warning("[%s] skipped an SSE event that is not JSON", self.name)
 
     def _deliver(self, item) -> None:
         if isinstance(item, dict):
-            if isinstance(item.get("result"), dict) and "protocolVersion" in item["result"]:
-                self.protocol_version = item["result"]["protocolVersion"]
+            if isinstance(item.get("result"), dict) and isinstance(item["result"].get("protocolVersion"), str):
+                self.protocol_version = item["result"]["protocolVersion"][:32]
                 self._start_listening()
             self.on_message(item)
 
@@ -1012,44 +2107,202 @@ class HttpTransport:
         self._listening = True
 
         def listen():
-            import urllib.error, urllib.request  # noqa: E401
             headers = self._request_headers()
             headers["Accept"] = "text/event-stream"
             time.sleep(0.05)  # after notifications/initialized has gone out
             try:
-                request = urllib.request.Request(self.url, headers=headers, method="GET")
-                with urllib.request.urlopen(request, timeout=3600) as response:
+                with http_open("GET", self.url, headers, None, 3600) as response:
                     self._consume(response)
-            except (urllib.error.URLError, OSError, ValueError):
-                pass  # 405: this server has no stream; anything else: requests still work over POST
+            except (HttpError, OSError, ValueError) as exc:
+                log.debug("[%s] no server stream: %s", self.name, exc)  # 405: this server has none
 
-        threading.Thread(target=listen, name=f"coffer-{self.name}-sse", daemon=True).start()
+        start_thread(listen, f"coffer-{self.name}-sse")
 
     def close(self, grace: float = 2.0) -> None:
         if self._closed:
             return
         self._closed = True
         if self.session_id:
-            import urllib.error, urllib.request  # noqa: E401
             try:
-                request = urllib.request.Request(self.url, headers=self._request_headers(), method="DELETE")
-                urllib.request.urlopen(request, timeout=grace).close()
-            except (urllib.error.URLError, OSError, ValueError):
+                http_open("DELETE", self.url, self._request_headers(), None, grace).close()
+            except (HttpError, OSError):
                 pass
 
 
-class UpstreamFailure(Exception):
-    """An upstream could not be started, initialized or reached."""
+# ============================================================================================================
+# 5. Upstream supervisor: one registered server's connection, requests, lists and restarts
+# ============================================================================================================
 
+# -- what an upstream may say, checked at the boundary -------------------------------------------------------
+# An upstream is code nobody here wrote.  Its definitions are validated before they reach the catalogue (one bad
+# tool must not make a client reject the whole list), its replies are rebuilt as well-formed JSON-RPC, and only
+# the requests and notifications the protocol defines are relayed to the client.
+
+SERVER_REQUEST_NEEDS = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
+                        "roots/list": "roots"}
+RELAYED_NOTIFICATIONS = frozenset({"notifications/message", "notifications/progress", "notifications/cancelled",
+                                   "notifications/resources/updated", "notifications/elicitation/complete"})
+LIST_CHANGED = {"notifications/tools/list_changed": ("tool",), "notifications/prompts/list_changed": ("prompt",),
+                "notifications/resources/list_changed": ("resource", "template")}
+MAX_DEFINITION_BYTES = 1 << 20
+MAX_DESCRIPTION_CHARS = 32_768
+MAX_NAME_CHARS = 1024
+_ANNOTATION_HINTS = ("readOnlyHint", "destructiveHint", "idempotentHint", "openWorldHint")
+_IDENTIFIER = {"tool": "name", "prompt": "name", "resource": "uri", "template": "uriTemplate"}
+_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+class Rejected(ValueError):
+    """A definition that cannot be repaired safely: it is dropped, with a warning and an audit row."""
+
+
+def _clean_strings(value, depth: int = 0):
+    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep."""
+    if depth > 64:
+        raise Rejected("nested more than 64 levels deep")
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, dict):
+        return {storable(k): _clean_strings(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean_strings(v, depth + 1) for v in value]
+    return value
+
+
+def check_definition(kind: str, item) -> dict:
+    """A tool, prompt, resource or template an upstream listed, repaired where that is safe, else Rejected.
+
+    Repaired: a missing inputSchema (an object schema), a schema without "type", optional fields of the wrong type
+    (dropped), over-long descriptions (cut), lone surrogates in text (replaced).  Rejected: no usable identifier,
+    an inputSchema that is not an object schema, a definition over 1 MiB or nested over 64 levels.
+    """
+    if not isinstance(item, dict):
+        raise Rejected("not a JSON object")
+    key = _IDENTIFIER[kind]
+    ident = item.get(key)
+    if not isinstance(ident, str) or not ident.strip():
+        raise Rejected(f"no {key}")
+    if len(ident) > (MAX_NAME_CHARS if key == "name" else 8 * MAX_NAME_CHARS) or _CONTROL_RE.search(ident):
+        raise Rejected(f"its {key} is too long or holds control characters")
+    try:
+        if len(dumps(item)) > MAX_DEFINITION_BYTES:
+            raise Rejected(f"larger than {MAX_DEFINITION_BYTES} bytes")
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise Rejected(f"not plain JSON ({exc.__class__.__name__})") from None
+    item = _clean_strings(item)
+    for text_field in ("title", "description", "mimeType"):
+        if text_field in item and not isinstance(item[text_field], str):
+            del item[text_field]
+    if isinstance(item.get("description"), str) and len(item["description"]) > MAX_DESCRIPTION_CHARS:
+        item["description"] = item["description"][:MAX_DESCRIPTION_CHARS] + " [cut by coffer]"
+    for dict_field in ("_meta", "annotations", "execution"):
+        if dict_field in item and not isinstance(item[dict_field], dict):
+            del item[dict_field]
+    if "icons" in item and not (isinstance(item["icons"], list) and all(
+            isinstance(icon, dict) and isinstance(icon.get("src"), str) for icon in item["icons"])):
+        del item["icons"]
+    if kind == "tool":
+        schema = item.get("inputSchema")
+        if schema is None:
+            item["inputSchema"] = {"type": "object"}
+        elif not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise Rejected("its inputSchema is not a JSON object schema")
+        else:
+            if "properties" in schema and not isinstance(schema["properties"], dict):
+                raise Rejected("its inputSchema properties are not an object")
+            if "required" in schema and not (isinstance(schema["required"], list) and
+                                             all(isinstance(r, str) for r in schema["required"])):
+                schema = {k: v for k, v in schema.items() if k != "required"}
+            item["inputSchema"] = schema if "type" in schema else {"type": "object", **schema}
+        output = item.get("outputSchema")
+        if output is not None and not (isinstance(output, dict) and output.get("type", "object") == "object"):
+            del item["outputSchema"]
+        annotations = item.get("annotations")
+        if isinstance(annotations, dict):
+            item["annotations"] = {k: v for k, v in annotations.items()
+                                   if not ((k in _ANNOTATION_HINTS and not isinstance(v, bool)) or
+                                           (k == "title" and not isinstance(v, str)))}
+    elif kind == "prompt":
+        arguments = item.get("arguments")
+        if arguments is not None:
+            if not isinstance(arguments, list):
+                del item["arguments"]
+            else:
+                item["arguments"] = [
+                    {k: v for k, v in argument.items() if not (k == "required" and not isinstance(v, bool))
+                     and not (k in ("description", "title") and not isinstance(v, str))}
+                    for argument in arguments if isinstance(argument, dict) and isinstance(argument.get("name"), str)]
+    else:
+        if not isinstance(item.get("name"), str):
+            item["name"] = ident
+        if "size" in item and not (isinstance(item["size"], int) and not isinstance(item["size"], bool)
+                                   and item["size"] >= 0):
+            del item["size"]
+    return item
+
+
+def normalized_reply(message: dict) -> dict:
+    """An upstream's reply as well-formed JSON-RPC: exactly one of ``result`` (an object) or ``error`` ({code: int,
+    message: str}).  Anything else (an error that is a string, both members, no jsonrpc...) becomes an error that
+    says so, so a client is never handed a reply it cannot parse and wait forever."""
+    msg_id = message.get("id")
+    has_result, has_error = "result" in message, "error" in message
+    if has_result and not has_error:
+        if isinstance(message["result"], dict):
+            return {"jsonrpc": "2.0", "id": msg_id, "result": message["result"]}
+        return rpc_error(msg_id, UPSTREAM_ERROR, "the upstream returned a result that is not an object")
+    if has_error and not has_result:
+        error = message["error"]
+        if isinstance(error, dict) and isinstance(error.get("code"), int) and not isinstance(error["code"], bool) \
+                and isinstance(error.get("message"), str):
+            return rpc_error(msg_id, error["code"], error["message"][:4000], error.get("data"))
+        text = error.get("message") if isinstance(error, dict) else error
+        detail = f": {printable(text)[:200]}" if isinstance(text, str) and text else ""
+        return rpc_error(msg_id, UPSTREAM_ERROR, f"the upstream returned a malformed error{detail}")
+    return rpc_error(msg_id, UPSTREAM_ERROR, "the upstream returned a malformed reply (both result and error)"
+                     if has_result else "the upstream returned a malformed reply (neither result nor error)")
+
+
+class TokenBucket:
+    """``rate`` events a second with bursts of ``burst``: how a flood from one upstream is cut to size without
+    slowing anyone else.  Not thread-safe on its own; each upstream's reader is its only caller."""
+
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.stamp = burst, time.monotonic()
+        self.dropped = 0
+        self.reported = 0.0
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        self.dropped += 1
+        return False
+
+    def report_due(self, every: float = 10.0) -> int:
+        """How many were dropped since the last report, once ``every`` seconds (0 otherwise)."""
+        now = time.monotonic()
+        if not self.dropped or now - self.reported < every:
+            return 0
+        dropped, self.dropped, self.reported = self.dropped, 0, now
+        return dropped
+
+
+# -- in-flight records ---------------------------------------------------------------------------------------
 
 class Pending:
-    """One request Coffer sent to an upstream and is waiting on."""
+    """One request Coffer sent to an upstream and is waiting on.  ``timeout`` is how long it may go without a
+    reply or progress; ``deadline`` when it times out (progress pushes it back)."""
 
     __slots__ = ("method", "on_reply", "timeout", "deadline", "token")
 
-    def __init__(self, method, on_reply, timeout, token):
+    def __init__(self, method, on_reply, timeout, token, deadline=None):
         self.method, self.on_reply, self.timeout, self.token = method, on_reply, timeout, token
-        self.deadline = time.monotonic() + timeout if timeout else None
+        self.deadline = deadline if deadline is not None else (time.monotonic() + timeout if timeout else None)
 
 
 class Ticket:
@@ -1063,11 +2316,30 @@ class Ticket:
         self.cancelled = False
 
 
+@dataclass
+class QueuedRequest:
+    """A request waiting for its server to be ready.  Its deadline started when it was asked for: waiting for a
+    slow or failing server counts against the caller's call_timeout."""
+    method: str
+    params: object
+    on_reply: Callable
+    timeout: float
+    ticket: Ticket
+    deadline: float
+
+
 class Upstream:
     """One registered server: its connection, its in-flight requests, its advertised lists, its restarts.
 
     States: idle → starting → ready; a crash goes to backoff and back to starting; too many consecutive failed
-    starts go to failed; stopped is final.  Requests that arrive while starting wait in a backlog.
+    starts (or one failure that retrying cannot fix) go to failed; stopped is final.  Requests that arrive while
+    starting wait in a backlog, each with its own deadline.
+
+    Threads: the transport's reader runs ``_on_message`` and the ``on_reply`` callbacks of replies; one thread per
+    start attempt runs ``_start``; one thread per list kind refreshes; the gateway's ticker calls ``expire``; any
+    thread may call ``request``, ``cancel``, ``notify``.  ``self.lock`` guards state, pending, by_token, backlog and
+    the failure count.  It is never held while calling out (``on_reply``, the gateway's events, a transport send),
+    so the lock order is simply: Gateway.lock may be held when taking Upstream.lock, never the reverse.
     """
 
     LIST_METHODS = {"tool": ("tools/list", "tools", "tools"), "prompt": ("prompts/list", "prompts", "prompts"),
@@ -1075,35 +2347,39 @@ class Upstream:
                     "template": ("resources/templates/list", "resourceTemplates", "resources")}
     QUICK_DEATH = 10.0  # a server that dies this soon after becoming ready counts as a failed start
 
-    def __init__(self, config: dict, settings: dict, events, client_capabilities=None, protocol_version=None):
+    def __init__(self, config: dict, settings: dict, events, client_capabilities=None, protocol_version=None,
+                 secrets: SecretStore | None = None):
         self.config = config
         self.name: str = config["name"]
         self.settings = settings
         self.events = events  # the gateway: on_ready, on_down, on_list_changed, on_notification, on_request
+        self.secrets = secrets
         self.client_capabilities = client_capabilities or {}
         self.protocol_version = protocol_version or LATEST_PROTOCOL_VERSION
         self.call_timeout = float(config.get("timeout") or settings["call_timeout"])
         self.lock = threading.RLock()
         self.state = "idle"
-        self.transport = None
+        self.transport: Transport | None = None
         self.pending: dict[int, Pending] = {}
         self.by_token: dict = {}
-        self.backlog: list = []
+        self.backlog: list[QueuedRequest] = []
         self._next_id = 0
         self.failures = 0
         self.spawns = 0
         self.ready_at = 0.0
         self.last_error: str | None = None
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
-        self.secrets: list[str] = []
         self.server_info: dict = {}
         self.capabilities: dict = {}
         self.lists = {kind: {} for kind in CAPABILITY_KINDS}  # kind -> {name: definition}, in upstream order
+        self.rejected: dict[str, dict[str, str]] = {}  # kind -> {name: why} of the last fetch
         self.remembered: dict[str, dict] = {}  # kind -> what the vault holds from the last start (see Catalogue)
         self._refresh_again: dict[str, bool] = {}  # kind -> refreshing now; True: list_changed came meanwhile
         self.generation = 0
         self._closed_generation = -1
         self._timer: threading.Timer | None = None
+        self._relayed = TokenBucket(rate=200.0, burst=1000.0)   # notifications relayed to the client
+        self._stderr_relayed = TokenBucket(rate=50.0, burst=200.0)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -1112,29 +2388,35 @@ class Upstream:
                 return
             self.state = "starting"
             self.spawns += 1
-        threading.Thread(target=self._start, name=f"coffer-{self.name}-start", daemon=True).start()
+        start_thread(self._start, f"coffer-{self.name}-start")
 
-    def _make_transport(self):
+    def _make_transport(self) -> Transport:
         missing: list[str] = []
         cfg = self.config
         generation = self.generation + 1
         on_close = lambda: self._on_close(generation)  # noqa: E731 - a stale connection's close is ignored
+        limit = int(self.settings["max_message_bytes"])
+
+        def expand(value: str) -> str:
+            expanded = expand_vars(value, missing=missing, secrets=self.secrets)
+            if expanded != value:
+                redact.add(expanded)  # what a reference expanded to is a secret wherever it shows up
+            return expanded
+
         if cfg["transport"] == "http":
-            headers = {k: expand_vars(v, missing=missing) for k, v in cfg["headers"].items()}
-            self.secrets = [v for k, v in headers.items() if v != cfg["headers"][k] and len(v) >= 4]
-            transport = HttpTransport(self.name, expand_vars(cfg["url"], missing=missing), headers,
-                                      self._on_message, on_close,
-                                      max(float(self.settings["init_timeout"]), self.call_timeout))
+            headers = {k: expand(v) for k, v in cfg["headers"].items()}
+            transport = HttpTransport(self.name, expand(cfg["url"]), headers, self._on_message, on_close,
+                                      max(float(self.settings["init_timeout"]), self.call_timeout),
+                                      self._on_oversized, limit)
         else:
-            env = dict(os.environ)
-            extra = {k: expand_vars(v, missing=missing) for k, v in cfg["env"].items()}
-            env.update(extra)
-            self.secrets = [v for k, v in extra.items() if v != cfg["env"][k] and len(v) >= 4]
-            argv = [expand_vars(arg, missing=missing) for arg in cfg["command"]]
+            own = {k: expand(v) for k, v in cfg["env"].items()}
+            env = upstream_environment(own, cfg.get("inherit_env") or ())
+            argv = [expand_vars(arg, missing=missing, secrets=self.secrets) for arg in cfg["command"]]
             transport = StdioTransport(self.name, argv, env, cfg.get("cwd"), self._on_message, on_close,
-                                       self._on_stderr)
+                                       self._on_stderr, self._on_oversized, limit)
         for name in sorted(set(missing)):
-            warn(f"[{self.name}] ${{{name}}} is not set in Coffer's environment; using an empty value")
+            log.warning("[%s] ${%s} is set neither in Coffer's environment nor in its secret store; using an empty "
+                        "value (coffer secret set %s)", self.name, name, name)
         return transport
 
     def _start(self) -> None:
@@ -1157,7 +2439,8 @@ class Upstream:
                 raise UpstreamFailure("initialize returned no result object")
             self.notify("notifications/initialized")
             self.capabilities = result.get("capabilities") if isinstance(result.get("capabilities"), dict) else {}
-            self.server_info = result.get("serverInfo") if isinstance(result.get("serverInfo"), dict) else {}
+            info = result.get("serverInfo")
+            self.server_info = _clean_strings(info) if isinstance(info, dict) else {}
             for kind in CAPABILITY_KINDS:
                 self.refresh(kind, notify=False)
             if self._closed_generation == self.generation:
@@ -1167,40 +2450,59 @@ class Upstream:
             return
         with self.lock:
             if self.state == "stopped":
-                threading.Thread(target=transport.close, daemon=True).start()
+                start_thread(transport.close, f"coffer-{self.name}-close")
                 return
             self.state = "ready"
             self.ready_at = time.monotonic()
             self.last_error = None
             backlog, self.backlog = self.backlog, []
         self.events.on_ready(self)
-        for run in backlog:
-            run()
+        self._run_backlog(backlog)
 
-    def _start_failed(self, transport, exc: Exception) -> None:
+    def _start_failed(self, transport: Transport | None, exc: Exception) -> None:
+        if not isinstance(exc, (UpstreamFailure, OSError, ValueError)):
+            log.exception("[%s] internal error while starting", self.name)
         text = str(exc) or exc.__class__.__name__
+        permanent = getattr(exc, "permanent", False)
+        if transport is not None:
+            if transport.fatal:
+                text, permanent = transport.fatal, True
+            elif self._closed_generation == self.generation or "not accepting input" in text:
+                text = f"{transport.exit_detail() or 'closed its connection'} before it answered initialize"
         if self.stderr_tail and "stderr:" not in text:
             text += " | stderr: " + " / ".join(list(self.stderr_tail)[-3:])
+        give_up, delay, backlog = self._count_failure(text, permanent)
+        if give_up is None:
+            return  # stopped meanwhile
+        if transport is not None:
+            start_thread(transport.close, f"coffer-{self.name}-close", 0.5)
+        log.warning("[%s] start failed%s: %s", self.name,
+                    "" if permanent else f" ({self.failures}/{self.settings['max_restarts']})", self.last_error)
+        self._after_failure(give_up, delay, backlog)
+
+    def _count_failure(self, reason: str, permanent: bool):
+        """Record a failed start or a quick death: (give up?, seconds before the next attempt, backlog to fail).
+        The one place the backoff rule lives: 0.5 s doubling to 30 s, max_restarts in a row, or at once if
+        retrying cannot help.  (None, 0, []) if the upstream was stopped meanwhile."""
         with self.lock:
             if self.state == "stopped":
-                return
+                return None, 0.0, []
             self.failures += 1
-            self.last_error = self.redact(text)
-            give_up = self.failures >= int(self.settings["max_restarts"])
+            self.last_error = redact(reason)
+            give_up = permanent or self.failures >= int(self.settings["max_restarts"])
             self.state = "failed" if give_up else "backoff"
             backlog = self.backlog if give_up else []
             if give_up:
                 self.backlog = []
-        if transport is not None:
-            threading.Thread(target=transport.close, args=(0.5,), daemon=True).start()
-        warn(f"[{self.name}] start failed ({self.failures}/{self.settings['max_restarts']}): {self.last_error}")
+            return give_up, min(30.0, 0.5 * 2 ** (self.failures - 1)), backlog
+
+    def _after_failure(self, give_up: bool, delay: float, backlog: list[QueuedRequest]) -> None:
         if give_up:
-            warn(f"[{self.name}] giving up after {self.failures} attempts; marked failed")
+            log.warning("[%s] marked failed: %s", self.name, self.last_error)
             self.events.on_down(self)
-            for run in backlog:
-                run()
+            self._run_backlog(backlog)
         else:
-            self._schedule_start(min(30.0, 0.5 * 2 ** (self.failures - 1)))
+            self._schedule_start(delay)
 
     def _schedule_start(self, delay: float) -> None:
         def fire():
@@ -1230,35 +2532,30 @@ class Upstream:
             self._closed_generation = generation
             state, transport = self.state, self.transport
             orphaned = self._take_pending()
-        code = None
-        proc = getattr(transport, "proc", None)
-        if proc is not None:
-            try:
-                code = proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                code = None
-        reason = f"upstream '{self.name}' " + (f"exited with code {code}" if code is not None else "closed its connection")
+        reason = f"upstream '{self.name}' {transport.exit_detail() or 'closed its connection'}"
         # The old connection may have only closed stdout; make sure its process and pipes are gone too.
-        threading.Thread(target=transport.close, args=(0.5,), daemon=True).start()
+        start_thread(transport.close, f"coffer-{self.name}-close", 0.5)
         for pending in orphaned:
             pending.on_reply(None, "error", reason)
         if state != "ready":
             return  # a start in progress notices through its initialize wait or its closed-generation check
-        with self.lock:
-            quick = time.monotonic() - self.ready_at < self.QUICK_DEATH
-            self.failures = self.failures + 1 if quick else 0
-            self.last_error = self.redact(reason)
-            give_up = self.failures >= int(self.settings["max_restarts"])
-            self.state = "failed" if give_up else "backoff"
-            backlog = self.backlog if give_up else []
-            if give_up:
-                self.backlog = []
-        warn(f"[{self.name}] {reason}; " + ("giving up, marked failed" if give_up else "restarting"))
+        quick = time.monotonic() - self.ready_at < self.QUICK_DEATH
+        if quick:
+            give_up, delay, backlog = self._count_failure(reason, False)
+            if give_up is None:
+                return
+        else:
+            with self.lock:
+                if self.state == "stopped":
+                    return
+                self.failures, self.last_error, self.state = 0, redact(reason), "backoff"
+            give_up, delay, backlog = False, 0.0, []
+        log.warning("[%s] %s; %s", self.name, reason, "giving up, marked failed" if give_up else "restarting")
         self.events.on_down(self)
-        for run in backlog:
-            run()
-        if not give_up:
-            self._schedule_start(0.0 if not quick else min(30.0, 0.5 * 2 ** (self.failures - 1)))
+        if give_up:
+            self._run_backlog(backlog)
+        else:
+            self._schedule_start(delay if quick else 0.0)
 
     def _take_pending(self) -> list[Pending]:
         orphaned = list(self.pending.values())
@@ -1275,23 +2572,21 @@ class Upstream:
             backlog, self.backlog = self.backlog, []
         for pending in orphaned:
             pending.on_reply(None, "error", f"upstream '{self.name}' is shutting down")
-        for run in backlog:
-            run()
+        self._run_backlog(backlog)
         if transport is not None:
             transport.close()
 
     def _on_stderr(self, line: str) -> None:
-        line = self.redact(line)
+        line = redact(line)
         self.stderr_tail.append(line[:500])
-        warn(f"[{self.name}] {line[:2000]}")
-
-    def redact(self, text: str) -> str:
-        for secret in self.secrets:
-            text = text.replace(secret, "***")
-        return text
+        if self._stderr_relayed.take():
+            log.info("[%s] %s", self.name, line[:2000])
+        elif dropped := self._stderr_relayed.report_due():
+            log.warning("[%s] wrote too much on stderr; %d lines not shown", self.name, dropped)
 
     # -- requests ------------------------------------------------------------------------------------------
-    def request(self, method: str, params, on_reply, timeout: float | None = None, ticket: Ticket | None = None):
+    def request(self, method: str, params, on_reply, timeout: float | None = None, ticket: Ticket | None = None,
+                deadline: float | None = None):
         """Send a request, or queue it while the server starts; ``on_reply(response, failure_status,
         failure_text)`` runs exactly once, unless the request is cancelled first.
 
@@ -1299,23 +2594,30 @@ class Upstream:
         """
         timeout = self.call_timeout if timeout is None else timeout
         ticket = ticket or Ticket()
+        deadline = deadline if deadline is not None else time.monotonic() + timeout
         with self.lock:
             if ticket.cancelled:
                 return None  # cancelled while it waited in the backlog: never sent, never answered
             state = self.state
             if state in ("starting", "backoff", "idle"):
-                self.backlog.append(lambda: self.request(method, params, on_reply, timeout, ticket))
+                self.backlog.append(QueuedRequest(method, params, on_reply, timeout, ticket, deadline))
                 if state == "idle":
                     self.start()
                 return ticket
-            if state != "ready":
-                detail = f": {self.last_error}" if self.last_error else ""
-                on_reply(None, "error", f"upstream '{self.name}' is unavailable ({state}){detail}")
-                return None
-            ticket.request_id = self._send_request(method, params, on_reply, timeout)
-            return ticket if ticket.request_id is not None else None
+            unavailable = state != "ready"
+        if unavailable:
+            detail = f": {self.last_error}" if self.last_error else ""
+            on_reply(None, "error", f"upstream '{self.name}' is unavailable ({state}){detail}")
+            return None
+        ticket.request_id = self._send_request(method, params, on_reply, timeout, deadline)
+        return ticket if ticket.request_id is not None else None
 
-    def _send_request(self, method, params, on_reply, timeout):
+    def _run_backlog(self, backlog: list[QueuedRequest]) -> None:
+        for queued in backlog:
+            self.request(queued.method, queued.params, queued.on_reply, queued.timeout, queued.ticket,
+                         queued.deadline)
+
+    def _send_request(self, method, params, on_reply, timeout, deadline=None):
         with self.lock:
             self._next_id += 1
             request_id = self._next_id
@@ -1324,9 +2626,9 @@ class Upstream:
                 meta = params.get("_meta")
                 if isinstance(meta, dict) and "progressToken" in meta:
                     token = meta["progressToken"]
-            if isinstance(token, bool) or not isinstance(token, (str, int)):
+            if not valid_request_id(token):
                 token = None  # the spec allows only strings and integers; anything else cannot reset a timeout
-            pending = Pending(method, on_reply, timeout, token)
+            pending = Pending(method, on_reply, timeout, token, deadline)
             self.pending[request_id] = pending
             if token is not None:
                 self.by_token[token] = pending
@@ -1334,9 +2636,15 @@ class Upstream:
         message = {"jsonrpc": "2.0", "id": request_id, "method": method}
         if params is not None:
             message["params"] = params
-        if transport is None or not transport.send(message):
+        try:
+            sent = transport is not None and transport.send(message)
+            failure = None if sent else (f"upstream '{self.name}' "
+                                         f"{(transport and transport.exit_detail()) or 'is not accepting input'}")
+        except EncodeError as exc:
+            failure = f"the request could not be sent: {exc}"
+        if failure:
             self._finish(request_id)
-            on_reply(None, "error", f"upstream '{self.name}' is not accepting input")
+            on_reply(None, "error", failure)
             return None
         return request_id
 
@@ -1357,23 +2665,22 @@ class Upstream:
         if box["response"] is None:
             raise UpstreamFailure(f"{method}: {box['text']}")
         if "error" in box["response"]:
-            error = box["response"]["error"]
-            message = error.get("message") if isinstance(error, dict) else error
-            raise UpstreamFailure(f"{method} failed: {message}")
-        return box["response"].get("result")
+            raise UpstreamFailure(f"{method} failed: {printable(box['response']['error']['message'])[:300]}")
+        return box["response"]["result"]
 
     def notify(self, method: str, params=None) -> None:
         message = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
-        transport = self.transport
-        if transport is not None:
-            transport.send(message)
+        self.respond(message)
 
     def respond(self, message: dict) -> None:
         transport = self.transport
         if transport is not None:
-            transport.send(message)
+            try:
+                transport.send(message)
+            except EncodeError as exc:
+                log.warning("[%s] could not relay a message: %s", self.name, exc)
 
     def cancel(self, ticket: Ticket, reason: str = "cancelled by the client") -> bool:
         """Forget a request (a late reply is then dropped) and tell the upstream, with its own id; a request
@@ -1383,8 +2690,9 @@ class Upstream:
                 return False
             ticket.cancelled = True
             request_id = ticket.request_id
-        if request_id is None:
-            return True
+            if request_id is None:
+                self.backlog = [queued for queued in self.backlog if queued.ticket is not ticket]
+                return True
         if self._finish(request_id) is None:
             return False
         self.notify("notifications/cancelled", {"requestId": request_id, "reason": reason})
@@ -1398,11 +2706,18 @@ class Upstream:
         return pending
 
     def expire(self, now: float) -> None:
-        """Time out requests whose deadline passed (progress pushes a deadline back)."""
-        if not self.pending:
+        """Time out requests whose deadline passed (progress pushes a deadline back), queued ones included."""
+        if not self.pending and not self.backlog:
             return
         with self.lock:
             expired = [rid for rid, p in self.pending.items() if p.deadline is not None and p.deadline <= now]
+            waited = [queued for queued in self.backlog if queued.deadline <= now]
+            if waited:
+                self.backlog = [queued for queued in self.backlog if queued.deadline > now]
+        for queued in waited:
+            detail = f" (last error: {self.last_error})" if self.last_error else ""
+            queued.on_reply(None, "timeout", f"upstream '{self.name}' was not ready within {queued.timeout:g}s"
+                                             f"{detail}")
         for request_id in expired:
             pending = self._finish(request_id)
             if pending is not None:
@@ -1415,33 +2730,52 @@ class Upstream:
     def _on_message(self, message: dict) -> None:
         method = message.get("method")
         if method is None:
-            if "id" not in message:
-                return
-            pending = self._finish(message["id"]) if isinstance(message["id"], int) else None
-            if pending is None:
-                return  # a late reply to a cancelled or timed-out request: dropped, delivered to nobody
-            pending.on_reply(message, None, None)
+            msg_id = message.get("id")
+            pending = self._finish(msg_id) if isinstance(msg_id, int) and not isinstance(msg_id, bool) else None
+            if pending is not None:  # else a late reply to a cancelled or timed-out request: delivered to nobody
+                pending.on_reply(normalized_reply(message), None, None)
+            return
+        if not isinstance(method, str):
             return
         if "id" in message:
+            if not valid_request_id(message["id"]):
+                return
             if method == "ping":
                 self.respond(rpc_result(message["id"], {}))
-            else:
+            elif method in SERVER_REQUEST_NEEDS:
                 self.events.on_request(self, message)
+            else:
+                self.respond(rpc_error(message["id"], METHOD_NOT_FOUND, f"Method not found: {method[:100]}"))
             return
-        if method == "notifications/progress":
-            params = message.get("params") or {}
-            token = params.get("progressToken") if isinstance(params, dict) else None
-            pending = self.by_token.get(token) if isinstance(token, (str, int)) and not isinstance(token, bool) \
-                else None
-            if pending is not None and pending.timeout:
-                pending.deadline = time.monotonic() + pending.timeout
-        elif method in ("notifications/tools/list_changed", "notifications/prompts/list_changed",
-                        "notifications/resources/list_changed"):
-            kinds = {"tools": ("tool",), "prompts": ("prompt",), "resources": ("resource", "template")}
-            for kind in kinds[method.split("/")[1]]:
+        if method in LIST_CHANGED:
+            for kind in LIST_CHANGED[method]:
                 self._refresh_soon(kind)
             return
-        self.events.on_notification(self, message)
+        if method not in RELAYED_NOTIFICATIONS:
+            log.debug("[%s] dropped a notification the protocol does not define: %.100s", self.name, method)
+            return
+        if method == "notifications/progress":
+            params = message.get("params")
+            token = params.get("progressToken") if isinstance(params, dict) else None
+            pending = self.by_token.get(token) if valid_request_id(token) else None
+            if pending is None:
+                return  # progress for a request this upstream was never given: not its to report
+            if pending.timeout:
+                pending.deadline = time.monotonic() + pending.timeout
+        if self._relayed.take():
+            self.events.on_notification(self, message)
+        elif dropped := self._relayed.report_due():
+            log.warning("[%s] is flooding notifications; %d dropped", self.name, dropped)
+
+    def _on_oversized(self, head: bytes, size: int) -> None:
+        """A message over max_message_bytes was skipped unread: fail the request it answered, if it says."""
+        request_id = request_id_in(head)
+        pending = self._finish(request_id) if isinstance(request_id, int) else None
+        limit = int(self.settings["max_message_bytes"])
+        text = f"upstream '{self.name}' sent a message of {size} bytes, more than max_message_bytes ({limit})"
+        log.warning("[%s] %s", self.name, text)
+        if pending is not None:
+            pending.on_reply(None, "error", text)
 
     def _refresh_soon(self, kind: str) -> None:
         """Refresh one list on a helper thread, one at a time per kind: a list_changed that arrives during a
@@ -1457,62 +2791,104 @@ class Upstream:
             while True:
                 try:
                     self.refresh(kind)
-                except Exception as exc:  # noqa: BLE001 - the pass is lost, not the ability to refresh again
-                    warn(f"[{self.name}] error refreshing its {kind}s: {exc!r}")
+                except Exception:  # noqa: BLE001 - the pass is lost, not the ability to refresh again
+                    log.exception("[%s] error refreshing its %ss", self.name, kind)
                 with self.lock:
                     if not self._refresh_again[kind]:
                         del self._refresh_again[kind]
                         return
                     self._refresh_again[kind] = False
 
-        threading.Thread(target=run, name=f"coffer-{self.name}-refresh", daemon=True).start()
+        start_thread(run, f"coffer-{self.name}-refresh")
 
     def refresh(self, kind: str, notify: bool = True) -> None:
-        """Fetch one list (every page) and hand it to the gateway."""
+        """Fetch one list (every page, within the caps) and hand it to the gateway."""
         method, key, capability = self.LIST_METHODS[kind]
+        rejected: dict[str, str] = {}
         if capability not in self.capabilities:
             items = {}
         else:
             try:
-                items = self._fetch_all(method, key, "uriTemplate" if kind == "template" else
-                                        "uri" if kind == "resource" else "name")
+                items, rejected = self._fetch_all(kind)
             except UpstreamFailure as exc:
                 if notify:
-                    warn(f"[{self.name}] could not refresh {key}: {exc}")
+                    log.warning("[%s] could not refresh %s: %s", self.name, key, exc)
                     return
                 raise
         self.lists[kind] = items
+        self.rejected[kind] = rejected
         self.events.on_list_changed(self, kind, items, notify)
 
-    def _fetch_all(self, method: str, key: str, id_field: str) -> dict:
+    def _fetch_all(self, kind: str) -> tuple[dict, dict]:
+        """{identifier: checked definition} and {identifier: why rejected} of one list, following pagination
+        for at most max_list_pages pages and keeping at most max_list_items items."""
+        method, key, _ = self.LIST_METHODS[kind]
+        id_field = _IDENTIFIER[kind]
+        max_pages, max_items = int(self.settings["max_list_pages"]), int(self.settings["max_list_items"])
         items: dict[str, dict] = {}
+        rejected: dict[str, str] = {}
         cursor, seen = None, set()
-        for _ in range(10_000):
+        for page in range(max_pages):
             result = self.call(method, {"cursor": cursor} if cursor else {}, self.settings["init_timeout"])
-            if not isinstance(result, dict):
-                raise UpstreamFailure(f"{method} returned no result object")
-            for item in result.get(key) or []:
-                if isinstance(item, dict) and isinstance(item.get(id_field), str):
-                    items.setdefault(item[id_field], item)
-            cursor = result.get("nextCursor")
+            listed = result.get(key) if isinstance(result, dict) else None
+            if not isinstance(result, dict) or (listed is not None and not isinstance(listed, list)):
+                raise UpstreamFailure(f"{method} returned something that is not a list of {key}")
+            for item in listed or []:
+                try:
+                    definition = check_definition(kind, item)
+                except Rejected as exc:
+                    ident = item.get(id_field) if isinstance(item, dict) else None
+                    rejected[storable(str(ident))[:200]] = str(exc)
+                    continue
+                if len(items) >= max_items:
+                    log.warning("[%s] lists more than %d %s; only the first %d are used (max_list_items)",
+                                self.name, max_items, key, max_items)
+                    cursor = None
+                    break
+                items.setdefault(definition[id_field], definition)
+            else:
+                cursor = result.get("nextCursor")
             if not cursor:
                 break
-            if cursor in seen:
-                warn(f"[{self.name}] {method} repeated cursor {cursor!r}; stopping pagination")
+            if not isinstance(cursor, str) or len(cursor) > 4096 or cursor in seen:
+                log.warning("[%s] %s gave an unusable or repeated cursor; stopping pagination", self.name, method)
                 break
             seen.add(cursor)
-        return items
+        else:
+            log.warning("[%s] %s: stopped after %d pages (max_list_pages)", self.name, method, max_pages)
+        if rejected:
+            sample = "; ".join(f"{printable(name)[:60]}: {why}" for name, why in list(rejected.items())[:3])
+            log.warning("[%s] dropped %d %s it listed that cannot be used (%s)", self.name, len(rejected), key, sample)
+        return items, rejected
+
 
 # ============================================================================================================
-# 5. Catalogue: the merged, namespaced, filtered view of every upstream
+# 6. Catalogue: the merged, namespaced, filtered view of every upstream
 # ============================================================================================================
 
 
-def template_regex(template: str):
+class Route(NamedTuple):
+    """Where an exposed name or URI goes: the upstream, and the name or URI it knows the capability by."""
+    upstream: Upstream
+    name: str
+
+
+class TemplateRoute(NamedTuple):
+    regex: re.Pattern
+    upstream: Upstream
+    template: str
+    literal: int  # literal characters in the template: the more, the more specific
+
+
+def template_regex(template: str) -> re.Pattern:
     """A matcher for an RFC 6570 URI template: each {expression} matches one or more characters."""
     parts = re.split(r"(\{[^}]*\})", template)
     pattern = "".join("(.+?)" if part.startswith("{") and part.endswith("}") else re.escape(part) for part in parts)
     return re.compile(f"^{pattern}$", re.S)
+
+
+def template_literal_length(template: str) -> int:
+    return len(re.sub(r"\{[^}]*\}", "", template))
 
 
 class Catalogue:
@@ -1520,7 +2896,10 @@ class Catalogue:
 
     The hot path only does dictionary look-ups here.  Resource URIs are exposed unchanged, so URIs embedded in
     tool results stay readable; a URI that two upstreams both publish is exposed as ``coffer+<server>:<uri>``
-    once per server, and the bare URI routes to the first of them in registration order.
+    once per server, and the bare URI routes to the first of them in registration order.  A URI that matches
+    several templates is read through the most specific one: the template with the most literal characters
+    (ties: registration order), so a catch-all ``{anything}`` can never capture reads meant for another server.
+    Disabled and quarantined capabilities are left out, and remembered so a call to one gets the right error.
     """
 
     @staticmethod
@@ -1535,39 +2914,43 @@ class Catalogue:
             return up.lists
         return {**up.lists, **up.remembered}
 
-    def __init__(self, upstreams, enabled: dict, max_length: int):
+    def __init__(self, upstreams, states: dict, max_length: int):
         self.tools: list[dict] = []
-        self.tool_routes: dict[str, tuple] = {}
+        self.tool_routes: dict[str, Route] = {}
         self.prompts: list[dict] = []
-        self.prompt_routes: dict[str, tuple] = {}
+        self.prompt_routes: dict[str, Route] = {}
         self.resources: list[dict] = []
-        self.resource_routes: dict[str, tuple] = {}
+        self.resource_routes: dict[str, Route] = {}
         self.templates: list[dict] = []
-        self.template_routes: list[tuple] = []   # (regex, upstream, template string)
-        self.template_by_text: dict[str, tuple] = {}
+        self.template_routes: list[TemplateRoute] = []
+        self.template_by_text: dict[str, Route] = {}
         self.disabled: set[str] = set()
+        self.quarantined: set[str] = set()
         self.qualified: dict[tuple[str, str], str] = {}  # (server, uri) -> exposed uri, for notifications
         uri_count = collections.Counter(uri for up in upstreams for uri in up.lists["resource"])
         tpl_count = collections.Counter(t for up in upstreams for t in up.lists["template"])
-        offered = {up.name: self.lists_of(up) for up in upstreams}
+        usual = CapabilityState(True)
 
         def allowed(up, kind, name, exposed):
-            if enabled.get((up.name, kind, name), True):
+            state = states.get((up.name, kind, name), usual)
+            if state.usable:
                 return True
-            self.disabled.add(exposed)
+            (self.disabled if not state.enabled else self.quarantined).add(exposed)
             return False
 
         for up in upstreams:
+            offered = self.lists_of(up)
             for kind, items, routes in (("tool", self.tools, self.tool_routes),
                                         ("prompt", self.prompts, self.prompt_routes)):
-                for name, definition in offered[up.name][kind].items():
-                    exposed = expose_name(up.name, name, max_length)
-                    if exposed in routes or not allowed(up, kind, name, exposed):
+                names = exposed_names(up.name, offered[kind], max_length)
+                for name, definition in offered[kind].items():
+                    exposed = names[name]
+                    if not allowed(up, kind, name, exposed):
                         continue
                     entry = dict(definition)
                     entry["name"] = exposed
                     items.append(entry)
-                    routes[exposed] = (up, name)
+                    routes[exposed] = Route(up, name)
             for uri, definition in up.lists["resource"].items():
                 exposed = uri if uri_count[uri] == 1 else qualify_uri(up.name, uri)
                 if not allowed(up, "resource", uri, exposed):
@@ -1575,8 +2958,8 @@ class Catalogue:
                 entry = dict(definition)
                 entry["uri"] = exposed
                 self.resources.append(entry)
-                self.resource_routes[exposed] = (up, uri)
-                self.resource_routes.setdefault(uri, (up, uri))
+                self.resource_routes[exposed] = Route(up, uri)
+                self.resource_routes.setdefault(uri, Route(up, uri))
                 if exposed != uri:
                     self.qualified[(up.name, uri)] = exposed
             for text, definition in up.lists["template"].items():
@@ -1586,9 +2969,11 @@ class Catalogue:
                 entry = dict(definition)
                 entry["uriTemplate"] = exposed
                 self.templates.append(entry)
-                self.template_routes.append((template_regex(text), up, text))
-                self.template_by_text[exposed] = (up, text)
-                self.template_by_text.setdefault(text, (up, text))
+                self.template_routes.append(TemplateRoute(template_regex(text), up, text,
+                                                          template_literal_length(text)))
+                self.template_by_text[exposed] = Route(up, text)
+                self.template_by_text.setdefault(text, Route(up, text))
+        self.template_routes.sort(key=lambda route: -route.literal)  # stable: ties keep registration order
         self._index: SearchIndex | None = None
         self._index_lock = threading.Lock()
 
@@ -1602,29 +2987,29 @@ class Catalogue:
                     self._index = SearchIndex(self.tools)
         return self._index
 
-    def route_resource(self, uri: str):
-        """(upstream, original uri) for a URI the client wants to read or subscribe to, or None."""
+    def route_resource(self, uri: str) -> Route | None:
+        """Where a URI the client wants to read or subscribe to goes, or None."""
         route = self.resource_routes.get(uri)
         if route:
             return route
         qualified = QUALIFIED_URI_RE.match(uri)
-        if qualified:
-            server, original = qualified.groups()
-            for regex, up, _ in self.template_routes:
-                if up.name == server and regex.match(original):
-                    return up, original
-            return None
-        for regex, up, _ in self.template_routes:
-            if regex.match(uri):
-                return up, uri
+        server, original = qualified.groups() if qualified else (None, uri)
+        for template in self.template_routes:
+            if (server is None or template.upstream.name == server) and template.regex.match(original):
+                return Route(template.upstream, original)
         return None
+
+    def template_of(self, route: Route) -> str:
+        """The template a templated read went through (logged instead of the URI, which carries call data)."""
+        return next((t.template for t in self.template_routes if t.upstream is route.upstream and
+                     t.regex.match(route.name)), "(template)")
 
     def exposed_uri(self, server: str, uri: str) -> str:
         return self.qualified.get((server, uri), uri)
 
     def fingerprint(self) -> dict:
         """What the client sees, per list; comparing two of these tells which list_changed to send."""
-        return {key: hashlib.sha256(dumps(items).encode("utf-8")).hexdigest()
+        return {key: hashlib.sha256(dumps(items).encode("utf-8", "surrogatepass")).hexdigest()
                 for key, items in (("tools", self.tools), ("prompts", self.prompts),
                                    ("resources", self.resources + self.templates))}
 
@@ -1977,8 +3362,8 @@ class SearchIndex:
                   for doc_id, score in scores.items() if score > 0.0)
         return [(doc_id, -neg) for neg, _, doc_id in heapq.nsmallest(limit, ranked)]
 
-    def search(self, query: str, top_k: int = 5) -> list[tuple[dict, float]]:
-        top_k = max(1, min(20, int(top_k)))
+    def search(self, query: str, top_k: int = TOP_K_DEFAULT) -> list[tuple[dict, float]]:
+        top_k = bounded_top_k(top_k)
         return [(self.tools[doc_id], round(score, 4)) for doc_id, score in self.rank(query, top_k)]
 
 # ------------------------------------------------------------------------------------------------------------
@@ -2012,20 +3397,25 @@ class Embedder:
     """A client for an embeddings endpoint, with urllib.  The API key is read from a named environment variable
     at call time and never stored."""
 
+    MAX_REPLY_BYTES = 64 << 20
+
     def __init__(self, url: str, model: str, api: str = "openai", key_env: str = "", batch_size: int = 64):
         if api not in ("openai", "ollama"):
             raise CofferError(f"embedder_api must be 'openai' or 'ollama', not {api!r}")
         self.url, self.model, self.api, self.key_env = url.rstrip("/"), model, api, key_env
         self.batch_size = batch_size
+        self.secrets: SecretStore | None = None
 
     @classmethod
-    def from_settings(cls, settings: dict):
+    def from_settings(cls, settings: dict, secrets: SecretStore | None = None):
         url = os.environ.get("COFFER_EMBEDDER_URL", settings.get("embedder_url") or "")
         if not url:
             return None
-        return cls(url, os.environ.get("COFFER_EMBEDDER_MODEL", settings.get("embedder_model") or ""),
-                   os.environ.get("COFFER_EMBEDDER_API", settings.get("embedder_api") or "openai"),
-                   os.environ.get("COFFER_EMBEDDER_KEY_ENV", settings.get("embedder_key_env") or ""))
+        embedder = cls(url, os.environ.get("COFFER_EMBEDDER_MODEL", settings.get("embedder_model") or ""),
+                       os.environ.get("COFFER_EMBEDDER_API", settings.get("embedder_api") or "openai"),
+                       os.environ.get("COFFER_EMBEDDER_KEY_ENV", settings.get("embedder_key_env") or ""))
+        embedder.secrets = secrets
+        return embedder
 
     @property
     def cache_key(self) -> str:
@@ -2048,19 +3438,19 @@ class Embedder:
         else:
             endpoint, body = f"{self.url}/embeddings", {"model": self.model, "input": batch}
         headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.key_env) if self.key_env else None
+        key = None
+        if self.key_env:  # the key by name: from the environment, else from the secret store
+            key = os.environ.get(self.key_env) or (self.secrets.get(self.key_env) if self.secrets else None)
+            redact.add(key)
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        import http.client, urllib.error, urllib.request  # noqa: E401 - lazily, only with an embedder
-        request = urllib.request.Request(endpoint, data=dumps(body).encode("utf-8"), headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=max(0.01, timeout)) as response:
-                payload = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise EmbedderError(f"HTTP {exc.code} from {endpoint}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise EmbedderError("timed out" if "timed out" in str(reason) else f"unreachable: {reason!r}") from None
+            with http_open("POST", endpoint, headers, encode_line(body), max(0.01, timeout)) as response:
+                payload = decode_json(read_limited(response, self.MAX_REPLY_BYTES))
+        except HttpError as exc:
+            raise EmbedderError("timed out" if "timed out" in str(exc) else str(exc)) from None
+        except (OSError, EncodeError):
+            raise EmbedderError("the connection failed while reading the reply") from None
         except ValueError:
             raise EmbedderError("the reply is not JSON") from None
         try:
@@ -2294,8 +3684,6 @@ SEARCH_TOOL_DEFINITION = {
 
 CLIENT_SIDE_CAPABILITIES = ("sampling", "elicitation", "roots")
 LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
-SERVER_REQUEST_NEEDS = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
-                        "roots/list": "roots"}
 
 
 class RpcError(Exception):
@@ -2311,14 +3699,45 @@ def _require_str(params: dict, key: str) -> str:
     return value
 
 
+class InFlight(NamedTuple):
+    """A client request Coffer forwarded and has not answered yet (for cancellation and the log)."""
+    upstream: Upstream
+    ticket: Ticket
+    capability: str
+    kind: str | None
+    started: float
+
+
+class RelayedRequest(NamedTuple):
+    """A server->client request Coffer relayed under an id of its own: where the client's answer goes back to."""
+    upstream: Upstream
+    generation: int
+    upstream_id: object
+
+
+class Waiting(NamedTuple):
+    """A client request that waits for starting upstreams (at most until the discovery deadline), with no thread."""
+    msg_id: object
+    work: Callable
+    kind: str | None
+
+
 class Gateway:
     """One client session over stdio: answers locally what it can, routes everything else to an upstream.
 
-    Threads: the caller's thread reads the client; one reader per upstream delivers replies straight to the
-    client; a ticker enforces timeouts and notices vault edits; the invocation log writes on its own thread.
+    Threads and what they own:
+      - the caller's thread reads the client (``serve``) and dispatches each message;
+      - each upstream's reader delivers that upstream's replies straight to the client (``send``);
+      - the ticker (``_tick``) expires timed-out requests, releases requests waiting for discovery and notices
+        vault edits;
+      - a small worker pool answers what waited (discovery, a search waiting for its embedding);
+      - the invocation log writes on its own thread.
+    Locks, always taken in this order and never the reverse: ``vault_lock`` (the shared SQLite connection) →
+    ``lock`` (upstreams, in-flight and relayed requests, waiting requests, subscriptions) → an Upstream's lock →
+    ``out_lock`` (the client's stdout, innermost: nothing is called while holding it).
     """
 
-    def __init__(self, vault: Vault, out=None, remember: bool = True):
+    def __init__(self, vault: Vault, out=None, remember: bool = True, on_client_gone=None):
         self.vault = vault
         self.remember = remember
         self.vault_lock = threading.Lock()
@@ -2326,14 +3745,15 @@ class Gateway:
         self.out = out if out is not None else sys.stdout.buffer
         self.out_lock = threading.Lock()
         self._unsent: list[bytes] = []
+        self.on_client_gone = on_client_gone
+        self._client_gone = threading.Event()
         self.log = InvocationLog(vault.path)
         self.lock = threading.RLock()
-        self.changed = threading.Condition(self.lock)
         self.upstreams: dict[str, Upstream] = {}
         self.configs: dict[str, dict] = {}
         self.remembered: dict[str, dict] = {}  # server -> kind -> {name: definition}, from the vault
-        self.enabled = vault.enabled_map()
-        self.catalogue = Catalogue([], self.enabled, self.settings["name_max_length"])
+        self.states = vault.capability_states()
+        self.catalogue = Catalogue([], self.states, self.settings["name_max_length"])
         self._fingerprint = self.catalogue.fingerprint()
         self._rebuild_lock = threading.Lock()
         self._rebuilds_wanted = self._rebuilds_done = 0
@@ -2345,14 +3765,16 @@ class Gateway:
         self.log_level = None
         self.advertised: dict = {}
         self.subscriptions: dict[str, set[str]] = collections.defaultdict(set)  # server -> original URIs
-        self.inflight: dict = {}          # client request id -> (upstream, Ticket, capability, kind, started)
-        self.client_requests: dict = {}   # id Coffer gave a server->client request -> (upstream, upstream's id)
+        self.inflight: dict[object, InFlight] = {}             # by the client's request id
+        self.client_requests: dict[str, RelayedRequest] = {}   # by the id Coffer gave the relayed request
         self._client_request_seq = 0
+        self._waiting: list[Waiting] = []
+        self.workers = WorkerPool("coffer-work", 4)
         self.discovery_deadline = 0.0
         self._reported_missing = False
         self._stopping = threading.Event()
         self._data_version = vault.data_version()
-        embedder = Embedder.from_settings(self.settings)
+        embedder = Embedder.from_settings(self.settings, vault.secrets)
         self.semantic = SemanticRanker(embedder, vault.path, float(self.settings["embedder_timeout"])) \
             if embedder else None
         self.handlers = {
@@ -2369,7 +3791,17 @@ class Gateway:
 
     # -- the client stream ---------------------------------------------------------------------------------
     def send(self, message: dict) -> None:
-        data = (dumps(message) + "\n").encode("utf-8")
+        """Queue one message for the client (written at the end of the current burst, or now).  Never raises: a
+        reply that cannot be encoded is replaced by an error reply to the same id."""
+        try:
+            data = encode_line(message)
+        except EncodeError as exc:
+            msg_id = message.get("id")
+            if "method" in message or not valid_request_id(msg_id):
+                log.warning("dropped a message to the client that cannot be encoded: %s", exc)
+                return
+            log.warning("a reply could not be encoded (%s); the client gets an error instead", exc)
+            data = encode_line(rpc_error(msg_id, INTERNAL_ERROR, "Internal error: the reply is not encodable JSON"))
         with self.out_lock:
             self._unsent.append(data)
         if not defer_to_burst_end(self, self._write_unsent):
@@ -2381,41 +3813,67 @@ class Gateway:
                 return  # another thread's write took it along
             data = self._unsent[0] if len(self._unsent) == 1 else b"".join(self._unsent)
             self._unsent.clear()
+            if self._client_gone.is_set():
+                return
             try:
                 self.out.write(data)
                 self.out.flush()
+                return
             except (OSError, ValueError):
-                pass  # the client went away; stdin EOF ends the session
+                self._client_gone.set()
+        self._lost_client()
+
+    def _lost_client(self) -> None:
+        """The client closed its end (EPIPE): nobody can read an answer any more, so stop working for it."""
+        log.info("the client closed its end of the connection; stopping its calls")
+        with self.lock:
+            inflight, self.inflight = list(self.inflight.values()), {}
+        for entry in inflight:
+            entry.upstream.cancel(entry.ticket, "the client went away")
+        if self.on_client_gone is not None:
+            start_thread(self.on_client_gone, "coffer-client-gone")
 
     def serve(self, stream) -> None:
         """Read the client until EOF.  Every line gets an answer or is a notification; nothing ends the session
-        but the client closing stdin (or a signal)."""
+        but the client closing stdin (or a signal).  A line over max_message_bytes is answered with an error
+        and skipped as it arrives, never held."""
         try:
             self.vault.prune()
-        except sqlite3.Error as exc:  # a busy vault must not stop the agent's session from starting
-            warn(f"retention pruning skipped: {exc}")
+        except (sqlite3.Error, CofferError) as exc:  # a busy or read-only vault must not stop the session
+            log.warning("retention pruning skipped: %s", exc)
         for config in self.vault.servers():
-            if config["enabled"]:
+            if config["damaged"]:
+                log.warning("server %s has a damaged definition in coffer.db (%s) and is not started; fix it with "
+                            "`coffer remove %s` and `coffer add` again", config["name"], config["damaged"],
+                            config["name"])
+            elif config["enabled"]:
                 self.configs[config["name"]] = config
         self.remembered = self.vault.remembered_lists() if self.remember else {}
-        threading.Thread(target=self._tick, name="coffer-ticker", daemon=True).start()
-        while True:
-            line = stream.readline()
-            if not line:
+        start_thread(self._tick, "coffer-ticker")
+        read = getattr(stream, "read1", stream.read)
+        for lines in read_line_bursts(read, max_line=int(self.settings["max_message_bytes"])):
+            if self._client_gone.is_set():
                 break
-            if line.strip():
-                self.handle_line(line)
+            handle_burst(lines, self.handle_line)
 
-    def handle_line(self, line: bytes) -> None:
+    def handle_line(self, line) -> None:
+        if isinstance(line, OversizedLine):
+            limit = int(self.settings["max_message_bytes"])
+            self.send(rpc_error(request_id_in(line.head), INVALID_REQUEST,
+                                f"Invalid Request: a message of {line.size} bytes is larger than max_message_bytes "
+                                f"({limit})"))
+            return
+        if not line.strip():
+            return
         try:
-            message = json.loads(line)
-        except ValueError:
-            self.send(rpc_error(None, PARSE_ERROR, "Parse error: not a JSON text"))
+            message = decode_json(line)
+        except ValueError as exc:
+            self.send(rpc_error(None, PARSE_ERROR, f"Parse error: {exc}"[:200]))
             return
         if isinstance(message, list):  # JSON-RPC batches (dropped by MCP 2025-06-18): answer each element
             if not message:
                 self.send(rpc_error(None, INVALID_REQUEST, "Invalid Request: empty batch"))
-            for item in message[:1000]:
+            for item in message:
                 self.dispatch(item)
             return
         self.dispatch(message)
@@ -2455,7 +3913,7 @@ class Gateway:
             return
         handler = self.handlers.get(method)
         if handler is None:
-            self.send(rpc_error(msg_id, METHOD_NOT_FOUND, f"Method not found: {method}"))
+            self.send(rpc_error(msg_id, METHOD_NOT_FOUND, f"Method not found: {method[:200]}"))
             return
         if not self.initialized and method not in ("initialize", "ping"):
             self.send(rpc_error(msg_id, INVALID_REQUEST, "Invalid Request: send initialize first"))
@@ -2469,12 +3927,13 @@ class Gateway:
         except RpcError as exc:
             self.send(rpc_error(msg_id, exc.code, exc.message, exc.data))
             return
-        except Exception as exc:  # noqa: BLE001 - a Coffer bug must cost one request, not the session
-            warn(f"internal error in {method}: {exc!r}")
+        except Exception:  # noqa: BLE001 - a Coffer bug must cost one request, not the session
+            log.exception("internal error in %s", method)
             self.send(rpc_error(msg_id, INTERNAL_ERROR, f"Internal error in {method}"))
             return
         if result is not None:
             self.send(rpc_result(msg_id, result))
+
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def _initialize(self, msg_id, params):
@@ -2532,7 +3991,7 @@ class Gateway:
         with self.lock:  # initialize (client thread) and a vault reload (ticker) may both get here
             if config["name"] in self.upstreams:
                 return
-            upstream = Upstream(config, self.settings, self, caps, self.protocol_version)
+            upstream = Upstream(config, self.settings, self, caps, self.protocol_version, self.vault.secrets)
             upstream.remembered = self.remembered.pop(config["name"], {})  # only for the first start of a session
             self.upstreams[config["name"]] = upstream
         upstream.start()
@@ -2543,9 +4002,7 @@ class Gateway:
         self._stopping.set()
         # Rows first: a client that closes stdin usually kills its server a few seconds later.
         self.log.flush(3.0)
-        threads = [threading.Thread(target=up.stop, daemon=True) for up in list(self.upstreams.values())]
-        for thread in threads:
-            thread.start()
+        threads = [start_thread(up.stop, f"coffer-{up.name}-stop") for up in list(self.upstreams.values())]
         for thread in threads:
             thread.join(6.0)
         self.log.close()
@@ -2557,28 +4014,32 @@ class Gateway:
             for upstream in list(self.upstreams.values()):
                 try:
                     upstream.expire(now)
-                except Exception as exc:  # noqa: BLE001 - the ticker guards every timeout; it must not die
-                    warn(f"[{upstream.name}] error while expiring requests: {exc!r}")
+                except Exception:  # noqa: BLE001 - the ticker guards every timeout; it must not die
+                    log.exception("[%s] error while expiring requests", upstream.name)
+            try:
+                self._release_waiting()
+            except Exception:  # noqa: BLE001
+                log.exception("error while answering waiting requests")
             if now - last_reload >= 1.0:
                 last_reload = now
                 try:
                     self._reload_if_vault_changed()
-                except Exception as exc:  # noqa: BLE001 - the ticker also guards every timeout
-                    warn(f"could not apply vault changes: {exc!r}")
+                except Exception:  # noqa: BLE001 - the ticker also guards every timeout
+                    log.exception("could not apply vault changes")
 
     def _reload_if_vault_changed(self) -> None:
-        """Apply `coffer enable/disable/add/remove` made while this session runs."""
+        """Apply `coffer enable/disable/approve/add/remove/config` made while this session runs."""
         with self.vault_lock:
             version = self.vault.data_version()
             if version == self._data_version:
                 return
             self._data_version = version
-            enabled = self.vault.enabled_map()
-            configs = {c["name"]: c for c in self.vault.servers() if c["enabled"]}
+            states = self.vault.capability_states()
+            configs = {c["name"]: c for c in self.vault.servers() if c["enabled"] and not c["damaged"]}
             settings = self.vault.settings()
-            changed = enabled != self.enabled
-            self.enabled = enabled
-        keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy")
+            changed = states != self.states
+            self.states = states
+        keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env")
         if settings != self.settings:
             self.settings.update(settings)  # the upstreams share this dict
             for upstream in list(self.upstreams.values()):
@@ -2592,7 +4053,7 @@ class Gateway:
             if new is None or any(old.get(k) != new.get(k) for k in keys):
                 with self.lock:
                     del self.upstreams[name]
-                threading.Thread(target=upstream.stop, daemon=True).start()
+                start_thread(upstream.stop, f"coffer-{name}-stop")
                 changed = True
         self.configs = configs
         for name, config in configs.items():
@@ -2605,15 +4066,15 @@ class Gateway:
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
             with self.vault_lock:
-                states = self.vault.sync_capabilities(upstream.name, kind, items)
+                states = self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
                 for name, state in states.items():
-                    self.enabled[(upstream.name, kind, name)] = state
-        except sqlite3.Error as exc:
-            warn(f"[{upstream.name}] could not record its {kind}s in the vault: {exc}")
+                    self.states[(upstream.name, kind, name)] = state
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record its %ss in the vault: %s", upstream.name, kind, exc)
             if upstream.config.get("policy") == "disabled":  # fail closed: unrecorded means not allowed
                 with self.vault_lock:
                     for name in items:
-                        self.enabled.setdefault((upstream.name, kind, name), False)
+                        self.states.setdefault((upstream.name, kind, name), CapabilityState(False))
         if notify:
             self.rebuild()
 
@@ -2633,73 +4094,88 @@ class Gateway:
             for uri in uris:
                 upstream.request("resources/subscribe", {"uri": uri}, lambda *a: None)
         self.rebuild(force=restarted)
-        with self.changed:
-            self.changed.notify_all()
+        self._release_waiting()
 
     def on_down(self, upstream: Upstream) -> None:
         with self.lock:  # what the dead process asked of the client can no longer be answered
-            stale = [cid for cid, (up, _, _) in self.client_requests.items() if up is upstream]
+            stale = [cid for cid, relayed in self.client_requests.items() if relayed.upstream is upstream]
             for cid in stale:
                 del self.client_requests[cid]
         for cid in stale:
             self.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
                        "params": {"requestId": cid, "reason": f"upstream '{upstream.name}' went away"}})
-        detail = upstream.last_error or ""
-        self._record_status(upstream, upstream.state, detail)
+        self._record_status(upstream, upstream.state, upstream.last_error or "")
         if upstream.state == "failed":
             self.rebuild()
-        with self.changed:
-            self.changed.notify_all()
+        self._release_waiting()
 
     def _record_status(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
         try:
             with self.vault_lock:
                 self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
-        except sqlite3.Error as exc:
-            warn(f"[{upstream.name}] could not record status: {exc}")
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record status: %s", upstream.name, exc)
 
     def on_notification(self, upstream: Upstream, message: dict) -> None:
+        """Relay one of the notifications an upstream may send (see RELAYED_NOTIFICATIONS), as the client asked:
+        log messages at or above its logging level, resource updates only for what it subscribed to."""
+        if not self.initialized:
+            return
         method = message["method"]
         params = message.get("params") if isinstance(message.get("params"), dict) else {}
         if method == "notifications/message":
-            params = dict(params)
-            params["logger"] = f"{upstream.name}/{params['logger']}" if params.get("logger") else upstream.name
-            message = {"jsonrpc": "2.0", "method": method, "params": params}
-        elif method == "notifications/resources/updated" and isinstance(params.get("uri"), str):
-            params = dict(params)
-            params["uri"] = self.catalogue.exposed_uri(upstream.name, params["uri"])
-            message = {"jsonrpc": "2.0", "method": method, "params": params}
+            level = params.get("level")
+            if level not in LOG_LEVELS or (self.log_level and
+                                           LOG_LEVELS.index(level) < LOG_LEVELS.index(self.log_level)):
+                return
+            logger = params.get("logger")
+            params = {**params, "logger": f"{upstream.name}/{logger}"[:200] if isinstance(logger, str) and logger
+                      else upstream.name}
+        elif method == "notifications/resources/updated":
+            uri = params.get("uri")
+            with self.lock:
+                subscribed = isinstance(uri, str) and uri in self.subscriptions.get(upstream.name, ())
+            if not subscribed:
+                return
+            params = {**params, "uri": self.catalogue.exposed_uri(upstream.name, uri)}
         elif method == "notifications/cancelled":
             with self.lock:
-                ours = next((cid for cid, (up, _, uid) in self.client_requests.items()
-                             if up is upstream and uid == params.get("requestId")), None)
+                ours = next((cid for cid, relayed in self.client_requests.items()
+                             if relayed.upstream is upstream and relayed.upstream_id == params.get("requestId")),
+                            None)
                 if ours is None:
                     return
                 del self.client_requests[ours]
-            message = {"jsonrpc": "2.0", "method": method, "params": {**params, "requestId": ours}}
-        if self.initialized:
-            self.send(message)
+            params = {**params, "requestId": ours}
+        elif method == "notifications/elicitation/complete" and "elicitation" not in self.client_capabilities:
+            return
+        self.send({"jsonrpc": "2.0", "method": method, "params": params})
 
     def on_request(self, upstream: Upstream, message: dict) -> None:
         """A server->client request (sampling, elicitation, roots): relay it under an id of Coffer's own."""
-        needed = SERVER_REQUEST_NEEDS.get(message["method"])
-        if needed and needed not in self.client_capabilities:
+        needed = SERVER_REQUEST_NEEDS[message["method"]]
+        if needed not in self.client_capabilities:
             upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND,
                                        f"the connected client does not support {needed}"))
             return
+        params = message.get("params")
         with self.lock:
             self._client_request_seq += 1
             ours = f"coffer-{self._client_request_seq}"
-            self.client_requests[ours] = (upstream, upstream.generation, message["id"])
-        self.send({**message, "id": ours})
+            self.client_requests[ours] = RelayedRequest(upstream, upstream.generation, message["id"])
+        relayed = {"jsonrpc": "2.0", "id": ours, "method": message["method"]}
+        if isinstance(params, dict):
+            relayed["params"] = params
+        self.send(relayed)
 
     def _client_response(self, message: dict) -> None:
         with self.lock:
-            route = self.client_requests.pop(message["id"], None)
-        if route is not None:
-            upstream, generation, their_id = route
-            if upstream.generation == generation:  # a restarted server never asked this; drop the answer
-                upstream.respond({**message, "id": their_id})
+            relayed = self.client_requests.pop(message["id"], None)
+        if relayed is not None and relayed.upstream.generation == relayed.generation:
+            # (a restarted server never asked this; its answer is dropped)
+            answer = normalized_reply(message)
+            answer["id"] = relayed.upstream_id
+            relayed.upstream.respond(answer)
 
     def _client_notification(self, method: str, params: dict) -> None:
         if method == "notifications/cancelled":
@@ -2707,14 +4183,15 @@ class Gateway:
             with self.lock:
                 entry = self.inflight.pop(request_id, None) if valid_request_id(request_id) else None
             if entry is not None:
-                upstream, ticket, capability, kind, started = entry
-                if upstream.cancel(ticket, str(params.get("reason") or "cancelled by the client")[:200]):
-                    self.log.record(self.client_name, upstream.name, capability, kind, started, "cancelled",
-                                    "cancelled by the client")
+                reason = params.get("reason")
+                if entry.upstream.cancel(entry.ticket, reason[:200] if isinstance(reason, str) and reason
+                                         else "cancelled by the client"):
+                    self.log.record(self.client_name, entry.upstream.name, entry.capability, entry.kind,
+                                    entry.started, "cancelled", "cancelled by the client")
         elif method == "notifications/roots/list_changed":
             for upstream in list(self.upstreams.values()):
                 if upstream.state == "ready":
-                    upstream.notify(method, params or None)
+                    upstream.notify(method)
 
     # -- the catalogue -------------------------------------------------------------------------------------
     def rebuild(self, force: bool = False) -> None:
@@ -2734,7 +4211,7 @@ class Gateway:
                 self._rebuilds_done = self._rebuilds_wanted
                 force, self._force_tools_notice = self._force_tools_notice, False
             live = [up for up in list(self.upstreams.values()) if up.state not in ("failed", "stopped")]
-            catalogue = Catalogue(live, self.enabled, self.settings["name_max_length"])
+            catalogue = Catalogue(live, self.states, self.settings["name_max_length"])
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new
             if self.semantic is not None:
@@ -2755,24 +4232,39 @@ class Gateway:
         """Run ``work`` once every upstream has been discovered (or, for ``kind``, is remembered from its last
         start) or the discovery budget is spent.
 
-        Answers at once when nothing is pending; otherwise waits on a helper thread, so the client's other
-        requests (a ping, a call to a ready server) are not held up behind a slow server.
+        Answers at once when nothing is pending; otherwise the request waits in a list, costing no thread, and is
+        answered by the worker pool when its upstreams are up or the deadline passes (``_release_waiting``), so
+        the client's other requests are never held up behind a slow server.  ``background`` work (a search that
+        may wait for its embedding) always goes to the pool, off the client's reader thread.
         """
-        def finish():
-            with self.changed:
-                while self._discovering(kind) and time.monotonic() < self.discovery_deadline:
-                    self.changed.wait(max(0.01, self.discovery_deadline - time.monotonic()))
-            missing = self._discovering(kind)
-            if missing and not self._reported_missing:
-                self._reported_missing = True
-                warn(f"still starting after {self.settings['discovery_timeout']:g}s: {', '.join(missing)}; "
-                     "their tools will be announced with notifications/tools/list_changed")
-            self._answer(msg_id, "a deferred request", work)
-
-        if not background and (not self._discovering(kind) or time.monotonic() >= self.discovery_deadline):
-            return work()
-        threading.Thread(target=finish, name="coffer-discovery-wait", daemon=True).start()
+        if not self._discovering(kind) or time.monotonic() >= self.discovery_deadline:
+            if not background:
+                return work()
+            self.workers.submit(self._answer, msg_id, "a deferred request", work)
+            return None
+        with self.lock:
+            self._waiting.append(Waiting(msg_id, work, kind))
         return None
+
+    def _release_waiting(self) -> None:
+        """Hand the waiting requests whose wait is over to the worker pool (from the ticker and upstream events)."""
+        if not self._waiting:
+            return
+        expired = time.monotonic() >= self.discovery_deadline
+        with self.lock:
+            done, still = [], []
+            for waiting in self._waiting:
+                (done if expired or not self._discovering(waiting.kind) else still).append(waiting)
+            self._waiting = still
+        if not done:
+            return
+        missing = self._discovering() if expired else []
+        if missing and not self._reported_missing:
+            self._reported_missing = True
+            log.warning("still starting after %gs: %s; their tools will be announced to the client when they are "
+                        "up", self.settings["discovery_timeout"], ", ".join(missing))
+        for waiting in done:
+            self.workers.submit(self._answer, waiting.msg_id, "a deferred request", waiting.work)
 
     def _tools_list(self, msg_id, params):
         def work():
@@ -2802,7 +4294,7 @@ class Gateway:
             with self.lock:
                 state["done"] = True
                 entry = self.inflight.get(msg_id)
-                if entry is not None and entry[0] is upstream and entry[1] is state.get("ticket"):
+                if entry is not None and entry.upstream is upstream and entry.ticket is state.get("ticket"):
                     del self.inflight[msg_id]
             # The row is queued before the client sees the reply, so the log's order is the order of causes.
             if response is None:
@@ -2814,19 +4306,19 @@ class Gateway:
                     code = REQUEST_TIMEOUT if failure == "timeout" else UPSTREAM_ERROR
                     self.send(rpc_error(msg_id, code, text))
                 return
+            result = response.get("result")
+            if method == "tools/call" and result is not None and not isinstance(result.get("content"), list):
+                result["content"] = []  # required by every client's schema; a bad one would fail the whole reply
             if kind:
-                error = response.get("error")
-                if error is not None:
-                    code = error.get("code") if isinstance(error, dict) else None
+                if "error" in response:
                     self.log.record(client, upstream.name, capability, kind, started, "error",
-                                    f"upstream returned JSON-RPC error {code}")
-                elif method == "tools/call" and isinstance(response.get("result"), dict) \
-                        and response["result"].get("isError") is True:
+                                    f"upstream returned JSON-RPC error {response['error']['code']}")
+                elif method == "tools/call" and result.get("isError") is True:
                     self.log.record(client, upstream.name, capability, kind, started, "error",
                                     "tool reported isError")
                 else:
                     self.log.record(client, upstream.name, capability, kind, started, "ok")
-            response["id"] = msg_id
+            response["id"] = msg_id  # a fresh, normalized reply (see normalized_reply): Coffer's to change
             self.send(response)
 
         ticket = upstream.request(method, params, on_reply)
@@ -2834,12 +4326,19 @@ class Gateway:
             with self.lock:
                 if not state["done"]:
                     state["ticket"] = ticket
-                    self.inflight[msg_id] = (upstream, ticket, capability, kind, started)
+                    self.inflight[msg_id] = InFlight(upstream, ticket, capability, kind, started)
 
-    def _deny(self, capability: str, kind: str, started: float, what: str):
-        server = capability.partition(SEPARATOR)[0] if kind != "resource" else ""
-        self.log.record(self.client_name, server, capability, kind, started, "denied", f"{what} is disabled")
-        raise RpcError(INVALID_PARAMS, f"{what} {capability!r} is disabled in Coffer "
+    def _deny(self, capability: str, kind: str, started: float):
+        """A disabled or quarantined capability: logged as denied, and an error that says what the user can do."""
+        server = capability.partition(SEPARATOR)[0] if kind in ("tool", "prompt") else ""
+        if capability in self.catalogue.quarantined:
+            self.log.record(self.client_name, server, capability, kind, started, "denied",
+                            "definition changed; awaiting approval")
+            raise RpcError(INVALID_PARAMS, f"{kind} {capability!r} changed its definition since it was approved, so "
+                                           f"Coffer holds it back; the user can review the change and allow it "
+                                           f"with `coffer approve {capability}`")
+        self.log.record(self.client_name, server, capability, kind, started, "denied", f"{kind} is disabled")
+        raise RpcError(INVALID_PARAMS, f"{kind} {capability!r} is disabled in Coffer "
                                        f"(run `coffer enable {capability}` to allow it)")
 
     def _unknown(self, msg_id, name: str, kind: str, started: float, retry):
@@ -2874,8 +4373,8 @@ class Gateway:
         catalogue = self.catalogue
         route = (catalogue.tool_routes if kind == "tool" else catalogue.prompt_routes).get(name)
         if route is None:
-            if name in catalogue.disabled:
-                self._deny(name, kind, started, kind)
+            if name in catalogue.disabled or name in catalogue.quarantined:
+                self._deny(name, kind, started)
             retry = None if retried else (
                 lambda: self._route_named(msg_id, params, name, kind, method, started, True))
             return self._unknown(msg_id, name, kind, started, retry)
@@ -2885,8 +4384,8 @@ class Gateway:
 
     def _resource_route(self, uri: str, started: float, log_kind):
         catalogue = self.catalogue
-        if uri in catalogue.disabled:
-            self._deny(uri, "resource", started, "resource")
+        if uri in catalogue.disabled or uri in catalogue.quarantined:
+            self._deny(uri, "resource", started)
         route = catalogue.route_resource(uri)
         if route is None:
             if log_kind:
@@ -2899,12 +4398,10 @@ class Gateway:
         uri = _require_str(params, "uri")
 
         def work():
-            upstream, original = self._resource_route(uri, started, "resource")
+            route = self._resource_route(uri, started, "resource")
+            upstream, original = route
             # A templated URI carries the caller's values; the log keeps only what identifies the capability.
-            listed = uri in self.catalogue.resource_routes
-            capability = uri if listed else next(
-                (text for regex, up, text in self.catalogue.template_routes if up is upstream and
-                 regex.match(original)), "(template)")
+            capability = uri if uri in self.catalogue.resource_routes else self.catalogue.template_of(route)
             self._forward(msg_id, upstream, "resources/read", {**params, "uri": original}, capability,
                           "resource", started)
 
@@ -2961,15 +4458,13 @@ class Gateway:
             return tool_error_result(text)
 
         query = arguments.get("query")
-        top_k = arguments.get("top_k", 5)
         if not isinstance(query, str) or not query.strip():
             return fail("query must be a non-empty string")
-        if isinstance(top_k, float) and top_k.is_integer():
-            top_k = int(top_k)
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            return fail("top_k must be an integer between 1 and 20")
+        try:
+            top_k = bounded_top_k(arguments.get("top_k"))
+        except ValueError as exc:
+            return fail(str(exc))
         index = self.catalogue.index
-        top_k = max(1, min(20, top_k))
         if self.semantic is not None:
             hits, ranker, note = self.semantic.search(index, query, top_k)
         else:
@@ -3004,10 +4499,11 @@ class GatewayClient:
         bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
                      "import coffer; sys.exit(coffer.main(['serve', '--live']))")
         config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
-                  "command": [sys.executable, "-c", bootstrap], "headers": {}}
+                  "command": [sys.executable, "-c", bootstrap], "headers": {}, "inherit_env": ["*"]}
         self.ready = threading.Event()
         self.upstream = Upstream(config, settings, self, {}, LATEST_PROTOCOL_VERSION)
-        self.upstream._on_stderr = lambda line: (sys.stderr.write(line + "\n"), sys.stderr.flush())
+        self.upstream._on_stderr = lambda line: (sys.stderr.write(printable(redact(line)) + "\n"),
+                                                 sys.stderr.flush())
 
     def __enter__(self):
         self.upstream.start()
@@ -3039,14 +4535,26 @@ class GatewayClient:
         return self.upstream.call(method, params)
 
 
-def _print_table(rows: list[list[str]], headers: list[str]) -> None:
-    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-    for row in [headers] + rows:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+def say(text="") -> None:
+    """Print for a human: known secrets redacted, terminal control characters made visible."""
+    print(printable(redact(str(text))))
+
+
+def say_json(value) -> None:
+    print(redact(terminal_json(value)))
+
+
+def _print_table(rows: list[list], headers: list[str]) -> None:
+    cells = [[printable(redact(str(cell))).replace("\n", " ") for cell in row] for row in [headers] + rows]
+    widths = [max(len(cell) for cell in column) for column in zip(*cells)]
+    for row in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 def _command_text(server: dict) -> str:
-    return server["url"] if server["transport"] == "http" else " ".join(shlex.quote(p) for p in server["command"])
+    if server.get("damaged"):
+        return "(damaged definition)"
+    return server["url"] if server["transport"] != "stdio" else " ".join(shlex.quote(p) for p in server["command"])
 
 
 def cmd_add(vault: Vault, args) -> int:
@@ -3054,55 +4562,110 @@ def cmd_add(vault: Vault, args) -> int:
     headers = {}
     for item in args.header:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise CofferError(f"bad --header {item!r}: expected NAME=VALUE")
+        if not sep or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", key.strip()):
+            raise CofferError(f"bad --header {item!r}: expected NAME=VALUE with NAME a valid HTTP header name")
+        if any(c in value for c in "\r\n\x00"):
+            raise CofferError(f"bad --header {key}: the value holds a line break")
         headers[key.strip()] = value
+    if args.url:
+        check_remote_url(args.url)
+        if env:
+            raise CofferError("--env is for servers Coffer starts; a remote server (--url) takes --header")
+        if args.inherit_env:
+            raise CofferError("--inherit-env is for servers Coffer starts, not for --url")
+    elif headers:
+        raise CofferError("--header is for remote servers (--url); a server Coffer starts takes --env")
+    check_server_name(args.name)
+    if vault.read_only:
+        vault.transaction()  # says the vault is read-only, before any secret is stored
+    env, moved_env = store_literals(args.name, env, vault.secrets)
+    headers, moved_headers = store_literals(args.name, headers, vault.secrets, header=True)
+    moved = moved_env + moved_headers
     vault.add_server(args.name, command=args.command or None, url=args.url, env=env, headers=headers,
-                     cwd=args.cwd, policy=args.policy, timeout=args.timeout)
-    print(f"added {args.name}: {_command_text(vault.server(args.name))}")
+                     cwd=args.cwd, policy=args.policy, timeout=args.timeout, inherit_env=args.inherit_env)
+    if moved:
+        say(f"moved {len(moved)} literal value(s) into Coffer's secret store: "
+            f"{', '.join('${' + name + '}' for name in moved)} (coffer secret list)")
+    say(f"added {args.name}: {_command_text(vault.server(args.name))}")
+    if args.url:
+        scheme, host, _ = url_origin(args.url)
+        if scheme == "http" and not is_loopback(host) and headers:
+            log.warning("%s: its headers (credentials?) will cross the network unencrypted over plain http to %s; "
+                        "use https if the server offers it", args.name, host)
+    elif args.command and not shutil.which(args.command[0]) and not os.path.dirname(args.command[0]):
+        log.warning("%s: %r is not on PATH here; the server will fail to start until it is installed",
+                    args.name, args.command[0])
     return 0
 
 
 def cmd_remove(vault: Vault, args) -> int:
     vault.remove_server(args.name)
-    print(f"removed {args.name}")
+    say(f"removed {args.name}")
     return 0
 
 
 def cmd_list(vault: Vault, args) -> int:
     counts = collections.Counter(row["server"] for row in vault.capabilities()
                                  if row["kind"] == "tool" and row["present"] and row["enabled"])
+    held = collections.Counter(row["server"] for row in vault.pending_approvals())
     servers = [{"name": s["name"], "transport": s["transport"], "command": _command_text(s),
-                "enabled": s["enabled"], "policy": s["policy"], "status": s["status"] or "never started",
-                "detail": s["status_detail"], "since": s["status_at"], "tools": counts.get(s["name"], 0)}
+                "enabled": s["enabled"], "policy": s["policy"], "updates": s["updates"],
+                "status": "damaged" if s["damaged"] else (s["status"] or "never started"),
+                "detail": s["damaged"] or s["status_detail"], "since": s["status_at"], "tools": counts.get(s["name"], 0),
+                "awaiting_approval": held.get(s["name"], 0)}
                for s in vault.servers()]
     if args.json:
-        print(json.dumps({"servers": servers}, indent=2, ensure_ascii=False))
+        say_json({"servers": servers})
     elif not servers:
-        print("no servers yet: coffer add NAME -- COMMAND [ARGS...]")
+        say("no servers yet: coffer add NAME -- COMMAND [ARGS...]")
     else:
         _print_table([[s["name"], "yes" if s["enabled"] else "no", s["status"], s["tools"], s["command"]]
                       for s in servers], ["NAME", "ENABLED", "STATUS", "TOOLS", "COMMAND"])
         for s in servers:
-            if s["status"] == "failed" and s["detail"]:
-                print(f"\n{s['name']} failed: {s['detail']}")
+            if s["status"] in ("failed", "damaged") and s["detail"]:
+                say(f"\n{s['name']} {s['status']}: {s['detail']}")
+            if s["awaiting_approval"]:
+                say(f"\n{s['name']}: {s['awaiting_approval']} changed definition(s) held back until you run "
+                    f"`coffer approve {s['name']}`")
     return 0
+
+
+def cached_tools(vault: Vault) -> list[dict]:
+    """The tools the last session saw, as a client would see them: enabled, approved, of enabled servers."""
+    max_length = vault.setting("name_max_length")
+    servers = {s["name"]: s for s in vault.servers()}
+    by_server: dict[str, list[dict]] = collections.defaultdict(list)
+    for row in vault.capabilities():
+        if row["kind"] == "tool" and row["present"] and row["server"] in servers:
+            by_server[row["server"]].append(row)
+    tools = []
+    for server, rows in by_server.items():
+        if not servers[server]["enabled"]:
+            continue
+        names = exposed_names(server, [row["name"] for row in rows], max_length)
+        for row in rows:
+            state = _state(row)
+            try:
+                definition = json.loads(row["definition"] or "{}")
+            except ValueError:
+                continue
+            if state.usable and isinstance(definition, dict):
+                tools.append(dict(definition, name=names[row["name"]]))
+    return tools
 
 
 def cmd_tools(vault: Vault, args) -> int:
     if args.cached:
-        max_length = vault.setting("name_max_length")
-        tools = [dict(json.loads(row["definition"]), name=expose_name(row["server"], row["name"], max_length))
-                 for row in vault.capabilities() if row["kind"] == "tool" and row["present"] and row["enabled"]]
+        tools = cached_tools(vault)
     else:
         with GatewayClient(vault) as client:
             tools = list(client.upstream.lists["tool"].values())
     if args.json:
-        print(json.dumps({"tools": tools}, indent=2, ensure_ascii=False))
+        say_json({"tools": tools})
     else:
         for tool in tools:
             description = (tool.get("description") or "").strip().splitlines()
-            print(f"{tool['name']:<48}  {description[0][:100] if description else ''}")
+            say(f"{tool['name']:<48}  {description[0][:100] if description else ''}")
     return 0
 
 
@@ -3114,19 +4677,77 @@ def cmd_enable(vault: Vault, args, enabled: bool = True) -> int:
         with GatewayClient(vault):
             pass
         what = vault.set_enabled(args.target, enabled)
-    print(f"{'enabled' if enabled else 'disabled'} {what}")
+    say(f"{'enabled' if enabled else 'disabled'} {what}")
+    return 0
+
+
+def cmd_approve(vault: Vault, args) -> int:
+    if args.target is None:
+        pending = vault.pending_approvals()
+        if not pending:
+            say("nothing is waiting for approval")
+        for row in pending:
+            say(f"{row['kind']} {row['server']}:{row['name']} changed since it was approved")
+        return 0
+    approved = vault.approve(args.target)
+    if not approved:
+        say(f"{args.target}: nothing is waiting for approval")
+    for label, diff in approved:
+        say(f"approved {label}; what changed:\n{diff or '(no visible difference)'}\n")
     return 0
 
 
 def cmd_policy(vault: Vault, args) -> int:
     vault.set_policy(args.server, args.policy)
-    print(f"new capabilities of {args.server} will be {args.policy}")
+    say({"enabled": f"new capabilities of {args.server} will be enabled",
+         "disabled": f"new capabilities of {args.server} will be disabled",
+         "trust-updates": f"changed definitions from {args.server} apply without approval",
+         "pin-updates": f"changed definitions from {args.server} wait for `coffer approve`"}[args.policy])
     return 0
+
+
+def cmd_secret(vault: Vault, args) -> int:
+    store = vault.secrets
+    if args.action == "list":
+        names = store.names()
+        if args.json:
+            say_json({"secrets": names})
+        else:
+            say("\n".join(names) if names else "no secrets stored: coffer secret set NAME")
+        return 0
+    if not args.name:
+        raise CofferError(f"coffer secret {args.action} needs a NAME")
+    if args.action == "rm":
+        if not store.delete(args.name):
+            raise CofferError(f"no secret named {args.name!r}{_did_you_mean(args.name, store.names())}")
+        vault_audit(vault, "secret-remove", args.name)
+        say(f"removed secret {args.name}")
+        return 0
+    if sys.stdin.isatty():
+        import getpass
+        value = getpass.getpass(f"value for {args.name} (not shown): ")
+    else:
+        value = sys.stdin.read(64 << 10 + 1).rstrip("\r\n")
+    if not value:
+        raise CofferError("empty value: nothing stored")
+    store.set(args.name, value)
+    vault_audit(vault, "secret-set", args.name)
+    say(f"stored secret {args.name}; refer to it as ${{{args.name}}} in --env or --header")
+    return 0
+
+
+def vault_audit(vault: Vault, action: str, target: str, detail: str | None = None) -> None:
+    """An audit row for a change made outside coffer.db (the secret store): the name, never the value."""
+    try:
+        with vault.transaction() as db:
+            vault._audit(db, action, target, detail)
+    except CofferError:
+        pass  # a read-only vault cannot record it; the change itself was made
 
 
 def cmd_call(vault: Vault, args) -> int:
     try:
-        arguments = json.loads(args.arguments) if args.arguments is not None else {}
+        arguments = decode_json(args.arguments) if args.arguments is not None else {}
     except ValueError as exc:
         raise CofferError(f"arguments are not valid JSON: {exc}") from None
     if not isinstance(arguments, dict):
@@ -3136,16 +4757,20 @@ def cmd_call(vault: Vault, args) -> int:
             result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
         except UpstreamFailure as exc:
             raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
-    print(json.dumps(result, indent=2, ensure_ascii=False))
+    say_json(result)
     return 1 if isinstance(result, dict) and result.get("isError") else 0
+
+
+def _ms(value) -> str:
+    return f"{value:.1f}ms" if isinstance(value, (int, float)) else str(value)
 
 
 def cmd_log(vault: Vault, args) -> int:
     rows = vault.invocations(args.limit)
     if args.json:
-        print(json.dumps({"invocations": rows}, indent=2, ensure_ascii=False))
+        say_json({"invocations": rows})
     else:
-        _print_table([[r["ts"], r["client"], r["capability"], r["kind"], f"{r['duration_ms']:.1f}ms", r["status"],
+        _print_table([[r["ts"], r["client"], r["capability"], r["kind"], _ms(r["duration_ms"]), r["status"],
                        r["error"] or ""] for r in rows],
                      ["TIME", "CLIENT", "CAPABILITY", "KIND", "DURATION", "STATUS", "ERROR"])
     return 0
@@ -3154,7 +4779,7 @@ def cmd_log(vault: Vault, args) -> int:
 def cmd_audit(vault: Vault, args) -> int:
     rows = vault.audit_rows(args.limit)
     if args.json:
-        print(json.dumps({"audit": rows}, indent=2, ensure_ascii=False))
+        say_json({"audit": rows})
     else:
         _print_table([[r["ts"], r["actor"], r["action"], r["target"] or "", r["detail"] or ""] for r in rows],
                      ["TIME", "ACTOR", "ACTION", "TARGET", "DETAIL"])
@@ -3166,15 +4791,21 @@ def cmd_config(vault: Vault, args) -> int:
         vault.set_setting(args.key, args.value)
     settings = vault.settings()
     if args.key and args.key not in settings:
-        raise CofferError(f"unknown setting {args.key!r}; known: {', '.join(sorted(DEFAULTS))}")
+        raise CofferError(f"unknown setting {args.key!r}{_did_you_mean(args.key, DEFAULTS)}; "
+                          f"known: {', '.join(sorted(DEFAULTS))}")
     for key in [args.key] if args.key else sorted(settings):
-        print(f"{key} = {settings[key]}")
+        say(f"{key} = {settings[key]}")
     return 0
 
 
 def cmd_serve(vault: Vault, args) -> int:
     vault.actor = "gateway"
-    gateway = Gateway(vault, remember=not args.live)
+
+    def client_gone():
+        gateway.shutdown()
+        os._exit(0)  # the main thread is blocked reading a client that will never write again
+
+    gateway = Gateway(vault, remember=not args.live, on_client_gone=client_gone)
 
     def on_signal(signum, frame):
         if not gateway._stopping.is_set():  # a second signal must not interrupt the shutdown itself
@@ -3184,6 +4815,9 @@ def cmd_serve(vault: Vault, args) -> int:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), on_signal)
     try:
+        if sys.stdin.isatty() and sys.stderr.isatty():
+            log.info("coffer serve speaks MCP on stdin/stdout and waits for a client; an agent starts it itself "
+                     "(e.g. `claude mcp add coffer -- coffer serve`). Ctrl-C to quit.")
         gateway.serve(sys.stdin.buffer)
     except (KeyboardInterrupt, SystemExit):
         pass
@@ -3195,6 +4829,7 @@ def cmd_serve(vault: Vault, args) -> int:
 EPILOG = """
 examples:
   coffer add time -- uvx mcp-server-time
+  coffer secret set GITHUB_TOKEN          (asks for the value; or pipe it in)
   coffer add gh --env GITHUB_TOKEN='${GITHUB_TOKEN}' -- npx -y @modelcontextprotocol/server-github
   coffer add docs --url https://example.com/mcp --header 'Authorization=Bearer ${DOCS_TOKEN}'
   coffer list
@@ -3206,9 +4841,13 @@ examples:
 agent configuration (Claude Code, Codex, Cursor, Claude Desktop): one stdio server whose command is
 `coffer serve` (or `python /path/to/coffer.py serve`).
 
-data: $COFFER_HOME (default ~/.coffer) holds coffer.db.  ${VAR} and ${VAR:-default} in --env, --header and the
-command are stored as written and expanded from the gateway's environment when the server starts, so secrets
-never reach the database.
+data: $COFFER_HOME (default ~/.coffer, private: 0700) holds coffer.db and secrets.json.  ${VAR} and
+${VAR:-default} in --env, --header, the URL and the command are stored as written and resolved when the server
+starts: from Coffer's environment first, then from its secret store (coffer secret set).  A literal value given
+to --env or --header is moved into the secret store and replaced by a reference, so no secret reaches coffer.db.
+Prefer --env over command arguments for secrets: arguments are visible to every local user in `ps`.
+A server started by Coffer sees only a minimal environment (PATH, HOME, locale, proxy and certificate settings,
+package-manager settings) plus its own --env; --inherit-env NAME passes more.
 """
 
 
@@ -3225,13 +4864,21 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = command("add", cmd_add, "register an upstream server: NAME [options] -- COMMAND [ARGS...], or --url URL",
-                usage="coffer add NAME [--env KEY=VALUE]... [--timeout S] [--policy P] -- COMMAND [ARGS...]\n"
-                      "       coffer add NAME --url URL [--header NAME=VALUE]...")
+                usage="coffer add NAME [--env KEY=VALUE]... [--inherit-env NAME]... [--timeout S] [--policy P] "
+                      "-- COMMAND [ARGS...]\n       coffer add NAME --url URL [--header NAME=VALUE]...",
+                epilog="Secrets: write --env KEY='${NAME}' and keep the value in the environment or in `coffer "
+                       "secret set NAME`; a literal value is moved into the secret store for you.  ${VAR} in the "
+                       "command's arguments works too, but arguments are visible to other local users in `ps`: "
+                       "prefer --env.")
     p.add_argument("name", help="server name: 1-24 letters, digits or '-'; becomes the <server>__ prefix")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment for the server; ${VAR} is expanded at start, never stored expanded")
+                   help="environment for the server; ${VAR} is resolved at start, a literal value goes to the "
+                        "secret store")
+    p.add_argument("--inherit-env", action="append", default=[], metavar="NAME",
+                   help="also pass this variable of Coffer's own environment ('*': all of it)")
     p.add_argument("--url", help="a remote server speaking MCP Streamable HTTP")
-    p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE", help="HTTP header (with --url)")
+    p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
+                   help="HTTP header (with --url); a literal value goes to the secret store")
     p.add_argument("--cwd", help="working directory for the server process")
     p.add_argument("--timeout", type=float, help="per-call timeout in seconds (default: the call_timeout setting)")
     p.add_argument("--policy", default="enabled", choices=("enabled", "disabled"),
@@ -3246,9 +4893,18 @@ def build_parser() -> argparse.ArgumentParser:
     command("enable", cmd_enable, "enable a server, tool, prompt or resource").add_argument("target")
     command("disable", lambda v, a: cmd_enable(v, a, False),
             "disable a server, tool, prompt or resource (kept across restarts and upgrades)").add_argument("target")
-    p = command("policy", cmd_policy, "whether capabilities a server adds later start enabled or disabled")
+    p = command("approve", cmd_approve, "accept a changed tool/prompt/resource definition after reading the diff "
+                                        "(a server name approves all of its changes; no target lists them)")
+    p.add_argument("target", nargs="?")
+    p = command("policy", cmd_policy, "what a server's new capabilities start as (enabled|disabled), and whether "
+                                      "its changed definitions apply at once (trust-updates) or wait for `coffer "
+                                      "approve` (pin-updates, the default)")
     p.add_argument("server")
-    p.add_argument("policy", choices=("enabled", "disabled"))
+    p.add_argument("policy", choices=("enabled", "disabled", "trust-updates", "pin-updates"))
+    p = command("secret", cmd_secret, "the secret store: set NAME (prompted, or from stdin), list, rm NAME")
+    p.add_argument("action", choices=("set", "list", "rm"))
+    p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
     p = command("call", cmd_call, "call one tool through the gateway and print its result (for scripts)")
     p.add_argument("tool")
     p.add_argument("arguments", nargs="?", help="a JSON object (default {})")
@@ -3268,6 +4924,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
     trailing: list[str] = []
     if argv[:1] == ["add"] and "--" in argv:
@@ -3285,21 +4942,26 @@ def main(argv: list[str] | None = None) -> int:
         args.command = trailing
     if getattr(args, "limit", 1) is not None and getattr(args, "limit", 1) < 1:
         parser.error("--limit must be at least 1")
+    vault = None
     try:
         vault = Vault()
-    except (sqlite3.Error, OSError) as exc:
-        print(f"coffer: error: cannot open the vault under {coffer_home()}: {exc}", file=sys.stderr)
-        return 1
-    try:
         return args.handler(vault, args)
+    except KeyboardInterrupt:
+        print("coffer: interrupted", file=sys.stderr)
+        return 130
     except CofferError as exc:
-        print(f"coffer: error: {exc}", file=sys.stderr)
+        print(printable(redact(f"coffer: error: {exc}")), file=sys.stderr)
         return 1
     except sqlite3.Error as exc:
-        print(f"coffer: error: vault: {exc}", file=sys.stderr)
+        where = f" under {coffer_home()}" if vault is None else ""
+        print(printable(redact(f"coffer: error: the vault{where}: {exc}")), file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 - a bug: one line for the user, the traceback with COFFER_LOG=debug
+        log.exception("internal error")
         return 1
     finally:
-        vault.close()
+        if vault is not None:
+            vault.close()
 
 
 if __name__ == "__main__":
