@@ -7,14 +7,15 @@ Register your MCP servers once; every agent (Claude Code, Codex, Cursor, Claude 
 
 One module, standard library only.  Sections, in the order data flows through them:
 
-    1. protocol constants and small helpers
-    2. naming (exposed names, resource URIs) and ${VAR} expansion
-    3. vault: coffer.db (servers, capability choices, invocation and audit logs)
-    4. transports (stdio subprocess, Streamable HTTP) and the upstream supervisor
-    5. catalogue: the merged, namespaced, filtered view of all upstreams
-    6. search: the BM25F ranker behind coffer__search_tools
-    7. gateway session: the MCP server a client talks to
-    8. command line
+    1. protocol: constants, JSON at the boundary, logging that is safe for a terminal
+    2. names and secrets: exposed names, ${VAR} references, the secret store, an upstream's environment
+    3. vault: coffer.db (servers, capability choices and pins, invocation and audit logs)
+    4. transports: stdio subprocess, Streamable HTTP (redirect-safe)
+    5. upstream supervisor: one server's connection, requests, lists and restarts; boundary checks
+    6. catalogue: the merged, namespaced, filtered view of all upstreams
+    7. search: the BM25F ranker behind coffer__search_tools (7b: optional semantic ranking)
+    8. gateway session: the MCP server a client talks to
+    9. command line
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import Callable, NamedTuple
 __version__ = "0.1.0"
 
 # ============================================================================================================
-# 1. Protocol constants and small helpers
+# 1. Protocol: constants, JSON at the boundary, terminal-safe logging
 # ============================================================================================================
 
 #: Newest first.  A client asking for one of these gets it echoed; anything else is offered the newest.
@@ -3015,7 +3016,7 @@ class Catalogue:
 
 
 # ============================================================================================================
-# 6. Search: a BM25F ranker over the tool catalogue
+# 7. Search: a BM25F ranker over the tool catalogue
 # ============================================================================================================
 #
 # Tool catalogues are small documents with a few strong fields: the name says what a tool does, the
@@ -3367,7 +3368,7 @@ class SearchIndex:
         return [(self.tools[doc_id], round(score, 4)) for doc_id, score in self.rank(query, top_k)]
 
 # ------------------------------------------------------------------------------------------------------------
-# 6b. Semantic ranking (optional): an embeddings endpoint, a vector cache in the vault, hybrid fusion
+# 7b. Semantic ranking (optional): an embeddings endpoint, a vector cache in the vault, hybrid fusion
 # ------------------------------------------------------------------------------------------------------------
 #
 # Lexical matching cannot connect "let the team know the deploy finished" to slack__post_message.  When the
@@ -3651,7 +3652,7 @@ class SemanticRanker:
 
 
 # ============================================================================================================
-# 7. Gateway session: the MCP server a client talks to
+# 8. Gateway session: the MCP server a client talks to
 # ============================================================================================================
 
 SEARCH_TOOL_DEFINITION = {
@@ -4480,7 +4481,7 @@ class Gateway:
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
 # ============================================================================================================
-# 8. Command line
+# 9. Command line
 # ============================================================================================================
 
 
