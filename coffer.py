@@ -344,13 +344,13 @@ class _TerminalFormatter(logging.Formatter):
         return printable(redact(text))
 
 
-def configure_logging() -> None:
-    """Log to stderr at COFFER_LOG's level (debug traces every message; default info).  Idempotent."""
+def configure_logging(default: str = "info") -> None:
+    """Log to stderr at COFFER_LOG's level (debug traces every message), else at ``default``: info for
+    `serve` (whose stderr is the client's log of it), warning for commands a person reads.  Idempotent."""
     if getattr(log, "_coffer_configured", False):
         return
-    level = (os.environ.get("COFFER_LOG") or "info").strip().upper()
-    log.setLevel(getattr(logging, level, logging.INFO) if level in ("DEBUG", "INFO", "WARNING", "ERROR")
-                 else logging.INFO)
+    level = (os.environ.get("COFFER_LOG") or default).strip().upper()
+    log.setLevel(getattr(logging, level) if level in ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO)
     try:
         tty = sys.stderr.isatty()
     except (AttributeError, ValueError):
@@ -648,14 +648,15 @@ def secret_name_for(server: str, key: str) -> str:
     return name if not name[0].isdigit() else f"S_{name}"
 
 
-def store_literals(server: str, values: dict[str, str], secrets: SecretStore, header: bool = False
-                   ) -> tuple[dict[str, str], list[str]]:
+def store_literals(server: str, values: dict[str, str], secrets: SecretStore, header: bool = False,
+                   overwrite: bool = False) -> tuple[dict[str, str], list[str]]:
     """Move every literal value of an --env/--header mapping into the secret store; return the mapping with
     ${NAME} references in their place, and the names used.
 
     Any value that holds no ${...} reference counts as literal: Coffer cannot tell a token from a setting, and a
     setting in the store costs nothing.  For an Authorization-style header only the credential moves
-    ("Bearer ${NAME}"), so the stored definition still reads as what it is.
+    ("Bearer ${NAME}"), so the stored definition still reads as what it is.  A name already holding another
+    value gets a numbered twin, unless ``overwrite`` (the server's definition is being replaced).
     """
     result, moved = {}, []
     for key, value in values.items():
@@ -668,10 +669,10 @@ def store_literals(server: str, values: dict[str, str], secrets: SecretStore, he
             scheme, credential = match.group(1) + " ", match.group(2)
         base = secret_name_for(server, key)
         name, n = base, 1
-        while (existing := secrets.get(name)) is not None and existing != credential:
+        while not overwrite and (existing := secrets.get(name)) is not None and existing != credential:
             n += 1
             name = f"{base}_{n}"
-        if existing is None:
+        if secrets.get(name) != credential:
             secrets.set(name, credential)
         result[key] = f"{scheme}${{{name}}}"
         moved.append(name)
@@ -974,36 +975,50 @@ class Vault:
             self._audit(db, "config", key, f"{old!r} -> {value!r}")
 
     # -- servers -------------------------------------------------------------------------------------------
-    def add_server(self, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy="enabled",
-                   timeout=None, inherit_env=None, transport=None) -> None:
+    def add_server(self, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
+                   timeout=None, inherit_env=None, transport=None, replace: bool = False) -> int:
+        """Register a server, or with ``replace`` change an existing one's definition (its capability choices
+        stay).  Returns how many earlier choices apply: those of the server being replaced, or — after `remove`
+        and `add` of the same name — the ones kept from before the removal (for the audit retention period)."""
         check_server_name(name)
         if bool(command) == bool(url):
             raise CofferError("give either a command after '--' (stdio) or --url (Streamable HTTP)")
-        if policy not in ("enabled", "disabled"):
+        if policy not in (None, "enabled", "disabled"):
             raise CofferError(f"bad policy {policy!r}: use 'enabled' or 'disabled'")
         if timeout is not None and not (timeout > 0):
             raise CofferError("--timeout must be a positive number of seconds")
         transport = transport or ("http" if url else "stdio")
         if transport not in TRANSPORTS:
             raise CofferError(f"unknown transport {transport!r}")
+        definition = (transport, vault_json(command) if command else None, url, vault_json(env or {}),
+                      vault_json(headers or {}), cwd, timeout, vault_json(list(inherit_env or [])))
+        target = url or " ".join(shlex.quote(part) for part in command)
         with self.transaction() as db:
-            if db.execute("SELECT 1 FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone():
-                raise CofferError(f"server {name!r} already exists; remove it first or pick another name")
-            position = db.execute("SELECT coalesce(max(position), 0) + 1 FROM servers").fetchone()[0]
-            db.execute(
-                "INSERT INTO servers(name, transport, command, url, env, headers, cwd, policy, timeout, position,"
-                " created_at, inherit_env) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (name, transport, vault_json(command) if command else None, url,
-                 vault_json(env or {}), vault_json(headers or {}), cwd, policy, timeout, position, utcnow(),
-                 vault_json(list(inherit_env or []))))
-            target = url or " ".join(shlex.quote(part) for part in command)
-            self._audit(db, "add", name, target)
+            existing = db.execute("SELECT name FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone()
+            if existing and not (replace and existing["name"] == name):
+                raise CofferError(f"server {existing['name']!r} already exists; `coffer add {name} ... --replace` "
+                                  f"changes its definition and keeps its choices")
+            if existing:
+                db.execute("UPDATE servers SET transport=?, command=?, url=?, env=?, headers=?, cwd=?, timeout=?,"
+                           " inherit_env=?, policy=coalesce(?, policy), status=NULL, status_detail=NULL,"
+                           " status_at=NULL WHERE name=?", (*definition, policy, name))
+                self._audit(db, "replace", name, target)
+            else:
+                position = db.execute("SELECT coalesce(max(position), 0) + 1 FROM servers").fetchone()[0]
+                db.execute(
+                    "INSERT INTO servers(transport, command, url, env, headers, cwd, timeout, inherit_env, name,"
+                    " policy, position, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (*definition, name, policy or "enabled", position, utcnow()))
+                self._audit(db, "add", name, target)
+            return db.execute("SELECT count(*) FROM capabilities WHERE server=?", (name,)).fetchone()[0]
 
     def remove_server(self, name: str) -> None:
+        """Unregister a server.  Its capability choices are kept (not listed, not callable) until the audit
+        retention period ends, so adding the same name again restores them."""
         with self.transaction() as db:
             self._require_server(db, name)
             db.execute("DELETE FROM servers WHERE name=?", (name,))
-            db.execute("DELETE FROM capabilities WHERE server=?", (name,))
+            db.execute("UPDATE capabilities SET present=0 WHERE server=?", (name,))
             self._audit(db, "remove", name, None)
 
     def servers(self) -> list[dict]:
@@ -1051,7 +1066,8 @@ class Vault:
         max_length = self.setting("name_max_length")
         names = [row["name"] for row in db.execute("SELECT name FROM servers")]
         listed: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
-        for row in db.execute("SELECT server, kind, name FROM capabilities WHERE present=1"):
+        for row in db.execute("SELECT server, kind, name FROM capabilities WHERE present=1 AND server IN"
+                              " (SELECT name FROM servers)"):
             if row["kind"] in ("tool", "prompt"):
                 listed[(row["server"], row["kind"])].append(row["name"])
             else:
@@ -1077,7 +1093,8 @@ class Vault:
             if rows:
                 return tuple(rows[0])
         server, sep, _ = target.partition(SEPARATOR)
-        if sep:
+        registered = db.execute("SELECT 1 FROM servers WHERE name=?", (server,)).fetchone() is not None
+        if sep and registered:
             found = []
             for kind in kinds:
                 rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=?",
@@ -1091,7 +1108,7 @@ class Vault:
             if found:
                 return found[0]
         rows = db.execute("SELECT server, kind, name FROM capabilities WHERE name=? AND kind IN"
-                          " ('resource','template')", (target,)).fetchall()
+                          " ('resource','template') AND server IN (SELECT name FROM servers)", (target,)).fetchall()
         if len(rows) == 1:
             return tuple(rows[0])
         if len(rows) > 1:
@@ -1099,7 +1116,7 @@ class Vault:
             raise CofferError(f"{target!r} is published by several servers ({servers}); "
                               f"use coffer+<server>:{target}")
         hint = _did_you_mean(target, self._all_names(db))
-        if sep and db.execute("SELECT 1 FROM servers WHERE name=?", (server,)).fetchone():
+        if sep and registered:
             raise NotListedYet(f"unknown target {target!r}: server {server!r} does not list it{hint}")
         raise CofferError(f"unknown target {target!r}: not a server, tool, prompt or resource Coffer knows{hint}")
 
@@ -1247,9 +1264,23 @@ class Vault:
                                " invocations ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
         return [dict(row) for row in reversed(rows)]
 
-    def audit_rows(self, limit: int = 50) -> list[dict]:
-        rows = self.db.execute("SELECT ts, actor, action, target, detail FROM audit ORDER BY id DESC LIMIT ?",
-                               (limit,)).fetchall()
+    def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
+                   server: str | None = None) -> list[dict]:
+        """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
+        name or its prefix (``upstream`` matches upstream-added, -changed...), ``server`` a server's rows."""
+        where, args = [], []
+        if since:
+            where.append("ts >= ?")
+            args.append(since)
+        if action:
+            where.append("(action = ? OR action LIKE ?)")
+            args += [action, action.replace("%", "") + "-%"]
+        if server:
+            where.append("(target = ? OR target LIKE ? OR target LIKE ?)")
+            args += [server, f"{server}:%", f"{server}{SEPARATOR}%"]
+        sql = ("SELECT ts, actor, action, target, detail FROM audit" + (" WHERE " + " AND ".join(where) if where
+                                                                         else "") + " ORDER BY id DESC LIMIT ?")
+        rows = self.db.execute(sql, (*args, limit)).fetchall()
         return [dict(row) for row in reversed(rows)]
 
     def prune(self) -> tuple[int, int]:
@@ -1261,6 +1292,8 @@ class Vault:
         with self.transaction() as db:
             n_inv = db.execute("DELETE FROM invocations WHERE ts < ?", (cut_inv.replace("+00:00", "Z"),)).rowcount
             n_aud = db.execute("DELETE FROM audit WHERE ts < ?", (cut_aud.replace("+00:00", "Z"),)).rowcount
+            db.execute("DELETE FROM capabilities WHERE last_seen < ? AND server NOT IN (SELECT name FROM servers)",
+                       (cut_aud.replace("+00:00", "Z"),))  # choices of servers removed long ago
         return n_inv, n_aud
 
 
@@ -2477,8 +2510,8 @@ class Upstream:
             return  # stopped meanwhile
         if transport is not None:
             start_thread(transport.close, f"coffer-{self.name}-close", 0.5)
-        log.warning("[%s] start failed%s: %s", self.name,
-                    "" if permanent else f" ({self.failures}/{self.settings['max_restarts']})", self.last_error)
+        log.log(logging.WARNING if give_up else logging.INFO, "[%s] start failed%s: %s", self.name,
+                "" if permanent else f" ({self.failures}/{self.settings['max_restarts']})", self.last_error)
         self._after_failure(give_up, delay, backlog)
 
     def _count_failure(self, reason: str, permanent: bool):
@@ -2499,7 +2532,7 @@ class Upstream:
 
     def _after_failure(self, give_up: bool, delay: float, backlog: list[QueuedRequest]) -> None:
         if give_up:
-            log.warning("[%s] marked failed: %s", self.name, self.last_error)
+            log.info("[%s] marked failed", self.name)
             self.events.on_down(self)
             self._run_backlog(backlog)
         else:
@@ -2533,6 +2566,8 @@ class Upstream:
             self._closed_generation = generation
             state, transport = self.state, self.transport
             orphaned = self._take_pending()
+            if state == "ready":
+                self.state = "backoff"  # from now on a request waits for the restart instead of failing
         reason = f"upstream '{self.name}' {transport.exit_detail() or 'closed its connection'}"
         # The old connection may have only closed stdout; make sure its process and pipes are gone too.
         start_thread(transport.close, f"coffer-{self.name}-close", 0.5)
@@ -2610,15 +2645,18 @@ class Upstream:
             detail = f": {self.last_error}" if self.last_error else ""
             on_reply(None, "error", f"upstream '{self.name}' is unavailable ({state}){detail}")
             return None
-        ticket.request_id = self._send_request(method, params, on_reply, timeout, deadline)
-        return ticket if ticket.request_id is not None else None
+        queued = QueuedRequest(method, params, on_reply, timeout, ticket, deadline)
+        ticket.request_id = self._send_request(method, params, on_reply, timeout, deadline, queued)
+        return ticket if ticket.request_id is not None or queued in self.backlog else None
 
     def _run_backlog(self, backlog: list[QueuedRequest]) -> None:
         for queued in backlog:
             self.request(queued.method, queued.params, queued.on_reply, queued.timeout, queued.ticket,
                          queued.deadline)
 
-    def _send_request(self, method, params, on_reply, timeout, deadline=None):
+    def _send_request(self, method, params, on_reply, timeout, deadline=None, requeue: QueuedRequest | None = None):
+        """Register and send one request; its id, or None when it failed (``on_reply`` has run) — or, with
+        ``requeue``, when the connection had just died unnoticed and the request now waits for the restart."""
         with self.lock:
             self._next_id += 1
             request_id = self._next_id
@@ -2639,15 +2677,21 @@ class Upstream:
             message["params"] = params
         try:
             sent = transport is not None and transport.send(message)
-            failure = None if sent else (f"upstream '{self.name}' "
-                                         f"{(transport and transport.exit_detail()) or 'is not accepting input'}")
         except EncodeError as exc:
-            failure = f"the request could not be sent: {exc}"
-        if failure:
             self._finish(request_id)
-            on_reply(None, "error", failure)
+            on_reply(None, "error", f"the request could not be sent: {exc}")
             return None
-        return request_id
+        if sent:
+            return request_id
+        self._finish(request_id)
+        if requeue is not None:
+            with self.lock:
+                if self.state in ("ready", "backoff", "starting"):  # its close is on its way: wait for the restart
+                    self.backlog.append(requeue)
+                    return None
+        on_reply(None, "error", f"upstream '{self.name}' "
+                                f"{(transport and transport.exit_detail()) or 'is not accepting input'}")
+        return None
 
     def call(self, method: str, params=None, timeout: float | None = None):
         """Blocking request for Coffer's own use (initialize, discovery); returns the result or raises."""
@@ -3738,9 +3782,11 @@ class Gateway:
     ``out_lock`` (the client's stdout, innermost: nothing is called while holding it).
     """
 
-    def __init__(self, vault: Vault, out=None, remember: bool = True, on_client_gone=None):
+    def __init__(self, vault: Vault, out=None, remember: bool = True, on_client_gone=None, only=None):
         self.vault = vault
         self.remember = remember
+        self.only = set(only) if only else None  # serve just these servers (`coffer call` needs one)
+        self.disabled_servers: set[str] = set()
         self.vault_lock = threading.Lock()
         self.settings = vault.settings()
         self.out = out if out is not None else sys.stdout.buffer
@@ -3842,13 +3888,7 @@ class Gateway:
             self.vault.prune()
         except (sqlite3.Error, CofferError) as exc:  # a busy or read-only vault must not stop the session
             log.warning("retention pruning skipped: %s", exc)
-        for config in self.vault.servers():
-            if config["damaged"]:
-                log.warning("server %s has a damaged definition in coffer.db (%s) and is not started; fix it with "
-                            "`coffer remove %s` and `coffer add` again", config["name"], config["damaged"],
-                            config["name"])
-            elif config["enabled"]:
-                self.configs[config["name"]] = config
+        self.configs = self._serving(self.vault.servers(), report=True)
         self.remembered = self.vault.remembered_lists() if self.remember else {}
         start_thread(self._tick, "coffer-ticker")
         read = getattr(stream, "read1", stream.read)
@@ -3856,6 +3896,23 @@ class Gateway:
             if self._client_gone.is_set():
                 break
             handle_burst(lines, self.handle_line)
+
+    def _serving(self, servers: list[dict], report: bool = False) -> dict[str, dict]:
+        """The configs this session runs: enabled, undamaged (and among --only); notes the disabled ones, so a
+        call to their tools can say how to enable them."""
+        configs = {}
+        self.disabled_servers = {c["name"] for c in servers if not c["enabled"] and not c["damaged"]}
+        for config in servers:
+            if self.only is not None and config["name"] not in self.only:
+                continue
+            if config["damaged"]:
+                if report:
+                    log.warning("server %s has a damaged definition in coffer.db (%s) and is not started; fix it "
+                                "with `coffer remove %s` and `coffer add` again", config["name"], config["damaged"],
+                                config["name"])
+            elif config["enabled"]:
+                configs[config["name"]] = config
+        return configs
 
     def handle_line(self, line) -> None:
         if isinstance(line, OversizedLine):
@@ -4036,12 +4093,14 @@ class Gateway:
                 return
             self._data_version = version
             states = self.vault.capability_states()
-            configs = {c["name"]: c for c in self.vault.servers() if c["enabled"] and not c["damaged"]}
+            configs = self._serving(self.vault.servers())
             settings = self.vault.settings()
             changed = states != self.states
             self.states = states
         keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env")
         if settings != self.settings:
+            if settings["expose"] != self.settings["expose"]:
+                self._force_tools_notice = True  # the same catalogue, listed differently
             self.settings.update(settings)  # the upstreams share this dict
             for upstream in list(self.upstreams.values()):
                 upstream.call_timeout = float(upstream.config.get("timeout") or settings["call_timeout"])
@@ -4347,6 +4406,10 @@ class Gateway:
         server = name.partition(SEPARATOR)[0]
         if retry is not None and server in self._discovering() and time.monotonic() < self.discovery_deadline:
             return self._after_discovery(msg_id, retry)
+        if server in self.disabled_servers:
+            self.log.record(self.client_name, server, name, kind, started, "denied", "server is disabled")
+            raise RpcError(INVALID_PARAMS, f"{kind} {name!r} belongs to server {server!r}, which is disabled in Coffer "
+                                           f"(run `coffer enable {server}` to allow it)")
         self.log.record(self.client_name, server if server in self.upstreams else "", name, kind, started,
                         "error", f"unknown {kind}")
         hint = f"; call {SEARCH_TOOL} to find tools" if kind == "tool" else ""
@@ -4491,14 +4554,15 @@ class GatewayClient:
     It is an Upstream whose server happens to be Coffer itself, so the CLI exercises the real gateway path.
     """
 
-    def __init__(self, vault: Vault):
+    def __init__(self, vault: Vault, only: list[str] | None = None):
         settings = dict(vault.settings())
         settings["init_timeout"] = float(settings["discovery_timeout"]) + float(settings["init_timeout"])
         settings["max_restarts"] = 1
+        argv = ["serve", "--live"] + [arg for name in only or () for arg in ("--only", name)]
         # Imported rather than run as a script, so Python uses the cached bytecode (compiling coffer.py costs
         # ~30 ms per start); sys.path is extended in-process so the upstreams' environment stays untouched.
         bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                     "import coffer; sys.exit(coffer.main(['serve', '--live']))")
+                     f"import coffer; sys.exit(coffer.main({argv!r}))")
         config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
                   "command": [sys.executable, "-c", bootstrap], "headers": {}, "inherit_env": ["*"]}
         self.ready = threading.Event()
@@ -4534,6 +4598,110 @@ class GatewayClient:
 
     def call(self, method: str, params: dict):
         return self.upstream.call(method, params)
+
+
+class ProbeResult(NamedTuple):
+    """What starting one server told: ``state`` is ready, failed or timed out; ``tools`` as a client sees them."""
+    name: str
+    state: str
+    detail: str
+    tools: list
+    seconds: float
+
+
+class ServerProbe:
+    """Starts servers in this process, with no client attached, to see what they offer — for `coffer tools`,
+    `coffer doctor`, and enabling a tool of a server never started.  What it learns is recorded in the vault as
+    a gateway would record it (capabilities, status), so `coffer list` reports the last attempt of any command.
+
+    Threads: each upstream's own; ``run`` waits on a condition the upstream events signal.
+    """
+
+    def __init__(self, vault: Vault, names: list[str] | None = None, progress=None):
+        self.vault = vault
+        self.settings = vault.settings()
+        # A server that exits at once is tried twice here, not max_restarts times: a person is waiting.
+        self.settings["max_restarts"] = min(2, int(self.settings["max_restarts"]))
+        self.progress = progress or (lambda result: None)
+        self.vault_lock = threading.Lock()
+        self.done = threading.Condition()
+        servers = [s for s in vault.servers() if names is None or s["name"] in names]
+        self.skipped = {s["name"]: s["damaged"] or "disabled" for s in servers if s["damaged"] or not s["enabled"]}
+        self.upstreams = [Upstream(s, self.settings, self, {}, LATEST_PROTOCOL_VERSION, vault.secrets)
+                          for s in servers if s["name"] not in self.skipped]
+
+    def run(self, timeout: float | None = None) -> list[ProbeResult]:
+        """Start every server at once and wait for each to be ready or failed, at most ``timeout`` (init_timeout)."""
+        timeout = float(self.settings["init_timeout"]) if timeout is None else timeout
+        started = time.monotonic()
+        finished: dict[str, ProbeResult] = {}
+        for upstream in self.upstreams:
+            upstream.start()
+        try:
+            with self.done:
+                while len(finished) < len(self.upstreams):
+                    for upstream in self.upstreams:
+                        if upstream.name not in finished and upstream.state in ("ready", "failed"):
+                            finished[upstream.name] = self._result(upstream, upstream.state, started)
+                            self.progress(finished[upstream.name])
+                    remaining = started + timeout - time.monotonic()
+                    if remaining <= 0 or len(finished) == len(self.upstreams):
+                        break
+                    self.done.wait(min(remaining, 0.5))
+            for upstream in self.upstreams:
+                if upstream.name not in finished:
+                    result = self._result(upstream, "timed out", started, f"did not answer within {timeout:g}s")
+                    self._record(upstream, "timed out", result.detail)
+                    finished[upstream.name] = result
+                    self.progress(result)
+        finally:
+            threads = [start_thread(up.stop, f"coffer-{up.name}-stop") for up in self.upstreams]
+            for thread in threads:
+                thread.join(5.0)
+        return [finished[up.name] for up in self.upstreams]
+
+    def _result(self, upstream: Upstream, state: str, started: float, detail: str | None = None) -> ProbeResult:
+        tools = []
+        if state == "ready":
+            states = self.vault.capability_states()
+            names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"])
+            tools = [dict(definition, name=names[name]) for name, definition in upstream.lists["tool"].items()
+                     if states.get((upstream.name, "tool", name), CapabilityState(True)).usable]
+        return ProbeResult(upstream.name, state, detail or (upstream.last_error or ""), tools,
+                           round(time.monotonic() - started, 2))
+
+    def _record(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
+        try:
+            with self.vault_lock:
+                self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record status: %s", upstream.name, exc)
+
+    # events, as an Upstream sends them to its gateway
+    def on_ready(self, upstream):
+        counts = ", ".join(f"{len(items)} {kind}s" for kind, items in upstream.lists.items() if items)
+        self._record(upstream, "ready", counts or "no capabilities", upstream.capabilities)
+        with self.done:
+            self.done.notify_all()
+
+    def on_down(self, upstream):
+        if upstream.state == "failed":
+            self._record(upstream, "failed", upstream.last_error or "")
+        with self.done:
+            self.done.notify_all()
+
+    def on_list_changed(self, upstream, kind, items, notify):
+        try:
+            with self.vault_lock:
+                self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record its %ss: %s", upstream.name, kind, exc)
+
+    def on_notification(self, upstream, message):
+        pass
+
+    def on_request(self, upstream, message):
+        upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "no client is connected"))
 
 
 def say(text="") -> None:
@@ -4579,11 +4747,15 @@ def cmd_add(vault: Vault, args) -> int:
     check_server_name(args.name)
     if vault.read_only:
         vault.transaction()  # says the vault is read-only, before any secret is stored
-    env, moved_env = store_literals(args.name, env, vault.secrets)
-    headers, moved_headers = store_literals(args.name, headers, vault.secrets, header=True)
+    env, moved_env = store_literals(args.name, env, vault.secrets, overwrite=args.replace)
+    headers, moved_headers = store_literals(args.name, headers, vault.secrets, header=True, overwrite=args.replace)
     moved = moved_env + moved_headers
-    vault.add_server(args.name, command=args.command or None, url=args.url, env=env, headers=headers,
-                     cwd=args.cwd, policy=args.policy, timeout=args.timeout, inherit_env=args.inherit_env)
+    earlier = vault.add_server(args.name, command=args.command or None, url=args.url, env=env, headers=headers,
+                               cwd=args.cwd, policy=args.policy, timeout=args.timeout,
+                               inherit_env=args.inherit_env, replace=args.replace)
+    if earlier:
+        say(f"kept the earlier choices for {earlier} of {args.name}'s tools, prompts and resources "
+            "(coffer show / coffer enable to change them)")
     if moved:
         say(f"moved {len(moved)} literal value(s) into Coffer's secret store: "
             f"{', '.join('${' + name + '}' for name in moved)} (coffer secret list)")
@@ -4656,28 +4828,46 @@ def cached_tools(vault: Vault) -> list[dict]:
 
 
 def cmd_tools(vault: Vault, args) -> int:
+    """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
+    server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
+    failed = []
     if args.cached:
         tools = cached_tools(vault)
     else:
-        with GatewayClient(vault) as client:
-            tools = list(client.upstream.lists["tool"].values())
+        interactive = sys.stderr.isatty()
+
+        def progress(result: ProbeResult) -> None:
+            if interactive:
+                what = f"{len(result.tools)} tools" if result.state == "ready" else result.state
+                print(printable(f"  {result.name}: {what} ({result.seconds:g}s)"), file=sys.stderr)
+
+        results = ServerProbe(vault, progress=progress).run()
+        tools = [tool for result in results for tool in result.tools]
+        failed = [result for result in results if result.state != "ready"]
+    tools = [SEARCH_TOOL_DEFINITION] + (tools if vault.setting("expose") != "search" else [])
     if args.json:
-        say_json({"tools": tools})
+        say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
+                                             for r in failed]})
     else:
         for tool in tools:
             description = (tool.get("description") or "").strip().splitlines()
             say(f"{tool['name']:<48}  {description[0][:100] if description else ''}")
-    return 0
+    for result in failed:
+        print(printable(redact(f"coffer: {result.name} {'did not start' if result.state == 'failed' else result.state}"
+                               f": {result.detail or 'no reason given'}")), file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_enable(vault: Vault, args, enabled: bool = True) -> int:
     try:
         what = vault.set_enabled(args.target, enabled)
-    except NotListedYet:
-        # Probably a server added but never started: ask it what it offers, then try once more.
-        with GatewayClient(vault):
-            pass
-        what = vault.set_enabled(args.target, enabled)
+    except NotListedYet as exc:
+        # Probably a server added but never started: ask that one server what it offers, then try once more.
+        ServerProbe(vault, [args.target.partition(SEPARATOR)[0]]).run()
+        try:
+            what = vault.set_enabled(args.target, enabled)
+        except NotListedYet:
+            raise CofferError(str(exc)) from None
     say(f"{'enabled' if enabled else 'disabled'} {what}")
     return 0
 
@@ -4753,7 +4943,8 @@ def cmd_call(vault: Vault, args) -> int:
         raise CofferError(f"arguments are not valid JSON: {exc}") from None
     if not isinstance(arguments, dict):
         raise CofferError("arguments must be a JSON object, e.g. '{\"timezone\": \"UTC\"}'")
-    with GatewayClient(vault) as client:
+    server = args.tool.partition(SEPARATOR)[0]
+    with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
         try:
             result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
         except UpstreamFailure as exc:
@@ -4771,14 +4962,23 @@ def cmd_log(vault: Vault, args) -> int:
     if args.json:
         say_json({"invocations": rows})
     else:
-        _print_table([[r["ts"], r["client"], r["capability"], r["kind"], _ms(r["duration_ms"]), r["status"],
-                       r["error"] or ""] for r in rows],
-                     ["TIME", "CLIENT", "CAPABILITY", "KIND", "DURATION", "STATUS", "ERROR"])
+        _print_table([[r["ts"], r["client"], r["server"] or "", r["capability"], r["kind"], _ms(r["duration_ms"]),
+                       r["status"], r["error"] or ""] for r in rows],
+                     ["TIME", "CLIENT", "SERVER", "CAPABILITY", "KIND", "DURATION", "STATUS", "ERROR"])
     return 0
 
 
 def cmd_audit(vault: Vault, args) -> int:
-    rows = vault.audit_rows(args.limit)
+    since = args.since
+    if since:
+        try:
+            since = datetime.fromisoformat(since.replace("Z", "+00:00")).astimezone(timezone.utc).isoformat(
+                timespec="milliseconds").replace("+00:00", "Z") if "T" in since or " " in since else \
+                datetime.fromisoformat(since).date().isoformat()
+        except ValueError:
+            raise CofferError(f"--since {since!r}: use a date like 2026-11-30 or a time like 2026-11-30T12:00") \
+                from None
+    rows = vault.audit_rows(args.limit, since, args.kind, args.server)
     if args.json:
         say_json({"audit": rows})
     else:
@@ -4794,6 +4994,9 @@ def cmd_config(vault: Vault, args) -> int:
     if args.key and args.key not in settings:
         raise CofferError(f"unknown setting {args.key!r}{_did_you_mean(args.key, DEFAULTS)}; "
                           f"known: {', '.join(sorted(DEFAULTS))}")
+    if args.json:
+        say_json({args.key: settings[args.key]} if args.key else settings)
+        return 0
     for key in [args.key] if args.key else sorted(settings):
         say(f"{key} = {settings[key]}")
     return 0
@@ -4806,7 +5009,7 @@ def cmd_serve(vault: Vault, args) -> int:
         gateway.shutdown()
         os._exit(0)  # the main thread is blocked reading a client that will never write again
 
-    gateway = Gateway(vault, remember=not args.live, on_client_gone=client_gone)
+    gateway = Gateway(vault, remember=not args.live, on_client_gone=client_gone, only=args.only)
 
     def on_signal(signum, frame):
         if not gateway._stopping.is_set():  # a second signal must not interrupt the shutdown itself
@@ -4882,8 +5085,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP header (with --url); a literal value goes to the secret store")
     p.add_argument("--cwd", help="working directory for the server process")
     p.add_argument("--timeout", type=float, help="per-call timeout in seconds (default: the call_timeout setting)")
-    p.add_argument("--policy", default="enabled", choices=("enabled", "disabled"),
+    p.add_argument("--policy", choices=("enabled", "disabled"),
                    help="whether tools the server adds later start enabled (default) or disabled")
+    p.add_argument("--replace", action="store_true",
+                   help="change the definition of a server already registered, keeping its choices")
     p.set_defaults(command=[])
     command("remove", cmd_remove, "unregister a server").add_argument("name")
     p = command("list", cmd_list, "registered servers, their status and tool counts")
@@ -4914,19 +5119,24 @@ def build_parser() -> argparse.ArgumentParser:
         p = command(name, handler, text)
         p.add_argument("--json", action="store_true")
         p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--since", metavar="DATE", help="only rows from this date or time on (2026-11-30[T12:00])")
+    p.add_argument("--kind", metavar="ACTION", help="only this action (add, disable, approve, upstream, ...)")
+    p.add_argument("--server", metavar="NAME", help="only rows about this server")
     p = command("config", cmd_config, "show or change a setting")
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?")
+    p.add_argument("--json", action="store_true")
     p = command("serve", cmd_serve, "run the MCP gateway on stdio (what an agent's config runs)")
     p.add_argument("--live", action="store_true",
                    help="list only what started servers offer now; by default a server still starting is "
                         "listed as it was at its last start, and a change is announced when it is up")
+    p.add_argument("--only", action="append", metavar="SERVER", help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    configure_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
+    configure_logging("info" if argv[:1] == ["serve"] else "warning")
     trailing: list[str] = []
     if argv[:1] == ["add"] and "--" in argv:
         split = argv.index("--")
@@ -4950,6 +5160,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("coffer: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `coffer ... | head`: the reader had enough
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
     except CofferError as exc:
         print(printable(redact(f"coffer: error: {exc}")), file=sys.stderr)
         return 1
