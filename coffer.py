@@ -82,7 +82,7 @@ DEFAULTS = {
     "max_restarts": 5,              # consecutive failed starts before an upstream is marked failed
     "retention_invocations_days": 30,
     "retention_audit_days": 365,
-    "expose": "all",                # "all": full catalogue plus search; "search": only coffer__search_tools
+    "expose": "auto",               # auto | all | search | budget:N (see expose_mode); expose.<client> overrides
     "embedder_url": "",             # e.g. http://127.0.0.1:11434/v1 (OpenAI-compatible) or an Ollama base URL
     "embedder_model": "",
     "embedder_api": "openai",       # "openai" (POST {url}/embeddings) or "ollama" (POST {url}/api/embed)
@@ -946,7 +946,7 @@ class Vault:
 
     # -- settings ------------------------------------------------------------------------------------------
     def setting(self, key: str):
-        return self.settings()[key] if key in DEFAULTS else None
+        return self.settings().get(key, DEFAULTS.get(key))
 
     def settings(self) -> dict:
         """Every setting; a stored value that does not parse or is out of range counts as the default (warned
@@ -954,7 +954,7 @@ class Vault:
         current = dict(DEFAULTS)
         for row in self.db.execute("SELECT key, value FROM settings"):
             key = row["key"]
-            if key not in DEFAULTS:
+            if setting_key(key) not in DEFAULTS:
                 continue  # written by a newer Coffer
             try:
                 current[key] = _checked_setting(key, json.loads(row["value"]))
@@ -962,17 +962,30 @@ class Vault:
                 if key not in _reported_settings:
                     _reported_settings.add(key)
                     log.warning("setting %s in coffer.db is damaged (%s); using the default %r "
-                                "(fix: coffer config %s VALUE)", key, exc, DEFAULTS[key], key)
+                                "(fix: coffer config %s VALUE)", key, exc, DEFAULTS[setting_key(key)], key)
         return current
 
     def set_setting(self, key: str, raw: str) -> None:
-        if key not in DEFAULTS:
-            raise CofferError(f"unknown setting {key!r}; known: {', '.join(sorted(DEFAULTS))}")
-        value = _checked_setting(key, raw)
+        """Change a setting; for a per-client one (expose.cursor), an empty value removes the override."""
+        if setting_key(key) not in DEFAULTS:
+            raise CofferError(f"unknown setting {key!r}{_did_you_mean(key, DEFAULTS)}; known: "
+                              f"{', '.join(sorted(DEFAULTS))}, expose.<client>")
         with self.transaction() as db:
             old = self.setting(key)
+            if key != setting_key(key) and raw == "":
+                db.execute("DELETE FROM settings WHERE key=?", (key,))
+                self._audit(db, "config", key, f"{old!r} -> (the global expose)")
+                return
+            value = _checked_setting(key, raw)
             db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, json.dumps(value)))
             self._audit(db, "config", key, f"{old!r} -> {value!r}")
+
+    def tool_usage(self, days: int = 90) -> dict[str, int]:
+        """Calls per exposed tool name in the last ``days`` (from the invocation log): what budgets keep."""
+        since = (datetime.now(timezone.utc) - timedelta(days=days)).isoformat().replace("+00:00", "Z")
+        return {row["capability"]: row["n"] for row in self.db.execute(
+            "SELECT capability, count(*) AS n FROM invocations WHERE kind='tool' AND ts >= ? GROUP BY capability",
+            (since,))}
 
     # -- servers -------------------------------------------------------------------------------------------
     def add_server(self, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
@@ -1388,8 +1401,18 @@ def _server_row(row) -> dict:
     return server
 
 
+EXPOSE_RE = re.compile(r"^(auto|all|search|budget:([2-9]|[1-9][0-9]{1,3}))$")
+PER_CLIENT_SETTING_RE = re.compile(r"^expose\.([a-z0-9-]{1,32})$")
+
+
+def setting_key(key: str) -> str:
+    """The DEFAULTS entry a setting name is checked against: expose.<client> is an expose setting."""
+    return "expose" if PER_CLIENT_SETTING_RE.match(key) else key
+
+
 def _checked_setting(key: str, raw):
     """A setting's value from the CLI (text) or the vault (JSON), converted and range-checked, or CofferError."""
+    key = setting_key(key)
     default = DEFAULTS[key]
     kind = type(default)
     if isinstance(raw, bool) or (not isinstance(raw, (str, int, float)) or
@@ -1403,8 +1426,8 @@ def _checked_setting(key: str, raw):
         raise CofferError(f"setting {key} needs a finite number")
     if key == "name_max_length" and not 34 <= value <= 64:  # 24-char server + "__" + "x_" + hash
         raise CofferError("name_max_length must be between 34 and 64")
-    if key == "expose" and value not in ("all", "search"):
-        raise CofferError("expose must be 'all' or 'search'")
+    if key == "expose" and not EXPOSE_RE.match(value):
+        raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
     if key == "embedder_api" and value not in ("openai", "ollama"):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
     if key == "max_message_bytes" and value < 4096:
@@ -3744,6 +3767,52 @@ def _require_str(params: dict, key: str) -> str:
     return value
 
 
+# -- client-aware listing ---------------------------------------------------------------------------------------
+# Some clients show only so many tools (Cursor about 40, Windsurf 100, VS Code 128) and drop the rest in an order
+# nobody chose; Claude Code searches its tools itself and wants them all.  With expose "auto" (the default) a
+# client known to cap gets, when the catalogue is larger, a budget of the tools most likely wanted; every tool
+# stays callable by name and findable with coffer__search_tools.
+
+CLIENT_FAMILIES = (("claude-code", "claude-code"), ("cursor", "cursor"), ("windsurf", "windsurf"),
+                   ("codeium", "windsurf"), ("visual studio code", "vscode"), ("vscode", "vscode"),
+                   ("codex", "codex"), ("gemini", "gemini"), ("zed", "zed"), ("claude", "claude-desktop"))
+CLIENT_TOOL_CAPS = {"cursor": 40, "windsurf": 100, "vscode": 128}
+
+
+def client_family(client_name: str) -> str | None:
+    """The client a clientInfo.name belongs to (its settings key: expose.<family>), or None."""
+    name = client_name.lower()
+    return next((family for needle, family in CLIENT_FAMILIES if needle in name), None)
+
+
+def expose_mode(settings: dict, family: str | None) -> str:
+    """all, search or budget:N for this client: its own expose.<family> setting, else the global one; auto means
+    a budget of the client's known cap, else all."""
+    value = (settings.get(f"expose.{family}") if family else None) or settings["expose"]
+    if value == "auto":
+        cap = CLIENT_TOOL_CAPS.get(family or "")
+        return f"budget:{cap}" if cap else "all"
+    return value
+
+
+def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dict]:
+    """At most ``cap - 1`` tools (coffer__search_tools takes the last place), in catalogue order: first the most
+    used tool of each server (so every server stays visible), then the most used of the rest over the last 90
+    days; ties go to catalogue order, so the same inputs always give the same list."""
+    room = cap - 1
+    if len(tools) <= room:
+        return tools
+    order = {id(tool): i for i, tool in enumerate(tools)}
+    key = lambda tool: (-usage.get(tool["name"], 0), order[id(tool)])  # noqa: E731
+    best_of_server: dict[str, dict] = {}
+    for tool in sorted(tools, key=key):
+        best_of_server.setdefault(tool["name"].partition(SEPARATOR)[0], tool)
+    chosen = sorted(best_of_server.values(), key=key)[:room]
+    picked = {id(tool) for tool in chosen}
+    chosen += [tool for tool in sorted(tools, key=key) if id(tool) not in picked][:room - len(chosen)]
+    return sorted(chosen, key=lambda tool: order[id(tool)])
+
+
 class InFlight(NamedTuple):
     """A client request Coffer forwarded and has not answered yet (for cancellation and the log)."""
     upstream: Upstream
@@ -3808,6 +3877,7 @@ class Gateway:
         self.initialized = False
         self.client_capabilities: dict = {}
         self.client_name = "unknown"
+        self.usage: dict[str, int] = {}  # calls per tool in the last 90 days, for budgeted lists
         self.protocol_version = LATEST_PROTOCOL_VERSION
         self.log_level = None
         self.advertised: dict = {}
@@ -4004,6 +4074,11 @@ class Gateway:
         self.client_capabilities = capabilities or {}
         info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else {}
         self.client_name = str(info.get("name") or "unknown")[:64]
+        try:
+            with self.vault_lock:
+                self.usage = self.vault.tool_usage()
+        except sqlite3.Error as exc:
+            log.warning("tool usage unavailable (%s); a budgeted list falls back to catalogue order", exc)
         self.discovery_deadline = time.monotonic() + float(self.settings["discovery_timeout"])
         for config in self.configs.values():
             self._add_upstream(config)
@@ -4011,6 +4086,10 @@ class Gateway:
             self.rebuild()  # remembered tools are listable at once; before `initialized`, so no notification
         self.initialized = True
         instructions = INSTRUCTIONS
+        unlisted = len(self.catalogue.tools) + 1 - len(self.listed_tools())
+        if unlisted > 0:
+            instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
+                             f"by name and {SEARCH_TOOL} finds them.")
         failed = [c["name"] for c in self.configs.values() if c.get("status") == "failed"]
         if failed:
             instructions += " Failed at their last start: " + ", ".join(failed)[:200] + "."
@@ -4099,7 +4178,8 @@ class Gateway:
             self.states = states
         keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env")
         if settings != self.settings:
-            if settings["expose"] != self.settings["expose"]:
+            if any(settings.get(k) != self.settings.get(k) for k in set(settings) | set(self.settings)
+                   if setting_key(k) == "expose"):
                 self._force_tools_notice = True  # the same catalogue, listed differently
             self.settings.update(settings)  # the upstreams share this dict
             for upstream in list(self.upstreams.values()):
@@ -4326,13 +4406,18 @@ class Gateway:
         for waiting in done:
             self.workers.submit(self._answer, waiting.msg_id, "a deferred request", waiting.work)
 
+    def listed_tools(self) -> list[dict]:
+        """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
+        tools = self.catalogue.tools
+        mode = expose_mode(self.settings, client_family(self.client_name))
+        if mode == "search":
+            return [SEARCH_TOOL_DEFINITION]
+        if mode.startswith("budget:"):
+            tools = budget_tools(tools, int(mode.partition(":")[2]), self.usage)
+        return [SEARCH_TOOL_DEFINITION] + tools
+
     def _tools_list(self, msg_id, params):
-        def work():
-            catalogue = self.catalogue
-            if self.settings["expose"] == "search":
-                return {"tools": [SEARCH_TOOL_DEFINITION]}
-            return {"tools": [SEARCH_TOOL_DEFINITION] + catalogue.tools}
-        return self._after_discovery(msg_id, work, kind="tool")
+        return self._after_discovery(msg_id, lambda: {"tools": self.listed_tools()}, kind="tool")
 
     def _prompts_list(self, msg_id, params):
         return self._after_discovery(msg_id, lambda: {"prompts": self.catalogue.prompts}, kind="prompt")
@@ -4844,7 +4929,10 @@ def cmd_tools(vault: Vault, args) -> int:
         results = ServerProbe(vault, progress=progress).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
-    tools = [SEARCH_TOOL_DEFINITION] + (tools if vault.setting("expose") != "search" else [])
+    mode = expose_mode(vault.settings(), client_family(args.client or ""))
+    if mode.startswith("budget:"):
+        tools = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
+    tools = [SEARCH_TOOL_DEFINITION] + (tools if mode != "search" else [])
     if args.json:
         say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
                                              for r in failed]})
@@ -4992,8 +5080,11 @@ def cmd_config(vault: Vault, args) -> int:
         vault.set_setting(args.key, args.value)
     settings = vault.settings()
     if args.key and args.key not in settings:
-        raise CofferError(f"unknown setting {args.key!r}{_did_you_mean(args.key, DEFAULTS)}; "
-                          f"known: {', '.join(sorted(DEFAULTS))}")
+        if setting_key(args.key) != args.key:
+            settings[args.key] = f"(not set: the global expose, {settings['expose']})"
+        else:
+            raise CofferError(f"unknown setting {args.key!r}{_did_you_mean(args.key, DEFAULTS)}; "
+                              f"known: {', '.join(sorted(DEFAULTS))}")
     if args.json:
         say_json({args.key: settings[args.key]} if args.key else settings)
         return 0
@@ -5096,6 +5187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("tools", cmd_tools, "the aggregated tool catalogue, as a client sees it (starts every server)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--cached", action="store_true", help="what the last session saw, without starting servers")
+    p.add_argument("--client", metavar="NAME", help="as this client is shown it (cursor, windsurf, vscode, ...)")
     command("enable", cmd_enable, "enable a server, tool, prompt or resource").add_argument("target")
     command("disable", lambda v, a: cmd_enable(v, a, False),
             "disable a server, tool, prompt or resource (kept across restarts and upgrades)").add_argument("target")
