@@ -318,6 +318,8 @@ def test_install_claude_code_replace_then_uninstall_restores(world):
     if os.name != "nt":
         assert stat.S_IMODE(Path(stash).stat().st_mode) == 0o600
 
+    own = {(x["name"], x["source"]): x["reason"] for x in import_json(world, "claude-code")["skipped"]}
+    assert own[("coffer", "claude-code")] == "Coffer's own entry"
     second = world.run("install", "claude-code", "--replace").stdout
     assert "nothing changed" in second and len(backups(claude)) == 1
     assert json.loads(claude.read_text()) == after
@@ -410,6 +412,32 @@ def test_doctor_reports_servers_clients_and_exits_1_when_one_is_broken(world):
     assert text.returncode == 1 and "fix: " in text.stdout and "Traceback" not in text.stderr
 
 
+@pytest.mark.skipif(os.name == "nt", reason="POSIX modes and PATH")
+def test_doctor_flags_a_command_a_desktop_app_cannot_find_and_an_open_vault(world, tmp_path):
+    bin_dir = tmp_path / "user-bin"
+    launcher = write(bin_dir / "my-mcp", f"#!/bin/sh\nexec {PY} {FAKE[1]} \"$@\"\n")
+    launcher.chmod(0o755)
+    world.env["PATH"] = f"{bin_dir}{os.pathsep}{world.env['PATH']}"
+    world.run("add", "shell-only", "--", "my-mcp", "--name", "shell-only")
+    world.run("install", "claude-code")
+    report = json.loads(world.run("doctor", "--json", check=False).stdout)
+    problem = {s["name"]: s for s in report["servers"]}["shell-only"]["problems"][0]
+    assert problem["severity"] == "warning" and "minimal PATH" in problem["problem"]
+    assert str(launcher) in problem["fix"]
+    world.run("install", "claude-desktop")  # a GUI client now starts Coffer with that PATH: the server is broken
+    proc = world.run("doctor", "--json", check=False)
+    report = json.loads(proc.stdout)
+    shell_only = {s["name"]: s for s in report["servers"]}["shell-only"]
+    assert proc.returncode == 1 and not shell_only["ok"] and "claude-desktop" in shell_only["problems"][0]["problem"]
+
+    for path in [world.coffer_home, *world.coffer_home.glob("coffer.db*")]:
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    assert json.loads(world.run("doctor", "--json", check=False).stdout)["vault"]["problems"] == []
+    world.coffer_home.chmod(0o755)
+    vault = json.loads(world.run("doctor", "--json", check=False).stdout)["vault"]
+    assert not vault["ok"] and vault["problems"][0]["fix"] == f"chmod 700 {world.coffer_home}"
+
+
 def test_show_prints_definition_status_and_capabilities(world):
     world.run("import", "claude-desktop")
     world.run("call", "my-server__echo", '{"text": "hi"}')
@@ -500,3 +528,45 @@ def test_jsonc_edits_touch_only_what_they_change():
     json.loads(created.text)  # still strict JSON
     with pytest.raises(module.ConfigProblem):
         module.JsonDocument('{"servers": "text"}', jsonc=False).with_member(("servers",), "coffer", {})
+
+
+def test_each_client_is_looked_up_where_it_lives_on_each_os():
+    module = load_module()
+    home, cwd = os.path.join(os.sep, "u"), os.path.join(os.sep, "p")
+    windows = module.ClientContext(home, cwd, {"APPDATA": os.path.join(home, "Roaming")}, "win32")
+    mac = module.ClientContext(home, cwd, {"XDG_CONFIG_HOME": "/ignored"}, "darwin")
+    linux = module.ClientContext(home, cwd, {"XDG_CONFIG_HOME": os.path.join(home, "xdg"),
+                                             "CODEX_HOME": os.path.join(home, "cx")}, "linux")
+
+    def user_path(client, ctx):
+        return module.client_files(client, ctx, project=False)[0].path
+
+    support = os.path.join(home, "Library", "Application Support")
+    assert user_path("claude-desktop", windows) == os.path.join(home, "Roaming", "Claude",
+                                                                "claude_desktop_config.json")
+    assert user_path("claude-desktop", mac) == os.path.join(support, "Claude", "claude_desktop_config.json")
+    assert user_path("claude-desktop", linux) == os.path.join(home, "xdg", "Claude", "claude_desktop_config.json")
+    assert user_path("vscode", windows) == os.path.join(home, "Roaming", "Code", "User", "mcp.json")
+    assert user_path("vscode", mac) == os.path.join(support, "Code", "User", "mcp.json")
+    assert user_path("vscode", linux) == os.path.join(home, "xdg", "Code", "User", "mcp.json")
+    assert user_path("zed", windows) == os.path.join(home, "Roaming", "Zed", "settings.json")
+    assert user_path("zed", mac) == os.path.join(home, ".config", "zed", "settings.json")
+    assert user_path("codex", linux) == os.path.join(home, "cx", "config.toml")
+    assert user_path("codex", mac) == os.path.join(home, ".codex", "config.toml")
+    assert user_path("windsurf", windows) == os.path.join(home, ".codeium", "windsurf", "mcp_config.json")
+    claude = module.client_files("claude-code", linux)
+    assert [(f.scope, f.container) for f in claude] == [("user", ("mcpServers",)),
+                                                        ("local", ("projects", cwd, "mcpServers")),
+                                                        ("project", ("mcpServers",))]
+
+
+def test_a_huge_config_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    module = load_module()
+    monkeypatch.setattr(module, "MAX_CONFIG_BYTES", 1024)
+    big = tmp_path / "mcp.json"
+    big.write_text(json.dumps({"mcpServers": {}, "pad": "x" * 4096}))
+    with pytest.raises(module.ConfigProblem, match="too large"):
+        module.read_config_text(str(big))
+    with pytest.raises(module.ConfigProblem, match="not a regular file"):
+        module.read_config_text(str(tmp_path))
+    assert module.read_config_text(str(tmp_path / "absent.json")) is None
