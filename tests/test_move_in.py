@@ -381,7 +381,7 @@ def test_project_install_and_a_file_that_does_not_parse_is_never_rewritten(world
 
 def test_doctor_reports_servers_clients_and_exits_1_when_one_is_broken(world):
     world.run("import")
-    world.run("config", "init_timeout", "20")
+    world.run("config", "init_timeout", "10")
     world.run("config", "name_max_length", "64")  # past what Claude Code allows once mcp__coffer__ is in front
     world.run("install", "claude-code")
     for name in {"team-docs", "cursor-remote", "windsurf-remote", "zed-old", "codex-http", "gem-http", "vs-echo",
@@ -435,7 +435,10 @@ def test_doctor_flags_a_command_a_desktop_app_cannot_find_and_an_open_vault(worl
     assert json.loads(world.run("doctor", "--json", check=False).stdout)["vault"]["problems"] == []
     world.coffer_home.chmod(0o755)
     vault = json.loads(world.run("doctor", "--json", check=False).stdout)["vault"]
-    assert not vault["ok"] and vault["problems"][0]["fix"] == f"chmod 700 {world.coffer_home}"
+    if stat.S_IMODE(world.coffer_home.stat().st_mode) == 0o755:  # (a Coffer that repairs it on open is fine too)
+        assert not vault["ok"] and vault["problems"][0]["fix"] == f"chmod 700 {world.coffer_home}"
+    else:
+        assert stat.S_IMODE(world.coffer_home.stat().st_mode) == 0o700 and vault["ok"]
 
 
 def test_show_prints_definition_status_and_capabilities(world):
