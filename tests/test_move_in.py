@@ -86,7 +86,7 @@ def world(tmp_path):
     files["windsurf"] = write(home / ".codeium" / "windsurf" / "mcp_config.json", json.dumps({"mcpServers": {
         "windsurf-remote": {"serverUrl": "https://ws.example.invalid/mcp",
                             "headers": {"Authorization": "Bearer ${env:WS_TOKEN}"}},
-        "my_server": echo}}, indent=2))
+        "my_server": echo, "off": {"command": "true", "disabled": True}}}, indent=2))
     files["zed"] = write(config / "zed" / "settings.json", """// Zed settings
 {
   "theme": "One Dark", // the user's choice
@@ -177,6 +177,7 @@ def test_dry_run_plans_every_client_and_changes_nothing(world):
     assert "same server as 'time'" in skipped[("zed-time", "zed")]
     assert "same server as 'my-server'" in skipped[("my-server", "windsurf")]
     assert "Zed extension" in skipped[("zed-ext", "zed")]
+    assert skipped[("off", "windsurf")] == "disabled in windsurf"
     assert ("elsewhere", "claude-code") not in skipped  # another project's local servers are not this one's
     errors = {e["path"]: e["reason"] for e in plan["errors"]}
     assert "not valid JSON" in errors[str(world.files["cursor-project"])]
@@ -242,6 +243,16 @@ def test_a_changed_definition_is_skipped_unless_overwrite(world):
     plan = import_json(world, "claude-desktop", "--overwrite")
     assert [(a["name"], a.get("overwrite")) for a in plan["added"]] == [("time", True)]
     assert vault_servers(world)["time"]["command"].endswith("--local-timezone=UTC")
+
+
+def test_one_name_two_definitions_and_overwrite_in_the_same_run(world, tmp_path):
+    world.run("add", "x", "--", "c")
+    first = write(tmp_path / "a" / "mcp.json", json.dumps({"mcpServers": {"x": {"command": "a"}}}))
+    second = write(tmp_path / "b" / "mcp.json", json.dumps({"mcpServers": {"x": {"command": "b"}}}))
+    plan = import_json(world, str(first), str(second), "--overwrite")
+    assert [(a["name"], a.get("overwrite", False)) for a in plan["added"]] == [("x", True), ("x-2", False)]
+    servers = vault_servers(world)
+    assert servers["x"]["command"] == "a" and servers["x-2"]["command"] == "b"
 
 
 def test_sources_by_client_name_and_by_path_detected_by_shape(world, tmp_path):
