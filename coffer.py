@@ -15,13 +15,16 @@ One module, standard library only.  Sections, in the order data flows through th
     6. catalogue: the merged, namespaced, filtered view of all upstreams
     7. search: the BM25F ranker behind coffer__search_tools (7b: optional semantic ranking)
     8. gateway session: the MCP server a client talks to
-    9. command line
+    9. client configs: import from, install into and diagnose the MCP clients a user has
+   10. command line
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
 import difflib
 import errno
 import functools
@@ -41,6 +44,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unicodedata
@@ -993,6 +997,16 @@ class Vault:
         """Register a server, or with ``replace`` change an existing one's definition (its capability choices
         stay).  Returns how many earlier choices apply: those of the server being replaced, or — after `remove`
         and `add` of the same name — the ones kept from before the removal (for the audit retention period)."""
+        with self.transaction() as db:
+            return self.put_server(db, name, command=command, url=url, env=env, headers=headers, cwd=cwd,
+                                   policy=policy, timeout=timeout, inherit_env=inherit_env, transport=transport,
+                                   replace=replace)
+
+    def put_server(self, db, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
+                   timeout=None, inherit_env=None, transport=None, replace: bool = False, action: str | None = None,
+                   detail: str | None = None) -> int:
+        """``add_server`` inside a transaction the caller holds (an import writes many servers in one); the one
+        place a servers row is written.  Values must already be references, never literal secrets."""
         check_server_name(name)
         if bool(command) == bool(url):
             raise CofferError("give either a command after '--' (stdio) or --url (Streamable HTTP)")
@@ -1006,24 +1020,22 @@ class Vault:
         definition = (transport, vault_json(command) if command else None, url, vault_json(env or {}),
                       vault_json(headers or {}), cwd, timeout, vault_json(list(inherit_env or [])))
         target = url or " ".join(shlex.quote(part) for part in command)
-        with self.transaction() as db:
-            existing = db.execute("SELECT name FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone()
-            if existing and not (replace and existing["name"] == name):
-                raise CofferError(f"server {existing['name']!r} already exists; `coffer add {name} ... --replace` "
-                                  f"changes its definition and keeps its choices")
-            if existing:
-                db.execute("UPDATE servers SET transport=?, command=?, url=?, env=?, headers=?, cwd=?, timeout=?,"
-                           " inherit_env=?, policy=coalesce(?, policy), status=NULL, status_detail=NULL,"
-                           " status_at=NULL WHERE name=?", (*definition, policy, name))
-                self._audit(db, "replace", name, target)
-            else:
-                position = db.execute("SELECT coalesce(max(position), 0) + 1 FROM servers").fetchone()[0]
-                db.execute(
-                    "INSERT INTO servers(transport, command, url, env, headers, cwd, timeout, inherit_env, name,"
-                    " policy, position, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (*definition, name, policy or "enabled", position, utcnow()))
-                self._audit(db, "add", name, target)
-            return db.execute("SELECT count(*) FROM capabilities WHERE server=?", (name,)).fetchone()[0]
+        existing = db.execute("SELECT name FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone()
+        if existing and not (replace and existing["name"] == name):
+            raise CofferError(f"server {existing['name']!r} already exists; `coffer add {name} ... --replace` "
+                              f"changes its definition and keeps its choices")
+        if existing:
+            db.execute("UPDATE servers SET transport=?, command=?, url=?, env=?, headers=?, cwd=?, timeout=?,"
+                       " inherit_env=?, policy=coalesce(?, policy), status=NULL, status_detail=NULL,"
+                       " status_at=NULL WHERE name=?", (*definition, policy, name))
+        else:
+            position = db.execute("SELECT coalesce(max(position), 0) + 1 FROM servers").fetchone()[0]
+            db.execute(
+                "INSERT INTO servers(transport, command, url, env, headers, cwd, timeout, inherit_env, name,"
+                " policy, position, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (*definition, name, policy or "enabled", position, utcnow()))
+        self._audit(db, action or ("replace" if existing else "add"), name, detail or target)
+        return db.execute("SELECT count(*) FROM capabilities WHERE server=?", (name,)).fetchone()[0]
 
     def remove_server(self, name: str) -> None:
         """Unregister a server.  Its capability choices are kept (not listed, not callable) until the audit
@@ -4629,7 +4641,1835 @@ class Gateway:
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
 # ============================================================================================================
-# 9. Command line
+# 9. Client configs: move in from the MCP clients a user already has, install Coffer into them, diagnose
+# ============================================================================================================
+#
+#
+# Every client config is someone else's file: it is read with size and depth bounds and never trusted, and it
+# is only rewritten by a minimal text splice (comments, order and formatting survive), after a timestamped
+# backup, and only when re-reading the result gives exactly the intended structure.  Everything here runs on
+# the CLI's thread.
+
+CLIENTS = ("claude-desktop", "claude-code", "cursor", "vscode", "windsurf", "zed", "codex", "gemini")
+MAX_CONFIG_BYTES = 64 << 20   # ~/.claude.json keeps per-project history and grows to tens of MB on busy machines
+MAX_CONFIG_DEPTH = 64
+MAX_CONFIG_SERVERS = 1000     # per file; more is not a config a person wrote
+GUI_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"   # what launchd / a desktop session gives an app started from the dock
+COFFER_ENTRY = RESERVED_SERVER               # the name Coffer's own entry has in every client
+#: client -> (max tool-name length, what the client puts in front of Coffer's exposed names)
+CLIENT_TOOL_NAME_LIMITS = {"claude-code": (64, "mcp__coffer__"), "codex": (64, "mcp__coffer__"),
+                           "cursor": (60, "coffer"), "gemini": (63, "mcp_coffer_")}
+#: clients that are usually started from a desktop launcher, with a minimal PATH
+GUI_CLIENTS = ("claude-desktop", "cursor", "vscode", "windsurf", "zed")
+#: An SSE entry is skipped with a reason until the vault and Upstream speak that transport, instead of being
+#: stored as a server the gateway cannot start.
+SSE_SUPPORTED = "sse" in TRANSPORTS
+
+
+class ConfigProblem(Exception):
+    """A client config file that cannot be read or safely edited; the message is the per-file reason."""
+
+
+# -- records -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ClientFile:
+    """Where one client keeps MCP servers: a file, the key path of the servers map inside it, its format."""
+    client: str
+    path: str
+    scope: str                 # "user", "project" or "local" (Claude Code's per-project entry in ~/.claude.json)
+    container: tuple           # key path of the servers map, e.g. ("mcpServers",) or ("projects", "/p", "mcpServers")
+    fmt: str                   # "json", "jsonc" (comments and trailing commas allowed) or "toml"
+    project_root: str | None = None
+
+
+@dataclasses.dataclass
+class ImportedServer:
+    """One server entry from a client config, normalised to Coffer's shapes and ${NAME} references.
+
+    Literal env/header values are still in ``env``/``headers``; the plan moves them to the SecretStore.
+    Built and read by the CLI thread only, like every record in this section.
+    """
+    name: str                  # as the client calls it
+    client: str
+    path: str
+    kind: str                  # "stdio", "http" or "sse"
+    command: list | None = None
+    env: dict = dataclasses.field(default_factory=dict)
+    cwd: str | None = None
+    url: str | None = None
+    headers: dict = dataclasses.field(default_factory=dict)
+    notes: list = dataclasses.field(default_factory=list)
+    needs: list = dataclasses.field(default_factory=list)   # ${NAME}s the user must still provide
+
+    def identity(self) -> tuple:
+        """Same command+args+env, or same url: the same server, whichever client lists it."""
+        if self.kind == "stdio":
+            return ("stdio", tuple(self.command), tuple(sorted(self.env.items())))
+        return ("remote", self.url)
+
+
+@dataclasses.dataclass
+class PlannedServer:
+    """A server the import will write: its legal Coffer name and its env/headers with secrets as ${NAME}."""
+    server: ImportedServer
+    name: str                              # the legal Coffer name
+    renamed_because: str | None = None
+    overwrite: bool = False
+    env: dict = dataclasses.field(default_factory=dict)        # with secrets replaced by ${NAME}
+    headers: dict = dataclasses.field(default_factory=dict)
+    secrets: dict = dataclasses.field(default_factory=dict)    # NAME -> value (never printed)
+
+
+@dataclasses.dataclass
+class SkippedServer:
+    """A client entry the import leaves out, and why (said to the user as is)."""
+    name: str
+    client: str
+    path: str
+    reason: str
+
+
+@dataclasses.dataclass
+class FileProblem:
+    """A whole config file that could not be read, and why; the file itself is left untouched."""
+    client: str
+    path: str
+    reason: str
+
+
+@dataclasses.dataclass
+class ImportPlan:
+    """What ``coffer import`` will do (or, with --dry-run, would do); apply_import carries it out."""
+    added: list = dataclasses.field(default_factory=list)       # PlannedServer
+    skipped: list = dataclasses.field(default_factory=list)     # SkippedServer
+    problems: list = dataclasses.field(default_factory=list)    # FileProblem
+    files_read: list = dataclasses.field(default_factory=list)  # ClientFile
+
+    @property
+    def secrets_moved(self) -> list:
+        return sorted({name for planned in self.added for name in planned.secrets})
+
+    def as_json(self) -> dict:
+        return {
+            "added": [{"name": p.name, "source": p.server.client, "path": p.server.path, "kind": p.server.kind,
+                       **({"renamed_from": p.server.name} if p.renamed_because else {}),
+                       **({"overwrite": True} if p.overwrite else {}),
+                       **({"needs": p.server.needs} if p.server.needs else {})} for p in self.added],
+            "skipped": [{"name": s.name, "source": s.client, "path": s.path, "reason": s.reason}
+                        for s in self.skipped],
+            "secrets_moved": self.secrets_moved,
+            "errors": [{"source": p.client, "path": p.path, "reason": p.reason} for p in self.problems],
+        }
+
+
+# -- reading files --------------------------------------------------------------------------------------------
+
+def read_config_text(path: str) -> str | None:
+    """The file's text, None when it does not exist; ConfigProblem when it is not a readable UTF-8 file."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigProblem(f"cannot read it: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigProblem("not a regular file")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ConfigProblem(f"too large to be a config file ({info.st_size >> 20} MiB; limit "
+                            f"{MAX_CONFIG_BYTES >> 20} MiB)")
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigProblem(f"cannot read it: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigProblem(f"too large to be a config file (limit {MAX_CONFIG_BYTES >> 20} MiB)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigProblem(f"not valid UTF-8 (byte {exc.start})") from None
+
+
+def _line_col(text: str, offset: int) -> str:
+    line = text.count("\n", 0, offset) + 1
+    return f"line {line} column {offset - (text.rfind(chr(10), 0, offset) + 1) + 1}"
+
+
+@dataclasses.dataclass
+class _ObjectSpan:
+    open: int                  # offset of "{"
+    close: int                 # offset of "}"
+    members: list              # [(key, key_start, value_start, value_end)] in file order
+
+
+class JsonDocument:
+    """A JSON (or JSONC: comments, trailing commas) text parsed with the offsets needed to edit it in place.
+
+    Objects down to ``SPAN_DEPTH`` keep the offsets of their members; deeper values are parsed by the C
+    decoder when they are plain JSON.  Only the CLI thread touches one.
+    """
+
+    SPAN_DEPTH = 4   # enough for projects[<cwd>].mcpServers.<name> in ~/.claude.json
+    _NUMBER_RE = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+
+    def __init__(self, text: str, jsonc: bool):
+        self.text = text
+        self.jsonc = jsonc
+        self.objects: dict[tuple, _ObjectSpan] = {}
+        self._raw_decode = json.JSONDecoder().raw_decode
+        try:
+            start = self._skip(0)
+            if start >= len(text):
+                raise ConfigProblem("empty file: expected a JSON object")
+            self.value, end = self._value(start, (), 0)
+            end = self._skip(end)
+            if end != len(text):
+                raise self._error(end, "unexpected text after the top-level value")
+        except RecursionError:
+            raise ConfigProblem(f"nested more than {MAX_CONFIG_DEPTH} levels deep") from None
+        if not isinstance(self.value, dict):
+            raise ConfigProblem(f"the top level is {_json_type(self.value)}, not an object")
+
+    def _error(self, offset: int, what: str) -> ConfigProblem:
+        return ConfigProblem(f"not valid {'JSON with comments' if self.jsonc else 'JSON'} at "
+                             f"{_line_col(self.text, offset)}: {what}")
+
+    def _skip(self, i: int) -> int:
+        text, n = self.text, len(self.text)
+        while i < n:
+            c = text[i]
+            if c in " \t\r\n":
+                i += 1
+            elif self.jsonc and text.startswith("//", i):
+                j = text.find("\n", i)
+                i = n if j < 0 else j + 1
+            elif self.jsonc and text.startswith("/*", i):
+                j = text.find("*/", i + 2)
+                if j < 0:
+                    raise self._error(i, "unterminated /* comment")
+                i = j + 2
+            else:
+                break
+        return i
+
+    def _value(self, i: int, path: tuple, depth: int):
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigProblem(f"nested more than {MAX_CONFIG_DEPTH} levels deep")
+        text = self.text
+        if i >= len(text):
+            raise self._error(i, "unexpected end of file")
+        c = text[i]
+        if c in "{[" and len(path) >= self.SPAN_DEPTH:
+            try:  # plain JSON below the edited levels: let the C decoder do it
+                return self._raw_decode(text, i)
+            except ValueError:
+                if not self.jsonc:
+                    raise self._error(i, "malformed value") from None
+        if c == "{":
+            return self._object(i, path, depth)
+        if c == "[":
+            items, i = [], self._skip(i + 1)
+            if i < len(text) and text[i] == "]":
+                return items, i + 1
+            while True:
+                item, i = self._value(i, path + (len(items),), depth + 1)
+                items.append(item)
+                i = self._skip(i)
+                if i < len(text) and text[i] == ",":
+                    i = self._skip(i + 1)
+                    if self.jsonc and i < len(text) and text[i] == "]":
+                        return items, i + 1
+                    continue
+                if i < len(text) and text[i] == "]":
+                    return items, i + 1
+                raise self._error(i, "expected ',' or ']'")
+        if c == '"':
+            try:
+                return json.decoder.scanstring(text, i + 1, True)
+            except ValueError as exc:
+                raise self._error(i, f"bad string ({str(exc).split(':')[0]})") from None
+        for literal, value in (("true", True), ("false", False), ("null", None)):
+            if text.startswith(literal, i):
+                return value, i + len(literal)
+        match = self._NUMBER_RE.match(text, i)
+        if match:
+            number = match.group(0)
+            try:
+                return (float(number) if any(ch in number for ch in ".eE") else int(number)), match.end()
+            except ValueError:  # e.g. more digits than Python converts
+                raise self._error(i, "number out of range") from None
+        raise self._error(i, f"unexpected character {c!r}")
+
+    def _object(self, i: int, path: tuple, depth: int):
+        text, result, members, open_at = self.text, {}, [], i
+        i = self._skip(i + 1)
+        while True:
+            if i < len(text) and text[i] == "}" and (not members or self.jsonc):
+                break
+            if i >= len(text) or text[i] != '"':
+                raise self._error(i, "expected a quoted member name")
+            key_start = i
+            try:
+                key, i = json.decoder.scanstring(text, i + 1, True)
+            except ValueError:
+                raise self._error(i, "bad member name") from None
+            i = self._skip(i)
+            if i >= len(text) or text[i] != ":":
+                raise self._error(i, "expected ':'")
+            value_start = self._skip(i + 1)
+            value, i = self._value(value_start, path + (key,), depth + 1)
+            result[key] = value
+            members.append((key, key_start, value_start, i))
+            i = self._skip(i)
+            if i < len(text) and text[i] == ",":
+                i = self._skip(i + 1)
+                continue
+            if i < len(text) and text[i] == "}":
+                break
+            raise self._error(i, "expected ',' or '}'")
+        if len(path) < self.SPAN_DEPTH and all(isinstance(part, str) for part in path):
+            self.objects[path] = _ObjectSpan(open_at, i, members)
+        return result, i + 1
+
+    # -- editing ---------------------------------------------------------------------------------------------
+    def _indent_of(self, offset: int) -> str:
+        """The whitespace before ``offset`` when it starts its line, else ''."""
+        line_start = self.text.rfind("\n", 0, offset) + 1
+        prefix = self.text[line_start:offset]
+        return prefix if prefix.strip() == "" else ""
+
+    def _line_indent(self, offset: int) -> str:
+        line_start = self.text.rfind("\n", 0, offset) + 1
+        line = self.text[line_start:offset]
+        return line[:len(line) - len(line.lstrip(" \t"))]
+
+    @staticmethod
+    def _render(value, indent: str) -> str:
+        return json.dumps(value, indent=2, ensure_ascii=False).replace("\n", "\n" + indent)
+
+    def with_member(self, path: tuple, key: str, value) -> str:
+        """The text with ``path[key] = value``, creating missing objects on the way; everything else intact."""
+        for cut in range(1, len(path) + 1):
+            found, holder = _lookup(self.value, path[:cut])
+            if found and not isinstance(holder, dict):
+                raise ConfigProblem(f"{'.'.join(path[:cut])} is {_json_type(holder)}, not an object")
+        span = self.objects.get(path)
+        if span is None:
+            for cut in range(len(path) - 1, -1, -1):
+                if path[:cut] in self.objects:
+                    nested = {key: value}
+                    for part in reversed(path[cut + 1:]):
+                        nested = {part: nested}
+                    return self.with_member(path[:cut], path[cut], nested)
+            raise ConfigProblem("the top level is not an object")
+        for name, key_start, value_start, value_end in reversed(span.members):  # the last duplicate wins
+            if name == key:
+                indent = self._line_indent(key_start)
+                return self.text[:value_start] + self._render(value, indent) + self.text[value_end:]
+        if span.members:
+            _, key_start, _, value_end = span.members[-1]
+            indent = self._indent_of(key_start) or (self._line_indent(span.open) + "  ")
+            member = f"{json.dumps(key, ensure_ascii=False)}: {self._render(value, indent)}"
+            return self.text[:value_end] + ",\n" + indent + member + self.text[value_end:]
+        outer = self._line_indent(span.open)
+        indent = outer + "  "
+        member = f"{json.dumps(key, ensure_ascii=False)}: {self._render(value, indent)}"
+        return self.text[:span.open] + "{\n" + indent + member + "\n" + outer + "}" + self.text[span.close + 1:]
+
+    def without_member(self, path: tuple, key: str) -> str:
+        span = self.objects.get(path)
+        if span is None:
+            return self.text
+        members = span.members
+        for index, (name, key_start, _, value_end) in enumerate(members):
+            if name != key:
+                continue
+            if index > 0:                     # drop ", <member>" after the previous member
+                start = members[index - 1][3]
+                return self.text[:start] + self.text[value_end:]
+            if len(members) > 1:              # first of several: drop "<member>, " up to the next one
+                return self.text[:key_start] + self.text[members[1][1]:]
+            after = self._skip(value_end)
+            if after < len(self.text) and self.text[after] == ",":
+                value_end = after + 1         # a JSONC trailing comma after the only member
+            return self.text[:key_start] + self.text[value_end:].lstrip(" \t")
+        return self.text
+
+
+def _json_type(value) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _lookup(value, path: tuple):
+    """(found, value) at a key path of nested objects."""
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
+# -- TOML (Codex) ---------------------------------------------------------------------------------------------
+
+class TomlSubset:
+    """A TOML reader for Python 3.10, where ``tomllib`` does not exist yet.
+
+    It reads what config files use: comments, [tables], [[arrays of tables]], dotted and quoted keys, basic and
+    literal strings (single- and multi-line), integers, floats, booleans, arrays, inline tables; dates are kept
+    as their text.  Anything else is a ConfigProblem, never a wrong value.  Stateless between calls.
+    """
+
+    _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+    _NUMBER = re.compile(r"[+-]?(?:0x[0-9A-Fa-f_]+|0o[0-7_]+|0b[01_]+|inf|nan|"
+                         r"(?:\d[\d_]*)(?:\.\d[\d_]*)?(?:[eE][+-]?\d[\d_]*)?)")
+    _DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})?)?|"
+                       r"\d{2}:\d{2}:\d{2}(?:\.\d+)?")
+    _ESCAPES = {"b": "\b", "t": "\t", "n": "\n", "f": "\f", "r": "\r", '"': '"', "\\": "\\", "e": "\x1b"}
+
+    def loads(self, text: str) -> dict:
+        self.text, self.i = text, 0
+        root: dict = {}
+        current = root
+        self._defined: set = set()
+        while True:
+            self._skip_blank_lines()
+            if self.i >= len(text):
+                return root
+            if text.startswith("[[", self.i):
+                self.i += 2
+                path = self._key()
+                self._expect("]]")
+                parent = self._walk(root, path[:-1])
+                array = parent.setdefault(path[-1], [])
+                if not isinstance(array, list):
+                    raise self._error(f"{'.'.join(path)} is already a value, not an array of tables")
+                current = {}
+                array.append(current)
+            elif text[self.i] == "[":
+                self.i += 1
+                path = self._key()
+                self._expect("]")
+                if path in self._defined:
+                    raise self._error(f"table [{'.'.join(path)}] defined twice")
+                self._defined.add(path)
+                current = self._walk(root, path)
+            else:
+                path = self._key()
+                self._ws()
+                self._expect("=")
+                self._ws()
+                value = self._value(0)
+                holder = self._walk(current, path[:-1])
+                if path[-1] in holder:
+                    raise self._error(f"key {'.'.join(path)} defined twice")
+                holder[path[-1]] = value
+            self._end_of_line()
+
+    def key_of(self, text: str) -> tuple:
+        """The dotted key in a table header's text, e.g. ``mcp_servers."my server".env``."""
+        self.text, self.i = text, 0
+        key = self._key()
+        self._ws()
+        if self.i != len(text):
+            raise self._error("unexpected text in a table header")
+        return key
+
+    def _error(self, what: str) -> ConfigProblem:
+        return ConfigProblem(f"not valid TOML at {_line_col(self.text, self.i)}: {what}")
+
+    def _ws(self) -> None:
+        while self.i < len(self.text) and self.text[self.i] in " \t":
+            self.i += 1
+
+    def _skip_blank_lines(self) -> None:
+        while self.i < len(self.text):
+            self._ws()
+            if self.i < len(self.text) and self.text[self.i] == "#":
+                self._comment()
+            if self.i < len(self.text) and self.text[self.i] in "\r\n":
+                self.i += 1
+            else:
+                return
+
+    def _comment(self) -> None:
+        end = self.text.find("\n", self.i)
+        self.i = len(self.text) if end < 0 else end
+
+    def _end_of_line(self) -> None:
+        self._ws()
+        if self.i < len(self.text) and self.text[self.i] == "#":
+            self._comment()
+        if self.text.startswith("\r\n", self.i):
+            self.i += 2
+        elif self.i < len(self.text) and self.text[self.i] == "\n":
+            self.i += 1
+        elif self.i < len(self.text):
+            raise self._error("expected the end of the line")
+
+    def _expect(self, token: str) -> None:
+        self._ws()
+        if not self.text.startswith(token, self.i):
+            raise self._error(f"expected {token!r}")
+        self.i += len(token)
+
+    def _key(self) -> tuple:
+        parts = []
+        while True:
+            self._ws()
+            c = self.text[self.i:self.i + 1]
+            if c == '"':
+                parts.append(self._basic_string())
+            elif c == "'":
+                parts.append(self._literal_string())
+            else:
+                match = self._BARE_KEY.match(self.text, self.i)
+                if not match:
+                    raise self._error("expected a key")
+                parts.append(match.group(0))
+                self.i = match.end()
+            self._ws()
+            if self.text[self.i:self.i + 1] != ".":
+                return tuple(parts)
+            self.i += 1
+
+    def _walk(self, table: dict, path: tuple) -> dict:
+        for part in path:
+            child = table.setdefault(part, {})
+            if isinstance(child, list) and child and isinstance(child[-1], dict):
+                child = child[-1]
+            if not isinstance(child, dict):
+                raise self._error(f"{part} is already a value, not a table")
+            table = child
+        return table
+
+    def _value(self, depth: int):
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigProblem(f"nested more than {MAX_CONFIG_DEPTH} levels deep")
+        text, i = self.text, self.i
+        if text.startswith('"""', i):
+            return self._multiline('"""')
+        if text.startswith("'''", i):
+            return self._multiline("'''")
+        c = text[i:i + 1]
+        if c == '"':
+            return self._basic_string()
+        if c == "'":
+            return self._literal_string()
+        if c == "[":
+            self.i += 1
+            items = []
+            while True:
+                self._skip_array_space()
+                if self.text[self.i:self.i + 1] == "]":
+                    self.i += 1
+                    return items
+                items.append(self._value(depth + 1))
+                self._skip_array_space()
+                c = self.text[self.i:self.i + 1]
+                if c == ",":
+                    self.i += 1
+                elif c != "]":
+                    raise self._error("expected ',' or ']' in an array")
+        if c == "{":
+            self.i += 1
+            table: dict = {}
+            self._ws()
+            if self.text[self.i:self.i + 1] == "}":
+                self.i += 1
+                return table
+            while True:
+                path = self._key()
+                self._expect("=")
+                self._ws()
+                value = self._value(depth + 1)
+                holder = self._walk(table, path[:-1])
+                if path[-1] in holder:
+                    raise self._error(f"key {'.'.join(path)} defined twice")
+                holder[path[-1]] = value
+                self._ws()
+                c = self.text[self.i:self.i + 1]
+                self.i += 1
+                if c == "}":
+                    return table
+                if c != ",":
+                    raise self._error("expected ',' or '}' in an inline table")
+        for literal, value in (("true", True), ("false", False)):
+            if text.startswith(literal, i):
+                self.i += len(literal)
+                return value
+        date = self._DATE.match(text, i)
+        if date:
+            self.i = date.end()
+            return date.group(0)
+        number = self._NUMBER.match(text, i)
+        if number and number.group(0) not in ("+", "-"):
+            self.i = number.end()
+            raw = number.group(0).replace("_", "")
+            try:
+                if raw.lstrip("+-")[:2] in ("0x", "0o", "0b"):
+                    sign = -1 if raw.startswith("-") else 1
+                    return sign * int(raw.lstrip("+-"), 0)
+                if any(ch in raw for ch in ".eE") or raw.lstrip("+-") in ("inf", "nan"):
+                    return float(raw)
+                return int(raw)
+            except ValueError:
+                raise self._error(f"bad number {number.group(0)!r}") from None
+        raise self._error("expected a value")
+
+    def _skip_array_space(self) -> None:
+        while self.i < len(self.text):
+            c = self.text[self.i]
+            if c in " \t\r\n":
+                self.i += 1
+            elif c == "#":
+                self._comment()
+            else:
+                return
+
+    def _basic_string(self) -> str:
+        self.i += 1
+        out = []
+        while True:
+            if self.i >= len(self.text) or self.text[self.i] in "\r\n":
+                raise self._error("unterminated string")
+            c = self.text[self.i]
+            if c == '"':
+                self.i += 1
+                return "".join(out)
+            if c == "\\":
+                out.append(self._escape())
+            else:
+                out.append(c)
+                self.i += 1
+
+    def _escape(self) -> str:
+        code = self.text[self.i + 1:self.i + 2]
+        if code in self._ESCAPES:
+            self.i += 2
+            return self._ESCAPES[code]
+        if code in ("u", "U"):
+            width = 4 if code == "u" else 8
+            digits = self.text[self.i + 2:self.i + 2 + width]
+            if len(digits) != width or not all(ch in "0123456789abcdefABCDEF" for ch in digits):
+                raise self._error("bad unicode escape")
+            self.i += 2 + width
+            try:
+                return chr(int(digits, 16))
+            except (ValueError, OverflowError):
+                raise self._error("bad unicode escape") from None
+        raise self._error(f"unknown escape \\{code}")
+
+    def _literal_string(self) -> str:
+        end = self.text.find("'", self.i + 1)
+        newline = self.text.find("\n", self.i + 1)
+        if end < 0 or (0 <= newline < end):
+            raise self._error("unterminated literal string")
+        value, self.i = self.text[self.i + 1:end], end + 1
+        return value
+
+    def _multiline(self, quote: str) -> str:
+        self.i += 3
+        if self.text.startswith("\r\n", self.i):
+            self.i += 2
+        elif self.text.startswith("\n", self.i):
+            self.i += 1
+        out = []
+        while True:
+            if self.i >= len(self.text):
+                raise self._error("unterminated multi-line string")
+            if self.text.startswith(quote, self.i):
+                extra = 0  # up to two quotes right before the closing three belong to the string
+                while extra < 2 and self.text.startswith(quote[0], self.i + 3 + extra):
+                    extra += 1
+                out.append(quote[0] * extra)
+                self.i += 3 + extra
+                return "".join(out)
+            c = self.text[self.i]
+            if quote == '"""' and c == "\\":
+                rest = self.text[self.i + 1:]
+                stripped = rest.lstrip(" \t")
+                if stripped.startswith(("\n", "\r\n")):  # line-ending backslash: trim to the next text
+                    self.i += 1
+                    while self.i < len(self.text) and self.text[self.i] in " \t\r\n":
+                        self.i += 1
+                    continue
+                out.append(self._escape())
+                continue
+            out.append(c)
+            self.i += 1
+
+
+def load_toml(text: str) -> dict:
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:
+        return TomlSubset().loads(text)
+    try:
+        return tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigProblem(f"not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigProblem(f"nested more than {MAX_CONFIG_DEPTH} levels deep") from None
+
+
+def toml_string(value: str) -> str:
+    """A TOML basic string: JSON's string escapes are all valid TOML escapes when non-ASCII stays raw."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_string(key)
+
+
+def render_toml_server(name: str, entry: dict) -> str:
+    """``[mcp_servers.NAME]`` with scalar and list values, then its sub-tables (env, http_headers, ...)."""
+    lines = [f"[mcp_servers.{toml_key(name)}]"]
+    tables = []
+    for key, value in entry.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        elif isinstance(value, list):
+            lines.append(f"{toml_key(key)} = [{', '.join(toml_string(str(v)) for v in value)}]")
+        elif isinstance(value, bool):
+            lines.append(f"{toml_key(key)} = {'true' if value else 'false'}")
+        elif isinstance(value, (int, float)):
+            lines.append(f"{toml_key(key)} = {value!r}")
+        else:
+            lines.append(f"{toml_key(key)} = {toml_string(str(value))}")
+    for key, table in tables:
+        lines.append("")
+        lines.append(f"[mcp_servers.{toml_key(name)}.{toml_key(key)}]")
+        lines.extend(f"{toml_key(k)} = {toml_string(str(v))}" for k, v in table.items())
+    return "\n".join(lines) + "\n"
+
+
+class TomlDocument:
+    """A Codex config.toml: its parsed value and the line ranges of each ``[mcp_servers.NAME...]`` table.
+
+    Tables are cut and appended as text so the rest of the file (comments included) stays byte-for-byte; a
+    server defined another way (inline, dotted keys) is left alone and the edit is refused.  CLI thread only.
+    """
+
+    _HEADER = re.compile(r"^[ \t]*\[(?!\[)(.*)\][ \t]*(?:#.*)?$")
+
+    def __init__(self, text: str):
+        self.text = text
+        self.value = load_toml(text)
+        self.lines = text.splitlines(keepends=True)
+        self.blocks: list[tuple[tuple, int, int]] = []   # (key path, first line, line after the last)
+        headers = []
+        quote = None
+        for number, line in enumerate(self.lines):
+            if quote is None:
+                match = self._HEADER.match(line.rstrip("\r\n"))
+                if match:
+                    try:
+                        headers.append((TomlSubset().key_of(match.group(1)), number))
+                    except ConfigProblem:
+                        headers.append(((), number))
+            for token in ('"""', "'''"):  # a table header inside a multi-line string is text, not a header
+                if line.count(token) % 2 == 1 and quote in (None, token):
+                    quote = token if quote is None else None
+        for index, (path, first) in enumerate(headers):
+            last = headers[index + 1][1] if index + 1 < len(headers) else len(self.lines)
+            self.blocks.append((path, first, last))
+
+    def server_blocks(self, name: str) -> list[tuple[int, int]]:
+        return [(first, last) for path, first, last in self.blocks if path[:2] == ("mcp_servers", name)]
+
+    def server_text(self, name: str) -> str:
+        return "".join("".join(self.lines[first:last]) for first, last in self.server_blocks(name))
+
+    def without_server(self, name: str) -> str:
+        drop = set()
+        for first, last in self.server_blocks(name):
+            drop.update(range(first, last))
+        return "".join(line for number, line in enumerate(self.lines) if number not in drop)
+
+
+def append_toml(text: str, block: str) -> str:
+    """``block`` after one blank line, however many cut tables left behind."""
+    text = text.rstrip("\r\n")
+    return (text + "\n\n" if text.strip() else "") + block.strip("\r\n") + "\n"
+
+
+# -- where each client keeps its servers ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ClientContext:
+    """The user's home, the project directory and the environment the client files are looked up with."""
+    home: str
+    cwd: str
+    environ: dict
+    platform: str = sys.platform
+
+    @classmethod
+    def current(cls) -> "ClientContext":
+        return cls(os.path.expanduser("~"), os.getcwd(), dict(os.environ))
+
+    def app_config_dir(self) -> str:
+        """%APPDATA% on Windows, ~/Library/Application Support on macOS, $XDG_CONFIG_HOME (~/.config) elsewhere."""
+        if self.platform == "win32":
+            return self.environ.get("APPDATA") or os.path.join(self.home, "AppData", "Roaming")
+        if self.platform == "darwin":
+            return os.path.join(self.home, "Library", "Application Support")
+        return self.environ.get("XDG_CONFIG_HOME") or os.path.join(self.home, ".config")
+
+
+def client_files(client: str, ctx: ClientContext, project: bool | None = None) -> list[ClientFile]:
+    """The files ``client`` reads servers from: user scope first, then the current project's.
+
+    ``project`` None gives both, True only the project's, False only the user's.
+    """
+    home, cwd = ctx.home, ctx.cwd
+    user: list[ClientFile] = []
+    proj: list[ClientFile] = []
+    servers = ("mcpServers",)
+    if client == "claude-desktop":
+        user.append(ClientFile(client, os.path.join(ctx.app_config_dir(), "Claude", "claude_desktop_config.json"),
+                               "user", servers, "json"))
+    elif client == "claude-code":
+        user.append(ClientFile(client, os.path.join(home, ".claude.json"), "user", servers, "json"))
+        for key in dict.fromkeys((cwd, os.path.realpath(cwd))):
+            proj.append(ClientFile(client, os.path.join(home, ".claude.json"), "local",
+                                   ("projects", key, "mcpServers"), "json", cwd))
+        proj.append(ClientFile(client, os.path.join(cwd, ".mcp.json"), "project", servers, "json", cwd))
+    elif client == "cursor":
+        user.append(ClientFile(client, os.path.join(home, ".cursor", "mcp.json"), "user", servers, "jsonc"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".cursor", "mcp.json"), "project", servers, "jsonc", cwd))
+    elif client == "vscode":
+        base = ctx.app_config_dir() if ctx.platform in ("win32", "darwin") else \
+            (ctx.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"))
+        user.append(ClientFile(client, os.path.join(base, "Code", "User", "mcp.json"), "user", ("servers",), "jsonc"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".vscode", "mcp.json"), "project", ("servers",), "jsonc",
+                               cwd))
+    elif client == "windsurf":
+        user.append(ClientFile(client, os.path.join(home, ".codeium", "windsurf", "mcp_config.json"), "user",
+                               servers, "jsonc"))
+    elif client == "zed":
+        if ctx.platform == "win32":
+            base = os.path.join(ctx.app_config_dir(), "Zed")
+        elif ctx.platform == "darwin":
+            base = os.path.join(home, ".config", "zed")
+        else:
+            base = os.path.join(ctx.environ.get("FLATPAK_XDG_CONFIG_HOME") or ctx.app_config_dir(), "zed")
+        user.append(ClientFile(client, os.path.join(base, "settings.json"), "user", ("context_servers",), "jsonc"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".zed", "settings.json"), "project", ("context_servers",),
+                               "jsonc", cwd))
+    elif client == "codex":
+        codex_home = ctx.environ.get("CODEX_HOME") or os.path.join(home, ".codex")
+        user.append(ClientFile(client, os.path.join(codex_home, "config.toml"), "user", ("mcp_servers",), "toml"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".codex", "config.toml"), "project", ("mcp_servers",),
+                               "toml", cwd))
+    elif client == "gemini":
+        user.append(ClientFile(client, os.path.join(home, ".gemini", "settings.json"), "user", servers, "jsonc"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".gemini", "settings.json"), "project", servers, "jsonc",
+                               cwd))
+    else:
+        raise CofferError(f"unknown client {client!r}; known: {', '.join(CLIENTS)}")
+    if os.path.realpath(cwd) == os.path.realpath(home):  # the home directory is no project
+        proj = [f for f in proj if f.scope == "local"]
+    return user if project is False else proj if project else user + proj
+
+
+def detect_file(path: str, ctx: ClientContext) -> list[ClientFile]:
+    """A SOURCE given as a path: which client's format it is, told by its name and its shape."""
+    path = os.path.abspath(os.path.expanduser(path))
+    text = read_config_text(path)
+    if text is None:
+        raise ConfigProblem("no such file")
+    base = os.path.basename(path).lower()
+    parent = os.path.basename(os.path.dirname(path)).lower()
+    if base.endswith(".toml"):
+        return [ClientFile("codex", path, "user", ("mcp_servers",), "toml")]
+    value = JsonDocument(text, jsonc=True).value
+    root = os.path.dirname(os.path.dirname(path))
+    if isinstance(value.get("context_servers"), dict):
+        return [ClientFile("zed", path, "user", ("context_servers",), "jsonc")]
+    if isinstance(value.get("servers"), dict):
+        return [ClientFile("vscode", path, "user", ("servers",), "jsonc", root)]
+    if isinstance(value.get("mcp"), dict) and isinstance(value["mcp"].get("servers"), dict):
+        return [ClientFile("vscode", path, "user", ("mcp", "servers"), "jsonc", root)]  # VS Code settings.json
+    if base == ".claude.json" or isinstance(value.get("projects"), dict):
+        found = [ClientFile("claude-code", path, "user", ("mcpServers",), "json")]
+        for key in dict.fromkeys((ctx.cwd, os.path.realpath(ctx.cwd))):
+            found.append(ClientFile("claude-code", path, "local", ("projects", key, "mcpServers"), "json", ctx.cwd))
+        return found
+    if "mcpServers" in value:
+        client = ("claude-desktop" if base == "claude_desktop_config.json" else
+                  "windsurf" if base == "mcp_config.json" else
+                  "gemini" if parent == ".gemini" else
+                  "cursor" if parent == ".cursor" else
+                  "claude-code" if base == ".mcp.json" else "mcp-json")
+        return [ClientFile(client, path, "user", ("mcpServers",), "jsonc", os.path.dirname(path))]
+    raise ConfigProblem("no MCP servers map in it (looked for mcpServers, servers, context_servers, mcp_servers)")
+
+
+def load_client_file(file: ClientFile, text: str | None = None):
+    """(parsed document, servers map) of one file; ConfigProblem when it is unreadable or the map is no map."""
+    text = read_config_text(file.path) if text is None else text
+    if text is None:
+        return None, {}
+    document = TomlDocument(text) if file.fmt == "toml" else JsonDocument(text, jsonc=file.fmt == "jsonc")
+    found, servers = _lookup(document.value, file.container)
+    if not found or servers is None:
+        return document, {}
+    if not isinstance(servers, dict):
+        raise ConfigProblem(f"{'.'.join(file.container)} is {_json_type(servers)}, not an object")
+    if len(servers) > MAX_CONFIG_SERVERS:
+        raise ConfigProblem(f"{len(servers)} servers in one file (limit {MAX_CONFIG_SERVERS})")
+    return document, servers
+
+
+# -- one client entry -> ImportedServer -----------------------------------------------------------------------
+
+_CLIENT_REF_RE = re.compile(r"\$\{(env|input):([^}]*)\}|\$\{(userHome|workspaceFolder|workspaceFolderBasename|"
+                            r"pathSeparator|/)\}|\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}|\$\{([^}]*)\}|"
+                            r"\$([A-Za-z_][A-Za-z0-9_]*)")
+_REMOTE_TYPES = {"http": "http", "streamable-http": "http", "streamable_http": "http", "streamablehttp": "http",
+                 "sse": "sse"}
+
+
+def reference_name(text: str) -> str:
+    """A legal ${NAME} for a client's input id or header name: GitHub token-1 -> GITHUB_TOKEN_1."""
+    name = re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").upper() or "VALUE"
+    return name if not name[0].isdigit() else "_" + name
+
+
+def _rewrite_references(value: str, client: str, file: ClientFile, ctx: ClientContext, server: ImportedServer):
+    """A client's reference syntaxes in one string, written as Coffer's ${NAME}."""
+
+    def replace(match):
+        scheme, argument, builtin, name, default, other, bare = match.groups()
+        if scheme == "env":
+            return "${" + reference_name(argument) + "}" if not ENV_KEY_RE.match(argument) else "${" + argument + "}"
+        if scheme == "input":
+            target = reference_name(argument)
+            if target not in server.needs:
+                server.needs.append(target)
+                server.notes.append(f"VS Code input '{argument}' is now ${{{target}}}: set it in Coffer's "
+                                    "secret store or the environment")
+            return "${" + target + "}"
+        if builtin == "userHome":
+            return ctx.home
+        if builtin in ("workspaceFolder", "workspaceFolderBasename"):
+            root = file.project_root or ctx.cwd
+            if file.project_root is None:
+                server.notes.append(f"${{{builtin}}} resolved to the current directory {root}")
+            return root if builtin == "workspaceFolder" else os.path.basename(root)
+        if builtin:
+            return os.sep
+        if name:
+            return match.group(0)  # already Coffer's syntax (Claude Code's, too)
+        if other is not None:
+            server.notes.append(f"${{{other}}} is not a reference Coffer can resolve; kept as text")
+            return match.group(0)
+        if bare and client == "gemini":  # only Gemini CLI expands $NAME; elsewhere it is literal text
+            return "${" + bare + "}"
+        return match.group(0)
+
+    return _CLIENT_REF_RE.sub(replace, value)
+
+
+def _string_map(raw, what: str) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigProblem(f"{what} is {_json_type(raw)}, not an object")
+    result = {}
+    for key, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigProblem(f"{what}.{key} is {_json_type(value)}, not a string")
+        result[str(key)] = value if isinstance(value, str) else str(value)
+    return result
+
+
+def entry_to_server(client: str, name: str, raw, file: ClientFile, ctx: ClientContext) -> ImportedServer:
+    """One entry of a client's servers map; ConfigProblem (the skip reason) when it is not a usable server."""
+    if not isinstance(raw, dict):
+        raise ConfigProblem(f"the entry is {_json_type(raw)}, not an object")
+    if raw.get("disabled") is True or raw.get("enabled") is False:
+        raise ConfigProblem(f"disabled in {client}")
+    server = ImportedServer(name=name, client=client, path=file.path, kind="stdio")
+    command = raw.get("command")
+    if client == "zed":
+        if raw.get("source") == "extension" or (command is None and raw.get("url") is None):
+            raise ConfigProblem("managed by a Zed extension; register its command with coffer add")
+        if isinstance(command, dict):  # Zed's older shape: "command": {"path", "args", "env"}
+            raw = {**raw, **{k: command.get(k) for k in ("args", "env")}}
+            command = command.get("path")
+    url = next((raw[key] for key in ("url", "serverUrl", "httpUrl") if raw.get(key) is not None), None)
+    rewrite = lambda text: _rewrite_references(text, client, file, ctx, server)  # noqa: E731
+    if command is not None:
+        if not isinstance(command, str) or not command.strip():
+            raise ConfigProblem("command is not a non-empty string")
+        args = raw.get("args", [])
+        if args is None:
+            args = []
+        if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
+                                                 for a in args):
+            raise ConfigProblem("args is not a list of strings")
+        server.command = [rewrite(command)] + [rewrite(str(a)) for a in args]
+        server.env = {k: rewrite(v) for k, v in _string_map(raw.get("env"), "env").items()}
+        forwarded = raw.get("env_vars") or []     # Codex: forward these from the environment as they are
+        if not isinstance(forwarded, list) or not all(isinstance(v, str) and ENV_KEY_RE.match(v) for v in forwarded):
+            raise ConfigProblem("env_vars is not a list of variable names")
+        for variable in forwarded:
+            server.env.setdefault(variable, "${" + variable + "}")
+        cwd = raw.get("cwd")
+        if cwd is not None:
+            if not isinstance(cwd, str):
+                raise ConfigProblem("cwd is not a string")
+            cwd = os.path.expanduser(rewrite(cwd))
+            server.cwd = cwd if os.path.isabs(cwd) else os.path.normpath(
+                os.path.join(file.project_root or os.path.dirname(file.path), cwd))
+        for key in ("envFile", "env_file"):
+            if raw.get(key):
+                server.notes.append(f"{key} {raw[key]!r} was not imported: put its values in Coffer's secret "
+                                    "store or environment")
+        return server
+    if url is None:
+        raise ConfigProblem("neither command nor url")
+    if not isinstance(url, str) or not re.match(r"(?i)https?://[^\s/]", url):
+        raise ConfigProblem("url is not an http(s) URL")
+    server.url = rewrite(url)
+    kind = str(raw.get("type") or raw.get("transport") or "").lower()
+    if kind in _REMOTE_TYPES:
+        server.kind = _REMOTE_TYPES[kind]
+    elif kind and kind != "stdio":
+        raise ConfigProblem(f"transport {kind!r} is not one Coffer speaks")
+    elif raw.get("httpUrl") is not None or raw.get("serverUrl") is not None:
+        server.kind = "http"
+    elif client == "gemini":
+        server.kind = "sse"     # Gemini CLI: url is SSE, httpUrl is Streamable HTTP
+    else:
+        server.kind = "sse" if urllib_path(url).rstrip("/").endswith("/sse") else "http"
+    headers = {k: rewrite(v) for k, v in _string_map(raw.get("headers"), "headers").items()}
+    headers.update({k: rewrite(v) for k, v in _string_map(raw.get("http_headers"), "http_headers").items()})
+    for header, variable in _string_map(raw.get("env_http_headers"), "env_http_headers").items():
+        headers[header] = "${" + (variable if ENV_KEY_RE.match(variable) else reference_name(variable)) + "}"
+    token_variable = raw.get("bearer_token_env_var")
+    if isinstance(token_variable, str) and ENV_KEY_RE.match(token_variable):
+        headers["Authorization"] = "Bearer ${" + token_variable + "}"
+    elif isinstance(raw.get("bearer_token"), str):   # Codex's older literal form
+        headers["Authorization"] = "Bearer " + raw["bearer_token"]
+    server.headers = headers
+    return server
+
+
+def urllib_path(url: str) -> str:
+    from urllib.parse import urlsplit
+    try:
+        return urlsplit(url).path
+    except ValueError:
+        return ""
+
+
+# -- import: plan, then apply ---------------------------------------------------------------------------------
+
+_WHOLE_REF_RE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+SECRET_SET_HINT = "coffer secret set {name}"   # the command that stores one secret (issue 15's CLI)
+
+
+def _resolve_whole_reference(value: str, store) -> str:
+    """A value that is exactly one ${NAME} kept in the secret store, as the value it stands for."""
+    match = _WHOLE_REF_RE.match(value)
+    if match:
+        stored = store.get(match.group(1))
+        if stored is not None:
+            return stored
+    return value
+
+
+def coffer_identity(server: dict, store) -> tuple:
+    """ImportedServer.identity() of a server already in the vault, its secret references resolved."""
+    if server["transport"] == "stdio":
+        env = {k: _resolve_whole_reference(v, store) for k, v in (server.get("env") or {}).items()}
+        return ("stdio", tuple(server.get("command") or ()), tuple(sorted(env.items())))
+    return ("remote", server.get("url"))
+
+
+def same_definition(server: dict, imported: ImportedServer, store) -> bool:
+    if coffer_identity(server, store) != imported.identity():
+        return False
+    if imported.kind == "stdio":
+        return (server.get("cwd") or None) == imported.cwd
+    headers = {k: _resolve_whole_reference(v, store) for k, v in (server.get("headers") or {}).items()}
+    return server["transport"] == imported.kind and headers == imported.headers
+
+
+def legal_server_name(raw: str) -> tuple[str, str | None]:
+    """(a name Coffer accepts, why it differs from ``raw`` or None)."""
+    name = re.sub(r"[^A-Za-z0-9-]+", "-", str(raw)).strip("-") or "server"
+    name = name[:24].rstrip("-")
+    if name.lower() == RESERVED_SERVER:
+        name = f"{name}-server"
+    if name == raw:
+        return name, None
+    why = ("'coffer' is reserved for Coffer's own tools" if str(raw).lower() == RESERVED_SERVER else
+           "Coffer names are 1-24 letters, digits or '-'")
+    return name, f"renamed from {raw!r}: {why}"
+
+
+def _numbered(name: str, n: int) -> str:
+    suffix = f"-{n}"
+    return name[:24 - len(suffix)].rstrip("-") + suffix
+
+
+def _choose_secret_name(wanted: str, value: str, store, planned: dict) -> str:
+    candidate, n = wanted, 1
+    while True:
+        held = planned.get(candidate)
+        if held is None:
+            held = store.get(candidate)
+        if held is None or held == value:
+            return candidate
+        n += 1
+        candidate = f"{wanted}_{n}"
+
+
+def _move_secrets(planned: PlannedServer, store, planned_secrets: dict) -> None:
+    """Every literal env/header value goes to the secret store; the definition keeps a ${NAME} for it."""
+    prefix = reference_name(planned.name)
+    for field, values, target in (("env", planned.server.env, planned.env),
+                                  ("header", planned.server.headers, planned.headers)):
+        for key, value in values.items():
+            if not value or _ENV_REF_RE.search(value):
+                target[key] = value        # empty, or already references (e.g. "Bearer ${TOKEN}")
+                continue
+            base = key if field == "env" and key.upper().startswith(prefix + "_") else f"{prefix}_{reference_name(key)}"
+            name = _choose_secret_name(base if ENV_KEY_RE.match(base) else reference_name(base), value, store,
+                                       planned_secrets)
+            planned_secrets[name] = value
+            planned.secrets[name] = value
+            target[key] = "${" + name + "}"
+
+
+def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overwrite: bool = False) -> ImportPlan:
+    plan = ImportPlan()
+    existing = {s["name"].lower(): s for s in vault.servers()}
+    existing_ids = {coffer_identity(s, store): s["name"] for s in existing.values()}
+    seen: dict[tuple, str] = {}                  # identity -> "name from client (path)" in this run
+    planned_names: set[str] = set()
+    planned_secrets: dict[str, str] = {}
+    done_files: set = set()
+    for file in files:
+        if (file.path, file.container) in done_files:
+            continue
+        done_files.add((file.path, file.container))
+        try:
+            document, servers = load_client_file(file)
+        except ConfigProblem as exc:
+            if not any(p.path == file.path for p in plan.problems):
+                plan.problems.append(FileProblem(file.client, file.path, str(exc)))
+            continue
+        if document is None:
+            continue
+        plan.files_read.append(file)
+        for raw_name, raw in servers.items():
+            def skip(reason, name=raw_name):
+                plan.skipped.append(SkippedServer(str(name), file.client, file.path, reason))
+
+            if raw_name == COFFER_ENTRY and isinstance(raw, dict) and "serve" in json.dumps(raw):
+                skip("Coffer's own entry")
+                continue
+            try:
+                server = entry_to_server(file.client, raw_name, raw, file, ctx)
+            except ConfigProblem as exc:
+                skip(str(exc))
+                continue
+            name, renamed_because = legal_server_name(raw_name)
+            if server.kind == "sse" and not SSE_SUPPORTED:
+                skip("uses the SSE transport, which this Coffer cannot speak yet", name)
+                continue
+            identity = server.identity()
+            current = existing.get(name.lower())
+            if current is not None and same_definition(current, server, store):
+                skip("already in Coffer with the same definition", name)
+                seen.setdefault(identity, f"{name!r} in Coffer")
+                continue
+            if identity in existing_ids:
+                skip(f"already in Coffer as {existing_ids[identity]!r}", name)
+                continue
+            if identity in seen:
+                skip(f"same server as {seen[identity]}", name)
+                continue
+            if current is not None and not overwrite:
+                skip(f"a different server named {name!r} is already in Coffer (--overwrite replaces it)", name)
+                continue
+            if name.lower() in planned_names:
+                n = 2
+                while _numbered(name, n).lower() in planned_names or _numbered(name, n).lower() in existing:
+                    n += 1
+                renamed_because = (renamed_because or f"renamed from {raw_name!r}") + \
+                    f"; {name!r} is taken by another server in this import"
+                name = _numbered(name, n)
+                current = None   # the new name is free in Coffer: an insert, never an overwrite
+            planned = PlannedServer(server, name, renamed_because, overwrite=current is not None)
+            _move_secrets(planned, store, planned_secrets)
+            plan.added.append(planned)
+            planned_names.add(name.lower())
+            seen[identity] = f"{name!r} from {file.client} ({file.path})"
+    return plan
+
+
+def apply_import(vault, store, plan: ImportPlan) -> None:
+    """Secrets first (a failed transaction leaves only unused store entries), then every server in one transaction."""
+    for planned in plan.added:
+        for name, value in planned.secrets.items():
+            if store.get(name) != value:
+                store.set(name, value)
+    with vault.transaction() as db:
+        for planned in plan.added:
+            server = planned.server
+            detail = f"{server.kind} from {server.client} {server.path}"
+            if planned.secrets:
+                detail += f"; secrets to the store: {', '.join(sorted(planned.secrets))}"
+            vault.put_server(db, planned.name, command=server.command, url=server.url, env=planned.env,
+                             headers=planned.headers, cwd=server.cwd, transport=server.kind,
+                             replace=planned.overwrite, action="import-overwrite" if planned.overwrite else "import",
+                             detail=detail)
+
+
+def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
+    home = os.path.expanduser("~")
+    short = lambda path: path.replace(home, "~", 1) if path.startswith(home + os.sep) else path  # noqa: E731
+    for problem in plan.problems:
+        say(f"! {problem.client}: {short(problem.path)}: {problem.reason} (file left as it is)")
+    for planned in plan.added:
+        server = planned.server
+        target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in server.command)
+        verb = "replace" if planned.overwrite else "add"
+        say(f"+ {verb} {planned.name} ({server.kind}) from {server.client} {short(server.path)}: {target}")
+        if planned.renamed_because:
+            say(f"    {planned.renamed_because}")
+        if planned.secrets:
+            say(f"    literal values moved to Coffer's secret store as: {', '.join(sorted(planned.secrets))}")
+        for note in server.notes:
+            say(f"    note: {note}")
+    for skipped in plan.skipped:
+        say(f"- skip {skipped.name} from {skipped.client} {short(skipped.path)}: {skipped.reason}")
+    if not plan.files_read and not plan.problems:
+        say("no MCP client configs found (looked for: " + ", ".join(CLIENTS) + ")")
+    elif not plan.added:
+        say("nothing to import")
+    elif dry_run:
+        say(f"dry run: {len(plan.added)} server(s) would be imported; nothing was changed")
+
+
+# -- install / uninstall --------------------------------------------------------------------------------------
+
+def coffer_launch_command() -> list[str]:
+    """An absolute argv that starts ``coffer serve`` even under a GUI app's minimal PATH.
+
+    The installed ``coffer`` script when this module is the one it runs (both inside this interpreter's prefix),
+    otherwise this interpreter and this file, which is also right for a checkout or an editable install.
+    """
+    module = os.path.realpath(os.path.abspath(__file__))
+    prefix = os.path.realpath(sys.prefix)
+    if module.startswith(prefix + os.sep):   # running as an installed package, not from a checkout
+        for script in (shutil.which("coffer"), sys.argv[0] if sys.argv else None):  # argv[0]: e.g. uvx coffer-mcp
+            if not script or not os.path.isfile(script):
+                continue
+            script = os.path.abspath(script)
+            try:
+                with open(script, "rb") as handle:
+                    head = handle.read(4096)
+            except OSError:
+                continue
+            if os.path.realpath(script).startswith(prefix + os.sep) and (b"from coffer import main" in head
+                                                                         or script.lower().endswith(".exe")):
+                return [script, "serve"]
+    return [os.path.abspath(sys.executable), module, "serve"]  # not realpath: a venv's python is its own
+
+
+def coffer_entry(client: str, vault) -> dict:
+    argv = coffer_launch_command()
+    entry: dict = {"command": argv[0], "args": argv[1:]}
+    if os.environ.get("COFFER_HOME"):   # a non-default vault: the client must start Coffer on the same one
+        entry["env"] = {"COFFER_HOME": vault.home}
+    if client in ("claude-code", "vscode"):
+        entry = {"type": "stdio", **entry}
+    elif client == "zed":
+        entry = {"source": "custom", **entry}
+    return entry
+
+
+def install_target(client: str, ctx: ClientContext, project: bool) -> ClientFile:
+    files = [f for f in client_files(client, ctx, project=project) if f.scope != "local"]
+    if not files:
+        raise CofferError(f"{client} has no {'project' if project else 'user'} config file Coffer can write")
+    return files[0]
+
+
+def stash_path(vault, file: ClientFile) -> str:
+    digest = hashlib.sha256(f"{file.path}\0{'/'.join(file.container)}".encode()).hexdigest()[:12]
+    return os.path.join(vault.home, "replaced", f"{file.client}-{digest}.json")
+
+
+def _read_stash(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            stash = json.load(handle)
+        return stash if isinstance(stash, dict) and isinstance(stash.get("entries"), dict) else {"entries": {}}
+    except (OSError, ValueError):
+        return {"entries": {}}
+
+
+def _write_private(path: str, data: str) -> None:
+    """Write a file only the user can read (0600 in a 0700 directory), atomically."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if os.name != "nt":
+        os.chmod(directory, 0o700)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".coffer-")
+    try:
+        if os.name != "nt":
+            os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_config_file(path: str, text: str) -> str | None:
+    """Back up ``path`` next to itself, then replace it atomically (through a symlink, keeping its mode)."""
+    target = os.path.realpath(path)
+    backup = None
+    mode = 0o600
+    if os.path.exists(target):
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        backup, n = f"{path}.coffer-backup-{stamp}", 1
+        while os.path.exists(backup):
+            n += 1
+            backup = f"{path}.coffer-backup-{stamp}-{n}"
+        shutil.copy2(target, backup)
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".coffer-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.name != "nt":
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return backup
+
+
+@dataclasses.dataclass
+class EditResult:
+    """What install/uninstall did (or would do) to one client config file."""
+    client: str
+    path: str
+    changed: bool
+    text: str = ""
+    backup: str | None = None
+    removed: list = dataclasses.field(default_factory=list)      # servers --replace took out
+    restored: list = dataclasses.field(default_factory=list)     # servers uninstall put back
+    kept_out: list = dataclasses.field(default_factory=list)     # (name, why) uninstall could not put back
+    stash: str | None = None
+
+
+def _toml_block(name: str, entry: dict) -> str:
+    """A stashed entry is kept as its original TOML text; a new one is rendered."""
+    return entry["toml"] if set(entry) == {"toml"} else render_toml_server(name, entry)
+
+
+def _edit_servers(file: ClientFile, text: str | None, put: dict, drop: list) -> tuple[str, dict]:
+    """(new text, servers map after the edit): ``put`` entries set, ``drop`` names removed; verified by re-reading."""
+    if text is None:
+        value: dict = {}
+        holder = value
+        for part in file.container:
+            holder = holder.setdefault(part, {})
+        holder.update(put)
+        if file.fmt == "toml":
+            return "\n".join(_toml_block(name, entry) for name, entry in put.items()), dict(put)
+        return json.dumps(value, indent=2, ensure_ascii=False) + "\n", dict(put)
+    document, servers = load_client_file(file, text)
+    expected_value = json.loads(json.dumps(document.value, default=str))
+    expected = _lookup(expected_value, file.container)[1]
+    if expected is None:                       # the servers map does not exist yet: it will
+        expected = expected_value
+        for part in file.container:
+            if not isinstance(expected.get(part), dict):
+                expected[part] = {}
+            expected = expected[part]
+    for name in drop:
+        expected.pop(name, None)
+    new_text = text
+    if file.fmt == "toml":
+        for name in list(drop) + [n for n in put]:
+            new_text = TomlDocument(new_text).without_server(name)
+        for name, entry in put.items():
+            block = _toml_block(name, entry)
+            new_text = append_toml(new_text, block)
+            expected[name] = load_toml(block).get("mcp_servers", {}).get(name, entry)
+        result = TomlDocument(new_text).value
+    else:
+        for name in drop:
+            new_text = JsonDocument(new_text, jsonc=file.fmt == "jsonc").without_member(file.container, name)
+        for name, entry in put.items():
+            new_text = JsonDocument(new_text, jsonc=file.fmt == "jsonc").with_member(file.container, name, entry)
+            expected[name] = entry
+        result = JsonDocument(new_text, jsonc=file.fmt == "jsonc").value
+    if json.loads(json.dumps(result, default=str)) != expected_value:
+        raise ConfigProblem("Coffer could not edit it safely (an entry is defined in a way it does not rewrite); "
+                            "edit it by hand")
+    return new_text, _lookup(result, file.container)[1] or {}
+
+
+def registered_in_coffer(vault, store, file: ClientFile, servers: dict, ctx: ClientContext) -> dict:
+    """{client entry name: Coffer server name} for the entries of ``servers`` that Coffer already serves."""
+    identities = {coffer_identity(s, store): s["name"] for s in vault.servers()}
+    found = {}
+    for name, raw in servers.items():
+        if name == COFFER_ENTRY:
+            continue
+        try:
+            identity = entry_to_server(file.client, name, raw, file, ctx).identity()
+        except ConfigProblem:
+            continue
+        if identity in identities:
+            found[name] = identities[identity]
+    return found
+
+
+def install_client(vault, store, client: str, ctx: ClientContext, project: bool = False, replace: bool = False,
+                   dry_run: bool = False) -> EditResult:
+    file = install_target(client, ctx, project)
+    try:
+        text = read_config_text(file.path)
+        document, servers = load_client_file(file, text) if text is not None else (None, {})
+    except ConfigProblem as exc:
+        raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    entry = coffer_entry(client, vault)
+    current = servers.get(COFFER_ENTRY)
+    put = {} if current == entry else {COFFER_ENTRY: entry}
+    removed = registered_in_coffer(vault, store, file, servers, ctx) if replace else {}
+    result = EditResult(client, file.path, changed=bool(put or removed), removed=sorted(removed))
+    if not result.changed:
+        return result
+    try:
+        result.text, _ = _edit_servers(file, text, put, list(removed))
+    except ConfigProblem as exc:
+        raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    if dry_run:
+        return result
+    if removed:
+        # The removed entries may hold literal secrets: they go to a private file, never to coffer.db.
+        result.stash = stash_path(vault, file)
+        stash = _read_stash(result.stash)
+        for name in removed:
+            stash["entries"][name] = ({"toml": document.server_text(name)} if file.fmt == "toml"
+                                      else servers[name])
+        stash.update(client=client, path=file.path, container=list(file.container), saved_at=utcnow())
+        _write_private(result.stash, json.dumps(stash, indent=2, ensure_ascii=False))
+    result.backup = write_config_file(file.path, result.text)
+    return result
+
+
+def uninstall_client(vault, store, client: str, ctx: ClientContext, project: bool = False,
+                     dry_run: bool = False) -> EditResult:
+    file = install_target(client, ctx, project)
+    try:
+        text = read_config_text(file.path)
+        document, servers = load_client_file(file, text) if text is not None else (None, {})
+    except ConfigProblem as exc:
+        raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    result = EditResult(client, file.path, changed=False, stash=stash_path(vault, file))
+    stash = _read_stash(result.stash)
+    drop = [COFFER_ENTRY] if COFFER_ENTRY in servers else []
+    put = {}
+    for name, entry in stash["entries"].items():
+        if name in servers:
+            result.kept_out.append((name, "an entry of that name is in the file again"))
+        elif isinstance(entry, dict):
+            put[name] = entry
+            result.restored.append(name)
+    result.changed = bool(drop or put)
+    if result.changed:
+        try:
+            result.text, _ = _edit_servers(file, text, put, drop)
+        except ConfigProblem as exc:
+            raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    if dry_run:
+        return result
+    if result.changed:
+        result.backup = write_config_file(file.path, result.text)
+    if os.path.exists(result.stash):
+        remaining = {name: entry for name, entry in stash["entries"].items()
+                     if name not in result.restored and name not in dict(result.kept_out)}
+        if remaining:
+            stash["entries"] = remaining
+            _write_private(result.stash, json.dumps(stash, indent=2, ensure_ascii=False))
+        else:
+            os.unlink(result.stash)
+    return result
+
+
+# -- doctor ---------------------------------------------------------------------------------------------------
+
+def _references(server: dict) -> list[tuple[str, bool]]:
+    """(NAME, has a default) for every ${NAME} in what Coffer expands when it starts the server."""
+    texts = list(server.get("command") or []) + [server.get("url") or "", server.get("cwd") or ""]
+    texts += list((server.get("env") or {}).values()) + list((server.get("headers") or {}).values())
+    return [(m.group(1), m.group(2) is not None) for text in texts for m in _ENV_REF_RE.finditer(text or "")]
+
+
+def _problem(problem: str, fix: str, severity: str = "error") -> dict:
+    return {"problem": problem, "fix": fix, "severity": severity}
+
+
+def client_report(vault, store, ctx: ClientContext) -> list[dict]:
+    reports = []
+    for client in CLIENTS:
+        for file in client_files(client, ctx):
+            exists = os.path.exists(file.path)
+            if file.scope != "user" and not exists:
+                continue
+            report = {"client": client, "path": file.path, "scope": file.scope, "found": exists,
+                      "installed": False, "duplicates": [], "problems": []}
+            try:
+                document, servers = load_client_file(file) if exists else (None, {})
+            except ConfigProblem as exc:
+                report["problems"].append(_problem(f"{file.path}: {exc}",
+                                                   "fix the file by hand; coffer leaves it as it is"))
+                reports.append(report)
+                continue
+            if file.scope == "local" and not servers:
+                continue
+            report["installed"] = COFFER_ENTRY in servers
+            duplicates = registered_in_coffer(vault, store, file, servers, ctx)
+            report["duplicates"] = sorted(duplicates)
+            if report["installed"] and duplicates:
+                flag = " --project" if file.scope == "project" else ""
+                report["problems"].append(_problem(
+                    f"{client} runs {', '.join(sorted(duplicates))} beside Coffer, so the agent sees them twice",
+                    f"coffer install {client}{flag} --replace", "warning"))
+            reports.append(report)
+    return reports
+
+
+def server_report(vault, store, server: dict, installed_clients: set, probe, settings: dict) -> dict:
+    problems = []
+    name = server["name"]
+    if server.get("damaged"):   # the lead's Vault marks a row it could not decode (and disables it)
+        return {"name": name, "ok": False, "enabled": False, "tools": 0, "problems": [_problem(
+            f"its definition in coffer.db is damaged: {server['damaged']}",
+            f"coffer remove {name}, then add or import it again")]}
+    if not server.get("enabled", True):
+        return {"name": name, "ok": True, "enabled": False, "problems": [], "tools": 0}
+    missing = sorted({ref for ref, has_default in _references(server)
+                      if not has_default and ref not in os.environ and store.get(ref) is None})
+    for ref in missing:
+        problems.append(_problem(f"${{{ref}}} is not set (neither in the environment nor in the secret store)",
+                                 SECRET_SET_HINT.format(name=ref)))
+    gui_installed = sorted(installed_clients & set(GUI_CLIENTS))
+    if server["transport"] == "stdio" and server.get("command"):
+        program = expand_vars(server["command"][0], environ={**{n: store.get(n) or "" for n in store.names()},
+                                                             **os.environ})
+        on_path = shutil.which(program)
+        if not on_path:
+            problems.append(_problem(f"command {program!r} is not found on PATH",
+                                     f"install it, or register it with its absolute path: coffer remove {name} "
+                                     f"&& coffer add {name} -- /absolute/path/to/{os.path.basename(program)} ..."))
+        elif not os.path.isabs(program) and not shutil.which(program, path=GUI_PATH):
+            fix = (f"register it with its absolute path: coffer remove {name} && coffer add {name} -- "
+                   f"{on_path} {' '.join(shlex.quote(a) for a in server['command'][1:])}".rstrip())
+            where = f" ({', '.join(gui_installed)} start Coffer that way)" if gui_installed else ""
+            problems.append(_problem(f"command {program!r} is on your shell's PATH ({on_path}) but not on the "
+                                     f"minimal PATH desktop apps get ({GUI_PATH}){where}", fix,
+                                     "error" if gui_installed else "warning"))
+    tools: list = []
+    if not any(p["severity"] == "error" for p in problems):
+        ok, tools, error = probe(server)
+        tools = [str(t) for t in tools or []]
+        if not ok:
+            problems.append(_problem(f"did not start and list its tools within {settings['init_timeout']} s: "
+                                     f"{error}", f"run it by hand to see why: {_command_text(server)}"))
+    for client in sorted(installed_clients):
+        if client not in CLIENT_TOOL_NAME_LIMITS:
+            continue
+        limit, prefix = CLIENT_TOOL_NAME_LIMITS[client]
+        too_long = [t for t in tools if len(prefix) + len(t) > limit]
+        if too_long:
+            problems.append(_problem(
+                f"{len(too_long)} tool name(s) exceed {client}'s {limit}-character limit with {prefix!r} in front "
+                f"(e.g. {too_long[0]})", f"coffer config name_max_length {max(34, limit - len(prefix))}", "warning"))
+    return {"name": name, "ok": not any(p["severity"] == "error" for p in problems), "enabled": True,
+            "problems": problems, "tools": len(tools)}
+
+
+def vault_report(vault) -> dict:
+    problems = []
+    if os.name != "nt":
+        mode = stat.S_IMODE(os.stat(vault.home).st_mode)
+        if mode & 0o077:
+            problems.append(_problem(f"{vault.home} is readable by others (mode {mode:o})", f"chmod 700 {vault.home}"))
+        for base in ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json"):
+            path = os.path.join(vault.home, base)
+            if os.path.exists(path):
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+                if mode & 0o077:
+                    problems.append(_problem(f"{path} is readable by others (mode {mode:o})", f"chmod 600 {path}"))
+    try:
+        wanted = sqlite3.connect(":memory:")
+        wanted.executescript(SCHEMA)
+        for (table,) in wanted.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall():
+            expected = {row[1] for row in wanted.execute(f"PRAGMA table_info({table})")}
+            actual = {row[1] for row in vault.db.execute(f"PRAGMA table_info({table})")}
+            if expected - actual:
+                problems.append(_problem(f"table {table} lacks {', '.join(sorted(expected - actual))}",
+                                         "run any coffer command with this version to upgrade the vault"))
+        wanted.close()
+        check = vault.db.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            problems.append(_problem(f"coffer.db is damaged: {check}",
+                                     f"restore {vault.path} from a backup, or move it away and re-import"))
+    except sqlite3.Error as exc:
+        problems.append(_problem(f"coffer.db cannot be checked: {exc}", f"look at {vault.path}"))
+    return {"path": vault.home, "ok": not problems, "problems": problems}
+
+
+def probe_all(vault) -> Callable:
+    """probe(server) -> (ok, exposed tool names, error), from one ServerProbe that starts every server at once."""
+    results = {result.name: result for result in ServerProbe(vault).run()}
+
+    def probe(server):
+        result = results.get(server["name"])
+        if result is None:
+            return False, [], "not started (disabled or damaged)"
+        return result.state == "ready", [tool["name"] for tool in result.tools], result.detail or result.state
+    return probe
+
+
+def run_doctor(vault, store, ctx: ClientContext, probe=None) -> dict:
+    settings = vault.settings()
+    probe = probe or probe_all(vault)
+    clients = client_report(vault, store, ctx)
+    installed = {c["client"] for c in clients if c["installed"]}
+    servers = vault.servers()
+    reports: list = [None] * len(servers)
+
+    def check(index, server):
+        try:
+            reports[index] = server_report(vault, store, server, installed, probe, settings)
+        except Exception as exc:  # noqa: BLE001 - one server's odd state must not hide the others' report
+            log.exception("doctor: checking %s failed", server["name"])
+            reports[index] = {"name": server["name"], "ok": False, "enabled": server.get("enabled", True),
+                              "tools": 0, "problems": [_problem(f"could not be checked: {exc}", "coffer list")]}
+
+    threads = [threading.Thread(target=check, args=(i, s), name=f"coffer-doctor-{s['name']}", daemon=True)
+               for i, s in enumerate(servers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    vault_state = vault_report(vault)
+    return {"ok": all(r["ok"] for r in reports) and vault_state["ok"], "servers": reports, "clients": clients,
+            "vault": vault_state}
+
+
+def print_doctor(report: dict) -> None:
+    marks = {True: "ok ", False: "!! "}
+    say("servers:")
+    if not report["servers"]:
+        say("  none registered: coffer import (from your clients) or coffer add NAME -- COMMAND")
+    for server in report["servers"]:
+        state = "disabled" if not server.get("enabled", True) else f"{server['tools']} tools"
+        say(f"  {marks[server['ok']]}{server['name']} ({state})")
+        for problem in server["problems"]:
+            say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+    say("clients:")
+    for client in report["clients"]:
+        state = ("Coffer installed" if client["installed"] else "Coffer not installed") if client["found"] \
+            else "no config"
+        say(f"  {client['client']:<15} {state:<21} {client['path']}")
+        for problem in client["problems"]:
+            say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+    vault_state = report["vault"]
+    say(f"vault: {vault_state['path']} {'ok' if vault_state['ok'] else ''}".rstrip())
+    for problem in vault_state["problems"]:
+        say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+
+
+# -- show -----------------------------------------------------------------------------------------------------
+
+def _shown(value: str) -> str:
+    """A stored env/header value as ``coffer show`` prints it: references as written, literals never."""
+    return value if (not value or _ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
+
+
+def show_server(vault, name: str) -> dict:
+    server = vault.server(name)
+    capabilities = [{"kind": row["kind"], "name": row["name"],
+                     "state": ("enabled" if row["enabled"] else "disabled")
+                     + (", changed: waiting for coffer approve" if _state(row).quarantined else "")
+                     + ("" if row["present"] else ", no longer listed")}
+                    for row in vault.capabilities(name)]
+    return {"name": server["name"], "transport": server["transport"], "command": server.get("command"),
+            "url": server.get("url"), "cwd": server.get("cwd"),
+            "env": {k: _shown(v) for k, v in (server.get("env") or {}).items()},
+            "headers": {k: _shown(v) for k, v in (server.get("headers") or {}).items()},
+            "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
+            "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
+            "status_at": server.get("status_at"), "capabilities": capabilities}
+
+
+# -- commands -------------------------------------------------------------------------------------------------
+
+def _store_for(vault):
+    """The vault's own SecretStore where the Vault keeps one (the lead's ``vault.secrets``)."""
+    return getattr(vault, "secrets", None) or SecretStore(vault.home)
+
+
+def import_sources(sources: list[str], ctx: ClientContext) -> tuple[list[ClientFile], list[FileProblem]]:
+    """Client names and file paths -> the files to read; a path that cannot be told apart is a FileProblem."""
+    files: list[ClientFile] = []
+    problems: list[FileProblem] = []
+    for source in sources or CLIENTS:
+        if source in CLIENTS:
+            files.extend(client_files(source, ctx))
+        elif os.path.sep in source or os.path.exists(source) or source.endswith((".json", ".toml")):
+            try:
+                files.extend(detect_file(source, ctx))
+            except ConfigProblem as exc:
+                problems.append(FileProblem("?", os.path.abspath(source), str(exc)))
+        else:
+            raise CofferError(f"unknown source {source!r}: give a client ({', '.join(CLIENTS)}) or a file path")
+    return files, problems
+
+
+def cmd_import(vault, args) -> int:
+    ctx = ClientContext.current()
+    store = _store_for(vault)
+    files, problems = import_sources(args.sources, ctx)
+    plan = plan_import(vault, store, files, ctx, overwrite=args.overwrite)
+    plan.problems[:0] = problems
+    if not args.dry_run and plan.added:
+        apply_import(vault, store, plan)
+    if args.json:
+        say_json(plan.as_json())
+    else:
+        print_import_plan(plan, args.dry_run)
+        if plan.added and not args.dry_run:
+            say(f"imported {len(plan.added)} server(s); next: coffer install CLIENT --replace, then coffer doctor")
+    return 1 if plan.problems and args.sources and not plan.added and not plan.skipped else 0
+
+
+def _print_edit(result: EditResult, verb: str, dry_run: bool) -> None:
+    if not result.changed:
+        say(f"{result.client}: {result.path} already as wanted; nothing changed")
+        return
+    prefix = "dry run: would " if dry_run else ""
+    say(f"{prefix}{verb} {result.client}: {result.path}")
+    if result.removed:
+        say(f"  {'would remove' if dry_run else 'removed'} (now served through Coffer): {', '.join(result.removed)}")
+    if result.restored:
+        say(f"  {'would put back' if dry_run else 'put back'}: {', '.join(result.restored)}")
+    for name, why in result.kept_out:
+        say(f"  not put back: {name} ({why}); its entry stays in {result.stash}")
+    if result.backup:
+        say(f"  backup: {result.backup}")
+    if result.stash and result.removed and not dry_run:
+        say(f"  the removed entries are kept (private, 0600) in {result.stash}; coffer uninstall "
+              f"{result.client} puts them back")
+
+
+def cmd_install(vault, args) -> int:
+    result = install_client(vault, _store_for(vault), args.client, ClientContext.current(), project=args.project,
+                            replace=args.replace, dry_run=args.dry_run)
+    _print_edit(result, "install Coffer into" if args.dry_run else "installed Coffer into", args.dry_run)
+    if result.changed and not args.dry_run:
+        say(f"  restart {args.client} to load it")
+    command = coffer_launch_command()[0]
+    if re.search(r"[\\/](archive-v\d+|\.?cache[\\/]uv)[\\/]", command):
+        say(f"  note: {command} lives in uv's cache, which uv may prune; for a lasting entry run "
+              "'uv tool install coffer-mcp' (or pipx install coffer-mcp), then coffer install again")
+    return 0
+
+
+def cmd_uninstall(vault, args) -> int:
+    result = uninstall_client(vault, _store_for(vault), args.client, ClientContext.current(), project=args.project,
+                              dry_run=args.dry_run)
+    _print_edit(result, "remove Coffer from" if args.dry_run else "removed Coffer from", args.dry_run)
+    return 0
+
+
+def cmd_doctor(vault, args, probe=None) -> int:
+    report = run_doctor(vault, _store_for(vault), ClientContext.current(), probe)
+    if args.json:
+        say_json(report)
+    else:
+        print_doctor(report)
+    return 0 if report["ok"] else 1
+
+
+def cmd_show(vault, args) -> int:
+    shown = show_server(vault, args.name)
+    if args.json:
+        say_json(shown)
+        return 0
+    target = shown["url"] if shown["transport"] != "stdio" else " ".join(shlex.quote(p) for p in shown["command"])
+    say(f"{shown['name']} ({shown['transport']}): {target}")
+    for label, values in (("env", shown["env"]), ("header", shown["headers"])):
+        for key, value in values.items():
+            say(f"  {label} {key}={value}")
+    if shown["cwd"]:
+        say(f"  cwd {shown['cwd']}")
+    say(f"  enabled: {'yes' if shown['enabled'] else 'no'}; new capabilities: {shown['policy']}"
+          + (f"; timeout {shown['timeout']} s" if shown["timeout"] else ""))
+    detail = f" ({shown['status_detail']})" if shown["status_detail"] else ""
+    since = f" since {shown['status_at']}" if shown["status_at"] else ""
+    say(f"  status: {shown['status']}{since}{detail}")
+    if shown["capabilities"]:
+        say()
+        _print_table([[c["kind"], c["name"], c["state"]] for c in shown["capabilities"]], ["KIND", "NAME", "STATE"])
+    else:
+        say("  no capabilities seen yet (coffer tools starts it)")
+    return 0
+
+
+def add_client_commands(command) -> None:
+    """Wire import/install/uninstall/doctor/show into build_parser (``command`` is its local helper)."""
+    p = command("import", cmd_import, "import the MCP servers of your clients (Claude, Cursor, VS Code, ...)")
+    p.add_argument("sources", nargs="*", metavar="SOURCE",
+                   help=f"a client ({', '.join(CLIENTS)}) or a config file; default: every client found")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace a different server of the same name")
+    for name, handler, text in (("install", cmd_install, "add Coffer to a client's config, as 'coffer'"),
+                                ("uninstall", cmd_uninstall, "remove Coffer from a client's config and put back "
+                                                             "what install --replace took out")):
+        p = command(name, handler, text)
+        p.add_argument("client", choices=CLIENTS)
+        p.add_argument("--project", action="store_true", help="the current project's config, not the user's")
+        p.add_argument("--dry-run", action="store_true")
+        if name == "install":
+            p.add_argument("--replace", action="store_true",
+                           help="also remove the servers Coffer now serves from that client's config")
+    p = command("doctor", cmd_doctor, "check every server, client config and the vault; exit 1 if a server is broken")
+    p.add_argument("--json", action="store_true")
+    p = command("show", cmd_show, "a server's definition (secrets as references), status and capabilities")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+
+
+# ============================================================================================================
+# 10. Command line
 # ============================================================================================================
 
 
@@ -5223,6 +7063,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list only what started servers offer now; by default a server still starting is "
                         "listed as it was at its last start, and a change is announced when it is up")
     p.add_argument("--only", action="append", metavar="SERVER", help=argparse.SUPPRESS)
+    add_client_commands(command)
     return parser
 
 

@@ -17,12 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COFFER as CHECKOUT_COFFER, FAKE, PY, TIME_SERVER
-
-# The draft is tested from a scratch copy of coffer.py until it is pasted in (COFFER_UNDER_TEST=/tmp/.../coffer.py).
-COFFER = os.environ.get("COFFER_UNDER_TEST") or CHECKOUT_COFFER
-pytestmark = pytest.mark.skipif("def cmd_import(" not in Path(COFFER).read_text(encoding="utf-8"),
-                                reason="the client-config section (issue 11) is not in coffer.py yet")
+from conftest import COFFER, FAKE, PY, TIME_SERVER
 
 DESKTOP_SECRET = "sk-desktop-literal-1234"
 TEAM_SECRET = "Bearer team-literal-token-5678"
