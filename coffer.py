@@ -1141,7 +1141,7 @@ class Vault:
             raise CofferError(f"{target!r} is published by several servers ({servers}); "
                               f"use coffer+<server>:{target}")
         hint = _did_you_mean(target, self._all_names(db))
-        if sep and registered:
+        if sep and registered and not db.execute("SELECT 1 FROM capabilities WHERE server=?", (server,)).fetchone():
             raise NotListedYet(f"unknown target {target!r}: server {server!r} does not list it{hint}")
         raise CofferError(f"unknown target {target!r}: not a server, tool, prompt or resource Coffer knows{hint}")
 
