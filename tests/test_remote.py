@@ -199,6 +199,45 @@ def assert_nothing_leaks(home: Path, tmp_path: Path, transcript: Transcript, val
 
 # -- the parts a user never sees, on hostile and edge input ---------------------------------------------------
 
+def test_www_authenticate_parsing_finds_the_bearer_challenge_among_others():
+    parsed = coffer.parse_www_authenticate(
+        'Basic realm="x", Bearer error="invalid_token", resource_metadata="https://a.example/.well-known/'
+        'oauth-protected-resource/mcp", scope="files:read files:write", error_description="a \\"quoted\\" word"')
+    assert parsed["basic"] == {"realm": "x"}
+    assert parsed["bearer"]["resource_metadata"] == "https://a.example/.well-known/oauth-protected-resource/mcp"
+    assert parsed["bearer"]["scope"] == "files:read files:write"
+    assert parsed["bearer"]["error_description"] == 'a "quoted" word'
+    assert coffer.parse_www_authenticate("Bearer") == {"bearer": {}}
+    assert coffer.parse_www_authenticate(None) == {}
+    assert coffer.parse_www_authenticate('Bearer scope="' + "x" * 100_000) is not None  # bounded, no crash
+
+
+@pytest.mark.parametrize("resource, matches", [
+    ("https://mcp.example.com/mcp", True),
+    ("https://MCP.example.com:443/mcp/", True),
+    ("https://mcp.example.com", True),            # the origin covers every path on it
+    ("https://mcp.example.com/mc", False),        # a prefix of a segment is not a parent
+    ("https://mcp.example.com/mcp/sub", False),
+    ("https://other.example.com/mcp", False),
+    ("http://mcp.example.com/mcp", False),        # another scheme is another origin
+    ("https://mcp.example.com:8443/mcp", False),
+    ("https://mcp.example.com/mcp#frag", False),
+    (None, False),
+])
+def test_protected_resource_metadata_must_name_this_server(resource, matches):
+    assert coffer.resource_matches("https://mcp.example.com/mcp", resource) is matches
+
+
+def test_authorization_server_metadata_is_looked_for_in_the_order_the_spec_gives():
+    assert coffer.authorization_server_metadata_urls("https://auth.example.com/tenant1") == [
+        "https://auth.example.com/.well-known/oauth-authorization-server/tenant1",
+        "https://auth.example.com/.well-known/openid-configuration/tenant1",
+        "https://auth.example.com/tenant1/.well-known/openid-configuration"]
+    assert coffer.authorization_server_metadata_urls("https://auth.example.com") == [
+        "https://auth.example.com/.well-known/oauth-authorization-server",
+        "https://auth.example.com/.well-known/openid-configuration"]
+
+
 def test_sse_reader_keeps_memory_bounded_and_reports_oversized_events():
     huge_line = b"data: " + b'{"jsonrpc":"2.0","id":7,"result":{"x":"' + b"a" * 300_000 + b'"}}\n\n'
     many_lines = b"".join(b"data: " + b"b" * 1000 + b"\n" for _ in range(500)) + b"\n"
