@@ -384,3 +384,160 @@ def test_an_sse_endpoint_on_another_origin_is_refused_and_gets_no_credentials(ho
     assert row["status"] == "failed" and "refused" in row["detail"]
     assert elsewhere.seen == []
     assert all("sk-test-0123456789abcdef" not in text for text in transcript.texts)
+
+
+# -- OAuth --------------------------------------------------------------------------------------------------------
+
+def test_oauth_login_then_calls_refresh_before_expiry_and_on_401_and_no_token_leaks(home, tmp_path, transcript):
+    with oauth_server(tmp_path, "--token-lifetime", "3") as info:
+        added = transcript.cli("add", "prot", "--url", info["mcp"])
+        assert "prot needs a login: run `coffer auth prot`" in added.stdout
+
+        async def before_login(client):
+            return {t.name for t in (await client.list_tools()).tools}
+
+        assert not any(name.startswith("prot__") for name in through_gateway(tmp_path, before_login))
+        row = server_row("prot")
+        assert row["status"] == "failed" and "run `coffer auth prot`" in row["detail"]
+        serve_log = "".join(p.read_text() for p in tmp_path.glob("serve-*.log"))
+        assert serve_log.count("start failed") == 1  # a login is not retried: retrying cannot fix it
+
+        login = transcript.cli("auth", "prot", env=browser_env(tmp_path))
+        assert "logged in to prot (scopes: mcp:tools)" in login.stdout
+        assert (tmp_path / "browser.log").read_text().startswith(info["issuer"] + "/authorize?")
+        assert "oauth.prot" in secrets_file(home)
+        if os.name == "posix":
+            assert stat.S_IMODE((home / "secrets.json").stat().st_mode) == 0o600
+
+        async def body(client):
+            who = json.loads(text_of(await client.call_tool("prot__whoami", {})))
+            refused_before = len(control(info, "/state")["unauthorized"])
+            await anyio.sleep(3.5)  # the access token expires
+            after_expiry = await client.call_tool("prot__echo", {"message": "after expiry"})
+            state = control(info, "/state")
+            refreshed, refused_at_expiry = state["refreshes"], len(state["unauthorized"]) - refused_before
+            control(info, "/expire-access-tokens", {})  # the server stops accepting it before Coffer expects
+            after_401 = await client.call_tool("prot__echo", {"message": "after a 401"})
+            return who, after_expiry, refreshed, refused_at_expiry, after_401
+
+        who, after_expiry, refreshed, refused_at_expiry, after_401 = through_gateway(tmp_path, body)
+        state = control(info, "/state")
+        logout = transcript.cli("auth", "prot", "--logout")
+        revoked = control(info, "/state")["revoked"]
+
+    assert who["resource"] == info["mcp"] and who["scopes"] == ["mcp:tools"]
+    assert text_of(after_expiry) == "protected echo: after expiry" and refreshed >= 1
+    assert refused_at_expiry == 0  # refreshed before it expired: the server never had to refuse it
+    assert text_of(after_401) == "protected echo: after a 401" and state["refreshes"] > refreshed
+    assert state["unauthorized"][-1].startswith("POST")  # that refusal, answered by refreshing and retrying
+    assert [a["resource"] for a in state["authorize"]] == [info["mcp"]]            # RFC 8707, both legs
+    assert {t["resource"] for t in state["token"]} == {info["mcp"]}
+    assert state["registered"] and state["registered"][0]["auth_method"] == "none"  # a public client (DCR)
+    assert state["bearer_at_authorization_server"] == []  # tokens go to the resource's origin only
+    assert "logged out of prot (revoked at the authorization server)" in logout.stdout and revoked
+    assert "oauth.prot" not in secrets_file(home)
+    assert_nothing_leaks(home, tmp_path, transcript, state["issued"])
+
+
+def test_a_refused_refresh_asks_for_coffer_auth_and_a_new_login_brings_the_server_back(home, tmp_path, transcript):
+    with oauth_server(tmp_path) as info:
+        transcript.cli("add", "prot", "--url", info["mcp"])
+        transcript.cli("auth", "prot", env=browser_env(tmp_path))
+
+        async def body(client):
+            first = await client.call_tool("prot__echo", {"message": "one"})
+            control(info, "/config", {"refuse_refresh": True})
+            control(info, "/expire-access-tokens", {})
+            refused = await client.call_tool("prot__echo", {"message": "two"})
+            forgotten = "oauth.prot" not in secrets_file(home)
+            row = await anyio.to_thread.run_sync(server_row, "prot")
+            control(info, "/config", {"refuse_refresh": False})
+            await anyio.to_thread.run_sync(lambda: transcript.cli("auth", "prot", env=browser_env(tmp_path)))
+            back = await call_until_ok(client, "prot__echo", {"message": "three"})
+            return first, refused, forgotten, row, back
+
+        first, refused, forgotten, row, back = through_gateway(tmp_path, body)
+        issued = control(info, "/state")["issued"]
+    assert text_of(first) == "protected echo: one"
+    assert refused.is_error and "'prot' needs login: run `coffer auth prot`" in text_of(refused)
+    assert "invalid_grant" in text_of(refused)
+    assert forgotten
+    assert row["status"] == "failed" and "run `coffer auth prot`" in row["detail"]
+    assert text_of(back) == "protected echo: three"  # the running gateway picked up the new login
+    assert_nothing_leaks(home, tmp_path, transcript, issued)
+
+
+def test_resource_metadata_naming_another_server_is_refused_before_any_browser_opens(home, tmp_path, transcript):
+    with oauth_server(tmp_path, "--prm-resource", "https://elsewhere.example/mcp") as info:
+        transcript.cli("add", "prot", "--url", info["mcp"])
+        login = transcript.cli("auth", "prot", check=False, env=browser_env(tmp_path))
+        state = control(info, "/state")
+    assert login.returncode == 1
+    assert "https://elsewhere.example/mcp" in login.stderr and "refused (RFC 9728" in login.stderr
+    assert not (tmp_path / "browser.log").exists() and state["authorize"] == [] and state["registered"] == []
+    assert "oauth.prot" not in secrets_file(home)
+
+
+def test_an_answer_with_another_state_is_refused_and_its_code_never_used(home, tmp_path, transcript):
+    with oauth_server(tmp_path) as info:
+        transcript.cli("add", "prot", "--url", info["mcp"])
+        login = transcript.cli("auth", "prot", "--timeout", "20", check=False,
+                               env=browser_env(tmp_path, "tamper-state"))
+        state = control(info, "/state")
+    assert login.returncode == 1 and "different state" in login.stderr
+    assert len(state["authorize"]) == 1 and state["token"] == []  # the code was issued, never exchanged
+    assert "oauth.prot" not in secrets_file(home)
+    assert_nothing_leaks(home, tmp_path, transcript, state["issued"])
+
+
+def test_client_identity_pre_registered_then_metadata_document_else_a_clear_error(home, tmp_path, transcript):
+    secret = "pre-registered-secret-value-42"
+    with oauth_server(tmp_path, "--no-dcr", "--client-id", "coffer-test", "--client-secret", secret) as info:
+        transcript.cli("add", "pre", "--url", info["mcp"], "--oauth-client-id", "coffer-test",
+                       "--oauth-client-secret-env", "PRE_SECRET")
+        login = transcript.cli("auth", "pre", env={**browser_env(tmp_path), "PRE_SECRET": secret})
+        pre_state = control(info, "/state")
+    with oauth_server(tmp_path, "--no-dcr", "--cimd") as cimd_info:
+        transcript.cli("config", "oauth_client_metadata_url", cimd_info["client_metadata"])
+        transcript.cli("add", "cimd", "--url", cimd_info["mcp"])
+        transcript.cli("auth", "cimd", env=browser_env(tmp_path))
+        cimd_state = control(cimd_info, "/state")
+
+        async def body(client):
+            return json.loads(text_of(await client.call_tool("cimd__whoami", {})))
+
+        who = through_gateway(tmp_path, body)
+    with oauth_server(tmp_path, "--no-dcr") as info:
+        transcript.cli("add", "none", "--url", info["mcp"])
+        refused = transcript.cli("auth", "none", check=False, env=browser_env(tmp_path))
+
+    assert "logged in to pre" in login.stdout
+    assert [a["client_id"] for a in pre_state["authorize"]] == ["coffer-test"]
+    assert [t["basic_auth"] for t in pre_state["token"]] == [True]  # its secret, as client_secret_basic
+    assert pre_state["registered"] == []
+    assert [a["client_id"] for a in cimd_state["authorize"]] == [cimd_info["client_metadata"]]
+    assert cimd_state["cimd_fetches"] and cimd_state["registered"] == []
+    assert who["client_id"] == cimd_info["client_metadata"]
+    assert refused.returncode == 1 and "--oauth-client-id" in refused.stderr
+    vault_bytes = (home / "coffer.db").read_bytes() + b"".join(
+        p.read_bytes() for p in home.glob("coffer.db-*"))
+    assert b"PRE_SECRET" in vault_bytes and secret.encode() not in vault_bytes  # the variable's name, never its value
+    assert_nothing_leaks(home, tmp_path, transcript, pre_state["issued"] + cimd_state["issued"] + [secret])
+
+
+def test_oauth_over_the_legacy_sse_transport(home, tmp_path, transcript):
+    with oauth_server(tmp_path, "--transport", "sse") as info:
+        added = transcript.cli("add", "osse", "--url", info["mcp"])
+        transcript.cli("auth", "osse", env=browser_env(tmp_path))
+        transport = server_row("osse")
+
+        async def body(client):
+            return await client.call_tool("osse__echo", {"message": "over sse"})
+
+        result = through_gateway(tmp_path, body)
+        state = control(info, "/state")
+    assert "osse needs a login" in added.stdout
+    assert transport["transport"] == "sse"
+    assert text_of(result) == "protected echo: over sse"
+    assert state["bearer_at_authorization_server"] == []
+    assert_nothing_leaks(home, tmp_path, transcript, state["issued"])
