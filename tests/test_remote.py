@@ -174,9 +174,15 @@ async def call_until_ok(client, name, arguments, timeout=30.0):
         await anyio.sleep(0.3)
 
 
-def server_row(name: str) -> dict:
-    rows = json.loads(cli("list", "--json").stdout)["servers"]
-    return next(row for row in rows if row["name"] == name)
+def server_row(name: str, status: str | None = None, timeout: float = 15.0) -> dict:
+    """The server as `coffer list --json` shows it; with ``status``, once it has that status (or at timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = json.loads(cli("list", "--json").stdout)["servers"]
+        row = next(row for row in rows if row["name"] == name)
+        if status is None or row["status"] == status or time.monotonic() > deadline:
+            return row
+        time.sleep(0.2)
 
 
 def secrets_file(home: Path) -> dict:
@@ -326,7 +332,7 @@ def test_a_dropped_sse_stream_fails_the_call_in_flight_clearly_and_reconnects(ho
     assert long.is_error and 0 < len(progress) < 30
     assert "SSE stream" in text_of(long) and "not retried" in text_of(long)
     assert text_of(after) == "Echo: after" and not after.is_error
-    assert server_row("evsse")["status"] == "ready"
+    assert server_row("evsse", "ready")["status"] == "ready"
 
 
 class _HostileSse(BaseHTTPRequestHandler):
@@ -386,6 +392,50 @@ def test_an_sse_endpoint_on_another_origin_is_refused_and_gets_no_credentials(ho
     assert all("sk-test-0123456789abcdef" not in text for text in transcript.texts)
 
 
+class _Redirecting(BaseHTTPRequestHandler):
+    """Sends every request elsewhere: POST with a 307 (which keeps method, body and, in a careless client, the
+    credentials), GET with a 302."""
+
+    def _redirect(self, code):
+        self.send_response(code)
+        self.send_header("Location", self.server.target + self.path)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):  # noqa: N802
+        self._redirect(307)
+
+    def do_GET(self):  # noqa: N802
+        self._redirect(302)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_redirect_to_another_origin_is_refused_and_the_credentials_stay_home(home, tmp_path, transcript):
+    elsewhere = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    elsewhere.seen = []
+    redirecting = ThreadingHTTPServer(("127.0.0.1", 0), _Redirecting)
+    redirecting.target = f"http://localhost:{elsewhere.server_address[1]}"
+    for server in (elsewhere, redirecting):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{redirecting.server_address[1]}/mcp"
+    env = {"REDIR_KEY": "sk-redirect-0123456789"}
+    try:
+        added = transcript.cli("add", "redir", "--url", url, "--header", "Authorization=Bearer ${REDIR_KEY}", env=env)
+        transcript.cli("add", "redir2", "--url", url, "--transport", "http", "--header",
+                       "Authorization=Bearer ${REDIR_KEY}", env=env)
+        transcript.cli("tools", env=env)
+        row = server_row("redir2")
+    finally:
+        redirecting.shutdown()
+        elsewhere.shutdown()
+    assert "refused, credentials never leave the configured origin" in added.stdout
+    assert row["status"] == "failed" and "redirected to http://localhost" in row["detail"]
+    assert elsewhere.seen == []
+    assert all("sk-redirect-0123456789" not in text for text in transcript.texts)
+
+
 # -- OAuth --------------------------------------------------------------------------------------------------------
 
 def test_oauth_login_then_calls_refresh_before_expiry_and_on_401_and_no_token_leaks(home, tmp_path, transcript):
@@ -393,10 +443,14 @@ def test_oauth_login_then_calls_refresh_before_expiry_and_on_401_and_no_token_le
         added = transcript.cli("add", "prot", "--url", info["mcp"])
         assert "prot needs a login: run `coffer auth prot`" in added.stdout
 
-        async def before_login(client):
-            return {t.name for t in (await client.list_tools()).tools}
+        assert "run `coffer auth prot`" in server_row("prot")["detail"]  # `list` says so from the start
 
-        assert not any(name.startswith("prot__") for name in through_gateway(tmp_path, before_login))
+        async def before_login(client):
+            return client.instructions, {t.name for t in (await client.list_tools()).tools}
+
+        instructions, tools = through_gateway(tmp_path, before_login)
+        assert "coffer auth NAME): prot." in instructions
+        assert not any(name.startswith("prot__") for name in tools)
         row = server_row("prot")
         assert row["status"] == "failed" and "run `coffer auth prot`" in row["detail"]
         serve_log = "".join(p.read_text() for p in tmp_path.glob("serve-*.log"))
@@ -450,7 +504,7 @@ def test_a_refused_refresh_asks_for_coffer_auth_and_a_new_login_brings_the_serve
             control(info, "/expire-access-tokens", {})
             refused = await client.call_tool("prot__echo", {"message": "two"})
             forgotten = "oauth.prot" not in secrets_file(home)
-            row = await anyio.to_thread.run_sync(server_row, "prot")
+            row = await anyio.to_thread.run_sync(server_row, "prot", "failed")
             control(info, "/config", {"refuse_refresh": False})
             await anyio.to_thread.run_sync(lambda: transcript.cli("auth", "prot", env=browser_env(tmp_path)))
             back = await call_until_ok(client, "prot__echo", {"message": "three"})
