@@ -14,7 +14,6 @@ import os
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
