@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 import unicodedata
+import urllib.parse  # loaded by the interpreter's own start-up anyway
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Callable, NamedTuple
@@ -79,6 +80,7 @@ ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 QUALIFIED_URI_RE = re.compile(r"^coffer\+([a-zA-Z0-9-]{1,24}):(.+)$", re.S)
 
 DEFAULTS = {
+    "oauth_client_metadata_url": "",  # https URL of Coffer's OAuth Client ID Metadata Document, where hosted
     "name_max_length": 48,          # leaves room for a client prefix such as mcp__<key>__ within 64
     "discovery_timeout": 5.0,       # seconds a list request waits for a starting upstream
     "call_timeout": 120.0,          # seconds a request may go without a reply or progress
@@ -728,7 +730,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS servers (
     name TEXT PRIMARY KEY,
-    transport TEXT NOT NULL,                 -- 'stdio' or 'http'
+    transport TEXT NOT NULL,                 -- 'stdio'; remote: 'http', 'sse', or 'auto' (not yet detected)
     command TEXT,                            -- JSON argv, unexpanded
     url TEXT,
     env TEXT NOT NULL DEFAULT '{}',          -- JSON, unexpanded: ${VAR} references, literal values never
@@ -742,7 +744,9 @@ CREATE TABLE IF NOT EXISTS servers (
     status TEXT, status_detail TEXT, status_at TEXT,
     capabilities TEXT,                       -- JSON: what the server advertised at its last initialize
     inherit_env TEXT NOT NULL DEFAULT '[]',  -- JSON: names of Coffer's environment variables it also gets
-    updates TEXT NOT NULL DEFAULT 'pin'      -- 'pin': a changed definition waits for `coffer approve`; 'trust'
+    updates TEXT NOT NULL DEFAULT 'pin',     -- 'pin': a changed definition waits for `coffer approve`; 'trust'
+    oauth TEXT                               -- JSON: OAuth client settings (client_id, client_secret_env, login_at);
+                                             -- names and a time only: tokens live in the secret store
 );
 CREATE TABLE IF NOT EXISTS capabilities (
     server TEXT NOT NULL,
@@ -776,12 +780,13 @@ MIGRATIONS = (
     ("servers", "capabilities", "TEXT"),
     ("servers", "inherit_env", "TEXT NOT NULL DEFAULT '[]'"),
     ("servers", "updates", "TEXT NOT NULL DEFAULT 'pin'"),
+    ("servers", "oauth", "TEXT"),
     ("capabilities", "approved", "TEXT"),
     ("capabilities", "approved_definition", "TEXT"),
 )
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
-TRANSPORTS = ("stdio", "http")
+TRANSPORTS = ("stdio", "http", "sse", "auto")
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
 
@@ -993,18 +998,18 @@ class Vault:
 
     # -- servers -------------------------------------------------------------------------------------------
     def add_server(self, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
-                   timeout=None, inherit_env=None, transport=None, replace: bool = False) -> int:
+                   timeout=None, inherit_env=None, transport=None, oauth=None, replace: bool = False) -> int:
         """Register a server, or with ``replace`` change an existing one's definition (its capability choices
         stay).  Returns how many earlier choices apply: those of the server being replaced, or — after `remove`
         and `add` of the same name — the ones kept from before the removal (for the audit retention period)."""
         with self.transaction() as db:
             return self.put_server(db, name, command=command, url=url, env=env, headers=headers, cwd=cwd,
                                    policy=policy, timeout=timeout, inherit_env=inherit_env, transport=transport,
-                                   replace=replace)
+                                   oauth=oauth, replace=replace)
 
     def put_server(self, db, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
-                   timeout=None, inherit_env=None, transport=None, replace: bool = False, action: str | None = None,
-                   detail: str | None = None) -> int:
+                   timeout=None, inherit_env=None, transport=None, oauth=None, replace: bool = False,
+                   action: str | None = None, detail: str | None = None) -> int:
         """``add_server`` inside a transaction the caller holds (an import writes many servers in one); the one
         place a servers row is written.  Values must already be references, never literal secrets."""
         check_server_name(name)
@@ -1014,11 +1019,14 @@ class Vault:
             raise CofferError(f"bad policy {policy!r}: use 'enabled' or 'disabled'")
         if timeout is not None and not (timeout > 0):
             raise CofferError("--timeout must be a positive number of seconds")
-        transport = transport or ("http" if url else "stdio")
-        if transport not in TRANSPORTS:
-            raise CofferError(f"unknown transport {transport!r}")
+        transport = transport or ("auto" if url else "stdio")
+        if transport not in (REMOTE_TRANSPORTS if url else ("stdio",)):
+            raise CofferError(f"bad transport {transport!r} for a {'remote' if url else 'local'} server")
+        if url:
+            check_remote_url(url)
         definition = (transport, vault_json(command) if command else None, url, vault_json(env or {}),
-                      vault_json(headers or {}), cwd, timeout, vault_json(list(inherit_env or [])))
+                      vault_json(headers or {}), cwd, timeout, vault_json(list(inherit_env or [])),
+                      vault_json(oauth) if oauth else None)
         target = url or " ".join(shlex.quote(part) for part in command)
         existing = db.execute("SELECT name FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone()
         if existing and not (replace and existing["name"] == name):
@@ -1026,13 +1034,13 @@ class Vault:
                               f"changes its definition and keeps its choices")
         if existing:
             db.execute("UPDATE servers SET transport=?, command=?, url=?, env=?, headers=?, cwd=?, timeout=?,"
-                       " inherit_env=?, policy=coalesce(?, policy), status=NULL, status_detail=NULL,"
+                       " inherit_env=?, oauth=?, policy=coalesce(?, policy), status=NULL, status_detail=NULL,"
                        " status_at=NULL WHERE name=?", (*definition, policy, name))
         else:
             position = db.execute("SELECT coalesce(max(position), 0) + 1 FROM servers").fetchone()[0]
             db.execute(
-                "INSERT INTO servers(transport, command, url, env, headers, cwd, timeout, inherit_env, name,"
-                " policy, position, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO servers(transport, command, url, env, headers, cwd, timeout, inherit_env, oauth, name,"
+                " policy, position, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (*definition, name, policy or "enabled", position, utcnow()))
         self._audit(db, action or ("replace" if existing else "add"), name, detail or target)
         return db.execute("SELECT count(*) FROM capabilities WHERE server=?", (name,)).fetchone()[0]
@@ -1055,6 +1063,24 @@ class Vault:
         if not row:
             raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names())}")
         return _server_row(row)
+
+    def set_transport(self, name: str, transport: str) -> None:
+        """Remember which transport a remote server turned out to speak (transport auto)."""
+        if transport not in REMOTE_TRANSPORTS:
+            raise CofferError(f"bad transport {transport!r}")
+        with self.transaction() as db:
+            old = self._require_server(db, name)["transport"]
+            if old == transport or old == "stdio":
+                return
+            db.execute("UPDATE servers SET transport=? WHERE name=?", (transport, name))
+            self._audit(db, "transport", name, f"{old} -> {transport}")
+
+    def set_oauth(self, name: str, oauth: dict | None) -> None:
+        """A remote server's OAuth client settings (never a secret: a client secret is named by variable)."""
+        with self.transaction() as db:
+            self._require_server(db, name)
+            db.execute("UPDATE servers SET oauth=? WHERE name=?", (vault_json(oauth) if oauth else None, name))
+            self._audit(db, "oauth", name, "logged in" if (oauth or {}).get("login_at") else "login settings")
 
     def set_policy(self, name: str, policy: str) -> None:
         """enabled|disabled: what capabilities the server adds later start as; trust-updates|pin-updates: whether a
@@ -1384,6 +1410,7 @@ def _server_row(row) -> dict:
     server = dict(row)
     server.setdefault("inherit_env", "[]")
     server.setdefault("updates", "pin")
+    server.setdefault("oauth", None)
     try:
         command = _json_column(server["command"], list, None)
         if command is not None and not (command and all(isinstance(a, str) for a in command)):
@@ -1406,10 +1433,11 @@ def _server_row(row) -> dict:
         server["enabled"] = bool(server["enabled"])
     except (ValueError, TypeError) as exc:
         server.update(damaged=str(exc)[:200], enabled=False, command=None, env={}, headers={}, inherit_env=[])
-    try:
-        server["capabilities"] = _json_column(server.get("capabilities"), dict, None)
-    except (ValueError, TypeError):
-        server["capabilities"] = None  # forgotten, as if never started: the union then assumes everything
+    for key in ("capabilities", "oauth"):
+        try:
+            server[key] = _json_column(server.get(key), dict, None)
+        except (ValueError, TypeError):
+            server[key] = None  # forgotten: as if never started, or never given OAuth settings
     return server
 
 
@@ -1552,7 +1580,7 @@ class InvocationLog:
 
 
 # ============================================================================================================
-# 4. Transports: how Coffer reaches an upstream (a subprocess on stdio, or Streamable HTTP)
+# 4. Transports: how Coffer reaches an upstream (stdio subprocess, Streamable HTTP, HTTP+SSE, OAuth)
 # ============================================================================================================
 
 
@@ -1563,9 +1591,12 @@ class UpstreamFailure(Exception):
     so the server is marked failed at once with the real reason instead of being retried into the same wall.
     """
 
-    def __init__(self, message: str, permanent: bool = False):
+    permanent = False
+
+    def __init__(self, message: str, permanent: bool | None = None):
         super().__init__(message)
-        self.permanent = permanent
+        if permanent is not None:
+            self.permanent = permanent
 
 
 class Transport:
@@ -1575,11 +1606,12 @@ class Transport:
     the connection ends, ``on_oversized(head, size)`` for a message over max_message_bytes (skipped unread), and
     ``on_stderr(line)`` for a subprocess's diagnostics.  ``send`` returns False when the connection no longer
     accepts input and raises EncodeError for a message that cannot be written.  ``fatal`` is set when the
-    connection failed in a way retrying cannot fix.
+    connection failed in a way retrying cannot fix; ``close_reason`` says, once it ended, what ended it.
     """
 
     pid = None
-    fatal: str | None = None
+    fatal: UpstreamFailure | None = None
+    close_reason: str | None = None
 
     def start(self) -> None:
         raise NotImplementedError
@@ -1922,156 +1954,368 @@ class StdioTransport(Transport):
                 pass
 
 
-# -- HTTP: one function decides redirects, so credentials never leave their origin ----------------------------
+# -- remote servers: one door for every HTTP exchange, so credentials never leave their origin -----------------
+# A remote server speaks Streamable HTTP (HttpTransport) or the 2024-11-05 HTTP+SSE transport (SseTransport);
+# "auto" asks it which, following the spec's backwards-compatibility procedure, and the answer is remembered in
+# the vault.  Any of them may be protected by OAuth: OAuthCredentials supplies and refreshes the bearer token, and
+# `coffer auth NAME` (oauth_login) is the only place a browser opens.  The credential rule for all of it:
+# configured headers and the bearer token go only to the configured URL's origin (scheme, host, port); a redirect,
+# an SSE endpoint or a saved login that would take them elsewhere is refused.  The authorization server only ever
+# gets what OAuth sends it (a code, a refresh token, Coffer's own client credentials), never a bearer token.
 
-class HttpError(Exception):
-    """An HTTP request that did not succeed; ``status`` is the HTTP status when there was one."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
+REMOTE_TRANSPORTS = ("auto", "http", "sse")
+OAUTH_SECRET_PREFIX = "oauth."          # SecretStore name of a server's saved login: oauth.<server>
 MAX_REDIRECTS = 3
-_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+_ERROR_BODY_BYTES = 64 << 10            # how much of an error reply is read, for its message
+_METADATA_BYTES = 1 << 20               # OAuth metadata, registration and token replies
+_SSE_PIECE = 64 << 10                   # a stream is read in pieces of at most this, whatever its line lengths
+_SESSION_ID_RE = re.compile(r"^[\x21-\x7e]{1,1024}$")
 
 
-def url_origin(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of a URL: what a credential is bound to."""
-    import urllib.parse
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
+def url_origin(url) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an absolute http(s) URL, default port filled in; None for anything else."""
+    if not isinstance(url, str) or len(url) > 8192:
+        return None
     try:
-        port = parts.port or {"http": 80, "https": 443}.get(scheme, 0)
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
     except ValueError:
-        raise HttpError(f"invalid port in {printable(url)[:200]!r}") from None
-    return scheme, (parts.hostname or "").lower(), port
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return scheme, parts.hostname.lower(), port or (443 if scheme == "https" else 80)
 
 
-def origin_text(origin: tuple[str, str, int]) -> str:
-    return f"{origin[0]}://{origin[1]}:{origin[2]}"
+def same_origin(a, b) -> bool:
+    origin = url_origin(a)
+    return origin is not None and origin == url_origin(b)
+
+
+def origin_text(url) -> str:
+    origin = url_origin(url)
+    if origin is None:
+        return "an invalid URL"
+    scheme, host, port = origin
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" + ("" if port == (443 if scheme == "https" else 80) else f":{port}")
+
+
+def is_loopback_url(url) -> bool:
+    import ipaddress
+    origin = url_origin(url)
+    if origin is None:
+        return False
+    if origin[1] == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(origin[1]).is_loopback
+    except ValueError:
+        return False
+
+
+def _require_secure(url, what: str) -> str:
+    """An OAuth endpoint must be https (OAuth 2.1 §1.5); plain http only on this machine, for development."""
+    if url_origin(url) is None:
+        raise OAuthFailure(f"{what} is not an http(s) URL: {printable(str(url))[:200]}")
+    if urllib.parse.urlsplit(url).fragment:
+        raise OAuthFailure(f"{what} has a #fragment, which OAuth forbids: {printable(url)[:200]}")
+    if url_origin(url)[0] != "https" and not is_loopback_url(url):
+        raise OAuthFailure(f"{what} is plain http on another machine ({origin_text(url)}); "
+                           "refusing to send credentials there unencrypted")
+    return url
 
 
 def check_remote_url(url: str) -> str:
-    """A URL Coffer may connect to (http or https with a host), or CofferError saying what is wrong."""
-    try:
-        scheme, host, _ = url_origin(url)
-    except HttpError as exc:
-        raise CofferError(str(exc)) from None
-    if scheme not in ("http", "https") or not host or any(c.isspace() for c in url):
+    """A URL Coffer may connect to (http or https with a host), or CofferError saying what is wrong.  A URL that
+    holds a ${VAR} reference is checked when it is expanded, at start."""
+    if "${" in url:
+        return url
+    if url_origin(url) is None or any(c.isspace() for c in url):
         raise CofferError(f"invalid URL {printable(url)[:200]!r}: use http:// or https:// and a host name")
     return url
 
 
-def is_loopback(host: str) -> bool:
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+class HttpReply(NamedTuple):
+    """One HTTP exchange's answer.  ``stream`` is the still-open response when a streamed 2xx was asked for (the
+    caller reads and closes it); otherwise ``body`` holds the body (an error body cut at 64 KiB)."""
+    status: int
+    headers: dict           # lower-case name -> value; repeated headers joined with ", "
+    body: bytes
+    url: str                # where the answer came from, after same-origin redirects
+    stream: object = None
+
+
+class OriginRefused(UpstreamFailure):
+    """A redirect or an SSE endpoint that would carry credentials to another origin.  Permanent: retrying would
+    only ask the same server to send them there again."""
+
+    permanent = True
 
 
 _http_opener = None
 
 
-def http_open(method: str, url: str, headers: dict, body: bytes | None = None, timeout: float = 30.0):
-    """Send one HTTP request with urllib and return the open 2xx response; HttpError for anything else.
+def stream_errors() -> tuple:
+    """What reading a broken HTTP stream raises (http.client's IncompleteRead is neither OSError nor ValueError)."""
+    import http.client
+    return OSError, ValueError, http.client.HTTPException
 
-    Redirects are decided here, not by urllib (which re-sends every header, Authorization included, to whatever
-    host a redirect names, https->http included): a redirect is followed, with the same method and body, only
-    within the configured origin (scheme, host and port) and at most MAX_REDIRECTS times; any other is refused.
+
+def _header_dict(message) -> dict:
+    headers: dict[str, str] = {}
+    for name, value in (message.items() if message is not None else ()):
+        key = name.lower()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    return headers
+
+
+def remote_http(method: str, url: str, *, headers=None, body: bytes | None = None, timeout: float = 30.0,
+                max_bytes: int = _METADATA_BYTES, stream: bool = False) -> HttpReply:
+    """Every HTTP exchange Coffer makes (remote upstreams, OAuth, the embedder), with urllib.
+
+    Any status comes back as an HttpReply; what prevents an answer (unreachable, a body over ``max_bytes``)
+    raises UpstreamFailure.  Redirects are decided here, not by urllib (which re-sends every header, Authorization
+    included, to whatever host a redirect names, https->http included): a redirect is followed — with the same
+    method and body, the only meaning an MCP endpoint that moved can have — only within the configured origin and
+    at most MAX_REDIRECTS times; any other raises OriginRefused.
     """
     global _http_opener
-    import http.client, urllib.error, urllib.parse, urllib.request  # noqa: E401 - lazily: ~19 MB of RSS
+    import http.client, urllib.error, urllib.request  # noqa: E401 - lazily: ~19 MB of RSS
     if _http_opener is None:
         class _Decline(urllib.request.HTTPRedirectHandler):
             def redirect_request(self, *args, **kwargs):
-                return None  # a 3xx then surfaces as HTTPError, and http_open decides
+                return None  # a 3xx then surfaces as HTTPError, and remote_http decides
 
         _http_opener = urllib.request.build_opener(_Decline)
-    origin = url_origin(url)
-    if origin[0] not in ("http", "https"):
-        raise HttpError(f"unsupported URL scheme {origin[0]!r}")
+    if url_origin(url) is None:
+        raise UpstreamFailure(f"unsupported URL {printable(str(url))[:200]!r}", permanent=True)
+    sent = {"User-Agent": f"coffer/{__version__}", **(headers or {})}
+    where = origin_text(url)
     for _ in range(MAX_REDIRECTS + 1):
-        request = urllib.request.Request(url, data=body, headers=headers, method=method)
+        request = urllib.request.Request(url, data=body, headers=sent, method=method)
         try:
-            return _http_opener.open(request, timeout=timeout)
+            response = _http_opener.open(request, timeout=timeout)
         except urllib.error.HTTPError as exc:
-            status, reason = exc.code, exc.reason
             location = exc.headers.get("Location") if exc.headers is not None else None
-            try:
+            if exc.code in (301, 302, 303, 307, 308):
                 exc.close()
-            except Exception:  # noqa: BLE001 - closing a failed response is best effort
-                pass
-            if status not in (301, 302, 303, 307, 308):
-                raise HttpError(f"HTTP {status} {printable(reason)[:100]}", status) from None
-            target = urllib.parse.urljoin(url, location or "")
-            if not location or url_origin(target) != origin:
-                where = origin_text(url_origin(target)) if location else "nowhere"
-                raise HttpError(f"refused a redirect (HTTP {status}) from {origin_text(origin)} to {where}: Coffer "
-                                "sends credentials only to the configured origin; register the final URL instead",
-                                status) from None
-            url = target
-        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise HttpError(f"cannot reach {origin_text(origin)}: {printable(reason)[:200]}") from None
-    raise HttpError(f"more than {MAX_REDIRECTS} redirects within {origin_text(origin)}")
-
-
-def read_limited(response, limit: int) -> bytes:
-    data = response.read(limit + 1)
-    if len(data) > limit:
-        raise HttpError(f"a response body larger than max_message_bytes ({limit} bytes)")
-    return data
-
-
-def sse_events(read, limit: int):
-    """(event type, data) of each complete server-sent event; data over ``limit`` comes as an OversizedLine."""
-    data: list[bytes] = []
-    size, event, oversized = 0, "", None
-    for lines in read_line_bursts(read, max_line=limit):
-        for line in lines:
-            if isinstance(line, OversizedLine):
-                oversized = line
+                target = urllib.parse.urljoin(url, location or "")
+                if not location or not same_origin(target, url):
+                    raise OriginRefused(f"{where} redirected to {origin_text(target)} (HTTP {exc.code}): refused, "
+                                        "credentials never leave the configured origin; register the URL it "
+                                        "redirects to instead") from None
+                url = target
                 continue
-            line = line.rstrip(b"\r")
-            if not line:
-                if oversized is not None:
-                    yield event or "message", oversized
-                elif data:
-                    yield event or "message", b"\n".join(data)
-                data, size, event, oversized = [], 0, "", None
-                continue
-            if line.startswith(b":"):
-                continue
-            name, _, value = line.partition(b":")
-            if value.startswith(b" "):
-                value = value[1:]
-            if name == b"data" and oversized is None:
-                size += len(value) + 1
-                if size > limit:
-                    oversized = OversizedLine((b"\n".join(data) or value)[:4096], size)
-                    data = []
-                else:
-                    data.append(value)
-            elif name == b"event":
-                event = value.decode("utf-8", "replace")[:64]
+            try:
+                data = exc.read(_ERROR_BODY_BYTES) or b""
+            except (OSError, ValueError, http.client.HTTPException):
+                data = b""
+            finally:
+                exc.close()
+            return HttpReply(exc.code, _header_dict(exc.headers), data, url)
+        except urllib.error.URLError as exc:
+            raise UpstreamFailure(f"cannot reach {where}: {printable(str(getattr(exc, 'reason', exc)))[:200]}") \
+                from None
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise UpstreamFailure(f"cannot reach {where}: {exc.__class__.__name__}: {printable(str(exc))[:200]}") \
+                from None
+        reply = HttpReply(response.status, _header_dict(response.headers), b"", url, response)
+        if stream:
+            return reply
+        try:
+            data = response.read(max_bytes + 1)
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise UpstreamFailure(f"{where} broke off its reply: {exc.__class__.__name__}") from None
+        finally:
+            response.close()
+        if len(data) > max_bytes:
+            raise UpstreamFailure(f"{where} sent a reply larger than {max_bytes} bytes")
+        return reply._replace(body=data, stream=None)
+    raise OriginRefused(f"{where} redirected more than {MAX_REDIRECTS} times")
 
 
-_SESSION_ID_RE = re.compile(r"^[\x21-\x7e]{1,1024}$")
+def _stream_socket(response):
+    """The socket under a streamed urllib response (CPython's layout), or None: only to shut it down from another
+    thread (closing the response there would wait for the reader's lock) and to tune keepalive."""
+    raw = getattr(getattr(response, "fp", None), "raw", None)
+    return getattr(raw, "_sock", None)
+
+
+def settle_stream(response) -> None:
+    """A stream that may stay silent for hours: no read timeout, TCP keepalive so a dead peer is noticed."""
+    import socket
+
+    sock = _stream_socket(response)
+    if sock is None:
+        return
+    try:
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 15), ("TCP_KEEPCNT", 4)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    except OSError:
+        pass
+
+
+def abort_stream(response) -> None:
+    """End a streamed response from any thread: its reader sees end of stream and closes it."""
+    import socket
+
+    sock = _stream_socket(response)
+    try:
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+        else:
+            response.close()
+    except (OSError, ValueError):
+        pass
+
+
+def _close_reply(reply: HttpReply) -> None:
+    if reply.stream is not None:
+        try:
+            reply.stream.close()
+        except (OSError, ValueError):
+            pass
+
+
+def _content_type(reply: HttpReply) -> str:
+    return reply.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _reply_text(reply: HttpReply, limit: int = 200) -> str:
+    """An error body, as much as a person should see of it: printable, redacted, short."""
+    text = reply.body[:limit * 4].decode("utf-8", "replace").strip()
+    return printable(redact(" ".join(text.split())))[:limit]
+
+
+def authorized_exchange(name: str, auth, method: str, url: str, *, headers: dict, body: bytes | None = None,
+                        timeout: float, max_bytes: int = _METADATA_BYTES, stream: bool = False) -> HttpReply:
+    """One exchange with a remote upstream, carrying its OAuth token when it has one: refreshed before expiry,
+    and once more (then retried once) when the server answers 401.  Raises NeedsLogin when only a person can
+    fix it.  Without ``auth`` (the server has a configured Authorization header) a 401 is returned as is."""
+    for attempt in (1, 2):
+        sent = dict(headers)
+        if auth is not None:
+            sent.update(auth.headers_for(url))
+        reply = remote_http(method, url, headers=sent, body=body, timeout=timeout, max_bytes=max_bytes,
+                            stream=stream)
+        if auth is None or reply.status not in (401, 403):
+            return reply
+        challenges = parse_www_authenticate(reply.headers.get("www-authenticate"))
+        bearer = challenges.get("bearer")
+        if reply.status == 403:
+            if bearer is not None and bearer.get("error") == "insufficient_scope":
+                scope = printable(bearer.get("scope", ""))[:200]
+                raise NeedsLogin(name, f"it asks for more permissions{f' (scope {scope})' if scope else ''}; "
+                                       f"add --scope to `coffer auth {name}`")
+            return reply
+        if challenges and bearer is None:
+            schemes = ", ".join(sorted(challenges))[:100]
+            raise UpstreamFailure(f"HTTP 401: '{name}' asks for {schemes} credentials, not an OAuth login; "
+                                  "give them with --header")
+        if attempt == 2:
+            raise NeedsLogin(name, "it refused a freshly refreshed token")
+        auth.unauthorized(bearer or {}, sent.get("Authorization"))  # returns only when a new token is ready
+    raise AssertionError("unreachable")
+
+
+
+# -- server-sent events ----------------------------------------------------------------------------------------
+
+class SseEvent(NamedTuple):
+    """One event of a text/event-stream.  ``oversized`` > 0: its data ran to that many bytes and was dropped;
+    ``data`` then holds its first 4 KiB, enough to find a request id in."""
+    kind: str
+    data: bytes
+    oversized: int = 0
+
+
+def _bounded_lines(readline, limit: int):
+    """(line, length) per line of a stream; a line longer than ``limit`` keeps only its first pieces."""
+    while True:
+        piece = readline(_SSE_PIECE)
+        if not piece:
+            return
+        if piece.endswith(b"\n"):
+            yield piece, len(piece)
+            continue
+        parts, length = [piece], len(piece)
+        while True:
+            piece = readline(_SSE_PIECE)
+            length += len(piece)
+            if length <= limit + _SSE_PIECE:
+                parts.append(piece)
+            if not piece or piece.endswith(b"\n"):
+                break
+        yield b"".join(parts), length
+        if not piece:
+            return
+
+
+def read_sse_events(readline, max_event_bytes: int):
+    """Parse a text/event-stream (WHATWG HTML §9.2) from ``readline(limit)``.  Memory stays under about
+    ``max_event_bytes`` whatever the server sends; an unfinished last event is dropped, as the standard says.
+    Lines end with LF or CRLF (a lone CR is not treated as a line end)."""
+    kind, data, size, head = "", [], 0, b""
+    for raw, length in _bounded_lines(readline, max_event_bytes):
+        line = raw[:-1] if raw.endswith(b"\n") else raw
+        line = line[:-1] if line.endswith(b"\r") else line
+        if not line:
+            if head:
+                yield SseEvent(kind or "message", head, size)
+            elif data and (data[0] or len(data) > 1):  # an event with empty data is not dispatched
+                yield SseEvent(kind or "message", b"\n".join(data))
+            kind, data, size, head = "", [], 0, b""
+            continue
+        if line.startswith(b":"):
+            continue  # a comment: servers send them to keep the connection open
+        name, colon, value = line.partition(b":")
+        if colon and value.startswith(b" "):
+            value = value[1:]
+        if name == b"data":
+            size += (length if length > max_event_bytes else len(value)) + 1
+            if size > max_event_bytes:
+                head = head or (b"\n".join(data) + b"\n" + value)[:4096]
+                data = []
+            elif not head:
+                data.append(value)
+        elif name == b"event":
+            kind = value[:64].decode("utf-8", "replace")
+        # id and retry serve resumption, which the 2024-11-05 transport does not define: a drop is a new session.
+
+
+def _messages_of(data: bytes, name: str) -> list[dict]:
+    """The JSON-RPC messages in one event (a message or a batch); junk is skipped with a warning."""
+    try:
+        payload = decode_json(data)
+    except ValueError as exc:
+        log.warning("[%s] skipped an SSE event that is not JSON (%d bytes: %s)", name, len(data), exc)
+        return []
+    items = payload if isinstance(payload, list) else [payload]
+    return [item for item in items if isinstance(item, dict)]
 
 
 class HttpTransport(Transport):
-    """An upstream MCP server over Streamable HTTP, with urllib through ``http_open``.
+    """An upstream MCP server over Streamable HTTP; every exchange goes through ``authorized_exchange``.
 
-    Each outgoing message is one POST on a bounded worker pool; the reply is either one JSON body or an SSE
-    stream that may carry the server's own requests and notifications before the response.  Bodies and events
-    are bounded by max_message_bytes.
+    Each outgoing message is one POST on a bounded worker pool; the reply is either one JSON body or an SSE stream
+    that may carry the server's own requests and notifications before the response.  Bodies and events are bounded
+    by max_message_bytes.  With ``auth`` (OAuthCredentials) each request carries the server's bearer token,
+    refreshed and retried once on 401.  A request that never got through fails through ``on_failure``: a failure
+    of the connection, not an error the server returned.
     """
 
     POOL_SIZE = 16
 
-    def __init__(self, name, url, headers, on_message, on_close, timeout, on_oversized=None, max_body=64 << 20):
+    def __init__(self, name, url, headers, on_message, on_close, timeout, on_oversized=None, max_body=64 << 20,
+                 auth=None, on_failure=None):
         self.name, self.url, self.headers = name, url, headers
-        self.on_message, self.on_close = on_message, on_close
+        self.on_message, self.on_close, self.on_failure = on_message, on_close, on_failure
         self.on_oversized = on_oversized or (lambda head, size: None)
-        self.timeout, self.max_body = timeout, max_body
+        self.timeout, self.max_body, self.auth = timeout, max_body, auth
         self.session_id: str | None = None
         self.protocol_version: str | None = None
         self._closed = False
@@ -2079,10 +2323,8 @@ class HttpTransport(Transport):
         self._pool = WorkerPool(f"coffer-{name}-http", self.POOL_SIZE)
 
     def start(self) -> None:
-        try:
-            check_remote_url(self.url)
-        except CofferError as exc:
-            raise UpstreamFailure(str(exc), permanent=True) from None
+        if url_origin(self.url) is None:
+            raise UpstreamFailure(f"invalid URL {printable(self.url)[:200]!r}", permanent=True)
 
     def send(self, message: dict) -> bool:
         if self._closed:
@@ -2103,71 +2345,85 @@ class HttpTransport(Transport):
     def _post(self, message: dict, body: bytes) -> None:
         initializing = message.get("method") == "initialize"
         try:
-            response = http_open("POST", self.url, self._request_headers(), body, self.timeout)
-        except HttpError as exc:
-            if exc.status == 404 and self.session_id:
-                log.warning("[%s] HTTP session expired", self.name)
-                self._closed = True
-                self.on_close()
-                return
-            text = str(exc)
-            if initializing and (exc.status in (401, 403, 404, 405) or "redirect" in text):
-                hints = {401: " (the server wants credentials: check --header)",
-                         403: " (the credentials were refused)",
-                         404: " (check the URL; an older HTTP+SSE server is not supported yet)",
-                         405: " (an older HTTP+SSE server? it is not supported yet)"}
-                self.fatal = text + hints.get(exc.status, "")
-                text = self.fatal
+            reply = authorized_exchange(self.name, self.auth, "POST", self.url, headers=self._request_headers(),
+                                        body=body, timeout=self.timeout, stream=True)
+        except UpstreamFailure as exc:
+            self._fail(message, str(exc))
+            if exc.permanent:
+                self._fatal(exc, message)
+            return
+        if reply.status == 404 and self.session_id:
+            _close_reply(reply)
+            log.warning("[%s] HTTP session expired", self.name)
+            self._closed = True
+            self.close_reason = "expired its HTTP session"
+            self.on_close()
+            return
+        if not 200 <= reply.status < 300:
+            text = f"HTTP {reply.status}: {_reply_text(reply)}".rstrip(": ")
+            if initializing and reply.status in (401, 403, 404, 405):
+                hints = {401: " (it wants credentials: check --header)", 403: " (the credentials were refused)",
+                         404: " (check the URL; an older HTTP+SSE server? add it with --transport sse)",
+                         405: " (an older HTTP+SSE server? add it with --transport sse)"}
+                self.fatal = UpstreamFailure(text + hints[reply.status], permanent=True)
+                text = str(self.fatal)
             self._fail(message, text)
             return
-        with response:
-            session = response.headers.get("Mcp-Session-Id")
+        try:
+            session = reply.headers.get("mcp-session-id")
             if session and initializing:
                 if not _SESSION_ID_RE.match(session):
-                    self.fatal = "the server sent an invalid Mcp-Session-Id"
-                    self._fail(message, self.fatal)
+                    self.fatal = UpstreamFailure("the server sent an invalid Mcp-Session-Id", permanent=True)
+                    self._fail(message, str(self.fatal))
                     return
                 self.session_id = session
-            try:
-                self._consume(response, message)
-            except HttpError as exc:
-                self._fail(message, str(exc))
-            except (OSError, ValueError) as exc:
-                self._fail(message, f"connection to {self.name} lost: {exc}")
+            self._consume(reply)
+        except UpstreamFailure as exc:
+            self._fail(message, str(exc))
+        except stream_errors() as exc:
+            self._fail(message, f"{self.name} broke off its reply: {exc.__class__.__name__}")
+        finally:
+            _close_reply(reply)
+
+    def _fatal(self, exc: UpstreamFailure, message: dict) -> None:
+        """Retrying cannot fix this (a login only a person can give, an origin refused).  At start the Upstream
+        reports it at once; once running, the connection ends so the server's status says so too (its restart
+        then fails at once, for the same reason)."""
+        self.fatal = exc
+        if message.get("method") != "initialize" and not self._closed:
+            self._closed = True
+            self.close_reason = str(exc)
+            self.on_close()
 
     def _fail(self, message: dict, text: str) -> None:
         if "id" in message and "method" in message:
-            self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, text))
+            if self.on_failure is not None:
+                self.on_failure(message["id"], text)
+            else:
+                self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, text))
 
-    def _consume(self, response, message: dict | None = None) -> None:
-        kind = (response.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+    def _consume(self, reply: HttpReply) -> None:
+        kind = _content_type(reply)
         if kind == "application/json":
-            data = read_limited(response, self.max_body)
+            data = reply.stream.read(self.max_body + 1)
+            if len(data) > self.max_body:
+                raise UpstreamFailure(f"a reply larger than max_message_bytes ({self.max_body} bytes)")
             if data.strip():
-                try:
-                    payload = decode_json(data)
-                except ValueError:
-                    raise HttpError("the server answered with a body that is not JSON") from None
-                for item in payload if isinstance(payload, list) else [payload]:
+                for item in _messages_of(data, self.name):
                     self._deliver(item)
         elif kind == "text/event-stream":
-            for _, data in sse_events(getattr(response, "read1", response.read), self.max_body):
-                if isinstance(data, OversizedLine):
-                    self.on_oversized(data.head, data.size)
-                    continue
-                if not data.strip():
-                    continue  # a priming event (id only), sent so a client could resume the stream
-                try:
-                    self._deliver(decode_json(data))
-                except ValueError:
-                    log.warning("[%s] skipped an SSE event that is not JSON", self.name)
+            for event in read_sse_events(reply.stream.readline, self.max_body):
+                if event.oversized:
+                    self.on_oversized(event.data, event.oversized)
+                elif event.kind == "message":
+                    for item in _messages_of(event.data, self.name):
+                        self._deliver(item)
 
-    def _deliver(self, item) -> None:
-        if isinstance(item, dict):
-            if isinstance(item.get("result"), dict) and isinstance(item["result"].get("protocolVersion"), str):
-                self.protocol_version = item["result"]["protocolVersion"][:32]
-                self._start_listening()
-            self.on_message(item)
+    def _deliver(self, item: dict) -> None:
+        if isinstance(item.get("result"), dict) and isinstance(item["result"].get("protocolVersion"), str):
+            self.protocol_version = item["result"]["protocolVersion"][:32]
+            self._start_listening()
+        self.on_message(item)
 
     def _start_listening(self) -> None:
         """Open the optional GET stream on which the server sends requests and notifications of its own."""
@@ -2180,9 +2436,15 @@ class HttpTransport(Transport):
             headers["Accept"] = "text/event-stream"
             time.sleep(0.05)  # after notifications/initialized has gone out
             try:
-                with http_open("GET", self.url, headers, None, 3600) as response:
-                    self._consume(response)
-            except (HttpError, OSError, ValueError) as exc:
+                reply = authorized_exchange(self.name, self.auth, "GET", self.url, headers=headers,
+                                            timeout=self.timeout, stream=True)
+                if 200 <= reply.status < 300 and reply.stream is not None:
+                    settle_stream(reply.stream)
+                    try:
+                        self._consume(reply)
+                    finally:
+                        _close_reply(reply)
+            except (UpstreamFailure, *stream_errors()) as exc:
                 log.debug("[%s] no server stream: %s", self.name, exc)  # 405: this server has none
 
         start_thread(listen, f"coffer-{self.name}-sse")
@@ -2193,9 +2455,1082 @@ class HttpTransport(Transport):
         self._closed = True
         if self.session_id:
             try:
-                http_open("DELETE", self.url, self._request_headers(), None, grace).close()
-            except (HttpError, OSError):
+                headers = {**self._request_headers(), **(self.auth.headers_for(self.url) if self.auth else {})}
+                remote_http("DELETE", self.url, headers=headers, timeout=grace, max_bytes=_ERROR_BODY_BYTES)
+            except UpstreamFailure:
                 pass
+
+
+# -- legacy HTTP+SSE --------------------------------------------------------------------------------------------
+
+class SseTransport(Transport):
+    """An upstream MCP server over the 2024-11-05 HTTP+SSE transport: one long GET stream carries everything the
+    server says; everything Coffer says is POSTed to the endpoint the stream announced first, which must be on
+    the configured origin (it receives the same credentials).
+
+    Threads: ``start`` runs on the upstream's start thread (opens the stream, waits for the endpoint);
+    coffer-<name>-sse reads the stream until it ends; coffer-<name>-post sends the POSTs one at a time, in the
+    order ``send`` (any thread) queued them, so initialize, its notification and what follows keep their order.
+    The transport defines no resumption: when the stream drops, the session is gone.  The transport then calls
+    ``on_close`` once with ``close_reason`` set; the Upstream fails what was in flight (not retried: a tool call
+    may have run) and starts a new session, and requests that arrive meanwhile wait for it.
+    """
+
+    def __init__(self, name, url, headers, on_message, on_close, timeout, auth=None,
+                 max_message_bytes: int = 64 << 20, on_failure=None):
+        self.name, self.url, self.headers = name, url, dict(headers)
+        self.on_message, self.on_close, self.on_failure = on_message, on_close, on_failure
+        self.timeout = timeout
+        self.auth = auth
+        self.max_message_bytes = max_message_bytes
+        self.endpoint: str | None = None
+        self.close_reason: str | None = None
+        self.fatal: UpstreamFailure | None = None  # a permanent failure met (a needed login, a refused origin)
+        self.pid = None
+        self._stream = self._stream_url = None
+        self._events = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._close_signalled = False
+
+    def start(self) -> None:
+        if url_origin(self.url) is None:
+            raise UpstreamFailure(f"unsupported URL {self.url!r}")
+        reply = authorized_exchange(self.name, self.auth, "GET", self.url, timeout=self.timeout, stream=True,
+                                    headers={"Accept": "text/event-stream", "Cache-Control": "no-cache",
+                                             **self.headers})
+        if not 200 <= reply.status < 300:
+            _close_reply(reply)
+            raise UpstreamFailure(f"GET {origin_text(self.url)} answered HTTP {reply.status}: {_reply_text(reply)}")
+        if _content_type(reply) != "text/event-stream":
+            _close_reply(reply)
+            raise UpstreamFailure(f"{self.url} is not an SSE stream (Content-Type: "
+                                  f"{printable(_content_type(reply))[:60] or 'none'})")
+        self._stream, self._stream_url = reply.stream, reply.url
+        readline = until_endpoint(reply.stream.readline, lambda: self.endpoint is not None, self.timeout, self.url)
+        self._events = read_sse_events(readline, self.max_message_bytes)
+        try:
+            # The endpoint must come first, within the start timeout (the socket's timeout until settled).
+            for event in self._events:
+                if event.kind == "endpoint":
+                    self.endpoint = self._checked_endpoint(event, reply.url)
+                    break
+                log.warning("[%s] ignored a %r event that came before the endpoint", self.name, event.kind)
+        except UpstreamFailure:
+            _close_reply(reply)
+            raise
+        except stream_errors() as exc:
+            _close_reply(reply)
+            raise UpstreamFailure(f"the SSE stream of {origin_text(self.url)} broke before announcing its "
+                                  f"endpoint: {exc.__class__.__name__}") from None
+        if self.endpoint is None:
+            _close_reply(reply)
+            raise UpstreamFailure(f"the SSE stream of {origin_text(self.url)} ended before announcing its endpoint")
+        with self._lock:
+            if self._closed:
+                _close_reply(reply)
+                raise UpstreamFailure("stopped while starting")
+        settle_stream(reply.stream)
+        start_thread(self._read, f"coffer-{self.name}-sse")
+        start_thread(self._write, f"coffer-{self.name}-post")
+
+    def _checked_endpoint(self, event: SseEvent, stream_url: str) -> str:
+        try:
+            text = event.data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise UpstreamFailure("the SSE endpoint event is not UTF-8 text") from None
+        if event.oversized or not text or len(text) > 4096 or any(c in text for c in "\r\n\x00"):
+            raise UpstreamFailure("the SSE endpoint event does not hold a URL")
+        endpoint = urllib.parse.urljoin(stream_url, text)
+        if not same_origin(endpoint, self.url):
+            raise OriginRefused(f"the SSE stream named an endpoint on {origin_text(endpoint)}, not on "
+                                f"{origin_text(self.url)}: refused, credentials never leave the configured origin")
+        return urllib.parse.urldefrag(endpoint)[0]
+
+    def send(self, message: dict) -> bool:
+        with self._lock:
+            if self._closed or self.endpoint is None:
+                return False
+            self._outbox.put(message)
+        return True
+
+    def _write(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is None or self._closed:
+                return
+            try:
+                self._post(message)
+            except Exception:  # noqa: BLE001 - one message is lost, not the writer
+                log.exception("[%s] error sending a message", self.name)
+                self._fail(message, "internal error while sending it")
+
+    def _post(self, message: dict) -> None:
+        try:
+            body = encode_line(message)
+        except ValueError as exc:
+            self._fail(message, f"cannot encode the message: {exc}")
+            return
+        if len(body) > self.max_message_bytes:
+            self._fail(message, f"message larger than {self.max_message_bytes} bytes")
+            return
+        try:
+            reply = authorized_exchange(self.name, self.auth, "POST", self.endpoint, body=body,
+                                        timeout=self.timeout, max_bytes=_ERROR_BODY_BYTES,
+                                        headers={"Content-Type": "application/json", **self.headers})
+        except UpstreamFailure as exc:
+            self._fail(message, str(exc))
+            if getattr(exc, "permanent", False):
+                self.fatal = exc
+                self._lost(str(exc), in_flight_note=False)
+            return
+        if 200 <= reply.status < 300:
+            return
+        if reply.status in (404, 410):  # the server no longer knows this session (it restarted, or timed it out)
+            self._fail(message, "the server forgot the SSE session")
+            self._lost(f"lost its SSE session (POST answered HTTP {reply.status})")
+            return
+        self._fail(message, f"HTTP {reply.status}: {_reply_text(reply)}")
+
+    def _fail(self, message: dict, text: str) -> None:
+        """A request that never reached the server (or whose answer never came back) fails as a connection
+        failure, through on_failure: a tool call then reads as a tool error, not as the server's own error."""
+        if "id" in message and "method" in message:
+            if self.on_failure is not None:
+                self.on_failure(message["id"], text)
+            else:
+                self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, f"'{self.name}': {text}"))
+
+    def _read(self) -> None:
+        reason = "ended its SSE stream"
+        try:
+            for event in self._events:
+                if event.oversized:
+                    self._oversized(event)
+                elif event.kind == "message":
+                    for item in _messages_of(event.data, self.name):
+                        try:
+                            self.on_message(item)
+                        except Exception:  # noqa: BLE001 - a routing bug must not end the stream
+                            log.exception("[%s] error handling a message", self.name)
+                elif event.kind == "endpoint":
+                    self.endpoint = self._checked_endpoint(event, self._stream_url)  # moves within the origin only
+        except UpstreamFailure as exc:
+            reason = str(exc)
+        except stream_errors() as exc:
+            reason = f"dropped its SSE stream ({exc.__class__.__name__})"
+        finally:
+            try:
+                self._stream.close()
+            except (OSError, ValueError):
+                pass
+        self._lost(reason)
+
+    def _oversized(self, event: SseEvent) -> None:
+        request_id = request_id_in(event.data)
+        log.warning("[%s] dropped an SSE event of %d bytes (limit %d)", self.name, event.oversized,
+                    self.max_message_bytes)
+        if request_id is not None:  # most likely the answer to one of Coffer's requests: answer it with why
+            self._fail({"id": request_id, "method": "?"},
+                       f"'{self.name}' sent a reply larger than {self.max_message_bytes} bytes")
+
+    def _lost(self, reason: str, in_flight_note: bool = True) -> None:
+        with self._lock:
+            if self._closed or self._close_signalled:
+                return
+            self._close_signalled = True
+            self._closed = True
+            self.close_reason = reason + ("; calls in flight failed (not retried: a tool call may have run) and a "
+                                          "new session starts" if in_flight_note else "")
+        self._outbox.put(None)
+        if self._stream is not None:
+            abort_stream(self._stream)
+        log.warning("[%s] %s", self.name, reason)
+        self.on_close()
+
+    def close(self, grace: float = 2.0) -> None:
+        """End the session: the server sees its stream close.  (HTTP+SSE has no explicit session end.)"""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._outbox.put(None)
+        if self._stream is not None:
+            abort_stream(self._stream)
+
+
+# -- transport "auto": the spec's backwards-compatibility procedure --------------------------------------------
+
+def until_endpoint(readline, announced, timeout: float, url: str):
+    """``readline`` bounded until ``announced()``: a server must not trickle comments or other events forever
+    (each within the socket timeout) instead of naming its endpoint; at most 1 MiB or ``timeout`` seconds."""
+    deadline, seen = time.monotonic() + timeout, [0]
+
+    def bounded(limit: int) -> bytes:
+        line = readline(limit)
+        if not announced():
+            seen[0] += len(line)
+            if seen[0] > 1 << 20 or time.monotonic() > deadline:
+                raise UpstreamFailure(f"the SSE stream of {origin_text(url)} did not announce its endpoint within "
+                                      f"{timeout:g} s")
+        return line
+
+    return bounded
+
+
+class TransportProbe(NamedTuple):
+    kind: str       # "http" or "sse"
+    detail: str     # what answered, for the user
+
+
+def _probe_initialize() -> bytes:
+    return encode_line({"jsonrpc": "2.0", "id": "coffer-probe", "method": "initialize", "params": {
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "coffer", "version": __version__}}})
+
+
+def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: float = 10.0) -> TransportProbe:
+    """Which transport ``url`` speaks (MCP 2025-11-25 transports, backwards compatibility): POST an initialize;
+    a 2xx means Streamable HTTP; a 400, 404 or 405 means try GET, and an SSE stream that opens with an
+    ``endpoint`` event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
+    if url_origin(url) is None:
+        raise UpstreamFailure(f"unsupported URL {url!r}")
+    reply = authorized_exchange(name, auth, "POST", url, body=_probe_initialize(), timeout=timeout, stream=True,
+                                headers={"Content-Type": "application/json",
+                                         "Accept": "application/json, text/event-stream", **headers})
+    _close_reply(reply)
+    if 200 <= reply.status < 300:
+        if _content_type(reply) not in ("application/json", "text/event-stream"):
+            raise UpstreamFailure(f"{url} answered an MCP initialize with {printable(_content_type(reply))[:60]}"
+                                  " content: not an MCP endpoint")
+        session = reply.headers.get("mcp-session-id")
+        if session and len(session) < 1024:  # the probe's session is not the one the transport will use
+            try:
+                remote_http("DELETE", url, timeout=min(timeout, 5.0), max_bytes=_ERROR_BODY_BYTES,
+                            headers={**headers, **(auth.headers_for(url) if auth else {}),
+                                     "Mcp-Session-Id": session})
+            except UpstreamFailure:
+                pass
+        return TransportProbe("http", "Streamable HTTP")
+    if reply.status not in (400, 404, 405):
+        raise UpstreamFailure(f"{url} answered an MCP initialize with HTTP {reply.status}: {_reply_text(reply)}")
+    post_status = reply.status
+    stream = authorized_exchange(name, auth, "GET", url, timeout=timeout, stream=True,
+                                 headers={"Accept": "text/event-stream", **headers})
+    try:
+        if 200 <= stream.status < 300 and _content_type(stream) == "text/event-stream":
+            for event in read_sse_events(until_endpoint(stream.stream.readline, lambda: False, timeout, url),
+                                         64 << 10):
+                if event.kind == "endpoint":
+                    endpoint = urllib.parse.urljoin(stream.url, event.data.decode("utf-8", "replace").strip())
+                    if not same_origin(endpoint, url):
+                        raise OriginRefused(f"the SSE stream named an endpoint on {origin_text(endpoint)}, not on "
+                                            f"{origin_text(url)}: refused, credentials never leave the configured "
+                                            "origin")
+                    return TransportProbe("sse", "HTTP+SSE (the 2024-11-05 transport)")
+                break
+        got = f"HTTP {stream.status} {printable(_content_type(stream))[:60]}".strip()
+    except stream_errors() as exc:
+        got = f"a broken stream ({exc.__class__.__name__})"
+    finally:
+        _close_reply(stream)
+    raise UpstreamFailure(f"{url} speaks neither Streamable HTTP (POST initialize: HTTP {post_status}) nor "
+                          f"HTTP+SSE (GET: {got}, no endpoint event)")
+
+
+class AutoTransport(Transport):
+    """Transport "auto": on start, ask the server which transport it speaks (probe_transport), then be that
+    transport.  ``detected`` ('http' or 'sse') is what the gateway writes to the vault, so the next start goes
+    straight to it.  Same surface and threads as the transport it becomes."""
+
+    def __init__(self, name, url, headers, auth, timeout, make):
+        self.name, self.url, self.headers, self.auth, self.timeout = name, url, headers, auth, timeout
+        self._make = make       # kind -> HttpTransport or SseTransport, with the upstream's callbacks
+        self.detected: str | None = None
+        self.inner = None
+        self.pid = None
+        self._closed = False
+
+    def start(self) -> None:
+        probe = probe_transport(self.name, self.url, self.headers, self.auth, self.timeout)
+        if self._closed:
+            raise UpstreamFailure("stopped while starting")
+        self.detected = probe.kind
+        log.info("[%s] speaks %s", self.name, probe.detail)
+        self.inner = self._make(probe.kind)
+        self.inner.start()
+        if self._closed:  # stopped while the probe ran: do not leave the session open
+            self.inner.close(0.5)
+
+    def send(self, message: dict) -> bool:
+        return self.inner is not None and self.inner.send(message)
+
+    @property
+    def close_reason(self):
+        return getattr(self.inner, "close_reason", None)
+
+    @property
+    def fatal(self):
+        return getattr(self.inner, "fatal", None)
+
+    def close(self, grace: float = 2.0) -> None:
+        self._closed = True
+        if self.inner is not None:
+            self.inner.close(grace)
+
+
+def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, on_message, on_close,
+                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_oversized=None):
+    """The transport for a remote server (``kind`` is the vault's transport: auto, http or sse).
+
+    OAuth applies unless the server is configured with its own Authorization header: that header is the user's
+    choice of credentials and is sent as is (a 401 then reports that it was refused).
+    """
+    has_own_authorization = any(key.lower() == "authorization" for key in headers)
+    auth = None if has_own_authorization or store is None else OAuthCredentials(name, url, store)
+
+    def make(actual: str):
+        if actual == "sse":
+            return SseTransport(name, url, headers, on_message, on_close, timeout, auth, max_message_bytes,
+                                on_failure)
+        return HttpTransport(name, url, headers, on_message, on_close, timeout, on_oversized, max_message_bytes,
+                             auth=auth, on_failure=on_failure)
+
+    if kind == "auto":
+        return AutoTransport(name, url, headers, auth, min(timeout, 30.0), make)
+    return make(kind)
+
+
+# -- OAuth: discovery ------------------------------------------------------------------------------------------
+# MCP 2025-11-25 basic/authorization: 401 + WWW-Authenticate → protected resource metadata (RFC 9728) →
+# authorization server metadata (RFC 8414 / OpenID discovery) → client identity → authorization code + PKCE.
+
+class OAuthFailure(CofferError):
+    """A login that cannot proceed; says why in terms the user can act on."""
+
+
+class NeedsLogin(UpstreamFailure):
+    """A remote server needs a person to log in.  Permanent until `coffer auth NAME` runs: never retried, and
+    never answered by opening a browser from `coffer serve`."""
+
+    permanent = True
+
+    def __init__(self, server: str, why: str = ""):
+        self.server = server
+        super().__init__(f"'{server}' needs login: run `coffer auth {server}`" + (f" ({why})" if why else ""),
+                         permanent=True)
+
+
+_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_CHALLENGE_PART_RE = re.compile(rf'\s*,?\s*({_TOKEN})(?:\s*=\s*("(?:[^"\\]|\\.)*"|[^\s,]*))?')
+
+
+def parse_www_authenticate(value) -> dict[str, dict[str, str]]:
+    """{scheme (lower case): {param (lower case): value}} from a WWW-Authenticate header (RFC 9110 §11.6.1).
+    Unparseable parts are skipped; the header is cut at 8 KiB."""
+    challenges: dict[str, dict[str, str]] = {}
+    if not isinstance(value, str):
+        return challenges
+    text, position, current = value[:8192], 0, None
+    while position < len(text):
+        match = _CHALLENGE_PART_RE.match(text, position)
+        if not match or match.end() == position:
+            position += 1
+            continue
+        position = match.end()
+        token, raw = match.group(1), match.group(2)
+        if raw is None:
+            current = challenges.setdefault(token.lower(), {})
+        elif current is not None and token.lower() not in current:
+            if raw.startswith('"'):
+                raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+            current[token.lower()] = raw
+    return challenges
+
+
+def canonical_resource(url: str) -> str:
+    """RFC 8707 form of a server URL: lower-case scheme and host, no fragment, no lone trailing slash."""
+    parts = urllib.parse.urlsplit(url)
+    path = "" if parts.path == "/" else parts.path
+    return urllib.parse.urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, parts.query, ""))
+
+
+def resource_matches(server_url: str, resource) -> bool:
+    """Whether protected resource metadata naming ``resource`` may speak for ``server_url`` (RFC 9728 §3.3):
+    the same origin, and the resource's path is the server's path or a whole-segment prefix of it (a server at
+    /mcp may be covered by a resource naming the origin)."""
+    if not isinstance(resource, str) or not same_origin(server_url, resource):
+        return False
+    resource_parts = urllib.parse.urlsplit(resource)
+    if resource_parts.fragment:
+        return False
+    server_path = urllib.parse.urlsplit(server_url).path.rstrip("/") + "/"
+    return server_path.startswith(resource_parts.path.rstrip("/") + "/")
+
+
+def _str_list(value, limit: int = 100) -> list[str] | None:
+    if not isinstance(value, list):
+        return None
+    return [item for item in value[:limit] if isinstance(item, str) and 0 < len(item) <= 2048]
+
+
+def _json_object(reply: HttpReply, what: str) -> dict:
+    try:
+        document = decode_json(reply.body)
+    except ValueError as exc:
+        raise OAuthFailure(f"{what} is not JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise OAuthFailure(f"{what} is not a JSON object")
+    return document
+
+
+class ResourceMetadata(NamedTuple):
+    """RFC 9728 protected resource metadata, as far as Coffer uses it."""
+    resource: str
+    authorization_servers: list[str]
+    scopes_supported: list[str] | None
+    source: str
+
+
+class AuthServerMetadata(NamedTuple):
+    """RFC 8414 / OpenID Provider metadata, as far as Coffer uses it."""
+    issuer: str
+    authorization_endpoint: str
+    token_endpoint: str
+    registration_endpoint: str | None = None
+    revocation_endpoint: str | None = None
+    token_auth_methods: list[str] | None = None
+    client_id_metadata_documents: bool = False
+    iss_parameter: bool = False
+
+
+def _metadata_get(url: str) -> HttpReply | None:
+    """GET one metadata document; None when it is not there (so the next well-known URL is tried)."""
+    reply = remote_http("GET", url, timeout=15.0, headers={"Accept": "application/json",
+                                                           "MCP-Protocol-Version": LATEST_PROTOCOL_VERSION})
+    return reply if reply.status == 200 else None
+
+
+def discover_resource_metadata(server_url: str, bearer: dict) -> ResourceMetadata | None:
+    """The server's protected resource metadata: the URL its 401 named, else the two well-known URLs (path
+    first).  A document whose ``resource`` is not this server is refused outright, never skipped over."""
+    origin = origin_text(server_url)
+    path = urllib.parse.urlsplit(server_url).path.rstrip("/")
+    candidates = [bearer["resource_metadata"]] if bearer.get("resource_metadata") else []
+    if path:
+        candidates.append(f"{origin}/.well-known/oauth-protected-resource{path}")
+    candidates.append(f"{origin}/.well-known/oauth-protected-resource")
+    for url in candidates:
+        if url_origin(url) is None:
+            raise OAuthFailure(f"the server's 401 names resource metadata at a non-http URL: {printable(url)[:200]}")
+        reply = _metadata_get(url)
+        if reply is None:
+            continue
+        document = _json_object(reply, f"the protected resource metadata at {url}")
+        resource = document.get("resource")
+        if not resource_matches(server_url, resource):
+            raise OAuthFailure(f"the protected resource metadata at {url} is for "
+                               f"{printable(str(resource))[:200]!r}, not for {server_url}: refused (RFC 9728 §3.3); "
+                               "a token obtained through it could be meant for another server")
+        servers = _str_list(document.get("authorization_servers")) or []
+        if not servers:
+            raise OAuthFailure(f"the protected resource metadata at {url} names no authorization server")
+        return ResourceMetadata(resource, servers, _str_list(document.get("scopes_supported")), url)
+    return None
+
+
+def authorization_server_metadata_urls(issuer: str) -> list[str]:
+    """Where an issuer's metadata may be, in the order MCP 2025-11-25 prescribes (RFC 8414 path insertion,
+    then OpenID Connect discovery with path insertion, then with path appending)."""
+    origin = origin_text(issuer)
+    path = urllib.parse.urlsplit(issuer).path.rstrip("/")
+    if path:
+        return [f"{origin}/.well-known/oauth-authorization-server{path}",
+                f"{origin}/.well-known/openid-configuration{path}",
+                f"{origin}{path}/.well-known/openid-configuration"]
+    return [f"{origin}/.well-known/oauth-authorization-server", f"{origin}/.well-known/openid-configuration"]
+
+
+def _issuers_match(a: str, b: str) -> bool:
+    """RFC 8414 §3.3 string comparison, a root issuer's trailing slash aside."""
+    return a == b or (a.rstrip("/") == b.rstrip("/") and urllib.parse.urlsplit(a).path in ("", "/"))
+
+
+def discover_authorization_server(issuer: str) -> AuthServerMetadata:
+    _require_secure(issuer, "the authorization server")
+    for url in authorization_server_metadata_urls(issuer):
+        reply = _metadata_get(url)
+        if reply is None:
+            continue
+        document = _json_object(reply, f"the authorization server metadata at {url}")
+        if not isinstance(document.get("issuer"), str) or not _issuers_match(document["issuer"], issuer):
+            raise OAuthFailure(f"the metadata at {url} is for issuer {printable(str(document.get('issuer')))[:200]!r}"
+                               f", not {issuer}: refused (RFC 8414 §3.3)")
+        methods = _str_list(document.get("code_challenge_methods_supported")) or []
+        if "S256" not in methods:
+            raise OAuthFailure(f"the authorization server {issuer} does not offer PKCE with S256: refused "
+                               "(MCP requires it to protect the authorization code)")
+        endpoints = {}
+        for key in ("authorization_endpoint", "token_endpoint", "registration_endpoint", "revocation_endpoint"):
+            value = document.get(key)
+            if value is not None:
+                endpoints[key] = _require_secure(value, f"the {key.replace('_', ' ')}")
+        if "authorization_endpoint" not in endpoints or "token_endpoint" not in endpoints:
+            raise OAuthFailure(f"the metadata at {url} lacks an authorization or token endpoint")
+        return AuthServerMetadata(
+            issuer=issuer, token_auth_methods=_str_list(document.get("token_endpoint_auth_methods_supported")),
+            client_id_metadata_documents=document.get("client_id_metadata_document_supported") is True,
+            iss_parameter=document.get("authorization_response_iss_parameter_supported") is True, **endpoints)
+    raise OAuthFailure(f"no authorization server metadata at {' or '.join(authorization_server_metadata_urls(issuer))}")
+
+
+# -- OAuth: the saved login ------------------------------------------------------------------------------------
+
+class OAuthGrant(NamedTuple):
+    """A server's saved login: tokens and what is needed to refresh them.  Lives in the SecretStore under
+    oauth.<server> as one JSON text, never in coffer.db, logs or output."""
+    server_url: str
+    resource: str
+    issuer: str
+    token_endpoint: str
+    client_id: str
+    client_auth: str                        # none, client_secret_basic or client_secret_post
+    client_source: str                      # pre-registered, metadata-document or registered
+    access_token: str
+    token_type: str = "Bearer"
+    refresh_token: str | None = None
+    client_secret: str | None = None        # only for a client Coffer registered itself
+    client_secret_env: str | None = None    # a pre-registered client's secret: the variable holding it
+    redirect_uri: str | None = None
+    revocation_endpoint: str | None = None
+    scope: str | None = None
+    expires_at: float | None = None
+    lifetime: float | None = None
+    obtained_at: float = 0.0
+
+    def secret_values(self) -> list[str]:
+        return [v for v in (self.access_token, self.refresh_token, self.client_secret) if v]
+
+    def refresh_due(self, now: float) -> bool:
+        """Refresh a little before expiry: a tenth of the lifetime, between 1 s and 60 s."""
+        if self.expires_at is None:
+            return False
+        return now >= self.expires_at - min(60.0, max(1.0, 0.1 * (self.lifetime or 0.0)))
+
+    def to_text(self) -> str:
+        return json.dumps(self._asdict(), sort_keys=True)
+
+    @classmethod
+    def from_text(cls, text: str) -> OAuthGrant:
+        data = decode_json(text)
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        known = set(cls._fields)
+        values = {key: value for key, value in data.items() if key in known}
+        for key, value in values.items():
+            if key in ("expires_at", "lifetime", "obtained_at"):
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                    raise ValueError(f"{key} is not a number")
+            elif value is not None and (not isinstance(value, str) or len(value) > 65536):
+                raise ValueError(f"{key} is not text")
+        grant = cls(**values)
+        for key in ("server_url", "resource", "token_endpoint", "client_id", "access_token"):
+            if not getattr(grant, key):
+                raise ValueError(f"{key} is missing")
+        return grant
+
+
+def oauth_secret_name(server: str) -> str:
+    return OAUTH_SECRET_PREFIX + server
+
+
+class TokenEndpointError(Exception):
+    """The token endpoint said no; ``error`` is its OAuth error code (invalid_grant, ...) when it gave one."""
+
+    def __init__(self, error: str, text: str):
+        super().__init__(text)
+        self.error = error
+
+
+def token_request(token_endpoint: str, form: dict, client_id: str, client_auth: str,
+                  client_secret: str | None) -> dict:
+    """POST to the token endpoint (RFC 6749 §3.2) with the client's own authentication; returns the validated
+    token response.  Only ever carries a code or a refresh token: never a bearer token."""
+    import base64
+
+    _require_secure(token_endpoint, "the token endpoint")
+    form = dict(form)
+    headers = {"Content-Type": "application/x-www-form-urlencoded", "Accept": "application/json"}
+    form["client_id"] = client_id  # in the body even with Basic: many servers (the MCP SDK's among them) want it
+    if client_auth == "client_secret_basic" and client_secret:
+        pair = f"{urllib.parse.quote(client_id, safe='')}:{urllib.parse.quote(client_secret, safe='')}"
+        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+    elif client_auth == "client_secret_post" and client_secret:
+        form["client_secret"] = client_secret
+    body = urllib.parse.urlencode({k: v for k, v in form.items() if v is not None}).encode("ascii")
+    try:
+        reply = remote_http("POST", token_endpoint, headers=headers, body=body, timeout=30.0)
+    except UpstreamFailure as exc:
+        raise TokenEndpointError("", str(exc)) from None
+    try:
+        document = decode_json(reply.body)
+    except ValueError:
+        document = None
+    if reply.status != 200:
+        error = document.get("error") if isinstance(document, dict) else None
+        error = error if isinstance(error, str) and len(error) < 100 else ""
+        detail = document.get("error_description") if isinstance(document, dict) else None
+        detail = printable(redact(detail))[:200] if isinstance(detail, str) else _reply_text(reply)
+        raise TokenEndpointError(error, f"the token endpoint answered HTTP {reply.status}"
+                                        f"{f' {error}' if error else ''}{f': {detail}' if detail else ''}")
+    if not isinstance(document, dict):
+        raise TokenEndpointError("", "the token endpoint answered with something other than a JSON object")
+    access = document.get("access_token")
+    if not isinstance(access, str) or not 0 < len(access) <= 16384 or any(c in access for c in "\r\n"):
+        raise TokenEndpointError("", "the token endpoint sent no usable access_token")
+    token_type = document.get("token_type")
+    if not isinstance(token_type, str) or token_type.lower() != "bearer":
+        raise TokenEndpointError("", f"the token endpoint sent a {printable(str(token_type))[:40]!r} token; "
+                                     "Coffer sends Bearer tokens only")
+    refresh = document.get("refresh_token")
+    expires_in = document.get("expires_in")
+    scope = document.get("scope")
+    redact.add(access, refresh if isinstance(refresh, str) else None)
+    return {"access_token": access,
+            "refresh_token": refresh if isinstance(refresh, str) and 0 < len(refresh) <= 16384 else None,
+            "expires_in": float(expires_in) if isinstance(expires_in, (int, float)) and not isinstance(
+                expires_in, bool) and 0 < expires_in < 10 * 365 * 86400 else None,
+            "scope": scope if isinstance(scope, str) and len(scope) <= 4096 else None}
+
+
+def _apply_tokens(grant: OAuthGrant, tokens: dict, now: float) -> OAuthGrant:
+    """The grant after a token response: a refresh response may omit the refresh token (not rotated) and the
+    scope (unchanged), RFC 6749 §6."""
+    lifetime = tokens["expires_in"]
+    return grant._replace(access_token=tokens["access_token"], refresh_token=tokens["refresh_token"] or
+                          grant.refresh_token, scope=tokens["scope"] or grant.scope, lifetime=lifetime,
+                          expires_at=now + lifetime if lifetime else None, obtained_at=now)
+
+
+class OAuthCredentials:
+    """The bearer token of one remote upstream: read from the secret store, refreshed shortly before it expires
+    and when the server answers 401, forgotten when the authorization server says invalid_grant.  Never opens a
+    browser: whatever needs a person raises NeedsLogin.  The token goes only to the server's own origin.
+
+    Threads: any HTTP worker thread of the upstream.  One lock serialises the refresh, so requests that find the
+    token due together cause one refresh.  Other processes (a second `coffer serve`, `coffer auth`) share the
+    store: before refreshing, and before giving up on invalid_grant, the store is read again in case one of them
+    already refreshed (refresh tokens may be single-use).
+    """
+
+    def __init__(self, server: str, url: str, store):
+        self.server, self.url, self.store = server, url, store
+        self._lock = threading.Lock()
+        self._warned: str | None = None
+
+    def _load(self) -> OAuthGrant | None:
+        text = self.store.get(oauth_secret_name(self.server))
+        if text is None:
+            return None
+        try:
+            grant = OAuthGrant.from_text(text)
+        except (ValueError, TypeError) as exc:
+            self._warn_once(f"the saved login is damaged ({exc}); run `coffer auth {self.server}`")
+            return None
+        redact.add(*grant.secret_values())
+        if not (same_origin(grant.server_url, self.url) and resource_matches(self.url, grant.resource)):
+            self._warn_once(f"the saved login is for {origin_text(grant.server_url)}, not this server's URL; "
+                            "it is not sent")
+            return None
+        return grant
+
+    def _warn_once(self, text: str) -> None:
+        if self._warned != text:
+            self._warned = text
+            log.warning("[%s] %s", self.server, text)
+
+    def headers_for(self, url: str) -> dict:
+        """The Authorization header for a request to ``url``: none for another origin, none before a login."""
+        if not same_origin(url, self.url):
+            return {}
+        with self._lock:
+            grant = self._load()
+            if grant is None:
+                return {}
+            if grant.refresh_due(time.time()):
+                try:
+                    grant = self._refresh(grant)
+                except UpstreamFailure as exc:
+                    if isinstance(exc, NeedsLogin) or time.time() >= (grant.expires_at or 0):
+                        raise
+                    log.warning("[%s] could not refresh the login yet: %s", self.server, exc)
+        return {"Authorization": f"Bearer {grant.access_token}"}
+
+    def unauthorized(self, bearer: dict, sent_authorization: str | None) -> None:
+        """The server answered 401 to ``sent_authorization``: returns when a newer token is ready to retry with,
+        raises NeedsLogin (no login, or the authorization server refused it) or UpstreamFailure (unreachable)."""
+        with self._lock:
+            grant = self._load()
+            if grant is None:
+                raise NeedsLogin(self.server)
+            if sent_authorization != f"Bearer {grant.access_token}":
+                return  # another thread or process has refreshed meanwhile
+            self._refresh(grant)
+
+    def _refresh(self, grant: OAuthGrant) -> OAuthGrant:
+        latest = self._load()
+        if latest is not None and latest.access_token != grant.access_token and not latest.refresh_due(time.time()):
+            return latest
+        if not grant.refresh_token:
+            raise NeedsLogin(self.server, "its login expired and the authorization server gave no refresh token")
+        secret = grant_client_secret(grant, self.store)
+        try:
+            tokens = token_request(grant.token_endpoint, {"grant_type": "refresh_token",
+                                                          "refresh_token": grant.refresh_token,
+                                                          "resource": grant.resource},
+                                   grant.client_id, grant.client_auth, secret)
+        except TokenEndpointError as exc:
+            if exc.error in ("invalid_grant", "invalid_client", "unauthorized_client"):
+                latest = self._load()
+                if latest is not None and latest.refresh_token != grant.refresh_token:
+                    return latest  # rotated by another process between our read and our request
+                self.store.delete(oauth_secret_name(self.server))
+                log.warning("[%s] the authorization server refused the saved login (%s); it was forgotten",
+                            self.server, exc.error)
+                raise NeedsLogin(self.server, f"the authorization server refused its saved login ({exc.error})") \
+                    from None
+            raise UpstreamFailure(f"could not refresh the login of '{self.server}': {exc}") from None
+        grant = _apply_tokens(grant, tokens, time.time())
+        self.store.set(oauth_secret_name(self.server), grant.to_text())
+        log.info("[%s] refreshed its OAuth token", self.server)
+        return grant
+
+
+def resolve_client_secret(variable: str | None, store) -> str | None:
+    """A pre-registered client's secret, from the variable the user named (environment first, then the secret
+    store, like ${NAME}).  Coffer stores the variable's name, never the value."""
+    if not variable:
+        return None
+    value = os.environ.get(variable)
+    if value is None and store is not None:
+        value = store.get(variable)
+    if value:
+        redact.add(value)
+    return value or None
+
+
+def grant_client_secret(grant: OAuthGrant, store) -> str | None:
+    if grant.client_source == "registered":
+        return grant.client_secret
+    return resolve_client_secret(grant.client_secret_env, store)
+
+
+# -- OAuth: the login (only ever from `coffer auth`) ---------------------------------------------------------
+
+class ClientIdentity(NamedTuple):
+    client_id: str
+    client_secret: str | None
+    client_auth: str
+    source: str             # pre-registered, metadata-document or registered
+
+
+def _client_auth_method(methods: list[str] | None, has_secret: bool) -> str:
+    if not has_secret:
+        return "none"
+    if methods is None or "client_secret_basic" in methods:  # RFC 8414: the default when unlisted
+        return "client_secret_basic"
+    if "client_secret_post" in methods:
+        return "client_secret_post"
+    raise OAuthFailure("the authorization server accepts neither client_secret_basic nor client_secret_post "
+                       f"(it lists {', '.join(methods)[:200]})")
+
+
+def choose_client(server: str, metadata: AuthServerMetadata, oauth: dict, store, settings: dict,
+                  redirect_uri: str, scope: str | None, previous: OAuthGrant | None) -> ClientIdentity:
+    """Who Coffer is to this authorization server, in the order MCP 2025-11-25 gives: the client the user
+    pre-registered (--oauth-client-id), a Client ID Metadata Document when the server supports them, Dynamic
+    Client Registration (RFC 7591), else an error saying how to pre-register."""
+    if oauth.get("client_id"):
+        variable = oauth.get("client_secret_env")
+        secret = resolve_client_secret(variable, store)
+        if variable and not secret:
+            raise OAuthFailure(f"{variable} (named by --oauth-client-secret-env) is not set in the environment "
+                               "or the secret store")
+        return ClientIdentity(oauth["client_id"], secret, _client_auth_method(metadata.token_auth_methods,
+                                                                              bool(secret)), "pre-registered")
+    document_url = settings.get("oauth_client_metadata_url") or ""
+    if metadata.client_id_metadata_documents and document_url:
+        parts = urllib.parse.urlsplit(document_url)
+        if parts.path in ("", "/") or (parts.scheme != "https" and not is_loopback_url(document_url)):
+            raise OAuthFailure("the oauth_client_metadata_url setting must be an https URL with a path")
+        return ClientIdentity(document_url, None, "none", "metadata-document")
+    if metadata.registration_endpoint:
+        if (previous is not None and previous.client_source == "registered" and previous.issuer == metadata.issuer
+                and previous.redirect_uri == redirect_uri):
+            return ClientIdentity(previous.client_id, previous.client_secret, previous.client_auth, "registered")
+        return register_client(metadata, redirect_uri, scope)
+    raise OAuthFailure(f"the authorization server {metadata.issuer} lets no client register itself: register "
+                       f"an OAuth app with the provider (redirect URI http://127.0.0.1/callback), then run "
+                       f"`coffer auth {server} --oauth-client-id ID [--oauth-client-secret-env VAR]`")
+
+
+def register_client(metadata: AuthServerMetadata, redirect_uri: str, scope: str | None) -> ClientIdentity:
+    """Dynamic Client Registration (RFC 7591) as a public client: Coffer keeps no secret it does not need."""
+    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri], "grant_types": ["authorization_code", "refresh_token"],
+               "response_types": ["code"], "token_endpoint_auth_method": "none"}
+    if scope:
+        request["scope"] = scope
+    reply = remote_http("POST", metadata.registration_endpoint, body=encode_line(request), timeout=30.0,
+                        headers={"Content-Type": "application/json", "Accept": "application/json"})
+    if reply.status not in (200, 201):
+        raise OAuthFailure(f"client registration at {metadata.registration_endpoint} failed: HTTP {reply.status}"
+                           f" {_reply_text(reply)}")
+    document = _json_object(reply, "the client registration reply")
+    client_id, secret = document.get("client_id"), document.get("client_secret")
+    if not isinstance(client_id, str) or not 0 < len(client_id) <= 2048:
+        raise OAuthFailure("the client registration reply holds no client_id")
+    secret = secret if isinstance(secret, str) and 0 < len(secret) <= 4096 else None
+    method = document.get("token_endpoint_auth_method") or ("client_secret_basic" if secret else "none")
+    if method not in ("none", "client_secret_basic", "client_secret_post") or (method != "none" and not secret):
+        raise OAuthFailure(f"the authorization server registered Coffer for {printable(str(method))[:60]!r} "
+                           "client authentication, which Coffer cannot do")
+    redact.add(secret)
+    return ClientIdentity(client_id, secret, method, "registered")
+
+
+class LoopbackReceiver:
+    """Receives the authorization response on http://127.0.0.1:<port>/callback (RFC 8252 §7.3), once.
+
+    Threads: the listener thread coffer-oauth-callback serves requests; ``wait`` runs on the CLI's thread.  A
+    request that is not the callback gets a 404; the page the browser shows repeats nothing from the request.
+    """
+
+    def __init__(self, port: int = 0):
+        import http.server
+
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the http.server interface
+                path, _, query = self.path.partition("?")
+                if path != "/callback" or len(query) > 16384:
+                    self.send_error(404)
+                    return
+                params = {k: v[0] for k, v in urllib.parse.parse_qs(query, max_num_fields=20).items()}
+                if not ({"code", "error", "state"} & params.keys()):
+                    self.send_error(400)
+                    return
+                receiver.deliver(params)
+                page = (b"<!doctype html><title>Coffer</title><p>Coffer received the answer of the authorization "
+                        b"server. You can close this tab and return to the terminal.</p>")
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(page)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, *args):  # the request line holds the code: it must not reach stderr
+                pass
+
+        self._server = http.server.HTTPServer(("127.0.0.1", port), Handler)
+        self.redirect_uri = f"http://127.0.0.1:{self._server.server_address[1]}/callback"
+        self._result: dict | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                         name="coffer-oauth-callback", daemon=True).start()
+
+    def deliver(self, params: dict) -> None:
+        if self._result is None:
+            self._result = params
+            self._done.set()
+
+    def wait(self, timeout: float) -> dict | None:
+        self._done.wait(timeout)
+        return self._result
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _open_receiver(previous: OAuthGrant | None) -> LoopbackReceiver:
+    """Listen on the port a registered client's redirect URI names when it is free, so the registration can be
+    reused; else on any free port."""
+    if previous is not None and previous.client_source == "registered" and previous.redirect_uri:
+        try:
+            return LoopbackReceiver(urllib.parse.urlsplit(previous.redirect_uri).port or 0)
+        except (OSError, ValueError):
+            pass
+    return LoopbackReceiver(0)
+
+
+def _pkce_pair() -> tuple[str, str]:
+    import base64
+    import secrets
+
+    verifier = secrets.token_urlsafe(64)  # 86 characters of the unreserved set (RFC 7636 §4.1)
+    challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode("ascii")).digest()).rstrip(b"=")
+    return verifier, challenge.decode("ascii")
+
+
+def _read_pasted_callback(receiver: LoopbackReceiver, stdin) -> None:
+    """For a browser on another machine: the address it ended on, pasted into the terminal, is the callback."""
+    try:
+        for line in stdin:
+            line = line.strip()
+            parts = urllib.parse.urlsplit(line)
+            if parts.path.endswith("/callback") and parts.query:
+                receiver.deliver({k: v[0] for k, v in urllib.parse.parse_qs(parts.query, max_num_fields=20).items()})
+                return
+    except (OSError, ValueError):
+        pass
+
+
+def login_challenge(name: str, url: str, headers: dict) -> dict[str, dict[str, str]]:
+    """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  POST initialize first
+    (Streamable HTTP); on 400/404/405 a GET (HTTP+SSE).  Raises OAuthFailure when it wants no login."""
+    reply = remote_http("POST", url, body=_probe_initialize(), timeout=15.0, stream=True,
+                        headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+                                 **headers})
+    _close_reply(reply)
+    if reply.status in (400, 404, 405):
+        reply = remote_http("GET", url, timeout=15.0, stream=True, headers={"Accept": "text/event-stream",
+                                                                           **headers})
+        _close_reply(reply)
+    if reply.status in (401, 403):
+        return parse_www_authenticate(reply.headers.get("www-authenticate"))
+    if 200 <= reply.status < 300:
+        raise OAuthFailure(f"'{name}' answered without asking for a login: nothing to do")
+    raise OAuthFailure(f"'{name}' answered HTTP {reply.status} instead of asking for a login: {_reply_text(reply)}")
+
+
+def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings: dict, *, out,
+                open_browser=None, stdin=None, timeout: float = 300.0, scope: str | None = None) -> OAuthGrant:
+    """The whole interactive login of one server; saves the grant under oauth.<name> and returns it.
+
+    ``out`` gets what the user must read (the URL to open, never a token); ``open_browser(url)`` defaults to
+    webbrowser.open; ``stdin``, when given, is read for a pasted callback address (headless use).
+    """
+    import hmac
+    import secrets
+
+    challenges = login_challenge(name, url, headers)
+    if challenges and "bearer" not in challenges:
+        raise OAuthFailure(f"'{name}' asks for {', '.join(sorted(challenges))[:100]} credentials, not an OAuth "
+                           "login; give them with --header")
+    bearer = challenges.get("bearer", {})
+    resource_metadata = discover_resource_metadata(url, bearer)
+    if resource_metadata is not None:
+        issuer = resource_metadata.authorization_servers[0]  # RFC 9728 §7.6 leaves the choice to the client
+        resource = canonical_resource(resource_metadata.resource)
+    else:  # MCP 2025-03-26 servers: the authorization server is the MCP server's origin
+        issuer, resource = origin_text(url), canonical_resource(url)
+    metadata = discover_authorization_server(issuer)
+    if scope is None:
+        scope = bearer.get("scope") or (" ".join(resource_metadata.scopes_supported)
+                                         if resource_metadata and resource_metadata.scopes_supported else None)
+    key = oauth_secret_name(name)
+    try:
+        text = store.get(key)
+        previous = OAuthGrant.from_text(text) if text else None
+    except (ValueError, TypeError):
+        previous = None
+    receiver = _open_receiver(previous)
+    try:
+        client = choose_client(name, metadata, oauth, store, settings, receiver.redirect_uri, scope, previous)
+        verifier, challenge = _pkce_pair()
+        state = secrets.token_urlsafe(32)
+        params = {"response_type": "code", "client_id": client.client_id, "redirect_uri": receiver.redirect_uri,
+                  "code_challenge": challenge, "code_challenge_method": "S256", "state": state,
+                  "resource": resource}
+        if scope:
+            params["scope"] = scope
+        separator = "&" if urllib.parse.urlsplit(metadata.authorization_endpoint).query else "?"
+        address = metadata.authorization_endpoint + separator + urllib.parse.urlencode(params)
+        out.write(f"Log in to {name} in your browser. If it does not open, visit:\n\n  {address}\n\n"
+                  f"(waiting up to {timeout:g} s for the authorization server at {origin_text(address)}")
+        if stdin is not None:
+            out.write("; if your browser runs on another machine, paste here the address it ends on")
+            threading.Thread(target=_read_pasted_callback, args=(receiver, stdin), name="coffer-oauth-paste",
+                             daemon=True).start()
+        out.write(")\n")
+        out.flush()
+        if open_browser is None:
+            import webbrowser
+            open_browser = webbrowser.open
+        try:
+            open_browser(address)
+        except Exception as exc:  # noqa: BLE001 - no browser here is fine: the address is printed
+            log.debug("could not open a browser: %r", exc)
+        answer = receiver.wait(timeout)
+    finally:
+        receiver.close()
+    if answer is None:
+        raise OAuthFailure(f"no answer from the browser within {timeout:g} s")
+    if not hmac.compare_digest(str(answer.get("state", "")).encode("utf-8", "replace"), state.encode("ascii")):
+        raise OAuthFailure("the browser came back with a different state than this login sent: refused (it was "
+                           "not the answer to this login; possibly a cross-site request forgery)")
+    if answer.get("error"):
+        detail = printable(str(answer.get("error_description", "")))[:200]
+        raise OAuthFailure(f"the authorization server refused: {printable(answer['error'])[:60]}"
+                           + (f": {detail}" if detail else ""))
+    if "iss" in answer or metadata.iss_parameter:  # RFC 9207: the answer must come from the server we asked
+        if not _issuers_match(str(answer.get("iss", "")), metadata.issuer):
+            raise OAuthFailure("the authorization answer names another issuer than the server asked: refused")
+    code = answer.get("code")
+    if not isinstance(code, str) or not 0 < len(code) <= 4096:
+        raise OAuthFailure("the authorization server sent no code")
+    try:
+        tokens = token_request(metadata.token_endpoint, {
+            "grant_type": "authorization_code", "code": code, "redirect_uri": receiver.redirect_uri,
+            "code_verifier": verifier, "resource": resource}, client.client_id, client.client_auth,
+            client.client_secret)
+    except TokenEndpointError as exc:
+        raise OAuthFailure(f"could not get a token: {exc}") from None
+    grant = _apply_tokens(OAuthGrant(
+        server_url=url, resource=resource, issuer=metadata.issuer, token_endpoint=metadata.token_endpoint,
+        client_id=client.client_id, client_auth=client.client_auth, client_source=client.source,
+        access_token="", client_secret=client.client_secret if client.source == "registered" else None,
+        client_secret_env=oauth.get("client_secret_env") if client.source == "pre-registered" else None,
+        redirect_uri=receiver.redirect_uri, revocation_endpoint=metadata.revocation_endpoint, scope=scope),
+        tokens, time.time())
+    store.set(key, grant.to_text())
+    return grant
+
+
+def revoke_grant(grant: OAuthGrant, store) -> str:
+    """Best effort RFC 7009 revocation of a saved login (the refresh token revokes the access token with it on
+    most servers).  Returns what to tell the user."""
+    if not grant.revocation_endpoint:
+        return "the authorization server offers no revocation; the tokens expire on their own"
+    secret = grant_client_secret(grant, store)
+    token, hint = (grant.refresh_token, "refresh_token") if grant.refresh_token else (grant.access_token,
+                                                                                      "access_token")
+    try:
+        token_request_revoke(grant.revocation_endpoint, token, hint, grant.client_id, grant.client_auth, secret)
+    except (OAuthFailure, UpstreamFailure) as exc:
+        return f"the authorization server could not be told ({exc})"
+    return "revoked at the authorization server"
+
+
+def token_request_revoke(endpoint, token, hint, client_id, client_auth, client_secret) -> None:
+    import base64
+
+    _require_secure(endpoint, "the revocation endpoint")
+    headers = {"Content-Type": "application/x-www-form-urlencoded"}
+    form = {"token": token, "token_type_hint": hint}
+    form["client_id"] = client_id  # in the body even with Basic: many servers (the MCP SDK's among them) want it
+    if client_auth == "client_secret_basic" and client_secret:
+        pair = f"{urllib.parse.quote(client_id, safe='')}:{urllib.parse.quote(client_secret, safe='')}"
+        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+    elif client_auth == "client_secret_post" and client_secret:
+        form["client_secret"] = client_secret
+    reply = remote_http("POST", endpoint, headers=headers, timeout=10.0,
+                        body=urllib.parse.urlencode(form).encode("ascii"))
+    if reply.status != 200:
+        raise OAuthFailure(f"HTTP {reply.status}")
 
 
 # ============================================================================================================
@@ -2472,11 +3807,12 @@ class Upstream:
                 redact.add(expanded)  # what a reference expanded to is a secret wherever it shows up
             return expanded
 
-        if cfg["transport"] == "http":
+        if cfg["transport"] in REMOTE_TRANSPORTS:
             headers = {k: expand(v) for k, v in cfg["headers"].items()}
-            transport = HttpTransport(self.name, expand(cfg["url"]), headers, self._on_message, on_close,
-                                      max(float(self.settings["init_timeout"]), self.call_timeout),
-                                      self._on_oversized, limit)
+            transport = make_remote_transport(self.name, cfg["transport"], expand(cfg["url"]), headers, self.secrets,
+                                              self._on_message, on_close,
+                                              max(float(self.settings["init_timeout"]), self.call_timeout), limit,
+                                              on_failure=self._fail_request, on_oversized=self._on_oversized)
         else:
             own = {k: expand(v) for k, v in cfg["env"].items()}
             env = upstream_environment(own, cfg.get("inherit_env") or ())
@@ -2535,7 +3871,7 @@ class Upstream:
         permanent = getattr(exc, "permanent", False)
         if transport is not None:
             if transport.fatal:
-                text, permanent = transport.fatal, True
+                text, permanent = str(transport.fatal), True
             elif self._closed_generation == self.generation or "not accepting input" in text:
                 text = f"{transport.exit_detail() or 'closed its connection'} before it answered initialize"
         if self.stderr_tail and "stderr:" not in text:
@@ -2603,7 +3939,8 @@ class Upstream:
             orphaned = self._take_pending()
             if state == "ready":
                 self.state = "backoff"  # from now on a request waits for the restart instead of failing
-        reason = f"upstream '{self.name}' {transport.exit_detail() or 'closed its connection'}"
+        reason = (f"upstream '{self.name}' "
+                  f"{transport.close_reason or transport.exit_detail() or 'closed its connection'}")
         # The old connection may have only closed stdout; make sure its process and pipes are gone too.
         start_thread(transport.close, f"coffer-{self.name}-close", 0.5)
         for pending in orphaned:
@@ -2777,6 +4114,13 @@ class Upstream:
             return False
         self.notify("notifications/cancelled", {"requestId": request_id, "reason": reason})
         return True
+
+    def _fail_request(self, request_id, text: str) -> None:
+        """A remote transport could not get a request through or its answer back: the caller hears a failure of
+        the connection (a tool call reads it as a tool error), not an error the server itself returned."""
+        pending = self._finish(request_id) if isinstance(request_id, int) else None
+        if pending is not None:
+            pending.on_reply(None, "error", text if f"'{self.name}'" in text else f"upstream '{self.name}': {text}")
 
     def _finish(self, request_id):
         with self.lock:
@@ -3525,12 +4869,14 @@ class Embedder:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         try:
-            with http_open("POST", endpoint, headers, encode_line(body), max(0.01, timeout)) as response:
-                payload = decode_json(read_limited(response, self.MAX_REPLY_BYTES))
-        except HttpError as exc:
+            reply = remote_http("POST", endpoint, headers=headers, body=encode_line(body),
+                                timeout=max(0.01, timeout), max_bytes=self.MAX_REPLY_BYTES)
+        except (UpstreamFailure, EncodeError) as exc:
             raise EmbedderError("timed out" if "timed out" in str(exc) else str(exc)) from None
-        except (OSError, EncodeError):
-            raise EmbedderError("the connection failed while reading the reply") from None
+        if reply.status != 200:
+            raise EmbedderError(f"HTTP {reply.status} from {origin_text(endpoint)}")
+        try:
+            payload = decode_json(reply.body)
         except ValueError:
             raise EmbedderError("the reply is not JSON") from None
         try:
@@ -4103,6 +5449,11 @@ class Gateway:
             instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
                              f"by name and {SEARCH_TOOL} finds them.")
         failed = [c["name"] for c in self.configs.values() if c.get("status") == "failed"]
+        login = [name for name in failed if "needs login" in (self.configs[name].get("status_detail") or "")]
+        if login:
+            instructions += (" Waiting for the user to log in (in a terminal: coffer auth NAME): "
+                             + ", ".join(login)[:200] + ".")
+        failed = [name for name in failed if name not in login]
         if failed:
             instructions += " Failed at their last start: " + ", ".join(failed)[:200] + "."
         self.advertised = self._advertised_capabilities()
@@ -4188,7 +5539,7 @@ class Gateway:
             settings = self.vault.settings()
             changed = states != self.states
             self.states = states
-        keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env")
+        keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env", "oauth")
         if settings != self.settings:
             if any(settings.get(k) != self.settings.get(k) for k in set(settings) | set(self.settings)
                    if setting_key(k) == "expose"):
@@ -4231,6 +5582,7 @@ class Gateway:
             self.rebuild()
 
     def on_ready(self, upstream: Upstream) -> None:
+        self._remember_transport(upstream)
         counts = {kind: len(items) for kind, items in upstream.lists.items() if items}
         info = upstream.server_info
         who = f"{info.get('name', '?')} {info.get('version', '')}".strip() + ": " if info else ""
@@ -4247,6 +5599,23 @@ class Gateway:
                 upstream.request("resources/subscribe", {"uri": uri}, lambda *a: None)
         self.rebuild(force=restarted)
         self._release_waiting()
+
+    def _remember_transport(self, upstream: Upstream) -> None:
+        """Transport auto found what the server speaks: write it down so the next start skips the probe.  The
+        running config is updated too, so this gateway does not take the vault change for a new config."""
+        detected = getattr(upstream.transport, "detected", None)
+        if not detected or upstream.config.get("transport") != "auto":
+            return
+        try:
+            with self.vault_lock:
+                self.vault.set_transport(upstream.name, detected)
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not remember its transport: %s", upstream.name, exc)
+            return
+        upstream.config["transport"] = detected
+        config = self.configs.get(upstream.name)
+        if config is not None:
+            config["transport"] = detected
 
     def on_down(self, upstream: Upstream) -> None:
         with self.lock:  # what the dead process asked of the client can no longer be answered
@@ -6648,7 +8017,9 @@ def _print_table(rows: list[list], headers: list[str]) -> None:
 def _command_text(server: dict) -> str:
     if server.get("damaged"):
         return "(damaged definition)"
-    return server["url"] if server["transport"] != "stdio" else " ".join(shlex.quote(p) for p in server["command"])
+    if server["transport"] == "stdio":
+        return " ".join(shlex.quote(p) for p in server["command"])
+    return server["url"] + (f" ({server['transport']})" if server["transport"] != "http" else "")
 
 
 def cmd_add(vault: Vault, args) -> int:
@@ -6677,7 +8048,7 @@ def cmd_add(vault: Vault, args) -> int:
     moved = moved_env + moved_headers
     earlier = vault.add_server(args.name, command=args.command or None, url=args.url, env=env, headers=headers,
                                cwd=args.cwd, policy=args.policy, timeout=args.timeout,
-                               inherit_env=args.inherit_env, replace=args.replace)
+                               inherit_env=args.inherit_env, replace=args.replace, **remote_add_options(args))
     if earlier:
         say(f"kept the earlier choices for {earlier} of {args.name}'s tools, prompts and resources "
             "(coffer show / coffer enable to change them)")
@@ -6686,10 +8057,10 @@ def cmd_add(vault: Vault, args) -> int:
             f"{', '.join('${' + name + '}' for name in moved)} (coffer secret list)")
     say(f"added {args.name}: {_command_text(vault.server(args.name))}")
     if args.url:
-        scheme, host, _ = url_origin(args.url)
-        if scheme == "http" and not is_loopback(host) and headers:
+        if url_origin(args.url) and url_origin(args.url)[0] == "http" and not is_loopback_url(args.url) and headers:
             log.warning("%s: its headers (credentials?) will cross the network unencrypted over plain http to %s; "
-                        "use https if the server offers it", args.name, host)
+                        "use https if the server offers it", args.name, origin_text(args.url))
+        report_remote_added(vault, args.name, vault.secrets)
     elif args.command and not shutil.which(args.command[0]) and not os.path.dirname(args.command[0]):
         log.warning("%s: %r is not on PATH here; the server will fail to start until it is installed",
                     args.name, args.command[0])
@@ -6698,6 +8069,7 @@ def cmd_add(vault: Vault, args) -> int:
 
 def cmd_remove(vault: Vault, args) -> int:
     vault.remove_server(args.name)
+    vault.secrets.delete(oauth_secret_name(args.name))  # a login belongs to that server only
     say(f"removed {args.name}")
     return 0
 
@@ -6933,6 +8305,128 @@ def cmd_config(vault: Vault, args) -> int:
     return 0
 
 
+def add_remote_arguments(p) -> None:
+    """The `coffer add` options for remote servers (call from build_parser after --url/--header)."""
+    p.add_argument("--transport", choices=REMOTE_TRANSPORTS, default=None,
+                   help="with --url: auto (default) asks the server; http = Streamable HTTP; sse = the legacy "
+                        "HTTP+SSE transport (2024-11-05)")
+    p.add_argument("--oauth-client-id", metavar="ID",
+                   help="with --url: an OAuth client you registered with the server's provider (else Coffer uses a "
+                        "client metadata document or registers itself)")
+    p.add_argument("--oauth-client-secret-env", metavar="VAR",
+                   help="the variable (environment, then `coffer secret`) holding that client's secret; the secret "
+                        "itself is never stored by Coffer")
+
+
+def add_auth_command(command) -> None:
+    """`coffer auth NAME [--logout]` (call from build_parser: ``add_auth_command(command)``)."""
+    p = command("auth", cmd_auth, "log in to an OAuth-protected remote server in your browser (or --logout)")
+    p.add_argument("name")
+    p.add_argument("--logout", action="store_true", help="forget the saved login (and revoke it where possible)")
+    p.add_argument("--scope", help="ask for these scopes (space-separated) instead of what the server suggests")
+    p.add_argument("--oauth-client-id", metavar="ID", help="use (and remember) this pre-registered OAuth client")
+    p.add_argument("--oauth-client-secret-env", metavar="VAR", help="the variable holding its secret")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the browser (default 300)")
+    p.add_argument("--no-browser", action="store_true", help="only print the address to open")
+
+
+def remote_add_options(args) -> dict:
+    """What cmd_add passes to Vault.add_server for a remote server: transport and the OAuth client settings."""
+    if not args.url:
+        if args.transport or args.oauth_client_id or args.oauth_client_secret_env:
+            raise CofferError("--transport and --oauth-* go with --url")
+        return {}
+    if args.oauth_client_secret_env and not ENV_KEY_RE.match(args.oauth_client_secret_env):
+        raise CofferError("--oauth-client-secret-env takes a variable name, not a secret")
+    if args.oauth_client_secret_env and not args.oauth_client_id:
+        raise CofferError("--oauth-client-secret-env goes with --oauth-client-id")
+    oauth = {key: value for key, value in (("client_id", args.oauth_client_id),
+                                           ("client_secret_env", args.oauth_client_secret_env)) if value}
+    return {"transport": args.transport or "auto", "oauth": oauth or None}
+
+
+def report_remote_added(vault: Vault, name: str, store) -> None:
+    """After `coffer add --url`: ask the server which transport it speaks (transport auto) and whether it needs
+    a login, and say so.  Nothing here is fatal: an unreachable server is detected at its first start."""
+    server = vault.server(name)
+    if server["transport"] != "auto":
+        return
+    missing: list[str] = []
+    url = expand_vars(server["url"], missing=missing, secrets=store)
+    headers = {k: expand_vars(v, missing=missing, secrets=store) for k, v in server["headers"].items()}
+    own_authorization = any(key.lower() == "authorization" for key in headers)
+    auth = None if own_authorization else OAuthCredentials(name, url, store)
+    try:
+        probe = probe_transport(name, url, headers, auth, timeout=10.0)
+    except NeedsLogin as exc:
+        vault.record_status(name, "failed", str(exc))  # `list` and the agent's instructions say so at once
+        say(f"{name} needs a login: run `coffer auth {name}`")
+        return
+    except UpstreamFailure as exc:
+        say(f"could not ask {name} which transport it speaks now ({printable(redact(str(exc)))[:300]}); "
+              "it will be detected at its first start")
+        return
+    vault.set_transport(name, probe.kind)
+    say(f"{name} speaks {probe.detail}")
+
+
+def cmd_auth(vault: Vault, args) -> int:
+    server = vault.server(args.name)
+    if server["transport"] == "stdio":
+        raise CofferError(f"{args.name} is a local (stdio) server: it takes credentials from --env, not a login")
+    store = vault.secrets
+    key = oauth_secret_name(args.name)
+    if args.logout:
+        text = store.get(key)
+        if text is None:
+            say(f"{args.name} had no saved login")
+            return 0
+        try:
+            grant = OAuthGrant.from_text(text)
+            redact.add(*grant.secret_values())
+            outcome = revoke_grant(grant, store)
+        except (ValueError, TypeError):
+            outcome = "the saved login was damaged"
+        store.delete(key)
+        vault.set_oauth(args.name, dict(server.get("oauth") or {}, login_at=None))
+        say(f"logged out of {args.name} ({outcome})")
+        return 0
+    missing: list[str] = []
+    url = expand_vars(server["url"], missing=missing, secrets=store)
+    headers = {k: expand_vars(v, missing=missing, secrets=store) for k, v in server["headers"].items()}
+    if any(k.lower() == "authorization" for k in headers):
+        raise CofferError(f"{args.name} is configured with its own Authorization header (--header); remove it "
+                          "to log in with OAuth")
+    oauth = dict(server.get("oauth") or {})
+    if args.oauth_client_id:
+        oauth["client_id"] = args.oauth_client_id
+        oauth.pop("client_secret_env", None)
+    if args.oauth_client_secret_env:
+        if not ENV_KEY_RE.match(args.oauth_client_secret_env):
+            raise CofferError("--oauth-client-secret-env takes a variable name, not a secret")
+        oauth["client_secret_env"] = args.oauth_client_secret_env
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    try:
+        grant = oauth_login(args.name, url, headers, oauth, store, vault.settings(), out=sys.stderr,
+                            open_browser=(lambda address: False) if args.no_browser else None,
+                            stdin=sys.stdin if interactive else None, timeout=args.timeout, scope=args.scope)
+    except UpstreamFailure as exc:
+        raise CofferError(f"login to {args.name} failed: {exc}") from None
+    except OAuthFailure as exc:
+        raise CofferError(f"login to {args.name} failed: {exc}") from None
+    if server["transport"] == "auto":
+        try:
+            probe = probe_transport(args.name, url, headers, OAuthCredentials(args.name, url, store), 15.0)
+            vault.set_transport(args.name, probe.kind)
+        except UpstreamFailure as exc:
+            log.warning("[%s] logged in, but could not ask which transport it speaks: %s", args.name, exc)
+    # Last, so a running gateway restarts the server once, with the new token (it compares the oauth column).
+    vault.set_oauth(args.name, dict(oauth, login_at=utcnow()))
+    vault.record_status(args.name, "logged in", "waiting for its next start")
+    say(f"logged in to {args.name}" + (f" (scopes: {printable(grant.scope)[:300]})" if grant.scope else ""))
+    return 0
+
+
 def cmd_serve(vault: Vault, args) -> int:
     vault.actor = "gateway"
 
@@ -6967,6 +8461,7 @@ examples:
   coffer secret set GITHUB_TOKEN          (asks for the value; or pipe it in)
   coffer add gh --env GITHUB_TOKEN='${GITHUB_TOKEN}' -- npx -y @modelcontextprotocol/server-github
   coffer add docs --url https://example.com/mcp --header 'Authorization=Bearer ${DOCS_TOKEN}'
+  coffer add linear --url https://mcp.linear.app/sse && coffer auth linear
   coffer list
   coffer tools
   coffer disable time__convert_time
@@ -7011,9 +8506,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "secret store")
     p.add_argument("--inherit-env", action="append", default=[], metavar="NAME",
                    help="also pass this variable of Coffer's own environment ('*': all of it)")
-    p.add_argument("--url", help="a remote server speaking MCP Streamable HTTP")
+    p.add_argument("--url", help="a remote server (Streamable HTTP or the legacy HTTP+SSE transport)")
     p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
                    help="HTTP header (with --url); a literal value goes to the secret store")
+    add_remote_arguments(p)
     p.add_argument("--cwd", help="working directory for the server process")
     p.add_argument("--timeout", type=float, help="per-call timeout in seconds (default: the call_timeout setting)")
     p.add_argument("--policy", choices=("enabled", "disabled"),
@@ -7022,6 +8518,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="change the definition of a server already registered, keeping its choices")
     p.set_defaults(command=[])
     command("remove", cmd_remove, "unregister a server").add_argument("name")
+    add_auth_command(command)
     p = command("list", cmd_list, "registered servers, their status and tool counts")
     p.add_argument("--json", action="store_true")
     p = command("tools", cmd_tools, "the aggregated tool catalogue, as a client sees it (starts every server)")
