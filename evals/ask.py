@@ -13,9 +13,9 @@ SOURCE.md).  Questions: ``evals/ask_data/questions.jsonl``, written for this pro
 answering location(s) as file + line range.  Coffer indexes the corpus as one source; every comparator indexes
 exactly the passages Coffer produced (heading path + text), so only ranking differs.
 
-Rankers: ``coffer`` (the default engine: FTS5 when this sqlite3 has it), ``coffer-fts5`` and ``coffer-bm25f``
-(both storage paths), ablations without pseudo-relevance feedback (``-noprf``, shown, not gated), ``hybrid``
-(with --embedder: Coffer's default engine fused with the embedder), and the comparators ``rank_bm25``
+Rankers: ``coffer-fts5`` and ``coffer-bm25f`` (both storage paths; the default engine, FTS5 when this sqlite3
+has it, is marked and gated), ``hybrid`` (with --embedder: the default engine fused with the embedder's
+ranking), and the comparators ``rank_bm25``
 (BM25Okapi on lowercased \\w+ tokens), ``bm25s`` (its default tokenizer and English stop words) and
 ``sqlite-fts5`` (SQLite FTS5 bm25() with the porter tokenizer, the question's words OR-ed).
 
@@ -157,9 +157,9 @@ def comparator_text(passage) -> str:
 class CofferRanker:
     """coffer.KnowledgeBase with a given engine / feedback / embedder, on its own vault in a temp folder."""
 
-    def __init__(self, coffer, home: Path, engine: str, feedback: bool = True, embedder=None):
-        self.kb = coffer.KnowledgeBase(str(home / f"{engine}-{feedback}-{bool(embedder)}.db"), str(home),
-                                       engine=engine, feedback=feedback, embedder=embedder)
+    def __init__(self, coffer, home: Path, engine: str, embedder=None):
+        self.kb = coffer.KnowledgeBase(str(home / f"{engine}-{bool(embedder)}.db"), str(home), engine=engine,
+                                       embedder=embedder)
         started = time.perf_counter()
         self.stats = self.kb.add_source(str(CORPUS_DIR), name="docs")
         self.build_ms = (time.perf_counter() - started) * 1000.0
@@ -285,11 +285,8 @@ def run(coffer, embedder_url: str | None = None, embedder_model: str = "all-Mini
         default_engine = engines[0]
         built: dict[str, CofferRanker] = {}
         for engine in engines:
-            for feedback in (True, False):
-                name = f"coffer-{engine}" + ("" if feedback else "-noprf")
-                say(f"indexing for {name}")
-                ranker = CofferRanker(coffer, home, engine, feedback)
-                built[name] = ranker
+            say(f"indexing for coffer-{engine}")
+            built[f"coffer-{engine}"] = CofferRanker(coffer, home, engine)
         passages = built[f"coffer-{default_engine}"].passages()
         ideal = {}
         refs = [PassageRef(p.path, p.lines[0], p.lines[1], p.text) for p in passages]
@@ -303,7 +300,7 @@ def run(coffer, embedder_url: str | None = None, embedder_model: str = "all-Mini
             say("embedding the corpus for hybrid")
             try:
                 embedder = coffer.Embedder(embedder_url, embedder_model, embedder_api)
-                ranker = CofferRanker(coffer, home, default_engine, True, embedder)
+                ranker = CofferRanker(coffer, home, default_engine, embedder)
                 results.append(evaluate("hybrid", ranker, questions, ideal, ranker.build_ms))
             except RankerUnavailable as exc:
                 results.append(Result("hybrid", error=str(exc)))
