@@ -158,8 +158,10 @@ class CofferRanker:
     """coffer.KnowledgeBase with a given engine / feedback / embedder, on its own vault in a temp folder."""
 
     def __init__(self, coffer, home: Path, engine: str, embedder=None):
+        # Generous embedder time budgets: the eval measures ranking quality, and a CPU-only model on a busy
+        # machine can take minutes for the corpus (the gateway's defaults are 120 s and 1 s).
         self.kb = coffer.KnowledgeBase(str(home / f"{engine}-{bool(embedder)}.db"), str(home), engine=engine,
-                                       embedder=embedder)
+                                       embedder=embedder, build_timeout=3600.0, query_timeout=120.0)
         started = time.perf_counter()
         self.stats = self.kb.add_source(str(CORPUS_DIR), name="docs")
         self.build_ms = (time.perf_counter() - started) * 1000.0

@@ -93,6 +93,9 @@ def test_passages_are_bounded_even_for_one_huge_line():
     assert passages and all(len(p.text) <= 500 for p in passages)
     assert all(p.first_line <= p.last_line for p in passages)
     assert any("paragraph 49" in p.text for p in passages)
+    hostile = coffer.split_passages("# " + "h" * 100_000 + "\n\nbody text\n", "markdown", limits)
+    assert any("body text" in p.text for p in hostile)
+    assert all(len(p.text) <= 500 and len(p.heading) <= 600 for p in hostile)
 
 
 # ------------------------------------------------------------------------------------------------------------
