@@ -174,6 +174,19 @@ def test_changed_sees_edits_new_and_deleted_files_without_reading(tmp_path, docs
     kb.close()
 
 
+def test_a_missing_root_keeps_its_index_until_it_is_back(tmp_path, docs):
+    kb = kb_for(tmp_path)
+    kb.add_source(str(docs), name="team")
+    parked = docs.rename(tmp_path / "parked")   # like an unmounted drive
+    stats = kb.reindex("team")[0]
+    assert stats.files_removed == 0 and any(reason.startswith("root unreadable") for reason in stats.skipped)
+    assert kb.changed() is False and kb.search("wifi password", 1)[0].path == "notes.txt"
+    parked.rename(docs)
+    (docs / "notes.txt").unlink()
+    assert kb.changed() is True and kb.reindex("team")[0].files_removed == 1
+    kb.close()
+
+
 def test_watcher_picks_up_an_edit_without_a_restart(tmp_path, docs):
     kb = kb_for(tmp_path)
     kb.add_source(str(docs), name="team")
