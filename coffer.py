@@ -14,14 +14,16 @@ One module, standard library only.  Sections, in the order data flows through th
     5. upstream supervisor: one server's connection, requests, lists and restarts; boundary checks
     6. catalogue: the merged, namespaced, filtered view of all upstreams
     7. search: the BM25F ranker behind coffer__search_tools (7b: optional semantic ranking)
-    8. gateway session: the MCP server a client talks to
-    9. client configs: import from, install into and diagnose the MCP clients a user has
-   10. command line
+    8. knowledge and memory: the user's documents and notes behind coffer__ask and coffer__remember
+    9. gateway session: the MCP server a client talks to
+   10. client configs: import from, install into and diagnose the MCP clients a user has
+   11. command line
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import contextlib
 import dataclasses
@@ -30,12 +32,14 @@ import errno
 import functools
 import hashlib
 import heapq
+import itertools
 import json
 import logging
 import math
 import os
 import queue
 import re
+import secrets
 import select
 import shlex
 import shutil
@@ -74,6 +78,8 @@ REQUEST_TIMEOUT = -32001
 SEPARATOR = "__"
 RESERVED_SERVER = "coffer"
 SEARCH_TOOL = "coffer__search_tools"
+ASK_TOOL = "coffer__ask"
+REMEMBER_TOOL = "coffer__remember"
 SERVER_NAME_RE = re.compile(r"^[a-zA-Z0-9-]{1,24}$")
 EXPOSED_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -97,6 +103,8 @@ DEFAULTS = {
     "max_message_bytes": 64 << 20,  # a longer line, HTTP body or SSE event fails that message, not the gateway
     "max_list_pages": 100,          # pages Coffer follows when an upstream paginates one list
     "max_list_items": 10_000,       # tools (prompts, resources...) kept per list per upstream
+    "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them
+    "ask_synthesis": "on",          # on: coffer__ask may ask the client's own model (sampling) for an answer
 }
 
 INSTRUCTIONS = (
@@ -1470,6 +1478,8 @@ def _checked_setting(key: str, raw):
         raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
     if key == "embedder_api" and value not in ("openai", "ollama"):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
+    if key in ("memory", "ask_synthesis") and value not in ("on", "off"):
+        raise CofferError(f"{key} must be on or off")
     if key == "max_message_bytes" and value < 4096:
         raise CofferError("max_message_bytes must be at least 4096")
     if isinstance(value, (int, float)) and value <= 0:
@@ -5077,7 +5087,1415 @@ class SemanticRanker:
 
 
 # ============================================================================================================
-# 8. Gateway session: the MCP server a client talks to
+# 8. Knowledge and memory: the user's documents and notes, one retrieval call away (coffer__ask / __remember)
+# ============================================================================================================
+#
+# A knowledge source is a folder of Markdown / plain text / reStructuredText.  Files are split into passages
+# along headings and paragraphs (each passage knows its file, heading path and line range), stored in coffer.db
+# (knowledge_sources, knowledge_files, knowledge_passages) and ranked by BM25F over Coffer's own analysed terms
+# (identifier splitting, stemming; heading, body and path fields).  Where the interpreter's sqlite3 has FTS5, an
+# FTS5 table over those terms finds the candidates on disk and BM25F re-scores them (no index in memory, nothing
+# to rebuild when a file changes); otherwise an in-memory BM25F index over all passages answers.  Both engines
+# give the same ranking (evals/ask.py measures both; a test checks it).  Pseudo-relevance feedback was tried and
+# dropped: on the eval it moved recall@5 by +0.01 at best on one engine and lowered it on the other.
+#
+# Indexing is incremental: a file whose (mtime, size) did not change is not read; one whose sha256 did not change
+# is not re-split.  With an embedder configured, passage vectors are cached in the embeddings table (model + text
+# hash) like tool vectors and fused with the lexical ranking; any embedder failure answers lexically.  Memory
+# notes are small Markdown files with front matter under COFFER_HOME/memory/, indexed as the reserved source
+# "memory".
+
+
+KNOWLEDGE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS knowledge_sources (
+    name TEXT PRIMARY KEY,
+    root TEXT NOT NULL,                      -- absolute path as the user gave it (memory: COFFER_HOME/memory)
+    globs TEXT NOT NULL,                     -- JSON list of glob patterns, relative to root
+    kind TEXT NOT NULL DEFAULT 'folder',     -- 'folder' or 'memory'
+    created_at TEXT NOT NULL,
+    indexed_at TEXT,
+    last_stats TEXT                          -- JSON of the last ReindexStats (counts only, never text)
+);
+CREATE TABLE IF NOT EXISTS knowledge_files (
+    id INTEGER PRIMARY KEY,
+    source TEXT NOT NULL,
+    path TEXT NOT NULL,                      -- relative to the source root, '/'-separated
+    mtime_ns INTEGER NOT NULL, size INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,                    -- '' when never read (over the size bound)
+    skipped TEXT,                            -- why it has no passages (binary, too large, unreadable), or NULL
+    indexed_at TEXT NOT NULL,
+    UNIQUE (source, path)
+);
+CREATE TABLE IF NOT EXISTS knowledge_passages (
+    id INTEGER PRIMARY KEY,
+    file_id INTEGER NOT NULL,
+    source TEXT NOT NULL, path TEXT NOT NULL,
+    heading TEXT NOT NULL,                   -- heading path, 'Title > Section > Subsection'
+    first_line INTEGER NOT NULL, last_line INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    heading_terms TEXT NOT NULL, body_terms TEXT NOT NULL, path_terms TEXT NOT NULL  -- analysed, space-joined
+);
+CREATE INDEX IF NOT EXISTS knowledge_passages_file ON knowledge_passages(file_id);
+CREATE INDEX IF NOT EXISTS knowledge_passages_source ON knowledge_passages(source);
+CREATE TABLE IF NOT EXISTS knowledge_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO knowledge_meta(key, value) VALUES ('generation', 0), ('fts_synced', 1);
+"""
+# The FTS5 table holds Coffer's analysed terms, not the raw text: FTS5's own tokenizer then only splits on the
+# spaces, and both ranking paths agree on what a term is.  rowid = knowledge_passages.id.
+KNOWLEDGE_FTS_SCHEMA = """
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts USING fts5(
+    heading, body, path, source UNINDEXED, tokenize = 'unicode61 remove_diacritics 0');
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_vocab USING fts5vocab(knowledge_fts, 'row');
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_columns USING fts5vocab(knowledge_fts, 'col');
+"""
+
+KNOWLEDGE_DEFAULT_GLOBS = ("*.md", "*.markdown", "*.txt", "*.rst")
+MEMORY_SOURCE = "memory"
+KNOWLEDGE_SOURCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
+MEMORY_ID_RE = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}$")
+MEMORY_TAG_RE = re.compile(r"^[\w.-]{1,32}$")
+# Folders that are never documentation and can hold huge trees; hidden folders (.git, .venv) are skipped anyway.
+KNOWLEDGE_SKIP_DIRS = frozenset({"node_modules", "__pycache__", "site-packages"})
+# Tool-search stop words minus the words that carry meaning in documentation ("development server", "--help").
+KNOWLEDGE_STOP_WORDS = STOP_WORDS - {"server", "help", "tool", "tools", "mcp"}
+_CONTROL_CHARS_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+ROOT_UNREADABLE = "root unreadable"
+
+
+class KnowledgeLimits(NamedTuple):
+    """Bounds on what one source may cost; hostile or accidental trees (a home folder, a 50 MB log) stay cheap."""
+
+    max_file_bytes: int = 4 << 20        # larger files are skipped, not truncated: half a document misleads
+    max_files: int = 20_000              # matching files per source
+    max_entries: int = 400_000           # directory entries looked at per walk (a bound on walk time)
+    max_depth: int = 32
+    max_passages_per_file: int = 2_000
+    passage_chars: int = 1_500           # a passage closes once it holds this much and the next block would overflow
+    passage_max_chars: int = 3_000       # hard bound; a longer block (code kept whole up to here) is cut by lines
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Splitting: Markdown, reStructuredText and plain text into passages along headings and paragraphs
+# ------------------------------------------------------------------------------------------------------------
+
+class Passage(NamedTuple):
+    """A piece of a file: the exact text of lines first_line..last_line (1-based, inclusive)."""
+
+    heading: str
+    first_line: int
+    last_line: int
+    text: str
+
+
+class _Block(NamedTuple):
+    kind: str          # 'heading', 'para' or 'code' (kept whole up to passage_max_chars)
+    first: int         # 0-based line indexes, inclusive
+    last: int
+    level: int = 0
+    title: str = ""
+
+
+_MD_FENCE_RE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+_MD_ATX_RE = re.compile(r"^ {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
+_MD_UNDERLINE_RE = re.compile(r"^ {0,3}(=+|-+)[ \t]*$")
+_MD_BREAK_RE = re.compile(r"^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$")
+_RST_ADORNMENT_RE = re.compile(r"^([!-/:-@\[-`{-~])\1{2,}[ \t]*$")
+_RST_DIRECTIVE_RE = re.compile(r"^([ \t]*)\.\.[ \t]+\S")
+_LIST_ITEM_RE = re.compile(r"^ {0,3}(?:[-+*]|\d{1,9}[.)])[ \t]")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def _markdown_blocks(lines: list[str]):
+    n, i, para = len(lines), 0, None
+    if n and lines[0].strip() == "---":  # front matter is metadata, not text
+        for j in range(1, min(n, 200)):
+            if lines[j].strip() in ("---", "..."):
+                i = j + 1
+                break
+    while i < n:
+        line = lines[i]
+        fence = _MD_FENCE_RE.match(line)
+        if fence:
+            if para is not None:
+                yield _Block("para", para, i - 1)
+                para = None
+            marker = fence.group(1)
+            closing = re.compile(r"^ {0,3}" + re.escape(marker[0]) + "{" + str(len(marker)) + r",}[ \t]*$")
+            j = i + 1
+            while j < n and not closing.match(lines[j]):
+                j += 1
+            end = min(j, n - 1)
+            yield _Block("code", i, end)
+            i = end + 1
+            continue
+        atx = _MD_ATX_RE.match(line)
+        if atx:
+            if para is not None:
+                yield _Block("para", para, i - 1)
+                para = None
+            yield _Block("heading", i, i, len(atx.group(1)), (atx.group(2) or "").strip())
+            i += 1
+            continue
+        if not line.strip() or (para is None and _MD_BREAK_RE.match(line)):
+            if para is not None:
+                yield _Block("para", para, i - 1)
+                para = None
+            i += 1
+            continue
+        if (para is None and i + 1 < n and _MD_UNDERLINE_RE.match(lines[i + 1])
+                and not _LIST_ITEM_RE.match(line) and _indent(line) < 4):
+            yield _Block("heading", i, i + 1, 1 if lines[i + 1].strip()[0] == "=" else 2, line.strip())
+            i += 2
+            continue
+        if para is None:
+            para = i
+        i += 1
+    if para is not None:
+        yield _Block("para", para, n - 1)
+
+
+def _rst_blocks(lines: list[str]):
+    """Sections from over/underlined titles (levels in order of first appearance, as reST defines them);
+    directives and '::' literal blocks are kept whole with their indented body, blank lines included."""
+    styles: list[tuple[str, bool]] = []
+
+    def level(style):
+        if style not in styles:
+            styles.append(style)
+        return styles.index(style) + 1
+
+    def indented_end(start: int, base: int) -> int:
+        """Last line of the indented body after ``start`` (lines blank or indented deeper than ``base``)."""
+        j = start + 1
+        while j < n and (not lines[j].strip() or _indent(lines[j]) > base):
+            j += 1
+        end = j - 1
+        while end > start and not lines[end].strip():
+            end -= 1
+        return end
+
+    n, i, para = len(lines), 0, None
+    while i < n:
+        line = lines[i]
+        stripped = line.strip()
+        if para is None and stripped and _RST_ADORNMENT_RE.match(line) and i + 2 < n and lines[i + 1].strip() \
+                and _RST_ADORNMENT_RE.match(lines[i + 2]) and lines[i + 2].strip()[0] == stripped[0]:
+            yield _Block("heading", i, i + 2, level((stripped[0], True)), lines[i + 1].strip())
+            i += 3
+            continue
+        if para is None and stripped and not line[0].isspace() and i + 1 < n \
+                and _RST_ADORNMENT_RE.match(lines[i + 1]) and not _RST_ADORNMENT_RE.match(line) \
+                and len(lines[i + 1].rstrip()) >= min(len(line.rstrip()), 3):
+            yield _Block("heading", i, i + 1, level((lines[i + 1].strip()[0], False)), stripped)
+            i += 2
+            continue
+        if not stripped:
+            if para is not None:
+                yield _Block("para", para, i - 1)
+                if lines[i - 1].rstrip().endswith("::"):  # the literal block that follows belongs to it
+                    end = indented_end(i - 1, _indent(lines[para]))
+                    if end > i - 1:
+                        yield _Block("code", i, end)
+                        i = end + 1
+                        para = None
+                        continue
+                para = None
+            i += 1
+            continue
+        directive = _RST_DIRECTIVE_RE.match(line)
+        if para is None and directive:
+            end = indented_end(i, len(directive.group(1)))
+            yield _Block("code", i, end)
+            i = end + 1
+            continue
+        if para is None:
+            para = i
+        i += 1
+    if para is not None:
+        yield _Block("para", para, n - 1)
+
+
+def _text_blocks(lines: list[str]):
+    para = None
+    for i, line in enumerate(lines):
+        if line.strip():
+            if para is None:
+                para = i
+        elif para is not None:
+            yield _Block("para", para, i - 1)
+            para = None
+    if para is not None:
+        yield _Block("para", para, len(lines) - 1)
+
+
+def document_kind(path: str) -> str:
+    """'markdown', 'rst' or 'text', from the file name."""
+    lower = path.lower()
+    if lower.endswith((".md", ".markdown", ".mdx")):
+        return "markdown"
+    if lower.endswith((".rst", ".rest")):
+        return "rst"
+    return "text"
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines as an editor numbers them: \\r\\n, \\r and \\n end a line; nothing else does (str.splitlines would
+    also break on form feeds and U+2028, shifting every line number after them)."""
+    return re.split(r"\r\n|\r|\n", text)
+
+
+def split_passages(text: str, kind: str, limits: KnowledgeLimits = KnowledgeLimits()) -> list[Passage]:
+    """Passages of a document, in order.  A passage never crosses a heading; paragraphs are packed up to about
+    ``limits.passage_chars``; a code block or directive stays whole up to ``limits.passage_max_chars``."""
+    lines = split_lines(text)
+    blocks = {"markdown": _markdown_blocks, "rst": _rst_blocks}.get(kind, _text_blocks)(lines)
+    passages: list[Passage] = []
+    stack: list[tuple[int, str]] = []
+    current: list[_Block] = []
+    size = 0
+
+    def emit(first: int, last: int, heading: str, text: str | None = None) -> None:
+        if len(passages) < limits.max_passages_per_file:
+            text = text if text is not None else "\n".join(lines[first:last + 1])
+            # Only a pathological heading line (megabytes on one line) can push a passage past the bound here.
+            passages.append(Passage(heading, first + 1, last + 1, text[:limits.passage_max_chars]))
+
+    def flush() -> None:
+        nonlocal current, size
+        body = [block for block in current if block.kind != "heading"]
+        if body:
+            heading = current[0]
+            heading_size = sum(len(lines[k]) + 1 for k in range(heading.first, heading.last + 1))
+            # The heading line opens its first passage, unless it is absurdly long (then the path says it all).
+            first = heading.first if heading_size <= limits.passage_max_chars // 4 else body[0].first
+            emit(first, current[-1].last, heading_path)
+        current, size = [], 0
+
+    heading_path = ""
+    for block in blocks:
+        if len(passages) >= limits.max_passages_per_file:
+            break
+        if block.kind == "heading":
+            flush()
+            while stack and stack[-1][0] >= block.level:
+                stack.pop()
+            stack.append((block.level, block.title[:200]))
+            heading_path = " > ".join(title for _, title in stack if title)[:600]
+            current = [block]
+            continue
+        block_size = sum(len(lines[k]) + 1 for k in range(block.first, block.last + 1))
+        has_body = any(b.kind != "heading" for b in current)
+        if has_body and size + block_size > limits.passage_chars:
+            flush()
+        if block_size <= limits.passage_max_chars:
+            current.append(block)
+            size += block_size
+            continue
+        # Too big to keep whole: cut by lines (one over-long line by characters), the pending heading first.
+        start = current[0].first if current and len(lines[current[0].first]) <= limits.passage_max_chars // 4 \
+            else block.first
+        current, size = [], 0
+        chunk_first, chunk_size = start, 0
+        for k in range(block.first, block.last + 1):
+            line_size = len(lines[k]) + 1
+            if chunk_size and chunk_size + line_size > limits.passage_max_chars:
+                emit(chunk_first, k - 1, heading_path)
+                chunk_first, chunk_size = k, 0
+            if line_size > limits.passage_max_chars:
+                for offset in range(0, len(lines[k]), limits.passage_max_chars):
+                    emit(k, k, heading_path, lines[k][offset:offset + limits.passage_max_chars])
+                chunk_first, chunk_size = k + 1, 0
+                continue
+            chunk_size += line_size
+        if chunk_size:
+            emit(chunk_first, block.last, heading_path)
+    flush()
+    return passages
+
+
+def parse_front_matter(text: str) -> tuple[dict, int]:
+    """(fields, index of the first body line) of a '---' front matter block; the small YAML subset memory notes
+    use (``key: value``, values as JSON or bare words, ``[a, b]`` lists).  Unparseable lines are ignored: a
+    human may have edited the file."""
+    lines = split_lines(text)
+    if not lines or lines[0].strip() != "---":
+        return {}, 0
+    fields: dict = {}
+    for j in range(1, min(len(lines), 200)):
+        line = lines[j]
+        if line.strip() in ("---", "..."):
+            return fields, j + 1
+        key, sep, raw = line.partition(":")
+        if not sep or not key.strip():
+            continue
+        raw = raw.strip()
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = [item.strip().strip("'\"") for item in raw[1:-1].split(",") if item.strip()] \
+                if raw.startswith("[") and raw.endswith("]") else raw
+        fields[key.strip().lower()] = value
+    return {}, 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Walking a source folder: globs, .gitignore, hidden files, symlinks, bounds
+# ------------------------------------------------------------------------------------------------------------
+
+def glob_regex(pattern: str, ignore_case: bool = True) -> re.Pattern:
+    """A glob as a regex on '/'-separated relative paths: ``*`` and ``?`` stay within a path segment, ``**``
+    crosses segments, ``[...]`` is a character class.  A pattern without '/' matches the name in any folder."""
+    anchored = "/" in pattern.rstrip("/")
+    pattern = pattern.strip("/")
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif c == "*":
+            out.append("[^/]*")
+            i += 1
+        elif c == "?":
+            out.append("[^/]")
+            i += 1
+        elif c == "[":
+            end = pattern.find("]", i + 2)
+            if end == -1:
+                out.append(r"\[")
+                i += 1
+            else:
+                body = pattern[i + 1:end].replace("\\", "\\\\")
+                out.append("[" + ("^" + body[1:] if body[:1] in "!^" else body) + "]")
+                i = end + 1
+        elif c == "\\" and i + 1 < len(pattern):
+            out.append(re.escape(pattern[i + 1]))
+            i += 2
+        else:
+            out.append(re.escape(c))
+            i += 1
+    return re.compile(("" if anchored else "(?:.*/)?") + "".join(out) + r"\Z",
+                      (re.IGNORECASE if ignore_case else 0) | re.DOTALL)
+
+
+class _IgnoreRule(NamedTuple):
+    regex: re.Pattern
+    negated: bool
+    dir_only: bool
+
+
+def parse_gitignore(text: str) -> list[_IgnoreRule]:
+    """The common .gitignore subset: comments, blank lines, ``!`` negation, trailing ``/`` (folders only), a
+    leading or inner ``/`` anchoring to the .gitignore's folder, ``*``, ``?``, ``**``, ``[...]``, ``\\`` escapes."""
+    rules = []
+    for raw in split_lines(text)[:5_000]:
+        line = raw.rstrip()
+        if raw.endswith("\\ "):          # an escaped trailing space is part of the pattern
+            line += " "
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        if negated:
+            line = line[1:]
+        elif line.startswith("\\"):     # \! and \# stand for themselves
+            line = line[1:] if line[1:2] in ("!", "#") else line
+        dir_only = line.endswith("/")
+        line = line.rstrip("/")
+        if not line:
+            continue
+        anchored = "/" in line
+        try:
+            regex = glob_regex(("/" + line.lstrip("/")) if anchored else line, ignore_case=False)
+        except re.error:
+            continue
+        rules.append(_IgnoreRule(regex, negated, dir_only))
+    return rules
+
+
+def _ignored(rule_sets: list[tuple[str, list[_IgnoreRule]]], relative: str, is_dir: bool) -> bool:
+    """Git semantics: rules from the root .gitignore down, the last matching rule wins."""
+    ignored = False
+    for base, rules in rule_sets:
+        if base and not relative.startswith(base + "/"):
+            continue
+        inner = relative[len(base) + 1:] if base else relative
+        for rule in rules:
+            if (not rule.dir_only or is_dir) and rule.regex.match(inner):
+                ignored = not rule.negated
+    return ignored
+
+
+class FoundFile(NamedTuple):
+    path: str            # relative to the source root, '/'-separated
+    absolute: str
+    mtime_ns: int
+    size: int
+
+
+def _bad_name(name: str) -> bool:
+    """Names with control characters (a newline, an escape sequence) or bytes that are not text."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return True
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:   # undecodable bytes arrive as surrogates (PEP 383)
+        return True
+    return False
+
+
+def walk_source(root: str, globs, limits: KnowledgeLimits, skipped: collections.Counter) -> list[FoundFile]:
+    """The files of a source that match its globs, sorted by path.  Hidden entries, .gitignored entries, bad
+    names and symlinks leaving the root are skipped (counted in ``skipped`` by reason); symlink loops are cut by
+    remembering each folder's (device, inode); the walk stops at the limits with a warning."""
+    try:
+        root_real = os.path.realpath(root)
+        root_stat = os.stat(root_real)
+    except OSError as exc:
+        skipped[f"{ROOT_UNREADABLE}: {exc.strerror or exc}"] += 1
+        return []
+    if stat.S_ISREG(root_stat.st_mode):   # a single file given as the source
+        return [FoundFile(os.path.basename(root_real), root_real, root_stat.st_mtime_ns, root_stat.st_size)]
+    matchers = [glob_regex(g) for g in globs]
+    found: list[FoundFile] = []
+    seen_dirs = {(root_stat.st_dev, root_stat.st_ino)}
+    stack: list[tuple[str, str, int, list]] = [(root_real, "", 0, [])]
+    entries = 0
+    while stack:
+        folder, relative_folder, depth, rule_sets = stack.pop()
+        rule_sets = list(rule_sets)
+        gitignore = os.path.join(folder, ".gitignore")
+        try:
+            if os.path.isfile(gitignore) and os.path.getsize(gitignore) <= 256 << 10:
+                with open(gitignore, encoding="utf-8", errors="replace") as handle:
+                    rule_sets.append((relative_folder, parse_gitignore(handle.read())))
+        except OSError:
+            pass
+        try:
+            with os.scandir(folder) as iterator:
+                children = sorted(iterator, key=lambda entry: entry.name)
+        except OSError:
+            skipped["unreadable folder"] += 1
+            continue
+        for entry in children:
+            entries += 1
+            if entries > limits.max_entries or len(found) >= limits.max_files:
+                skipped["over the walk limits"] += 1   # reindex warns; changed() polls quietly
+                return sorted(found)
+            name = entry.name
+            if name.startswith("."):
+                continue
+            if _bad_name(name):
+                skipped["bad file name"] += 1
+                continue
+            relative = f"{relative_folder}/{name}" if relative_folder else name
+            try:
+                is_link = entry.is_symlink()
+                info = entry.stat()  # follows symlinks
+            except OSError:
+                skipped["unreadable"] += 1
+                continue
+            is_dir = stat.S_ISDIR(info.st_mode)
+            if _ignored(rule_sets, relative, is_dir):
+                continue
+            if is_link:
+                target = os.path.realpath(entry.path)
+                try:
+                    inside = os.path.commonpath([root_real, target]) == root_real
+                except ValueError:   # another drive (Windows)
+                    inside = False
+                if not inside:
+                    skipped["symlink outside the root"] += 1
+                    continue
+            if is_dir:
+                if name in KNOWLEDGE_SKIP_DIRS:
+                    continue
+                key = (info.st_dev, info.st_ino)
+                if key in seen_dirs:
+                    skipped["symlink loop"] += 1
+                    continue
+                if depth + 1 > limits.max_depth:
+                    skipped["too deep"] += 1
+                    continue
+                seen_dirs.add(key)
+                stack.append((entry.path, relative, depth + 1, rule_sets))
+            elif stat.S_ISREG(info.st_mode) and any(m.match(relative) for m in matchers):
+                found.append(FoundFile(relative, entry.path, info.st_mtime_ns, info.st_size))
+    return sorted(found)
+
+
+def read_document(absolute: str, limits: KnowledgeLimits) -> tuple[str | None, str, str]:
+    """(text or None, sha256, why not): binary files and files over the size bound give None."""
+    try:
+        with open(absolute, "rb") as handle:
+            data = handle.read(limits.max_file_bytes + 1)
+    except OSError as exc:
+        return None, "", f"unreadable ({exc.strerror or exc})"
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) > limits.max_file_bytes:
+        return None, digest, "too large"
+    if b"\x00" in data[:8192]:
+        return None, digest, "binary"
+    text = data.decode("utf-8", errors="replace")
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text, digest, ""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Analysis and ranking
+# ------------------------------------------------------------------------------------------------------------
+
+def knowledge_terms(text: str) -> tuple[str, ...]:
+    """Index/query terms of a passage or question: Coffer's word splitting and stemmer, documentation stop words."""
+    if text.isascii():
+        # _words treats each ASCII word on its own, so a cache per distinct word gives the same terms ~4x faster
+        # (documents repeat their words; indexing 10k passages is mostly this function).
+        return tuple(itertools.chain.from_iterable(map(_word_terms, _WORD_RE.findall(text))))
+    return tuple(stem(word) for word in _words(text) if word not in KNOWLEDGE_STOP_WORDS)
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _word_terms(word: str) -> tuple[str, ...]:
+    return tuple(stem(part) for part in _words(word) if part not in KNOWLEDGE_STOP_WORDS)
+
+
+def _path_words(path: str) -> str:
+    stem_part = path.rsplit(".", 1)[0] if "." in path.rsplit("/", 1)[-1] else path
+    return " ".join(knowledge_terms(stem_part.replace("/", " ").replace("-", " ").replace("_", " ")))
+
+
+class PassageIndex:
+    """Coffer's own BM25F over passages (heading, body and path fields), used where sqlite3 lacks FTS5.
+
+    Immutable once built: searches on any thread read it while a rebuild makes a new one.  Postings are compact
+    arrays (8 bytes a posting), with the BM25 weight of each (term, passage) computed once at build time.
+    """
+
+    FIELDS = (("heading", 2.0, 0.5), ("body", 1.0, 0.75), ("path", 0.7, 0.3))
+    K1 = 1.2
+
+    def __init__(self, rows):
+        """``rows``: (passage id, source, heading terms, body terms, path terms), terms space-joined."""
+        self.ids: list[int] = []
+        self.sources: list[str] = []
+        fields_per_doc = []
+        for passage_id, source, heading, body, path in rows:
+            self.ids.append(passage_id)
+            self.sources.append(source)
+            fields_per_doc.append((heading.split(), body.split(), path.split()))
+        n = len(self.ids)
+        averages = [(sum(len(doc[f]) for doc in fields_per_doc) / n if n else 0.0) or 1.0
+                    for f in range(len(self.FIELDS))]
+        raw: dict[str, tuple[array.array, array.array]] = {}
+        for doc_id, doc in enumerate(fields_per_doc):
+            tf: dict[str, float] = {}
+            for f, (_, weight, b) in enumerate(self.FIELDS):
+                terms = doc[f]
+                if terms:
+                    norm = weight / (1.0 - b + b * len(terms) / averages[f])
+                    for term in terms:
+                        tf[term] = tf.get(term, 0.0) + norm
+            for term, value in tf.items():
+                posting = raw.get(term)
+                if posting is None:
+                    posting = raw[term] = (array.array("i"), array.array("f"))
+                posting[0].append(doc_id)
+                posting[1].append(value)
+        k1 = self.K1
+        for term, (docs, values) in raw.items():
+            idf = math.log(1.0 + (n - len(docs) + 0.5) / (len(docs) + 0.5))
+            for k, value in enumerate(values):
+                values[k] = idf * value / (k1 + value)
+        self.postings = raw
+        self.count = n
+
+    def document_frequency(self, term: str) -> int:
+        posting = self.postings.get(term)
+        return len(posting[0]) if posting else 0
+
+    def rank(self, weights: dict[str, float], limit: int, sources: frozenset | None = None):
+        """Best ``limit`` (passage id, score), best first."""
+        scores: dict[int, float] = collections.defaultdict(float)
+        for term, weight in weights.items():
+            posting = self.postings.get(term)
+            if posting:
+                for doc_id, value in zip(*posting):
+                    scores[doc_id] += weight * value
+        if sources is not None:
+            scores = {d: s for d, s in scores.items() if self.sources[d] in sources}
+        best = heapq.nlargest(limit, scores.items(), key=lambda item: (item[1], -item[0]))
+        return [(self.ids[doc_id], score) for doc_id, score in best if score > 0.0]
+
+
+class KnowledgeHit(NamedTuple):
+    """One retrieved passage, as coffer__ask returns it."""
+
+    source: str
+    path: str
+    heading: str
+    lines: tuple[int, int]
+    text: str
+    score: float
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "path": self.path, "heading": self.heading, "lines": list(self.lines),
+                "text": self.text, "score": self.score}
+
+
+class KnowledgeAnswer(NamedTuple):
+    passages: list[KnowledgeHit]
+    total_searched: int
+    ranker: str            # 'fts5', 'bm25f', or either with '+hybrid'
+    note: str | None       # why a fallback happened (embedder down, vectors not ready)
+
+
+class KnowledgeSource(NamedTuple):
+    name: str
+    root: str
+    globs: tuple[str, ...]
+    kind: str
+    files: int
+    passages: int
+    indexed_at: str | None
+
+
+class ReindexStats(NamedTuple):
+    """What one reindex of one source did; counts only (the log may show it: no text, no question)."""
+
+    source: str
+    files_seen: int
+    files_read: int          # files whose (mtime, size) changed, so their bytes were read and hashed
+    files_added: int
+    files_changed: int       # content changed: re-split and re-indexed
+    files_removed: int
+    files_unchanged: int
+    passages_added: int
+    passages_removed: int
+    skipped: dict            # reason -> count (binary, too large, symlink outside the root, ...)
+    seconds: float
+
+
+class MemoryNote(NamedTuple):
+    id: str
+    time: str
+    client: str
+    tags: tuple[str, ...]
+    text: str
+
+
+class _Snapshot(NamedTuple):
+    generation: int
+    counts: dict               # source -> passages
+    lexical: PassageIndex | None     # the in-memory index (engine 'bm25f' only)
+    averages: tuple            # average field lengths in terms (heading, body, path), for re-scoring FTS5 hits
+
+
+_FTS5_AVAILABLE: bool | None = None
+
+
+def fts5_available() -> bool:
+    """Whether this interpreter's sqlite3 was built with FTS5 (checked once)."""
+    global _FTS5_AVAILABLE
+    if _FTS5_AVAILABLE is None:
+        try:
+            probe = sqlite3.connect(":memory:")
+            probe.execute("CREATE VIRTUAL TABLE probe USING fts5(x)")
+            probe.close()
+            _FTS5_AVAILABLE = True
+        except sqlite3.Error:
+            _FTS5_AVAILABLE = False
+    return _FTS5_AVAILABLE
+
+
+def passage_embedding_text(heading: str, text: str) -> str:
+    return f"{heading}\n{text}"[:2000] if heading else text[:2000]
+
+
+class KnowledgeBase:
+    """Owns the knowledge tables of coffer.db, the memory folder, and the in-memory indexes over them.
+
+    Threads: ``search``/``ask``/``sources``/``memories``/``memory``/``changed`` may run on any thread at once
+    (each thread reads through its own SQLite connection; WAL lets them read while a write is under way).
+    ``add_source``/``remove_source``/``reindex``/``remember``/``forget`` are writers: serialized by a lock in this
+    process and by SQLite's write lock across processes; they may run on any thread (the gateway's watcher
+    thread reindexes while worker threads search).  With an embedder, one daemon thread embeds new passages.
+    """
+
+    FTS_CANDIDATES = 100       # FTS5 hits re-scored by BM25F (50 gave the same eval results; 100 is margin)
+    FTS_COMMON_SHARE = 0.2     # terms in more than this share of passages do not pick candidates (see _lexical)
+    CANDIDATES = 50            # lexical and semantic candidates fused in hybrid mode
+    EMBED_CHUNK = 256          # passages embedded (and saved) per embedder call
+    # Lexical share of the hybrid blend.  Documentation passages are long and the question's exact words matter;
+    # on evals/ask.py with all-MiniLM-L6-v2, 0.7-0.8 was a plateau (nDCG@10 0.860 against 0.838 lexical) while
+    # tool search's 0.45 made the hybrid worse than lexical alone (0.821).
+    HYBRID_ALPHA = 0.75
+    MEMORY_MAX_CHARS = 16_000
+    QUESTION_MAX_CHARS = 2_000
+
+    def __init__(self, db_path: str, home: str, *, embedder: "Embedder | None" = None, engine: str = "auto",
+                 query_timeout: float = 1.0, build_timeout: float = 120.0,
+                 limits: KnowledgeLimits = KnowledgeLimits()):
+        if engine not in ("auto", "fts5", "bm25f"):
+            raise CofferError(f"knowledge engine must be auto, fts5 or bm25f, not {engine!r}")
+        if engine == "fts5" and not fts5_available():
+            raise CofferError("this Python's sqlite3 has no FTS5; use engine 'bm25f'")
+        self.db_path, self.home, self.limits = db_path, home, limits
+        self.engine = "fts5" if engine == "fts5" or (engine == "auto" and fts5_available()) else "bm25f"
+        self.memory_dir = os.path.join(home, "memory")
+        self._write_lock = threading.Lock()
+        self._snapshot_lock = threading.Lock()
+        self._snapshot: _Snapshot | None = None
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._writer = Vault._connect(db_path)
+        self._writer.executescript(KNOWLEDGE_SCHEMA)
+        if fts5_available():
+            self._prepare_fts()
+        self.embedder, self.query_timeout, self.build_timeout = embedder, query_timeout, build_timeout
+        self._vectors: dict[str, list[float]] = {}
+        self._semantic: tuple[list[int], SemanticIndex] | None = None  # (passage id per row, index)
+        self._embed_wanted = threading.Event()
+        self._embed_lock = threading.Lock()   # the background thread and ensure_vectors embed one at a time
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
+        # Memory notes join searches without a 'sources' filter only when the user turned memory on (the gateway
+        # sets this from 'coffer config memory'); an explicit sources=['memory'] always reaches them.
+        self.memory_enabled = True
+        if embedder is not None:
+            self._ensure_embedding_table()
+            self._embed_wanted.set()
+            threading.Thread(target=self._embed_loop, name="coffer-knowledge-embedder", daemon=True).start()
+
+    # -- connections ---------------------------------------------------------------------------------------
+    def _reader(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = Vault._connect(self.db_path)
+            with self._readers_lock:
+                self._readers.append(db)
+        return db
+
+    def close(self) -> None:
+        self._closed.set()
+        self._embed_wanted.set()
+        with self._readers_lock:
+            for db in self._readers:
+                try:
+                    db.close()
+                except sqlite3.Error:
+                    pass
+            self._readers.clear()
+        with self._write_lock:
+            self._writer.close()
+
+    def _generation(self, db) -> int:
+        return db.execute("SELECT value FROM knowledge_meta WHERE key='generation'").fetchone()[0]
+
+    def _prepare_fts(self) -> None:
+        """Create the FTS5 tables, set their ranking, and rebuild them if a Python without FTS5 wrote passages
+        since (it cannot update them)."""
+        self._writer.executescript(KNOWLEDGE_FTS_SCHEMA)
+        # The configured rank lets 'ORDER BY rank' take FTS5's own sorted path.  Stored in the table, so set once.
+        rank = self._writer.execute("SELECT v FROM knowledge_fts_config WHERE k='rank'").fetchone()
+        if not rank or rank[0] != "bm25(2.0, 1.0, 0.7)":
+            with self._write_lock, _Transaction(self._writer) as db:
+                db.execute("INSERT INTO knowledge_fts(knowledge_fts, rank) VALUES ('rank', 'bm25(2.0, 1.0, 0.7)')")
+        row = self._writer.execute("SELECT value FROM knowledge_meta WHERE key='fts_synced'").fetchone()
+        if row and row[0]:
+            return
+        with self._write_lock, _Transaction(self._writer) as db:
+            db.execute("DELETE FROM knowledge_fts")
+            db.execute("INSERT INTO knowledge_fts(rowid, heading, body, path, source) SELECT id, heading_terms,"
+                       " body_terms, path_terms, source FROM knowledge_passages")
+            db.execute("UPDATE knowledge_meta SET value=1 WHERE key='fts_synced'")
+        log.warning("knowledge: full-text index rebuilt (passages were written by a Python without FTS5)")
+
+    # -- sources -------------------------------------------------------------------------------------------
+    def add_source(self, path: str, name: str | None = None, globs=None) -> ReindexStats:
+        """Register a folder (or one file) and index it; the stats name the source."""
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise CofferError("give the path of a folder to add")
+        root = os.path.abspath(os.path.expanduser(path))
+        if not os.path.exists(root):
+            raise CofferError(f"{root} does not exist")
+        if name is None:
+            name = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(root.rstrip(os.sep)) or "docs").strip("-.")[:48]
+            name = name if name and KNOWLEDGE_SOURCE_RE.match(name) else "docs"
+        if not isinstance(name, str) or not KNOWLEDGE_SOURCE_RE.match(name):
+            raise CofferError(f"bad source name {name!r}: use letters, digits, '.', '_' or '-' (at most 48)")
+        if name.lower() == MEMORY_SOURCE:
+            raise CofferError(f"{MEMORY_SOURCE!r} is reserved for memory notes (coffer memory ...)")
+        globs = tuple(globs) if globs else KNOWLEDGE_DEFAULT_GLOBS
+        if len(globs) > 32 or not all(isinstance(g, str) and g and len(g) <= 200 and "\x00" not in g for g in globs):
+            raise CofferError("globs must be at most 32 non-empty patterns of at most 200 characters")
+        for pattern in globs:
+            try:
+                glob_regex(pattern)
+            except re.error as exc:
+                raise CofferError(f"bad glob {pattern!r}: {exc}") from None
+        with self._write_lock, _Transaction(self._writer) as db:
+            if db.execute("SELECT 1 FROM knowledge_sources WHERE lower(name)=lower(?)", (name,)).fetchone():
+                raise CofferError(f"knowledge source {name!r} already exists; remove it first or pick another name")
+            db.execute("INSERT INTO knowledge_sources(name, root, globs, kind, created_at) VALUES (?,?,?,?,?)",
+                       (name, root, dumps(list(globs)), "folder", utcnow()))
+        return self.reindex(name)[0]
+
+    def remove_source(self, name: str) -> None:
+        if name == MEMORY_SOURCE:
+            raise CofferError("memory notes are removed with 'coffer memory rm ID'")
+        with self._write_lock, _Transaction(self._writer) as db:
+            if not db.execute("SELECT 1 FROM knowledge_sources WHERE name=?", (name,)).fetchone():
+                raise CofferError(f"unknown knowledge source {name!r}")
+            self._delete_passages(db, "source=?", (name,))
+            db.execute("DELETE FROM knowledge_files WHERE source=?", (name,))
+            db.execute("DELETE FROM knowledge_sources WHERE name=?", (name,))
+            self._bump(db)
+        self._refresh_snapshot()
+
+    def sources(self) -> list[KnowledgeSource]:
+        db = self._reader()
+        files = dict(db.execute("SELECT source, count(*) FROM knowledge_files GROUP BY source").fetchall())
+        passages = dict(db.execute("SELECT source, count(*) FROM knowledge_passages GROUP BY source").fetchall())
+        return [KnowledgeSource(row["name"], row["root"], tuple(json.loads(row["globs"])), row["kind"],
+                                files.get(row["name"], 0), passages.get(row["name"], 0), row["indexed_at"])
+                for row in db.execute("SELECT * FROM knowledge_sources ORDER BY name")]
+
+    def _source_rows(self, db, name: str | None):
+        rows = db.execute("SELECT * FROM knowledge_sources" + (" WHERE name=?" if name else "") + " ORDER BY name",
+                          (name,) if name else ()).fetchall()
+        if name and not rows:
+            raise CofferError(f"unknown knowledge source {name!r}")
+        return rows
+
+    # -- indexing ------------------------------------------------------------------------------------------
+    def _bump(self, db) -> None:
+        db.execute("UPDATE knowledge_meta SET value=value+1 WHERE key='generation'")
+
+    def _delete_passages(self, db, where: str, args: tuple) -> int:
+        if fts5_available():
+            db.execute(f"DELETE FROM knowledge_fts WHERE rowid IN (SELECT id FROM knowledge_passages WHERE {where})",
+                       args)
+        else:
+            db.execute("UPDATE knowledge_meta SET value=0 WHERE key='fts_synced'")
+        return db.execute(f"DELETE FROM knowledge_passages WHERE {where}", args).rowcount
+
+    def reindex(self, name: str | None = None) -> list[ReindexStats]:
+        """Bring one source (or all) up to date with its files; only changed files are read and re-split."""
+        rows = self._source_rows(self._reader(), name)
+        stats = [self._reindex_source(row) for row in rows]
+        self._refresh_snapshot()
+        if self.embedder is not None:
+            self._embed_wanted.set()
+        return stats
+
+    def _reindex_source(self, source) -> ReindexStats:
+        started = time.monotonic()
+        name, kind = source["name"], source["kind"]
+        skipped: collections.Counter = collections.Counter()
+        found = walk_source(source["root"], tuple(json.loads(source["globs"])), self.limits, skipped)
+        stored = {row["path"]: row for row in self._reader().execute(
+            "SELECT id, path, mtime_ns, size, sha256, skipped FROM knowledge_files WHERE source=?", (name,))}
+        counts: collections.Counter = collections.Counter()
+        # (file, sha256, passages or None, why it has none): None without a reason = same content, new stat.
+        pending: list[tuple[FoundFile, str, list[Passage] | None, str | None]] = []
+        for found_file in found:
+            row = stored.get(found_file.path)
+            if row is not None and (row["mtime_ns"], row["size"]) == (found_file.mtime_ns, found_file.size):
+                counts["unchanged"] += 1
+                if row["skipped"]:
+                    skipped[row["skipped"]] += 1
+                continue
+            if found_file.size > self.limits.max_file_bytes:
+                text, digest, why_not = None, "", "too large"   # never read: a 50 MB log costs one stat
+            else:
+                text, digest, why_not = read_document(found_file.absolute, self.limits)
+                counts["read"] += 1
+            if text is None:
+                skipped[why_not] += 1
+                pending.append((found_file, digest, None, why_not))
+            elif row is not None and row["sha256"] == digest and not row["skipped"]:
+                counts["unchanged"] += 1        # touched, not changed: keep its passages
+                pending.append((found_file, digest, None, None))
+            else:
+                counts["changed" if row is not None else "added"] += 1
+                pending.append((found_file, digest, self._split(kind, found_file.path, text), None))
+            if len(pending) >= 200:   # write in batches: short write transactions, bounded memory
+                self._write_files(name, pending, counts)
+                pending = []
+        if pending:
+            self._write_files(name, pending, counts)
+        present = {f.path for f in found}
+        # A folder that is gone for now (an unmounted drive, a renamed parent) keeps its index until it is back.
+        root_missing = any(reason.startswith(ROOT_UNREADABLE) for reason in skipped)
+        gone = [] if root_missing else [row for path, row in stored.items() if path not in present]
+        with self._write_lock, _Transaction(self._writer) as db:
+            for row in gone:
+                counts["passages_removed"] += self._delete_passages(db, "file_id=?", (row["id"],))
+                db.execute("DELETE FROM knowledge_files WHERE id=?", (row["id"],))
+            if gone:
+                self._bump(db)
+            result = ReindexStats(name, len(found), counts["read"], counts["added"], counts["changed"], len(gone),
+                                  counts["unchanged"], counts["passages_added"], counts["passages_removed"],
+                                  dict(skipped), round(time.monotonic() - started, 3))
+            db.execute("UPDATE knowledge_sources SET indexed_at=?, last_stats=? WHERE name=?",
+                       (utcnow(), dumps(result._asdict()), name))
+        if skipped.get("over the walk limits"):
+            log.warning("knowledge: source %s is over the walk limits (%d files, %d entries); the rest is not "
+                        "indexed", name, self.limits.max_files, self.limits.max_entries)
+        return result
+
+    def _split(self, kind: str, path: str, text: str) -> list[Passage]:
+        text = redact(_CONTROL_CHARS_RE.sub("\ufffd", text))  # a known secret in a document stays out of coffer.db
+        if kind != "memory":
+            return split_passages(text, document_kind(path), self.limits)
+        fields, body_start = parse_front_matter(text)
+        tags = fields.get("tags") if isinstance(fields.get("tags"), list) else []
+        heading = "memory" + (": " + ", ".join(str(t) for t in tags[:16]) if tags else "")
+        return [p._replace(heading=heading) for p in split_passages(text, "markdown", self.limits)
+                if p.last_line > body_start]
+
+    def _write_files(self, name: str, pending, counts: collections.Counter) -> None:
+        now = utcnow()
+        with self._write_lock, _Transaction(self._writer) as db:
+            for found_file, digest, passages, why_not in pending:
+                row = db.execute("SELECT id, sha256, skipped FROM knowledge_files WHERE source=? AND path=?",
+                                 (name, found_file.path)).fetchone()
+                same = row is not None and row["sha256"] == digest and not row["skipped"]
+                if row is not None and ((passages is None and why_not is None) or (same and passages is not None)):
+                    # Same content (or another process indexed it meanwhile): remember the new stat only.
+                    db.execute("UPDATE knowledge_files SET mtime_ns=?, size=? WHERE id=?",
+                               (found_file.mtime_ns, found_file.size, row["id"]))
+                    continue
+                if row is not None:
+                    counts["passages_removed"] += self._delete_passages(db, "file_id=?", (row["id"],))
+                    db.execute("UPDATE knowledge_files SET mtime_ns=?, size=?, sha256=?, skipped=?, indexed_at=?"
+                               " WHERE id=?", (found_file.mtime_ns, found_file.size, digest, why_not, now, row["id"]))
+                    file_id = row["id"]
+                else:
+                    file_id = db.execute("INSERT INTO knowledge_files(source, path, mtime_ns, size, sha256, skipped,"
+                                         " indexed_at) VALUES (?,?,?,?,?,?,?)",
+                                         (name, found_file.path, found_file.mtime_ns, found_file.size, digest,
+                                          why_not, now)).lastrowid
+                if not passages:
+                    continue
+                path_terms = _path_words(found_file.path)
+                rows = [(file_id, name, found_file.path, p.heading, p.first_line, p.last_line, p.text,
+                         " ".join(knowledge_terms(p.heading)), " ".join(knowledge_terms(p.text)), path_terms)
+                        for p in passages]
+                db.executemany(
+                    "INSERT INTO knowledge_passages(file_id, source, path, heading, first_line, last_line, text,"
+                    " heading_terms, body_terms, path_terms) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
+                counts["passages_added"] += len(rows)
+                if fts5_available():
+                    db.execute("INSERT INTO knowledge_fts(rowid, heading, body, path, source) SELECT id,"
+                               " heading_terms, body_terms, path_terms, source FROM knowledge_passages WHERE"
+                               " file_id=?", (file_id,))
+                else:
+                    db.execute("UPDATE knowledge_meta SET value=0 WHERE key='fts_synced'")
+            self._bump(db)
+
+    def changed(self) -> bool:
+        """Whether any source's files differ from the index (added, removed, or a new mtime/size).
+
+        Cost: one directory listing per folder and one stat per matching file, no file is read -- measured 25 ms
+        for 1,368 files and 0.5 s for 20,000 (the per-source cap) on a busy 2-core machine.  ``start_watcher``
+        polls every 2 s and stretches the interval to 50x the last check, so polling stays under ~2% of a core.
+        """
+        db = self._reader()
+        for source in self._source_rows(db, None):
+            skipped: collections.Counter = collections.Counter()
+            found = walk_source(source["root"], tuple(json.loads(source["globs"])), self.limits, skipped)
+            if any(reason.startswith(ROOT_UNREADABLE) for reason in skipped):
+                continue   # nothing to compare with; reindex would keep the index as it is
+            stored = {row[0]: (row[1], row[2]) for row in db.execute(
+                "SELECT path, mtime_ns, size FROM knowledge_files WHERE source=?", (source["name"],))}
+            if stored != {f.path: (f.mtime_ns, f.size) for f in found}:
+                return True
+        return False
+
+    def start_watcher(self, interval: float = 2.0) -> None:
+        """Poll for file changes on a daemon thread and reindex when there are some (serve calls this once)."""
+        if self._watcher is not None:
+            return
+
+        def watch():
+            wait = interval
+            while not self._closed.wait(wait):
+                started = time.monotonic()
+                try:
+                    if self.changed():
+                        self.reindex()
+                except Exception:  # noqa: BLE001 - a bad folder must not end the watcher
+                    log.exception("knowledge: watching for file changes failed")
+                # Keep polling under ~2% of a core even for a huge source.
+                wait = max(interval, 50.0 * (time.monotonic() - started))
+
+        self._watcher = threading.Thread(target=watch, name="coffer-knowledge-watcher", daemon=True)
+        self._watcher.start()
+
+    # -- search --------------------------------------------------------------------------------------------
+    def _refresh_snapshot(self) -> _Snapshot:
+        """Rebuild the snapshot if the tables changed.  One builder at a time; searches on other threads keep
+        answering from the previous snapshot meanwhile (building the in-memory BM25F index of 10k passages takes
+        about a second; the FTS5 engine only reads counts)."""
+        with self._snapshot_lock:
+            db = self._reader()
+            db.execute("BEGIN")   # one consistent read: the generation and the rows it describes
+            try:
+                generation = self._generation(db)
+                if self._snapshot is not None and self._snapshot.generation == generation:
+                    return self._snapshot
+                counts = dict(db.execute("SELECT source, count(*) FROM knowledge_passages GROUP BY source"))
+                lexical, averages = None, (1.0, 1.0, 1.0)
+                if self.engine == "bm25f":
+                    lexical = PassageIndex(db.execute("SELECT id, source, heading_terms, body_terms, path_terms"
+                                                      " FROM knowledge_passages ORDER BY id"))
+                else:
+                    total = sum(counts.values()) or 1
+                    tokens = dict(db.execute("SELECT col, sum(cnt) FROM knowledge_fts_columns GROUP BY col"))
+                    averages = tuple((tokens.get(column) or 0) / total or 1.0
+                                     for column in ("heading", "body", "path"))
+            finally:
+                db.execute("COMMIT")
+            self._snapshot = _Snapshot(generation, counts, lexical, averages)
+            return self._snapshot
+
+    def _current_snapshot(self) -> _Snapshot:
+        snapshot = self._snapshot
+        if snapshot is not None and (snapshot.generation == self._generation(self._reader())
+                                     or self._snapshot_lock.locked()):
+            return snapshot   # current, or a rebuild is under way on another thread: answer from this one
+        return self._refresh_snapshot()
+
+    def query_weights(self, question: str) -> dict[str, float]:
+        weights: dict[str, float] = {}
+        for term in knowledge_terms(question):
+            weights[term] = 1.0
+        for term in translations(question):
+            weights[term] = max(weights.get(term, 0.0), TRANSLATION_WEIGHT)
+        return weights
+
+    def _lexical(self, snapshot: _Snapshot, weights: dict[str, float], limit: int, sources):
+        if self.engine == "bm25f":
+            return snapshot.lexical.rank(weights, limit, sources)
+        # FTS5 finds the candidates (its bm25() is a sum of per-column BM25, close to but not BM25F); BM25F then
+        # re-scores them exactly as PassageIndex would, so both engines rank alike.
+        total = sum(snapshot.counts.values())
+        frequencies = self._document_frequencies(snapshot, [term for term in weights if term])
+        idf = {t: math.log(1.0 + (total - df + 0.5) / (df + 0.5)) for t, df in frequencies.items() if df}
+        if not idf:
+            return []
+        # Candidates come from the terms that discriminate: a term in more than a tenth of the passages makes FTS5
+        # score thousands of rows for little; it still counts when the candidates are re-scored.
+        by_rarity = sorted(idf, key=lambda t: frequencies[t])
+        probe = [t for t in by_rarity if frequencies[t] <= total * self.FTS_COMMON_SHARE] or by_rarity[:2]
+        query = " OR ".join('"' + term.replace('"', '""') + '"' for term in probe)
+        sql = "SELECT rowid FROM knowledge_fts WHERE knowledge_fts MATCH ?"
+        args: list = [query]
+        if sources is not None:
+            sql += f" AND source IN ({','.join('?' * len(sources))})"
+            args.extend(sorted(sources))
+        sql += " ORDER BY rank LIMIT ?"   # rank = bm25(2.0, 1.0, 0.7), set in _prepare_fts: ~2x faster than bm25()
+        args.append(max(limit, self.FTS_CANDIDATES))
+        db = self._reader()
+        try:
+            candidates = [row[0] for row in db.execute(sql, args)]
+        except sqlite3.OperationalError as exc:
+            log.warning("knowledge: full-text query failed (%s)", exc)
+            return []
+        if not candidates:
+            return []
+        rows = db.execute("SELECT id, heading_terms, body_terms, path_terms FROM knowledge_passages WHERE id IN"
+                          f" ({','.join('?' * len(candidates))})", candidates).fetchall()
+        fields = [(weight, b, average) for (_, weight, b), average in zip(PassageIndex.FIELDS, snapshot.averages)]
+        needles = [(" " + term + " ", query_weight * idf[term]) for term, query_weight in weights.items()
+                   if term in idf]
+        k1 = PassageIndex.K1
+        scored = []
+        for row in rows:
+            # Terms are space-joined; with every space doubled, non-overlapping matches of " term " count every
+            # occurrence (adjacent repeats included), and the counting runs in C.
+            padded, norms = [], []
+            for text, (weight, b, average) in zip(row[1:], fields):
+                length = text.count(" ") + 1 if text else 0
+                padded.append(" " + text.replace(" ", "  ") + " ")
+                norms.append(weight / (1.0 - b + b * length / average))
+            score = 0.0
+            for needle, term_weight in needles:
+                tf = norms[0] * padded[0].count(needle) + norms[1] * padded[1].count(needle) \
+                    + norms[2] * padded[2].count(needle)
+                if tf:
+                    score += term_weight * tf / (k1 + tf)
+            if score > 0.0:
+                scored.append((row[0], score))
+        return heapq.nlargest(limit, scored, key=lambda item: (item[1], -item[0]))
+
+    def _document_frequencies(self, snapshot, terms: list[str]) -> dict[str, int]:
+        if not terms:
+            return {}
+        if snapshot.lexical is not None:
+            return {t: snapshot.lexical.document_frequency(t) for t in terms}
+        found = {}
+        for start in range(0, len(terms), 500):
+            chunk = terms[start:start + 500]
+            found.update(self._reader().execute(
+                f"SELECT term, doc FROM knowledge_fts_vocab WHERE term IN ({','.join('?' * len(chunk))})",
+                chunk).fetchall())
+        return found
+
+    def passages(self, sources=None):
+        """Every indexed passage (score 0), in id order: for listing, exporting and the evals' comparators."""
+        snapshot = self._current_snapshot()
+        wanted = self._check_sources(snapshot, sources)
+        for row in self._reader().execute("SELECT source, path, heading, first_line, last_line, text FROM"
+                                          " knowledge_passages ORDER BY id"):
+            if wanted is None or row["source"] in wanted:
+                yield KnowledgeHit(row["source"], row["path"], row["heading"], (row["first_line"], row["last_line"]),
+                                   row["text"], 0.0)
+
+    def search(self, question: str, top_k: int = 5, sources=None) -> list[KnowledgeHit]:
+        return self.ask(question, top_k, sources).passages
+
+    def ask(self, question: str, top_k: int = 5, sources=None) -> KnowledgeAnswer:
+        """The passages that best answer ``question``, best first; never raises for an embedder problem."""
+        if not isinstance(question, str):
+            raise CofferError("question must be a string")
+        question = question.strip()[:self.QUESTION_MAX_CHARS]
+        try:
+            top_k = max(1, min(20, int(top_k)))
+        except (TypeError, ValueError):
+            raise CofferError("top_k must be an integer from 1 to 20") from None
+        snapshot = self._current_snapshot()
+        wanted = self._check_sources(snapshot, sources)
+        if wanted is None and not self.memory_enabled and snapshot.counts.get(MEMORY_SOURCE):
+            wanted = frozenset(snapshot.counts) - {MEMORY_SOURCE}
+        total = sum(count for source, count in snapshot.counts.items() if wanted is None or source in wanted)
+        if not question or not total:
+            return KnowledgeAnswer([], total, self.engine, None)
+        weights = self.query_weights(question)
+        limit = max(top_k, self.CANDIDATES)
+        lexical = self._lexical(snapshot, weights, limit, wanted) if weights else []
+        ranker, note, ranked = self.engine, None, lexical[:top_k]
+        if self.embedder is not None:
+            ranked, ranker, note = self._hybrid(question, lexical, top_k, wanted)
+        return KnowledgeAnswer(self._hits(ranked), total, ranker, note)
+
+    def _check_sources(self, snapshot, sources):
+        if sources is None:
+            return None
+        if isinstance(sources, str):
+            sources = [sources]
+        if not isinstance(sources, (list, tuple)) or len(sources) > 100 or \
+                not all(isinstance(s, str) for s in sources):
+            raise CofferError("sources must be a list of knowledge source names")
+        known = {row[0] for row in self._reader().execute("SELECT name FROM knowledge_sources")}
+        unknown = [s for s in sources if s not in known]
+        if unknown:
+            raise CofferError(f"unknown knowledge source {unknown[0]!r}; known: {', '.join(sorted(known)) or 'none'}")
+        return frozenset(sources)
+
+    def _hits(self, ranked: list[tuple[int, float]]) -> list[KnowledgeHit]:
+        if not ranked:
+            return []
+        rows = {row["id"]: row for row in self._reader().execute(
+            "SELECT id, source, path, heading, first_line, last_line, text FROM knowledge_passages WHERE id IN"
+            f" ({','.join('?' * len(ranked))})", [doc for doc, _ in ranked])}
+        return [KnowledgeHit(row["source"], row["path"], row["heading"], (row["first_line"], row["last_line"]),
+                             row["text"], round(score, 4))
+                for doc, score in ranked if (row := rows.get(doc)) is not None]
+
+    # -- hybrid (optional embedder) ------------------------------------------------------------------------
+    def _hybrid(self, question, lexical, top_k, wanted):
+        semantic_state = self._semantic
+        if semantic_state is None:
+            return lexical[:top_k], self.engine, "embedder: passage vectors not ready yet"
+        try:
+            query_vector = self.embedder.embed([question], self.query_timeout)[0]
+        except EmbedderError as exc:
+            log.warning("knowledge: embedder fallback to BM25: %s", exc)
+            return lexical[:top_k], self.engine, f"embedder fallback: {exc}"
+        ids, index = semantic_state
+        try:
+            semantic = index.rank(query_vector, self.CANDIDATES * (4 if wanted is not None else 1))
+        except ValueError:
+            return lexical[:top_k], self.engine, "embedder fallback: vector dimension changed"
+        semantic = [(ids[row], score) for row, score in semantic]
+        if wanted is not None:
+            allowed = {row[0] for row in self._reader().execute(
+                f"SELECT id FROM knowledge_passages WHERE source IN ({','.join('?' * len(wanted))}) AND id IN"
+                f" ({','.join('?' * len(semantic))})", [*sorted(wanted), *(doc for doc, _ in semantic)])}
+            semantic = [(doc, score) for doc, score in semantic if doc in allowed]
+        semantic = semantic[:self.CANDIDATES]
+        return fuse(lexical, semantic, top_k, self.HYBRID_ALPHA), self.engine + "+hybrid", None
+
+    def _ensure_embedding_table(self) -> None:
+        try:
+            db = Vault._connect(self.db_path)
+            db.executescript(EMBEDDING_SCHEMA)
+            db.close()
+        except sqlite3.Error as exc:
+            log.warning("knowledge: embedding cache unavailable: %s", exc)
+
+    def _embed_loop(self) -> None:
+        delay, last_error = 5.0, None
+        while True:
+            self._embed_wanted.wait()
+            self._embed_wanted.clear()
+            if self._closed.is_set():
+                return
+            try:
+                self._embed_missing()
+            except Exception as exc:  # noqa: BLE001 - lexical search serves meanwhile; this thread must live on
+                if str(exc) != last_error:
+                    log.warning("knowledge: passage vectors unavailable (%s); answering lexically until they are",
+                                exc)
+                    last_error = str(exc)
+                if self._closed.wait(delay):
+                    return
+                delay = min(delay * 2, 120.0)
+                self._embed_wanted.set()
+                continue
+            delay, last_error = 5.0, None
+
+    def ensure_vectors(self) -> None:
+        """Embed what is missing now, on this thread (the background thread does the same on its own); raises
+        EmbedderError.  For callers that want hybrid answers at once: evals, tests, ``coffer knowledge reindex``."""
+        if self.embedder is None:
+            raise CofferError("no embedder is configured")
+        self._embed_missing()
+
+    def _embed_missing(self) -> None:
+        """Embed passages without a cached vector (saving them), then index every passage that has one."""
+        with self._embed_lock:
+            self._embed_missing_locked()
+
+    def _embed_missing_locked(self) -> None:
+        db = Vault._connect(self.db_path)
+        db.executescript(EMBEDDING_SCHEMA)
+        try:
+            rows = db.execute("SELECT id, heading, text FROM knowledge_passages ORDER BY id").fetchall()
+            texts = {row["id"]: passage_embedding_text(row["heading"], row["text"]) for row in rows}
+            hashes = {doc: text_hash(text) for doc, text in texts.items()}
+            key = self.embedder.cache_key
+            # Only the vectors of current passages stay in memory, as float32 arrays (1.5 kB each at 384
+            # dimensions, against ~12 kB as lists of floats).
+            current = set(hashes.values())
+            self._vectors = {h: v for h, v in self._vectors.items() if h in current}
+            wanted = list(current - set(self._vectors))
+            for start in range(0, len(wanted), 500):   # cached ones first: never re-embed what the vault has
+                chunk = wanted[start:start + 500]
+                for row in db.execute(f"SELECT text_hash, vector FROM embeddings WHERE model=? AND text_hash IN"
+                                      f" ({','.join('?' * len(chunk))})", [key, *chunk]):
+                    self._vectors[row["text_hash"]] = array.array("f", row["vector"])
+            missing = {}
+            for doc, digest in hashes.items():
+                if digest not in self._vectors and digest not in missing:
+                    missing[digest] = texts[doc]
+            # In chunks, each saved as it arrives: a slow embedder that fails part way keeps what it did.
+            pending = list(missing.items())
+            for start in range(0, len(pending), self.EMBED_CHUNK):
+                chunk = pending[start:start + self.EMBED_CHUNK]
+                vectors = self.embedder.embed([text for _, text in chunk], self.build_timeout)
+                new = {digest: array.array("f", vector) for (digest, _), vector in zip(chunk, vectors)}
+                self._vectors.update(new)
+                with _Transaction(db):
+                    db.executemany("INSERT OR REPLACE INTO embeddings(model, text_hash, dim, vector, created_at)"
+                                   " VALUES (?,?,?,?,?)",
+                                   [(key, h, len(v), v.tobytes(), utcnow()) for h, v in new.items()])
+        finally:
+            db.close()
+        ids = [doc for doc in hashes if hashes[doc] in self._vectors]
+        dims = collections.Counter(len(self._vectors[hashes[doc]]) for doc in ids)
+        if len(dims) > 1:   # the model behind the name changed: drop the minority, re-embed next round
+            keep = dims.most_common(1)[0][0]
+            for digest in [h for h, v in self._vectors.items() if len(v) != keep]:
+                del self._vectors[digest]
+            raise EmbedderError("cached passage vectors of several dimensions; re-embedding")
+        self._semantic = (ids, SemanticIndex([None] * len(ids), [self._vectors[hashes[doc]] for doc in ids]))
+
+    # -- memory --------------------------------------------------------------------------------------------
+    def _ensure_memory_source(self) -> None:
+        os.makedirs(self.memory_dir, mode=0o700, exist_ok=True)
+        with self._write_lock, _Transaction(self._writer) as db:
+            db.execute("INSERT OR IGNORE INTO knowledge_sources(name, root, globs, kind, created_at) VALUES"
+                       " (?,?,?,?,?)", (MEMORY_SOURCE, self.memory_dir, dumps(["*.md"]), "memory", utcnow()))
+
+    def remember(self, text: str, tags=(), client: str | None = None) -> str:
+        """Write a memory note (a 0600 Markdown file with front matter) and index it; returns its id."""
+        if not isinstance(text, str) or not text.strip():
+            raise CofferError("a memory needs some text")
+        if len(text) > self.MEMORY_MAX_CHARS:
+            raise CofferError(f"a memory holds at most {self.MEMORY_MAX_CHARS} characters")
+        if isinstance(tags, str):
+            tags = [tags]
+        if not isinstance(tags, (list, tuple)) or len(tags) > 16 or \
+                not all(isinstance(t, str) and MEMORY_TAG_RE.match(t) for t in tags):
+            raise CofferError("tags must be at most 16 words of letters, digits, '.', '_' or '-' (32 characters)")
+        client = _CONTROL_CHARS_RE.sub("", str(client or "unknown")).replace("\n", " ").replace("\r", " ")[:100]
+        self._ensure_memory_source()
+        now = time.time()
+        note_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
+        body = text.replace("\r\n", "\n").strip("\n")
+        content = (f"---\nid: {note_id}\ntime: {iso_timestamp(now)}\nclient: {json.dumps(client)}\n"
+                   f"tags: {json.dumps(list(tags))}\n---\n{body}\n")
+        path = os.path.join(self.memory_dir, note_id + ".md")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(content)
+        self.reindex(MEMORY_SOURCE)
+        return note_id
+
+    def _note_path(self, note_id: str) -> str:
+        if not isinstance(note_id, str) or not MEMORY_ID_RE.match(note_id):
+            raise CofferError(f"bad memory id {note_id!r}")
+        return os.path.join(self.memory_dir, note_id + ".md")
+
+    def memory(self, note_id: str) -> MemoryNote:
+        path = self._note_path(note_id)
+        if not os.path.isfile(path):
+            raise CofferError(f"unknown memory {note_id!r}")
+        text, _, why_not = read_document(path, self.limits)
+        if text is None:
+            raise CofferError(f"memory {note_id!r} is {why_not}")
+        fields, body_start = parse_front_matter(text)
+        tags = fields.get("tags") if isinstance(fields.get("tags"), list) else []
+        return MemoryNote(note_id, str(fields.get("time", "")), str(fields.get("client", "")),
+                          tuple(str(t) for t in tags), "\n".join(split_lines(text)[body_start:]).strip("\n"))
+
+    def memories(self) -> list[MemoryNote]:
+        try:
+            names = sorted(os.listdir(self.memory_dir))
+        except OSError:
+            return []
+        notes = []
+        for name in names:
+            note_id = name[:-3]
+            if name.endswith(".md") and MEMORY_ID_RE.match(note_id):
+                try:
+                    notes.append(self.memory(note_id))
+                except CofferError:
+                    continue
+        return notes
+
+    def forget(self, note_id: str) -> bool:
+        path = self._note_path(note_id)
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            return False
+        self.reindex(MEMORY_SOURCE)
+        return True
+
+
+# ============================================================================================================
+# 9. Gateway session: the MCP server a client talks to
 # ============================================================================================================
 
 SEARCH_TOOL_DEFINITION = {
@@ -5107,6 +6525,61 @@ SEARCH_TOOL_DEFINITION = {
     },
     "annotations": {"readOnlyHint": True, "openWorldHint": False},
 }
+
+ASK_TOOL_DEFINITION = {
+    "name": ASK_TOOL,
+    "title": "Ask the user's notes and docs",
+    "description": (
+        "Search the user's own documents and remembered facts (the folders and notes they keep in Coffer) and get "
+        "the passages that answer a question, each with its file, heading and line numbers; when the client can, "
+        "also a short answer citing them. Use it before asking the user something they may have written down."),
+    "inputSchema": {
+        "type": "object",
+        "properties": {
+            "question": {"type": "string", "description": "What you want to know, in plain words."},
+            "top_k": {"type": "integer", "minimum": 1, "maximum": 20, "default": 5,
+                      "description": "How many passages to return (1-20)."},
+            "sources": {"type": "array", "items": {"type": "string"},
+                        "description": "Only these knowledge sources (names from the user's setup; 'memory' for "
+                                       "remembered facts)."},
+        },
+        "required": ["question"],
+    },
+    "outputSchema": {
+        "type": "object",
+        "properties": {
+            "passages": {"type": "array", "items": {"type": "object", "properties": {
+                "source": {"type": "string"}, "path": {"type": "string"}, "heading": {"type": "string"},
+                "lines": {"type": "array", "items": {"type": "integer"}}, "text": {"type": "string"},
+                "score": {"type": "number"}}}},
+            "total_searched": {"type": "integer"},
+            "answer": {"type": "string"},
+        },
+        "required": ["passages", "total_searched"],
+    },
+    "annotations": {"readOnlyHint": True, "openWorldHint": False},
+}
+
+REMEMBER_TOOL_DEFINITION = {
+    "name": REMEMBER_TOOL,
+    "title": "Remember a fact for every agent",
+    "description": (
+        "Keep a fact the user (or you) want every agent to know later -- a decision, a preference, a convention, "
+        "where something lives. It is stored as a small note in the user's Coffer, which they can read and edit, "
+        "and coffer__ask finds it. Keep it short and self-contained; never store secrets."),
+    "inputSchema": {
+        "type": "object",
+        "properties": {
+            "text": {"type": "string", "description": "The fact, in one or a few sentences."},
+            "tags": {"type": "array", "items": {"type": "string"}, "description": "A few words to file it under."},
+        },
+        "required": ["text"],
+    },
+    "annotations": {"readOnlyHint": False, "destructiveHint": False, "idempotentHint": False,
+                    "openWorldHint": False},
+}
+
+ASK_SAMPLING_BUDGET = 30.0  # seconds coffer__ask may spend on the client's model, both calls together
 
 CLIENT_SIDE_CAPABILITIES = ("sampling", "elicitation", "roots")
 LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
@@ -5245,6 +6718,9 @@ class Gateway:
         self._client_request_seq = 0
         self._waiting: list[Waiting] = []
         self.workers = WorkerPool("coffer-work", 4)
+        self.knowledge: KnowledgeBase | None = None    # opened once a source exists or memory is on
+        self.own_requests: dict[str, dict] = {}       # Coffer's own requests to the client (sampling for ask)
+        self.knowledge_tools: list[dict] = []
         self.discovery_deadline = 0.0
         self._reported_missing = False
         self._stopping = threading.Event()
@@ -5318,6 +6794,7 @@ class Gateway:
             log.warning("retention pruning skipped: %s", exc)
         self.configs = self._serving(self.vault.servers(), report=True)
         self.remembered = self.vault.remembered_lists() if self.remember else {}
+        self._update_knowledge()
         start_thread(self._tick, "coffer-ticker")
         read = getattr(stream, "read1", stream.read)
         for lines in read_line_bursts(read, max_line=int(self.settings["max_message_bytes"])):
@@ -5341,6 +6818,33 @@ class Gateway:
             elif config["enabled"]:
                 configs[config["name"]] = config
         return configs
+
+    def _update_knowledge(self) -> bool:
+        """Open the knowledge base when a source exists or memory is on (its tools are listed only then);
+        True when the tools a client is shown changed."""
+        memory = self.settings["memory"] == "on"
+        try:
+            with self.vault_lock:
+                row = self.vault.db.execute("SELECT count(*) FROM knowledge_sources WHERE kind='folder'").fetchone()
+            has_sources = bool(row and row[0])
+        except sqlite3.Error:
+            has_sources = False  # no knowledge table yet: nothing was ever added
+        if (has_sources or memory) and self.knowledge is None:
+            try:
+                self.knowledge = KnowledgeBase(self.vault.path, self.vault.home,
+                                               embedder=Embedder.from_settings(self.settings, self.vault.secrets),
+                                               query_timeout=float(self.settings["embedder_timeout"]))
+                self.knowledge.start_watcher()
+            except (sqlite3.Error, CofferError, OSError) as exc:
+                log.warning("knowledge and memory unavailable: %s", exc)
+                self.knowledge = None
+        if self.knowledge is not None:
+            self.knowledge.memory_enabled = memory
+        tools = ([ASK_TOOL_DEFINITION] if has_sources or memory else []) + ([REMEMBER_TOOL_DEFINITION] if memory
+                                                                            else [])
+        changed = [t["name"] for t in tools] != [t["name"] for t in self.knowledge_tools]
+        self.knowledge_tools = tools if self.knowledge is not None else []
+        return changed
 
     def handle_line(self, line) -> None:
         if isinstance(line, OversizedLine):
@@ -5444,10 +6948,14 @@ class Gateway:
             self.rebuild()  # remembered tools are listable at once; before `initialized`, so no notification
         self.initialized = True
         instructions = INSTRUCTIONS
-        unlisted = len(self.catalogue.tools) + 1 - len(self.listed_tools())
+        unlisted = len(self.catalogue.tools) + 1 + len(self.knowledge_tools) - len(self.listed_tools())
         if unlisted > 0:
             instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
                              f"by name and {SEARCH_TOOL} finds them.")
+        if self.knowledge_tools:
+            instructions += (f" {ASK_TOOL} searches the user's own notes and docs"
+                             + (f", and {REMEMBER_TOOL} keeps a fact for every agent" if len(self.knowledge_tools) > 1
+                                else "") + ".")
         failed = [c["name"] for c in self.configs.values() if c.get("status") == "failed"]
         login = [name for name in failed if "needs login" in (self.configs[name].get("status_detail") or "")]
         if login:
@@ -5539,6 +7047,9 @@ class Gateway:
             settings = self.vault.settings()
             changed = states != self.states
             self.states = states
+        if self._update_knowledge():
+            self._force_tools_notice = True
+            changed = True
         keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env", "oauth")
         if settings != self.settings:
             if any(settings.get(k) != self.settings.get(k) for k in set(settings) | set(self.settings)
@@ -5691,7 +7202,12 @@ class Gateway:
 
     def _client_response(self, message: dict) -> None:
         with self.lock:
-            relayed = self.client_requests.pop(message["id"], None)
+            own = self.own_requests.pop(message["id"], None)
+            relayed = self.client_requests.pop(message["id"], None) if own is None else None
+        if own is not None:
+            own["reply"] = normalized_reply(message)
+            own["done"].set()
+            return
         if relayed is not None and relayed.upstream.generation == relayed.generation:
             # (a restarted server never asked this; its answer is dropped)
             answer = normalized_reply(message)
@@ -5790,12 +7306,13 @@ class Gateway:
     def listed_tools(self) -> list[dict]:
         """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
         tools = self.catalogue.tools
+        builtins = [SEARCH_TOOL_DEFINITION] + self.knowledge_tools
         mode = expose_mode(self.settings, client_family(self.client_name))
         if mode == "search":
-            return [SEARCH_TOOL_DEFINITION]
+            return builtins
         if mode.startswith("budget:"):
-            tools = budget_tools(tools, int(mode.partition(":")[2]), self.usage)
-        return [SEARCH_TOOL_DEFINITION] + tools
+            tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, self.usage)
+        return builtins + tools
 
     def _tools_list(self, msg_id, params):
         return self._after_discovery(msg_id, lambda: {"tools": self.listed_tools()}, kind="tool")
@@ -5891,6 +7408,10 @@ class Gateway:
             # With an embedder a query may wait up to embedder_timeout: answer it off the client's reader thread.
             return self._after_discovery(msg_id, lambda: self._search_tools(arguments or {}, started),
                                          background=self.semantic is not None, kind="tool")
+        if name in (ASK_TOOL, REMEMBER_TOOL) and any(t["name"] == name for t in self.knowledge_tools):
+            work = self._ask if name == ASK_TOOL else self._remember
+            self.workers.submit(self._answer, msg_id, name, lambda: work(arguments or {}, started))
+            return None
         return self._route_named(msg_id, params, name, "tool", "tools/call", started)
 
     def _prompts_get(self, msg_id, params):
@@ -6009,8 +7530,105 @@ class Gateway:
         self.log.record(self.client_name, RESERVED_SERVER, SEARCH_TOOL, "tool", started, "ok", note)
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
+    def request_client(self, method: str, params: dict, timeout: float):
+        """Coffer's own request to the client (sampling for coffer__ask), waited for on the calling worker
+        thread; the result object, or None on an error, a refusal or ``timeout``."""
+        with self.lock:
+            self._client_request_seq += 1
+            ours = f"coffer-own-{self._client_request_seq}"
+            box = self.own_requests[ours] = {"done": threading.Event(), "reply": None}
+        self.send({"jsonrpc": "2.0", "id": ours, "method": method, "params": params})
+        if not box["done"].wait(timeout):
+            with self.lock:
+                self.own_requests.pop(ours, None)
+            self.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                       "params": {"requestId": ours, "reason": "coffer__ask ran out of time"}})
+            return None
+        return box["reply"].get("result")
+
+    def _sample_text(self, prompt: str, max_tokens: int, deadline: float) -> str | None:
+        """One sampling/createMessage round trip to the client's own model: its text, or None."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 1.0:
+            return None
+        result = self.request_client("sampling/createMessage", {
+            "messages": [{"role": "user", "content": {"type": "text", "text": prompt}}],
+            "maxTokens": max_tokens, "includeContext": "none",
+            "systemPrompt": "You help a retrieval tool. Follow the instructions exactly and be brief."}, remaining)
+        content = result.get("content") if isinstance(result, dict) else None
+        if isinstance(content, list):  # 2025-11-25 allows a list of content blocks
+            content = next((c for c in content if isinstance(c, dict) and c.get("type") == "text"), None)
+        text = content.get("text") if isinstance(content, dict) else None
+        return text.strip()[:8000] if isinstance(text, str) and text.strip() else None
+
+    def _ask(self, arguments: dict, started: float) -> dict:
+        """coffer__ask: the passages that answer a question; with the client's sampling (and ask_synthesis on), at
+        most two calls to its model -- a rewrite into search queries, and an answer citing passage numbers --
+        within ASK_SAMPLING_BUDGET.  The passages are returned whatever the model does.  The log gets who, when,
+        how long and the outcome: never the question, a passage or the answer."""
+        def fail(text):
+            self.log.record(self.client_name, RESERVED_SERVER, ASK_TOOL, "tool", started, "error", text)
+            return tool_error_result(text)
+
+        question = arguments.get("question")
+        sources = arguments.get("sources")
+        if not isinstance(question, str) or not question.strip():
+            return fail("question must be a non-empty string")
+        if sources is not None and not (isinstance(sources, list) and all(isinstance(x, str) for x in sources)):
+            return fail("sources must be a list of source names")
+        try:
+            top_k = bounded_top_k(arguments.get("top_k"))
+            answer = self.knowledge.ask(question, top_k, sources)
+        except (ValueError, CofferError) as exc:
+            return fail(str(exc))
+        hits, notes = list(answer.passages), [answer.note] if answer.note else []
+        synthesis = None
+        if "sampling" in self.client_capabilities and self.settings["ask_synthesis"] == "on" and hits:
+            deadline = time.monotonic() + ASK_SAMPLING_BUDGET
+            rewritten = self._sample_text(
+                "Rewrite this question into at most three short search queries for a keyword search over the "
+                f"user's notes, one per line, nothing else.\n\nQuestion: {question[:2000]}", 200, deadline)
+            if rewritten:
+                merged = {(h.source, h.path, tuple(h.lines)): h for h in hits}
+                for query in [line.strip(" -*0123456789.") for line in rewritten.splitlines()][:3]:
+                    if query:
+                        for hit in self.knowledge.ask(query, top_k, sources).passages:
+                            key = (hit.source, hit.path, tuple(hit.lines))
+                            if key not in merged or hit.score > merged[key].score:
+                                merged[key] = hit
+                hits = sorted(merged.values(), key=lambda h: -h.score)[:top_k]
+            numbered = "\n\n".join(f"[{i}] {h.path} ({h.heading}):\n{h.text[:3000]}" for i, h in
+                                    enumerate(hits, 1))
+            synthesis = self._sample_text(
+                "Answer the question using only the numbered passages below, citing them like [1]. If they do "
+                f"not answer it, say so.\n\nQuestion: {question[:2000]}\n\nPassages:\n{numbered}", 600, deadline)
+            if synthesis is None:
+                notes.append("no answer from the client's model; passages only")
+        payload = {"passages": [hit.to_dict() for hit in hits], "total_searched": answer.total_searched}
+        if synthesis:
+            payload["answer"] = synthesis
+        self.log.record(self.client_name, RESERVED_SERVER, ASK_TOOL, "tool", started, "ok",
+                        "; ".join(notes) or None)
+        return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
+
+    def _remember(self, arguments: dict, started: float) -> dict:
+        text, tags = arguments.get("text"), arguments.get("tags") or []
+        try:
+            if not isinstance(text, str) or not text.strip():
+                raise CofferError("text must be a non-empty string")
+            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+                raise CofferError("tags must be a list of words")
+            note_id = self.knowledge.remember(redact(text), tags, client=self.client_name)
+        except CofferError as exc:
+            self.log.record(self.client_name, RESERVED_SERVER, REMEMBER_TOOL, "tool", started, "error", str(exc))
+            return tool_error_result(str(exc))
+        self.log.record(self.client_name, RESERVED_SERVER, REMEMBER_TOOL, "tool", started, "ok")
+        payload = {"id": note_id, "stored": True}
+        return {"content": [{"type": "text", "text": f"Remembered as {note_id}."}], "structuredContent": payload}
+
+
 # ============================================================================================================
-# 9. Client configs: move in from the MCP clients a user already has, install Coffer into them, diagnose
+# 10. Client configs: move in from the MCP clients a user already has, install Coffer into them, diagnose
 # ============================================================================================================
 #
 #
@@ -7838,7 +9456,7 @@ def add_client_commands(command) -> None:
 
 
 # ============================================================================================================
-# 10. Command line
+# 11. Command line
 # ============================================================================================================
 
 
@@ -8427,6 +10045,81 @@ def cmd_auth(vault: Vault, args) -> int:
     return 0
 
 
+def open_knowledge(vault: Vault) -> KnowledgeBase:
+    """The knowledge base for a CLI command: no embedder (a running gateway embeds in the background)."""
+    return KnowledgeBase(vault.path, vault.home)
+
+
+def cmd_knowledge(vault: Vault, args) -> int:
+    if vault.read_only and args.action != "list":
+        vault.transaction()  # says why
+    kb = open_knowledge(vault)
+    try:
+        if args.action == "add":
+            if not args.target:
+                raise CofferError("coffer knowledge add PATH [--name NAME] [--glob PATTERN]...")
+            stats = kb.add_source(args.target, args.name, args.glob or None)
+            vault_audit(vault, "knowledge-add", stats.source, os.path.abspath(os.path.expanduser(args.target)))
+            say(f"added knowledge source {stats.source}: {stats.passages_added} passages from {stats.files_seen} files"
+                + (f" (skipped: {', '.join(f'{n} {why}' for why, n in stats.skipped.items())})" if stats.skipped
+                   else ""))
+            if vault.setting("memory") != "on":
+                say("agents find it with coffer__ask (memory notes too, after: coffer config memory on)")
+        elif args.action == "remove":
+            if not args.target:
+                raise CofferError("coffer knowledge remove NAME")
+            kb.remove_source(args.target)
+            vault_audit(vault, "knowledge-remove", args.target)
+            say(f"removed knowledge source {args.target}")
+        elif args.action == "reindex":
+            for stats in kb.reindex(args.target):
+                say(f"{stats.source}: {stats.files_seen} files, {stats.files_added} added, {stats.files_changed} "
+                    f"changed, {stats.files_removed} removed, {stats.files_unchanged} unchanged ({stats.seconds:g}s)")
+        else:
+            rows = [source._asdict() for source in kb.sources()]
+            if args.json:
+                say_json({"sources": rows})
+            elif not rows:
+                say("no knowledge sources yet: coffer knowledge add PATH")
+            else:
+                _print_table([[r["name"], r["files"], r["passages"], r["indexed_at"] or "", r["root"]] for r in rows],
+                             ["NAME", "FILES", "PASSAGES", "INDEXED", "ROOT"])
+    finally:
+        kb.close()
+    return 0
+
+
+def cmd_memory(vault: Vault, args) -> int:
+    if vault.read_only and args.action == "rm":
+        vault.transaction()
+    kb = open_knowledge(vault)
+    try:
+        if args.action == "list":
+            notes = kb.memories()
+            if args.json:
+                say_json({"memories": [note._asdict() for note in notes]})
+            elif not notes:
+                say("no memories yet" + ("" if vault.setting("memory") == "on" else
+                                         " (agents can keep some after: coffer config memory on)"))
+            else:
+                _print_table([[n.id, n.time, n.client, ",".join(n.tags), n.text.splitlines()[0][:60]
+                               if n.text else ""] for n in notes], ["ID", "CREATED", "CLIENT", "TAGS", "TEXT"])
+            return 0
+        if not args.id:
+            raise CofferError(f"coffer memory {args.action} ID (coffer memory list shows them)")
+        if args.action == "show":
+            note = kb.memory(args.id)
+            say_json(note._asdict()) if args.json else say(note.text)
+        elif not kb.forget(args.id):
+            raise CofferError(f"no memory {args.id!r}")
+        else:
+            vault_audit(vault, "memory-remove", args.id)
+            say(f"forgot {args.id}")
+    finally:
+        kb.close()
+    return 0
+
+
 def cmd_serve(vault: Vault, args) -> int:
     vault.actor = "gateway"
 
@@ -8539,6 +10232,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("secret", cmd_secret, "the secret store: set NAME (prompted, or from stdin), list, rm NAME")
     p.add_argument("action", choices=("set", "list", "rm"))
     p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p = command("knowledge", cmd_knowledge, "folders of notes and docs agents search with coffer__ask: "
+                                            "add PATH [--name N] [--glob G]..., list, remove NAME, reindex [NAME]")
+    p.add_argument("action", choices=("add", "list", "remove", "reindex"))
+    p.add_argument("target", nargs="?", metavar="PATH|NAME")
+    p.add_argument("--name", help="the source's name (default: the folder's name)")
+    p.add_argument("--glob", action="append", metavar="PATTERN",
+                   help=f"which files (default: {' '.join(KNOWLEDGE_DEFAULT_GLOBS)}); repeatable")
+    p.add_argument("--json", action="store_true")
+    p = command("memory", cmd_memory, "facts agents kept with coffer__remember (coffer config memory on): "
+                                      "list, show ID, rm ID")
+    p.add_argument("action", choices=("list", "show", "rm"))
+    p.add_argument("id", nargs="?")
     p.add_argument("--json", action="store_true")
     p = command("call", cmd_call, "call one tool through the gateway and print its result (for scripts)")
     p.add_argument("tool")

@@ -2,7 +2,7 @@
 hostile files, and search finding the passage a user would want.
 
 Everything runs on real files in tmp_path and a real coffer.db; the embedder tests talk to a real loopback HTTP
-server.  Skipped as a whole until coffer.KnowledgeBase exists (the section is drafted separately).
+server.
 """
 
 import hashlib
@@ -19,9 +19,6 @@ from pathlib import Path
 import pytest
 
 import coffer
-
-if not hasattr(coffer, "KnowledgeBase"):
-    pytest.skip("coffer.KnowledgeBase is not integrated yet", allow_module_level=True)
 
 ENGINES = ["bm25f"] + (["fts5"] if coffer.fts5_available() else [])
 POSIX = os.name == "posix"
