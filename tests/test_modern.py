@@ -450,9 +450,14 @@ async def scenario_cancellation(s: Session) -> None:
         scope = anyio.CancelScope()
 
         async def slow_call():
+            name = s.target.name(s.upstream.slow.tool)
             with scope:
-                outcome["result"] = await s.client.call_tool(
-                    s.target.name(s.upstream.slow.tool), s.upstream.slow.arguments, progress_callback=on_progress)
+                try:
+                    outcome["result"] = await s.client.call_tool(name, s.upstream.slow.arguments,
+                                                                 progress_callback=on_progress)
+                except Exception as exc:  # noqa: BLE001 - say which call broke, not only what the test awaited
+                    raise AssertionError(f"the slow call {name} failed before it could be cancelled: "
+                                         f"{_describe(exc)}") from exc
 
         group.start_soon(slow_call)
         s.step("waiting for the slow call to be running upstream (its first progress or start marker)")
