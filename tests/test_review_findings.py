@@ -538,3 +538,16 @@ def test_a_large_batch_from_the_client_keeps_the_gateway_memory_bounded(home):
         stop.set()
         gateway.kill()
         gateway.wait(10)
+
+
+def test_a_refused_add_changes_no_secret(home):
+    """cmd_add moves literals into the secret store before Vault.add_server validates anything: a refused
+    `add --replace` still swaps the running server's key, and a refused plain `add` leaves a numbered twin."""
+    cli("add", "t", "--env", "API_KEY=old-key-value", "--", *FAKE)
+    before = (home / "secrets.json").read_text()
+    refused = cli("add", "t", "--replace", "--env", "API_KEY=new-key-value", "--timeout", "-5", "--", *FAKE,
+                  check=False)
+    assert refused.returncode == 1
+    refused = cli("add", "t", "--env", "API_KEY=third-value", "--", *FAKE, check=False)
+    assert refused.returncode == 1
+    assert (home / "secrets.json").read_text() == before
