@@ -44,6 +44,7 @@ from evals import metrics  # noqa: E402  (needs the path above when run as a scr
 from evals.rankers import RankerUnavailable, available_rankers  # noqa: E402
 
 PROJECT_DIR = REPO_ROOT / "evals" / "data"
+SETS_DIR = REPO_ROOT / "evals" / "sets"  # further dev sets built by evals/build_sets.py from pinned public packages
 SHARED_DIR = REPO_ROOT.parent / "shared" / "evals"
 BASELINE_DIR = REPO_ROOT / "evals" / "baselines"
 GATED_METRICS = ("recall@1", "recall@5", "mrr@10", "ndcg@10")
@@ -118,6 +119,8 @@ def discover_sets(args: argparse.Namespace) -> tuple[list[tuple[str, Path, Path]
         name = args.name or catalog.resolve().parent.name or "custom"
         return [(name, catalog, Path(args.queries))], []
     candidates = [("project", PROJECT_DIR)]
+    if SETS_DIR.is_dir():
+        candidates += [(d.name, d) for d in sorted(SETS_DIR.iterdir()) if d.is_dir()]
     if SHARED_DIR.is_dir():
         candidates += [(d.name, d) for d in sorted(SHARED_DIR.iterdir()) if d.is_dir()]
     found, skipped = [], []
