@@ -189,21 +189,41 @@ class EmbeddingRanker:
 
 
 class CachedEmbedder:
-    """coffer.Embedder with a per-run memo: coffer's and a draft's hybrid rankers embed the same texts once."""
+    """coffer.Embedder with a memo: coffer's and a draft's hybrid rankers embed the same texts once, and with
+    ``path`` the vectors persist between runs (float32, base64, keyed by model and text hash; a dev cache)."""
 
-    def __init__(self, embedder):
-        self.embedder, self.memo = embedder, {}
+    def __init__(self, embedder, path: str | None = None):
+        self.embedder, self.memo, self.path = embedder, {}, Path(path) if path else None
+        self.stored: dict[str, str] = {}
+        if self.path and self.path.is_file():
+            import json
+            self.stored = json.loads(self.path.read_text(encoding="utf-8"))
+
+    def _key(self, text: str) -> str:
+        import hashlib
+        return hashlib.sha256(f"{self.embedder.cache_key}\0{text}".encode("utf-8")).hexdigest()[:32]
 
     def embed(self, texts: list[str], timeout: float) -> list[list[float]]:
+        import array
+        import base64
+        for text in dict.fromkeys(texts):
+            if text not in self.memo and self._key(text) in self.stored:
+                self.memo[text] = array.array("f", base64.b64decode(self.stored[self._key(text)])).tolist()
         missing = [t for t in dict.fromkeys(texts) if t not in self.memo]
         if missing:
-            self.memo.update(zip(missing, self.embedder.embed(missing, timeout)))
+            vectors = self.embedder.embed(missing, timeout)
+            self.memo.update(zip(missing, vectors))
+            if self.path:
+                import json
+                for text, vector in zip(missing, vectors):
+                    self.stored[self._key(text)] = base64.b64encode(array.array("f", vector).tobytes()).decode()
+                self.path.write_text(json.dumps(self.stored), encoding="utf-8")
         return [self.memo[t] for t in texts]
 
 
-def make_embedder(url: str, model: str, api: str) -> CachedEmbedder:
+def make_embedder(url: str, model: str, api: str, cache_path: str | None = None) -> CachedEmbedder:
     import coffer
-    return CachedEmbedder(coffer.Embedder(url, model, api))
+    return CachedEmbedder(coffer.Embedder(url, model, api), cache_path)
 
 
 def embedder_factories(url: str, model: str, api: str) -> dict[str, Callable[[list[dict]], object]]:

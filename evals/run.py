@@ -276,7 +276,7 @@ def compare_table(report: list[dict], base: str, holdout: list[str]) -> str:
     """nDCG@10 / R@5 of ``base`` and every other ranker's delta to it, per set, then means over tuned and
     held-out sets: the one view in which an idea is judged (it must not lose > 0.01 nDCG@10 on any set)."""
     others = [r for r in dict.fromkeys(r for e in report for r in e["rankers"]) if r != base]
-    width = max([14] + [len(r) + 2 for r in others])
+    width = max([17] + [len(r) + 3 for r in others])
     lines = [f"compare: nDCG@10 / R@5 of {base}, and each ranker's delta to it "
              f"(* held out: {', '.join(holdout) or 'none'})",
              f"{'set':<16}{base:>{width}}" + "".join(f"{r:>{width}}" for r in others)]
@@ -452,6 +452,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "http://127.0.0.1:8000/v1, or an Ollama base URL with --embedder-api ollama)")
     p.add_argument("--embedder-model", default="all-MiniLM-L6-v2", help="model name sent to the endpoint")
     p.add_argument("--embedder-api", default="openai", choices=("openai", "ollama"))
+    p.add_argument("--embed-cache", metavar="PATH", help="keep embeddings in PATH between runs (a dev cache)")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON results (stdout if no PATH)")
     p.add_argument("--draft", metavar="PATH", help="add ranker 'draft': PATH exec'd on top of coffer's namespace "
                    "(a drop-in section for coffer.py); with --embedder also 'draft-hybrid'")
@@ -472,7 +473,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def select_rankers(args: argparse.Namespace) -> dict:
-    embedder = make_embedder(args.embedder, args.embedder_model, args.embedder_api) if args.embedder else None
+    embedder = make_embedder(args.embedder, args.embedder_model, args.embedder_api, args.embed_cache) \
+        if args.embedder else None
     rankers = available_rankers(None)
     if embedder is not None:
         from evals.rankers import EmbeddingRanker
