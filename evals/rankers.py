@@ -1,7 +1,8 @@
 """Rankers compared by the eval run, all behind one tiny interface.
 
 A ranker factory takes the tool list and returns an index with ``search(query, top_k) -> [(tool, score)]``,
-best first, zero scores dropped -- the same contract as ``coffer.SearchIndex``. Comparators (rank_bm25,
+best first, zero scores dropped -- the same contract as ``coffer.SearchIndex``. ``bm25f`` is the plain
+field-weighted reference the gate compares coffer with (pure Python, always available). Comparators (rank_bm25,
 bm25s) are dev/test-only dependencies: they are imported lazily and a missing one raises
 ``RankerUnavailable`` so the run can print a note and carry on. A later semantic ranker (``--embedder``)
 slots in as one more factory in ``available_rankers``.
@@ -9,6 +10,11 @@ slots in as one more factory in ``available_rankers``.
 
 from __future__ import annotations
 
+import ast
+import math
+import re
+import types
+from pathlib import Path
 from typing import Callable
 
 Hit = tuple  # (tool_dict, score_float)
@@ -27,6 +33,70 @@ def _top_hits(tools: list[dict], scores, top_k: int) -> list[Hit]:
     """Best-first (tool, score) pairs with positive score; stable on ties (catalogue order)."""
     order = sorted(range(len(tools)), key=lambda i: -float(scores[i]))
     return [(tools[i], float(scores[i])) for i in order[:top_k] if float(scores[i]) > 0.0]
+
+
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+_TOKEN = re.compile(r"[^\W_]+")
+
+
+def plain_tokens(text: str) -> list[str]:
+    """Identifier-split, lowercased word tokens: no stemming, no stop words, no synonyms."""
+    return _TOKEN.findall(_CAMEL.sub(" ", text).lower())
+
+
+def _parameter_text(schema, depth: int = 0) -> list[str]:
+    """Parameter names and descriptions of a JSON schema, nested properties included."""
+    out: list[str] = []
+    if not isinstance(schema, dict) or depth > 4:
+        return out
+    properties = schema.get("properties")
+    if isinstance(properties, dict):
+        for key, sub in properties.items():
+            out.append(str(key))
+            if isinstance(sub, dict):
+                if isinstance(sub.get("description"), str):
+                    out.append(sub["description"])
+                out += _parameter_text(sub, depth + 1)
+                out += _parameter_text(sub.get("items"), depth + 1)
+    return out
+
+
+class PlainBM25F:
+    """The reference every ranker must beat: textbook BM25F over name (x3), description and parameters.
+
+    Nothing a tuned ranker would add: identifier-split lowercase tokens, no stemming, stop words, synonyms,
+    translations or boosts.  Per field: tf normalised by that field's length (b = 0.75), weighted, summed,
+    then saturated once (k1 = 1.2) and multiplied by the term's idf.
+    """
+
+    FIELDS = (("name", 3.0), ("description", 1.0), ("parameters", 1.0))
+    K1, B = 1.2, 0.75
+
+    def __init__(self, tools: list[dict]):
+        self.tools = tools
+        docs = [{"name": plain_tokens(str(t.get("name") or "")),
+                 "description": plain_tokens(t.get("description") if isinstance(t.get("description"), str) else ""),
+                 "parameters": plain_tokens(" ".join(_parameter_text(t.get("inputSchema"))))} for t in tools]
+        n = len(docs) or 1
+        avg = {f: (sum(len(d[f]) for d in docs) / n) or 1.0 for f, _ in self.FIELDS}
+        self.postings: dict[str, list[tuple[int, float]]] = {}
+        for doc_id, doc in enumerate(docs):
+            tf: dict[str, float] = {}
+            for field, weight in self.FIELDS:
+                norm = weight / (1.0 - self.B + self.B * len(doc[field]) / avg[field])
+                for term in doc[field]:
+                    tf[term] = tf.get(term, 0.0) + norm
+            for term, value in tf.items():
+                self.postings.setdefault(term, []).append((doc_id, value))
+        self.idf = {t: math.log(1.0 + (len(docs) - len(p) + 0.5) / (len(p) + 0.5)) for t, p in self.postings.items()}
+
+    def search(self, query: str, top_k: int = 10) -> list[Hit]:
+        scores = [0.0] * len(self.tools)
+        for term in set(plain_tokens(query)):
+            idf = self.idf.get(term, 0.0)
+            for doc_id, value in self.postings.get(term, ()):
+                scores[doc_id] += idf * value / (self.K1 + value)
+        return _top_hits(self.tools, scores, top_k)
 
 
 class RankBM25Index:
@@ -89,8 +159,10 @@ class EmbeddingRanker:
     embedder's own time is reported by the benchmark, not here.
     """
 
-    def __init__(self, tools, embedder, mode: str):
-        import coffer
+    def __init__(self, tools, embedder, mode: str, module=None):
+        if module is None:
+            import coffer as module
+        coffer = module
         self.coffer, self.mode, self.embedder = coffer, mode, embedder
         self.lexical = coffer.SearchIndex(tools)
         try:
@@ -116,11 +188,87 @@ class EmbeddingRanker:
         return [(tools[doc], score) for doc, score in self.coffer.fuse(lexical, semantic, top_k)]
 
 
+class CachedEmbedder:
+    """coffer.Embedder with a memo: coffer's and a draft's hybrid rankers embed the same texts once, and with
+    ``path`` the vectors persist between runs (float32, base64, keyed by model and text hash; a dev cache)."""
+
+    def __init__(self, embedder, path: str | None = None):
+        self.embedder, self.memo, self.path = embedder, {}, Path(path) if path else None
+        self.stored: dict[str, str] = {}
+        if self.path and self.path.is_file():
+            import json
+            self.stored = json.loads(self.path.read_text(encoding="utf-8"))
+
+    def _key(self, text: str) -> str:
+        import hashlib
+        return hashlib.sha256(f"{self.embedder.cache_key}\0{text}".encode("utf-8")).hexdigest()[:32]
+
+    def embed(self, texts: list[str], timeout: float) -> list[list[float]]:
+        import array
+        import base64
+        for text in dict.fromkeys(texts):
+            if text not in self.memo and self._key(text) in self.stored:
+                self.memo[text] = array.array("f", base64.b64decode(self.stored[self._key(text)])).tolist()
+        missing = [t for t in dict.fromkeys(texts) if t not in self.memo]
+        if missing:
+            vectors = self.embedder.embed(missing, timeout)
+            self.memo.update(zip(missing, vectors))
+            if self.path:
+                import json
+                for text, vector in zip(missing, vectors):
+                    self.stored[self._key(text)] = base64.b64encode(array.array("f", vector).tobytes()).decode()
+                self.path.write_text(json.dumps(self.stored), encoding="utf-8")
+        return [self.memo[t] for t in texts]
+
+
+def make_embedder(url: str, model: str, api: str, cache_path: str | None = None) -> CachedEmbedder:
+    import coffer
+    return CachedEmbedder(coffer.Embedder(url, model, api), cache_path)
+
+
 def embedder_factories(url: str, model: str, api: str) -> dict[str, Callable[[list[dict]], object]]:
     """The "semantic" and "hybrid" rankers for an embeddings endpoint (OpenAI-compatible or Ollama)."""
-    import coffer
-    embedder = coffer.Embedder(url, model, api)
+    embedder = make_embedder(url, model, api)
     return {mode: (lambda tools, mode=mode: EmbeddingRanker(tools, embedder, mode)) for mode in ("semantic", "hybrid")}
+
+
+# ---------------------------------------------------------------- draft rankers (never edit coffer.py to measure)
+
+
+def load_draft(path: str | Path, overrides: list[str] = ()) -> types.ModuleType:
+    """coffer's namespace with a draft section executed on top of it, then ``overrides`` applied.
+
+    The draft is pasted-in code for coffer.py (e.g. a new section 6): executing it in a copy of coffer's
+    globals lets it use every helper coffer has, and the names it defines (SearchIndex, fuse, ...) shadow
+    coffer's in this copy only.  An override is ``DOTTED.NAME=PYTHON_LITERAL`` (e.g. ``SearchIndex.K1=1.5``),
+    so one draft can be measured with one idea switched off at a time.
+    """
+    import coffer
+    path = Path(path)
+    module = types.ModuleType(f"coffer_draft_{path.stem}")
+    module.__dict__.update({k: v for k, v in vars(coffer).items() if not k.startswith("__")})
+    module.__file__ = str(path)
+    exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)  # noqa: S102 - dev tool
+    for override in overrides:
+        target, sep, literal = override.partition("=")
+        if not sep:
+            raise SystemExit(f"override {override!r} is not NAME=VALUE")
+        *owners, attribute = target.strip().split(".")
+        holder = module
+        for owner in owners:
+            holder = getattr(holder, owner)
+        if not hasattr(holder, attribute):
+            raise SystemExit(f"override {override!r}: the draft has no {target.strip()}")
+        setattr(holder, attribute, ast.literal_eval(literal.strip()))
+    return module
+
+
+def draft_factories(name: str, module: types.ModuleType, embedder=None) -> dict[str, Callable[[list[dict]], object]]:
+    """``name`` (the draft's lexical SearchIndex) and, with an embedder, ``name-hybrid`` (its fuse)."""
+    factories: dict[str, Callable[[list[dict]], object]] = {name: lambda tools: module.SearchIndex(tools)}
+    if embedder is not None:
+        factories[f"{name}-hybrid"] = lambda tools: EmbeddingRanker(tools, embedder, "hybrid", module)
+    return factories
 
 
 def available_rankers(embedder_url: str | None = None, embedder_model: str = "all-MiniLM-L6-v2",
@@ -128,6 +276,7 @@ def available_rankers(embedder_url: str | None = None, embedder_model: str = "al
     """Ranker name -> factory, in table order; coffer first since it is the one gated."""
     rankers: dict[str, Callable[[list[dict]], object]] = {
         "coffer": coffer_factory,
+        "bm25f": PlainBM25F,
         "rank_bm25": RankBM25Index,
         "bm25s": BM25SIndex,
     }

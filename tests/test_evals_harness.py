@@ -1,5 +1,6 @@
 """Checks the eval metrics on tiny hand-made rankings, so a wrong number in the eval table is never the harness's fault."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -86,3 +87,109 @@ def test_run_on_tiny_external_set(tmp_path, capsys):
                  "--rankers", "rank_bm25", "--no-gate"])
     assert code == 0
     assert "tiny" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the plain BM25F reference and the gate rules
+
+from evals import run as eval_run  # noqa: E402
+from evals.rankers import PlainBM25F  # noqa: E402
+
+TINY_CATALOG = (
+    '{"name": "weather__get_forecast", "description": "Get the weather forecast for a city", "inputSchema": '
+    '{"type": "object", "properties": {"city": {"type": "string", "description": "City name"}}}}\n'
+    '{"name": "git__git_commit", "description": "Record changes to the repository", "inputSchema": {}}\n'
+    '{"name": "fs__read_file", "description": "Read a file from disk", "inputSchema": '
+    '{"type": "object", "properties": {"path": {"type": "string"}}}}\n')
+TINY_QUERIES = ('{"query": "weather forecast for Paris", "relevant": ["weather__get_forecast"]}\n'
+                '{"query": "commit the changes", "relevant": ["git__git_commit"]}\n')
+
+
+def tiny_set(tmp_path):
+    catalog, queries = tmp_path / "catalog.jsonl", tmp_path / "queries.jsonl"
+    catalog.write_text(TINY_CATALOG, encoding="utf-8")
+    queries.write_text(TINY_QUERIES, encoding="utf-8")
+    return ["--catalog", str(catalog), "--queries", str(queries), "--name", "tiny"]
+
+
+@pytest.fixture
+def isolated_sets(tmp_path, monkeypatch):
+    """Empty data folders and a private baseline folder, so no repo set or ../shared set leaks in."""
+    for attr in ("PROJECT_DIR", "SETS_DIR", "SHARED_DIR", "BASELINE_DIR"):
+        folder = tmp_path / attr.lower()
+        folder.mkdir()
+        monkeypatch.setattr(eval_run, attr, folder)
+    return tmp_path
+
+
+def test_plain_bm25f_weighs_names_triple_and_does_not_stem():
+    tools = [{"name": "a__notes", "description": "keep text", "inputSchema": {}},
+             {"name": "b__keep", "description": "notes about notes", "inputSchema": {}},
+             {"name": "c__file_reader", "description": "opens a file", "inputSchema": {}}]
+    index = PlainBM25F(tools)
+    assert [t["name"] for t, _ in index.search("notes", 3)] == ["a__notes", "b__keep"]
+    assert index.search("files", 3) == []          # no stemming: "files" is not "file"
+    assert [t["name"] for t, _ in index.search("reader", 3)] == ["c__file_reader"]   # identifiers are split
+
+
+def test_a_set_with_data_but_no_baseline_fails_the_gate_unless_allowed(isolated_sets, capsys):
+    args = tiny_set(isolated_sets) + ["--rankers", "coffer"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "has data but no baseline" in out and "gate FAILED" in out and "tiny" in out
+    assert main(args + ["--allow-missing-sets"]) == 0
+    assert "gate passed for coffer on 1 set(s): tiny" in capsys.readouterr().out
+
+
+def test_a_set_with_a_baseline_but_no_data_fails_the_gate(isolated_sets, capsys):
+    (eval_run.BASELINE_DIR / "ghost.json").write_text(json.dumps(
+        {"set": "ghost", "metrics": {"ndcg@10": 0.5}, "tolerance": 0.02}), encoding="utf-8")
+    (eval_run.PROJECT_DIR / "catalog.jsonl").write_text(TINY_CATALOG, encoding="utf-8")
+    (eval_run.PROJECT_DIR / "queries.jsonl").write_text(TINY_QUERIES, encoding="utf-8")
+    assert main(["--rankers", "coffer", "--update-baselines"]) == 0      # project gets its baseline
+    capsys.readouterr()
+    assert main(["--rankers", "coffer"]) == 1
+    out = capsys.readouterr().out
+    assert "set ghost: has a baseline but no data" in out
+    assert "on 1 set(s): project" in out
+    assert main(["--rankers", "coffer", "--allow-missing-sets"]) == 0
+
+
+def test_no_set_at_all_never_passes(isolated_sets, capsys):
+    assert main(["--rankers", "coffer"]) == 1
+    assert "no set ran" in capsys.readouterr().out
+
+
+BAD_DRAFT = '''
+class SearchIndex:
+    """A ranker that finds nothing: the gate must catch it against the plain reference."""
+    def __init__(self, tools):
+        self.tools = tools
+    def search(self, query, top_k=5):
+        return []
+'''
+
+
+def test_a_draft_that_loses_to_plain_bm25f_fails_the_gate_and_compare_shows_the_delta(isolated_sets, capsys):
+    draft = isolated_sets / "draft.py"
+    draft.write_text(BAD_DRAFT, encoding="utf-8")
+    args = tiny_set(isolated_sets) + ["--rankers", "coffer", "--allow-missing-sets", "--draft", str(draft)]
+    assert main(args + ["--gate-ranker", "draft", "--compare", "coffer"]) == 1
+    out = capsys.readouterr().out
+    assert "draft nDCG@10 0.0000 loses to plain bm25f" in out
+    compare = out[out.index("compare:"):]
+    assert "tiny" in compare and "-1.000/-1.000!" in compare      # the draft's per-set delta to coffer
+    assert main(args) == 0                                           # coffer itself is still fine
+
+
+def test_a_variant_overrides_one_knob_of_the_draft(isolated_sets, capsys):
+    draft = isolated_sets / "draft.py"
+    draft.write_text("class SearchIndex(SearchIndex):\n    ENABLED = True\n"
+                     "    def search(self, query, top_k=5):\n"
+                     "        return super().search(query, top_k) if self.ENABLED else []\n", encoding="utf-8")
+    args = tiny_set(isolated_sets) + ["--rankers", "coffer", "--no-gate", "--draft", str(draft),
+                                      "--variant", "off:SearchIndex.ENABLED=False", "--json", "-"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rankers = doc["sets"][0]["rankers"]
+    assert rankers["draft"]["overall"]["ndcg@10"] == rankers["coffer"]["overall"]["ndcg@10"] > 0
+    assert rankers["off"]["overall"]["ndcg@10"] == 0.0
