@@ -463,6 +463,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="mark SET as held out (not tuned on): --compare reports tuned and held-out means apart")
     p.add_argument("--loso", action="store_true", help="leave-one-set-out table (base: --compare, or coffer)")
     p.add_argument("--gate-ranker", default="coffer", help="ranker the gate checks (default coffer)")
+    p.add_argument("--ask", action="store_true",
+                   help="the knowledge retrieval eval instead (coffer__ask vs rank_bm25, bm25s, SQLite FTS5; see "
+                        "evals/ask.py), gated: Coffer's default must beat every comparator")
+    p.add_argument("--quiet", action="store_true", help="print the table only when the gate fails (for CI)")
     p.add_argument("--allow-missing-sets", action="store_true",
                    help="a set with a baseline but no data, or data but no baseline, is a note, not a failure")
     gate = p.add_mutually_exclusive_group()
@@ -509,6 +513,11 @@ def select_rankers(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.ask:
+        from evals import ask
+        forwarded = ["--gate"] + (["--embedder", args.embedder] if args.embedder else []) + (
+            ["--json", args.json] if args.json else [])
+        return ask.main(forwarded)
     rankers = select_rankers(args)
     to_run, notes = discover_sets(args)
     report, evalsets = [], {}
@@ -551,7 +560,7 @@ def emit(args: argparse.Namespace, report: list[dict], notes: list[str], failure
         else:
             Path(args.json).write_text(text + "\n", encoding="utf-8")
     out = sys.stderr if args.json == "-" else sys.stdout
-    if args.json != "-":
+    if args.json != "-" and not (args.quiet and not failures):
         print(format_table(report), file=out)
         if args.compare or args.loso:
             base = args.compare or "coffer"
@@ -559,7 +568,7 @@ def emit(args: argparse.Namespace, report: list[dict], notes: list[str], failure
                 print("\n" + compare_table(report, base, args.holdout), file=out)
             if args.loso:
                 print("\n" + loso_table(report, base), file=out)
-    for note in notes:
+    for note in notes if not (args.quiet and not failures) else ():
         print(f"note: {note}", file=out)
     if args.gate and not args.update_baselines:
         verdict = "FAILED" if failures else "passed"
