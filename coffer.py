@@ -328,7 +328,14 @@ class Redactor:
         self._lock = threading.Lock()
 
     def add(self, *values) -> None:
-        fresh = {v for v in values if isinstance(v, str) and len(v) >= self.MIN_LENGTH} - set(self._values)
+        """Register values, with the forms JSON and repr() give them (a secret holding a quote, a backslash or a
+        newline is printed escaped by --json output and %r log arguments)."""
+        forms = set()
+        for value in values:
+            if isinstance(value, str) and len(value) >= self.MIN_LENGTH:
+                forms.update({value, json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(value)[1:-1],
+                              repr(value)[1:-1]})
+        fresh = forms - set(self._values)
         if fresh:
             with self._lock:  # longest first, so a secret containing another is replaced whole
                 self._values = tuple(sorted(set(self._values) | fresh, key=len, reverse=True))
@@ -385,10 +392,6 @@ def configure_logging(default: str = "info") -> None:
                       exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
     threading.excepthook = excepthook
-
-
-def warn(message: str) -> None:
-    log.warning(message)
 
 
 def start_thread(target, name: str, *args) -> threading.Thread:
@@ -991,11 +994,13 @@ _ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$")
 
 
-def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | None = None) -> str:
+def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | None = None,
+                substituted: list | None = None) -> str:
     """Expand ``${VAR}`` and ``${VAR:-default}``: from the environment first, then from the secret store.
 
     Values are stored unexpanded, so a secret only ever exists in the gateway's and the upstream's memory.
-    Names found nowhere (and without a default) are appended to ``missing``.
+    Names found nowhere (and without a default) are appended to ``missing``; the values put in place of a
+    reference, to ``substituted`` (what must then be redacted wherever it shows up).
     """
     environ = os.environ if environ is None else environ
 
@@ -1008,14 +1013,11 @@ def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | N
             if default is None and missing is not None:
                 missing.append(name)
             return default or ""
+        if substituted is not None:
+            substituted.append(current)
         return current
 
     return _ENV_REF_RE.sub(replace, value)
-
-
-def references(value: str) -> list[str]:
-    """The variable names a stored value refers to."""
-    return [match.group(1) for match in _ENV_REF_RE.finditer(value)]
 
 
 class SecretStore:
@@ -1047,7 +1049,7 @@ class SecretStore:
             return {}
         except OSError as exc:
             raise CofferError(f"cannot read the secret store {self.path}: {exc.strerror or exc}") from None
-        stamp = (info.st_mtime_ns, info.st_size)
+        stamp = (info.st_mtime_ns, info.st_size, info.st_ino)
         with self._lock:
             if stamp == self._stamp:
                 if self._problem:
@@ -1131,21 +1133,28 @@ _AUTH_SCHEME_RE = re.compile(r"^(Bearer|Basic|Token|Bot|Digest)\s+(\S.*)$", re.I
 
 
 def secret_name_for(server: str, key: str) -> str:
-    name = re.sub(r"[^A-Z0-9_]", "_", f"{server}_{key}".upper())
+    """The store name a literal value of ``key`` gets: ``<SERVER>_<KEY>`` (GITHUB_TOKEN of server github stays
+    GITHUB_TOKEN), a legal ${NAME}."""
+    prefix = re.sub(r"[^A-Z0-9]+", "_", server.upper()).strip("_")
+    key = re.sub(r"[^A-Z0-9]+", "_", key.upper()).strip("_") or "VALUE"
+    name = key if key.startswith(prefix + "_") else f"{prefix}_{key}"
     return name if not name[0].isdigit() else f"S_{name}"
 
 
-def store_literals(server: str, values: dict[str, str], secrets: SecretStore, header: bool = False,
-                   overwrite: bool = False) -> tuple[dict[str, str], list[str]]:
-    """Move every literal value of an --env/--header mapping into the secret store; return the mapping with
-    ${NAME} references in their place, and the names used.
+def plan_literals(server: str, values: dict[str, str], secrets: SecretStore, header: bool = False,
+                  overwrite: bool = False, planned: dict | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """The one rule for literal --env/--header values (add, import): each goes to the secret store and the
+    definition keeps a ${NAME} reference.  Returns (the mapping with references, {name: value} to store), and
+    writes nothing: the caller stores them only once the definition is accepted (``save_secrets``).
 
     Any value that holds no ${...} reference counts as literal: Coffer cannot tell a token from a setting, and a
     setting in the store costs nothing.  For an Authorization-style header only the credential moves
     ("Bearer ${NAME}"), so the stored definition still reads as what it is.  A name already holding another
-    value gets a numbered twin, unless ``overwrite`` (the server's definition is being replaced).
+    value gets a numbered twin, unless ``overwrite`` (the server's definition is being replaced).  ``planned``
+    shares names across calls of one run (an import of many servers).
     """
-    result, moved = {}, []
+    planned = {} if planned is None else planned
+    result, mine = {}, {}
     for key, value in values.items():
         if value == "" or _ENV_REF_RE.search(value):
             result[key] = value
@@ -1156,14 +1165,61 @@ def store_literals(server: str, values: dict[str, str], secrets: SecretStore, he
             scheme, credential = match.group(1) + " ", match.group(2)
         base = secret_name_for(server, key)
         name, n = base, 1
-        while not overwrite and (existing := secrets.get(name)) is not None and existing != credential:
+        while True:
+            held = planned.get(name)
+            held = secrets.get(name) if held is None else held
+            if held is None or held == credential or (overwrite and name not in planned):
+                break
             n += 1
             name = f"{base}_{n}"
-        if secrets.get(name) != credential:
-            secrets.set(name, credential)
+        planned[name] = mine[name] = credential
         result[key] = f"{scheme}${{{name}}}"
-        moved.append(name)
-    return result, moved
+    return result, mine
+
+
+_SECRET_QUERY_RE = re.compile(r"(?i)^(?:.*[_-])?(?:key|token|secret|password|passwd|pwd|auth|signature|sig|"
+                              r"credential|apikey|access[_-]?token)$")
+
+
+def plan_url_literals(server: str, url: str, secrets: SecretStore, overwrite: bool = False,
+                      planned: dict | None = None) -> tuple[str, dict[str, str]]:
+    """A URL with its credentials moved to the store like --env values: the password of user:password@ and query
+    parameters named like keys and tokens (?api_key=...) become ${NAME} references."""
+    parts = urllib.parse.urlsplit(url)
+    moved: dict[str, str] = {}
+    netloc = parts.netloc
+    if parts.password and "${" not in parts.password:
+        refs, found = plan_literals(server, {"URL_PASSWORD": parts.password}, secrets, overwrite=overwrite,
+                                    planned=planned)
+        moved.update(found)
+        netloc = netloc.replace(":" + parts.password + "@", ":" + refs["URL_PASSWORD"] + "@", 1)
+    query = []
+    for key, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        if _SECRET_QUERY_RE.match(key) and value and "${" not in value:
+            refs, found = plan_literals(server, {f"URL_{key}": value}, secrets, overwrite=overwrite, planned=planned)
+            moved.update(found)
+            value = refs[f"URL_{key}"]
+        query.append(f"{urllib.parse.quote(key, safe='')}={value if '${' in value else urllib.parse.quote(value)}")
+    if not moved:
+        return url, moved
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "&".join(query), parts.fragment)), moved
+
+
+def save_secrets(secrets: SecretStore, values: dict[str, str]) -> None:
+    for name, value in values.items():
+        if secrets.get(name) != value:
+            secrets.set(name, value)
+
+
+def resolution_digest(config: dict, secrets: SecretStore | None) -> str:
+    """A digest of what a server's ${NAME} references resolve to now: when `coffer secret set` changes one, a
+    running gateway restarts that server with the new value (and only that server)."""
+    texts = [config.get("url") or "", config.get("cwd") or "", *(config.get("command") or ()),
+             *(config.get("env") or {}).values(), *(config.get("headers") or {}).values()]
+    names = sorted({match.group(1) for text in texts for match in _ENV_REF_RE.finditer(text)})
+    values = [f"{name}={os.environ[name] if name in os.environ else (secrets.get(name) if secrets else None)}"
+              for name in names]
+    return hashlib.sha256("\0".join(values).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 # -- an upstream's environment -------------------------------------------------------------------------------
@@ -2097,8 +2153,9 @@ class Transport:
     """What the upstream supervisor needs from a connection.
 
     Callbacks run on the transport's own threads: ``on_message(dict)`` for each message, ``on_close()`` once when
-    the connection ends, ``on_oversized(head, size)`` for a message over max_message_bytes (skipped unread), and
-    ``on_stderr(line)`` for a subprocess's diagnostics.  ``send`` returns False when the connection no longer
+    the connection ends, ``on_unusable(head, why)`` for a message that cannot be used (over max_message_bytes, not
+    JSON, nested too deeply) so the request it answers can fail at once, ``on_failure(request_id, text)`` for a
+    request that never got through (remote transports), and ``on_stderr(line)`` for a subprocess's diagnostics.  ``send`` returns False when the connection no longer
     accepts input and raises EncodeError for a message that cannot be written.  ``fatal`` is set when the
     connection failed in a way retrying cannot fix; ``close_reason`` says, once it ended, what ended it.
     """
@@ -2120,6 +2177,12 @@ class Transport:
         """Why the connection ended, in the user's terms (e.g. "exited with code 3"), once it has."""
         return None
 
+    def _fail(self, message: dict, text: str) -> None:
+        """A request that never got its answer through: a failure of the connection (``on_failure``), so a tool
+        call reads it as a tool error, not as an error the server itself returned."""
+        if "id" in message and "method" in message:
+            self.on_failure(message["id"], text)
+
 
 class WorkerPool:
     """At most ``size`` daemon threads running submitted jobs in arrival order; idle threads wait for more.
@@ -2134,27 +2197,47 @@ class WorkerPool:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0
-        self._idle = 0
+        self._waiting = 0   # jobs submitted and not yet taken by a worker
+        self._busy = 0      # workers running a job
+        self._closed = False
 
     def submit(self, job, *args) -> None:
-        self._jobs.put((job, args))
+        """Queue ``job(*args)``; a new worker starts when every worker is taken and the pool is below its size."""
         with self._lock:
-            if self._idle > 0 or self._threads >= self.size:
+            if self._closed:
                 return
-            self._threads += 1
-        threading.Thread(target=self._work, name=f"{self.name}-{self._threads}", daemon=True).start()
+            self._waiting += 1
+            spawn = self._waiting + self._busy > self._threads and self._threads < self.size
+            if spawn:
+                self._threads += 1
+            number = self._threads
+        self._jobs.put((job, args))
+        if spawn:
+            threading.Thread(target=self._work, name=f"{self.name}-{number}", daemon=True).start()
+
+    def close(self) -> None:
+        """Let every worker finish its job and end; later submits are dropped."""
+        with self._lock:
+            self._closed, threads = True, self._threads
+        for _ in range(threads):
+            self._jobs.put(None)
 
     def _work(self) -> None:
         while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, args = item
             with self._lock:
-                self._idle += 1
-            job, args = self._jobs.get()
-            with self._lock:
-                self._idle -= 1
+                self._waiting -= 1
+                self._busy += 1
             try:
                 job(*args)
             except Exception:  # noqa: BLE001 - one job's failure must not take the worker with it
                 log.exception("internal error in %s", self.name)
+            finally:
+                with self._lock:
+                    self._busy -= 1
 
 
 def _descendants(pid: int) -> list[int]:
@@ -2210,10 +2293,10 @@ class StdioTransport(Transport):
     stderr, one that notices the exit, one writer for what ``send`` could not write at once.
     """
 
-    def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_oversized=None, max_line=0):
+    def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_unusable=None, max_line=0):
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
         self.on_message, self.on_close, self.on_stderr = on_message, on_close, on_stderr
-        self.on_oversized = on_oversized or (lambda head, size: None)
+        self.on_unusable = on_unusable or (lambda head, why: None)
         self.max_line = max_line
         self.proc: subprocess.Popen | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -2361,17 +2444,19 @@ class StdioTransport(Transport):
         def handle(line) -> None:
             nonlocal skipped
             if isinstance(line, OversizedLine):
-                self.on_oversized(line.head, line.size)
+                self.on_unusable(line.head, f"a message of {line.size} bytes, more than max_message_bytes "
+                                            f"({self.max_line})")
                 return
             if not line.strip():
                 return
             try:
                 message = decode_json(line)
-            except ValueError:  # invalid UTF-8, NaN, nested too deeply...: skipped like any junk
+            except ValueError as exc:  # invalid UTF-8, NaN, nested too deeply...: skipped like any junk
                 skipped += 1
                 if skipped <= 20 or skipped % 1000 == 0:
                     log.warning("[%s] skipped a non-JSON line on stdout (%d bytes; %d so far)",
                                 self.name, len(line), skipped)
+                self.on_unusable(line[:4096], f"a reply Coffer cannot read ({exc})")
                 return
             for item in (message if isinstance(message, list) else [message]):
                 if isinstance(item, dict):
@@ -2509,7 +2594,10 @@ def is_loopback_url(url) -> bool:
 
 
 def _require_secure(url, what: str) -> str:
-    """An OAuth endpoint must be https (OAuth 2.1 §1.5); plain http only on this machine, for development."""
+    """An OAuth endpoint must be https (OAuth 2.1 §1.5); plain http only on this machine, for development.  It is
+    printed to the user, so it must hold no control characters or spaces."""
+    if isinstance(url, str) and (_UNPRINTABLE_RE.search(url) or any(c.isspace() for c in url)):
+        raise OAuthFailure(f"{what} holds control characters or spaces: refused")
     if url_origin(url) is None:
         raise OAuthFailure(f"{what} is not an http(s) URL: {printable(str(url))[:200]}")
     if urllib.parse.urlsplit(url).fragment:
@@ -2770,7 +2858,9 @@ def read_sse_events(readline, max_event_bytes: int):
         if colon and value.startswith(b" "):
             value = value[1:]
         if name == b"data":
-            size += (length if length > max_event_bytes else len(value)) + 1
+            # Each line costs ~100 bytes of bookkeeping, whatever it holds: an event of a million empty data
+            # lines must hit the limit long before it holds a gigabyte.
+            size += (length if length > max_event_bytes else len(value)) + 128
             if size > max_event_bytes:
                 head = head or (b"\n".join(data) + b"\n" + value)[:4096]
                 data = []
@@ -2781,12 +2871,15 @@ def read_sse_events(readline, max_event_bytes: int):
         # id and retry serve resumption, which the 2024-11-05 transport does not define: a drop is a new session.
 
 
-def _messages_of(data: bytes, name: str) -> list[dict]:
-    """The JSON-RPC messages in one event (a message or a batch); junk is skipped with a warning."""
+def _messages_of(data: bytes, name: str, on_unusable=None) -> list[dict]:
+    """The JSON-RPC messages in one event or body (a message or a batch); junk is skipped with a warning, and
+    ``on_unusable`` hears of it, so a request it answered fails at once instead of waiting for its timeout."""
     try:
         payload = decode_json(data)
     except ValueError as exc:
         log.warning("[%s] skipped an SSE event that is not JSON (%d bytes: %s)", name, len(data), exc)
+        if on_unusable is not None:
+            on_unusable(data[:4096], f"a reply Coffer cannot read ({exc})")
         return []
     items = payload if isinstance(payload, list) else [payload]
     return [item for item in items if isinstance(item, dict)]
@@ -2797,23 +2890,28 @@ class HttpTransport(Transport):
 
     Each outgoing message is one POST on a bounded worker pool; the reply is either one JSON body or an SSE stream
     that may carry the server's own requests and notifications before the response.  Bodies and events are bounded
-    by max_message_bytes.  With ``auth`` (OAuthCredentials) each request carries the server's bearer token,
-    refreshed and retried once on 401.  A request that never got through fails through ``on_failure``: a failure
-    of the connection, not an error the server returned.
+    by max_message_bytes.  A request waits until the notifications sent before it have been delivered (so
+    notifications/initialized arrives before the first list request), and one whose reply holds no answer fails at
+    once.  With ``auth`` (OAuthCredentials) each request carries the server's bearer token, refreshed and retried
+    once on 401.  ``close`` ends the server's own stream and the pool's workers.
     """
 
     POOL_SIZE = 16
 
-    def __init__(self, name, url, headers, on_message, on_close, timeout, on_oversized=None, max_body=64 << 20,
+    def __init__(self, name, url, headers, on_message, on_close, timeout, on_unusable=None, max_body=64 << 20,
                  auth=None, on_failure=None):
         self.name, self.url, self.headers = name, url, headers
-        self.on_message, self.on_close, self.on_failure = on_message, on_close, on_failure
-        self.on_oversized = on_oversized or (lambda head, size: None)
+        self.on_message, self.on_close = on_message, on_close
+        self.on_failure = on_failure or (lambda request_id, text: on_message(rpc_error(request_id, UPSTREAM_ERROR,
+                                                                                      text)))
+        self.on_unusable = on_unusable or (lambda head, why: None)
         self.timeout, self.max_body, self.auth = timeout, max_body, auth
         self.session_id: str | None = None
         self.protocol_version: str | None = None
         self._closed = False
         self._listening = False
+        self._stream = None                      # the server's own GET stream, while open
+        self._delivered: threading.Event | None = None   # the last notification's POST is done
         self._pool = WorkerPool(f"coffer-{name}-http", self.POOL_SIZE)
 
     def start(self) -> None:
@@ -2824,7 +2922,11 @@ class HttpTransport(Transport):
         if self._closed:
             return False
         body = encode_line(message)
-        self._pool.submit(self._post, message, body)
+        if "id" in message:
+            self._pool.submit(self._post, message, body, self._delivered, None)
+        else:
+            delivered = self._delivered = threading.Event()
+            self._pool.submit(self._post, message, body, None, delivered)
         return True
 
     def _request_headers(self) -> dict:
@@ -2836,7 +2938,17 @@ class HttpTransport(Transport):
             headers["MCP-Protocol-Version"] = self.protocol_version
         return headers
 
-    def _post(self, message: dict, body: bytes) -> None:
+    def _post(self, message: dict, body: bytes, after: threading.Event | None,
+              delivered: threading.Event | None) -> None:
+        if after is not None:
+            after.wait(self.timeout)
+        try:
+            self._exchange(message, body)
+        finally:
+            if delivered is not None:
+                delivered.set()
+
+    def _exchange(self, message: dict, body: bytes) -> None:
         initializing = message.get("method") == "initialize"
         try:
             reply = authorized_exchange(self.name, self.auth, "POST", self.url, headers=self._request_headers(),
@@ -2863,6 +2975,7 @@ class HttpTransport(Transport):
                 text = str(self.fatal)
             self._fail(message, text)
             return
+        answered = "id" not in message
         try:
             session = reply.headers.get("mcp-session-id")
             if session and initializing:
@@ -2871,7 +2984,13 @@ class HttpTransport(Transport):
                     self._fail(message, str(self.fatal))
                     return
                 self.session_id = session
-            self._consume(reply)
+            answered = self._consume(reply, message.get("id")) or answered
+            if not answered:
+                kind = _content_type(reply) or "no content type"
+                text = f"the server's reply ({printable(kind)[:60]}) held no answer"
+                if initializing and kind not in ("application/json", "text/event-stream"):
+                    self.fatal = UpstreamFailure(f"{text}: not an MCP endpoint", permanent=True)
+                self._fail(message, text)
         except UpstreamFailure as exc:
             self._fail(message, str(exc))
         except stream_errors() as exc:
@@ -2889,35 +3008,36 @@ class HttpTransport(Transport):
             self.close_reason = str(exc)
             self.on_close()
 
-    def _fail(self, message: dict, text: str) -> None:
-        if "id" in message and "method" in message:
-            if self.on_failure is not None:
-                self.on_failure(message["id"], text)
-            else:
-                self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, text))
-
-    def _consume(self, reply: HttpReply) -> None:
+    def _consume(self, reply: HttpReply, request_id=None) -> bool:
+        """Deliver what a reply holds; True when it held the answer to ``request_id``."""
+        answered = False
         kind = _content_type(reply)
         if kind == "application/json":
             data = reply.stream.read(self.max_body + 1)
             if len(data) > self.max_body:
                 raise UpstreamFailure(f"a reply larger than max_message_bytes ({self.max_body} bytes)")
             if data.strip():
-                for item in _messages_of(data, self.name):
-                    self._deliver(item)
+                for item in _messages_of(data, self.name, self.on_unusable):
+                    answered = self._deliver(item, request_id) or answered
         elif kind == "text/event-stream":
             for event in read_sse_events(reply.stream.readline, self.max_body):
                 if event.oversized:
-                    self.on_oversized(event.data, event.oversized)
+                    self.on_unusable(event.data, f"an event of {event.oversized} bytes, more than "
+                                                 f"max_message_bytes ({self.max_body})")
+                    answered = answered or request_id_in(event.data) == request_id
                 elif event.kind == "message":
-                    for item in _messages_of(event.data, self.name):
-                        self._deliver(item)
+                    for item in _messages_of(event.data, self.name, self.on_unusable):
+                        answered = self._deliver(item, request_id) or answered
+        return answered
 
-    def _deliver(self, item: dict) -> None:
-        if isinstance(item.get("result"), dict) and isinstance(item["result"].get("protocolVersion"), str):
-            self.protocol_version = item["result"]["protocolVersion"][:32]
+    def _deliver(self, item: dict, request_id=None) -> bool:
+        is_answer = request_id is not None and item.get("id") == request_id and "method" not in item
+        if is_answer and isinstance(item.get("result"), dict) and self.protocol_version is None and \
+                isinstance(item["result"].get("protocolVersion"), str):
+            self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
             self._start_listening()
         self.on_message(item)
+        return is_answer
 
     def _start_listening(self) -> None:
         """Open the optional GET stream on which the server sends requests and notifications of its own."""
@@ -2928,16 +3048,22 @@ class HttpTransport(Transport):
         def listen():
             headers = self._request_headers()
             headers["Accept"] = "text/event-stream"
-            time.sleep(0.05)  # after notifications/initialized has gone out
+            if self._delivered is not None:
+                self._delivered.wait(self.timeout)  # after notifications/initialized has gone out
             try:
                 reply = authorized_exchange(self.name, self.auth, "GET", self.url, headers=headers,
                                             timeout=self.timeout, stream=True)
                 if 200 <= reply.status < 300 and reply.stream is not None:
+                    self._stream = reply.stream
                     settle_stream(reply.stream)
                     try:
-                        self._consume(reply)
+                        if not self._closed:
+                            self._consume(reply)
                     finally:
+                        self._stream = None
                         _close_reply(reply)
+                else:
+                    _close_reply(reply)
             except (UpstreamFailure, *stream_errors()) as exc:
                 log.debug("[%s] no server stream: %s", self.name, exc)  # 405: this server has none
 
@@ -2947,6 +3073,10 @@ class HttpTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        stream = self._stream
+        if stream is not None:
+            abort_stream(stream)
+        self._pool.close()
         if self.session_id:
             try:
                 headers = {**self._request_headers(), **(self.auth.headers_for(self.url) if self.auth else {})}
@@ -2956,6 +3086,22 @@ class HttpTransport(Transport):
 
 
 # -- legacy HTTP+SSE --------------------------------------------------------------------------------------------
+
+def checked_sse_endpoint(event: SseEvent, stream_url: str, configured_url: str) -> str:
+    """The URL an HTTP+SSE stream's ``endpoint`` event names, if Coffer may POST to it: text, a URL, and on the
+    configured origin (it receives the same credentials); else UpstreamFailure or OriginRefused."""
+    try:
+        text = event.data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise UpstreamFailure("the SSE endpoint event is not UTF-8 text") from None
+    if event.oversized or not text or len(text) > 4096 or not text.isprintable():
+        raise UpstreamFailure("the SSE endpoint event does not hold a URL")
+    endpoint = urllib.parse.urljoin(stream_url, text)
+    if not same_origin(endpoint, configured_url):
+        raise OriginRefused(f"the SSE stream named an endpoint on {origin_text(endpoint)}, not on "
+                            f"{origin_text(configured_url)}: refused, credentials never leave the configured origin")
+    return urllib.parse.urldefrag(endpoint)[0]
+
 
 class SseTransport(Transport):
     """An upstream MCP server over the 2024-11-05 HTTP+SSE transport: one long GET stream carries everything the
@@ -2971,9 +3117,12 @@ class SseTransport(Transport):
     """
 
     def __init__(self, name, url, headers, on_message, on_close, timeout, auth=None,
-                 max_message_bytes: int = 64 << 20, on_failure=None):
+                 max_message_bytes: int = 64 << 20, on_failure=None, on_unusable=None):
         self.name, self.url, self.headers = name, url, dict(headers)
-        self.on_message, self.on_close, self.on_failure = on_message, on_close, on_failure
+        self.on_message, self.on_close = on_message, on_close
+        self.on_failure = on_failure or (lambda request_id, text: on_message(rpc_error(
+            request_id, UPSTREAM_ERROR, f"'{name}': {text}")))
+        self.on_unusable = on_unusable or (lambda head, why: None)
         self.timeout = timeout
         self.auth = auth
         self.max_message_bytes = max_message_bytes
@@ -3030,17 +3179,7 @@ class SseTransport(Transport):
         start_thread(self._write, f"coffer-{self.name}-post")
 
     def _checked_endpoint(self, event: SseEvent, stream_url: str) -> str:
-        try:
-            text = event.data.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise UpstreamFailure("the SSE endpoint event is not UTF-8 text") from None
-        if event.oversized or not text or len(text) > 4096 or any(c in text for c in "\r\n\x00"):
-            raise UpstreamFailure("the SSE endpoint event does not hold a URL")
-        endpoint = urllib.parse.urljoin(stream_url, text)
-        if not same_origin(endpoint, self.url):
-            raise OriginRefused(f"the SSE stream named an endpoint on {origin_text(endpoint)}, not on "
-                                f"{origin_text(self.url)}: refused, credentials never leave the configured origin")
-        return urllib.parse.urldefrag(endpoint)[0]
+        return checked_sse_endpoint(event, stream_url, self.url)
 
     def send(self, message: dict) -> bool:
         with self._lock:
@@ -3087,15 +3226,6 @@ class SseTransport(Transport):
             return
         self._fail(message, f"HTTP {reply.status}: {_reply_text(reply)}")
 
-    def _fail(self, message: dict, text: str) -> None:
-        """A request that never reached the server (or whose answer never came back) fails as a connection
-        failure, through on_failure: a tool call then reads as a tool error, not as the server's own error."""
-        if "id" in message and "method" in message:
-            if self.on_failure is not None:
-                self.on_failure(message["id"], text)
-            else:
-                self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, f"'{self.name}': {text}"))
-
     def _read(self) -> None:
         reason = "ended its SSE stream"
         try:
@@ -3103,7 +3233,7 @@ class SseTransport(Transport):
                 if event.oversized:
                     self._oversized(event)
                 elif event.kind == "message":
-                    for item in _messages_of(event.data, self.name):
+                    for item in _messages_of(event.data, self.name, self.on_unusable):
                         try:
                             self.on_message(item)
                         except Exception:  # noqa: BLE001 - a routing bug must not end the stream
@@ -3122,12 +3252,8 @@ class SseTransport(Transport):
         self._lost(reason)
 
     def _oversized(self, event: SseEvent) -> None:
-        request_id = request_id_in(event.data)
-        log.warning("[%s] dropped an SSE event of %d bytes (limit %d)", self.name, event.oversized,
-                    self.max_message_bytes)
-        if request_id is not None:  # most likely the answer to one of Coffer's requests: answer it with why
-            self._fail({"id": request_id, "method": "?"},
-                       f"'{self.name}' sent a reply larger than {self.max_message_bytes} bytes")
+        self.on_unusable(event.data, f"an event of {event.oversized} bytes, more than max_message_bytes "
+                                     f"({self.max_message_bytes})")
 
     def _lost(self, reason: str, in_flight_note: bool = True) -> None:
         with self._lock:
@@ -3217,11 +3343,7 @@ def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: floa
             for event in read_sse_events(until_endpoint(stream.stream.readline, lambda: False, timeout, url),
                                          64 << 10):
                 if event.kind == "endpoint":
-                    endpoint = urllib.parse.urljoin(stream.url, event.data.decode("utf-8", "replace").strip())
-                    if not same_origin(endpoint, url):
-                        raise OriginRefused(f"the SSE stream named an endpoint on {origin_text(endpoint)}, not on "
-                                            f"{origin_text(url)}: refused, credentials never leave the configured "
-                                            "origin")
+                    checked_sse_endpoint(event, stream.url, url)
                     return TransportProbe("sse", "HTTP+SSE (the 2024-11-05 transport)")
                 break
         got = f"HTTP {stream.status} {printable(_content_type(stream))[:60]}".strip()
@@ -3275,7 +3397,7 @@ class AutoTransport(Transport):
 
 
 def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, on_message, on_close,
-                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_oversized=None):
+                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_unusable=None):
     """The transport for a remote server (``kind`` is the vault's transport: auto, http or sse).
 
     OAuth applies unless the server is configured with its own Authorization header: that header is the user's
@@ -3287,8 +3409,8 @@ def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, 
     def make(actual: str):
         if actual == "sse":
             return SseTransport(name, url, headers, on_message, on_close, timeout, auth, max_message_bytes,
-                                on_failure)
-        return HttpTransport(name, url, headers, on_message, on_close, timeout, on_oversized, max_message_bytes,
+                                on_failure, on_unusable)
+        return HttpTransport(name, url, headers, on_message, on_close, timeout, on_unusable, max_message_bytes,
                              auth=auth, on_failure=on_failure)
 
     if kind == "auto":
@@ -3547,22 +3669,27 @@ class TokenEndpointError(Exception):
         self.error = error
 
 
-def token_request(token_endpoint: str, form: dict, client_id: str, client_auth: str,
-                  client_secret: str | None) -> dict:
-    """POST to the token endpoint (RFC 6749 §3.2) with the client's own authentication; returns the validated
-    token response.  Only ever carries a code or a refresh token: never a bearer token."""
-    import base64
-
-    _require_secure(token_endpoint, "the token endpoint")
-    form = dict(form)
-    headers = {"Content-Type": "application/x-www-form-urlencoded", "Accept": "application/json"}
-    form["client_id"] = client_id  # in the body even with Basic: many servers (the MCP SDK's among them) want it
+def _client_authenticated(form: dict, client_id: str, client_auth: str, client_secret: str | None
+                          ) -> tuple[dict, bytes]:
+    """(headers, body) of a form POST to a token or revocation endpoint, with the client's own authentication
+    (RFC 6749 §2.3): Basic, or the secret in the body, or none for a public client."""
+    form = dict(form, client_id=client_id)  # in the body even with Basic: many servers (the MCP SDK's) want it
+    headers = {"Content-Type": "application/x-www-form-urlencoded"}
     if client_auth == "client_secret_basic" and client_secret:
         pair = f"{urllib.parse.quote(client_id, safe='')}:{urllib.parse.quote(client_secret, safe='')}"
         headers["Authorization"] = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
     elif client_auth == "client_secret_post" and client_secret:
         form["client_secret"] = client_secret
-    body = urllib.parse.urlencode({k: v for k, v in form.items() if v is not None}).encode("ascii")
+    return headers, urllib.parse.urlencode({k: v for k, v in form.items() if v is not None}).encode("ascii")
+
+
+def token_request(token_endpoint: str, form: dict, client_id: str, client_auth: str,
+                  client_secret: str | None) -> dict:
+    """POST to the token endpoint (RFC 6749 §3.2) with the client's own authentication; returns the validated
+    token response.  Only ever carries a code or a refresh token: never a bearer token."""
+    _require_secure(token_endpoint, "the token endpoint")
+    headers, body = _client_authenticated(form, client_id, client_auth, client_secret)
+    headers["Accept"] = "application/json"
     try:
         reply = remote_http("POST", token_endpoint, headers=headers, body=body, timeout=30.0)
     except UpstreamFailure as exc:
@@ -3943,8 +4070,8 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
             params["scope"] = scope
         separator = "&" if urllib.parse.urlsplit(metadata.authorization_endpoint).query else "?"
         address = metadata.authorization_endpoint + separator + urllib.parse.urlencode(params)
-        out.write(f"Log in to {name} in your browser. If it does not open, visit:\n\n  {address}\n\n"
-                  f"(waiting up to {timeout:g} s for the authorization server at {origin_text(address)}")
+        out.write(printable(f"Log in to {name} in your browser. If it does not open, visit:\n\n  {address}\n\n"
+                  f"(waiting up to {timeout:g} s for the authorization server at {origin_text(address)}"))
         if stdin is not None:
             out.write("; if your browser runs on another machine, paste here the address it ends on")
             threading.Thread(target=_read_pasted_callback, args=(receiver, stdin), name="coffer-oauth-paste",
@@ -4010,19 +4137,10 @@ def revoke_grant(grant: OAuthGrant, store) -> str:
 
 
 def token_request_revoke(endpoint, token, hint, client_id, client_auth, client_secret) -> None:
-    import base64
-
     _require_secure(endpoint, "the revocation endpoint")
-    headers = {"Content-Type": "application/x-www-form-urlencoded"}
-    form = {"token": token, "token_type_hint": hint}
-    form["client_id"] = client_id  # in the body even with Basic: many servers (the MCP SDK's among them) want it
-    if client_auth == "client_secret_basic" and client_secret:
-        pair = f"{urllib.parse.quote(client_id, safe='')}:{urllib.parse.quote(client_secret, safe='')}"
-        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
-    elif client_auth == "client_secret_post" and client_secret:
-        form["client_secret"] = client_secret
-    reply = remote_http("POST", endpoint, headers=headers, timeout=10.0,
-                        body=urllib.parse.urlencode(form).encode("ascii"))
+    headers, body = _client_authenticated({"token": token, "token_type_hint": hint}, client_id, client_auth,
+                                          client_secret)
+    reply = remote_http("POST", endpoint, headers=headers, timeout=10.0, body=body)
     if reply.status != 200:
         raise OAuthFailure(f"HTTP {reply.status}")
 
@@ -4047,7 +4165,6 @@ MAX_DESCRIPTION_CHARS = 32_768
 MAX_NAME_CHARS = 1024
 _ANNOTATION_HINTS = ("readOnlyHint", "destructiveHint", "idempotentHint", "openWorldHint")
 _IDENTIFIER = {"tool": "name", "prompt": "name", "resource": "uri", "template": "uriTemplate"}
-_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 class Rejected(ValueError):
@@ -4080,7 +4197,7 @@ def check_definition(kind: str, item) -> dict:
     ident = item.get(key)
     if not isinstance(ident, str) or not ident.strip():
         raise Rejected(f"no {key}")
-    if len(ident) > (MAX_NAME_CHARS if key == "name" else 8 * MAX_NAME_CHARS) or _CONTROL_RE.search(ident):
+    if len(ident) > (MAX_NAME_CHARS if key == "name" else 8 * MAX_NAME_CHARS) or not ident.isprintable():
         raise Rejected(f"its {key} is too long or holds control characters")
     try:
         if len(dumps(item)) > MAX_DEFINITION_BYTES:
@@ -4268,6 +4385,7 @@ class Upstream:
         self.ready_at = 0.0
         self.last_error: str | None = None
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
+        self.resolved: str | None = None  # what its ${NAME} references resolved to at the last start (digest)
         self.server_info: dict = {}
         self.capabilities: dict = {}
         self.lists = {kind: {} for kind in CAPABILITY_KINDS}  # kind -> {name: definition}, in upstream order
@@ -4299,28 +4417,34 @@ class Upstream:
     def _make_transport(self) -> Transport:
         missing: list[str] = []
         cfg = self.config
+        self.resolved = resolution_digest(cfg, self.secrets)
         generation = self.generation + 1
         on_close = lambda: self._on_close(generation)  # noqa: E731 - a stale connection's close is ignored
+
+        def on_message(message: dict) -> None:  # nor is what an old connection still says after a restart
+            if self.generation == generation:
+                self._on_message(message)
+
         limit = int(self.settings["max_message_bytes"])
 
         def expand(value: str) -> str:
-            expanded = expand_vars(value, missing=missing, secrets=self.secrets)
-            if expanded != value:
-                redact.add(expanded)  # what a reference expanded to is a secret wherever it shows up
+            substituted: list[str] = []
+            expanded = expand_vars(value, missing=missing, secrets=self.secrets, substituted=substituted)
+            redact.add(*substituted)  # what a reference expanded to is a secret wherever it shows up
             return expanded
 
         if cfg["transport"] in REMOTE_TRANSPORTS:
             headers = {k: expand(v) for k, v in cfg["headers"].items()}
             transport = make_remote_transport(self.name, cfg["transport"], expand(cfg["url"]), headers, self.secrets,
-                                              self._on_message, on_close,
+                                              on_message, on_close,
                                               max(float(self.settings["init_timeout"]), self.call_timeout), limit,
-                                              on_failure=self._fail_request, on_oversized=self._on_oversized)
+                                              on_failure=self._fail_request, on_unusable=self._on_unusable)
         else:
             own = {k: expand(v) for k, v in cfg["env"].items()}
             env = upstream_environment(own, cfg.get("inherit_env") or ())
-            argv = [expand_vars(arg, missing=missing, secrets=self.secrets) for arg in cfg["command"]]
-            transport = StdioTransport(self.name, argv, env, cfg.get("cwd"), self._on_message, on_close,
-                                       self._on_stderr, self._on_oversized, limit)
+            argv = [expand(arg) for arg in cfg["command"]]
+            transport = StdioTransport(self.name, argv, env, cfg.get("cwd"), on_message, on_close,
+                                       self._on_stderr, self._on_unusable, limit)
         for name in sorted(set(missing)):
             log.warning("[%s] ${%s} is set neither in Coffer's environment nor in its secret store; using an empty "
                         "value (coffer secret set %s)", self.name, name, name)
@@ -4351,10 +4475,15 @@ class Upstream:
             if self.state == "stopped":
                 start_thread(transport.close, f"coffer-{self.name}-close")
                 return
-            self.state = "ready"
-            self.ready_at = time.monotonic()
-            self.last_error = None
-            backlog, self.backlog = self.backlog, []
+            died = self._closed_generation == self.generation  # between the check above and now
+            if not died:
+                self.state = "ready"
+                self.ready_at = time.monotonic()
+                self.last_error = None
+                backlog, self.backlog = self.backlog, []
+        if died:
+            self._start_failed(transport, UpstreamFailure("the server exited during discovery"))
+            return
         self.events.on_ready(self)
         self._run_backlog(backlog)
 
@@ -4605,8 +4734,14 @@ class Upstream:
             on_reply(None, "error", f"upstream '{self.name}' is unavailable ({state}){detail}")
             return None
         queued = QueuedRequest(method, params, on_reply, timeout, ticket, deadline, envelope)
-        ticket.request_id = self._send_request(method, params, on_reply, timeout, deadline, queued, envelope)
-        return ticket if ticket.request_id is not None or queued in self.backlog else None
+        request_id = self._send_request(method, params, on_reply, timeout, deadline, queued, envelope)
+        with self.lock:
+            ticket.request_id = request_id
+            raced = ticket.cancelled and request_id is not None  # cancelled while it was being sent
+        if raced and self._finish(request_id) is not None:
+            self.notify("notifications/cancelled", {"requestId": request_id, "reason": "cancelled by the client"})
+            return None
+        return ticket if request_id is not None or queued in self.backlog else None
 
     def _run_backlog(self, backlog: list[QueuedRequest]) -> None:
         for queued in backlog:
@@ -4825,15 +4960,17 @@ class Upstream:
         elif dropped := self._relayed.report_due():
             log.warning("[%s] is flooding notifications; %d dropped", self.name, dropped)
 
-    def _on_oversized(self, head: bytes, size: int) -> None:
-        """A message over max_message_bytes was skipped unread: fail the request it answered, if it says."""
+    def _on_unusable(self, head: bytes, why: str) -> None:
+        """A message Coffer could not use was skipped (``why``: too large, not JSON, nested too deeply): the one
+        rule for all of them is that the request it answers, if its head names one, fails at once."""
         request_id = request_id_in(head)
         pending = self._finish(request_id) if isinstance(request_id, int) else None
-        limit = int(self.settings["max_message_bytes"])
-        text = f"upstream '{self.name}' sent a message of {size} bytes, more than max_message_bytes ({limit})"
-        log.warning("[%s] %s", self.name, text)
         if pending is not None:
+            text = f"upstream '{self.name}' sent {why}"
+            log.warning("[%s] %s", self.name, text)
             pending.on_reply(None, "error", text)
+        elif "max_message_bytes" in why:
+            log.warning("[%s] skipped %s", self.name, why)
 
     def _refresh_soon(self, kind: str) -> None:
         """Refresh one list on a helper thread, one at a time per kind: a list_changed that arrives during a
@@ -6013,6 +6150,7 @@ class SemanticRanker:
         self._index_for = None
         self._wanted = threading.Event()
         self._tools: list[dict] = []
+        self._warned_not_ready = False
         self._load_cache()
         threading.Thread(target=self._embed_loop, name="coffer-embedder", daemon=True).start()
 
@@ -6029,7 +6167,7 @@ class SemanticRanker:
                 self.vectors[row["text_hash"]] = array.array("f", row["vector"]).tolist()
             db.close()
         except sqlite3.Error as exc:
-            warn(f"embedding cache unavailable: {exc}")
+            log.warning("embedding cache unavailable: %s", exc)
 
     def refresh(self, tools: list[dict]) -> None:
         with self.lock:
@@ -6047,7 +6185,7 @@ class SemanticRanker:
                 index = self._index(tools)
             except Exception as exc:  # noqa: BLE001 - BM25 serves meanwhile; this thread must live on
                 if str(exc) != last_error:
-                    warn(f"embedder: tool vectors unavailable ({exc}); search uses BM25 until they are")
+                    log.warning("embedder: tool vectors unavailable (%s); search uses BM25 until they are", exc)
                     last_error = str(exc)
                 time.sleep(delay)
                 delay = min(delay * 2, 120.0)
@@ -6075,7 +6213,7 @@ class SemanticRanker:
                                     for h, v in new.items()])
                 db.close()
             except sqlite3.Error as exc:
-                warn(f"embedding cache not saved: {exc}")
+                log.warning("embedding cache not saved: %s", exc)
         vectors = [self.vectors.get(h) for h in hashes]
         dims = collections.Counter(len(v) for v in vectors if v)
         if len(dims) > 1:  # the model behind the name changed: keep the current dimension, re-embed the rest
@@ -6091,18 +6229,20 @@ class SemanticRanker:
         with self.lock:
             index = self.index if self._index_for is lexical_index.tools else None
         if index is None:
-            warn("embedder: tool vectors not ready yet; this query is answered by BM25")
+            if not self._warned_not_ready:
+                self._warned_not_ready = True
+                log.warning("embedder: tool vectors not ready yet; queries are answered by BM25 until they are")
             return lexical_index.search(query, top_k), "bm25", "embedder: tool vectors not ready yet"
         try:
             query_vector = self.embedder.embed([query], self.query_timeout)[0]
         except EmbedderError as exc:
-            warn(f"embedder fallback to BM25: {exc}")
+            log.warning("embedder fallback to BM25: %s", exc)
             return lexical_index.search(query, top_k), "bm25", f"embedder fallback: {exc}"
         lexical = lexical_index.rank(query, self.CANDIDATES)
         try:
             semantic = index.rank(query_vector, self.CANDIDATES)
         except ValueError as exc:  # a query vector of another dimension: the endpoint's model changed
-            warn(f"embedder fallback to BM25: {exc}")
+            log.warning("embedder fallback to BM25: %s", exc)
             return lexical_index.search(query, top_k), "bm25", "embedder fallback: vector dimension changed"
         tools = lexical_index.tools
         return [(tools[doc], round(score, 4)) for doc, score in fuse(lexical, semantic, top_k)], "hybrid", None
@@ -7734,10 +7874,14 @@ class Gateway:
         vault edits;
       - a small worker pool answers what waited (discovery, a search waiting for its embedding);
       - the invocation log writes on its own thread.
-    Locks, always taken in this order and never the reverse: ``vault_lock`` (the shared SQLite connection) →
-    ``lock`` (upstreams, in-flight and relayed requests, waiting requests, subscriptions) → an Upstream's lock →
+    Locks, always taken in this order and never the reverse: ``_rebuild_lock`` (one catalogue build at a time; it
+    sends list_changed while held) → ``vault_lock`` (the shared SQLite connection) → ``lock`` (upstreams, in-flight
+    and relayed requests, parked exchanges, listen streams, waiting requests, subscriptions) → an Upstream's lock →
     ``out_lock`` (the client's stdout, innermost: nothing is called while holding it).
     """
+
+    FLUSH_BYTES = 1 << 20  # replies held for the end of a burst are written once they pass this
+    MAX_BATCH = 10_000     # messages in one JSON-RPC batch line (each costs ~100x its bytes once parsed)
 
     def __init__(self, vault: Vault, out=None, remember: bool = True, on_client_gone=None, only=None):
         self.vault = vault
@@ -7749,6 +7893,7 @@ class Gateway:
         self.out = out if out is not None else sys.stdout.buffer
         self.out_lock = threading.Lock()
         self._unsent: list[bytes] = []
+        self._unsent_bytes = 0
         self.on_client_gone = on_client_gone
         self._client_gone = threading.Event()
         self.log = InvocationLog(vault.path)
@@ -7788,6 +7933,7 @@ class Gateway:
         self.discovery_deadline = 0.0
         self._reported_missing = False
         self._stopping = threading.Event()
+        self._stopped = threading.Event()
         self._data_version = vault.data_version()
         embedder = Embedder.from_settings(self.settings, vault.secrets)
         self.semantic = SemanticRanker(embedder, vault.path, float(self.settings["embedder_timeout"])) \
@@ -7824,7 +7970,9 @@ class Gateway:
             data = encode_line(rpc_error(msg_id, INTERNAL_ERROR, "Internal error: the reply is not encodable JSON"))
         with self.out_lock:
             self._unsent.append(data)
-        if not defer_to_burst_end(self, self._write_unsent):
+            self._unsent_bytes += len(data)
+            full = self._unsent_bytes > self.FLUSH_BYTES  # a burst's replies are held, but not without bound
+        if full or not defer_to_burst_end(self, self._write_unsent):
             self._write_unsent()
 
     def _write_unsent(self) -> None:
@@ -7833,6 +7981,7 @@ class Gateway:
                 return  # another thread's write took it along
             data = self._unsent[0] if len(self._unsent) == 1 else b"".join(self._unsent)
             self._unsent.clear()
+            self._unsent_bytes = 0
             if self._client_gone.is_set():
                 return
             try:
@@ -7923,6 +8072,10 @@ class Gateway:
                                 f"({limit})"))
             return
         if not line.strip():
+            return
+        if line.lstrip()[:1] == b"[" and line.count(b"{") > self.MAX_BATCH:
+            self.send(rpc_error(None, INVALID_REQUEST, f"Invalid Request: a batch of more than {self.MAX_BATCH} "
+                                                       "messages is refused unread"))
             return
         try:
             message = decode_json(line)
@@ -8170,15 +8323,23 @@ class Gateway:
         upstream.start()
 
     def shutdown(self) -> None:
+        """Write the log, stop every upstream (and its descendants).  A second caller (the signal handler, the
+        client-gone path) waits for the first to finish instead of cutting it short."""
         if self._stopping.is_set():
+            self._stopped.wait(15.0)
             return
         self._stopping.set()
-        # Rows first: a client that closes stdin usually kills its server a few seconds later.
-        self.log.flush(3.0)
-        threads = [start_thread(up.stop, f"coffer-{up.name}-stop") for up in list(self.upstreams.values())]
-        for thread in threads:
-            thread.join(6.0)
-        self.log.close()
+        try:
+            # Rows first: a client that closes stdin usually kills its server a few seconds later.
+            self.log.flush(3.0)
+            threads = [start_thread(up.stop, f"coffer-{up.name}-stop") for up in list(self.upstreams.values())]
+            for thread in threads:
+                thread.join(6.0)
+            if self.knowledge is not None:
+                self.knowledge.close()
+            self.log.close()
+        finally:
+            self._stopped.set()
 
     def _tick(self) -> None:
         last_reload = time.monotonic()
@@ -8231,7 +8392,8 @@ class Gateway:
             return
         for name, upstream in list(self.upstreams.items()):
             old, new = self.configs.get(name), configs.get(name)
-            if new is None or any(old.get(k) != new.get(k) for k in keys):
+            if new is None or any(old.get(k) != new.get(k) for k in keys) or (
+                    getattr(upstream, "resolved", None) not in (None, resolution_digest(new, self.vault.secrets))):
                 with self.lock:
                     del self.upstreams[name]
                 start_thread(upstream.stop, f"coffer-{name}-stop")
@@ -8291,16 +8453,15 @@ class Gateway:
         detected = getattr(upstream.transport, "detected", None)
         if not detected or upstream.config.get("transport") != "auto":
             return
-        try:
-            with self.vault_lock:
+        with self.vault_lock:  # the running config first, so the reload never takes our own write for an edit
+            upstream.config["transport"] = detected
+            config = self.configs.get(upstream.name)
+            if config is not None:
+                config["transport"] = detected
+            try:
                 self.vault.set_transport(upstream.name, detected)
-        except (sqlite3.Error, CofferError) as exc:
-            log.warning("[%s] could not remember its transport: %s", upstream.name, exc)
-            return
-        upstream.config["transport"] = detected
-        config = self.configs.get(upstream.name)
-        if config is not None:
-            config["transport"] = detected
+            except (sqlite3.Error, CofferError) as exc:
+                log.warning("[%s] could not remember its transport: %s", upstream.name, exc)
 
     def on_down(self, upstream: Upstream) -> None:
         with self.lock:  # what the dead process asked of the client can no longer be answered
@@ -8389,9 +8550,15 @@ class Gateway:
             return
         params = message.get("params")
         with self.lock:
-            self._client_request_seq += 1
-            ours = f"coffer-{self._client_request_seq}"
-            self.client_requests[ours] = RelayedRequest(upstream, upstream.generation, message["id"])
+            crowded = sum(1 for relayed in self.client_requests.values() if relayed.upstream is upstream) >= 64
+            if not crowded:
+                self._client_request_seq += 1
+                ours = f"coffer-{self._client_request_seq}"
+                self.client_requests[ours] = RelayedRequest(upstream, upstream.generation, message["id"])
+        if crowded:  # a server asking faster than a person can answer: it waits, nothing piles up here
+            upstream.respond(rpc_error(message["id"], INTERNAL_ERROR, "too many requests are waiting for the "
+                                                                      "client's answer"))
+            return
         relayed = {"jsonrpc": "2.0", "id": ours, "method": message["method"]}
         if isinstance(params, dict):
             relayed["params"] = params
@@ -9192,9 +9359,6 @@ CLIENT_TOOL_NAME_LIMITS = {"claude-code": (64, "mcp__coffer__"), "codex": (64, "
                            "cursor": (60, "coffer"), "gemini": (63, "mcp_coffer_")}
 #: clients that are usually started from a desktop launcher, with a minimal PATH
 GUI_CLIENTS = ("claude-desktop", "cursor", "vscode", "windsurf", "zed")
-#: An SSE entry is skipped with a reason until the vault and Upstream speak that transport, instead of being
-#: stored as a server the gateway cannot start.
-SSE_SUPPORTED = "sse" in TRANSPORTS
 
 
 class ConfigProblem(Exception):
@@ -10176,7 +10340,11 @@ def entry_to_server(client: str, name: str, raw, file: ClientFile, ctx: ClientCo
     elif client == "gemini":
         server.kind = "sse"     # Gemini CLI: url is SSE, httpUrl is Streamable HTTP
     else:
-        server.kind = "sse" if urllib_path(url).rstrip("/").endswith("/sse") else "http"
+        try:
+            path = urllib.parse.urlsplit(url).path
+        except ValueError:
+            path = ""
+        server.kind = "sse" if path.rstrip("/").endswith("/sse") else "http"
     headers = {k: rewrite(v) for k, v in _string_map(raw.get("headers"), "headers").items()}
     headers.update({k: rewrite(v) for k, v in _string_map(raw.get("http_headers"), "http_headers").items()})
     for header, variable in _string_map(raw.get("env_http_headers"), "env_http_headers").items():
@@ -10188,14 +10356,6 @@ def entry_to_server(client: str, name: str, raw, file: ClientFile, ctx: ClientCo
         headers["Authorization"] = "Bearer " + raw["bearer_token"]
     server.headers = headers
     return server
-
-
-def urllib_path(url: str) -> str:
-    from urllib.parse import urlsplit
-    try:
-        return urlsplit(url).path
-    except ValueError:
-        return ""
 
 
 # -- import: plan, then apply ---------------------------------------------------------------------------------
@@ -10249,33 +10409,17 @@ def _numbered(name: str, n: int) -> str:
     return name[:24 - len(suffix)].rstrip("-") + suffix
 
 
-def _choose_secret_name(wanted: str, value: str, store, planned: dict) -> str:
-    candidate, n = wanted, 1
-    while True:
-        held = planned.get(candidate)
-        if held is None:
-            held = store.get(candidate)
-        if held is None or held == value:
-            return candidate
-        n += 1
-        candidate = f"{wanted}_{n}"
-
-
 def _move_secrets(planned: PlannedServer, store, planned_secrets: dict) -> None:
-    """Every literal env/header value goes to the secret store; the definition keeps a ${NAME} for it."""
-    prefix = reference_name(planned.name)
-    for field, values, target in (("env", planned.server.env, planned.env),
-                                  ("header", planned.server.headers, planned.headers)):
-        for key, value in values.items():
-            if not value or _ENV_REF_RE.search(value):
-                target[key] = value        # empty, or already references (e.g. "Bearer ${TOKEN}")
-                continue
-            base = key if field == "env" and key.upper().startswith(prefix + "_") else f"{prefix}_{reference_name(key)}"
-            name = _choose_secret_name(base if ENV_KEY_RE.match(base) else reference_name(base), value, store,
-                                       planned_secrets)
-            planned_secrets[name] = value
-            planned.secrets[name] = value
-            target[key] = "${" + name + "}"
+    """Every literal env/header value (and a URL's credentials) goes to the secret store, by the same rule as
+    `coffer add` (plan_literals); the definition keeps a ${NAME} for it."""
+    server = planned.server
+    planned.env, found_env = plan_literals(planned.name, server.env, store, planned=planned_secrets)
+    planned.headers, found_headers = plan_literals(planned.name, server.headers, store, header=True,
+                                                   planned=planned_secrets)
+    found_url = {}
+    if server.url:
+        server.url, found_url = plan_url_literals(planned.name, server.url, store, planned=planned_secrets)
+    planned.secrets.update({**found_env, **found_headers, **found_url})
 
 
 def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overwrite: bool = False) -> ImportPlan:
@@ -10312,9 +10456,6 @@ def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overw
                 skip(str(exc))
                 continue
             name, renamed_because = legal_server_name(raw_name)
-            if server.kind == "sse" and not SSE_SUPPORTED:
-                skip("uses the SSE transport, which this Coffer cannot speak yet", name)
-                continue
             identity = server.identity()
             current = existing.get(name.lower())
             if current is not None and same_definition(current, server, store):
@@ -10746,16 +10887,10 @@ def server_report(vault, store, server: dict, installed_clients: set, probe, set
 
 def vault_report(vault) -> dict:
     problems = []
-    if os.name != "nt":
-        mode = stat.S_IMODE(os.stat(vault.home).st_mode)
-        if mode & 0o077:
-            problems.append(_problem(f"{vault.home} is readable by others (mode {mode:o})", f"chmod 700 {vault.home}"))
-        for base in ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json"):
-            path = os.path.join(vault.home, base)
-            if os.path.exists(path):
-                mode = stat.S_IMODE(os.stat(path).st_mode)
-                if mode & 0o077:
-                    problems.append(_problem(f"{path} is readable by others (mode {mode:o})", f"chmod 600 {path}"))
+    if os.name != "nt":  # the vault fixes these on open; what is left is what it could not fix
+        for path, wanted in [(vault.home, "700")] + [(os.path.join(vault.home, f), "600") for f in PRIVATE_FILES]:
+            if os.path.exists(path) and (mode := stat.S_IMODE(os.stat(path).st_mode)) & 0o077:
+                problems.append(_problem(f"{path} is readable by others (mode {mode:o})", f"chmod {wanted} {path}"))
     try:
         wanted = sqlite3.connect(":memory:")
         wanted.executescript(SCHEMA)
@@ -10862,11 +10997,6 @@ def show_server(vault, name: str) -> dict:
 
 # -- commands -------------------------------------------------------------------------------------------------
 
-def _store_for(vault):
-    """The vault's own SecretStore where the Vault keeps one (the lead's ``vault.secrets``)."""
-    return getattr(vault, "secrets", None) or SecretStore(vault.home)
-
-
 def import_sources(sources: list[str], ctx: ClientContext) -> tuple[list[ClientFile], list[FileProblem]]:
     """Client names and file paths -> the files to read; a path that cannot be told apart is a FileProblem."""
     files: list[ClientFile] = []
@@ -10886,7 +11016,7 @@ def import_sources(sources: list[str], ctx: ClientContext) -> tuple[list[ClientF
 
 def cmd_import(vault, args) -> int:
     ctx = ClientContext.current()
-    store = _store_for(vault)
+    store = vault.secrets
     files, problems = import_sources(args.sources, ctx)
     plan = plan_import(vault, store, files, ctx, overwrite=args.overwrite)
     plan.problems[:0] = problems
@@ -10921,7 +11051,7 @@ def _print_edit(result: EditResult, verb: str, dry_run: bool) -> None:
 
 
 def cmd_install(vault, args) -> int:
-    result = install_client(vault, _store_for(vault), args.client, ClientContext.current(), project=args.project,
+    result = install_client(vault, vault.secrets, args.client, ClientContext.current(), project=args.project,
                             replace=args.replace, dry_run=args.dry_run)
     _print_edit(result, "install Coffer into" if args.dry_run else "installed Coffer into", args.dry_run)
     if result.changed and not args.dry_run:
@@ -10934,14 +11064,14 @@ def cmd_install(vault, args) -> int:
 
 
 def cmd_uninstall(vault, args) -> int:
-    result = uninstall_client(vault, _store_for(vault), args.client, ClientContext.current(), project=args.project,
+    result = uninstall_client(vault, vault.secrets, args.client, ClientContext.current(), project=args.project,
                               dry_run=args.dry_run)
     _print_edit(result, "remove Coffer from" if args.dry_run else "removed Coffer from", args.dry_run)
     return 0
 
 
 def cmd_doctor(vault, args, probe=None) -> int:
-    report = run_doctor(vault, _store_for(vault), ClientContext.current(), probe)
+    report = run_doctor(vault, vault.secrets, ClientContext.current(), probe)
     if args.json:
         say_json(report)
     else:
@@ -11120,7 +11250,8 @@ class ServerProbe:
     def _result(self, upstream: Upstream, state: str, started: float, detail: str | None = None) -> ProbeResult:
         tools = []
         if state == "ready":
-            states = self.vault.capability_states()
+            with self.vault_lock:
+                states = self.vault.capability_states()
             names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"])
             tools = [dict(definition, name=names[name]) for name, definition in upstream.lists["tool"].items()
                      if states.get((upstream.name, "tool", name), CapabilityState(True)).usable]
@@ -11206,12 +11337,16 @@ def cmd_add(vault: Vault, args) -> int:
     check_server_name(args.name)
     if vault.read_only:
         vault.transaction()  # says the vault is read-only, before any secret is stored
-    env, moved_env = store_literals(args.name, env, vault.secrets, overwrite=args.replace)
-    headers, moved_headers = store_literals(args.name, headers, vault.secrets, header=True, overwrite=args.replace)
-    moved = moved_env + moved_headers
-    earlier = vault.add_server(args.name, command=args.command or None, url=args.url, env=env, headers=headers,
+    planned: dict[str, str] = {}
+    env, _ = plan_literals(args.name, env, vault.secrets, overwrite=args.replace, planned=planned)
+    headers, _ = plan_literals(args.name, headers, vault.secrets, header=True, overwrite=args.replace,
+                               planned=planned)
+    url = plan_url_literals(args.name, args.url, vault.secrets, args.replace, planned)[0] if args.url else None
+    earlier = vault.add_server(args.name, command=args.command or None, url=url, env=env, headers=headers,
                                cwd=args.cwd, policy=args.policy, timeout=args.timeout,
                                inherit_env=args.inherit_env, replace=args.replace, **remote_add_options(args))
+    save_secrets(vault.secrets, planned)  # only now: a refused definition leaves the store as it was
+    moved = list(planned)
     if earlier:
         say(f"kept the earlier choices for {earlier} of {args.name}'s tools, prompts and resources "
             "(coffer show / coffer enable to change them)")
@@ -11381,7 +11516,7 @@ def cmd_secret(vault: Vault, args) -> int:
         import getpass
         value = getpass.getpass(f"value for {args.name} (not shown): ")
     else:
-        value = sys.stdin.read(64 << 10 + 1).rstrip("\r\n")
+        value = sys.stdin.read((64 << 10) + 1).rstrip("\r\n")
     if not value:
         raise CofferError("empty value: nothing stored")
     store.set(args.name, value)

@@ -188,7 +188,9 @@ def test_import_moves_literals_to_the_secret_store_and_audits(world):
     assert set(servers) == expected_import()
     store_path = world.coffer_home / "secrets.json"
     store = json.loads(store_path.read_text())
-    assert store["MY_SERVER_API_KEY"] == DESKTOP_SECRET and store["TEAM_DOCS_AUTHORIZATION"] == TEAM_SECRET
+    # the same rule as `coffer add`: of an Authorization header only the credential moves ("Bearer ${NAME}")
+    assert store["MY_SERVER_API_KEY"] == DESKTOP_SECRET
+    assert "Bearer " + store["TEAM_DOCS_AUTHORIZATION"] == TEAM_SECRET
     assert store["CODEX_HTTP_X_ORG"] == CODEX_ORG
     if os.name != "nt":
         assert stat.S_IMODE(store_path.stat().st_mode) == 0o600
