@@ -7,24 +7,31 @@ Register your MCP servers once; every agent (Claude Code, Codex, Cursor, Claude 
 
 One module, standard library only.  Sections, in the order data flows through them:
 
-    1. protocol constants and small helpers
-    2. naming (exposed names, resource URIs) and ${VAR} expansion
-    3. vault: coffer.db (servers, capability choices, invocation and audit logs)
-    4. transports (stdio subprocess, Streamable HTTP) and the upstream supervisor
-    5. catalogue: the merged, namespaced, filtered view of all upstreams
-    6. search: the BM25F ranker behind coffer__search_tools
-    7. gateway session: the MCP server a client talks to
-    8. command line
+    1. protocol: constants, JSON at the boundary, logging that is safe for a terminal
+    2. names and secrets: exposed names, ${VAR} references, the secret store, an upstream's environment
+    3. vault: coffer.db (servers, capability choices and pins, invocation and audit logs)
+    4. transports: stdio subprocess, Streamable HTTP (redirect-safe)
+    5. upstream supervisor: one server's connection, requests, lists and restarts; boundary checks
+    6. catalogue: the merged, namespaced, filtered view of all upstreams
+    7. search: the BM25F ranker behind coffer__search_tools (7b: optional semantic ranking)
+    8. gateway session: the MCP server a client talks to
+    9. client configs: import from, install into and diagnose the MCP clients a user has
+   10. command line
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
+import difflib
+import errno
 import functools
 import hashlib
 import heapq
 import json
+import logging
 import math
 import os
 import queue
@@ -34,17 +41,21 @@ import shlex
 import shutil
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unicodedata
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import Callable, NamedTuple
 
 __version__ = "0.1.0"
 
 # ============================================================================================================
-# 1. Protocol constants and small helpers
+# 1. Protocol: constants, JSON at the boundary, terminal-safe logging
 # ============================================================================================================
 
 #: Newest first.  A client asking for one of these gets it echoed; anything else is offered the newest.
@@ -75,12 +86,15 @@ DEFAULTS = {
     "max_restarts": 5,              # consecutive failed starts before an upstream is marked failed
     "retention_invocations_days": 30,
     "retention_audit_days": 365,
-    "expose": "all",                # "all": full catalogue plus search; "search": only coffer__search_tools
+    "expose": "auto",               # auto | all | search | budget:N (see expose_mode); expose.<client> overrides
     "embedder_url": "",             # e.g. http://127.0.0.1:11434/v1 (OpenAI-compatible) or an Ollama base URL
     "embedder_model": "",
     "embedder_api": "openai",       # "openai" (POST {url}/embeddings) or "ollama" (POST {url}/api/embed)
     "embedder_key_env": "",         # name of the environment variable holding the API key (never the key)
     "embedder_timeout": 1.0,        # seconds a query may wait for its embedding before BM25 answers alone
+    "max_message_bytes": 64 << 20,  # a longer line, HTTP body or SSE event fails that message, not the gateway
+    "max_list_pages": 100,          # pages Coffer follows when an upstream paginates one list
+    "max_list_items": 10_000,       # tools (prompts, resources...) kept per list per upstream
 }
 
 INSTRUCTIONS = (
@@ -89,10 +103,6 @@ INSTRUCTIONS = (
     "in plain words (e.g. 'create a GitHub issue'); it returns the best-matching real tools with their input "
     "schemas, which you then call by name."
 )
-
-
-# One encoder for every message: json.dumps with non-default options builds a new one per call (~2 us a hop).
-dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def utcnow() -> str:
@@ -104,30 +114,133 @@ def iso_timestamp(epoch_seconds: float) -> str:
         "+00:00", "Z")
 
 
-def read_line_bursts(read, size: int = 1 << 16):
+# -- JSON at the boundary ------------------------------------------------------------------------------------
+# One encoder for every message: json.dumps with non-default options builds a new one per call (~2 us a hop).
+# allow_nan=False: NaN and Infinity are not JSON, and a client that cannot parse a line never sees its answer.
+dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+_decode = json.JSONDecoder(parse_float=_finite_float, parse_constant=_reject_constant).decode
+
+
+def decode_json(data):
+    """Parse one JSON text that came from outside; anything but plain JSON raises ValueError.
+
+    That covers invalid UTF-8, NaN/Infinity and out-of-range numbers (which would be re-encoded as text no peer can
+    parse), and nesting deeper than the interpreter can follow (a 2 KB line of brackets raises RecursionError,
+    which must cost one message, never the reader thread).
+    """
+    try:
+        if isinstance(data, (bytes, bytearray)):
+            data = data.decode("utf-8")
+        return _decode(data)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+class EncodeError(ValueError):
+    """A message Coffer cannot write as JSON (nested too deeply to encode, or holding a non-JSON value)."""
+
+
+def encode_line(message) -> bytes:
+    """One JSON-RPC message as a newline-terminated UTF-8 line.
+
+    A lone surrogate (legal in a JSON text as an escape, impossible in UTF-8) is written back as its \\uXXXX escape,
+    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.
+    """
+    try:
+        text = dumps(message)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise EncodeError(f"cannot encode a message: {exc.__class__.__name__}") from None
+    try:
+        return (text + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (text + "\n").encode("utf-8", "backslashreplace")
+
+
+_REQUEST_ID_RE = re.compile(rb'"id"\s*:\s*(-?\d{1,18}|"(?:[^"\\]|\\.){0,512}")')
+
+
+def request_id_in(head: bytes):
+    """The JSON-RPC id near the start of a message too large to parse, so its sender still gets an answer."""
+    match = _REQUEST_ID_RE.search(head)
+    if not match:
+        return None
+    try:
+        value = decode_json(match.group(1))
+    except ValueError:
+        return None
+    return value if valid_request_id(value) else None
+
+
+def valid_request_id(value) -> bool:
+    """The one rule for request ids, from clients and upstreams alike: a string or an integer, bounded."""
+    if isinstance(value, str):
+        return len(value) <= 512
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
+
+
+class OversizedLine(NamedTuple):
+    """A line longer than max_message_bytes, skipped without being held: its head, to find an id in, and size."""
+    head: bytes
+    size: int
+
+
+def read_line_bursts(read, size: int = 1 << 16, max_line: int = 0):
     """Yield, per system call, the list of complete lines that arrived together (without their newlines).
 
     ``read(size)`` must return what is available now (one ``os.read``), b"" at EOF.  An unterminated last
-    line is yielded at EOF like any other.
+    line is yielded at EOF like any other.  With ``max_line``, a longer line is yielded as an OversizedLine and
+    its bytes are dropped as they arrive, so a 400 MB line costs at most ``max_line`` of memory.
     """
     partial: list[bytes] = []
+    held = 0
+    skipping: OversizedLine | None = None
     while True:
         chunk = read(size)
         if not chunk:
-            if partial:
+            if skipping is not None:
+                yield [skipping]
+            elif partial:
                 yield [b"".join(partial)]
             return
         if b"\n" not in chunk:
+            if skipping is not None:
+                skipping = skipping._replace(size=skipping.size + len(chunk))
+                continue
             partial.append(chunk)
+            held += len(chunk)
+            if max_line and held > max_line:
+                skipping = OversizedLine(b"".join(partial)[:4096], held)
+                partial, held = [], 0
             continue
-        lines = chunk.split(b"\n")
-        if partial:
+        lines: list = chunk.split(b"\n")
+        tail = lines.pop()
+        if skipping is not None:
+            lines[0] = skipping._replace(size=skipping.size + len(lines[0]))
+            skipping = None
+        elif partial:
             partial.append(lines[0])
             lines[0] = b"".join(partial)
             partial = []
-        tail = lines.pop()
+        held = 0
         if tail:
             partial.append(tail)
+            held = len(tail)
+        if max_line:
+            lines = [OversizedLine(line[:4096], len(line)) if isinstance(line, bytes) and len(line) > max_line
+                     else line for line in lines]
         yield lines
 
 
@@ -137,7 +250,7 @@ def read_line_bursts(read, size: int = 1 << 16):
 _burst = threading.local()
 
 
-def handle_burst(lines: list[bytes], handle) -> None:
+def handle_burst(lines: list, handle) -> None:
     _burst.flushes = flushes = {}
     try:
         for line in lines:
@@ -157,13 +270,124 @@ def defer_to_burst_end(key, flush) -> bool:
     return True
 
 
-def warn(message: str) -> None:
-    """Every diagnostic goes to stderr: stdout belongs to the JSON-RPC stream."""
+# -- what reaches a terminal or a log --------------------------------------------------------------------------
+# Every diagnostic goes to stderr through the "coffer" logger: stdout belongs to the JSON-RPC stream.  Text an
+# upstream wrote (its stderr, tool descriptions, error messages) passes through printable() before a terminal sees
+# it, and every known secret value is replaced by *** before anything is printed, logged or stored.
+log = logging.getLogger("coffer")
+
+_UNPRINTABLE_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _visible(match) -> str:
+    char = match.group()
+    return "\ufffd" if "\ud800" <= char <= "\udfff" else f"\\x{ord(char):02x}"
+
+
+def printable(text) -> str:
+    """``text`` made safe for a terminal: C0/C1 control characters (ESC, BEL, CR, OSC 52 clipboard writes...) shown
+    as visible \\xNN, lone surrogates as U+FFFD; newlines and tabs stay."""
+    text = str(text)
+    return _UNPRINTABLE_RE.sub(_visible, text) if _UNPRINTABLE_RE.search(text) else text
+
+
+_JSON_UNSAFE_RE = re.compile("[\x7f-\x9f\ud800-\udfff\u2028\u2029]")
+
+
+def terminal_json(value) -> str:
+    """Pretty JSON for a terminal: json escapes C0 itself; DEL, C1 and lone surrogates are escaped here too."""
+    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    return _JSON_UNSAFE_RE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+class Redactor:
+    """Every secret value this process knows: the secret store's values and what ${VAR} references expanded to.
+
+    ``redact(text)`` replaces each with *** — applied to every log record, to stored stderr and status details, and
+    to CLI output.  Values shorter than MIN_LENGTH are not redacted (they would blank out ordinary words).
+    """
+
+    MIN_LENGTH = 4
+
+    def __init__(self):
+        self._values: tuple[str, ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, *values) -> None:
+        fresh = {v for v in values if isinstance(v, str) and len(v) >= self.MIN_LENGTH} - set(self._values)
+        if fresh:
+            with self._lock:  # longest first, so a secret containing another is replaced whole
+                self._values = tuple(sorted(set(self._values) | fresh, key=len, reverse=True))
+
+    def __call__(self, text: str) -> str:
+        for value in self._values:
+            if value in text:
+                text = text.replace(value, "***")
+        return text
+
+
+redact = Redactor()
+
+
+class _TerminalFormatter(logging.Formatter):
+    """``coffer: message``, redacted and printable; a traceback when COFFER_LOG=debug or stderr is not a terminal
+    (a client's log file), else one line naming the exception, so a user never faces a traceback."""
+
+    def __init__(self, tracebacks: bool):
+        super().__init__()
+        self.tracebacks = tracebacks
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"coffer: {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            if self.tracebacks:
+                text += "\n" + self.formatException(record.exc_info)
+            else:
+                exc = record.exc_info[1]
+                text += f" [{exc.__class__.__name__}: {exc}; COFFER_LOG=debug shows the traceback]"
+        return printable(redact(text))
+
+
+def configure_logging(default: str = "info") -> None:
+    """Log to stderr at COFFER_LOG's level (debug traces every message), else at ``default``: info for
+    `serve` (whose stderr is the client's log of it), warning for commands a person reads.  Idempotent."""
+    if getattr(log, "_coffer_configured", False):
+        return
+    level = (os.environ.get("COFFER_LOG") or default).strip().upper()
+    log.setLevel(getattr(logging, level) if level in ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO)
     try:
-        sys.stderr.write(f"coffer: {message}\n")
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_TerminalFormatter(tracebacks=log.level <= logging.DEBUG or not tty))
+    log.addHandler(handler)
+    log.propagate = False
+    log._coffer_configured = True
+
+    def excepthook(args):  # a thread that dies says so, with its traceback, through the same redaction
+        if args.exc_type is not SystemExit:
+            log.error("thread %s died", getattr(args.thread, "name", "?"),
+                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    threading.excepthook = excepthook
+
+
+def warn(message: str) -> None:
+    log.warning(message)
+
+
+def start_thread(target, name: str, *args) -> threading.Thread:
+    """A daemon thread whose unexpected death is logged with its traceback instead of vanishing."""
+    def run():
+        try:
+            target(*args)
+        except Exception:  # noqa: BLE001 - the thread is lost, the reason must not be
+            log.exception("internal error in thread %s", name)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 class CofferError(Exception):
@@ -172,6 +396,21 @@ class CofferError(Exception):
 
 class NotListedYet(CofferError):
     """A capability name on a registered server that Coffer has not seen listed (yet)."""
+
+
+TOP_K_DEFAULT, TOP_K_MAX = 5, 20
+
+
+def bounded_top_k(value) -> int:
+    """The one rule for a top_k argument: absent means 5; an integer (or integral float) is clamped to 1..20;
+    anything else is a ValueError the caller turns into its own error."""
+    if value is None:
+        return TOP_K_DEFAULT
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"top_k must be an integer between 1 and {TOP_K_MAX}")
+    return max(1, min(TOP_K_MAX, value))
 
 
 def negotiate_version(requested) -> str:
@@ -194,14 +433,8 @@ def tool_error_result(text: str) -> dict:
     return {"content": [{"type": "text", "text": text}], "isError": True}
 
 
-def valid_request_id(value) -> bool:
-    return (isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))) and (
-        len(value) <= 512 if isinstance(value, str) else abs(value) < 2**63
-    )
-
-
 # ============================================================================================================
-# 2. Naming and ${VAR} expansion
+# 2. Names and secrets: exposed names, ${VAR} references, the secret store, an upstream's environment
 # ============================================================================================================
 
 
@@ -213,19 +446,55 @@ def check_server_name(name: str) -> str:
     return name
 
 
-def expose_name(server: str, name: str, max_length: int = DEFAULTS["name_max_length"]) -> str:
-    """``<server>__<name>``, shortened stably when too long or not a legal MCP tool name.
+_DIGEST_WIDTHS = (6, 8, 10, 12, 16, 24, 32, 64)
 
-    The shortened form keeps the readable start of the name and appends six hex digits of its hash, so the same
-    upstream name always maps to the same exposed name across restarts and machines.
-    """
+
+def _natural_name(server: str, name: str, max_length: int) -> str | None:
     full = f"{server}{SEPARATOR}{name}"
-    if len(full) <= max_length and EXPOSED_NAME_RE.match(full):
-        return full
-    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:6]
+    return full if len(full) <= max_length and EXPOSED_NAME_RE.match(full) else None
+
+
+def _shortened_name(server: str, name: str, max_length: int, width: int) -> str:
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:width]
     safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
-    room = max(1, max_length - len(server) - len(SEPARATOR) - 7)
+    room = max(1, max_length - len(server) - len(SEPARATOR) - width - 1)
     return f"{server}{SEPARATOR}{safe[:room].rstrip('_') or 'x'}_{digest}"
+
+
+def expose_name(server: str, name: str, max_length: int = DEFAULTS["name_max_length"]) -> str:
+    """``<server>__<name>``, or — when that is too long or not a legal MCP tool name — a readable prefix plus six hex
+    digits of the name's hash, stable across restarts and machines.  This is the name a tool gets when nothing
+    collides with it; ``exposed_names`` decides for a whole list."""
+    return _natural_name(server, name, max_length) or _shortened_name(server, name, max_length, 6)
+
+
+def exposed_names(server: str, names, max_length: int) -> dict[str, str]:
+    """{upstream name: exposed name} for one server's tools (or prompts), collision-free by construction.
+
+    Server names hold no '_', so ``<server>__`` prefixes never collide and only one server's own names can.
+    Names that fit are kept as they are (they are unique); each shortened name then takes the shortest hash
+    width not already taken, in sorted order, so the result depends only on the set of names: a tool literally
+    named like another's shortened form, or two long names whose short hashes collide, lengthen the hash of
+    the shortened one instead of hiding either.
+    """
+    result: dict[str, str] = {}
+    taken: set[str] = set()
+    shortened = []
+    for name in names:
+        natural = _natural_name(server, name, max_length)
+        if natural is None:
+            shortened.append(name)
+        else:
+            result[name] = natural
+            taken.add(natural)
+    for name in sorted(shortened):
+        for width in _DIGEST_WIDTHS:
+            exposed = _shortened_name(server, name, max_length, width)
+            if exposed not in taken:
+                break
+        result[name] = exposed
+        taken.add(exposed)
+    return result
 
 
 def qualify_uri(server: str, uri: str) -> str:
@@ -233,20 +502,25 @@ def qualify_uri(server: str, uri: str) -> str:
     return f"coffer+{server}:{uri}"
 
 
+# -- ${VAR} references and the secret store ------------------------------------------------------------------
+
 _ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$")
 
 
-def expand_vars(value: str, environ=None, missing=None) -> str:
-    """Expand ``${VAR}`` and ``${VAR:-default}`` from the gateway's environment at spawn time.
+def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | None = None) -> str:
+    """Expand ``${VAR}`` and ``${VAR:-default}``: from the environment first, then from the secret store.
 
     Values are stored unexpanded, so a secret only ever exists in the gateway's and the upstream's memory.
-    Names of unset variables without a default are appended to ``missing``.
+    Names found nowhere (and without a default) are appended to ``missing``.
     """
     environ = os.environ if environ is None else environ
 
     def replace(match):
         name, default = match.group(1), match.group(2)
         current = environ.get(name)
+        if current is None and secrets is not None:
+            current = secrets.get(name)
         if current is None or (current == "" and default is not None):
             if default is None and missing is not None:
                 missing.append(name)
@@ -254,6 +528,189 @@ def expand_vars(value: str, environ=None, missing=None) -> str:
         return current
 
     return _ENV_REF_RE.sub(replace, value)
+
+
+def references(value: str) -> list[str]:
+    """The variable names a stored value refers to."""
+    return [match.group(1) for match in _ENV_REF_RE.finditer(value)]
+
+
+class SecretStore:
+    """Named secret values, in COFFER_HOME/secrets.json (0600 inside the 0700 home), never in coffer.db.
+
+    Why a file rather than an OS keychain: none is reachable from the standard library on all three systems
+    (macOS needs the `security` tool, Windows DPAPI needs ctypes, Linux's Secret Service needs a D-Bus session that
+    a headless or SSH agent host usually lacks), and the agent host must work air-gapped and unattended.  A private
+    file is what ssh, aws and gh use; it is as safe as the user's account.
+
+    Any thread, any process: a read re-parses the file only when its mtime or size changed; a write replaces it
+    atomically (write a private temporary file, then rename), so no reader ever sees half of it.  Every value read
+    is registered with the redactor, so it never reaches a log or the terminal.
+    """
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, home: str):
+        self.path = os.path.join(home, "secrets.json")
+        self._values: dict[str, str] = {}
+        self._stamp = None
+        self._problem: str | None = None
+        self._lock = threading.Lock()
+
+    def _read(self) -> dict[str, str]:
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise CofferError(f"cannot read the secret store {self.path}: {exc.strerror or exc}") from None
+        stamp = (info.st_mtime_ns, info.st_size)
+        with self._lock:
+            if stamp == self._stamp:
+                if self._problem:
+                    raise CofferError(self._problem)
+                return self._values
+        problem, values = None, {}
+        try:
+            if info.st_size > self.MAX_BYTES:
+                raise ValueError(f"larger than {self.MAX_BYTES} bytes")
+            with open(self.path, "rb") as handle:
+                data = decode_json(handle.read(self.MAX_BYTES + 1))
+            if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in data.items()):
+                raise ValueError("not an object of names to text values")
+            values = data
+        except (OSError, ValueError) as exc:
+            problem = f"the secret store {self.path} is damaged ({exc}); fix or remove it"
+        redact.add(*values.values())
+        with self._lock:
+            self._values, self._stamp, self._problem = values, stamp, problem
+        if problem:
+            raise CofferError(problem)
+        return values
+
+    def get(self, name: str) -> str | None:
+        """The value, or None when absent (a damaged store is logged once and treated as empty)."""
+        try:
+            return self._read().get(name)
+        except CofferError as exc:
+            if self._problem != getattr(self, "_reported", None):
+                self._reported = self._problem
+                log.warning("%s", exc)
+            return None
+
+    def names(self) -> list[str]:
+        return sorted(self._read())
+
+    def values(self) -> list[str]:
+        try:
+            return list(self._read().values())
+        except CofferError:
+            return []
+
+    def set(self, name: str, value: str) -> None:
+        if not SECRET_NAME_RE.match(name or ""):
+            raise CofferError(f"invalid secret name {name!r}: use letters, digits and _ (start with a letter)")
+        if not isinstance(value, str) or "\x00" in value or len(value) > 64 << 10:
+            raise CofferError("a secret value must be text without NUL bytes, at most 64 KiB")
+        values = dict(self._read())
+        values[name] = value
+        self._write(values)
+
+    def delete(self, name: str) -> bool:
+        values = dict(self._read())
+        if values.pop(name, None) is None:
+            return False
+        self._write(values)
+        return True
+
+    def _write(self, values: dict[str, str]) -> None:
+        temporary = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(json.dumps(values, indent=1, sort_keys=True).encode("utf-8"))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+            raise CofferError(f"cannot write the secret store {self.path}: {exc.strerror or exc}") from None
+        redact.add(*values.values())
+        with self._lock:
+            self._stamp = None  # re-read on next use, whoever wrote last
+
+
+_AUTH_SCHEME_RE = re.compile(r"^(Bearer|Basic|Token|Bot|Digest)\s+(\S.*)$", re.I | re.S)
+
+
+def secret_name_for(server: str, key: str) -> str:
+    name = re.sub(r"[^A-Z0-9_]", "_", f"{server}_{key}".upper())
+    return name if not name[0].isdigit() else f"S_{name}"
+
+
+def store_literals(server: str, values: dict[str, str], secrets: SecretStore, header: bool = False,
+                   overwrite: bool = False) -> tuple[dict[str, str], list[str]]:
+    """Move every literal value of an --env/--header mapping into the secret store; return the mapping with
+    ${NAME} references in their place, and the names used.
+
+    Any value that holds no ${...} reference counts as literal: Coffer cannot tell a token from a setting, and a
+    setting in the store costs nothing.  For an Authorization-style header only the credential moves
+    ("Bearer ${NAME}"), so the stored definition still reads as what it is.  A name already holding another
+    value gets a numbered twin, unless ``overwrite`` (the server's definition is being replaced).
+    """
+    result, moved = {}, []
+    for key, value in values.items():
+        if value == "" or _ENV_REF_RE.search(value):
+            result[key] = value
+            continue
+        scheme, credential = "", value
+        match = _AUTH_SCHEME_RE.match(value) if header else None
+        if match:
+            scheme, credential = match.group(1) + " ", match.group(2)
+        base = secret_name_for(server, key)
+        name, n = base, 1
+        while not overwrite and (existing := secrets.get(name)) is not None and existing != credential:
+            n += 1
+            name = f"{base}_{n}"
+        if secrets.get(name) != credential:
+            secrets.set(name, credential)
+        result[key] = f"{scheme}${{{name}}}"
+        moved.append(name)
+    return result, moved
+
+
+# -- an upstream's environment -------------------------------------------------------------------------------
+# A stdio upstream gets what a program needs to run and to reach the user's package registry through the
+# user's proxy and certificates, plus its own --env; never the rest of Coffer's environment, where other
+# servers' tokens and the user's cloud keys live.  --inherit-env NAME (or '*') passes more, explicitly.
+
+SAFE_ENV_NAMES = frozenset("""
+PATH HOME USER LOGNAME USERNAME SHELL TERM COLORTERM LANG LANGUAGE TZ TMPDIR TMP TEMP PWD
+HTTP_PROXY HTTPS_PROXY NO_PROXY ALL_PROXY FTP_PROXY SSL_CERT_FILE SSL_CERT_DIR REQUESTS_CA_BUNDLE CURL_CA_BUNDLE
+NODE_EXTRA_CA_CERTS GIT_SSL_CAINFO JAVA_HOME GOPATH GOROOT GOPROXY CARGO_HOME RUSTUP_HOME DENO_DIR BUN_INSTALL
+PNPM_HOME COREPACK_HOME
+SYSTEMROOT SYSTEMDRIVE WINDIR COMSPEC PATHEXT APPDATA LOCALAPPDATA PROGRAMDATA PROGRAMFILES PROGRAMFILES(X86)
+PROGRAMW6432 COMMONPROGRAMFILES COMMONPROGRAMFILES(X86) USERPROFILE HOMEDRIVE HOMEPATH PUBLIC ALLUSERSPROFILE
+NUMBER_OF_PROCESSORS PROCESSOR_ARCHITECTURE OS __CF_USER_TEXT_ENCODING
+""".split())
+SAFE_ENV_PREFIXES = ("LC_", "NPM_CONFIG_", "PIP_", "UV_", "PIPX_", "PYENV_", "NVM_", "VOLTA_", "XDG_")
+
+
+def upstream_environment(own: dict[str, str], inherit=(), environ=None) -> dict[str, str]:
+    """The environment a stdio upstream starts with: the safe subset of ``environ``, what ``inherit`` names (or
+    all of it for '*'), then the server's own --env on top."""
+    environ = os.environ if environ is None else environ
+    wanted = {name.upper() for name in inherit}
+    everything = "*" in wanted
+    env = {key: value for key, value in environ.items()
+           if everything or key.upper() in SAFE_ENV_NAMES or key.upper().startswith(SAFE_ENV_PREFIXES)
+           or key.upper() in wanted}
+    env.update(own)
+    return env
 
 
 def parse_env_assignment(text: str) -> tuple[str, str]:
@@ -274,8 +731,8 @@ CREATE TABLE IF NOT EXISTS servers (
     transport TEXT NOT NULL,                 -- 'stdio' or 'http'
     command TEXT,                            -- JSON argv, unexpanded
     url TEXT,
-    env TEXT NOT NULL DEFAULT '{}',          -- JSON, unexpanded (${VAR} references, never secrets)
-    headers TEXT NOT NULL DEFAULT '{}',      -- JSON, unexpanded
+    env TEXT NOT NULL DEFAULT '{}',          -- JSON, unexpanded: ${VAR} references, literal values never
+    headers TEXT NOT NULL DEFAULT '{}',      -- JSON, unexpanded, like env
     cwd TEXT,
     enabled INTEGER NOT NULL DEFAULT 1,
     policy TEXT NOT NULL DEFAULT 'enabled',  -- what a capability seen for the first time gets
@@ -283,7 +740,9 @@ CREATE TABLE IF NOT EXISTS servers (
     position INTEGER NOT NULL,
     created_at TEXT NOT NULL,
     status TEXT, status_detail TEXT, status_at TEXT,
-    capabilities TEXT                        -- JSON: what the server advertised at its last initialize
+    capabilities TEXT,                       -- JSON: what the server advertised at its last initialize
+    inherit_env TEXT NOT NULL DEFAULT '[]',  -- JSON: names of Coffer's environment variables it also gets
+    updates TEXT NOT NULL DEFAULT 'pin'      -- 'pin': a changed definition waits for `coffer approve`; 'trust'
 );
 CREATE TABLE IF NOT EXISTS capabilities (
     server TEXT NOT NULL,
@@ -291,10 +750,12 @@ CREATE TABLE IF NOT EXISTS capabilities (
     name TEXT NOT NULL,                      -- the upstream's own name or URI
     enabled INTEGER NOT NULL,
     present INTEGER NOT NULL DEFAULT 1,      -- 0 once the upstream stops listing it; the choice is kept
-    fingerprint TEXT,
+    fingerprint TEXT,                        -- of the definition the upstream lists now
     definition TEXT,                         -- last advertised definition (schemas, never call data)
     first_seen TEXT NOT NULL,
     last_seen TEXT NOT NULL,
+    approved TEXT,                           -- fingerprint the user accepted; differs from fingerprint = quarantined
+    approved_definition TEXT,                -- that definition, for the diff `coffer approve` shows
     PRIMARY KEY (server, kind, name)
 );
 CREATE TABLE IF NOT EXISTS invocations (
@@ -309,50 +770,179 @@ CREATE TABLE IF NOT EXISTS audit (
 );
 CREATE INDEX IF NOT EXISTS audit_ts ON audit(ts);
 """
+# Columns added after the first release: (table, column, declaration).  A vault written by an earlier Coffer gains
+# them on open; an approved fingerprint of NULL means "accept what is listed next" (no quarantine on upgrade).
+MIGRATIONS = (
+    ("servers", "capabilities", "TEXT"),
+    ("servers", "inherit_env", "TEXT NOT NULL DEFAULT '[]'"),
+    ("servers", "updates", "TEXT NOT NULL DEFAULT 'pin'"),
+    ("capabilities", "approved", "TEXT"),
+    ("capabilities", "approved_definition", "TEXT"),
+)
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+TRANSPORTS = ("stdio", "http")
+PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
 
 def coffer_home() -> str:
     return os.path.abspath(os.path.expanduser(os.environ.get("COFFER_HOME") or os.path.join("~", ".coffer")))
 
 
-def fingerprint(definition: dict) -> str:
-    return hashlib.sha256(json.dumps(definition, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+def vault_json(value) -> str:
+    """JSON for a vault column: ASCII, so no string an upstream sent (a lone surrogate included) can fail the
+    write, and it decodes back to exactly the same value."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def storable(text):
+    """Text for a vault column or a log: lone surrogates replaced, so SQLite's UTF-8 encoding cannot fail."""
+    if not isinstance(text, str):
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+# What a definition's pin covers: everything the model reads or the call depends on, not the volatile fields
+# (a resource's size or modification time changes with its content, not with its meaning).
+_UNPINNED_FIELDS = {"tool": ("_meta",), "prompt": ("_meta",), "resource": ("_meta", "size", "annotations"),
+                    "template": ("_meta", "annotations")}
+
+
+def fingerprint(definition: dict, kind: str = "tool") -> str:
+    pinned = {k: v for k, v in definition.items() if k not in _UNPINNED_FIELDS.get(kind, ())}
+    return hashlib.sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
+
+
+class CapabilityState(NamedTuple):
+    """The user's standing choice for one capability: enabled or not, and quarantined when its definition changed
+    since the user (or the first listing) accepted it."""
+    enabled: bool
+    quarantined: bool = False
+
+    @property
+    def usable(self) -> bool:
+        return self.enabled and not self.quarantined
+
+
+def _private_path(path: str, directory: bool) -> str | None:
+    """Make ``path`` accessible to its owner only; a notice when it was not (POSIX; Windows ACLs are left alone)."""
+    if os.name != "posix":
+        return None
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    if not mode & 0o077:
+        return None
+    wanted = 0o700 if directory else mode & 0o600
+    try:
+        os.chmod(path, wanted)
+    except OSError as exc:
+        return f"{path} is readable by other users (mode {mode:04o}) and could not be fixed: {exc.strerror}"
+    return f"{path} was readable by other users (mode {mode:04o}); now {wanted:04o}"
+
+
+_reported_settings: set[str] = set()
 
 
 class Vault:
     """coffer.db: the registered servers, the user's choices, and the logs.
 
     Every change is one transaction.  Many processes share the file (several ``coffer serve`` plus the CLI), so
-    it runs in WAL mode with a busy timeout, and writers keep their transactions short.
+    it runs in WAL mode with a busy timeout, and writers keep their transactions short.  COFFER_HOME is 0700 and
+    every file in it 0600; looser permissions are fixed on open, with a notice.  A vault that cannot be written
+    (a read-only file or directory) opens read-only: reading commands work, changing ones say why they cannot.
+    One damaged row costs that row only: a server whose definition does not parse is reported and not started,
+    a setting that does not parse falls back to its default with a warning.
     """
 
     def __init__(self, home: str | None = None, actor: str = "cli"):
         self.home = home or coffer_home()
-        os.makedirs(self.home, exist_ok=True)
-        self.path = os.path.join(self.home, "coffer.db")
         self.actor = actor
-        self.db = self._connect(self.path)
-        with self.db:
-            self.db.executescript(SCHEMA)
-            columns = {row["name"] for row in self.db.execute("PRAGMA table_info(servers)")}
-            if "capabilities" not in columns:  # a vault written by an earlier Coffer
-                self.db.execute("ALTER TABLE servers ADD COLUMN capabilities TEXT")
+        self.read_only = False
+        if not os.path.isdir(self.home):
+            try:
+                os.makedirs(self.home, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise CofferError(f"cannot create {self.home}: {exc.strerror or exc}") from None
+        self.path = os.path.join(self.home, "coffer.db")
+        self.secrets = SecretStore(self.home)
+        was_empty = os.path.isfile(self.path) and os.path.getsize(self.path) == 0
+        if not os.path.exists(self.path):
+            try:  # created private from the start; SQLite gives -wal and -shm the same mode
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except OSError:
+                pass  # a race with another process, or a read-only home: connecting says which
+        try:
+            self.db = self._connect(self.path)
+            self._migrate()
+        except sqlite3.OperationalError as exc:
+            if not self._cannot_write(exc):
+                raise
+            self._open_read_only(exc)
+        for notice in filter(None, [_private_path(self.home, True)] +
+                             [_private_path(os.path.join(self.home, name), False) for name in PRIVATE_FILES]):
+            log.warning("%s", notice)
+        if was_empty:
+            log.warning("coffer.db in %s was EMPTY (0 bytes): it now holds a new, empty vault. Your servers, "
+                        "choices and logs are gone unless you restore the file from a backup.", self.home)
+        self.secrets.values()  # registers the stored secrets with the redactor before anything is printed
 
     @staticmethod
-    def _connect(path: str) -> sqlite3.Connection:
-        db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+    def _connect(path: str, uri: bool = False) -> sqlite3.Connection:
+        db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA busy_timeout=10000")
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-        except sqlite3.OperationalError:
-            pass  # another process is switching it right now; WAL is persistent, so it is already set
-        db.execute("PRAGMA synchronous=NORMAL")
+        if not uri:
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+            except sqlite3.OperationalError:
+                pass  # another process is switching it right now (WAL is persistent), or the file is read-only
+            db.execute("PRAGMA synchronous=NORMAL")
         return db
 
+    @staticmethod
+    def _cannot_write(exc: sqlite3.Error) -> bool:
+        text = str(exc).lower()
+        return "readonly" in text or "read-only" in text or "unable to open" in text
+
+    def _migrate(self) -> None:
+        tables = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        missing = [(t, c, d) for t, c, d in MIGRATIONS if t in tables and c not in
+                   {row["name"] for row in self.db.execute(f"PRAGMA table_info({t})")}]
+        if tables >= {"settings", "servers", "capabilities", "invocations", "audit"} and not missing:
+            return  # nothing to write: a read-only vault opens without a write
+        script = SCHEMA + "".join(f"ALTER TABLE {t} ADD COLUMN {c} {d};\n" for t, c, d in missing)
+        try:
+            self.db.executescript(f"BEGIN IMMEDIATE;\n{script}COMMIT;")
+        except sqlite3.Error:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+
+    def _open_read_only(self, cause: sqlite3.Error) -> None:
+        location = "file:" + self.path.replace("?", "%3f").replace("#", "%23")
+        last = cause
+        for suffix in ("?mode=ro", "?immutable=1"):  # immutable: a read-only directory where -shm cannot exist
+            try:
+                self.db = self._connect(location + suffix, uri=True)
+                self.db.execute("SELECT count(*) FROM servers").fetchone()
+                break
+            except sqlite3.Error as exc:
+                last = exc
+        else:
+            raise CofferError(f"cannot open the vault {self.path}: {last}") from None
+        self.read_only = True
+        log.warning("the vault %s is read-only (%s): commands that only read work, changes are refused",
+                    self.path, cause)
+
     def transaction(self):
+        if self.read_only:
+            raise CofferError(f"the vault {self.path} is read-only: this command would change it")
         return _Transaction(self.db)
 
     def close(self) -> None:
@@ -360,84 +950,202 @@ class Vault:
 
     # -- settings ------------------------------------------------------------------------------------------
     def setting(self, key: str):
-        row = self.db.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()
-        return json.loads(row["value"]) if row else DEFAULTS.get(key)
+        return self.settings().get(key, DEFAULTS.get(key))
 
     def settings(self) -> dict:
+        """Every setting; a stored value that does not parse or is out of range counts as the default (warned
+        once per process), so a damaged row can never stop the gateway."""
         current = dict(DEFAULTS)
         for row in self.db.execute("SELECT key, value FROM settings"):
-            current[row["key"]] = json.loads(row["value"])
+            key = row["key"]
+            if setting_key(key) not in DEFAULTS:
+                continue  # written by a newer Coffer
+            try:
+                current[key] = _checked_setting(key, json.loads(row["value"]))
+            except (ValueError, TypeError, CofferError) as exc:
+                if key not in _reported_settings:
+                    _reported_settings.add(key)
+                    log.warning("setting %s in coffer.db is damaged (%s); using the default %r "
+                                "(fix: coffer config %s VALUE)", key, exc, DEFAULTS[setting_key(key)], key)
         return current
 
     def set_setting(self, key: str, raw: str) -> None:
-        if key not in DEFAULTS:
-            raise CofferError(f"unknown setting {key!r}; known: {', '.join(sorted(DEFAULTS))}")
-        value = _coerce_setting(key, raw)
+        """Change a setting; for a per-client one (expose.cursor), an empty value removes the override."""
+        if setting_key(key) not in DEFAULTS:
+            raise CofferError(f"unknown setting {key!r}{_did_you_mean(key, DEFAULTS)}; known: "
+                              f"{', '.join(sorted(DEFAULTS))}, expose.<client>")
         with self.transaction() as db:
             old = self.setting(key)
+            if key != setting_key(key) and raw == "":
+                db.execute("DELETE FROM settings WHERE key=?", (key,))
+                self._audit(db, "config", key, f"{old!r} -> (the global expose)")
+                return
+            value = _checked_setting(key, raw)
             db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, json.dumps(value)))
             self._audit(db, "config", key, f"{old!r} -> {value!r}")
 
+    def tool_usage(self, days: int = 90) -> dict[str, int]:
+        """Calls per exposed tool name in the last ``days`` (from the invocation log): what budgets keep."""
+        since = (datetime.now(timezone.utc) - timedelta(days=days)).isoformat().replace("+00:00", "Z")
+        return {row["capability"]: row["n"] for row in self.db.execute(
+            "SELECT capability, count(*) AS n FROM invocations WHERE kind='tool' AND ts >= ? GROUP BY capability",
+            (since,))}
+
     # -- servers -------------------------------------------------------------------------------------------
-    def add_server(self, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy="enabled",
-                   timeout=None) -> None:
+    def add_server(self, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
+                   timeout=None, inherit_env=None, transport=None, replace: bool = False) -> int:
+        """Register a server, or with ``replace`` change an existing one's definition (its capability choices
+        stay).  Returns how many earlier choices apply: those of the server being replaced, or — after `remove`
+        and `add` of the same name — the ones kept from before the removal (for the audit retention period)."""
+        with self.transaction() as db:
+            return self.put_server(db, name, command=command, url=url, env=env, headers=headers, cwd=cwd,
+                                   policy=policy, timeout=timeout, inherit_env=inherit_env, transport=transport,
+                                   replace=replace)
+
+    def put_server(self, db, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
+                   timeout=None, inherit_env=None, transport=None, replace: bool = False, action: str | None = None,
+                   detail: str | None = None) -> int:
+        """``add_server`` inside a transaction the caller holds (an import writes many servers in one); the one
+        place a servers row is written.  Values must already be references, never literal secrets."""
         check_server_name(name)
         if bool(command) == bool(url):
             raise CofferError("give either a command after '--' (stdio) or --url (Streamable HTTP)")
-        if policy not in ("enabled", "disabled"):
+        if policy not in (None, "enabled", "disabled"):
             raise CofferError(f"bad policy {policy!r}: use 'enabled' or 'disabled'")
         if timeout is not None and not (timeout > 0):
             raise CofferError("--timeout must be a positive number of seconds")
-        with self.transaction() as db:
-            if db.execute("SELECT 1 FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone():
-                raise CofferError(f"server {name!r} already exists; remove it first or pick another name")
+        transport = transport or ("http" if url else "stdio")
+        if transport not in TRANSPORTS:
+            raise CofferError(f"unknown transport {transport!r}")
+        definition = (transport, vault_json(command) if command else None, url, vault_json(env or {}),
+                      vault_json(headers or {}), cwd, timeout, vault_json(list(inherit_env or [])))
+        target = url or " ".join(shlex.quote(part) for part in command)
+        existing = db.execute("SELECT name FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone()
+        if existing and not (replace and existing["name"] == name):
+            raise CofferError(f"server {existing['name']!r} already exists; `coffer add {name} ... --replace` "
+                              f"changes its definition and keeps its choices")
+        if existing:
+            db.execute("UPDATE servers SET transport=?, command=?, url=?, env=?, headers=?, cwd=?, timeout=?,"
+                       " inherit_env=?, policy=coalesce(?, policy), status=NULL, status_detail=NULL,"
+                       " status_at=NULL WHERE name=?", (*definition, policy, name))
+        else:
             position = db.execute("SELECT coalesce(max(position), 0) + 1 FROM servers").fetchone()[0]
             db.execute(
-                "INSERT INTO servers(name, transport, command, url, env, headers, cwd, policy, timeout, position,"
-                " created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (name, "http" if url else "stdio", json.dumps(command) if command else None, url,
-                 json.dumps(env or {}), json.dumps(headers or {}), cwd, policy, timeout, position, utcnow()))
-            target = url or " ".join(shlex.quote(part) for part in command)
-            self._audit(db, "add", name, target)
+                "INSERT INTO servers(transport, command, url, env, headers, cwd, timeout, inherit_env, name,"
+                " policy, position, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (*definition, name, policy or "enabled", position, utcnow()))
+        self._audit(db, action or ("replace" if existing else "add"), name, detail or target)
+        return db.execute("SELECT count(*) FROM capabilities WHERE server=?", (name,)).fetchone()[0]
 
     def remove_server(self, name: str) -> None:
+        """Unregister a server.  Its capability choices are kept (not listed, not callable) until the audit
+        retention period ends, so adding the same name again restores them."""
         with self.transaction() as db:
             self._require_server(db, name)
             db.execute("DELETE FROM servers WHERE name=?", (name,))
-            db.execute("DELETE FROM capabilities WHERE server=?", (name,))
+            db.execute("UPDATE capabilities SET present=0 WHERE server=?", (name,))
             self._audit(db, "remove", name, None)
 
     def servers(self) -> list[dict]:
-        return [_server_row(row) for row in self.db.execute("SELECT * FROM servers ORDER BY position")]
+        """Every registered server; one whose row is damaged carries ``damaged`` (the reason) and is disabled."""
+        return [_server_row(row) for row in self.db.execute("SELECT * FROM servers ORDER BY position, name")]
 
     def server(self, name: str) -> dict:
         row = self.db.execute("SELECT * FROM servers WHERE name=?", (name,)).fetchone()
         if not row:
-            raise CofferError(f"unknown server {name!r}")
+            raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names())}")
         return _server_row(row)
 
     def set_policy(self, name: str, policy: str) -> None:
-        if policy not in ("enabled", "disabled"):
-            raise CofferError(f"bad policy {policy!r}: use 'enabled' or 'disabled'")
+        """enabled|disabled: what capabilities the server adds later start as; trust-updates|pin-updates: whether a
+        changed definition applies at once or waits for `coffer approve`."""
+        column, value = {"enabled": ("policy", "enabled"), "disabled": ("policy", "disabled"),
+                         "trust-updates": ("updates", "trust"), "pin-updates": ("updates", "pin")}.get(
+            policy, (None, None))
+        if column is None:
+            raise CofferError(f"bad policy {policy!r}: use enabled, disabled, trust-updates or pin-updates")
         with self.transaction() as db:
-            old = self._require_server(db, name)["policy"]
-            db.execute("UPDATE servers SET policy=? WHERE name=?", (policy, name))
-            self._audit(db, "policy", name, f"{old} -> {policy}")
+            old = self._require_server(db, name)[column]
+            db.execute(f"UPDATE servers SET {column}=? WHERE name=?", (value, name))
+            if value == "trust":  # what waits for approval now is trusted too
+                db.execute("UPDATE capabilities SET approved=fingerprint, approved_definition=definition"
+                           " WHERE server=? AND approved IS NOT fingerprint", (name,))
+            self._audit(db, "policy", name, f"{column}: {old} -> {value}")
 
     def record_status(self, name: str, status: str, detail: str | None, capabilities: dict | None = None) -> None:
         with self.transaction() as db:
             db.execute("UPDATE servers SET status=?, status_detail=?, status_at=?,"
                        " capabilities=coalesce(?, capabilities) WHERE name=?",
-                       (status, detail, utcnow(), dumps(capabilities) if capabilities is not None else None, name))
+                       (status, storable(redact(detail)) if detail else detail, utcnow(),
+                        vault_json(capabilities) if capabilities is not None else None, name))
 
-    @staticmethod
-    def _require_server(db, name):
+    def _require_server(self, db, name):
         row = db.execute("SELECT * FROM servers WHERE name=?", (name,)).fetchone()
         if not row:
-            raise CofferError(f"unknown server {name!r}")
+            raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names(db))}")
         return row
 
-    # -- enable / disable ----------------------------------------------------------------------------------
+    # -- targets: what a CLI argument names, exactly as a client sees it ------------------------------------
+    def _all_names(self, db=None) -> list[str]:
+        db = db or self.db
+        max_length = self.setting("name_max_length")
+        names = [row["name"] for row in db.execute("SELECT name FROM servers")]
+        listed: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+        for row in db.execute("SELECT server, kind, name FROM capabilities WHERE present=1 AND server IN"
+                              " (SELECT name FROM servers)"):
+            if row["kind"] in ("tool", "prompt"):
+                listed[(row["server"], row["kind"])].append(row["name"])
+            else:
+                names.append(row["name"])
+        for (server, _), items in listed.items():
+            names.extend(exposed_names(server, items, max_length).values())
+        return names
+
+    def resolve(self, target: str, db=None) -> tuple[str, str, str]:
+        """(server, kind, upstream name) of a tool/prompt by the exact name a client sees, or of a resource or
+        template by its URI (``coffer+<server>:<uri>`` when two servers publish it).  ``tool:`` or ``prompt:``
+        in front picks the kind when a tool and a prompt share a name."""
+        db = db or self.db
+        max_length = self.setting("name_max_length")
+        kinds = ("tool", "prompt")
+        for prefix in kinds:
+            if target.startswith(prefix + ":"):
+                kinds, target = (prefix,), target[len(prefix) + 1:]
+        qualified = QUALIFIED_URI_RE.match(target)
+        if qualified:
+            rows = db.execute("SELECT server, kind, name FROM capabilities WHERE server=? AND name=? AND kind IN"
+                              " ('resource','template')", qualified.groups()).fetchall()
+            if rows:
+                return tuple(rows[0])
+        server, sep, _ = target.partition(SEPARATOR)
+        registered = db.execute("SELECT 1 FROM servers WHERE name=?", (server,)).fetchone() is not None
+        if sep and registered:
+            found = []
+            for kind in kinds:
+                rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=?",
+                                  (server, kind)).fetchall()
+                listed = exposed_names(server, [row["name"] for row in rows if row["present"]], max_length)
+                names = [name for name, exposed in listed.items() if exposed == target] or [
+                    row["name"] for row in rows if not row["present"] and f"{server}{SEPARATOR}{row['name']}" == target]
+                found += [(server, kind, name) for name in names]
+            if len(found) > 1:
+                raise CofferError(f"{target!r} is both a tool and a prompt: write tool:{target} or prompt:{target}")
+            if found:
+                return found[0]
+        rows = db.execute("SELECT server, kind, name FROM capabilities WHERE name=? AND kind IN"
+                          " ('resource','template') AND server IN (SELECT name FROM servers)", (target,)).fetchall()
+        if len(rows) == 1:
+            return tuple(rows[0])
+        if len(rows) > 1:
+            servers = ", ".join(row["server"] for row in rows)
+            raise CofferError(f"{target!r} is published by several servers ({servers}); "
+                              f"use coffer+<server>:{target}")
+        hint = _did_you_mean(target, self._all_names(db))
+        if sep and registered and not db.execute("SELECT 1 FROM capabilities WHERE server=?", (server,)).fetchone():
+            raise NotListedYet(f"unknown target {target!r}: server {server!r} does not list it{hint}")
+        raise CofferError(f"unknown target {target!r}: not a server, tool, prompt or resource Coffer knows{hint}")
+
+    # -- enable / disable / approve ------------------------------------------------------------------------
     def set_enabled(self, target: str, enabled: bool) -> str:
         """Enable or disable a server (by name) or one capability (by exposed name, or resource URI)."""
         verb = "enable" if enabled else "disable"
@@ -447,76 +1155,103 @@ class Vault:
                 db.execute("UPDATE servers SET enabled=? WHERE name=?", (int(enabled), target))
                 self._audit(db, verb, target, "server")
                 return f"server {target}"
-            server, kind, name = self._resolve_capability(db, target)
+            server, kind, name = self.resolve(target, db)
             db.execute("UPDATE capabilities SET enabled=? WHERE server=? AND kind=? AND name=?",
                        (int(enabled), server, kind, name))
-            self._audit(db, verb, f"{server}{SEPARATOR}{name}" if kind in ("tool", "prompt") else target, kind)
-            return f"{kind} {target}"
+            self._audit(db, verb, target if kind in ("tool", "prompt") else f"{server}:{name}", kind)
+            return f"{kind} {target}" + (f" ({server}:{name})" if kind in ("tool", "prompt") and
+                                         target != f"{server}{SEPARATOR}{name}" else "")
 
-    def _resolve_capability(self, db, target: str):
+    def pending_approvals(self, server: str | None = None) -> list[dict]:
+        sql = ("SELECT * FROM capabilities WHERE present=1 AND approved IS NOT NULL AND approved != fingerprint"
+               + (" AND server=?" if server else "") + " ORDER BY server, kind, name")
+        return [dict(row) for row in self.db.execute(sql, (server,) if server else ())]
+
+    def approve(self, target: str) -> list[tuple[str, str]]:
+        """Accept the current definition of a quarantined capability (or of every one of a server's); returns
+        [(label, diff)] of what was approved."""
         max_length = self.setting("name_max_length")
-        qualified = QUALIFIED_URI_RE.match(target)
-        if qualified:
-            rows = db.execute("SELECT server, kind, name FROM capabilities WHERE server=? AND name=? AND kind IN"
-                              " ('resource','template')", qualified.groups()).fetchall()
-            if rows:
-                return tuple(rows[0])
-        server, sep, _ = target.partition(SEPARATOR)
-        if sep:
-            for row in db.execute("SELECT server, kind, name FROM capabilities WHERE server=? AND kind IN"
-                                  " ('tool','prompt') ORDER BY kind DESC", (server,)):
-                if target in (f"{server}{SEPARATOR}{row['name']}", expose_name(server, row["name"], max_length)):
-                    return tuple(row)
-        rows = db.execute("SELECT server, kind, name FROM capabilities WHERE name=? AND kind IN"
-                          " ('resource','template')", (target,)).fetchall()
-        if len(rows) == 1:
-            return tuple(rows[0])
-        if len(rows) > 1:
-            servers = ", ".join(row["server"] for row in rows)
-            raise CofferError(f"{target!r} is published by several servers ({servers}); "
-                              f"use coffer+<server>:{target}")
-        if sep and db.execute("SELECT 1 FROM servers WHERE name=?", (server,)).fetchone():
-            raise NotListedYet(f"unknown target {target!r}: server {server!r} does not list it")
-        raise CofferError(f"unknown target {target!r}: not a server, tool, prompt or resource Coffer knows")
+        with self.transaction() as db:
+            if db.execute("SELECT 1 FROM servers WHERE name=?", (target,)).fetchone():
+                rows = db.execute("SELECT * FROM capabilities WHERE server=? AND present=1 AND approved IS NOT NULL"
+                                  " AND approved != fingerprint ORDER BY kind, name", (target,)).fetchall()
+            else:
+                server, kind, name = self.resolve(target, db)
+                rows = db.execute("SELECT * FROM capabilities WHERE server=? AND kind=? AND name=? AND approved IS"
+                                  " NOT NULL AND approved != fingerprint", (server, kind, name)).fetchall()
+            approved = []
+            for row in rows:
+                label = (exposed_names(row["server"], [row["name"]], max_length)[row["name"]]
+                         if row["kind"] in ("tool", "prompt") else row["name"])
+                approved.append((f"{row['kind']} {label}", definition_diff(row["approved_definition"],
+                                                                          row["definition"])))
+                db.execute("UPDATE capabilities SET approved=fingerprint, approved_definition=definition WHERE"
+                           " server=? AND kind=? AND name=?", (row["server"], row["kind"], row["name"]))
+                self._audit(db, "approve", f"{row['server']}:{row['name']}", row["kind"])
+            return approved
 
-    def sync_capabilities(self, server: str, kind: str, definitions: dict[str, dict]) -> dict[str, bool]:
-        """Record what an upstream lists now; return {name: enabled}.
+    def sync_capabilities(self, server: str, kind: str, definitions: dict[str, dict],
+                          rejected: dict[str, str] | None = None) -> dict[str, CapabilityState]:
+        """Record what an upstream lists now; return {name: CapabilityState} for those names.
 
-        New names follow the server's policy; names that vanish keep their row (and the user's choice) with
-        present=0, so a choice survives an upstream upgrade that drops and later restores a tool.
+        New names follow the server's policy and are pinned as they are; a name whose definition differs from
+        the pinned one is quarantined until `coffer approve` (or pinned again at once under trust-updates).  Names
+        that vanish keep their row (and the user's choice) with present=0, so a choice survives an upgrade that
+        drops and later restores a tool.  ``rejected`` (name -> why) are definitions dropped at the boundary.
         """
         now = utcnow()
+        max_length = self.setting("name_max_length")
         with self.transaction() as db:
-            srv = db.execute("SELECT policy FROM servers WHERE name=?", (server,)).fetchone()
+            srv = db.execute("SELECT policy, updates FROM servers WHERE name=?", (server,)).fetchone()
             default = 1 if (srv is None or srv["policy"] == "enabled") else 0
+            trusting = srv is not None and srv["updates"] == "trust"
             known = {row["name"]: row for row in db.execute(
-                "SELECT name, enabled, present, fingerprint FROM capabilities WHERE server=? AND kind=?",
+                "SELECT name, enabled, present, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
                 (server, kind))}
+            labels = exposed_names(server, definitions, max_length) if kind in ("tool", "prompt") else {}
             for name, definition in definitions.items():
-                fp = fingerprint(definition)
+                fp, text = fingerprint(definition, kind), vault_json(definition)
                 row = known.get(name)
-                text = dumps(definition)
                 if row is None:
                     db.execute("INSERT OR IGNORE INTO capabilities(server, kind, name, enabled, present, fingerprint,"
-                               " definition, first_seen, last_seen) VALUES (?,?,?,?,1,?,?,?,?)",
-                               (server, kind, name, default, fp, text, now, now))
+                               " definition, first_seen, last_seen, approved, approved_definition)"
+                               " VALUES (?,?,?,?,1,?,?,?,?,?,?)",
+                               (server, kind, name, default, fp, text, now, now, fp, text))
                     if srv is not None:
                         self._audit(db, "upstream-added", f"{server}:{name}",
                                     f"{kind}; {'enabled' if default else 'disabled'} by policy", actor="upstream")
+                    continue
+                approved = row["approved"]
+                if approved is None or trusting:
+                    approved_sql = "approved=?, approved_definition=?,"
+                    approved_args = (fp, text)
+                    if approved is not None and approved != fp:
+                        self._audit(db, "upstream-changed", f"{server}:{name}", f"{kind}; trusted (trust-updates)",
+                                    actor="upstream")
                 else:
-                    if row["fingerprint"] != fp or not row["present"]:
-                        self._audit(db, "upstream-changed" if row["present"] else "upstream-restored",
-                                    f"{server}:{name}", kind, actor="upstream")
-                    db.execute("UPDATE capabilities SET present=1, fingerprint=?, definition=?, last_seen=? WHERE"
-                               " server=? AND kind=? AND name=?", (fp, text, now, server, kind, name))
+                    approved_sql, approved_args = "", ()
+                    if fp != row["fingerprint"] and fp != approved:
+                        label = labels.get(name, name)
+                        self._audit(db, "upstream-changed", f"{server}:{name}",
+                                    f"{kind}; quarantined until `coffer approve {label}`", actor="upstream")
+                        log.warning("[%s] %s %s changed its definition since it was approved; it is hidden until "
+                                    "you review it with `coffer approve %s`", server, kind, label, label)
+                if not row["present"]:
+                    self._audit(db, "upstream-restored", f"{server}:{name}", kind, actor="upstream")
+                db.execute(f"UPDATE capabilities SET present=1, fingerprint=?, definition=?, {approved_sql}"
+                           " last_seen=? WHERE server=? AND kind=? AND name=?",
+                           (fp, text, *approved_args, now, server, kind, name))
             for name, row in known.items():
                 if name not in definitions and row["present"]:
                     db.execute("UPDATE capabilities SET present=0 WHERE server=? AND kind=? AND name=?",
                                (server, kind, name))
                     self._audit(db, "upstream-removed", f"{server}:{name}", kind, actor="upstream")
-            return {row["name"]: bool(row["enabled"]) for row in db.execute(
-                "SELECT name, enabled FROM capabilities WHERE server=? AND kind=?", (server, kind))
-                if row["name"] in definitions}
+            for name, why in (rejected or {}).items():
+                self._audit(db, "upstream-rejected", f"{server}:{storable(name)[:200]}", f"{kind}; {why}",
+                            actor="upstream")
+            return {row["name"]: _state(row) for row in db.execute(
+                "SELECT name, enabled, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
+                (server, kind)) if row["name"] in definitions}
 
     def remembered_lists(self) -> dict[str, dict[str, dict[str, dict]]]:
         """server -> kind -> {name: definition}: the tools and prompts each server listed when last seen."""
@@ -527,12 +1262,14 @@ class Vault:
                 definition = json.loads(row["definition"])
             except ValueError:
                 continue
-            remembered.setdefault(row["server"], {}).setdefault(row["kind"], {})[row["name"]] = definition
+            if isinstance(definition, dict):
+                remembered.setdefault(row["server"], {}).setdefault(row["kind"], {})[row["name"]] = definition
         return remembered
 
-    def enabled_map(self) -> dict[tuple[str, str, str], bool]:
-        return {(row["server"], row["kind"], row["name"]): bool(row["enabled"])
-                for row in self.db.execute("SELECT server, kind, name, enabled FROM capabilities")}
+    def capability_states(self) -> dict[tuple[str, str, str], CapabilityState]:
+        return {(row["server"], row["kind"], row["name"]): _state(row)
+                for row in self.db.execute("SELECT server, kind, name, enabled, fingerprint, approved"
+                                           " FROM capabilities")}
 
     def capabilities(self, server: str | None = None) -> list[dict]:
         sql = "SELECT * FROM capabilities" + (" WHERE server=?" if server else "") + " ORDER BY server, kind, name"
@@ -545,16 +1282,30 @@ class Vault:
     # -- logs ----------------------------------------------------------------------------------------------
     def _audit(self, db, action: str, target, detail, actor: str | None = None) -> None:
         db.execute("INSERT INTO audit(ts, actor, action, target, detail) VALUES (?,?,?,?,?)",
-                   (utcnow(), actor or self.actor, action, target, detail))
+                   (utcnow(), actor or self.actor, action, storable(target), storable(detail)))
 
     def invocations(self, limit: int = 50) -> list[dict]:
         rows = self.db.execute("SELECT ts, client, server, capability, kind, duration_ms, status, error FROM"
                                " invocations ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
         return [dict(row) for row in reversed(rows)]
 
-    def audit_rows(self, limit: int = 50) -> list[dict]:
-        rows = self.db.execute("SELECT ts, actor, action, target, detail FROM audit ORDER BY id DESC LIMIT ?",
-                               (limit,)).fetchall()
+    def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
+                   server: str | None = None) -> list[dict]:
+        """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
+        name or its prefix (``upstream`` matches upstream-added, -changed...), ``server`` a server's rows."""
+        where, args = [], []
+        if since:
+            where.append("ts >= ?")
+            args.append(since)
+        if action:
+            where.append("(action = ? OR action LIKE ?)")
+            args += [action, action.replace("%", "") + "-%"]
+        if server:
+            where.append("(target = ? OR target LIKE ? OR target LIKE ?)")
+            args += [server, f"{server}:%", f"{server}{SEPARATOR}%"]
+        sql = ("SELECT ts, actor, action, target, detail FROM audit" + (" WHERE " + " AND ".join(where) if where
+                                                                         else "") + " ORDER BY id DESC LIMIT ?")
+        rows = self.db.execute(sql, (*args, limit)).fetchall()
         return [dict(row) for row in reversed(rows)]
 
     def prune(self) -> tuple[int, int]:
@@ -566,7 +1317,29 @@ class Vault:
         with self.transaction() as db:
             n_inv = db.execute("DELETE FROM invocations WHERE ts < ?", (cut_inv.replace("+00:00", "Z"),)).rowcount
             n_aud = db.execute("DELETE FROM audit WHERE ts < ?", (cut_aud.replace("+00:00", "Z"),)).rowcount
+            db.execute("DELETE FROM capabilities WHERE last_seen < ? AND server NOT IN (SELECT name FROM servers)",
+                       (cut_aud.replace("+00:00", "Z"),))  # choices of servers removed long ago
         return n_inv, n_aud
+
+
+def _state(row) -> CapabilityState:
+    return CapabilityState(bool(row["enabled"]), row["approved"] is not None and row["approved"] != row["fingerprint"])
+
+
+def definition_diff(before: str | None, after: str | None) -> str:
+    """A readable unified diff of two stored definitions (pretty JSON, keys sorted)."""
+    def lines(text):
+        try:
+            value = json.loads(text) if text else {}
+        except ValueError:
+            value = text
+        return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False).splitlines()
+    return "\n".join(difflib.unified_diff(lines(before), lines(after), "approved", "now listed", lineterm=""))
+
+
+def _did_you_mean(target: str, names) -> str:
+    close = difflib.get_close_matches(target, list(names), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 class _Transaction:
@@ -576,7 +1349,12 @@ class _Transaction:
         self.db = db
 
     def __enter__(self):
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if Vault._cannot_write(exc):
+                raise CofferError(f"the vault cannot be written ({exc}): this command would change it") from None
+            raise
         return self.db
 
     def __exit__(self, exc_type, exc, tb):
@@ -591,29 +1369,82 @@ class _Transaction:
         return False
 
 
+def _json_column(text, kind, default):
+    if text in (None, ""):
+        return default
+    value = json.loads(text)
+    if not isinstance(value, kind):
+        raise ValueError(f"expected a JSON {kind.__name__}")
+    return value
+
+
 def _server_row(row) -> dict:
+    """A servers row as a dict; a row that does not parse is kept (so `list` and `remove` can see it) but marked
+    ``damaged`` with the reason and never started."""
     server = dict(row)
-    server["command"] = json.loads(server["command"]) if server["command"] else None
-    server["env"] = json.loads(server["env"] or "{}")
-    server["headers"] = json.loads(server["headers"] or "{}")
-    server["enabled"] = bool(server["enabled"])
-    server["capabilities"] = json.loads(server["capabilities"]) if server.get("capabilities") else None
+    server.setdefault("inherit_env", "[]")
+    server.setdefault("updates", "pin")
+    try:
+        command = _json_column(server["command"], list, None)
+        if command is not None and not (command and all(isinstance(a, str) for a in command)):
+            raise ValueError("command is not a list of strings")
+        server["command"] = command
+        for key in ("env", "headers"):
+            server[key] = _json_column(server[key], dict, {})
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in server[key].items()):
+                raise ValueError(f"{key} holds a value that is not text")
+        server["inherit_env"] = [str(x) for x in _json_column(server["inherit_env"], list, [])]
+        if server["transport"] not in TRANSPORTS:
+            raise ValueError(f"unknown transport {server['transport']!r}")
+        if (server["transport"] == "stdio") != bool(command) or (server["transport"] != "stdio"
+                                                                and not isinstance(server["url"], str)):
+            raise ValueError("neither a command nor a URL to reach it")
+        if server["timeout"] is not None and not (isinstance(server["timeout"], (int, float))
+                                                  and server["timeout"] > 0):
+            raise ValueError("timeout is not a positive number")
+        server["damaged"] = None
+        server["enabled"] = bool(server["enabled"])
+    except (ValueError, TypeError) as exc:
+        server.update(damaged=str(exc)[:200], enabled=False, command=None, env={}, headers={}, inherit_env=[])
+    try:
+        server["capabilities"] = _json_column(server.get("capabilities"), dict, None)
+    except (ValueError, TypeError):
+        server["capabilities"] = None  # forgotten, as if never started: the union then assumes everything
     return server
 
 
-def _coerce_setting(key: str, raw: str):
+EXPOSE_RE = re.compile(r"^(auto|all|search|budget:([2-9]|[1-9][0-9]{1,3}))$")
+PER_CLIENT_SETTING_RE = re.compile(r"^expose\.([a-z0-9-]{1,32})$")
+
+
+def setting_key(key: str) -> str:
+    """The DEFAULTS entry a setting name is checked against: expose.<client> is an expose setting."""
+    return "expose" if PER_CLIENT_SETTING_RE.match(key) else key
+
+
+def _checked_setting(key: str, raw):
+    """A setting's value from the CLI (text) or the vault (JSON), converted and range-checked, or CofferError."""
+    key = setting_key(key)
     default = DEFAULTS[key]
+    kind = type(default)
+    if isinstance(raw, bool) or (not isinstance(raw, (str, int, float)) or
+                                 (kind is str and not isinstance(raw, str))):
+        raise CofferError(f"setting {key} needs a {kind.__name__}, got {raw!r}")
     try:
-        value = type(default)(raw)
-    except ValueError:
-        raise CofferError(f"setting {key} needs a {type(default).__name__}, got {raw!r}") from None
+        value = kind(raw)
+    except (ValueError, OverflowError):
+        raise CofferError(f"setting {key} needs a {kind.__name__}, got {raw!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CofferError(f"setting {key} needs a finite number")
     if key == "name_max_length" and not 34 <= value <= 64:  # 24-char server + "__" + "x_" + hash
         raise CofferError("name_max_length must be between 34 and 64")
-    if key == "expose" and value not in ("all", "search"):
-        raise CofferError("expose must be 'all' or 'search'")
+    if key == "expose" and not EXPOSE_RE.match(value):
+        raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
     if key == "embedder_api" and value not in ("openai", "ollama"):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
-    if isinstance(value, (int, float)) and key != "expose" and value <= 0:
+    if key == "max_message_bytes" and value < 4096:
+        raise CofferError("max_message_bytes must be at least 4096")
+    if isinstance(value, (int, float)) and value <= 0:
         raise CofferError(f"{key} must be positive")
     return value
 
@@ -622,7 +1453,9 @@ class InvocationLog:
     """Writes invocation rows on its own thread, in batches, so no tool call ever waits on SQLite.
 
     If the vault is locked or read-only the rows are kept (up to a bound) and retried; a persistent failure is a
-    stderr warning, never a failed call.
+    warning, never a failed call.  Every text is made storable first (a client name holding a lone surrogate must
+    not stop the logging of everything after it), and the thread survives any error in a batch: the batch is
+    reported and dropped, the log goes on.
     """
 
     FLUSH_INTERVAL = 0.2
@@ -651,6 +1484,11 @@ class InvocationLog:
         self.queue.put(None)
         self._thread.join(timeout)
 
+    @staticmethod
+    def _row(item: tuple) -> tuple:
+        ts, *rest = item
+        return (iso_timestamp(ts), *(storable(redact(v))[:500] if isinstance(v, str) else v for v in rest))
+
     def _run(self) -> None:
         db = None
         pending: list[tuple] = []
@@ -678,27 +1516,23 @@ class InvocationLog:
                         db = Vault._connect(self.path)
                     db.execute("BEGIN IMMEDIATE")
                     db.executemany("INSERT INTO invocations(ts, client, server, capability, kind, duration_ms,"
-                                   " status, error) VALUES (?,?,?,?,?,?,?,?)",
-                                   [(iso_timestamp(row[0]), *row[1:]) for row in pending])
+                                   " status, error) VALUES (?,?,?,?,?,?,?,?)", [self._row(row) for row in pending])
                     db.execute("COMMIT")
                     pending.clear()
-                    for waiter in waiters:
-                        waiter.set()
-                    waiters.clear()
                 except sqlite3.Error as exc:
-                    try:
-                        if db is not None and db.in_transaction:
-                            db.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass
+                    self._rollback(db)
                     if not self._warned:
-                        warn(f"invocation log not written yet ({exc}); will retry")
+                        log.warning("invocation log not written yet (%s); will retry", exc)
                         self._warned = True
                     del pending[:-self.MAX_BUFFER]
                     if self._stop.is_set():
-                        warn(f"{len(pending)} invocation rows could not be written: {exc}")
+                        log.warning("%d invocation rows could not be written: %s", len(pending), exc)
                         break
                     time.sleep(0.5)
+                except Exception:  # noqa: BLE001 - a bad row costs its batch, never the log itself
+                    self._rollback(db)
+                    log.exception("invocation log: dropped a batch of %d rows it could not write", len(pending))
+                    pending.clear()
             if not pending:
                 for waiter in waiters:
                     waiter.set()
@@ -708,21 +1542,153 @@ class InvocationLog:
         if db is not None:
             db.close()
 
+    @staticmethod
+    def _rollback(db) -> None:
+        try:
+            if db is not None and db.in_transaction:
+                db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+
 # ============================================================================================================
-# 4. Transports and the upstream supervisor
+# 4. Transports: how Coffer reaches an upstream (a subprocess on stdio, or Streamable HTTP)
 # ============================================================================================================
 
 
-class StdioTransport:
-    """An upstream MCP server as a subprocess speaking newline-delimited JSON-RPC on stdin/stdout.
+class UpstreamFailure(Exception):
+    """An upstream could not be started, initialized or reached.
 
-    The child gets its own process group (POSIX) so shutdown can reach the whole tree (``npx`` and ``uvx``
-    start grandchildren); if Coffer is killed outright, the children see stdin close and exit by themselves.
+    ``permanent``: retrying cannot help (a command that is not installed, a URL that is not a URL, HTTP 401/403/404),
+    so the server is marked failed at once with the real reason instead of being retried into the same wall.
     """
 
-    def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr):
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class Transport:
+    """What the upstream supervisor needs from a connection.
+
+    Callbacks run on the transport's own threads: ``on_message(dict)`` for each message, ``on_close()`` once when
+    the connection ends, ``on_oversized(head, size)`` for a message over max_message_bytes (skipped unread), and
+    ``on_stderr(line)`` for a subprocess's diagnostics.  ``send`` returns False when the connection no longer
+    accepts input and raises EncodeError for a message that cannot be written.  ``fatal`` is set when the
+    connection failed in a way retrying cannot fix.
+    """
+
+    pid = None
+    fatal: str | None = None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def send(self, message: dict) -> bool:
+        raise NotImplementedError
+
+    def close(self, grace: float = 2.0) -> None:
+        raise NotImplementedError
+
+    def exit_detail(self) -> str | None:
+        """Why the connection ended, in the user's terms (e.g. "exited with code 3"), once it has."""
+        return None
+
+
+class WorkerPool:
+    """At most ``size`` daemon threads running submitted jobs in arrival order; idle threads wait for more.
+
+    Used where work would otherwise cost a thread each (HTTP requests to one upstream, requests that wait for a
+    starting server): a burst of 5,000 is 5,000 queued jobs, not 5,000 threads.  A job's exception is logged with
+    its traceback and costs that job only.
+    """
+
+    def __init__(self, name: str, size: int):
+        self.name, self.size = name, size
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, job, *args) -> None:
+        self._jobs.put((job, args))
+        with self._lock:
+            if self._idle > 0 or self._threads >= self.size:
+                return
+            self._threads += 1
+        threading.Thread(target=self._work, name=f"{self.name}-{self._threads}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            job, args = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+            try:
+                job(*args)
+            except Exception:  # noqa: BLE001 - one job's failure must not take the worker with it
+                log.exception("internal error in %s", self.name)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process descended from ``pid``, in any session or process group (POSIX).
+
+    A server's ``setsid`` grandchild leaves its process group, so killing the group misses it; its ancestry
+    does not change while its parent lives, which is why shutdown reads it before closing anything.  A
+    descendant whose own parent already exited has been re-parented to init and cannot be found this way.
+    """
+    parents: dict[int, list[int]] = collections.defaultdict(list)
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    data = handle.read(4096)
+                parents[int(data[data.rindex(b")") + 2:].split()[1])].append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    else:
+        try:
+            listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True,
+                                     timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        for line in listing.splitlines():
+            fields = line.split()
+            if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+                parents[int(fields[1])].append(int(fields[0]))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+class StdioTransport(Transport):
+    """An upstream MCP server as a subprocess speaking newline-delimited JSON-RPC on stdin/stdout.
+
+    The child gets its own process group (POSIX) so shutdown can reach the whole tree (``npx`` and ``uvx`` start
+    grandchildren), and shutdown also ends descendants that left the group (a ``setsid`` daemon).  If Coffer is
+    killed outright, the children see stdin close and exit by themselves.  Threads: one reader each for stdout and
+    stderr, one that notices the exit, one writer for what ``send`` could not write at once.
+    """
+
+    def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_oversized=None, max_line=0):
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
         self.on_message, self.on_close, self.on_stderr = on_message, on_close, on_stderr
+        self.on_oversized = on_oversized or (lambda head, size: None)
+        self.max_line = max_line
         self.proc: subprocess.Popen | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._send_lock = threading.Lock()
@@ -731,6 +1697,7 @@ class StdioTransport:
         self._close_lock = threading.Lock()
         self._closed = False
         self._close_signalled = False
+        self._stderr_reader: threading.Thread | None = None
 
     def start(self) -> None:
         if self._closed:
@@ -739,6 +1706,10 @@ class StdioTransport:
         resolved = shutil.which(argv[0], path=self.env.get("PATH"))
         if resolved:
             argv[0] = resolved  # Windows needs npx.cmd spelled out; elsewhere this is harmless
+        elif not os.path.dirname(argv[0]):
+            raise UpstreamFailure(f"command {argv[0]!r} not found on PATH", permanent=True)
+        if self.cwd and not os.path.isdir(self.cwd):
+            raise UpstreamFailure(f"working directory {self.cwd!r} does not exist", permanent=True)
         kwargs = {}
         if os.name == "posix":
             kwargs["start_new_session"] = True
@@ -749,15 +1720,19 @@ class StdioTransport:
                                          stderr=subprocess.PIPE, env=self.env, cwd=self.cwd or None, bufsize=0,
                                          **kwargs)
         except OSError as exc:
-            raise UpstreamFailure(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from None
+            transient = exc.errno in (errno.EAGAIN, errno.ENOMEM, errno.ENFILE, errno.EMFILE)
+            raise UpstreamFailure(f"cannot start {argv[0]!r}: {exc.strerror or exc}", permanent=not transient) \
+                from None
         if os.name == "posix":
             os.set_blocking(self.proc.stdin.fileno(), False)
             self._stdin_fd = self.proc.stdin.fileno()
         self._reader = threading.Thread(target=self._read_stdout, name=f"coffer-{self.name}-out", daemon=True)
         self._reader.start()
-        threading.Thread(target=self._read_stderr, name=f"coffer-{self.name}-err", daemon=True).start()
-        threading.Thread(target=self._watch_exit, name=f"coffer-{self.name}-wait", daemon=True).start()
-        threading.Thread(target=self._write_stdin, name=f"coffer-{self.name}-in", daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, name=f"coffer-{self.name}-err",
+                                               daemon=True)
+        self._stderr_reader.start()
+        start_thread(self._watch_exit, f"coffer-{self.name}-wait")
+        start_thread(self._write_stdin, f"coffer-{self.name}-in")
 
     def _write_stdin(self) -> None:
         """Write what ``send`` could not: a server that stops reading must stall only itself, never the
@@ -810,6 +1785,18 @@ class StdioTransport:
     def pid(self):
         return self.proc.pid if self.proc else None
 
+    def exit_detail(self) -> str | None:
+        proc = self.proc
+        if proc is None:
+            return None
+        try:
+            code = proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return None
+        if self._stderr_reader is not None:
+            self._stderr_reader.join(0.5)  # its last words are usually the reason
+        return f"exited with code {code}"
+
     def _write_all(self, stdin, data: bytes) -> None:
         if self._stdin_fd is None:
             stdin.write(data)  # a blocking pipe (Windows): write() returns when all of it is written
@@ -824,7 +1811,7 @@ class StdioTransport:
     def send(self, message: dict) -> bool:
         if self._closed or self.proc is None or self.proc.poll() is not None:
             return False
-        data = (dumps(message) + "\n").encode("utf-8")
+        data = encode_line(message)
         with self._send_lock:
             if self._queued == 0 and self._stdin_fd is not None:
                 # The common case: the pipe has room and nothing is queued ahead, so write it here and spare
@@ -845,37 +1832,52 @@ class StdioTransport:
         # stdout is unbuffered (bufsize=0): each read returns what has arrived, so a reply burst is one call.
         skipped = 0
 
-        def handle(line: bytes) -> None:
+        def handle(line) -> None:
             nonlocal skipped
+            if isinstance(line, OversizedLine):
+                self.on_oversized(line.head, line.size)
+                return
             if not line.strip():
                 return
             try:
-                message = json.loads(line)
-            except ValueError:  # UnicodeDecodeError included: invalid UTF-8 is skipped like any junk
+                message = decode_json(line)
+            except ValueError:  # invalid UTF-8, NaN, nested too deeply...: skipped like any junk
                 skipped += 1
                 if skipped <= 20 or skipped % 1000 == 0:
-                    warn(f"[{self.name}] skipped a non-JSON line on stdout ({len(line)} bytes; {skipped} so far)")
+                    log.warning("[%s] skipped a non-JSON line on stdout (%d bytes; %d so far)",
+                                self.name, len(line), skipped)
                 return
             for item in (message if isinstance(message, list) else [message]):
                 if isinstance(item, dict):
                     try:
                         self.on_message(item)
-                    except Exception as exc:  # a bug in routing must not kill the reader
-                        warn(f"[{self.name}] error handling a message: {exc!r}")
+                    except Exception:  # noqa: BLE001 - a bug in routing costs one message, not the reader
+                        log.exception("[%s] internal error handling a message", self.name)
 
         try:
-            for lines in read_line_bursts(self.proc.stdout.read):
+            for lines in read_line_bursts(self.proc.stdout.read, max_line=self.max_line):
                 handle_burst(lines, handle)
         except (OSError, ValueError):
             pass
-        self._signal_close()
+        except Exception:  # noqa: BLE001 - the connection is lost either way; say why, then restart it
+            log.exception("[%s] internal error reading stdout", self.name)
+        finally:
+            self._signal_close()
 
     def _read_stderr(self) -> None:
-        for raw in iter(self.proc.stderr.readline, b""):
-            self.on_stderr(raw.decode("utf-8", "replace").rstrip("\r\n"))
+        try:
+            for lines in read_line_bursts(self.proc.stderr.read, max_line=8192):
+                for line in lines:
+                    raw = line.head if isinstance(line, OversizedLine) else line
+                    self.on_stderr(raw.decode("utf-8", "replace").rstrip("\r"))
+        except (OSError, ValueError):
+            pass  # the pipe closed under us at shutdown
+        except Exception:  # noqa: BLE001
+            log.exception("[%s] internal error reading stderr", self.name)
 
     def close(self, grace: float = 2.0) -> None:
-        """Close stdin, give the server ``grace`` seconds to exit, then terminate and kill its process group."""
+        """Close stdin, give the server ``grace`` seconds to exit, then terminate and kill its process group and
+        every descendant found before closing (including those in other sessions)."""
         with self._close_lock:
             if self._closed:
                 return
@@ -883,6 +1885,7 @@ class StdioTransport:
         proc = self.proc
         if proc is None:
             return
+        family = _descendants(proc.pid) if os.name == "posix" and proc.poll() is None else []
         with self._send_lock:
             self._queued += 1
             self._outbox.put(None)  # the writer flushes what is queued, then closes stdin
@@ -896,12 +1899,17 @@ class StdioTransport:
                 proc.kill()
         else:
             for sig in (signal.SIGTERM, signal.SIGKILL):
-                alive = proc.poll() is None
+                leader_alive = proc.poll() is None
                 try:  # the group may outlive its leader: npx exits, the node server it started does not
                     os.killpg(proc.pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
-                if not alive:
+                for pid in family:
+                    try:
+                        os.kill(pid, sig)
+                    except OSError:
+                        pass
+                if not leader_alive and not any(_alive(pid) for pid in family):
                     break
                 try:
                     proc.wait(1.0)
@@ -914,31 +1922,173 @@ class StdioTransport:
                 pass
 
 
-class HttpTransport:
-    """An upstream MCP server over Streamable HTTP, with urllib.
+# -- HTTP: one function decides redirects, so credentials never leave their origin ----------------------------
 
-    Each outgoing message is one POST on a worker thread; the reply is either one JSON body or an SSE stream
-    that may carry the server's own requests and notifications before the response.
+class HttpError(Exception):
+    """An HTTP request that did not succeed; ``status`` is the HTTP status when there was one."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+MAX_REDIRECTS = 3
+_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def url_origin(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of a URL: what a credential is bound to."""
+    import urllib.parse
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme, 0)
+    except ValueError:
+        raise HttpError(f"invalid port in {printable(url)[:200]!r}") from None
+    return scheme, (parts.hostname or "").lower(), port
+
+
+def origin_text(origin: tuple[str, str, int]) -> str:
+    return f"{origin[0]}://{origin[1]}:{origin[2]}"
+
+
+def check_remote_url(url: str) -> str:
+    """A URL Coffer may connect to (http or https with a host), or CofferError saying what is wrong."""
+    try:
+        scheme, host, _ = url_origin(url)
+    except HttpError as exc:
+        raise CofferError(str(exc)) from None
+    if scheme not in ("http", "https") or not host or any(c.isspace() for c in url):
+        raise CofferError(f"invalid URL {printable(url)[:200]!r}: use http:// or https:// and a host name")
+    return url
+
+
+def is_loopback(host: str) -> bool:
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+_http_opener = None
+
+
+def http_open(method: str, url: str, headers: dict, body: bytes | None = None, timeout: float = 30.0):
+    """Send one HTTP request with urllib and return the open 2xx response; HttpError for anything else.
+
+    Redirects are decided here, not by urllib (which re-sends every header, Authorization included, to whatever
+    host a redirect names, https->http included): a redirect is followed, with the same method and body, only
+    within the configured origin (scheme, host and port) and at most MAX_REDIRECTS times; any other is refused.
+    """
+    global _http_opener
+    import http.client, urllib.error, urllib.parse, urllib.request  # noqa: E401 - lazily: ~19 MB of RSS
+    if _http_opener is None:
+        class _Decline(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):
+                return None  # a 3xx then surfaces as HTTPError, and http_open decides
+
+        _http_opener = urllib.request.build_opener(_Decline)
+    origin = url_origin(url)
+    if origin[0] not in ("http", "https"):
+        raise HttpError(f"unsupported URL scheme {origin[0]!r}")
+    for _ in range(MAX_REDIRECTS + 1):
+        request = urllib.request.Request(url, data=body, headers=headers, method=method)
+        try:
+            return _http_opener.open(request, timeout=timeout)
+        except urllib.error.HTTPError as exc:
+            status, reason = exc.code, exc.reason
+            location = exc.headers.get("Location") if exc.headers is not None else None
+            try:
+                exc.close()
+            except Exception:  # noqa: BLE001 - closing a failed response is best effort
+                pass
+            if status not in (301, 302, 303, 307, 308):
+                raise HttpError(f"HTTP {status} {printable(reason)[:100]}", status) from None
+            target = urllib.parse.urljoin(url, location or "")
+            if not location or url_origin(target) != origin:
+                where = origin_text(url_origin(target)) if location else "nowhere"
+                raise HttpError(f"refused a redirect (HTTP {status}) from {origin_text(origin)} to {where}: Coffer "
+                                "sends credentials only to the configured origin; register the final URL instead",
+                                status) from None
+            url = target
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise HttpError(f"cannot reach {origin_text(origin)}: {printable(reason)[:200]}") from None
+    raise HttpError(f"more than {MAX_REDIRECTS} redirects within {origin_text(origin)}")
+
+
+def read_limited(response, limit: int) -> bytes:
+    data = response.read(limit + 1)
+    if len(data) > limit:
+        raise HttpError(f"a response body larger than max_message_bytes ({limit} bytes)")
+    return data
+
+
+def sse_events(read, limit: int):
+    """(event type, data) of each complete server-sent event; data over ``limit`` comes as an OversizedLine."""
+    data: list[bytes] = []
+    size, event, oversized = 0, "", None
+    for lines in read_line_bursts(read, max_line=limit):
+        for line in lines:
+            if isinstance(line, OversizedLine):
+                oversized = line
+                continue
+            line = line.rstrip(b"\r")
+            if not line:
+                if oversized is not None:
+                    yield event or "message", oversized
+                elif data:
+                    yield event or "message", b"\n".join(data)
+                data, size, event, oversized = [], 0, "", None
+                continue
+            if line.startswith(b":"):
+                continue
+            name, _, value = line.partition(b":")
+            if value.startswith(b" "):
+                value = value[1:]
+            if name == b"data" and oversized is None:
+                size += len(value) + 1
+                if size > limit:
+                    oversized = OversizedLine((b"\n".join(data) or value)[:4096], size)
+                    data = []
+                else:
+                    data.append(value)
+            elif name == b"event":
+                event = value.decode("utf-8", "replace")[:64]
+
+
+_SESSION_ID_RE = re.compile(r"^[\x21-\x7e]{1,1024}$")
+
+
+class HttpTransport(Transport):
+    """An upstream MCP server over Streamable HTTP, with urllib through ``http_open``.
+
+    Each outgoing message is one POST on a bounded worker pool; the reply is either one JSON body or an SSE
+    stream that may carry the server's own requests and notifications before the response.  Bodies and events
+    are bounded by max_message_bytes.
     """
 
-    def __init__(self, name, url, headers, on_message, on_close, timeout):
+    POOL_SIZE = 16
+
+    def __init__(self, name, url, headers, on_message, on_close, timeout, on_oversized=None, max_body=64 << 20):
         self.name, self.url, self.headers = name, url, headers
         self.on_message, self.on_close = on_message, on_close
-        self.timeout = timeout
+        self.on_oversized = on_oversized or (lambda head, size: None)
+        self.timeout, self.max_body = timeout, max_body
         self.session_id: str | None = None
         self.protocol_version: str | None = None
         self._closed = False
         self._listening = False
-        self.pid = None
+        self._pool = WorkerPool(f"coffer-{name}-http", self.POOL_SIZE)
 
     def start(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise UpstreamFailure(f"unsupported URL {self.url!r}")
+        try:
+            check_remote_url(self.url)
+        except CofferError as exc:
+            raise UpstreamFailure(str(exc), permanent=True) from None
 
     def send(self, message: dict) -> bool:
         if self._closed:
             return False
-        threading.Thread(target=self._post, args=(message,), name=f"coffer-{self.name}-http", daemon=True).start()
+        body = encode_line(message)
+        self._pool.submit(self._post, message, body)
         return True
 
     def _request_headers(self) -> dict:
@@ -950,58 +2100,72 @@ class HttpTransport:
             headers["MCP-Protocol-Version"] = self.protocol_version
         return headers
 
-    def _post(self, message: dict) -> None:
-        import http.client, urllib.error, urllib.request  # noqa: E401 - lazily: they cost ~19 MB of RSS
-        body = dumps(message).encode("utf-8")
-        request = urllib.request.Request(self.url, data=body, headers=self._request_headers(), method="POST")
+    def _post(self, message: dict, body: bytes) -> None:
+        initializing = message.get("method") == "initialize"
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                session = response.headers.get("Mcp-Session-Id")
-                if session and message.get("method") == "initialize":
-                    self.session_id = session
-                self._consume(response)
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404 and self.session_id:
-                warn(f"[{self.name}] HTTP session expired")
+            response = http_open("POST", self.url, self._request_headers(), body, self.timeout)
+        except HttpError as exc:
+            if exc.status == 404 and self.session_id:
+                log.warning("[%s] HTTP session expired", self.name)
                 self._closed = True
                 self.on_close()
                 return
-            self._fail(message, f"HTTP {exc.code} {exc.reason}")
-        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-            self._fail(message, f"cannot reach {self.name}: {getattr(exc, 'reason', exc)}")
+            text = str(exc)
+            if initializing and (exc.status in (401, 403, 404, 405) or "redirect" in text):
+                hints = {401: " (the server wants credentials: check --header)",
+                         403: " (the credentials were refused)",
+                         404: " (check the URL; an older HTTP+SSE server is not supported yet)",
+                         405: " (an older HTTP+SSE server? it is not supported yet)"}
+                self.fatal = text + hints.get(exc.status, "")
+                text = self.fatal
+            self._fail(message, text)
+            return
+        with response:
+            session = response.headers.get("Mcp-Session-Id")
+            if session and initializing:
+                if not _SESSION_ID_RE.match(session):
+                    self.fatal = "the server sent an invalid Mcp-Session-Id"
+                    self._fail(message, self.fatal)
+                    return
+                self.session_id = session
+            try:
+                self._consume(response, message)
+            except HttpError as exc:
+                self._fail(message, str(exc))
+            except (OSError, ValueError) as exc:
+                self._fail(message, f"connection to {self.name} lost: {exc}")
 
     def _fail(self, message: dict, text: str) -> None:
         if "id" in message and "method" in message:
             self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, text))
 
-    def _consume(self, response) -> None:
+    def _consume(self, response, message: dict | None = None) -> None:
         kind = (response.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if kind == "application/json":
-            data = response.read()
+            data = read_limited(response, self.max_body)
             if data.strip():
-                payload = json.loads(data)
+                try:
+                    payload = decode_json(data)
+                except ValueError:
+                    raise HttpError("the server answered with a body that is not JSON") from None
                 for item in payload if isinstance(payload, list) else [payload]:
                     self._deliver(item)
         elif kind == "text/event-stream":
-            data_lines: list[str] = []
-            for raw in response:
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                if line.startswith("data:"):
-                    data_lines.append(line[5:].lstrip(" "))
-                elif not line and data_lines:
-                    data = "\n".join(data_lines).strip()
-                    data_lines = []
-                    if not data:
-                        continue  # a priming event (id only), sent so a client could resume the stream
-                    try:
-                        self._deliver(json.loads(data))
-                    except ValueError:
-                        warn(f"[{self.name}] skipped a non-JSON SSE event")
+            for _, data in sse_events(getattr(response, "read1", response.read), self.max_body):
+                if isinstance(data, OversizedLine):
+                    self.on_oversized(data.head, data.size)
+                    continue
+                if not data.strip():
+                    continue  # a priming event (id only), sent so a client could resume the stream
+                try:
+                    self._deliver(decode_json(data))
+                except ValueError:
+                    log.warning("[%s] skipped an SSE event that is not JSON", self.name)
 
     def _deliver(self, item) -> None:
         if isinstance(item, dict):
-            if isinstance(item.get("result"), dict) and "protocolVersion" in item["result"]:
-                self.protocol_version = item["result"]["protocolVersion"]
+            if isinstance(item.get("result"), dict) and isinstance(item["result"].get("protocolVersion"), str):
+                self.protocol_version = item["result"]["protocolVersion"][:32]
                 self._start_listening()
             self.on_message(item)
 
@@ -1012,44 +2176,202 @@ class HttpTransport:
         self._listening = True
 
         def listen():
-            import urllib.error, urllib.request  # noqa: E401
             headers = self._request_headers()
             headers["Accept"] = "text/event-stream"
             time.sleep(0.05)  # after notifications/initialized has gone out
             try:
-                request = urllib.request.Request(self.url, headers=headers, method="GET")
-                with urllib.request.urlopen(request, timeout=3600) as response:
+                with http_open("GET", self.url, headers, None, 3600) as response:
                     self._consume(response)
-            except (urllib.error.URLError, OSError, ValueError):
-                pass  # 405: this server has no stream; anything else: requests still work over POST
+            except (HttpError, OSError, ValueError) as exc:
+                log.debug("[%s] no server stream: %s", self.name, exc)  # 405: this server has none
 
-        threading.Thread(target=listen, name=f"coffer-{self.name}-sse", daemon=True).start()
+        start_thread(listen, f"coffer-{self.name}-sse")
 
     def close(self, grace: float = 2.0) -> None:
         if self._closed:
             return
         self._closed = True
         if self.session_id:
-            import urllib.error, urllib.request  # noqa: E401
             try:
-                request = urllib.request.Request(self.url, headers=self._request_headers(), method="DELETE")
-                urllib.request.urlopen(request, timeout=grace).close()
-            except (urllib.error.URLError, OSError, ValueError):
+                http_open("DELETE", self.url, self._request_headers(), None, grace).close()
+            except (HttpError, OSError):
                 pass
 
 
-class UpstreamFailure(Exception):
-    """An upstream could not be started, initialized or reached."""
+# ============================================================================================================
+# 5. Upstream supervisor: one registered server's connection, requests, lists and restarts
+# ============================================================================================================
 
+# -- what an upstream may say, checked at the boundary -------------------------------------------------------
+# An upstream is code nobody here wrote.  Its definitions are validated before they reach the catalogue (one bad
+# tool must not make a client reject the whole list), its replies are rebuilt as well-formed JSON-RPC, and only
+# the requests and notifications the protocol defines are relayed to the client.
+
+SERVER_REQUEST_NEEDS = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
+                        "roots/list": "roots"}
+RELAYED_NOTIFICATIONS = frozenset({"notifications/message", "notifications/progress", "notifications/cancelled",
+                                   "notifications/resources/updated", "notifications/elicitation/complete"})
+LIST_CHANGED = {"notifications/tools/list_changed": ("tool",), "notifications/prompts/list_changed": ("prompt",),
+                "notifications/resources/list_changed": ("resource", "template")}
+MAX_DEFINITION_BYTES = 1 << 20
+MAX_DESCRIPTION_CHARS = 32_768
+MAX_NAME_CHARS = 1024
+_ANNOTATION_HINTS = ("readOnlyHint", "destructiveHint", "idempotentHint", "openWorldHint")
+_IDENTIFIER = {"tool": "name", "prompt": "name", "resource": "uri", "template": "uriTemplate"}
+_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+class Rejected(ValueError):
+    """A definition that cannot be repaired safely: it is dropped, with a warning and an audit row."""
+
+
+def _clean_strings(value, depth: int = 0):
+    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep."""
+    if depth > 64:
+        raise Rejected("nested more than 64 levels deep")
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, dict):
+        return {storable(k): _clean_strings(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean_strings(v, depth + 1) for v in value]
+    return value
+
+
+def check_definition(kind: str, item) -> dict:
+    """A tool, prompt, resource or template an upstream listed, repaired where that is safe, else Rejected.
+
+    Repaired: a missing inputSchema (an object schema), a schema without "type", optional fields of the wrong type
+    (dropped), over-long descriptions (cut), lone surrogates in text (replaced).  Rejected: no usable identifier,
+    an inputSchema that is not an object schema, a definition over 1 MiB or nested over 64 levels.
+    """
+    if not isinstance(item, dict):
+        raise Rejected("not a JSON object")
+    key = _IDENTIFIER[kind]
+    ident = item.get(key)
+    if not isinstance(ident, str) or not ident.strip():
+        raise Rejected(f"no {key}")
+    if len(ident) > (MAX_NAME_CHARS if key == "name" else 8 * MAX_NAME_CHARS) or _CONTROL_RE.search(ident):
+        raise Rejected(f"its {key} is too long or holds control characters")
+    try:
+        if len(dumps(item)) > MAX_DEFINITION_BYTES:
+            raise Rejected(f"larger than {MAX_DEFINITION_BYTES} bytes")
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise Rejected(f"not plain JSON ({exc.__class__.__name__})") from None
+    item = _clean_strings(item)
+    for text_field in ("title", "description", "mimeType"):
+        if text_field in item and not isinstance(item[text_field], str):
+            del item[text_field]
+    if isinstance(item.get("description"), str) and len(item["description"]) > MAX_DESCRIPTION_CHARS:
+        item["description"] = item["description"][:MAX_DESCRIPTION_CHARS] + " [cut by coffer]"
+    for dict_field in ("_meta", "annotations", "execution"):
+        if dict_field in item and not isinstance(item[dict_field], dict):
+            del item[dict_field]
+    if "icons" in item and not (isinstance(item["icons"], list) and all(
+            isinstance(icon, dict) and isinstance(icon.get("src"), str) for icon in item["icons"])):
+        del item["icons"]
+    if kind == "tool":
+        schema = item.get("inputSchema")
+        if schema is None:
+            item["inputSchema"] = {"type": "object"}
+        elif not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            raise Rejected("its inputSchema is not a JSON object schema")
+        else:
+            if "properties" in schema and not isinstance(schema["properties"], dict):
+                raise Rejected("its inputSchema properties are not an object")
+            if "required" in schema and not (isinstance(schema["required"], list) and
+                                             all(isinstance(r, str) for r in schema["required"])):
+                schema = {k: v for k, v in schema.items() if k != "required"}
+            item["inputSchema"] = schema if "type" in schema else {"type": "object", **schema}
+        output = item.get("outputSchema")
+        if output is not None and not (isinstance(output, dict) and output.get("type", "object") == "object"):
+            del item["outputSchema"]
+        annotations = item.get("annotations")
+        if isinstance(annotations, dict):
+            item["annotations"] = {k: v for k, v in annotations.items()
+                                   if not ((k in _ANNOTATION_HINTS and not isinstance(v, bool)) or
+                                           (k == "title" and not isinstance(v, str)))}
+    elif kind == "prompt":
+        arguments = item.get("arguments")
+        if arguments is not None:
+            if not isinstance(arguments, list):
+                del item["arguments"]
+            else:
+                item["arguments"] = [
+                    {k: v for k, v in argument.items() if not (k == "required" and not isinstance(v, bool))
+                     and not (k in ("description", "title") and not isinstance(v, str))}
+                    for argument in arguments if isinstance(argument, dict) and isinstance(argument.get("name"), str)]
+    else:
+        if not isinstance(item.get("name"), str):
+            item["name"] = ident
+        if "size" in item and not (isinstance(item["size"], int) and not isinstance(item["size"], bool)
+                                   and item["size"] >= 0):
+            del item["size"]
+    return item
+
+
+def normalized_reply(message: dict) -> dict:
+    """An upstream's reply as well-formed JSON-RPC: exactly one of ``result`` (an object) or ``error`` ({code: int,
+    message: str}).  Anything else (an error that is a string, both members, no jsonrpc...) becomes an error that
+    says so, so a client is never handed a reply it cannot parse and wait forever."""
+    msg_id = message.get("id")
+    has_result, has_error = "result" in message, "error" in message
+    if has_result and not has_error:
+        if isinstance(message["result"], dict):
+            return {"jsonrpc": "2.0", "id": msg_id, "result": message["result"]}
+        return rpc_error(msg_id, UPSTREAM_ERROR, "the upstream returned a result that is not an object")
+    if has_error and not has_result:
+        error = message["error"]
+        if isinstance(error, dict) and isinstance(error.get("code"), int) and not isinstance(error["code"], bool) \
+                and isinstance(error.get("message"), str):
+            return rpc_error(msg_id, error["code"], error["message"][:4000], error.get("data"))
+        text = error.get("message") if isinstance(error, dict) else error
+        detail = f": {printable(text)[:200]}" if isinstance(text, str) and text else ""
+        return rpc_error(msg_id, UPSTREAM_ERROR, f"the upstream returned a malformed error{detail}")
+    return rpc_error(msg_id, UPSTREAM_ERROR, "the upstream returned a malformed reply (both result and error)"
+                     if has_result else "the upstream returned a malformed reply (neither result nor error)")
+
+
+class TokenBucket:
+    """``rate`` events a second with bursts of ``burst``: how a flood from one upstream is cut to size without
+    slowing anyone else.  Not thread-safe on its own; each upstream's reader is its only caller."""
+
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.stamp = burst, time.monotonic()
+        self.dropped = 0
+        self.reported = 0.0
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        self.dropped += 1
+        return False
+
+    def report_due(self, every: float = 10.0) -> int:
+        """How many were dropped since the last report, once ``every`` seconds (0 otherwise)."""
+        now = time.monotonic()
+        if not self.dropped or now - self.reported < every:
+            return 0
+        dropped, self.dropped, self.reported = self.dropped, 0, now
+        return dropped
+
+
+# -- in-flight records ---------------------------------------------------------------------------------------
 
 class Pending:
-    """One request Coffer sent to an upstream and is waiting on."""
+    """One request Coffer sent to an upstream and is waiting on.  ``timeout`` is how long it may go without a
+    reply or progress; ``deadline`` when it times out (progress pushes it back)."""
 
     __slots__ = ("method", "on_reply", "timeout", "deadline", "token")
 
-    def __init__(self, method, on_reply, timeout, token):
+    def __init__(self, method, on_reply, timeout, token, deadline=None):
         self.method, self.on_reply, self.timeout, self.token = method, on_reply, timeout, token
-        self.deadline = time.monotonic() + timeout if timeout else None
+        self.deadline = deadline if deadline is not None else (time.monotonic() + timeout if timeout else None)
 
 
 class Ticket:
@@ -1063,11 +2385,30 @@ class Ticket:
         self.cancelled = False
 
 
+@dataclass
+class QueuedRequest:
+    """A request waiting for its server to be ready.  Its deadline started when it was asked for: waiting for a
+    slow or failing server counts against the caller's call_timeout."""
+    method: str
+    params: object
+    on_reply: Callable
+    timeout: float
+    ticket: Ticket
+    deadline: float
+
+
 class Upstream:
     """One registered server: its connection, its in-flight requests, its advertised lists, its restarts.
 
     States: idle → starting → ready; a crash goes to backoff and back to starting; too many consecutive failed
-    starts go to failed; stopped is final.  Requests that arrive while starting wait in a backlog.
+    starts (or one failure that retrying cannot fix) go to failed; stopped is final.  Requests that arrive while
+    starting wait in a backlog, each with its own deadline.
+
+    Threads: the transport's reader runs ``_on_message`` and the ``on_reply`` callbacks of replies; one thread per
+    start attempt runs ``_start``; one thread per list kind refreshes; the gateway's ticker calls ``expire``; any
+    thread may call ``request``, ``cancel``, ``notify``.  ``self.lock`` guards state, pending, by_token, backlog and
+    the failure count.  It is never held while calling out (``on_reply``, the gateway's events, a transport send),
+    so the lock order is simply: Gateway.lock may be held when taking Upstream.lock, never the reverse.
     """
 
     LIST_METHODS = {"tool": ("tools/list", "tools", "tools"), "prompt": ("prompts/list", "prompts", "prompts"),
@@ -1075,35 +2416,39 @@ class Upstream:
                     "template": ("resources/templates/list", "resourceTemplates", "resources")}
     QUICK_DEATH = 10.0  # a server that dies this soon after becoming ready counts as a failed start
 
-    def __init__(self, config: dict, settings: dict, events, client_capabilities=None, protocol_version=None):
+    def __init__(self, config: dict, settings: dict, events, client_capabilities=None, protocol_version=None,
+                 secrets: SecretStore | None = None):
         self.config = config
         self.name: str = config["name"]
         self.settings = settings
         self.events = events  # the gateway: on_ready, on_down, on_list_changed, on_notification, on_request
+        self.secrets = secrets
         self.client_capabilities = client_capabilities or {}
         self.protocol_version = protocol_version or LATEST_PROTOCOL_VERSION
         self.call_timeout = float(config.get("timeout") or settings["call_timeout"])
         self.lock = threading.RLock()
         self.state = "idle"
-        self.transport = None
+        self.transport: Transport | None = None
         self.pending: dict[int, Pending] = {}
         self.by_token: dict = {}
-        self.backlog: list = []
+        self.backlog: list[QueuedRequest] = []
         self._next_id = 0
         self.failures = 0
         self.spawns = 0
         self.ready_at = 0.0
         self.last_error: str | None = None
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
-        self.secrets: list[str] = []
         self.server_info: dict = {}
         self.capabilities: dict = {}
         self.lists = {kind: {} for kind in CAPABILITY_KINDS}  # kind -> {name: definition}, in upstream order
+        self.rejected: dict[str, dict[str, str]] = {}  # kind -> {name: why} of the last fetch
         self.remembered: dict[str, dict] = {}  # kind -> what the vault holds from the last start (see Catalogue)
         self._refresh_again: dict[str, bool] = {}  # kind -> refreshing now; True: list_changed came meanwhile
         self.generation = 0
         self._closed_generation = -1
         self._timer: threading.Timer | None = None
+        self._relayed = TokenBucket(rate=200.0, burst=1000.0)   # notifications relayed to the client
+        self._stderr_relayed = TokenBucket(rate=50.0, burst=200.0)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -1112,29 +2457,35 @@ class Upstream:
                 return
             self.state = "starting"
             self.spawns += 1
-        threading.Thread(target=self._start, name=f"coffer-{self.name}-start", daemon=True).start()
+        start_thread(self._start, f"coffer-{self.name}-start")
 
-    def _make_transport(self):
+    def _make_transport(self) -> Transport:
         missing: list[str] = []
         cfg = self.config
         generation = self.generation + 1
         on_close = lambda: self._on_close(generation)  # noqa: E731 - a stale connection's close is ignored
+        limit = int(self.settings["max_message_bytes"])
+
+        def expand(value: str) -> str:
+            expanded = expand_vars(value, missing=missing, secrets=self.secrets)
+            if expanded != value:
+                redact.add(expanded)  # what a reference expanded to is a secret wherever it shows up
+            return expanded
+
         if cfg["transport"] == "http":
-            headers = {k: expand_vars(v, missing=missing) for k, v in cfg["headers"].items()}
-            self.secrets = [v for k, v in headers.items() if v != cfg["headers"][k] and len(v) >= 4]
-            transport = HttpTransport(self.name, expand_vars(cfg["url"], missing=missing), headers,
-                                      self._on_message, on_close,
-                                      max(float(self.settings["init_timeout"]), self.call_timeout))
+            headers = {k: expand(v) for k, v in cfg["headers"].items()}
+            transport = HttpTransport(self.name, expand(cfg["url"]), headers, self._on_message, on_close,
+                                      max(float(self.settings["init_timeout"]), self.call_timeout),
+                                      self._on_oversized, limit)
         else:
-            env = dict(os.environ)
-            extra = {k: expand_vars(v, missing=missing) for k, v in cfg["env"].items()}
-            env.update(extra)
-            self.secrets = [v for k, v in extra.items() if v != cfg["env"][k] and len(v) >= 4]
-            argv = [expand_vars(arg, missing=missing) for arg in cfg["command"]]
+            own = {k: expand(v) for k, v in cfg["env"].items()}
+            env = upstream_environment(own, cfg.get("inherit_env") or ())
+            argv = [expand_vars(arg, missing=missing, secrets=self.secrets) for arg in cfg["command"]]
             transport = StdioTransport(self.name, argv, env, cfg.get("cwd"), self._on_message, on_close,
-                                       self._on_stderr)
+                                       self._on_stderr, self._on_oversized, limit)
         for name in sorted(set(missing)):
-            warn(f"[{self.name}] ${{{name}}} is not set in Coffer's environment; using an empty value")
+            log.warning("[%s] ${%s} is set neither in Coffer's environment nor in its secret store; using an empty "
+                        "value (coffer secret set %s)", self.name, name, name)
         return transport
 
     def _start(self) -> None:
@@ -1157,7 +2508,8 @@ class Upstream:
                 raise UpstreamFailure("initialize returned no result object")
             self.notify("notifications/initialized")
             self.capabilities = result.get("capabilities") if isinstance(result.get("capabilities"), dict) else {}
-            self.server_info = result.get("serverInfo") if isinstance(result.get("serverInfo"), dict) else {}
+            info = result.get("serverInfo")
+            self.server_info = _clean_strings(info) if isinstance(info, dict) else {}
             for kind in CAPABILITY_KINDS:
                 self.refresh(kind, notify=False)
             if self._closed_generation == self.generation:
@@ -1167,40 +2519,59 @@ class Upstream:
             return
         with self.lock:
             if self.state == "stopped":
-                threading.Thread(target=transport.close, daemon=True).start()
+                start_thread(transport.close, f"coffer-{self.name}-close")
                 return
             self.state = "ready"
             self.ready_at = time.monotonic()
             self.last_error = None
             backlog, self.backlog = self.backlog, []
         self.events.on_ready(self)
-        for run in backlog:
-            run()
+        self._run_backlog(backlog)
 
-    def _start_failed(self, transport, exc: Exception) -> None:
+    def _start_failed(self, transport: Transport | None, exc: Exception) -> None:
+        if not isinstance(exc, (UpstreamFailure, OSError, ValueError)):
+            log.exception("[%s] internal error while starting", self.name)
         text = str(exc) or exc.__class__.__name__
+        permanent = getattr(exc, "permanent", False)
+        if transport is not None:
+            if transport.fatal:
+                text, permanent = transport.fatal, True
+            elif self._closed_generation == self.generation or "not accepting input" in text:
+                text = f"{transport.exit_detail() or 'closed its connection'} before it answered initialize"
         if self.stderr_tail and "stderr:" not in text:
             text += " | stderr: " + " / ".join(list(self.stderr_tail)[-3:])
+        give_up, delay, backlog = self._count_failure(text, permanent)
+        if give_up is None:
+            return  # stopped meanwhile
+        if transport is not None:
+            start_thread(transport.close, f"coffer-{self.name}-close", 0.5)
+        log.log(logging.WARNING if give_up else logging.INFO, "[%s] start failed%s: %s", self.name,
+                "" if permanent else f" ({self.failures}/{self.settings['max_restarts']})", self.last_error)
+        self._after_failure(give_up, delay, backlog)
+
+    def _count_failure(self, reason: str, permanent: bool):
+        """Record a failed start or a quick death: (give up?, seconds before the next attempt, backlog to fail).
+        The one place the backoff rule lives: 0.5 s doubling to 30 s, max_restarts in a row, or at once if
+        retrying cannot help.  (None, 0, []) if the upstream was stopped meanwhile."""
         with self.lock:
             if self.state == "stopped":
-                return
+                return None, 0.0, []
             self.failures += 1
-            self.last_error = self.redact(text)
-            give_up = self.failures >= int(self.settings["max_restarts"])
+            self.last_error = redact(reason)
+            give_up = permanent or self.failures >= int(self.settings["max_restarts"])
             self.state = "failed" if give_up else "backoff"
             backlog = self.backlog if give_up else []
             if give_up:
                 self.backlog = []
-        if transport is not None:
-            threading.Thread(target=transport.close, args=(0.5,), daemon=True).start()
-        warn(f"[{self.name}] start failed ({self.failures}/{self.settings['max_restarts']}): {self.last_error}")
+            return give_up, min(30.0, 0.5 * 2 ** (self.failures - 1)), backlog
+
+    def _after_failure(self, give_up: bool, delay: float, backlog: list[QueuedRequest]) -> None:
         if give_up:
-            warn(f"[{self.name}] giving up after {self.failures} attempts; marked failed")
+            log.info("[%s] marked failed", self.name)
             self.events.on_down(self)
-            for run in backlog:
-                run()
+            self._run_backlog(backlog)
         else:
-            self._schedule_start(min(30.0, 0.5 * 2 ** (self.failures - 1)))
+            self._schedule_start(delay)
 
     def _schedule_start(self, delay: float) -> None:
         def fire():
@@ -1230,35 +2601,32 @@ class Upstream:
             self._closed_generation = generation
             state, transport = self.state, self.transport
             orphaned = self._take_pending()
-        code = None
-        proc = getattr(transport, "proc", None)
-        if proc is not None:
-            try:
-                code = proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                code = None
-        reason = f"upstream '{self.name}' " + (f"exited with code {code}" if code is not None else "closed its connection")
+            if state == "ready":
+                self.state = "backoff"  # from now on a request waits for the restart instead of failing
+        reason = f"upstream '{self.name}' {transport.exit_detail() or 'closed its connection'}"
         # The old connection may have only closed stdout; make sure its process and pipes are gone too.
-        threading.Thread(target=transport.close, args=(0.5,), daemon=True).start()
+        start_thread(transport.close, f"coffer-{self.name}-close", 0.5)
         for pending in orphaned:
             pending.on_reply(None, "error", reason)
         if state != "ready":
             return  # a start in progress notices through its initialize wait or its closed-generation check
-        with self.lock:
-            quick = time.monotonic() - self.ready_at < self.QUICK_DEATH
-            self.failures = self.failures + 1 if quick else 0
-            self.last_error = self.redact(reason)
-            give_up = self.failures >= int(self.settings["max_restarts"])
-            self.state = "failed" if give_up else "backoff"
-            backlog = self.backlog if give_up else []
-            if give_up:
-                self.backlog = []
-        warn(f"[{self.name}] {reason}; " + ("giving up, marked failed" if give_up else "restarting"))
+        quick = time.monotonic() - self.ready_at < self.QUICK_DEATH
+        if quick:
+            give_up, delay, backlog = self._count_failure(reason, False)
+            if give_up is None:
+                return
+        else:
+            with self.lock:
+                if self.state == "stopped":
+                    return
+                self.failures, self.last_error, self.state = 0, redact(reason), "backoff"
+            give_up, delay, backlog = False, 0.0, []
+        log.warning("[%s] %s; %s", self.name, reason, "giving up, marked failed" if give_up else "restarting")
         self.events.on_down(self)
-        for run in backlog:
-            run()
-        if not give_up:
-            self._schedule_start(0.0 if not quick else min(30.0, 0.5 * 2 ** (self.failures - 1)))
+        if give_up:
+            self._run_backlog(backlog)
+        else:
+            self._schedule_start(delay if quick else 0.0)
 
     def _take_pending(self) -> list[Pending]:
         orphaned = list(self.pending.values())
@@ -1275,23 +2643,21 @@ class Upstream:
             backlog, self.backlog = self.backlog, []
         for pending in orphaned:
             pending.on_reply(None, "error", f"upstream '{self.name}' is shutting down")
-        for run in backlog:
-            run()
+        self._run_backlog(backlog)
         if transport is not None:
             transport.close()
 
     def _on_stderr(self, line: str) -> None:
-        line = self.redact(line)
+        line = redact(line)
         self.stderr_tail.append(line[:500])
-        warn(f"[{self.name}] {line[:2000]}")
-
-    def redact(self, text: str) -> str:
-        for secret in self.secrets:
-            text = text.replace(secret, "***")
-        return text
+        if self._stderr_relayed.take():
+            log.info("[%s] %s", self.name, line[:2000])
+        elif dropped := self._stderr_relayed.report_due():
+            log.warning("[%s] wrote too much on stderr; %d lines not shown", self.name, dropped)
 
     # -- requests ------------------------------------------------------------------------------------------
-    def request(self, method: str, params, on_reply, timeout: float | None = None, ticket: Ticket | None = None):
+    def request(self, method: str, params, on_reply, timeout: float | None = None, ticket: Ticket | None = None,
+                deadline: float | None = None):
         """Send a request, or queue it while the server starts; ``on_reply(response, failure_status,
         failure_text)`` runs exactly once, unless the request is cancelled first.
 
@@ -1299,23 +2665,33 @@ class Upstream:
         """
         timeout = self.call_timeout if timeout is None else timeout
         ticket = ticket or Ticket()
+        deadline = deadline if deadline is not None else time.monotonic() + timeout
         with self.lock:
             if ticket.cancelled:
                 return None  # cancelled while it waited in the backlog: never sent, never answered
             state = self.state
             if state in ("starting", "backoff", "idle"):
-                self.backlog.append(lambda: self.request(method, params, on_reply, timeout, ticket))
+                self.backlog.append(QueuedRequest(method, params, on_reply, timeout, ticket, deadline))
                 if state == "idle":
                     self.start()
                 return ticket
-            if state != "ready":
-                detail = f": {self.last_error}" if self.last_error else ""
-                on_reply(None, "error", f"upstream '{self.name}' is unavailable ({state}){detail}")
-                return None
-            ticket.request_id = self._send_request(method, params, on_reply, timeout)
-            return ticket if ticket.request_id is not None else None
+            unavailable = state != "ready"
+        if unavailable:
+            detail = f": {self.last_error}" if self.last_error else ""
+            on_reply(None, "error", f"upstream '{self.name}' is unavailable ({state}){detail}")
+            return None
+        queued = QueuedRequest(method, params, on_reply, timeout, ticket, deadline)
+        ticket.request_id = self._send_request(method, params, on_reply, timeout, deadline, queued)
+        return ticket if ticket.request_id is not None or queued in self.backlog else None
 
-    def _send_request(self, method, params, on_reply, timeout):
+    def _run_backlog(self, backlog: list[QueuedRequest]) -> None:
+        for queued in backlog:
+            self.request(queued.method, queued.params, queued.on_reply, queued.timeout, queued.ticket,
+                         queued.deadline)
+
+    def _send_request(self, method, params, on_reply, timeout, deadline=None, requeue: QueuedRequest | None = None):
+        """Register and send one request; its id, or None when it failed (``on_reply`` has run) — or, with
+        ``requeue``, when the connection had just died unnoticed and the request now waits for the restart."""
         with self.lock:
             self._next_id += 1
             request_id = self._next_id
@@ -1324,9 +2700,9 @@ class Upstream:
                 meta = params.get("_meta")
                 if isinstance(meta, dict) and "progressToken" in meta:
                     token = meta["progressToken"]
-            if isinstance(token, bool) or not isinstance(token, (str, int)):
+            if not valid_request_id(token):
                 token = None  # the spec allows only strings and integers; anything else cannot reset a timeout
-            pending = Pending(method, on_reply, timeout, token)
+            pending = Pending(method, on_reply, timeout, token, deadline)
             self.pending[request_id] = pending
             if token is not None:
                 self.by_token[token] = pending
@@ -1334,11 +2710,23 @@ class Upstream:
         message = {"jsonrpc": "2.0", "id": request_id, "method": method}
         if params is not None:
             message["params"] = params
-        if transport is None or not transport.send(message):
+        try:
+            sent = transport is not None and transport.send(message)
+        except EncodeError as exc:
             self._finish(request_id)
-            on_reply(None, "error", f"upstream '{self.name}' is not accepting input")
+            on_reply(None, "error", f"the request could not be sent: {exc}")
             return None
-        return request_id
+        if sent:
+            return request_id
+        self._finish(request_id)
+        if requeue is not None:
+            with self.lock:
+                if self.state in ("ready", "backoff", "starting"):  # its close is on its way: wait for the restart
+                    self.backlog.append(requeue)
+                    return None
+        on_reply(None, "error", f"upstream '{self.name}' "
+                                f"{(transport and transport.exit_detail()) or 'is not accepting input'}")
+        return None
 
     def call(self, method: str, params=None, timeout: float | None = None):
         """Blocking request for Coffer's own use (initialize, discovery); returns the result or raises."""
@@ -1357,23 +2745,22 @@ class Upstream:
         if box["response"] is None:
             raise UpstreamFailure(f"{method}: {box['text']}")
         if "error" in box["response"]:
-            error = box["response"]["error"]
-            message = error.get("message") if isinstance(error, dict) else error
-            raise UpstreamFailure(f"{method} failed: {message}")
-        return box["response"].get("result")
+            raise UpstreamFailure(f"{method} failed: {printable(box['response']['error']['message'])[:300]}")
+        return box["response"]["result"]
 
     def notify(self, method: str, params=None) -> None:
         message = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
-        transport = self.transport
-        if transport is not None:
-            transport.send(message)
+        self.respond(message)
 
     def respond(self, message: dict) -> None:
         transport = self.transport
         if transport is not None:
-            transport.send(message)
+            try:
+                transport.send(message)
+            except EncodeError as exc:
+                log.warning("[%s] could not relay a message: %s", self.name, exc)
 
     def cancel(self, ticket: Ticket, reason: str = "cancelled by the client") -> bool:
         """Forget a request (a late reply is then dropped) and tell the upstream, with its own id; a request
@@ -1383,8 +2770,9 @@ class Upstream:
                 return False
             ticket.cancelled = True
             request_id = ticket.request_id
-        if request_id is None:
-            return True
+            if request_id is None:
+                self.backlog = [queued for queued in self.backlog if queued.ticket is not ticket]
+                return True
         if self._finish(request_id) is None:
             return False
         self.notify("notifications/cancelled", {"requestId": request_id, "reason": reason})
@@ -1398,11 +2786,18 @@ class Upstream:
         return pending
 
     def expire(self, now: float) -> None:
-        """Time out requests whose deadline passed (progress pushes a deadline back)."""
-        if not self.pending:
+        """Time out requests whose deadline passed (progress pushes a deadline back), queued ones included."""
+        if not self.pending and not self.backlog:
             return
         with self.lock:
             expired = [rid for rid, p in self.pending.items() if p.deadline is not None and p.deadline <= now]
+            waited = [queued for queued in self.backlog if queued.deadline <= now]
+            if waited:
+                self.backlog = [queued for queued in self.backlog if queued.deadline > now]
+        for queued in waited:
+            detail = f" (last error: {self.last_error})" if self.last_error else ""
+            queued.on_reply(None, "timeout", f"upstream '{self.name}' was not ready within {queued.timeout:g}s"
+                                             f"{detail}")
         for request_id in expired:
             pending = self._finish(request_id)
             if pending is not None:
@@ -1415,33 +2810,52 @@ class Upstream:
     def _on_message(self, message: dict) -> None:
         method = message.get("method")
         if method is None:
-            if "id" not in message:
-                return
-            pending = self._finish(message["id"]) if isinstance(message["id"], int) else None
-            if pending is None:
-                return  # a late reply to a cancelled or timed-out request: dropped, delivered to nobody
-            pending.on_reply(message, None, None)
+            msg_id = message.get("id")
+            pending = self._finish(msg_id) if isinstance(msg_id, int) and not isinstance(msg_id, bool) else None
+            if pending is not None:  # else a late reply to a cancelled or timed-out request: delivered to nobody
+                pending.on_reply(normalized_reply(message), None, None)
+            return
+        if not isinstance(method, str):
             return
         if "id" in message:
+            if not valid_request_id(message["id"]):
+                return
             if method == "ping":
                 self.respond(rpc_result(message["id"], {}))
-            else:
+            elif method in SERVER_REQUEST_NEEDS:
                 self.events.on_request(self, message)
+            else:
+                self.respond(rpc_error(message["id"], METHOD_NOT_FOUND, f"Method not found: {method[:100]}"))
             return
-        if method == "notifications/progress":
-            params = message.get("params") or {}
-            token = params.get("progressToken") if isinstance(params, dict) else None
-            pending = self.by_token.get(token) if isinstance(token, (str, int)) and not isinstance(token, bool) \
-                else None
-            if pending is not None and pending.timeout:
-                pending.deadline = time.monotonic() + pending.timeout
-        elif method in ("notifications/tools/list_changed", "notifications/prompts/list_changed",
-                        "notifications/resources/list_changed"):
-            kinds = {"tools": ("tool",), "prompts": ("prompt",), "resources": ("resource", "template")}
-            for kind in kinds[method.split("/")[1]]:
+        if method in LIST_CHANGED:
+            for kind in LIST_CHANGED[method]:
                 self._refresh_soon(kind)
             return
-        self.events.on_notification(self, message)
+        if method not in RELAYED_NOTIFICATIONS:
+            log.debug("[%s] dropped a notification the protocol does not define: %.100s", self.name, method)
+            return
+        if method == "notifications/progress":
+            params = message.get("params")
+            token = params.get("progressToken") if isinstance(params, dict) else None
+            pending = self.by_token.get(token) if valid_request_id(token) else None
+            if pending is None:
+                return  # progress for a request this upstream was never given: not its to report
+            if pending.timeout:
+                pending.deadline = time.monotonic() + pending.timeout
+        if self._relayed.take():
+            self.events.on_notification(self, message)
+        elif dropped := self._relayed.report_due():
+            log.warning("[%s] is flooding notifications; %d dropped", self.name, dropped)
+
+    def _on_oversized(self, head: bytes, size: int) -> None:
+        """A message over max_message_bytes was skipped unread: fail the request it answered, if it says."""
+        request_id = request_id_in(head)
+        pending = self._finish(request_id) if isinstance(request_id, int) else None
+        limit = int(self.settings["max_message_bytes"])
+        text = f"upstream '{self.name}' sent a message of {size} bytes, more than max_message_bytes ({limit})"
+        log.warning("[%s] %s", self.name, text)
+        if pending is not None:
+            pending.on_reply(None, "error", text)
 
     def _refresh_soon(self, kind: str) -> None:
         """Refresh one list on a helper thread, one at a time per kind: a list_changed that arrives during a
@@ -1457,62 +2871,104 @@ class Upstream:
             while True:
                 try:
                     self.refresh(kind)
-                except Exception as exc:  # noqa: BLE001 - the pass is lost, not the ability to refresh again
-                    warn(f"[{self.name}] error refreshing its {kind}s: {exc!r}")
+                except Exception:  # noqa: BLE001 - the pass is lost, not the ability to refresh again
+                    log.exception("[%s] error refreshing its %ss", self.name, kind)
                 with self.lock:
                     if not self._refresh_again[kind]:
                         del self._refresh_again[kind]
                         return
                     self._refresh_again[kind] = False
 
-        threading.Thread(target=run, name=f"coffer-{self.name}-refresh", daemon=True).start()
+        start_thread(run, f"coffer-{self.name}-refresh")
 
     def refresh(self, kind: str, notify: bool = True) -> None:
-        """Fetch one list (every page) and hand it to the gateway."""
+        """Fetch one list (every page, within the caps) and hand it to the gateway."""
         method, key, capability = self.LIST_METHODS[kind]
+        rejected: dict[str, str] = {}
         if capability not in self.capabilities:
             items = {}
         else:
             try:
-                items = self._fetch_all(method, key, "uriTemplate" if kind == "template" else
-                                        "uri" if kind == "resource" else "name")
+                items, rejected = self._fetch_all(kind)
             except UpstreamFailure as exc:
                 if notify:
-                    warn(f"[{self.name}] could not refresh {key}: {exc}")
+                    log.warning("[%s] could not refresh %s: %s", self.name, key, exc)
                     return
                 raise
         self.lists[kind] = items
+        self.rejected[kind] = rejected
         self.events.on_list_changed(self, kind, items, notify)
 
-    def _fetch_all(self, method: str, key: str, id_field: str) -> dict:
+    def _fetch_all(self, kind: str) -> tuple[dict, dict]:
+        """{identifier: checked definition} and {identifier: why rejected} of one list, following pagination
+        for at most max_list_pages pages and keeping at most max_list_items items."""
+        method, key, _ = self.LIST_METHODS[kind]
+        id_field = _IDENTIFIER[kind]
+        max_pages, max_items = int(self.settings["max_list_pages"]), int(self.settings["max_list_items"])
         items: dict[str, dict] = {}
+        rejected: dict[str, str] = {}
         cursor, seen = None, set()
-        for _ in range(10_000):
+        for page in range(max_pages):
             result = self.call(method, {"cursor": cursor} if cursor else {}, self.settings["init_timeout"])
-            if not isinstance(result, dict):
-                raise UpstreamFailure(f"{method} returned no result object")
-            for item in result.get(key) or []:
-                if isinstance(item, dict) and isinstance(item.get(id_field), str):
-                    items.setdefault(item[id_field], item)
-            cursor = result.get("nextCursor")
+            listed = result.get(key) if isinstance(result, dict) else None
+            if not isinstance(result, dict) or (listed is not None and not isinstance(listed, list)):
+                raise UpstreamFailure(f"{method} returned something that is not a list of {key}")
+            for item in listed or []:
+                try:
+                    definition = check_definition(kind, item)
+                except Rejected as exc:
+                    ident = item.get(id_field) if isinstance(item, dict) else None
+                    rejected[storable(str(ident))[:200]] = str(exc)
+                    continue
+                if len(items) >= max_items:
+                    log.warning("[%s] lists more than %d %s; only the first %d are used (max_list_items)",
+                                self.name, max_items, key, max_items)
+                    cursor = None
+                    break
+                items.setdefault(definition[id_field], definition)
+            else:
+                cursor = result.get("nextCursor")
             if not cursor:
                 break
-            if cursor in seen:
-                warn(f"[{self.name}] {method} repeated cursor {cursor!r}; stopping pagination")
+            if not isinstance(cursor, str) or len(cursor) > 4096 or cursor in seen:
+                log.warning("[%s] %s gave an unusable or repeated cursor; stopping pagination", self.name, method)
                 break
             seen.add(cursor)
-        return items
+        else:
+            log.warning("[%s] %s: stopped after %d pages (max_list_pages)", self.name, method, max_pages)
+        if rejected:
+            sample = "; ".join(f"{printable(name)[:60]}: {why}" for name, why in list(rejected.items())[:3])
+            log.warning("[%s] dropped %d %s it listed that cannot be used (%s)", self.name, len(rejected), key, sample)
+        return items, rejected
+
 
 # ============================================================================================================
-# 5. Catalogue: the merged, namespaced, filtered view of every upstream
+# 6. Catalogue: the merged, namespaced, filtered view of every upstream
 # ============================================================================================================
 
 
-def template_regex(template: str):
+class Route(NamedTuple):
+    """Where an exposed name or URI goes: the upstream, and the name or URI it knows the capability by."""
+    upstream: Upstream
+    name: str
+
+
+class TemplateRoute(NamedTuple):
+    regex: re.Pattern
+    upstream: Upstream
+    template: str
+    literal: int  # literal characters in the template: the more, the more specific
+
+
+def template_regex(template: str) -> re.Pattern:
     """A matcher for an RFC 6570 URI template: each {expression} matches one or more characters."""
     parts = re.split(r"(\{[^}]*\})", template)
     pattern = "".join("(.+?)" if part.startswith("{") and part.endswith("}") else re.escape(part) for part in parts)
     return re.compile(f"^{pattern}$", re.S)
+
+
+def template_literal_length(template: str) -> int:
+    return len(re.sub(r"\{[^}]*\}", "", template))
 
 
 class Catalogue:
@@ -1520,7 +2976,10 @@ class Catalogue:
 
     The hot path only does dictionary look-ups here.  Resource URIs are exposed unchanged, so URIs embedded in
     tool results stay readable; a URI that two upstreams both publish is exposed as ``coffer+<server>:<uri>``
-    once per server, and the bare URI routes to the first of them in registration order.
+    once per server, and the bare URI routes to the first of them in registration order.  A URI that matches
+    several templates is read through the most specific one: the template with the most literal characters
+    (ties: registration order), so a catch-all ``{anything}`` can never capture reads meant for another server.
+    Disabled and quarantined capabilities are left out, and remembered so a call to one gets the right error.
     """
 
     @staticmethod
@@ -1535,39 +2994,43 @@ class Catalogue:
             return up.lists
         return {**up.lists, **up.remembered}
 
-    def __init__(self, upstreams, enabled: dict, max_length: int):
+    def __init__(self, upstreams, states: dict, max_length: int):
         self.tools: list[dict] = []
-        self.tool_routes: dict[str, tuple] = {}
+        self.tool_routes: dict[str, Route] = {}
         self.prompts: list[dict] = []
-        self.prompt_routes: dict[str, tuple] = {}
+        self.prompt_routes: dict[str, Route] = {}
         self.resources: list[dict] = []
-        self.resource_routes: dict[str, tuple] = {}
+        self.resource_routes: dict[str, Route] = {}
         self.templates: list[dict] = []
-        self.template_routes: list[tuple] = []   # (regex, upstream, template string)
-        self.template_by_text: dict[str, tuple] = {}
+        self.template_routes: list[TemplateRoute] = []
+        self.template_by_text: dict[str, Route] = {}
         self.disabled: set[str] = set()
+        self.quarantined: set[str] = set()
         self.qualified: dict[tuple[str, str], str] = {}  # (server, uri) -> exposed uri, for notifications
         uri_count = collections.Counter(uri for up in upstreams for uri in up.lists["resource"])
         tpl_count = collections.Counter(t for up in upstreams for t in up.lists["template"])
-        offered = {up.name: self.lists_of(up) for up in upstreams}
+        usual = CapabilityState(True)
 
         def allowed(up, kind, name, exposed):
-            if enabled.get((up.name, kind, name), True):
+            state = states.get((up.name, kind, name), usual)
+            if state.usable:
                 return True
-            self.disabled.add(exposed)
+            (self.disabled if not state.enabled else self.quarantined).add(exposed)
             return False
 
         for up in upstreams:
+            offered = self.lists_of(up)
             for kind, items, routes in (("tool", self.tools, self.tool_routes),
                                         ("prompt", self.prompts, self.prompt_routes)):
-                for name, definition in offered[up.name][kind].items():
-                    exposed = expose_name(up.name, name, max_length)
-                    if exposed in routes or not allowed(up, kind, name, exposed):
+                names = exposed_names(up.name, offered[kind], max_length)
+                for name, definition in offered[kind].items():
+                    exposed = names[name]
+                    if not allowed(up, kind, name, exposed):
                         continue
                     entry = dict(definition)
                     entry["name"] = exposed
                     items.append(entry)
-                    routes[exposed] = (up, name)
+                    routes[exposed] = Route(up, name)
             for uri, definition in up.lists["resource"].items():
                 exposed = uri if uri_count[uri] == 1 else qualify_uri(up.name, uri)
                 if not allowed(up, "resource", uri, exposed):
@@ -1575,8 +3038,8 @@ class Catalogue:
                 entry = dict(definition)
                 entry["uri"] = exposed
                 self.resources.append(entry)
-                self.resource_routes[exposed] = (up, uri)
-                self.resource_routes.setdefault(uri, (up, uri))
+                self.resource_routes[exposed] = Route(up, uri)
+                self.resource_routes.setdefault(uri, Route(up, uri))
                 if exposed != uri:
                     self.qualified[(up.name, uri)] = exposed
             for text, definition in up.lists["template"].items():
@@ -1586,9 +3049,11 @@ class Catalogue:
                 entry = dict(definition)
                 entry["uriTemplate"] = exposed
                 self.templates.append(entry)
-                self.template_routes.append((template_regex(text), up, text))
-                self.template_by_text[exposed] = (up, text)
-                self.template_by_text.setdefault(text, (up, text))
+                self.template_routes.append(TemplateRoute(template_regex(text), up, text,
+                                                          template_literal_length(text)))
+                self.template_by_text[exposed] = Route(up, text)
+                self.template_by_text.setdefault(text, Route(up, text))
+        self.template_routes.sort(key=lambda route: -route.literal)  # stable: ties keep registration order
         self._index: SearchIndex | None = None
         self._index_lock = threading.Lock()
 
@@ -1602,35 +3067,35 @@ class Catalogue:
                     self._index = SearchIndex(self.tools)
         return self._index
 
-    def route_resource(self, uri: str):
-        """(upstream, original uri) for a URI the client wants to read or subscribe to, or None."""
+    def route_resource(self, uri: str) -> Route | None:
+        """Where a URI the client wants to read or subscribe to goes, or None."""
         route = self.resource_routes.get(uri)
         if route:
             return route
         qualified = QUALIFIED_URI_RE.match(uri)
-        if qualified:
-            server, original = qualified.groups()
-            for regex, up, _ in self.template_routes:
-                if up.name == server and regex.match(original):
-                    return up, original
-            return None
-        for regex, up, _ in self.template_routes:
-            if regex.match(uri):
-                return up, uri
+        server, original = qualified.groups() if qualified else (None, uri)
+        for template in self.template_routes:
+            if (server is None or template.upstream.name == server) and template.regex.match(original):
+                return Route(template.upstream, original)
         return None
+
+    def template_of(self, route: Route) -> str:
+        """The template a templated read went through (logged instead of the URI, which carries call data)."""
+        return next((t.template for t in self.template_routes if t.upstream is route.upstream and
+                     t.regex.match(route.name)), "(template)")
 
     def exposed_uri(self, server: str, uri: str) -> str:
         return self.qualified.get((server, uri), uri)
 
     def fingerprint(self) -> dict:
         """What the client sees, per list; comparing two of these tells which list_changed to send."""
-        return {key: hashlib.sha256(dumps(items).encode("utf-8")).hexdigest()
+        return {key: hashlib.sha256(dumps(items).encode("utf-8", "surrogatepass")).hexdigest()
                 for key, items in (("tools", self.tools), ("prompts", self.prompts),
                                    ("resources", self.resources + self.templates))}
 
 
 # ============================================================================================================
-# 6. Search: a BM25F ranker over the tool catalogue
+# 7. Search: a BM25F ranker over the tool catalogue
 # ============================================================================================================
 #
 # Tool catalogues are small documents with a few strong fields: the name says what a tool does, the
@@ -1977,12 +3442,12 @@ class SearchIndex:
                   for doc_id, score in scores.items() if score > 0.0)
         return [(doc_id, -neg) for neg, _, doc_id in heapq.nsmallest(limit, ranked)]
 
-    def search(self, query: str, top_k: int = 5) -> list[tuple[dict, float]]:
-        top_k = max(1, min(20, int(top_k)))
+    def search(self, query: str, top_k: int = TOP_K_DEFAULT) -> list[tuple[dict, float]]:
+        top_k = bounded_top_k(top_k)
         return [(self.tools[doc_id], round(score, 4)) for doc_id, score in self.rank(query, top_k)]
 
 # ------------------------------------------------------------------------------------------------------------
-# 6b. Semantic ranking (optional): an embeddings endpoint, a vector cache in the vault, hybrid fusion
+# 7b. Semantic ranking (optional): an embeddings endpoint, a vector cache in the vault, hybrid fusion
 # ------------------------------------------------------------------------------------------------------------
 #
 # Lexical matching cannot connect "let the team know the deploy finished" to slack__post_message.  When the
@@ -2012,20 +3477,25 @@ class Embedder:
     """A client for an embeddings endpoint, with urllib.  The API key is read from a named environment variable
     at call time and never stored."""
 
+    MAX_REPLY_BYTES = 64 << 20
+
     def __init__(self, url: str, model: str, api: str = "openai", key_env: str = "", batch_size: int = 64):
         if api not in ("openai", "ollama"):
             raise CofferError(f"embedder_api must be 'openai' or 'ollama', not {api!r}")
         self.url, self.model, self.api, self.key_env = url.rstrip("/"), model, api, key_env
         self.batch_size = batch_size
+        self.secrets: SecretStore | None = None
 
     @classmethod
-    def from_settings(cls, settings: dict):
+    def from_settings(cls, settings: dict, secrets: SecretStore | None = None):
         url = os.environ.get("COFFER_EMBEDDER_URL", settings.get("embedder_url") or "")
         if not url:
             return None
-        return cls(url, os.environ.get("COFFER_EMBEDDER_MODEL", settings.get("embedder_model") or ""),
-                   os.environ.get("COFFER_EMBEDDER_API", settings.get("embedder_api") or "openai"),
-                   os.environ.get("COFFER_EMBEDDER_KEY_ENV", settings.get("embedder_key_env") or ""))
+        embedder = cls(url, os.environ.get("COFFER_EMBEDDER_MODEL", settings.get("embedder_model") or ""),
+                       os.environ.get("COFFER_EMBEDDER_API", settings.get("embedder_api") or "openai"),
+                       os.environ.get("COFFER_EMBEDDER_KEY_ENV", settings.get("embedder_key_env") or ""))
+        embedder.secrets = secrets
+        return embedder
 
     @property
     def cache_key(self) -> str:
@@ -2048,19 +3518,19 @@ class Embedder:
         else:
             endpoint, body = f"{self.url}/embeddings", {"model": self.model, "input": batch}
         headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.key_env) if self.key_env else None
+        key = None
+        if self.key_env:  # the key by name: from the environment, else from the secret store
+            key = os.environ.get(self.key_env) or (self.secrets.get(self.key_env) if self.secrets else None)
+            redact.add(key)
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        import http.client, urllib.error, urllib.request  # noqa: E401 - lazily, only with an embedder
-        request = urllib.request.Request(endpoint, data=dumps(body).encode("utf-8"), headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=max(0.01, timeout)) as response:
-                payload = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise EmbedderError(f"HTTP {exc.code} from {endpoint}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise EmbedderError("timed out" if "timed out" in str(reason) else f"unreachable: {reason!r}") from None
+            with http_open("POST", endpoint, headers, encode_line(body), max(0.01, timeout)) as response:
+                payload = decode_json(read_limited(response, self.MAX_REPLY_BYTES))
+        except HttpError as exc:
+            raise EmbedderError("timed out" if "timed out" in str(exc) else str(exc)) from None
+        except (OSError, EncodeError):
+            raise EmbedderError("the connection failed while reading the reply") from None
         except ValueError:
             raise EmbedderError("the reply is not JSON") from None
         try:
@@ -2261,7 +3731,7 @@ class SemanticRanker:
 
 
 # ============================================================================================================
-# 7. Gateway session: the MCP server a client talks to
+# 8. Gateway session: the MCP server a client talks to
 # ============================================================================================================
 
 SEARCH_TOOL_DEFINITION = {
@@ -2294,8 +3764,6 @@ SEARCH_TOOL_DEFINITION = {
 
 CLIENT_SIDE_CAPABILITIES = ("sampling", "elicitation", "roots")
 LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
-SERVER_REQUEST_NEEDS = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
-                        "roots/list": "roots"}
 
 
 class RpcError(Exception):
@@ -2311,29 +3779,109 @@ def _require_str(params: dict, key: str) -> str:
     return value
 
 
+# -- client-aware listing ---------------------------------------------------------------------------------------
+# Some clients show only so many tools (Cursor about 40, Windsurf 100, VS Code 128) and drop the rest in an order
+# nobody chose; Claude Code searches its tools itself and wants them all.  With expose "auto" (the default) a
+# client known to cap gets, when the catalogue is larger, a budget of the tools most likely wanted; every tool
+# stays callable by name and findable with coffer__search_tools.
+
+CLIENT_FAMILIES = (("claude-code", "claude-code"), ("cursor", "cursor"), ("windsurf", "windsurf"),
+                   ("codeium", "windsurf"), ("visual studio code", "vscode"), ("vscode", "vscode"),
+                   ("codex", "codex"), ("gemini", "gemini"), ("zed", "zed"), ("claude", "claude-desktop"))
+CLIENT_TOOL_CAPS = {"cursor": 40, "windsurf": 100, "vscode": 128}
+
+
+def client_family(client_name: str) -> str | None:
+    """The client a clientInfo.name belongs to (its settings key: expose.<family>), or None."""
+    name = client_name.lower()
+    return next((family for needle, family in CLIENT_FAMILIES if needle in name), None)
+
+
+def expose_mode(settings: dict, family: str | None) -> str:
+    """all, search or budget:N for this client: its own expose.<family> setting, else the global one; auto means
+    a budget of the client's known cap, else all."""
+    value = (settings.get(f"expose.{family}") if family else None) or settings["expose"]
+    if value == "auto":
+        cap = CLIENT_TOOL_CAPS.get(family or "")
+        return f"budget:{cap}" if cap else "all"
+    return value
+
+
+def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dict]:
+    """At most ``cap - 1`` tools (coffer__search_tools takes the last place), in catalogue order: first the most
+    used tool of each server (so every server stays visible), then the most used of the rest over the last 90
+    days; ties go to catalogue order, so the same inputs always give the same list."""
+    room = cap - 1
+    if len(tools) <= room:
+        return tools
+    order = {id(tool): i for i, tool in enumerate(tools)}
+    key = lambda tool: (-usage.get(tool["name"], 0), order[id(tool)])  # noqa: E731
+    best_of_server: dict[str, dict] = {}
+    for tool in sorted(tools, key=key):
+        best_of_server.setdefault(tool["name"].partition(SEPARATOR)[0], tool)
+    chosen = sorted(best_of_server.values(), key=key)[:room]
+    picked = {id(tool) for tool in chosen}
+    chosen += [tool for tool in sorted(tools, key=key) if id(tool) not in picked][:room - len(chosen)]
+    return sorted(chosen, key=lambda tool: order[id(tool)])
+
+
+class InFlight(NamedTuple):
+    """A client request Coffer forwarded and has not answered yet (for cancellation and the log)."""
+    upstream: Upstream
+    ticket: Ticket
+    capability: str
+    kind: str | None
+    started: float
+
+
+class RelayedRequest(NamedTuple):
+    """A server->client request Coffer relayed under an id of its own: where the client's answer goes back to."""
+    upstream: Upstream
+    generation: int
+    upstream_id: object
+
+
+class Waiting(NamedTuple):
+    """A client request that waits for starting upstreams (at most until the discovery deadline), with no thread."""
+    msg_id: object
+    work: Callable
+    kind: str | None
+
+
 class Gateway:
     """One client session over stdio: answers locally what it can, routes everything else to an upstream.
 
-    Threads: the caller's thread reads the client; one reader per upstream delivers replies straight to the
-    client; a ticker enforces timeouts and notices vault edits; the invocation log writes on its own thread.
+    Threads and what they own:
+      - the caller's thread reads the client (``serve``) and dispatches each message;
+      - each upstream's reader delivers that upstream's replies straight to the client (``send``);
+      - the ticker (``_tick``) expires timed-out requests, releases requests waiting for discovery and notices
+        vault edits;
+      - a small worker pool answers what waited (discovery, a search waiting for its embedding);
+      - the invocation log writes on its own thread.
+    Locks, always taken in this order and never the reverse: ``vault_lock`` (the shared SQLite connection) →
+    ``lock`` (upstreams, in-flight and relayed requests, waiting requests, subscriptions) → an Upstream's lock →
+    ``out_lock`` (the client's stdout, innermost: nothing is called while holding it).
     """
 
-    def __init__(self, vault: Vault, out=None, remember: bool = True):
+    def __init__(self, vault: Vault, out=None, remember: bool = True, on_client_gone=None, only=None):
         self.vault = vault
         self.remember = remember
+        self.only = set(only) if only else None  # serve just these servers (`coffer call` needs one)
+        self.disabled_servers: set[str] = set()
         self.vault_lock = threading.Lock()
         self.settings = vault.settings()
         self.out = out if out is not None else sys.stdout.buffer
         self.out_lock = threading.Lock()
         self._unsent: list[bytes] = []
+        self.on_client_gone = on_client_gone
+        self._client_gone = threading.Event()
         self.log = InvocationLog(vault.path)
         self.lock = threading.RLock()
-        self.changed = threading.Condition(self.lock)
         self.upstreams: dict[str, Upstream] = {}
         self.configs: dict[str, dict] = {}
         self.remembered: dict[str, dict] = {}  # server -> kind -> {name: definition}, from the vault
-        self.enabled = vault.enabled_map()
-        self.catalogue = Catalogue([], self.enabled, self.settings["name_max_length"])
+        self.states = vault.capability_states()
+        self.catalogue = Catalogue([], self.states, self.settings["name_max_length"])
         self._fingerprint = self.catalogue.fingerprint()
         self._rebuild_lock = threading.Lock()
         self._rebuilds_wanted = self._rebuilds_done = 0
@@ -2341,18 +3889,21 @@ class Gateway:
         self.initialized = False
         self.client_capabilities: dict = {}
         self.client_name = "unknown"
+        self.usage: dict[str, int] = {}  # calls per tool in the last 90 days, for budgeted lists
         self.protocol_version = LATEST_PROTOCOL_VERSION
         self.log_level = None
         self.advertised: dict = {}
         self.subscriptions: dict[str, set[str]] = collections.defaultdict(set)  # server -> original URIs
-        self.inflight: dict = {}          # client request id -> (upstream, Ticket, capability, kind, started)
-        self.client_requests: dict = {}   # id Coffer gave a server->client request -> (upstream, upstream's id)
+        self.inflight: dict[object, InFlight] = {}             # by the client's request id
+        self.client_requests: dict[str, RelayedRequest] = {}   # by the id Coffer gave the relayed request
         self._client_request_seq = 0
+        self._waiting: list[Waiting] = []
+        self.workers = WorkerPool("coffer-work", 4)
         self.discovery_deadline = 0.0
         self._reported_missing = False
         self._stopping = threading.Event()
         self._data_version = vault.data_version()
-        embedder = Embedder.from_settings(self.settings)
+        embedder = Embedder.from_settings(self.settings, vault.secrets)
         self.semantic = SemanticRanker(embedder, vault.path, float(self.settings["embedder_timeout"])) \
             if embedder else None
         self.handlers = {
@@ -2369,7 +3920,17 @@ class Gateway:
 
     # -- the client stream ---------------------------------------------------------------------------------
     def send(self, message: dict) -> None:
-        data = (dumps(message) + "\n").encode("utf-8")
+        """Queue one message for the client (written at the end of the current burst, or now).  Never raises: a
+        reply that cannot be encoded is replaced by an error reply to the same id."""
+        try:
+            data = encode_line(message)
+        except EncodeError as exc:
+            msg_id = message.get("id")
+            if "method" in message or not valid_request_id(msg_id):
+                log.warning("dropped a message to the client that cannot be encoded: %s", exc)
+                return
+            log.warning("a reply could not be encoded (%s); the client gets an error instead", exc)
+            data = encode_line(rpc_error(msg_id, INTERNAL_ERROR, "Internal error: the reply is not encodable JSON"))
         with self.out_lock:
             self._unsent.append(data)
         if not defer_to_burst_end(self, self._write_unsent):
@@ -2381,41 +3942,78 @@ class Gateway:
                 return  # another thread's write took it along
             data = self._unsent[0] if len(self._unsent) == 1 else b"".join(self._unsent)
             self._unsent.clear()
+            if self._client_gone.is_set():
+                return
             try:
                 self.out.write(data)
                 self.out.flush()
+                return
             except (OSError, ValueError):
-                pass  # the client went away; stdin EOF ends the session
+                self._client_gone.set()
+        self._lost_client()
+
+    def _lost_client(self) -> None:
+        """The client closed its end (EPIPE): nobody can read an answer any more, so stop working for it."""
+        log.info("the client closed its end of the connection; stopping its calls")
+        with self.lock:
+            inflight, self.inflight = list(self.inflight.values()), {}
+        for entry in inflight:
+            entry.upstream.cancel(entry.ticket, "the client went away")
+        if self.on_client_gone is not None:
+            start_thread(self.on_client_gone, "coffer-client-gone")
 
     def serve(self, stream) -> None:
         """Read the client until EOF.  Every line gets an answer or is a notification; nothing ends the session
-        but the client closing stdin (or a signal)."""
+        but the client closing stdin (or a signal).  A line over max_message_bytes is answered with an error
+        and skipped as it arrives, never held."""
         try:
             self.vault.prune()
-        except sqlite3.Error as exc:  # a busy vault must not stop the agent's session from starting
-            warn(f"retention pruning skipped: {exc}")
-        for config in self.vault.servers():
-            if config["enabled"]:
-                self.configs[config["name"]] = config
+        except (sqlite3.Error, CofferError) as exc:  # a busy or read-only vault must not stop the session
+            log.warning("retention pruning skipped: %s", exc)
+        self.configs = self._serving(self.vault.servers(), report=True)
         self.remembered = self.vault.remembered_lists() if self.remember else {}
-        threading.Thread(target=self._tick, name="coffer-ticker", daemon=True).start()
-        while True:
-            line = stream.readline()
-            if not line:
+        start_thread(self._tick, "coffer-ticker")
+        read = getattr(stream, "read1", stream.read)
+        for lines in read_line_bursts(read, max_line=int(self.settings["max_message_bytes"])):
+            if self._client_gone.is_set():
                 break
-            if line.strip():
-                self.handle_line(line)
+            handle_burst(lines, self.handle_line)
 
-    def handle_line(self, line: bytes) -> None:
+    def _serving(self, servers: list[dict], report: bool = False) -> dict[str, dict]:
+        """The configs this session runs: enabled, undamaged (and among --only); notes the disabled ones, so a
+        call to their tools can say how to enable them."""
+        configs = {}
+        self.disabled_servers = {c["name"] for c in servers if not c["enabled"] and not c["damaged"]}
+        for config in servers:
+            if self.only is not None and config["name"] not in self.only:
+                continue
+            if config["damaged"]:
+                if report:
+                    log.warning("server %s has a damaged definition in coffer.db (%s) and is not started; fix it "
+                                "with `coffer remove %s` and `coffer add` again", config["name"], config["damaged"],
+                                config["name"])
+            elif config["enabled"]:
+                configs[config["name"]] = config
+        return configs
+
+    def handle_line(self, line) -> None:
+        if isinstance(line, OversizedLine):
+            limit = int(self.settings["max_message_bytes"])
+            self.send(rpc_error(request_id_in(line.head), INVALID_REQUEST,
+                                f"Invalid Request: a message of {line.size} bytes is larger than max_message_bytes "
+                                f"({limit})"))
+            return
+        if not line.strip():
+            return
         try:
-            message = json.loads(line)
-        except ValueError:
-            self.send(rpc_error(None, PARSE_ERROR, "Parse error: not a JSON text"))
+            message = decode_json(line)
+        except ValueError as exc:
+            self.send(rpc_error(None, PARSE_ERROR, f"Parse error: {exc}"[:200]))
             return
         if isinstance(message, list):  # JSON-RPC batches (dropped by MCP 2025-06-18): answer each element
             if not message:
                 self.send(rpc_error(None, INVALID_REQUEST, "Invalid Request: empty batch"))
-            for item in message[:1000]:
+            for item in message:
                 self.dispatch(item)
             return
         self.dispatch(message)
@@ -2455,7 +4053,7 @@ class Gateway:
             return
         handler = self.handlers.get(method)
         if handler is None:
-            self.send(rpc_error(msg_id, METHOD_NOT_FOUND, f"Method not found: {method}"))
+            self.send(rpc_error(msg_id, METHOD_NOT_FOUND, f"Method not found: {method[:200]}"))
             return
         if not self.initialized and method not in ("initialize", "ping"):
             self.send(rpc_error(msg_id, INVALID_REQUEST, "Invalid Request: send initialize first"))
@@ -2469,12 +4067,13 @@ class Gateway:
         except RpcError as exc:
             self.send(rpc_error(msg_id, exc.code, exc.message, exc.data))
             return
-        except Exception as exc:  # noqa: BLE001 - a Coffer bug must cost one request, not the session
-            warn(f"internal error in {method}: {exc!r}")
+        except Exception:  # noqa: BLE001 - a Coffer bug must cost one request, not the session
+            log.exception("internal error in %s", method)
             self.send(rpc_error(msg_id, INTERNAL_ERROR, f"Internal error in {method}"))
             return
         if result is not None:
             self.send(rpc_result(msg_id, result))
+
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def _initialize(self, msg_id, params):
@@ -2487,6 +4086,11 @@ class Gateway:
         self.client_capabilities = capabilities or {}
         info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else {}
         self.client_name = str(info.get("name") or "unknown")[:64]
+        try:
+            with self.vault_lock:
+                self.usage = self.vault.tool_usage()
+        except sqlite3.Error as exc:
+            log.warning("tool usage unavailable (%s); a budgeted list falls back to catalogue order", exc)
         self.discovery_deadline = time.monotonic() + float(self.settings["discovery_timeout"])
         for config in self.configs.values():
             self._add_upstream(config)
@@ -2494,6 +4098,10 @@ class Gateway:
             self.rebuild()  # remembered tools are listable at once; before `initialized`, so no notification
         self.initialized = True
         instructions = INSTRUCTIONS
+        unlisted = len(self.catalogue.tools) + 1 - len(self.listed_tools())
+        if unlisted > 0:
+            instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
+                             f"by name and {SEARCH_TOOL} finds them.")
         failed = [c["name"] for c in self.configs.values() if c.get("status") == "failed"]
         if failed:
             instructions += " Failed at their last start: " + ", ".join(failed)[:200] + "."
@@ -2532,7 +4140,7 @@ class Gateway:
         with self.lock:  # initialize (client thread) and a vault reload (ticker) may both get here
             if config["name"] in self.upstreams:
                 return
-            upstream = Upstream(config, self.settings, self, caps, self.protocol_version)
+            upstream = Upstream(config, self.settings, self, caps, self.protocol_version, self.vault.secrets)
             upstream.remembered = self.remembered.pop(config["name"], {})  # only for the first start of a session
             self.upstreams[config["name"]] = upstream
         upstream.start()
@@ -2543,9 +4151,7 @@ class Gateway:
         self._stopping.set()
         # Rows first: a client that closes stdin usually kills its server a few seconds later.
         self.log.flush(3.0)
-        threads = [threading.Thread(target=up.stop, daemon=True) for up in list(self.upstreams.values())]
-        for thread in threads:
-            thread.start()
+        threads = [start_thread(up.stop, f"coffer-{up.name}-stop") for up in list(self.upstreams.values())]
         for thread in threads:
             thread.join(6.0)
         self.log.close()
@@ -2557,29 +4163,36 @@ class Gateway:
             for upstream in list(self.upstreams.values()):
                 try:
                     upstream.expire(now)
-                except Exception as exc:  # noqa: BLE001 - the ticker guards every timeout; it must not die
-                    warn(f"[{upstream.name}] error while expiring requests: {exc!r}")
+                except Exception:  # noqa: BLE001 - the ticker guards every timeout; it must not die
+                    log.exception("[%s] error while expiring requests", upstream.name)
+            try:
+                self._release_waiting()
+            except Exception:  # noqa: BLE001
+                log.exception("error while answering waiting requests")
             if now - last_reload >= 1.0:
                 last_reload = now
                 try:
                     self._reload_if_vault_changed()
-                except Exception as exc:  # noqa: BLE001 - the ticker also guards every timeout
-                    warn(f"could not apply vault changes: {exc!r}")
+                except Exception:  # noqa: BLE001 - the ticker also guards every timeout
+                    log.exception("could not apply vault changes")
 
     def _reload_if_vault_changed(self) -> None:
-        """Apply `coffer enable/disable/add/remove` made while this session runs."""
+        """Apply `coffer enable/disable/approve/add/remove/config` made while this session runs."""
         with self.vault_lock:
             version = self.vault.data_version()
             if version == self._data_version:
                 return
             self._data_version = version
-            enabled = self.vault.enabled_map()
-            configs = {c["name"]: c for c in self.vault.servers() if c["enabled"]}
+            states = self.vault.capability_states()
+            configs = self._serving(self.vault.servers())
             settings = self.vault.settings()
-            changed = enabled != self.enabled
-            self.enabled = enabled
-        keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy")
+            changed = states != self.states
+            self.states = states
+        keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env")
         if settings != self.settings:
+            if any(settings.get(k) != self.settings.get(k) for k in set(settings) | set(self.settings)
+                   if setting_key(k) == "expose"):
+                self._force_tools_notice = True  # the same catalogue, listed differently
             self.settings.update(settings)  # the upstreams share this dict
             for upstream in list(self.upstreams.values()):
                 upstream.call_timeout = float(upstream.config.get("timeout") or settings["call_timeout"])
@@ -2592,7 +4205,7 @@ class Gateway:
             if new is None or any(old.get(k) != new.get(k) for k in keys):
                 with self.lock:
                     del self.upstreams[name]
-                threading.Thread(target=upstream.stop, daemon=True).start()
+                start_thread(upstream.stop, f"coffer-{name}-stop")
                 changed = True
         self.configs = configs
         for name, config in configs.items():
@@ -2605,15 +4218,15 @@ class Gateway:
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
             with self.vault_lock:
-                states = self.vault.sync_capabilities(upstream.name, kind, items)
+                states = self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
                 for name, state in states.items():
-                    self.enabled[(upstream.name, kind, name)] = state
-        except sqlite3.Error as exc:
-            warn(f"[{upstream.name}] could not record its {kind}s in the vault: {exc}")
+                    self.states[(upstream.name, kind, name)] = state
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record its %ss in the vault: %s", upstream.name, kind, exc)
             if upstream.config.get("policy") == "disabled":  # fail closed: unrecorded means not allowed
                 with self.vault_lock:
                     for name in items:
-                        self.enabled.setdefault((upstream.name, kind, name), False)
+                        self.states.setdefault((upstream.name, kind, name), CapabilityState(False))
         if notify:
             self.rebuild()
 
@@ -2633,73 +4246,88 @@ class Gateway:
             for uri in uris:
                 upstream.request("resources/subscribe", {"uri": uri}, lambda *a: None)
         self.rebuild(force=restarted)
-        with self.changed:
-            self.changed.notify_all()
+        self._release_waiting()
 
     def on_down(self, upstream: Upstream) -> None:
         with self.lock:  # what the dead process asked of the client can no longer be answered
-            stale = [cid for cid, (up, _, _) in self.client_requests.items() if up is upstream]
+            stale = [cid for cid, relayed in self.client_requests.items() if relayed.upstream is upstream]
             for cid in stale:
                 del self.client_requests[cid]
         for cid in stale:
             self.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
                        "params": {"requestId": cid, "reason": f"upstream '{upstream.name}' went away"}})
-        detail = upstream.last_error or ""
-        self._record_status(upstream, upstream.state, detail)
+        self._record_status(upstream, upstream.state, upstream.last_error or "")
         if upstream.state == "failed":
             self.rebuild()
-        with self.changed:
-            self.changed.notify_all()
+        self._release_waiting()
 
     def _record_status(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
         try:
             with self.vault_lock:
                 self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
-        except sqlite3.Error as exc:
-            warn(f"[{upstream.name}] could not record status: {exc}")
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record status: %s", upstream.name, exc)
 
     def on_notification(self, upstream: Upstream, message: dict) -> None:
+        """Relay one of the notifications an upstream may send (see RELAYED_NOTIFICATIONS), as the client asked:
+        log messages at or above its logging level, resource updates only for what it subscribed to."""
+        if not self.initialized:
+            return
         method = message["method"]
         params = message.get("params") if isinstance(message.get("params"), dict) else {}
         if method == "notifications/message":
-            params = dict(params)
-            params["logger"] = f"{upstream.name}/{params['logger']}" if params.get("logger") else upstream.name
-            message = {"jsonrpc": "2.0", "method": method, "params": params}
-        elif method == "notifications/resources/updated" and isinstance(params.get("uri"), str):
-            params = dict(params)
-            params["uri"] = self.catalogue.exposed_uri(upstream.name, params["uri"])
-            message = {"jsonrpc": "2.0", "method": method, "params": params}
+            level = params.get("level")
+            if level not in LOG_LEVELS or (self.log_level and
+                                           LOG_LEVELS.index(level) < LOG_LEVELS.index(self.log_level)):
+                return
+            logger = params.get("logger")
+            params = {**params, "logger": f"{upstream.name}/{logger}"[:200] if isinstance(logger, str) and logger
+                      else upstream.name}
+        elif method == "notifications/resources/updated":
+            uri = params.get("uri")
+            with self.lock:
+                subscribed = isinstance(uri, str) and uri in self.subscriptions.get(upstream.name, ())
+            if not subscribed:
+                return
+            params = {**params, "uri": self.catalogue.exposed_uri(upstream.name, uri)}
         elif method == "notifications/cancelled":
             with self.lock:
-                ours = next((cid for cid, (up, _, uid) in self.client_requests.items()
-                             if up is upstream and uid == params.get("requestId")), None)
+                ours = next((cid for cid, relayed in self.client_requests.items()
+                             if relayed.upstream is upstream and relayed.upstream_id == params.get("requestId")),
+                            None)
                 if ours is None:
                     return
                 del self.client_requests[ours]
-            message = {"jsonrpc": "2.0", "method": method, "params": {**params, "requestId": ours}}
-        if self.initialized:
-            self.send(message)
+            params = {**params, "requestId": ours}
+        elif method == "notifications/elicitation/complete" and "elicitation" not in self.client_capabilities:
+            return
+        self.send({"jsonrpc": "2.0", "method": method, "params": params})
 
     def on_request(self, upstream: Upstream, message: dict) -> None:
         """A server->client request (sampling, elicitation, roots): relay it under an id of Coffer's own."""
-        needed = SERVER_REQUEST_NEEDS.get(message["method"])
-        if needed and needed not in self.client_capabilities:
+        needed = SERVER_REQUEST_NEEDS[message["method"]]
+        if needed not in self.client_capabilities:
             upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND,
                                        f"the connected client does not support {needed}"))
             return
+        params = message.get("params")
         with self.lock:
             self._client_request_seq += 1
             ours = f"coffer-{self._client_request_seq}"
-            self.client_requests[ours] = (upstream, upstream.generation, message["id"])
-        self.send({**message, "id": ours})
+            self.client_requests[ours] = RelayedRequest(upstream, upstream.generation, message["id"])
+        relayed = {"jsonrpc": "2.0", "id": ours, "method": message["method"]}
+        if isinstance(params, dict):
+            relayed["params"] = params
+        self.send(relayed)
 
     def _client_response(self, message: dict) -> None:
         with self.lock:
-            route = self.client_requests.pop(message["id"], None)
-        if route is not None:
-            upstream, generation, their_id = route
-            if upstream.generation == generation:  # a restarted server never asked this; drop the answer
-                upstream.respond({**message, "id": their_id})
+            relayed = self.client_requests.pop(message["id"], None)
+        if relayed is not None and relayed.upstream.generation == relayed.generation:
+            # (a restarted server never asked this; its answer is dropped)
+            answer = normalized_reply(message)
+            answer["id"] = relayed.upstream_id
+            relayed.upstream.respond(answer)
 
     def _client_notification(self, method: str, params: dict) -> None:
         if method == "notifications/cancelled":
@@ -2707,14 +4335,15 @@ class Gateway:
             with self.lock:
                 entry = self.inflight.pop(request_id, None) if valid_request_id(request_id) else None
             if entry is not None:
-                upstream, ticket, capability, kind, started = entry
-                if upstream.cancel(ticket, str(params.get("reason") or "cancelled by the client")[:200]):
-                    self.log.record(self.client_name, upstream.name, capability, kind, started, "cancelled",
-                                    "cancelled by the client")
+                reason = params.get("reason")
+                if entry.upstream.cancel(entry.ticket, reason[:200] if isinstance(reason, str) and reason
+                                         else "cancelled by the client"):
+                    self.log.record(self.client_name, entry.upstream.name, entry.capability, entry.kind,
+                                    entry.started, "cancelled", "cancelled by the client")
         elif method == "notifications/roots/list_changed":
             for upstream in list(self.upstreams.values()):
                 if upstream.state == "ready":
-                    upstream.notify(method, params or None)
+                    upstream.notify(method)
 
     # -- the catalogue -------------------------------------------------------------------------------------
     def rebuild(self, force: bool = False) -> None:
@@ -2734,7 +4363,7 @@ class Gateway:
                 self._rebuilds_done = self._rebuilds_wanted
                 force, self._force_tools_notice = self._force_tools_notice, False
             live = [up for up in list(self.upstreams.values()) if up.state not in ("failed", "stopped")]
-            catalogue = Catalogue(live, self.enabled, self.settings["name_max_length"])
+            catalogue = Catalogue(live, self.states, self.settings["name_max_length"])
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new
             if self.semantic is not None:
@@ -2755,32 +4384,52 @@ class Gateway:
         """Run ``work`` once every upstream has been discovered (or, for ``kind``, is remembered from its last
         start) or the discovery budget is spent.
 
-        Answers at once when nothing is pending; otherwise waits on a helper thread, so the client's other
-        requests (a ping, a call to a ready server) are not held up behind a slow server.
+        Answers at once when nothing is pending; otherwise the request waits in a list, costing no thread, and is
+        answered by the worker pool when its upstreams are up or the deadline passes (``_release_waiting``), so
+        the client's other requests are never held up behind a slow server.  ``background`` work (a search that
+        may wait for its embedding) always goes to the pool, off the client's reader thread.
         """
-        def finish():
-            with self.changed:
-                while self._discovering(kind) and time.monotonic() < self.discovery_deadline:
-                    self.changed.wait(max(0.01, self.discovery_deadline - time.monotonic()))
-            missing = self._discovering(kind)
-            if missing and not self._reported_missing:
-                self._reported_missing = True
-                warn(f"still starting after {self.settings['discovery_timeout']:g}s: {', '.join(missing)}; "
-                     "their tools will be announced with notifications/tools/list_changed")
-            self._answer(msg_id, "a deferred request", work)
-
-        if not background and (not self._discovering(kind) or time.monotonic() >= self.discovery_deadline):
-            return work()
-        threading.Thread(target=finish, name="coffer-discovery-wait", daemon=True).start()
+        if not self._discovering(kind) or time.monotonic() >= self.discovery_deadline:
+            if not background:
+                return work()
+            self.workers.submit(self._answer, msg_id, "a deferred request", work)
+            return None
+        with self.lock:
+            self._waiting.append(Waiting(msg_id, work, kind))
         return None
 
+    def _release_waiting(self) -> None:
+        """Hand the waiting requests whose wait is over to the worker pool (from the ticker and upstream events)."""
+        if not self._waiting:
+            return
+        expired = time.monotonic() >= self.discovery_deadline
+        with self.lock:
+            done, still = [], []
+            for waiting in self._waiting:
+                (done if expired or not self._discovering(waiting.kind) else still).append(waiting)
+            self._waiting = still
+        if not done:
+            return
+        missing = self._discovering() if expired else []
+        if missing and not self._reported_missing:
+            self._reported_missing = True
+            log.warning("still starting after %gs: %s; their tools will be announced to the client when they are "
+                        "up", self.settings["discovery_timeout"], ", ".join(missing))
+        for waiting in done:
+            self.workers.submit(self._answer, waiting.msg_id, "a deferred request", waiting.work)
+
+    def listed_tools(self) -> list[dict]:
+        """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
+        tools = self.catalogue.tools
+        mode = expose_mode(self.settings, client_family(self.client_name))
+        if mode == "search":
+            return [SEARCH_TOOL_DEFINITION]
+        if mode.startswith("budget:"):
+            tools = budget_tools(tools, int(mode.partition(":")[2]), self.usage)
+        return [SEARCH_TOOL_DEFINITION] + tools
+
     def _tools_list(self, msg_id, params):
-        def work():
-            catalogue = self.catalogue
-            if self.settings["expose"] == "search":
-                return {"tools": [SEARCH_TOOL_DEFINITION]}
-            return {"tools": [SEARCH_TOOL_DEFINITION] + catalogue.tools}
-        return self._after_discovery(msg_id, work, kind="tool")
+        return self._after_discovery(msg_id, lambda: {"tools": self.listed_tools()}, kind="tool")
 
     def _prompts_list(self, msg_id, params):
         return self._after_discovery(msg_id, lambda: {"prompts": self.catalogue.prompts}, kind="prompt")
@@ -2802,7 +4451,7 @@ class Gateway:
             with self.lock:
                 state["done"] = True
                 entry = self.inflight.get(msg_id)
-                if entry is not None and entry[0] is upstream and entry[1] is state.get("ticket"):
+                if entry is not None and entry.upstream is upstream and entry.ticket is state.get("ticket"):
                     del self.inflight[msg_id]
             # The row is queued before the client sees the reply, so the log's order is the order of causes.
             if response is None:
@@ -2814,19 +4463,19 @@ class Gateway:
                     code = REQUEST_TIMEOUT if failure == "timeout" else UPSTREAM_ERROR
                     self.send(rpc_error(msg_id, code, text))
                 return
+            result = response.get("result")
+            if method == "tools/call" and result is not None and not isinstance(result.get("content"), list):
+                result["content"] = []  # required by every client's schema; a bad one would fail the whole reply
             if kind:
-                error = response.get("error")
-                if error is not None:
-                    code = error.get("code") if isinstance(error, dict) else None
+                if "error" in response:
                     self.log.record(client, upstream.name, capability, kind, started, "error",
-                                    f"upstream returned JSON-RPC error {code}")
-                elif method == "tools/call" and isinstance(response.get("result"), dict) \
-                        and response["result"].get("isError") is True:
+                                    f"upstream returned JSON-RPC error {response['error']['code']}")
+                elif method == "tools/call" and result.get("isError") is True:
                     self.log.record(client, upstream.name, capability, kind, started, "error",
                                     "tool reported isError")
                 else:
                     self.log.record(client, upstream.name, capability, kind, started, "ok")
-            response["id"] = msg_id
+            response["id"] = msg_id  # a fresh, normalized reply (see normalized_reply): Coffer's to change
             self.send(response)
 
         ticket = upstream.request(method, params, on_reply)
@@ -2834,12 +4483,19 @@ class Gateway:
             with self.lock:
                 if not state["done"]:
                     state["ticket"] = ticket
-                    self.inflight[msg_id] = (upstream, ticket, capability, kind, started)
+                    self.inflight[msg_id] = InFlight(upstream, ticket, capability, kind, started)
 
-    def _deny(self, capability: str, kind: str, started: float, what: str):
-        server = capability.partition(SEPARATOR)[0] if kind != "resource" else ""
-        self.log.record(self.client_name, server, capability, kind, started, "denied", f"{what} is disabled")
-        raise RpcError(INVALID_PARAMS, f"{what} {capability!r} is disabled in Coffer "
+    def _deny(self, capability: str, kind: str, started: float):
+        """A disabled or quarantined capability: logged as denied, and an error that says what the user can do."""
+        server = capability.partition(SEPARATOR)[0] if kind in ("tool", "prompt") else ""
+        if capability in self.catalogue.quarantined:
+            self.log.record(self.client_name, server, capability, kind, started, "denied",
+                            "definition changed; awaiting approval")
+            raise RpcError(INVALID_PARAMS, f"{kind} {capability!r} changed its definition since it was approved, so "
+                                           f"Coffer holds it back; the user can review the change and allow it "
+                                           f"with `coffer approve {capability}`")
+        self.log.record(self.client_name, server, capability, kind, started, "denied", f"{kind} is disabled")
+        raise RpcError(INVALID_PARAMS, f"{kind} {capability!r} is disabled in Coffer "
                                        f"(run `coffer enable {capability}` to allow it)")
 
     def _unknown(self, msg_id, name: str, kind: str, started: float, retry):
@@ -2847,6 +4503,10 @@ class Gateway:
         server = name.partition(SEPARATOR)[0]
         if retry is not None and server in self._discovering() and time.monotonic() < self.discovery_deadline:
             return self._after_discovery(msg_id, retry)
+        if server in self.disabled_servers:
+            self.log.record(self.client_name, server, name, kind, started, "denied", "server is disabled")
+            raise RpcError(INVALID_PARAMS, f"{kind} {name!r} belongs to server {server!r}, which is disabled in Coffer "
+                                           f"(run `coffer enable {server}` to allow it)")
         self.log.record(self.client_name, server if server in self.upstreams else "", name, kind, started,
                         "error", f"unknown {kind}")
         hint = f"; call {SEARCH_TOOL} to find tools" if kind == "tool" else ""
@@ -2874,8 +4534,8 @@ class Gateway:
         catalogue = self.catalogue
         route = (catalogue.tool_routes if kind == "tool" else catalogue.prompt_routes).get(name)
         if route is None:
-            if name in catalogue.disabled:
-                self._deny(name, kind, started, kind)
+            if name in catalogue.disabled or name in catalogue.quarantined:
+                self._deny(name, kind, started)
             retry = None if retried else (
                 lambda: self._route_named(msg_id, params, name, kind, method, started, True))
             return self._unknown(msg_id, name, kind, started, retry)
@@ -2885,8 +4545,8 @@ class Gateway:
 
     def _resource_route(self, uri: str, started: float, log_kind):
         catalogue = self.catalogue
-        if uri in catalogue.disabled:
-            self._deny(uri, "resource", started, "resource")
+        if uri in catalogue.disabled or uri in catalogue.quarantined:
+            self._deny(uri, "resource", started)
         route = catalogue.route_resource(uri)
         if route is None:
             if log_kind:
@@ -2899,12 +4559,10 @@ class Gateway:
         uri = _require_str(params, "uri")
 
         def work():
-            upstream, original = self._resource_route(uri, started, "resource")
+            route = self._resource_route(uri, started, "resource")
+            upstream, original = route
             # A templated URI carries the caller's values; the log keeps only what identifies the capability.
-            listed = uri in self.catalogue.resource_routes
-            capability = uri if listed else next(
-                (text for regex, up, text in self.catalogue.template_routes if up is upstream and
-                 regex.match(original)), "(template)")
+            capability = uri if uri in self.catalogue.resource_routes else self.catalogue.template_of(route)
             self._forward(msg_id, upstream, "resources/read", {**params, "uri": original}, capability,
                           "resource", started)
 
@@ -2961,15 +4619,13 @@ class Gateway:
             return tool_error_result(text)
 
         query = arguments.get("query")
-        top_k = arguments.get("top_k", 5)
         if not isinstance(query, str) or not query.strip():
             return fail("query must be a non-empty string")
-        if isinstance(top_k, float) and top_k.is_integer():
-            top_k = int(top_k)
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            return fail("top_k must be an integer between 1 and 20")
+        try:
+            top_k = bounded_top_k(arguments.get("top_k"))
+        except ValueError as exc:
+            return fail(str(exc))
         index = self.catalogue.index
-        top_k = max(1, min(20, top_k))
         if self.semantic is not None:
             hits, ranker, note = self.semantic.search(index, query, top_k)
         else:
@@ -2985,7 +4641,1835 @@ class Gateway:
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
 # ============================================================================================================
-# 8. Command line
+# 9. Client configs: move in from the MCP clients a user already has, install Coffer into them, diagnose
+# ============================================================================================================
+#
+#
+# Every client config is someone else's file: it is read with size and depth bounds and never trusted, and it
+# is only rewritten by a minimal text splice (comments, order and formatting survive), after a timestamped
+# backup, and only when re-reading the result gives exactly the intended structure.  Everything here runs on
+# the CLI's thread.
+
+CLIENTS = ("claude-desktop", "claude-code", "cursor", "vscode", "windsurf", "zed", "codex", "gemini")
+MAX_CONFIG_BYTES = 64 << 20   # ~/.claude.json keeps per-project history and grows to tens of MB on busy machines
+MAX_CONFIG_DEPTH = 64
+MAX_CONFIG_SERVERS = 1000     # per file; more is not a config a person wrote
+GUI_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"   # what launchd / a desktop session gives an app started from the dock
+COFFER_ENTRY = RESERVED_SERVER               # the name Coffer's own entry has in every client
+#: client -> (max tool-name length, what the client puts in front of Coffer's exposed names)
+CLIENT_TOOL_NAME_LIMITS = {"claude-code": (64, "mcp__coffer__"), "codex": (64, "mcp__coffer__"),
+                           "cursor": (60, "coffer"), "gemini": (63, "mcp_coffer_")}
+#: clients that are usually started from a desktop launcher, with a minimal PATH
+GUI_CLIENTS = ("claude-desktop", "cursor", "vscode", "windsurf", "zed")
+#: An SSE entry is skipped with a reason until the vault and Upstream speak that transport, instead of being
+#: stored as a server the gateway cannot start.
+SSE_SUPPORTED = "sse" in TRANSPORTS
+
+
+class ConfigProblem(Exception):
+    """A client config file that cannot be read or safely edited; the message is the per-file reason."""
+
+
+# -- records -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ClientFile:
+    """Where one client keeps MCP servers: a file, the key path of the servers map inside it, its format."""
+    client: str
+    path: str
+    scope: str                 # "user", "project" or "local" (Claude Code's per-project entry in ~/.claude.json)
+    container: tuple           # key path of the servers map, e.g. ("mcpServers",) or ("projects", "/p", "mcpServers")
+    fmt: str                   # "json", "jsonc" (comments and trailing commas allowed) or "toml"
+    project_root: str | None = None
+
+
+@dataclasses.dataclass
+class ImportedServer:
+    """One server entry from a client config, normalised to Coffer's shapes and ${NAME} references.
+
+    Literal env/header values are still in ``env``/``headers``; the plan moves them to the SecretStore.
+    Built and read by the CLI thread only, like every record in this section.
+    """
+    name: str                  # as the client calls it
+    client: str
+    path: str
+    kind: str                  # "stdio", "http" or "sse"
+    command: list | None = None
+    env: dict = dataclasses.field(default_factory=dict)
+    cwd: str | None = None
+    url: str | None = None
+    headers: dict = dataclasses.field(default_factory=dict)
+    notes: list = dataclasses.field(default_factory=list)
+    needs: list = dataclasses.field(default_factory=list)   # ${NAME}s the user must still provide
+
+    def identity(self) -> tuple:
+        """Same command+args+env, or same url: the same server, whichever client lists it."""
+        if self.kind == "stdio":
+            return ("stdio", tuple(self.command), tuple(sorted(self.env.items())))
+        return ("remote", self.url)
+
+
+@dataclasses.dataclass
+class PlannedServer:
+    """A server the import will write: its legal Coffer name and its env/headers with secrets as ${NAME}."""
+    server: ImportedServer
+    name: str                              # the legal Coffer name
+    renamed_because: str | None = None
+    overwrite: bool = False
+    env: dict = dataclasses.field(default_factory=dict)        # with secrets replaced by ${NAME}
+    headers: dict = dataclasses.field(default_factory=dict)
+    secrets: dict = dataclasses.field(default_factory=dict)    # NAME -> value (never printed)
+
+
+@dataclasses.dataclass
+class SkippedServer:
+    """A client entry the import leaves out, and why (said to the user as is)."""
+    name: str
+    client: str
+    path: str
+    reason: str
+
+
+@dataclasses.dataclass
+class FileProblem:
+    """A whole config file that could not be read, and why; the file itself is left untouched."""
+    client: str
+    path: str
+    reason: str
+
+
+@dataclasses.dataclass
+class ImportPlan:
+    """What ``coffer import`` will do (or, with --dry-run, would do); apply_import carries it out."""
+    added: list = dataclasses.field(default_factory=list)       # PlannedServer
+    skipped: list = dataclasses.field(default_factory=list)     # SkippedServer
+    problems: list = dataclasses.field(default_factory=list)    # FileProblem
+    files_read: list = dataclasses.field(default_factory=list)  # ClientFile
+
+    @property
+    def secrets_moved(self) -> list:
+        return sorted({name for planned in self.added for name in planned.secrets})
+
+    def as_json(self) -> dict:
+        return {
+            "added": [{"name": p.name, "source": p.server.client, "path": p.server.path, "kind": p.server.kind,
+                       **({"renamed_from": p.server.name} if p.renamed_because else {}),
+                       **({"overwrite": True} if p.overwrite else {}),
+                       **({"needs": p.server.needs} if p.server.needs else {})} for p in self.added],
+            "skipped": [{"name": s.name, "source": s.client, "path": s.path, "reason": s.reason}
+                        for s in self.skipped],
+            "secrets_moved": self.secrets_moved,
+            "errors": [{"source": p.client, "path": p.path, "reason": p.reason} for p in self.problems],
+        }
+
+
+# -- reading files --------------------------------------------------------------------------------------------
+
+def read_config_text(path: str) -> str | None:
+    """The file's text, None when it does not exist; ConfigProblem when it is not a readable UTF-8 file."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigProblem(f"cannot read it: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigProblem("not a regular file")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ConfigProblem(f"too large to be a config file ({info.st_size >> 20} MiB; limit "
+                            f"{MAX_CONFIG_BYTES >> 20} MiB)")
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigProblem(f"cannot read it: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigProblem(f"too large to be a config file (limit {MAX_CONFIG_BYTES >> 20} MiB)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigProblem(f"not valid UTF-8 (byte {exc.start})") from None
+
+
+def _line_col(text: str, offset: int) -> str:
+    line = text.count("\n", 0, offset) + 1
+    return f"line {line} column {offset - (text.rfind(chr(10), 0, offset) + 1) + 1}"
+
+
+@dataclasses.dataclass
+class _ObjectSpan:
+    open: int                  # offset of "{"
+    close: int                 # offset of "}"
+    members: list              # [(key, key_start, value_start, value_end)] in file order
+
+
+class JsonDocument:
+    """A JSON (or JSONC: comments, trailing commas) text parsed with the offsets needed to edit it in place.
+
+    Objects down to ``SPAN_DEPTH`` keep the offsets of their members; deeper values are parsed by the C
+    decoder when they are plain JSON.  Only the CLI thread touches one.
+    """
+
+    SPAN_DEPTH = 4   # enough for projects[<cwd>].mcpServers.<name> in ~/.claude.json
+    _NUMBER_RE = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+
+    def __init__(self, text: str, jsonc: bool):
+        self.text = text
+        self.jsonc = jsonc
+        self.objects: dict[tuple, _ObjectSpan] = {}
+        self._raw_decode = json.JSONDecoder().raw_decode
+        try:
+            start = self._skip(0)
+            if start >= len(text):
+                raise ConfigProblem("empty file: expected a JSON object")
+            self.value, end = self._value(start, (), 0)
+            end = self._skip(end)
+            if end != len(text):
+                raise self._error(end, "unexpected text after the top-level value")
+        except RecursionError:
+            raise ConfigProblem(f"nested more than {MAX_CONFIG_DEPTH} levels deep") from None
+        if not isinstance(self.value, dict):
+            raise ConfigProblem(f"the top level is {_json_type(self.value)}, not an object")
+
+    def _error(self, offset: int, what: str) -> ConfigProblem:
+        return ConfigProblem(f"not valid {'JSON with comments' if self.jsonc else 'JSON'} at "
+                             f"{_line_col(self.text, offset)}: {what}")
+
+    def _skip(self, i: int) -> int:
+        text, n = self.text, len(self.text)
+        while i < n:
+            c = text[i]
+            if c in " \t\r\n":
+                i += 1
+            elif self.jsonc and text.startswith("//", i):
+                j = text.find("\n", i)
+                i = n if j < 0 else j + 1
+            elif self.jsonc and text.startswith("/*", i):
+                j = text.find("*/", i + 2)
+                if j < 0:
+                    raise self._error(i, "unterminated /* comment")
+                i = j + 2
+            else:
+                break
+        return i
+
+    def _value(self, i: int, path: tuple, depth: int):
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigProblem(f"nested more than {MAX_CONFIG_DEPTH} levels deep")
+        text = self.text
+        if i >= len(text):
+            raise self._error(i, "unexpected end of file")
+        c = text[i]
+        if c in "{[" and len(path) >= self.SPAN_DEPTH:
+            try:  # plain JSON below the edited levels: let the C decoder do it
+                return self._raw_decode(text, i)
+            except ValueError:
+                if not self.jsonc:
+                    raise self._error(i, "malformed value") from None
+        if c == "{":
+            return self._object(i, path, depth)
+        if c == "[":
+            items, i = [], self._skip(i + 1)
+            if i < len(text) and text[i] == "]":
+                return items, i + 1
+            while True:
+                item, i = self._value(i, path + (len(items),), depth + 1)
+                items.append(item)
+                i = self._skip(i)
+                if i < len(text) and text[i] == ",":
+                    i = self._skip(i + 1)
+                    if self.jsonc and i < len(text) and text[i] == "]":
+                        return items, i + 1
+                    continue
+                if i < len(text) and text[i] == "]":
+                    return items, i + 1
+                raise self._error(i, "expected ',' or ']'")
+        if c == '"':
+            try:
+                return json.decoder.scanstring(text, i + 1, True)
+            except ValueError as exc:
+                raise self._error(i, f"bad string ({str(exc).split(':')[0]})") from None
+        for literal, value in (("true", True), ("false", False), ("null", None)):
+            if text.startswith(literal, i):
+                return value, i + len(literal)
+        match = self._NUMBER_RE.match(text, i)
+        if match:
+            number = match.group(0)
+            try:
+                return (float(number) if any(ch in number for ch in ".eE") else int(number)), match.end()
+            except ValueError:  # e.g. more digits than Python converts
+                raise self._error(i, "number out of range") from None
+        raise self._error(i, f"unexpected character {c!r}")
+
+    def _object(self, i: int, path: tuple, depth: int):
+        text, result, members, open_at = self.text, {}, [], i
+        i = self._skip(i + 1)
+        while True:
+            if i < len(text) and text[i] == "}" and (not members or self.jsonc):
+                break
+            if i >= len(text) or text[i] != '"':
+                raise self._error(i, "expected a quoted member name")
+            key_start = i
+            try:
+                key, i = json.decoder.scanstring(text, i + 1, True)
+            except ValueError:
+                raise self._error(i, "bad member name") from None
+            i = self._skip(i)
+            if i >= len(text) or text[i] != ":":
+                raise self._error(i, "expected ':'")
+            value_start = self._skip(i + 1)
+            value, i = self._value(value_start, path + (key,), depth + 1)
+            result[key] = value
+            members.append((key, key_start, value_start, i))
+            i = self._skip(i)
+            if i < len(text) and text[i] == ",":
+                i = self._skip(i + 1)
+                continue
+            if i < len(text) and text[i] == "}":
+                break
+            raise self._error(i, "expected ',' or '}'")
+        if len(path) < self.SPAN_DEPTH and all(isinstance(part, str) for part in path):
+            self.objects[path] = _ObjectSpan(open_at, i, members)
+        return result, i + 1
+
+    # -- editing ---------------------------------------------------------------------------------------------
+    def _indent_of(self, offset: int) -> str:
+        """The whitespace before ``offset`` when it starts its line, else ''."""
+        line_start = self.text.rfind("\n", 0, offset) + 1
+        prefix = self.text[line_start:offset]
+        return prefix if prefix.strip() == "" else ""
+
+    def _line_indent(self, offset: int) -> str:
+        line_start = self.text.rfind("\n", 0, offset) + 1
+        line = self.text[line_start:offset]
+        return line[:len(line) - len(line.lstrip(" \t"))]
+
+    @staticmethod
+    def _render(value, indent: str) -> str:
+        return json.dumps(value, indent=2, ensure_ascii=False).replace("\n", "\n" + indent)
+
+    def with_member(self, path: tuple, key: str, value) -> str:
+        """The text with ``path[key] = value``, creating missing objects on the way; everything else intact."""
+        for cut in range(1, len(path) + 1):
+            found, holder = _lookup(self.value, path[:cut])
+            if found and not isinstance(holder, dict):
+                raise ConfigProblem(f"{'.'.join(path[:cut])} is {_json_type(holder)}, not an object")
+        span = self.objects.get(path)
+        if span is None:
+            for cut in range(len(path) - 1, -1, -1):
+                if path[:cut] in self.objects:
+                    nested = {key: value}
+                    for part in reversed(path[cut + 1:]):
+                        nested = {part: nested}
+                    return self.with_member(path[:cut], path[cut], nested)
+            raise ConfigProblem("the top level is not an object")
+        for name, key_start, value_start, value_end in reversed(span.members):  # the last duplicate wins
+            if name == key:
+                indent = self._line_indent(key_start)
+                return self.text[:value_start] + self._render(value, indent) + self.text[value_end:]
+        if span.members:
+            _, key_start, _, value_end = span.members[-1]
+            indent = self._indent_of(key_start) or (self._line_indent(span.open) + "  ")
+            member = f"{json.dumps(key, ensure_ascii=False)}: {self._render(value, indent)}"
+            return self.text[:value_end] + ",\n" + indent + member + self.text[value_end:]
+        outer = self._line_indent(span.open)
+        indent = outer + "  "
+        member = f"{json.dumps(key, ensure_ascii=False)}: {self._render(value, indent)}"
+        return self.text[:span.open] + "{\n" + indent + member + "\n" + outer + "}" + self.text[span.close + 1:]
+
+    def without_member(self, path: tuple, key: str) -> str:
+        span = self.objects.get(path)
+        if span is None:
+            return self.text
+        members = span.members
+        for index, (name, key_start, _, value_end) in enumerate(members):
+            if name != key:
+                continue
+            if index > 0:                     # drop ", <member>" after the previous member
+                start = members[index - 1][3]
+                return self.text[:start] + self.text[value_end:]
+            if len(members) > 1:              # first of several: drop "<member>, " up to the next one
+                return self.text[:key_start] + self.text[members[1][1]:]
+            after = self._skip(value_end)
+            if after < len(self.text) and self.text[after] == ",":
+                value_end = after + 1         # a JSONC trailing comma after the only member
+            return self.text[:key_start] + self.text[value_end:].lstrip(" \t")
+        return self.text
+
+
+def _json_type(value) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _lookup(value, path: tuple):
+    """(found, value) at a key path of nested objects."""
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
+# -- TOML (Codex) ---------------------------------------------------------------------------------------------
+
+class TomlSubset:
+    """A TOML reader for Python 3.10, where ``tomllib`` does not exist yet.
+
+    It reads what config files use: comments, [tables], [[arrays of tables]], dotted and quoted keys, basic and
+    literal strings (single- and multi-line), integers, floats, booleans, arrays, inline tables; dates are kept
+    as their text.  Anything else is a ConfigProblem, never a wrong value.  Stateless between calls.
+    """
+
+    _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+    _NUMBER = re.compile(r"[+-]?(?:0x[0-9A-Fa-f_]+|0o[0-7_]+|0b[01_]+|inf|nan|"
+                         r"(?:\d[\d_]*)(?:\.\d[\d_]*)?(?:[eE][+-]?\d[\d_]*)?)")
+    _DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[Tt ]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:[Zz]|[+-]\d{2}:\d{2})?)?|"
+                       r"\d{2}:\d{2}:\d{2}(?:\.\d+)?")
+    _ESCAPES = {"b": "\b", "t": "\t", "n": "\n", "f": "\f", "r": "\r", '"': '"', "\\": "\\", "e": "\x1b"}
+
+    def loads(self, text: str) -> dict:
+        self.text, self.i = text, 0
+        root: dict = {}
+        current = root
+        self._defined: set = set()
+        while True:
+            self._skip_blank_lines()
+            if self.i >= len(text):
+                return root
+            if text.startswith("[[", self.i):
+                self.i += 2
+                path = self._key()
+                self._expect("]]")
+                parent = self._walk(root, path[:-1])
+                array = parent.setdefault(path[-1], [])
+                if not isinstance(array, list):
+                    raise self._error(f"{'.'.join(path)} is already a value, not an array of tables")
+                current = {}
+                array.append(current)
+            elif text[self.i] == "[":
+                self.i += 1
+                path = self._key()
+                self._expect("]")
+                if path in self._defined:
+                    raise self._error(f"table [{'.'.join(path)}] defined twice")
+                self._defined.add(path)
+                current = self._walk(root, path)
+            else:
+                path = self._key()
+                self._ws()
+                self._expect("=")
+                self._ws()
+                value = self._value(0)
+                holder = self._walk(current, path[:-1])
+                if path[-1] in holder:
+                    raise self._error(f"key {'.'.join(path)} defined twice")
+                holder[path[-1]] = value
+            self._end_of_line()
+
+    def key_of(self, text: str) -> tuple:
+        """The dotted key in a table header's text, e.g. ``mcp_servers."my server".env``."""
+        self.text, self.i = text, 0
+        key = self._key()
+        self._ws()
+        if self.i != len(text):
+            raise self._error("unexpected text in a table header")
+        return key
+
+    def _error(self, what: str) -> ConfigProblem:
+        return ConfigProblem(f"not valid TOML at {_line_col(self.text, self.i)}: {what}")
+
+    def _ws(self) -> None:
+        while self.i < len(self.text) and self.text[self.i] in " \t":
+            self.i += 1
+
+    def _skip_blank_lines(self) -> None:
+        while self.i < len(self.text):
+            self._ws()
+            if self.i < len(self.text) and self.text[self.i] == "#":
+                self._comment()
+            if self.i < len(self.text) and self.text[self.i] in "\r\n":
+                self.i += 1
+            else:
+                return
+
+    def _comment(self) -> None:
+        end = self.text.find("\n", self.i)
+        self.i = len(self.text) if end < 0 else end
+
+    def _end_of_line(self) -> None:
+        self._ws()
+        if self.i < len(self.text) and self.text[self.i] == "#":
+            self._comment()
+        if self.text.startswith("\r\n", self.i):
+            self.i += 2
+        elif self.i < len(self.text) and self.text[self.i] == "\n":
+            self.i += 1
+        elif self.i < len(self.text):
+            raise self._error("expected the end of the line")
+
+    def _expect(self, token: str) -> None:
+        self._ws()
+        if not self.text.startswith(token, self.i):
+            raise self._error(f"expected {token!r}")
+        self.i += len(token)
+
+    def _key(self) -> tuple:
+        parts = []
+        while True:
+            self._ws()
+            c = self.text[self.i:self.i + 1]
+            if c == '"':
+                parts.append(self._basic_string())
+            elif c == "'":
+                parts.append(self._literal_string())
+            else:
+                match = self._BARE_KEY.match(self.text, self.i)
+                if not match:
+                    raise self._error("expected a key")
+                parts.append(match.group(0))
+                self.i = match.end()
+            self._ws()
+            if self.text[self.i:self.i + 1] != ".":
+                return tuple(parts)
+            self.i += 1
+
+    def _walk(self, table: dict, path: tuple) -> dict:
+        for part in path:
+            child = table.setdefault(part, {})
+            if isinstance(child, list) and child and isinstance(child[-1], dict):
+                child = child[-1]
+            if not isinstance(child, dict):
+                raise self._error(f"{part} is already a value, not a table")
+            table = child
+        return table
+
+    def _value(self, depth: int):
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigProblem(f"nested more than {MAX_CONFIG_DEPTH} levels deep")
+        text, i = self.text, self.i
+        if text.startswith('"""', i):
+            return self._multiline('"""')
+        if text.startswith("'''", i):
+            return self._multiline("'''")
+        c = text[i:i + 1]
+        if c == '"':
+            return self._basic_string()
+        if c == "'":
+            return self._literal_string()
+        if c == "[":
+            self.i += 1
+            items = []
+            while True:
+                self._skip_array_space()
+                if self.text[self.i:self.i + 1] == "]":
+                    self.i += 1
+                    return items
+                items.append(self._value(depth + 1))
+                self._skip_array_space()
+                c = self.text[self.i:self.i + 1]
+                if c == ",":
+                    self.i += 1
+                elif c != "]":
+                    raise self._error("expected ',' or ']' in an array")
+        if c == "{":
+            self.i += 1
+            table: dict = {}
+            self._ws()
+            if self.text[self.i:self.i + 1] == "}":
+                self.i += 1
+                return table
+            while True:
+                path = self._key()
+                self._expect("=")
+                self._ws()
+                value = self._value(depth + 1)
+                holder = self._walk(table, path[:-1])
+                if path[-1] in holder:
+                    raise self._error(f"key {'.'.join(path)} defined twice")
+                holder[path[-1]] = value
+                self._ws()
+                c = self.text[self.i:self.i + 1]
+                self.i += 1
+                if c == "}":
+                    return table
+                if c != ",":
+                    raise self._error("expected ',' or '}' in an inline table")
+        for literal, value in (("true", True), ("false", False)):
+            if text.startswith(literal, i):
+                self.i += len(literal)
+                return value
+        date = self._DATE.match(text, i)
+        if date:
+            self.i = date.end()
+            return date.group(0)
+        number = self._NUMBER.match(text, i)
+        if number and number.group(0) not in ("+", "-"):
+            self.i = number.end()
+            raw = number.group(0).replace("_", "")
+            try:
+                if raw.lstrip("+-")[:2] in ("0x", "0o", "0b"):
+                    sign = -1 if raw.startswith("-") else 1
+                    return sign * int(raw.lstrip("+-"), 0)
+                if any(ch in raw for ch in ".eE") or raw.lstrip("+-") in ("inf", "nan"):
+                    return float(raw)
+                return int(raw)
+            except ValueError:
+                raise self._error(f"bad number {number.group(0)!r}") from None
+        raise self._error("expected a value")
+
+    def _skip_array_space(self) -> None:
+        while self.i < len(self.text):
+            c = self.text[self.i]
+            if c in " \t\r\n":
+                self.i += 1
+            elif c == "#":
+                self._comment()
+            else:
+                return
+
+    def _basic_string(self) -> str:
+        self.i += 1
+        out = []
+        while True:
+            if self.i >= len(self.text) or self.text[self.i] in "\r\n":
+                raise self._error("unterminated string")
+            c = self.text[self.i]
+            if c == '"':
+                self.i += 1
+                return "".join(out)
+            if c == "\\":
+                out.append(self._escape())
+            else:
+                out.append(c)
+                self.i += 1
+
+    def _escape(self) -> str:
+        code = self.text[self.i + 1:self.i + 2]
+        if code in self._ESCAPES:
+            self.i += 2
+            return self._ESCAPES[code]
+        if code in ("u", "U"):
+            width = 4 if code == "u" else 8
+            digits = self.text[self.i + 2:self.i + 2 + width]
+            if len(digits) != width or not all(ch in "0123456789abcdefABCDEF" for ch in digits):
+                raise self._error("bad unicode escape")
+            self.i += 2 + width
+            try:
+                return chr(int(digits, 16))
+            except (ValueError, OverflowError):
+                raise self._error("bad unicode escape") from None
+        raise self._error(f"unknown escape \\{code}")
+
+    def _literal_string(self) -> str:
+        end = self.text.find("'", self.i + 1)
+        newline = self.text.find("\n", self.i + 1)
+        if end < 0 or (0 <= newline < end):
+            raise self._error("unterminated literal string")
+        value, self.i = self.text[self.i + 1:end], end + 1
+        return value
+
+    def _multiline(self, quote: str) -> str:
+        self.i += 3
+        if self.text.startswith("\r\n", self.i):
+            self.i += 2
+        elif self.text.startswith("\n", self.i):
+            self.i += 1
+        out = []
+        while True:
+            if self.i >= len(self.text):
+                raise self._error("unterminated multi-line string")
+            if self.text.startswith(quote, self.i):
+                extra = 0  # up to two quotes right before the closing three belong to the string
+                while extra < 2 and self.text.startswith(quote[0], self.i + 3 + extra):
+                    extra += 1
+                out.append(quote[0] * extra)
+                self.i += 3 + extra
+                return "".join(out)
+            c = self.text[self.i]
+            if quote == '"""' and c == "\\":
+                rest = self.text[self.i + 1:]
+                stripped = rest.lstrip(" \t")
+                if stripped.startswith(("\n", "\r\n")):  # line-ending backslash: trim to the next text
+                    self.i += 1
+                    while self.i < len(self.text) and self.text[self.i] in " \t\r\n":
+                        self.i += 1
+                    continue
+                out.append(self._escape())
+                continue
+            out.append(c)
+            self.i += 1
+
+
+def load_toml(text: str) -> dict:
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:
+        return TomlSubset().loads(text)
+    try:
+        return tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigProblem(f"not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigProblem(f"nested more than {MAX_CONFIG_DEPTH} levels deep") from None
+
+
+def toml_string(value: str) -> str:
+    """A TOML basic string: JSON's string escapes are all valid TOML escapes when non-ASCII stays raw."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_string(key)
+
+
+def render_toml_server(name: str, entry: dict) -> str:
+    """``[mcp_servers.NAME]`` with scalar and list values, then its sub-tables (env, http_headers, ...)."""
+    lines = [f"[mcp_servers.{toml_key(name)}]"]
+    tables = []
+    for key, value in entry.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        elif isinstance(value, list):
+            lines.append(f"{toml_key(key)} = [{', '.join(toml_string(str(v)) for v in value)}]")
+        elif isinstance(value, bool):
+            lines.append(f"{toml_key(key)} = {'true' if value else 'false'}")
+        elif isinstance(value, (int, float)):
+            lines.append(f"{toml_key(key)} = {value!r}")
+        else:
+            lines.append(f"{toml_key(key)} = {toml_string(str(value))}")
+    for key, table in tables:
+        lines.append("")
+        lines.append(f"[mcp_servers.{toml_key(name)}.{toml_key(key)}]")
+        lines.extend(f"{toml_key(k)} = {toml_string(str(v))}" for k, v in table.items())
+    return "\n".join(lines) + "\n"
+
+
+class TomlDocument:
+    """A Codex config.toml: its parsed value and the line ranges of each ``[mcp_servers.NAME...]`` table.
+
+    Tables are cut and appended as text so the rest of the file (comments included) stays byte-for-byte; a
+    server defined another way (inline, dotted keys) is left alone and the edit is refused.  CLI thread only.
+    """
+
+    _HEADER = re.compile(r"^[ \t]*\[(?!\[)(.*)\][ \t]*(?:#.*)?$")
+
+    def __init__(self, text: str):
+        self.text = text
+        self.value = load_toml(text)
+        self.lines = text.splitlines(keepends=True)
+        self.blocks: list[tuple[tuple, int, int]] = []   # (key path, first line, line after the last)
+        headers = []
+        quote = None
+        for number, line in enumerate(self.lines):
+            if quote is None:
+                match = self._HEADER.match(line.rstrip("\r\n"))
+                if match:
+                    try:
+                        headers.append((TomlSubset().key_of(match.group(1)), number))
+                    except ConfigProblem:
+                        headers.append(((), number))
+            for token in ('"""', "'''"):  # a table header inside a multi-line string is text, not a header
+                if line.count(token) % 2 == 1 and quote in (None, token):
+                    quote = token if quote is None else None
+        for index, (path, first) in enumerate(headers):
+            last = headers[index + 1][1] if index + 1 < len(headers) else len(self.lines)
+            self.blocks.append((path, first, last))
+
+    def server_blocks(self, name: str) -> list[tuple[int, int]]:
+        return [(first, last) for path, first, last in self.blocks if path[:2] == ("mcp_servers", name)]
+
+    def server_text(self, name: str) -> str:
+        return "".join("".join(self.lines[first:last]) for first, last in self.server_blocks(name))
+
+    def without_server(self, name: str) -> str:
+        drop = set()
+        for first, last in self.server_blocks(name):
+            drop.update(range(first, last))
+        return "".join(line for number, line in enumerate(self.lines) if number not in drop)
+
+
+def append_toml(text: str, block: str) -> str:
+    """``block`` after one blank line, however many cut tables left behind."""
+    text = text.rstrip("\r\n")
+    return (text + "\n\n" if text.strip() else "") + block.strip("\r\n") + "\n"
+
+
+# -- where each client keeps its servers ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ClientContext:
+    """The user's home, the project directory and the environment the client files are looked up with."""
+    home: str
+    cwd: str
+    environ: dict
+    platform: str = sys.platform
+
+    @classmethod
+    def current(cls) -> "ClientContext":
+        return cls(os.path.expanduser("~"), os.getcwd(), dict(os.environ))
+
+    def app_config_dir(self) -> str:
+        """%APPDATA% on Windows, ~/Library/Application Support on macOS, $XDG_CONFIG_HOME (~/.config) elsewhere."""
+        if self.platform == "win32":
+            return self.environ.get("APPDATA") or os.path.join(self.home, "AppData", "Roaming")
+        if self.platform == "darwin":
+            return os.path.join(self.home, "Library", "Application Support")
+        return self.environ.get("XDG_CONFIG_HOME") or os.path.join(self.home, ".config")
+
+
+def client_files(client: str, ctx: ClientContext, project: bool | None = None) -> list[ClientFile]:
+    """The files ``client`` reads servers from: user scope first, then the current project's.
+
+    ``project`` None gives both, True only the project's, False only the user's.
+    """
+    home, cwd = ctx.home, ctx.cwd
+    user: list[ClientFile] = []
+    proj: list[ClientFile] = []
+    servers = ("mcpServers",)
+    if client == "claude-desktop":
+        user.append(ClientFile(client, os.path.join(ctx.app_config_dir(), "Claude", "claude_desktop_config.json"),
+                               "user", servers, "json"))
+    elif client == "claude-code":
+        user.append(ClientFile(client, os.path.join(home, ".claude.json"), "user", servers, "json"))
+        for key in dict.fromkeys((cwd, os.path.realpath(cwd))):
+            proj.append(ClientFile(client, os.path.join(home, ".claude.json"), "local",
+                                   ("projects", key, "mcpServers"), "json", cwd))
+        proj.append(ClientFile(client, os.path.join(cwd, ".mcp.json"), "project", servers, "json", cwd))
+    elif client == "cursor":
+        user.append(ClientFile(client, os.path.join(home, ".cursor", "mcp.json"), "user", servers, "jsonc"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".cursor", "mcp.json"), "project", servers, "jsonc", cwd))
+    elif client == "vscode":
+        base = ctx.app_config_dir() if ctx.platform in ("win32", "darwin") else \
+            (ctx.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"))
+        user.append(ClientFile(client, os.path.join(base, "Code", "User", "mcp.json"), "user", ("servers",), "jsonc"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".vscode", "mcp.json"), "project", ("servers",), "jsonc",
+                               cwd))
+    elif client == "windsurf":
+        user.append(ClientFile(client, os.path.join(home, ".codeium", "windsurf", "mcp_config.json"), "user",
+                               servers, "jsonc"))
+    elif client == "zed":
+        if ctx.platform == "win32":
+            base = os.path.join(ctx.app_config_dir(), "Zed")
+        elif ctx.platform == "darwin":
+            base = os.path.join(home, ".config", "zed")
+        else:
+            base = os.path.join(ctx.environ.get("FLATPAK_XDG_CONFIG_HOME") or ctx.app_config_dir(), "zed")
+        user.append(ClientFile(client, os.path.join(base, "settings.json"), "user", ("context_servers",), "jsonc"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".zed", "settings.json"), "project", ("context_servers",),
+                               "jsonc", cwd))
+    elif client == "codex":
+        codex_home = ctx.environ.get("CODEX_HOME") or os.path.join(home, ".codex")
+        user.append(ClientFile(client, os.path.join(codex_home, "config.toml"), "user", ("mcp_servers",), "toml"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".codex", "config.toml"), "project", ("mcp_servers",),
+                               "toml", cwd))
+    elif client == "gemini":
+        user.append(ClientFile(client, os.path.join(home, ".gemini", "settings.json"), "user", servers, "jsonc"))
+        proj.append(ClientFile(client, os.path.join(cwd, ".gemini", "settings.json"), "project", servers, "jsonc",
+                               cwd))
+    else:
+        raise CofferError(f"unknown client {client!r}; known: {', '.join(CLIENTS)}")
+    if os.path.realpath(cwd) == os.path.realpath(home):  # the home directory is no project
+        proj = [f for f in proj if f.scope == "local"]
+    return user if project is False else proj if project else user + proj
+
+
+def detect_file(path: str, ctx: ClientContext) -> list[ClientFile]:
+    """A SOURCE given as a path: which client's format it is, told by its name and its shape."""
+    path = os.path.abspath(os.path.expanduser(path))
+    text = read_config_text(path)
+    if text is None:
+        raise ConfigProblem("no such file")
+    base = os.path.basename(path).lower()
+    parent = os.path.basename(os.path.dirname(path)).lower()
+    if base.endswith(".toml"):
+        return [ClientFile("codex", path, "user", ("mcp_servers",), "toml")]
+    value = JsonDocument(text, jsonc=True).value
+    root = os.path.dirname(os.path.dirname(path))
+    if isinstance(value.get("context_servers"), dict):
+        return [ClientFile("zed", path, "user", ("context_servers",), "jsonc")]
+    if isinstance(value.get("servers"), dict):
+        return [ClientFile("vscode", path, "user", ("servers",), "jsonc", root)]
+    if isinstance(value.get("mcp"), dict) and isinstance(value["mcp"].get("servers"), dict):
+        return [ClientFile("vscode", path, "user", ("mcp", "servers"), "jsonc", root)]  # VS Code settings.json
+    if base == ".claude.json" or isinstance(value.get("projects"), dict):
+        found = [ClientFile("claude-code", path, "user", ("mcpServers",), "json")]
+        for key in dict.fromkeys((ctx.cwd, os.path.realpath(ctx.cwd))):
+            found.append(ClientFile("claude-code", path, "local", ("projects", key, "mcpServers"), "json", ctx.cwd))
+        return found
+    if "mcpServers" in value:
+        client = ("claude-desktop" if base == "claude_desktop_config.json" else
+                  "windsurf" if base == "mcp_config.json" else
+                  "gemini" if parent == ".gemini" else
+                  "cursor" if parent == ".cursor" else
+                  "claude-code" if base == ".mcp.json" else "mcp-json")
+        return [ClientFile(client, path, "user", ("mcpServers",), "jsonc", os.path.dirname(path))]
+    raise ConfigProblem("no MCP servers map in it (looked for mcpServers, servers, context_servers, mcp_servers)")
+
+
+def load_client_file(file: ClientFile, text: str | None = None):
+    """(parsed document, servers map) of one file; ConfigProblem when it is unreadable or the map is no map."""
+    text = read_config_text(file.path) if text is None else text
+    if text is None:
+        return None, {}
+    document = TomlDocument(text) if file.fmt == "toml" else JsonDocument(text, jsonc=file.fmt == "jsonc")
+    found, servers = _lookup(document.value, file.container)
+    if not found or servers is None:
+        return document, {}
+    if not isinstance(servers, dict):
+        raise ConfigProblem(f"{'.'.join(file.container)} is {_json_type(servers)}, not an object")
+    if len(servers) > MAX_CONFIG_SERVERS:
+        raise ConfigProblem(f"{len(servers)} servers in one file (limit {MAX_CONFIG_SERVERS})")
+    return document, servers
+
+
+# -- one client entry -> ImportedServer -----------------------------------------------------------------------
+
+_CLIENT_REF_RE = re.compile(r"\$\{(env|input):([^}]*)\}|\$\{(userHome|workspaceFolder|workspaceFolderBasename|"
+                            r"pathSeparator|/)\}|\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}|\$\{([^}]*)\}|"
+                            r"\$([A-Za-z_][A-Za-z0-9_]*)")
+_REMOTE_TYPES = {"http": "http", "streamable-http": "http", "streamable_http": "http", "streamablehttp": "http",
+                 "sse": "sse"}
+
+
+def reference_name(text: str) -> str:
+    """A legal ${NAME} for a client's input id or header name: GitHub token-1 -> GITHUB_TOKEN_1."""
+    name = re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").upper() or "VALUE"
+    return name if not name[0].isdigit() else "_" + name
+
+
+def _rewrite_references(value: str, client: str, file: ClientFile, ctx: ClientContext, server: ImportedServer):
+    """A client's reference syntaxes in one string, written as Coffer's ${NAME}."""
+
+    def replace(match):
+        scheme, argument, builtin, name, default, other, bare = match.groups()
+        if scheme == "env":
+            return "${" + reference_name(argument) + "}" if not ENV_KEY_RE.match(argument) else "${" + argument + "}"
+        if scheme == "input":
+            target = reference_name(argument)
+            if target not in server.needs:
+                server.needs.append(target)
+                server.notes.append(f"VS Code input '{argument}' is now ${{{target}}}: set it in Coffer's "
+                                    "secret store or the environment")
+            return "${" + target + "}"
+        if builtin == "userHome":
+            return ctx.home
+        if builtin in ("workspaceFolder", "workspaceFolderBasename"):
+            root = file.project_root or ctx.cwd
+            if file.project_root is None:
+                server.notes.append(f"${{{builtin}}} resolved to the current directory {root}")
+            return root if builtin == "workspaceFolder" else os.path.basename(root)
+        if builtin:
+            return os.sep
+        if name:
+            return match.group(0)  # already Coffer's syntax (Claude Code's, too)
+        if other is not None:
+            server.notes.append(f"${{{other}}} is not a reference Coffer can resolve; kept as text")
+            return match.group(0)
+        if bare and client == "gemini":  # only Gemini CLI expands $NAME; elsewhere it is literal text
+            return "${" + bare + "}"
+        return match.group(0)
+
+    return _CLIENT_REF_RE.sub(replace, value)
+
+
+def _string_map(raw, what: str) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigProblem(f"{what} is {_json_type(raw)}, not an object")
+    result = {}
+    for key, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigProblem(f"{what}.{key} is {_json_type(value)}, not a string")
+        result[str(key)] = value if isinstance(value, str) else str(value)
+    return result
+
+
+def entry_to_server(client: str, name: str, raw, file: ClientFile, ctx: ClientContext) -> ImportedServer:
+    """One entry of a client's servers map; ConfigProblem (the skip reason) when it is not a usable server."""
+    if not isinstance(raw, dict):
+        raise ConfigProblem(f"the entry is {_json_type(raw)}, not an object")
+    if raw.get("disabled") is True or raw.get("enabled") is False:
+        raise ConfigProblem(f"disabled in {client}")
+    server = ImportedServer(name=name, client=client, path=file.path, kind="stdio")
+    command = raw.get("command")
+    if client == "zed":
+        if raw.get("source") == "extension" or (command is None and raw.get("url") is None):
+            raise ConfigProblem("managed by a Zed extension; register its command with coffer add")
+        if isinstance(command, dict):  # Zed's older shape: "command": {"path", "args", "env"}
+            raw = {**raw, **{k: command.get(k) for k in ("args", "env")}}
+            command = command.get("path")
+    url = next((raw[key] for key in ("url", "serverUrl", "httpUrl") if raw.get(key) is not None), None)
+    rewrite = lambda text: _rewrite_references(text, client, file, ctx, server)  # noqa: E731
+    if command is not None:
+        if not isinstance(command, str) or not command.strip():
+            raise ConfigProblem("command is not a non-empty string")
+        args = raw.get("args", [])
+        if args is None:
+            args = []
+        if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
+                                                 for a in args):
+            raise ConfigProblem("args is not a list of strings")
+        server.command = [rewrite(command)] + [rewrite(str(a)) for a in args]
+        server.env = {k: rewrite(v) for k, v in _string_map(raw.get("env"), "env").items()}
+        forwarded = raw.get("env_vars") or []     # Codex: forward these from the environment as they are
+        if not isinstance(forwarded, list) or not all(isinstance(v, str) and ENV_KEY_RE.match(v) for v in forwarded):
+            raise ConfigProblem("env_vars is not a list of variable names")
+        for variable in forwarded:
+            server.env.setdefault(variable, "${" + variable + "}")
+        cwd = raw.get("cwd")
+        if cwd is not None:
+            if not isinstance(cwd, str):
+                raise ConfigProblem("cwd is not a string")
+            cwd = os.path.expanduser(rewrite(cwd))
+            server.cwd = cwd if os.path.isabs(cwd) else os.path.normpath(
+                os.path.join(file.project_root or os.path.dirname(file.path), cwd))
+        for key in ("envFile", "env_file"):
+            if raw.get(key):
+                server.notes.append(f"{key} {raw[key]!r} was not imported: put its values in Coffer's secret "
+                                    "store or environment")
+        return server
+    if url is None:
+        raise ConfigProblem("neither command nor url")
+    if not isinstance(url, str) or not re.match(r"(?i)https?://[^\s/]", url):
+        raise ConfigProblem("url is not an http(s) URL")
+    server.url = rewrite(url)
+    kind = str(raw.get("type") or raw.get("transport") or "").lower()
+    if kind in _REMOTE_TYPES:
+        server.kind = _REMOTE_TYPES[kind]
+    elif kind and kind != "stdio":
+        raise ConfigProblem(f"transport {kind!r} is not one Coffer speaks")
+    elif raw.get("httpUrl") is not None or raw.get("serverUrl") is not None:
+        server.kind = "http"
+    elif client == "gemini":
+        server.kind = "sse"     # Gemini CLI: url is SSE, httpUrl is Streamable HTTP
+    else:
+        server.kind = "sse" if urllib_path(url).rstrip("/").endswith("/sse") else "http"
+    headers = {k: rewrite(v) for k, v in _string_map(raw.get("headers"), "headers").items()}
+    headers.update({k: rewrite(v) for k, v in _string_map(raw.get("http_headers"), "http_headers").items()})
+    for header, variable in _string_map(raw.get("env_http_headers"), "env_http_headers").items():
+        headers[header] = "${" + (variable if ENV_KEY_RE.match(variable) else reference_name(variable)) + "}"
+    token_variable = raw.get("bearer_token_env_var")
+    if isinstance(token_variable, str) and ENV_KEY_RE.match(token_variable):
+        headers["Authorization"] = "Bearer ${" + token_variable + "}"
+    elif isinstance(raw.get("bearer_token"), str):   # Codex's older literal form
+        headers["Authorization"] = "Bearer " + raw["bearer_token"]
+    server.headers = headers
+    return server
+
+
+def urllib_path(url: str) -> str:
+    from urllib.parse import urlsplit
+    try:
+        return urlsplit(url).path
+    except ValueError:
+        return ""
+
+
+# -- import: plan, then apply ---------------------------------------------------------------------------------
+
+_WHOLE_REF_RE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+SECRET_SET_HINT = "coffer secret set {name}"   # the command that stores one secret (issue 15's CLI)
+
+
+def _resolve_whole_reference(value: str, store) -> str:
+    """A value that is exactly one ${NAME} kept in the secret store, as the value it stands for."""
+    match = _WHOLE_REF_RE.match(value)
+    if match:
+        stored = store.get(match.group(1))
+        if stored is not None:
+            return stored
+    return value
+
+
+def coffer_identity(server: dict, store) -> tuple:
+    """ImportedServer.identity() of a server already in the vault, its secret references resolved."""
+    if server["transport"] == "stdio":
+        env = {k: _resolve_whole_reference(v, store) for k, v in (server.get("env") or {}).items()}
+        return ("stdio", tuple(server.get("command") or ()), tuple(sorted(env.items())))
+    return ("remote", server.get("url"))
+
+
+def same_definition(server: dict, imported: ImportedServer, store) -> bool:
+    if coffer_identity(server, store) != imported.identity():
+        return False
+    if imported.kind == "stdio":
+        return (server.get("cwd") or None) == imported.cwd
+    headers = {k: _resolve_whole_reference(v, store) for k, v in (server.get("headers") or {}).items()}
+    return server["transport"] == imported.kind and headers == imported.headers
+
+
+def legal_server_name(raw: str) -> tuple[str, str | None]:
+    """(a name Coffer accepts, why it differs from ``raw`` or None)."""
+    name = re.sub(r"[^A-Za-z0-9-]+", "-", str(raw)).strip("-") or "server"
+    name = name[:24].rstrip("-")
+    if name.lower() == RESERVED_SERVER:
+        name = f"{name}-server"
+    if name == raw:
+        return name, None
+    why = ("'coffer' is reserved for Coffer's own tools" if str(raw).lower() == RESERVED_SERVER else
+           "Coffer names are 1-24 letters, digits or '-'")
+    return name, f"renamed from {raw!r}: {why}"
+
+
+def _numbered(name: str, n: int) -> str:
+    suffix = f"-{n}"
+    return name[:24 - len(suffix)].rstrip("-") + suffix
+
+
+def _choose_secret_name(wanted: str, value: str, store, planned: dict) -> str:
+    candidate, n = wanted, 1
+    while True:
+        held = planned.get(candidate)
+        if held is None:
+            held = store.get(candidate)
+        if held is None or held == value:
+            return candidate
+        n += 1
+        candidate = f"{wanted}_{n}"
+
+
+def _move_secrets(planned: PlannedServer, store, planned_secrets: dict) -> None:
+    """Every literal env/header value goes to the secret store; the definition keeps a ${NAME} for it."""
+    prefix = reference_name(planned.name)
+    for field, values, target in (("env", planned.server.env, planned.env),
+                                  ("header", planned.server.headers, planned.headers)):
+        for key, value in values.items():
+            if not value or _ENV_REF_RE.search(value):
+                target[key] = value        # empty, or already references (e.g. "Bearer ${TOKEN}")
+                continue
+            base = key if field == "env" and key.upper().startswith(prefix + "_") else f"{prefix}_{reference_name(key)}"
+            name = _choose_secret_name(base if ENV_KEY_RE.match(base) else reference_name(base), value, store,
+                                       planned_secrets)
+            planned_secrets[name] = value
+            planned.secrets[name] = value
+            target[key] = "${" + name + "}"
+
+
+def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overwrite: bool = False) -> ImportPlan:
+    plan = ImportPlan()
+    existing = {s["name"].lower(): s for s in vault.servers()}
+    existing_ids = {coffer_identity(s, store): s["name"] for s in existing.values()}
+    seen: dict[tuple, str] = {}                  # identity -> "name from client (path)" in this run
+    planned_names: set[str] = set()
+    planned_secrets: dict[str, str] = {}
+    done_files: set = set()
+    for file in files:
+        if (file.path, file.container) in done_files:
+            continue
+        done_files.add((file.path, file.container))
+        try:
+            document, servers = load_client_file(file)
+        except ConfigProblem as exc:
+            if not any(p.path == file.path for p in plan.problems):
+                plan.problems.append(FileProblem(file.client, file.path, str(exc)))
+            continue
+        if document is None:
+            continue
+        plan.files_read.append(file)
+        for raw_name, raw in servers.items():
+            def skip(reason, name=raw_name):
+                plan.skipped.append(SkippedServer(str(name), file.client, file.path, reason))
+
+            if raw_name == COFFER_ENTRY and isinstance(raw, dict) and "serve" in json.dumps(raw):
+                skip("Coffer's own entry")
+                continue
+            try:
+                server = entry_to_server(file.client, raw_name, raw, file, ctx)
+            except ConfigProblem as exc:
+                skip(str(exc))
+                continue
+            name, renamed_because = legal_server_name(raw_name)
+            if server.kind == "sse" and not SSE_SUPPORTED:
+                skip("uses the SSE transport, which this Coffer cannot speak yet", name)
+                continue
+            identity = server.identity()
+            current = existing.get(name.lower())
+            if current is not None and same_definition(current, server, store):
+                skip("already in Coffer with the same definition", name)
+                seen.setdefault(identity, f"{name!r} in Coffer")
+                continue
+            if identity in existing_ids:
+                skip(f"already in Coffer as {existing_ids[identity]!r}", name)
+                continue
+            if identity in seen:
+                skip(f"same server as {seen[identity]}", name)
+                continue
+            if current is not None and not overwrite:
+                skip(f"a different server named {name!r} is already in Coffer (--overwrite replaces it)", name)
+                continue
+            if name.lower() in planned_names:
+                n = 2
+                while _numbered(name, n).lower() in planned_names or _numbered(name, n).lower() in existing:
+                    n += 1
+                renamed_because = (renamed_because or f"renamed from {raw_name!r}") + \
+                    f"; {name!r} is taken by another server in this import"
+                name = _numbered(name, n)
+                current = None   # the new name is free in Coffer: an insert, never an overwrite
+            planned = PlannedServer(server, name, renamed_because, overwrite=current is not None)
+            _move_secrets(planned, store, planned_secrets)
+            plan.added.append(planned)
+            planned_names.add(name.lower())
+            seen[identity] = f"{name!r} from {file.client} ({file.path})"
+    return plan
+
+
+def apply_import(vault, store, plan: ImportPlan) -> None:
+    """Secrets first (a failed transaction leaves only unused store entries), then every server in one transaction."""
+    for planned in plan.added:
+        for name, value in planned.secrets.items():
+            if store.get(name) != value:
+                store.set(name, value)
+    with vault.transaction() as db:
+        for planned in plan.added:
+            server = planned.server
+            detail = f"{server.kind} from {server.client} {server.path}"
+            if planned.secrets:
+                detail += f"; secrets to the store: {', '.join(sorted(planned.secrets))}"
+            vault.put_server(db, planned.name, command=server.command, url=server.url, env=planned.env,
+                             headers=planned.headers, cwd=server.cwd, transport=server.kind,
+                             replace=planned.overwrite, action="import-overwrite" if planned.overwrite else "import",
+                             detail=detail)
+
+
+def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
+    home = os.path.expanduser("~")
+    short = lambda path: path.replace(home, "~", 1) if path.startswith(home + os.sep) else path  # noqa: E731
+    for problem in plan.problems:
+        say(f"! {problem.client}: {short(problem.path)}: {problem.reason} (file left as it is)")
+    for planned in plan.added:
+        server = planned.server
+        target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in server.command)
+        verb = "replace" if planned.overwrite else "add"
+        say(f"+ {verb} {planned.name} ({server.kind}) from {server.client} {short(server.path)}: {target}")
+        if planned.renamed_because:
+            say(f"    {planned.renamed_because}")
+        if planned.secrets:
+            say(f"    literal values moved to Coffer's secret store as: {', '.join(sorted(planned.secrets))}")
+        for note in server.notes:
+            say(f"    note: {note}")
+    for skipped in plan.skipped:
+        say(f"- skip {skipped.name} from {skipped.client} {short(skipped.path)}: {skipped.reason}")
+    if not plan.files_read and not plan.problems:
+        say("no MCP client configs found (looked for: " + ", ".join(CLIENTS) + ")")
+    elif not plan.added:
+        say("nothing to import")
+    elif dry_run:
+        say(f"dry run: {len(plan.added)} server(s) would be imported; nothing was changed")
+
+
+# -- install / uninstall --------------------------------------------------------------------------------------
+
+def coffer_launch_command() -> list[str]:
+    """An absolute argv that starts ``coffer serve`` even under a GUI app's minimal PATH.
+
+    The installed ``coffer`` script when this module is the one it runs (both inside this interpreter's prefix),
+    otherwise this interpreter and this file, which is also right for a checkout or an editable install.
+    """
+    module = os.path.realpath(os.path.abspath(__file__))
+    prefix = os.path.realpath(sys.prefix)
+    if module.startswith(prefix + os.sep):   # running as an installed package, not from a checkout
+        for script in (shutil.which("coffer"), sys.argv[0] if sys.argv else None):  # argv[0]: e.g. uvx coffer-mcp
+            if not script or not os.path.isfile(script):
+                continue
+            script = os.path.abspath(script)
+            try:
+                with open(script, "rb") as handle:
+                    head = handle.read(4096)
+            except OSError:
+                continue
+            if os.path.realpath(script).startswith(prefix + os.sep) and (b"from coffer import main" in head
+                                                                         or script.lower().endswith(".exe")):
+                return [script, "serve"]
+    return [os.path.abspath(sys.executable), module, "serve"]  # not realpath: a venv's python is its own
+
+
+def coffer_entry(client: str, vault) -> dict:
+    argv = coffer_launch_command()
+    entry: dict = {"command": argv[0], "args": argv[1:]}
+    if os.environ.get("COFFER_HOME"):   # a non-default vault: the client must start Coffer on the same one
+        entry["env"] = {"COFFER_HOME": vault.home}
+    if client in ("claude-code", "vscode"):
+        entry = {"type": "stdio", **entry}
+    elif client == "zed":
+        entry = {"source": "custom", **entry}
+    return entry
+
+
+def install_target(client: str, ctx: ClientContext, project: bool) -> ClientFile:
+    files = [f for f in client_files(client, ctx, project=project) if f.scope != "local"]
+    if not files:
+        raise CofferError(f"{client} has no {'project' if project else 'user'} config file Coffer can write")
+    return files[0]
+
+
+def stash_path(vault, file: ClientFile) -> str:
+    digest = hashlib.sha256(f"{file.path}\0{'/'.join(file.container)}".encode()).hexdigest()[:12]
+    return os.path.join(vault.home, "replaced", f"{file.client}-{digest}.json")
+
+
+def _read_stash(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            stash = json.load(handle)
+        return stash if isinstance(stash, dict) and isinstance(stash.get("entries"), dict) else {"entries": {}}
+    except (OSError, ValueError):
+        return {"entries": {}}
+
+
+def _write_private(path: str, data: str) -> None:
+    """Write a file only the user can read (0600 in a 0700 directory), atomically."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if os.name != "nt":
+        os.chmod(directory, 0o700)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".coffer-")
+    try:
+        if os.name != "nt":
+            os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_config_file(path: str, text: str) -> str | None:
+    """Back up ``path`` next to itself, then replace it atomically (through a symlink, keeping its mode)."""
+    target = os.path.realpath(path)
+    backup = None
+    mode = 0o600
+    if os.path.exists(target):
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        backup, n = f"{path}.coffer-backup-{stamp}", 1
+        while os.path.exists(backup):
+            n += 1
+            backup = f"{path}.coffer-backup-{stamp}-{n}"
+        shutil.copy2(target, backup)
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".coffer-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.name != "nt":
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return backup
+
+
+@dataclasses.dataclass
+class EditResult:
+    """What install/uninstall did (or would do) to one client config file."""
+    client: str
+    path: str
+    changed: bool
+    text: str = ""
+    backup: str | None = None
+    removed: list = dataclasses.field(default_factory=list)      # servers --replace took out
+    restored: list = dataclasses.field(default_factory=list)     # servers uninstall put back
+    kept_out: list = dataclasses.field(default_factory=list)     # (name, why) uninstall could not put back
+    stash: str | None = None
+
+
+def _toml_block(name: str, entry: dict) -> str:
+    """A stashed entry is kept as its original TOML text; a new one is rendered."""
+    return entry["toml"] if set(entry) == {"toml"} else render_toml_server(name, entry)
+
+
+def _edit_servers(file: ClientFile, text: str | None, put: dict, drop: list) -> tuple[str, dict]:
+    """(new text, servers map after the edit): ``put`` entries set, ``drop`` names removed; verified by re-reading."""
+    if text is None:
+        value: dict = {}
+        holder = value
+        for part in file.container:
+            holder = holder.setdefault(part, {})
+        holder.update(put)
+        if file.fmt == "toml":
+            return "\n".join(_toml_block(name, entry) for name, entry in put.items()), dict(put)
+        return json.dumps(value, indent=2, ensure_ascii=False) + "\n", dict(put)
+    document, servers = load_client_file(file, text)
+    expected_value = json.loads(json.dumps(document.value, default=str))
+    expected = _lookup(expected_value, file.container)[1]
+    if expected is None:                       # the servers map does not exist yet: it will
+        expected = expected_value
+        for part in file.container:
+            if not isinstance(expected.get(part), dict):
+                expected[part] = {}
+            expected = expected[part]
+    for name in drop:
+        expected.pop(name, None)
+    new_text = text
+    if file.fmt == "toml":
+        for name in list(drop) + [n for n in put]:
+            new_text = TomlDocument(new_text).without_server(name)
+        for name, entry in put.items():
+            block = _toml_block(name, entry)
+            new_text = append_toml(new_text, block)
+            expected[name] = load_toml(block).get("mcp_servers", {}).get(name, entry)
+        result = TomlDocument(new_text).value
+    else:
+        for name in drop:
+            new_text = JsonDocument(new_text, jsonc=file.fmt == "jsonc").without_member(file.container, name)
+        for name, entry in put.items():
+            new_text = JsonDocument(new_text, jsonc=file.fmt == "jsonc").with_member(file.container, name, entry)
+            expected[name] = entry
+        result = JsonDocument(new_text, jsonc=file.fmt == "jsonc").value
+    if json.loads(json.dumps(result, default=str)) != expected_value:
+        raise ConfigProblem("Coffer could not edit it safely (an entry is defined in a way it does not rewrite); "
+                            "edit it by hand")
+    return new_text, _lookup(result, file.container)[1] or {}
+
+
+def registered_in_coffer(vault, store, file: ClientFile, servers: dict, ctx: ClientContext) -> dict:
+    """{client entry name: Coffer server name} for the entries of ``servers`` that Coffer already serves."""
+    identities = {coffer_identity(s, store): s["name"] for s in vault.servers()}
+    found = {}
+    for name, raw in servers.items():
+        if name == COFFER_ENTRY:
+            continue
+        try:
+            identity = entry_to_server(file.client, name, raw, file, ctx).identity()
+        except ConfigProblem:
+            continue
+        if identity in identities:
+            found[name] = identities[identity]
+    return found
+
+
+def install_client(vault, store, client: str, ctx: ClientContext, project: bool = False, replace: bool = False,
+                   dry_run: bool = False) -> EditResult:
+    file = install_target(client, ctx, project)
+    try:
+        text = read_config_text(file.path)
+        document, servers = load_client_file(file, text) if text is not None else (None, {})
+    except ConfigProblem as exc:
+        raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    entry = coffer_entry(client, vault)
+    current = servers.get(COFFER_ENTRY)
+    put = {} if current == entry else {COFFER_ENTRY: entry}
+    removed = registered_in_coffer(vault, store, file, servers, ctx) if replace else {}
+    result = EditResult(client, file.path, changed=bool(put or removed), removed=sorted(removed))
+    if not result.changed:
+        return result
+    try:
+        result.text, _ = _edit_servers(file, text, put, list(removed))
+    except ConfigProblem as exc:
+        raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    if dry_run:
+        return result
+    if removed:
+        # The removed entries may hold literal secrets: they go to a private file, never to coffer.db.
+        result.stash = stash_path(vault, file)
+        stash = _read_stash(result.stash)
+        for name in removed:
+            stash["entries"][name] = ({"toml": document.server_text(name)} if file.fmt == "toml"
+                                      else servers[name])
+        stash.update(client=client, path=file.path, container=list(file.container), saved_at=utcnow())
+        _write_private(result.stash, json.dumps(stash, indent=2, ensure_ascii=False))
+    result.backup = write_config_file(file.path, result.text)
+    return result
+
+
+def uninstall_client(vault, store, client: str, ctx: ClientContext, project: bool = False,
+                     dry_run: bool = False) -> EditResult:
+    file = install_target(client, ctx, project)
+    try:
+        text = read_config_text(file.path)
+        document, servers = load_client_file(file, text) if text is not None else (None, {})
+    except ConfigProblem as exc:
+        raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    result = EditResult(client, file.path, changed=False, stash=stash_path(vault, file))
+    stash = _read_stash(result.stash)
+    drop = [COFFER_ENTRY] if COFFER_ENTRY in servers else []
+    put = {}
+    for name, entry in stash["entries"].items():
+        if name in servers:
+            result.kept_out.append((name, "an entry of that name is in the file again"))
+        elif isinstance(entry, dict):
+            put[name] = entry
+            result.restored.append(name)
+    result.changed = bool(drop or put)
+    if result.changed:
+        try:
+            result.text, _ = _edit_servers(file, text, put, drop)
+        except ConfigProblem as exc:
+            raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    if dry_run:
+        return result
+    if result.changed:
+        result.backup = write_config_file(file.path, result.text)
+    if os.path.exists(result.stash):
+        remaining = {name: entry for name, entry in stash["entries"].items()
+                     if name not in result.restored and name not in dict(result.kept_out)}
+        if remaining:
+            stash["entries"] = remaining
+            _write_private(result.stash, json.dumps(stash, indent=2, ensure_ascii=False))
+        else:
+            os.unlink(result.stash)
+    return result
+
+
+# -- doctor ---------------------------------------------------------------------------------------------------
+
+def _references(server: dict) -> list[tuple[str, bool]]:
+    """(NAME, has a default) for every ${NAME} in what Coffer expands when it starts the server."""
+    texts = list(server.get("command") or []) + [server.get("url") or "", server.get("cwd") or ""]
+    texts += list((server.get("env") or {}).values()) + list((server.get("headers") or {}).values())
+    return [(m.group(1), m.group(2) is not None) for text in texts for m in _ENV_REF_RE.finditer(text or "")]
+
+
+def _problem(problem: str, fix: str, severity: str = "error") -> dict:
+    return {"problem": problem, "fix": fix, "severity": severity}
+
+
+def client_report(vault, store, ctx: ClientContext) -> list[dict]:
+    reports = []
+    for client in CLIENTS:
+        for file in client_files(client, ctx):
+            exists = os.path.exists(file.path)
+            if file.scope != "user" and not exists:
+                continue
+            report = {"client": client, "path": file.path, "scope": file.scope, "found": exists,
+                      "installed": False, "duplicates": [], "problems": []}
+            try:
+                document, servers = load_client_file(file) if exists else (None, {})
+            except ConfigProblem as exc:
+                report["problems"].append(_problem(f"{file.path}: {exc}",
+                                                   "fix the file by hand; coffer leaves it as it is"))
+                reports.append(report)
+                continue
+            if file.scope == "local" and not servers:
+                continue
+            report["installed"] = COFFER_ENTRY in servers
+            duplicates = registered_in_coffer(vault, store, file, servers, ctx)
+            report["duplicates"] = sorted(duplicates)
+            if report["installed"] and duplicates:
+                flag = " --project" if file.scope == "project" else ""
+                report["problems"].append(_problem(
+                    f"{client} runs {', '.join(sorted(duplicates))} beside Coffer, so the agent sees them twice",
+                    f"coffer install {client}{flag} --replace", "warning"))
+            reports.append(report)
+    return reports
+
+
+def server_report(vault, store, server: dict, installed_clients: set, probe, settings: dict) -> dict:
+    problems = []
+    name = server["name"]
+    if server.get("damaged"):   # the lead's Vault marks a row it could not decode (and disables it)
+        return {"name": name, "ok": False, "enabled": False, "tools": 0, "problems": [_problem(
+            f"its definition in coffer.db is damaged: {server['damaged']}",
+            f"coffer remove {name}, then add or import it again")]}
+    if not server.get("enabled", True):
+        return {"name": name, "ok": True, "enabled": False, "problems": [], "tools": 0}
+    missing = sorted({ref for ref, has_default in _references(server)
+                      if not has_default and ref not in os.environ and store.get(ref) is None})
+    for ref in missing:
+        problems.append(_problem(f"${{{ref}}} is not set (neither in the environment nor in the secret store)",
+                                 SECRET_SET_HINT.format(name=ref)))
+    gui_installed = sorted(installed_clients & set(GUI_CLIENTS))
+    if server["transport"] == "stdio" and server.get("command"):
+        program = expand_vars(server["command"][0], environ={**{n: store.get(n) or "" for n in store.names()},
+                                                             **os.environ})
+        on_path = shutil.which(program)
+        if not on_path:
+            problems.append(_problem(f"command {program!r} is not found on PATH",
+                                     f"install it, or register it with its absolute path: coffer remove {name} "
+                                     f"&& coffer add {name} -- /absolute/path/to/{os.path.basename(program)} ..."))
+        elif not os.path.isabs(program) and not shutil.which(program, path=GUI_PATH):
+            fix = (f"register it with its absolute path: coffer remove {name} && coffer add {name} -- "
+                   f"{on_path} {' '.join(shlex.quote(a) for a in server['command'][1:])}".rstrip())
+            where = f" ({', '.join(gui_installed)} start Coffer that way)" if gui_installed else ""
+            problems.append(_problem(f"command {program!r} is on your shell's PATH ({on_path}) but not on the "
+                                     f"minimal PATH desktop apps get ({GUI_PATH}){where}", fix,
+                                     "error" if gui_installed else "warning"))
+    tools: list = []
+    if not any(p["severity"] == "error" for p in problems):
+        ok, tools, error = probe(server)
+        tools = [str(t) for t in tools or []]
+        if not ok:
+            problems.append(_problem(f"did not start and list its tools within {settings['init_timeout']} s: "
+                                     f"{error}", f"run it by hand to see why: {_command_text(server)}"))
+    for client in sorted(installed_clients):
+        if client not in CLIENT_TOOL_NAME_LIMITS:
+            continue
+        limit, prefix = CLIENT_TOOL_NAME_LIMITS[client]
+        too_long = [t for t in tools if len(prefix) + len(t) > limit]
+        if too_long:
+            problems.append(_problem(
+                f"{len(too_long)} tool name(s) exceed {client}'s {limit}-character limit with {prefix!r} in front "
+                f"(e.g. {too_long[0]})", f"coffer config name_max_length {max(34, limit - len(prefix))}", "warning"))
+    return {"name": name, "ok": not any(p["severity"] == "error" for p in problems), "enabled": True,
+            "problems": problems, "tools": len(tools)}
+
+
+def vault_report(vault) -> dict:
+    problems = []
+    if os.name != "nt":
+        mode = stat.S_IMODE(os.stat(vault.home).st_mode)
+        if mode & 0o077:
+            problems.append(_problem(f"{vault.home} is readable by others (mode {mode:o})", f"chmod 700 {vault.home}"))
+        for base in ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json"):
+            path = os.path.join(vault.home, base)
+            if os.path.exists(path):
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+                if mode & 0o077:
+                    problems.append(_problem(f"{path} is readable by others (mode {mode:o})", f"chmod 600 {path}"))
+    try:
+        wanted = sqlite3.connect(":memory:")
+        wanted.executescript(SCHEMA)
+        for (table,) in wanted.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall():
+            expected = {row[1] for row in wanted.execute(f"PRAGMA table_info({table})")}
+            actual = {row[1] for row in vault.db.execute(f"PRAGMA table_info({table})")}
+            if expected - actual:
+                problems.append(_problem(f"table {table} lacks {', '.join(sorted(expected - actual))}",
+                                         "run any coffer command with this version to upgrade the vault"))
+        wanted.close()
+        check = vault.db.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            problems.append(_problem(f"coffer.db is damaged: {check}",
+                                     f"restore {vault.path} from a backup, or move it away and re-import"))
+    except sqlite3.Error as exc:
+        problems.append(_problem(f"coffer.db cannot be checked: {exc}", f"look at {vault.path}"))
+    return {"path": vault.home, "ok": not problems, "problems": problems}
+
+
+def probe_all(vault) -> Callable:
+    """probe(server) -> (ok, exposed tool names, error), from one ServerProbe that starts every server at once."""
+    results = {result.name: result for result in ServerProbe(vault).run()}
+
+    def probe(server):
+        result = results.get(server["name"])
+        if result is None:
+            return False, [], "not started (disabled or damaged)"
+        return result.state == "ready", [tool["name"] for tool in result.tools], result.detail or result.state
+    return probe
+
+
+def run_doctor(vault, store, ctx: ClientContext, probe=None) -> dict:
+    settings = vault.settings()
+    probe = probe or probe_all(vault)
+    clients = client_report(vault, store, ctx)
+    installed = {c["client"] for c in clients if c["installed"]}
+    servers = vault.servers()
+    reports: list = [None] * len(servers)
+
+    def check(index, server):
+        try:
+            reports[index] = server_report(vault, store, server, installed, probe, settings)
+        except Exception as exc:  # noqa: BLE001 - one server's odd state must not hide the others' report
+            log.exception("doctor: checking %s failed", server["name"])
+            reports[index] = {"name": server["name"], "ok": False, "enabled": server.get("enabled", True),
+                              "tools": 0, "problems": [_problem(f"could not be checked: {exc}", "coffer list")]}
+
+    threads = [threading.Thread(target=check, args=(i, s), name=f"coffer-doctor-{s['name']}", daemon=True)
+               for i, s in enumerate(servers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    vault_state = vault_report(vault)
+    return {"ok": all(r["ok"] for r in reports) and vault_state["ok"], "servers": reports, "clients": clients,
+            "vault": vault_state}
+
+
+def print_doctor(report: dict) -> None:
+    marks = {True: "ok ", False: "!! "}
+    say("servers:")
+    if not report["servers"]:
+        say("  none registered: coffer import (from your clients) or coffer add NAME -- COMMAND")
+    for server in report["servers"]:
+        state = "disabled" if not server.get("enabled", True) else f"{server['tools']} tools"
+        say(f"  {marks[server['ok']]}{server['name']} ({state})")
+        for problem in server["problems"]:
+            say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+    say("clients:")
+    for client in report["clients"]:
+        state = ("Coffer installed" if client["installed"] else "Coffer not installed") if client["found"] \
+            else "no config"
+        say(f"  {client['client']:<15} {state:<21} {client['path']}")
+        for problem in client["problems"]:
+            say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+    vault_state = report["vault"]
+    say(f"vault: {vault_state['path']} {'ok' if vault_state['ok'] else ''}".rstrip())
+    for problem in vault_state["problems"]:
+        say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+
+
+# -- show -----------------------------------------------------------------------------------------------------
+
+def _shown(value: str) -> str:
+    """A stored env/header value as ``coffer show`` prints it: references as written, literals never."""
+    return value if (not value or _ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
+
+
+def show_server(vault, name: str) -> dict:
+    server = vault.server(name)
+    capabilities = [{"kind": row["kind"], "name": row["name"],
+                     "state": ("enabled" if row["enabled"] else "disabled")
+                     + (", changed: waiting for coffer approve" if _state(row).quarantined else "")
+                     + ("" if row["present"] else ", no longer listed")}
+                    for row in vault.capabilities(name)]
+    return {"name": server["name"], "transport": server["transport"], "command": server.get("command"),
+            "url": server.get("url"), "cwd": server.get("cwd"),
+            "env": {k: _shown(v) for k, v in (server.get("env") or {}).items()},
+            "headers": {k: _shown(v) for k, v in (server.get("headers") or {}).items()},
+            "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
+            "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
+            "status_at": server.get("status_at"), "capabilities": capabilities}
+
+
+# -- commands -------------------------------------------------------------------------------------------------
+
+def _store_for(vault):
+    """The vault's own SecretStore where the Vault keeps one (the lead's ``vault.secrets``)."""
+    return getattr(vault, "secrets", None) or SecretStore(vault.home)
+
+
+def import_sources(sources: list[str], ctx: ClientContext) -> tuple[list[ClientFile], list[FileProblem]]:
+    """Client names and file paths -> the files to read; a path that cannot be told apart is a FileProblem."""
+    files: list[ClientFile] = []
+    problems: list[FileProblem] = []
+    for source in sources or CLIENTS:
+        if source in CLIENTS:
+            files.extend(client_files(source, ctx))
+        elif os.path.sep in source or os.path.exists(source) or source.endswith((".json", ".toml")):
+            try:
+                files.extend(detect_file(source, ctx))
+            except ConfigProblem as exc:
+                problems.append(FileProblem("?", os.path.abspath(source), str(exc)))
+        else:
+            raise CofferError(f"unknown source {source!r}: give a client ({', '.join(CLIENTS)}) or a file path")
+    return files, problems
+
+
+def cmd_import(vault, args) -> int:
+    ctx = ClientContext.current()
+    store = _store_for(vault)
+    files, problems = import_sources(args.sources, ctx)
+    plan = plan_import(vault, store, files, ctx, overwrite=args.overwrite)
+    plan.problems[:0] = problems
+    if not args.dry_run and plan.added:
+        apply_import(vault, store, plan)
+    if args.json:
+        say_json(plan.as_json())
+    else:
+        print_import_plan(plan, args.dry_run)
+        if plan.added and not args.dry_run:
+            say(f"imported {len(plan.added)} server(s); next: coffer install CLIENT --replace, then coffer doctor")
+    return 1 if plan.problems and args.sources and not plan.added and not plan.skipped else 0
+
+
+def _print_edit(result: EditResult, verb: str, dry_run: bool) -> None:
+    if not result.changed:
+        say(f"{result.client}: {result.path} already as wanted; nothing changed")
+        return
+    prefix = "dry run: would " if dry_run else ""
+    say(f"{prefix}{verb} {result.client}: {result.path}")
+    if result.removed:
+        say(f"  {'would remove' if dry_run else 'removed'} (now served through Coffer): {', '.join(result.removed)}")
+    if result.restored:
+        say(f"  {'would put back' if dry_run else 'put back'}: {', '.join(result.restored)}")
+    for name, why in result.kept_out:
+        say(f"  not put back: {name} ({why}); its entry stays in {result.stash}")
+    if result.backup:
+        say(f"  backup: {result.backup}")
+    if result.stash and result.removed and not dry_run:
+        say(f"  the removed entries are kept (private, 0600) in {result.stash}; coffer uninstall "
+              f"{result.client} puts them back")
+
+
+def cmd_install(vault, args) -> int:
+    result = install_client(vault, _store_for(vault), args.client, ClientContext.current(), project=args.project,
+                            replace=args.replace, dry_run=args.dry_run)
+    _print_edit(result, "install Coffer into" if args.dry_run else "installed Coffer into", args.dry_run)
+    if result.changed and not args.dry_run:
+        say(f"  restart {args.client} to load it")
+    command = coffer_launch_command()[0]
+    if re.search(r"[\\/](archive-v\d+|\.?cache[\\/]uv)[\\/]", command):
+        say(f"  note: {command} lives in uv's cache, which uv may prune; for a lasting entry run "
+              "'uv tool install coffer-mcp' (or pipx install coffer-mcp), then coffer install again")
+    return 0
+
+
+def cmd_uninstall(vault, args) -> int:
+    result = uninstall_client(vault, _store_for(vault), args.client, ClientContext.current(), project=args.project,
+                              dry_run=args.dry_run)
+    _print_edit(result, "remove Coffer from" if args.dry_run else "removed Coffer from", args.dry_run)
+    return 0
+
+
+def cmd_doctor(vault, args, probe=None) -> int:
+    report = run_doctor(vault, _store_for(vault), ClientContext.current(), probe)
+    if args.json:
+        say_json(report)
+    else:
+        print_doctor(report)
+    return 0 if report["ok"] else 1
+
+
+def cmd_show(vault, args) -> int:
+    shown = show_server(vault, args.name)
+    if args.json:
+        say_json(shown)
+        return 0
+    target = shown["url"] if shown["transport"] != "stdio" else " ".join(shlex.quote(p) for p in shown["command"])
+    say(f"{shown['name']} ({shown['transport']}): {target}")
+    for label, values in (("env", shown["env"]), ("header", shown["headers"])):
+        for key, value in values.items():
+            say(f"  {label} {key}={value}")
+    if shown["cwd"]:
+        say(f"  cwd {shown['cwd']}")
+    say(f"  enabled: {'yes' if shown['enabled'] else 'no'}; new capabilities: {shown['policy']}"
+          + (f"; timeout {shown['timeout']} s" if shown["timeout"] else ""))
+    detail = f" ({shown['status_detail']})" if shown["status_detail"] else ""
+    since = f" since {shown['status_at']}" if shown["status_at"] else ""
+    say(f"  status: {shown['status']}{since}{detail}")
+    if shown["capabilities"]:
+        say()
+        _print_table([[c["kind"], c["name"], c["state"]] for c in shown["capabilities"]], ["KIND", "NAME", "STATE"])
+    else:
+        say("  no capabilities seen yet (coffer tools starts it)")
+    return 0
+
+
+def add_client_commands(command) -> None:
+    """Wire import/install/uninstall/doctor/show into build_parser (``command`` is its local helper)."""
+    p = command("import", cmd_import, "import the MCP servers of your clients (Claude, Cursor, VS Code, ...)")
+    p.add_argument("sources", nargs="*", metavar="SOURCE",
+                   help=f"a client ({', '.join(CLIENTS)}) or a config file; default: every client found")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace a different server of the same name")
+    for name, handler, text in (("install", cmd_install, "add Coffer to a client's config, as 'coffer'"),
+                                ("uninstall", cmd_uninstall, "remove Coffer from a client's config and put back "
+                                                             "what install --replace took out")):
+        p = command(name, handler, text)
+        p.add_argument("client", choices=CLIENTS)
+        p.add_argument("--project", action="store_true", help="the current project's config, not the user's")
+        p.add_argument("--dry-run", action="store_true")
+        if name == "install":
+            p.add_argument("--replace", action="store_true",
+                           help="also remove the servers Coffer now serves from that client's config")
+    p = command("doctor", cmd_doctor, "check every server, client config and the vault; exit 1 if a server is broken")
+    p.add_argument("--json", action="store_true")
+    p = command("show", cmd_show, "a server's definition (secrets as references), status and capabilities")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+
+
+# ============================================================================================================
+# 10. Command line
 # ============================================================================================================
 
 
@@ -2995,19 +6479,21 @@ class GatewayClient:
     It is an Upstream whose server happens to be Coffer itself, so the CLI exercises the real gateway path.
     """
 
-    def __init__(self, vault: Vault):
+    def __init__(self, vault: Vault, only: list[str] | None = None):
         settings = dict(vault.settings())
         settings["init_timeout"] = float(settings["discovery_timeout"]) + float(settings["init_timeout"])
         settings["max_restarts"] = 1
+        argv = ["serve", "--live"] + [arg for name in only or () for arg in ("--only", name)]
         # Imported rather than run as a script, so Python uses the cached bytecode (compiling coffer.py costs
         # ~30 ms per start); sys.path is extended in-process so the upstreams' environment stays untouched.
         bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                     "import coffer; sys.exit(coffer.main(['serve', '--live']))")
+                     f"import coffer; sys.exit(coffer.main({argv!r}))")
         config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
-                  "command": [sys.executable, "-c", bootstrap], "headers": {}}
+                  "command": [sys.executable, "-c", bootstrap], "headers": {}, "inherit_env": ["*"]}
         self.ready = threading.Event()
         self.upstream = Upstream(config, settings, self, {}, LATEST_PROTOCOL_VERSION)
-        self.upstream._on_stderr = lambda line: (sys.stderr.write(line + "\n"), sys.stderr.flush())
+        self.upstream._on_stderr = lambda line: (sys.stderr.write(printable(redact(line)) + "\n"),
+                                                 sys.stderr.flush())
 
     def __enter__(self):
         self.upstream.start()
@@ -3039,14 +6525,130 @@ class GatewayClient:
         return self.upstream.call(method, params)
 
 
-def _print_table(rows: list[list[str]], headers: list[str]) -> None:
-    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-    for row in [headers] + rows:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+class ProbeResult(NamedTuple):
+    """What starting one server told: ``state`` is ready, failed or timed out; ``tools`` as a client sees them."""
+    name: str
+    state: str
+    detail: str
+    tools: list
+    seconds: float
+
+
+class ServerProbe:
+    """Starts servers in this process, with no client attached, to see what they offer — for `coffer tools`,
+    `coffer doctor`, and enabling a tool of a server never started.  What it learns is recorded in the vault as
+    a gateway would record it (capabilities, status), so `coffer list` reports the last attempt of any command.
+
+    Threads: each upstream's own; ``run`` waits on a condition the upstream events signal.
+    """
+
+    def __init__(self, vault: Vault, names: list[str] | None = None, progress=None):
+        self.vault = vault
+        self.settings = vault.settings()
+        # A server that exits at once is tried twice here, not max_restarts times: a person is waiting.
+        self.settings["max_restarts"] = min(2, int(self.settings["max_restarts"]))
+        self.progress = progress or (lambda result: None)
+        self.vault_lock = threading.Lock()
+        self.done = threading.Condition()
+        servers = [s for s in vault.servers() if names is None or s["name"] in names]
+        self.skipped = {s["name"]: s["damaged"] or "disabled" for s in servers if s["damaged"] or not s["enabled"]}
+        self.upstreams = [Upstream(s, self.settings, self, {}, LATEST_PROTOCOL_VERSION, vault.secrets)
+                          for s in servers if s["name"] not in self.skipped]
+
+    def run(self, timeout: float | None = None) -> list[ProbeResult]:
+        """Start every server at once and wait for each to be ready or failed, at most ``timeout`` (init_timeout)."""
+        timeout = float(self.settings["init_timeout"]) if timeout is None else timeout
+        started = time.monotonic()
+        finished: dict[str, ProbeResult] = {}
+        for upstream in self.upstreams:
+            upstream.start()
+        try:
+            with self.done:
+                while len(finished) < len(self.upstreams):
+                    for upstream in self.upstreams:
+                        if upstream.name not in finished and upstream.state in ("ready", "failed"):
+                            finished[upstream.name] = self._result(upstream, upstream.state, started)
+                            self.progress(finished[upstream.name])
+                    remaining = started + timeout - time.monotonic()
+                    if remaining <= 0 or len(finished) == len(self.upstreams):
+                        break
+                    self.done.wait(min(remaining, 0.5))
+            for upstream in self.upstreams:
+                if upstream.name not in finished:
+                    result = self._result(upstream, "timed out", started, f"did not answer within {timeout:g}s")
+                    self._record(upstream, "timed out", result.detail)
+                    finished[upstream.name] = result
+                    self.progress(result)
+        finally:
+            threads = [start_thread(up.stop, f"coffer-{up.name}-stop") for up in self.upstreams]
+            for thread in threads:
+                thread.join(5.0)
+        return [finished[up.name] for up in self.upstreams]
+
+    def _result(self, upstream: Upstream, state: str, started: float, detail: str | None = None) -> ProbeResult:
+        tools = []
+        if state == "ready":
+            states = self.vault.capability_states()
+            names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"])
+            tools = [dict(definition, name=names[name]) for name, definition in upstream.lists["tool"].items()
+                     if states.get((upstream.name, "tool", name), CapabilityState(True)).usable]
+        return ProbeResult(upstream.name, state, detail or (upstream.last_error or ""), tools,
+                           round(time.monotonic() - started, 2))
+
+    def _record(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
+        try:
+            with self.vault_lock:
+                self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record status: %s", upstream.name, exc)
+
+    # events, as an Upstream sends them to its gateway
+    def on_ready(self, upstream):
+        counts = ", ".join(f"{len(items)} {kind}s" for kind, items in upstream.lists.items() if items)
+        self._record(upstream, "ready", counts or "no capabilities", upstream.capabilities)
+        with self.done:
+            self.done.notify_all()
+
+    def on_down(self, upstream):
+        if upstream.state == "failed":
+            self._record(upstream, "failed", upstream.last_error or "")
+        with self.done:
+            self.done.notify_all()
+
+    def on_list_changed(self, upstream, kind, items, notify):
+        try:
+            with self.vault_lock:
+                self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record its %ss: %s", upstream.name, kind, exc)
+
+    def on_notification(self, upstream, message):
+        pass
+
+    def on_request(self, upstream, message):
+        upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "no client is connected"))
+
+
+def say(text="") -> None:
+    """Print for a human: known secrets redacted, terminal control characters made visible."""
+    print(printable(redact(str(text))))
+
+
+def say_json(value) -> None:
+    print(redact(terminal_json(value)))
+
+
+def _print_table(rows: list[list], headers: list[str]) -> None:
+    cells = [[printable(redact(str(cell))).replace("\n", " ") for cell in row] for row in [headers] + rows]
+    widths = [max(len(cell) for cell in column) for column in zip(*cells)]
+    for row in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 def _command_text(server: dict) -> str:
-    return server["url"] if server["transport"] == "http" else " ".join(shlex.quote(p) for p in server["command"])
+    if server.get("damaged"):
+        return "(damaged definition)"
+    return server["url"] if server["transport"] != "stdio" else " ".join(shlex.quote(p) for p in server["command"])
 
 
 def cmd_add(vault: Vault, args) -> int:
@@ -3054,107 +6656,259 @@ def cmd_add(vault: Vault, args) -> int:
     headers = {}
     for item in args.header:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise CofferError(f"bad --header {item!r}: expected NAME=VALUE")
+        if not sep or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", key.strip()):
+            raise CofferError(f"bad --header {item!r}: expected NAME=VALUE with NAME a valid HTTP header name")
+        if any(c in value for c in "\r\n\x00"):
+            raise CofferError(f"bad --header {key}: the value holds a line break")
         headers[key.strip()] = value
-    vault.add_server(args.name, command=args.command or None, url=args.url, env=env, headers=headers,
-                     cwd=args.cwd, policy=args.policy, timeout=args.timeout)
-    print(f"added {args.name}: {_command_text(vault.server(args.name))}")
+    if args.url:
+        check_remote_url(args.url)
+        if env:
+            raise CofferError("--env is for servers Coffer starts; a remote server (--url) takes --header")
+        if args.inherit_env:
+            raise CofferError("--inherit-env is for servers Coffer starts, not for --url")
+    elif headers:
+        raise CofferError("--header is for remote servers (--url); a server Coffer starts takes --env")
+    check_server_name(args.name)
+    if vault.read_only:
+        vault.transaction()  # says the vault is read-only, before any secret is stored
+    env, moved_env = store_literals(args.name, env, vault.secrets, overwrite=args.replace)
+    headers, moved_headers = store_literals(args.name, headers, vault.secrets, header=True, overwrite=args.replace)
+    moved = moved_env + moved_headers
+    earlier = vault.add_server(args.name, command=args.command or None, url=args.url, env=env, headers=headers,
+                               cwd=args.cwd, policy=args.policy, timeout=args.timeout,
+                               inherit_env=args.inherit_env, replace=args.replace)
+    if earlier:
+        say(f"kept the earlier choices for {earlier} of {args.name}'s tools, prompts and resources "
+            "(coffer show / coffer enable to change them)")
+    if moved:
+        say(f"moved {len(moved)} literal value(s) into Coffer's secret store: "
+            f"{', '.join('${' + name + '}' for name in moved)} (coffer secret list)")
+    say(f"added {args.name}: {_command_text(vault.server(args.name))}")
+    if args.url:
+        scheme, host, _ = url_origin(args.url)
+        if scheme == "http" and not is_loopback(host) and headers:
+            log.warning("%s: its headers (credentials?) will cross the network unencrypted over plain http to %s; "
+                        "use https if the server offers it", args.name, host)
+    elif args.command and not shutil.which(args.command[0]) and not os.path.dirname(args.command[0]):
+        log.warning("%s: %r is not on PATH here; the server will fail to start until it is installed",
+                    args.name, args.command[0])
     return 0
 
 
 def cmd_remove(vault: Vault, args) -> int:
     vault.remove_server(args.name)
-    print(f"removed {args.name}")
+    say(f"removed {args.name}")
     return 0
 
 
 def cmd_list(vault: Vault, args) -> int:
     counts = collections.Counter(row["server"] for row in vault.capabilities()
                                  if row["kind"] == "tool" and row["present"] and row["enabled"])
+    held = collections.Counter(row["server"] for row in vault.pending_approvals())
     servers = [{"name": s["name"], "transport": s["transport"], "command": _command_text(s),
-                "enabled": s["enabled"], "policy": s["policy"], "status": s["status"] or "never started",
-                "detail": s["status_detail"], "since": s["status_at"], "tools": counts.get(s["name"], 0)}
+                "enabled": s["enabled"], "policy": s["policy"], "updates": s["updates"],
+                "status": "damaged" if s["damaged"] else (s["status"] or "never started"),
+                "detail": s["damaged"] or s["status_detail"], "since": s["status_at"], "tools": counts.get(s["name"], 0),
+                "awaiting_approval": held.get(s["name"], 0)}
                for s in vault.servers()]
     if args.json:
-        print(json.dumps({"servers": servers}, indent=2, ensure_ascii=False))
+        say_json({"servers": servers})
     elif not servers:
-        print("no servers yet: coffer add NAME -- COMMAND [ARGS...]")
+        say("no servers yet: coffer add NAME -- COMMAND [ARGS...]")
     else:
         _print_table([[s["name"], "yes" if s["enabled"] else "no", s["status"], s["tools"], s["command"]]
                       for s in servers], ["NAME", "ENABLED", "STATUS", "TOOLS", "COMMAND"])
         for s in servers:
-            if s["status"] == "failed" and s["detail"]:
-                print(f"\n{s['name']} failed: {s['detail']}")
+            if s["status"] in ("failed", "damaged") and s["detail"]:
+                say(f"\n{s['name']} {s['status']}: {s['detail']}")
+            if s["awaiting_approval"]:
+                say(f"\n{s['name']}: {s['awaiting_approval']} changed definition(s) held back until you run "
+                    f"`coffer approve {s['name']}`")
     return 0
+
+
+def cached_tools(vault: Vault) -> list[dict]:
+    """The tools the last session saw, as a client would see them: enabled, approved, of enabled servers."""
+    max_length = vault.setting("name_max_length")
+    servers = {s["name"]: s for s in vault.servers()}
+    by_server: dict[str, list[dict]] = collections.defaultdict(list)
+    for row in vault.capabilities():
+        if row["kind"] == "tool" and row["present"] and row["server"] in servers:
+            by_server[row["server"]].append(row)
+    tools = []
+    for server, rows in by_server.items():
+        if not servers[server]["enabled"]:
+            continue
+        names = exposed_names(server, [row["name"] for row in rows], max_length)
+        for row in rows:
+            state = _state(row)
+            try:
+                definition = json.loads(row["definition"] or "{}")
+            except ValueError:
+                continue
+            if state.usable and isinstance(definition, dict):
+                tools.append(dict(definition, name=names[row["name"]]))
+    return tools
 
 
 def cmd_tools(vault: Vault, args) -> int:
+    """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
+    server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
+    failed = []
     if args.cached:
-        max_length = vault.setting("name_max_length")
-        tools = [dict(json.loads(row["definition"]), name=expose_name(row["server"], row["name"], max_length))
-                 for row in vault.capabilities() if row["kind"] == "tool" and row["present"] and row["enabled"]]
+        tools = cached_tools(vault)
     else:
-        with GatewayClient(vault) as client:
-            tools = list(client.upstream.lists["tool"].values())
+        interactive = sys.stderr.isatty()
+
+        def progress(result: ProbeResult) -> None:
+            if interactive:
+                what = f"{len(result.tools)} tools" if result.state == "ready" else result.state
+                print(printable(f"  {result.name}: {what} ({result.seconds:g}s)"), file=sys.stderr)
+
+        results = ServerProbe(vault, progress=progress).run()
+        tools = [tool for result in results for tool in result.tools]
+        failed = [result for result in results if result.state != "ready"]
+    mode = expose_mode(vault.settings(), client_family(args.client or ""))
+    if mode.startswith("budget:"):
+        tools = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
+    tools = [SEARCH_TOOL_DEFINITION] + (tools if mode != "search" else [])
     if args.json:
-        print(json.dumps({"tools": tools}, indent=2, ensure_ascii=False))
+        say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
+                                             for r in failed]})
     else:
         for tool in tools:
             description = (tool.get("description") or "").strip().splitlines()
-            print(f"{tool['name']:<48}  {description[0][:100] if description else ''}")
-    return 0
+            say(f"{tool['name']:<48}  {description[0][:100] if description else ''}")
+    for result in failed:
+        print(printable(redact(f"coffer: {result.name} {'did not start' if result.state == 'failed' else result.state}"
+                               f": {result.detail or 'no reason given'}")), file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_enable(vault: Vault, args, enabled: bool = True) -> int:
     try:
         what = vault.set_enabled(args.target, enabled)
-    except NotListedYet:
-        # Probably a server added but never started: ask it what it offers, then try once more.
-        with GatewayClient(vault):
-            pass
-        what = vault.set_enabled(args.target, enabled)
-    print(f"{'enabled' if enabled else 'disabled'} {what}")
+    except NotListedYet as exc:
+        # Probably a server added but never started: ask that one server what it offers, then try once more.
+        ServerProbe(vault, [args.target.partition(SEPARATOR)[0]]).run()
+        try:
+            what = vault.set_enabled(args.target, enabled)
+        except NotListedYet:
+            raise CofferError(str(exc)) from None
+    say(f"{'enabled' if enabled else 'disabled'} {what}")
+    return 0
+
+
+def cmd_approve(vault: Vault, args) -> int:
+    if args.target is None:
+        pending = vault.pending_approvals()
+        if not pending:
+            say("nothing is waiting for approval")
+        for row in pending:
+            say(f"{row['kind']} {row['server']}:{row['name']} changed since it was approved")
+        return 0
+    approved = vault.approve(args.target)
+    if not approved:
+        say(f"{args.target}: nothing is waiting for approval")
+    for label, diff in approved:
+        say(f"approved {label}; what changed:\n{diff or '(no visible difference)'}\n")
     return 0
 
 
 def cmd_policy(vault: Vault, args) -> int:
     vault.set_policy(args.server, args.policy)
-    print(f"new capabilities of {args.server} will be {args.policy}")
+    say({"enabled": f"new capabilities of {args.server} will be enabled",
+         "disabled": f"new capabilities of {args.server} will be disabled",
+         "trust-updates": f"changed definitions from {args.server} apply without approval",
+         "pin-updates": f"changed definitions from {args.server} wait for `coffer approve`"}[args.policy])
     return 0
+
+
+def cmd_secret(vault: Vault, args) -> int:
+    store = vault.secrets
+    if args.action == "list":
+        names = store.names()
+        if args.json:
+            say_json({"secrets": names})
+        else:
+            say("\n".join(names) if names else "no secrets stored: coffer secret set NAME")
+        return 0
+    if not args.name:
+        raise CofferError(f"coffer secret {args.action} needs a NAME")
+    if args.action == "rm":
+        if not store.delete(args.name):
+            raise CofferError(f"no secret named {args.name!r}{_did_you_mean(args.name, store.names())}")
+        vault_audit(vault, "secret-remove", args.name)
+        say(f"removed secret {args.name}")
+        return 0
+    if sys.stdin.isatty():
+        import getpass
+        value = getpass.getpass(f"value for {args.name} (not shown): ")
+    else:
+        value = sys.stdin.read(64 << 10 + 1).rstrip("\r\n")
+    if not value:
+        raise CofferError("empty value: nothing stored")
+    store.set(args.name, value)
+    vault_audit(vault, "secret-set", args.name)
+    say(f"stored secret {args.name}; refer to it as ${{{args.name}}} in --env or --header")
+    return 0
+
+
+def vault_audit(vault: Vault, action: str, target: str, detail: str | None = None) -> None:
+    """An audit row for a change made outside coffer.db (the secret store): the name, never the value."""
+    try:
+        with vault.transaction() as db:
+            vault._audit(db, action, target, detail)
+    except CofferError:
+        pass  # a read-only vault cannot record it; the change itself was made
 
 
 def cmd_call(vault: Vault, args) -> int:
     try:
-        arguments = json.loads(args.arguments) if args.arguments is not None else {}
+        arguments = decode_json(args.arguments) if args.arguments is not None else {}
     except ValueError as exc:
         raise CofferError(f"arguments are not valid JSON: {exc}") from None
     if not isinstance(arguments, dict):
         raise CofferError("arguments must be a JSON object, e.g. '{\"timezone\": \"UTC\"}'")
-    with GatewayClient(vault) as client:
+    server = args.tool.partition(SEPARATOR)[0]
+    with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
         try:
             result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
         except UpstreamFailure as exc:
             raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
-    print(json.dumps(result, indent=2, ensure_ascii=False))
+    say_json(result)
     return 1 if isinstance(result, dict) and result.get("isError") else 0
+
+
+def _ms(value) -> str:
+    return f"{value:.1f}ms" if isinstance(value, (int, float)) else str(value)
 
 
 def cmd_log(vault: Vault, args) -> int:
     rows = vault.invocations(args.limit)
     if args.json:
-        print(json.dumps({"invocations": rows}, indent=2, ensure_ascii=False))
+        say_json({"invocations": rows})
     else:
-        _print_table([[r["ts"], r["client"], r["capability"], r["kind"], f"{r['duration_ms']:.1f}ms", r["status"],
-                       r["error"] or ""] for r in rows],
-                     ["TIME", "CLIENT", "CAPABILITY", "KIND", "DURATION", "STATUS", "ERROR"])
+        _print_table([[r["ts"], r["client"], r["server"] or "", r["capability"], r["kind"], _ms(r["duration_ms"]),
+                       r["status"], r["error"] or ""] for r in rows],
+                     ["TIME", "CLIENT", "SERVER", "CAPABILITY", "KIND", "DURATION", "STATUS", "ERROR"])
     return 0
 
 
 def cmd_audit(vault: Vault, args) -> int:
-    rows = vault.audit_rows(args.limit)
+    since = args.since
+    if since:
+        try:
+            since = datetime.fromisoformat(since.replace("Z", "+00:00")).astimezone(timezone.utc).isoformat(
+                timespec="milliseconds").replace("+00:00", "Z") if "T" in since or " " in since else \
+                datetime.fromisoformat(since).date().isoformat()
+        except ValueError:
+            raise CofferError(f"--since {since!r}: use a date like 2026-11-30 or a time like 2026-11-30T12:00") \
+                from None
+    rows = vault.audit_rows(args.limit, since, args.kind, args.server)
     if args.json:
-        print(json.dumps({"audit": rows}, indent=2, ensure_ascii=False))
+        say_json({"audit": rows})
     else:
         _print_table([[r["ts"], r["actor"], r["action"], r["target"] or "", r["detail"] or ""] for r in rows],
                      ["TIME", "ACTOR", "ACTION", "TARGET", "DETAIL"])
@@ -3166,15 +6920,27 @@ def cmd_config(vault: Vault, args) -> int:
         vault.set_setting(args.key, args.value)
     settings = vault.settings()
     if args.key and args.key not in settings:
-        raise CofferError(f"unknown setting {args.key!r}; known: {', '.join(sorted(DEFAULTS))}")
+        if setting_key(args.key) != args.key:
+            settings[args.key] = f"(not set: the global expose, {settings['expose']})"
+        else:
+            raise CofferError(f"unknown setting {args.key!r}{_did_you_mean(args.key, DEFAULTS)}; "
+                              f"known: {', '.join(sorted(DEFAULTS))}")
+    if args.json:
+        say_json({args.key: settings[args.key]} if args.key else settings)
+        return 0
     for key in [args.key] if args.key else sorted(settings):
-        print(f"{key} = {settings[key]}")
+        say(f"{key} = {settings[key]}")
     return 0
 
 
 def cmd_serve(vault: Vault, args) -> int:
     vault.actor = "gateway"
-    gateway = Gateway(vault, remember=not args.live)
+
+    def client_gone():
+        gateway.shutdown()
+        os._exit(0)  # the main thread is blocked reading a client that will never write again
+
+    gateway = Gateway(vault, remember=not args.live, on_client_gone=client_gone, only=args.only)
 
     def on_signal(signum, frame):
         if not gateway._stopping.is_set():  # a second signal must not interrupt the shutdown itself
@@ -3184,6 +6950,9 @@ def cmd_serve(vault: Vault, args) -> int:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), on_signal)
     try:
+        if sys.stdin.isatty() and sys.stderr.isatty():
+            log.info("coffer serve speaks MCP on stdin/stdout and waits for a client; an agent starts it itself "
+                     "(e.g. `claude mcp add coffer -- coffer serve`). Ctrl-C to quit.")
         gateway.serve(sys.stdin.buffer)
     except (KeyboardInterrupt, SystemExit):
         pass
@@ -3195,6 +6964,7 @@ def cmd_serve(vault: Vault, args) -> int:
 EPILOG = """
 examples:
   coffer add time -- uvx mcp-server-time
+  coffer secret set GITHUB_TOKEN          (asks for the value; or pipe it in)
   coffer add gh --env GITHUB_TOKEN='${GITHUB_TOKEN}' -- npx -y @modelcontextprotocol/server-github
   coffer add docs --url https://example.com/mcp --header 'Authorization=Bearer ${DOCS_TOKEN}'
   coffer list
@@ -3206,9 +6976,13 @@ examples:
 agent configuration (Claude Code, Codex, Cursor, Claude Desktop): one stdio server whose command is
 `coffer serve` (or `python /path/to/coffer.py serve`).
 
-data: $COFFER_HOME (default ~/.coffer) holds coffer.db.  ${VAR} and ${VAR:-default} in --env, --header and the
-command are stored as written and expanded from the gateway's environment when the server starts, so secrets
-never reach the database.
+data: $COFFER_HOME (default ~/.coffer, private: 0700) holds coffer.db and secrets.json.  ${VAR} and
+${VAR:-default} in --env, --header, the URL and the command are stored as written and resolved when the server
+starts: from Coffer's environment first, then from its secret store (coffer secret set).  A literal value given
+to --env or --header is moved into the secret store and replaced by a reference, so no secret reaches coffer.db.
+Prefer --env over command arguments for secrets: arguments are visible to every local user in `ps`.
+A server started by Coffer sees only a minimal environment (PATH, HOME, locale, proxy and certificate settings,
+package-manager settings) plus its own --env; --inherit-env NAME passes more.
 """
 
 
@@ -3225,17 +6999,27 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = command("add", cmd_add, "register an upstream server: NAME [options] -- COMMAND [ARGS...], or --url URL",
-                usage="coffer add NAME [--env KEY=VALUE]... [--timeout S] [--policy P] -- COMMAND [ARGS...]\n"
-                      "       coffer add NAME --url URL [--header NAME=VALUE]...")
+                usage="coffer add NAME [--env KEY=VALUE]... [--inherit-env NAME]... [--timeout S] [--policy P] "
+                      "-- COMMAND [ARGS...]\n       coffer add NAME --url URL [--header NAME=VALUE]...",
+                epilog="Secrets: write --env KEY='${NAME}' and keep the value in the environment or in `coffer "
+                       "secret set NAME`; a literal value is moved into the secret store for you.  ${VAR} in the "
+                       "command's arguments works too, but arguments are visible to other local users in `ps`: "
+                       "prefer --env.")
     p.add_argument("name", help="server name: 1-24 letters, digits or '-'; becomes the <server>__ prefix")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment for the server; ${VAR} is expanded at start, never stored expanded")
+                   help="environment for the server; ${VAR} is resolved at start, a literal value goes to the "
+                        "secret store")
+    p.add_argument("--inherit-env", action="append", default=[], metavar="NAME",
+                   help="also pass this variable of Coffer's own environment ('*': all of it)")
     p.add_argument("--url", help="a remote server speaking MCP Streamable HTTP")
-    p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE", help="HTTP header (with --url)")
+    p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
+                   help="HTTP header (with --url); a literal value goes to the secret store")
     p.add_argument("--cwd", help="working directory for the server process")
     p.add_argument("--timeout", type=float, help="per-call timeout in seconds (default: the call_timeout setting)")
-    p.add_argument("--policy", default="enabled", choices=("enabled", "disabled"),
+    p.add_argument("--policy", choices=("enabled", "disabled"),
                    help="whether tools the server adds later start enabled (default) or disabled")
+    p.add_argument("--replace", action="store_true",
+                   help="change the definition of a server already registered, keeping its choices")
     p.set_defaults(command=[])
     command("remove", cmd_remove, "unregister a server").add_argument("name")
     p = command("list", cmd_list, "registered servers, their status and tool counts")
@@ -3243,12 +7027,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("tools", cmd_tools, "the aggregated tool catalogue, as a client sees it (starts every server)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--cached", action="store_true", help="what the last session saw, without starting servers")
+    p.add_argument("--client", metavar="NAME", help="as this client is shown it (cursor, windsurf, vscode, ...)")
     command("enable", cmd_enable, "enable a server, tool, prompt or resource").add_argument("target")
     command("disable", lambda v, a: cmd_enable(v, a, False),
             "disable a server, tool, prompt or resource (kept across restarts and upgrades)").add_argument("target")
-    p = command("policy", cmd_policy, "whether capabilities a server adds later start enabled or disabled")
+    p = command("approve", cmd_approve, "accept a changed tool/prompt/resource definition after reading the diff "
+                                        "(a server name approves all of its changes; no target lists them)")
+    p.add_argument("target", nargs="?")
+    p = command("policy", cmd_policy, "what a server's new capabilities start as (enabled|disabled), and whether "
+                                      "its changed definitions apply at once (trust-updates) or wait for `coffer "
+                                      "approve` (pin-updates, the default)")
     p.add_argument("server")
-    p.add_argument("policy", choices=("enabled", "disabled"))
+    p.add_argument("policy", choices=("enabled", "disabled", "trust-updates", "pin-updates"))
+    p = command("secret", cmd_secret, "the secret store: set NAME (prompted, or from stdin), list, rm NAME")
+    p.add_argument("action", choices=("set", "list", "rm"))
+    p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
     p = command("call", cmd_call, "call one tool through the gateway and print its result (for scripts)")
     p.add_argument("tool")
     p.add_argument("arguments", nargs="?", help="a JSON object (default {})")
@@ -3257,18 +7051,25 @@ def build_parser() -> argparse.ArgumentParser:
         p = command(name, handler, text)
         p.add_argument("--json", action="store_true")
         p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--since", metavar="DATE", help="only rows from this date or time on (2026-11-30[T12:00])")
+    p.add_argument("--kind", metavar="ACTION", help="only this action (add, disable, approve, upstream, ...)")
+    p.add_argument("--server", metavar="NAME", help="only rows about this server")
     p = command("config", cmd_config, "show or change a setting")
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?")
+    p.add_argument("--json", action="store_true")
     p = command("serve", cmd_serve, "run the MCP gateway on stdio (what an agent's config runs)")
     p.add_argument("--live", action="store_true",
                    help="list only what started servers offer now; by default a server still starting is "
                         "listed as it was at its last start, and a change is announced when it is up")
+    p.add_argument("--only", action="append", metavar="SERVER", help=argparse.SUPPRESS)
+    add_client_commands(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    configure_logging("info" if argv[:1] == ["serve"] else "warning")
     trailing: list[str] = []
     if argv[:1] == ["add"] and "--" in argv:
         split = argv.index("--")
@@ -3285,21 +7086,32 @@ def main(argv: list[str] | None = None) -> int:
         args.command = trailing
     if getattr(args, "limit", 1) is not None and getattr(args, "limit", 1) < 1:
         parser.error("--limit must be at least 1")
+    vault = None
     try:
         vault = Vault()
-    except (sqlite3.Error, OSError) as exc:
-        print(f"coffer: error: cannot open the vault under {coffer_home()}: {exc}", file=sys.stderr)
-        return 1
-    try:
         return args.handler(vault, args)
+    except KeyboardInterrupt:
+        print("coffer: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `coffer ... | head`: the reader had enough
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
     except CofferError as exc:
-        print(f"coffer: error: {exc}", file=sys.stderr)
+        print(printable(redact(f"coffer: error: {exc}")), file=sys.stderr)
         return 1
     except sqlite3.Error as exc:
-        print(f"coffer: error: vault: {exc}", file=sys.stderr)
+        where = f" under {coffer_home()}" if vault is None else ""
+        print(printable(redact(f"coffer: error: the vault{where}: {exc}")), file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 - a bug: one line for the user, the traceback with COFFER_LOG=debug
+        log.exception("internal error")
         return 1
     finally:
-        vault.close()
+        if vault is not None:
+            vault.close()
 
 
 if __name__ == "__main__":

@@ -91,12 +91,15 @@ def test_capability_choices_survive_disappearance_and_follow_policy(home):
     vault = coffer.Vault(str(home))
     vault.add_server("s", command=["x"])
     tool = {"name": "a", "inputSchema": {"type": "object"}}
-    assert vault.sync_capabilities("s", "tool", {"a": tool}) == {"a": True}
+    def enabled(states):
+        return {name: state.enabled for name, state in states.items()}
+
+    assert enabled(vault.sync_capabilities("s", "tool", {"a": tool})) == {"a": True}
     vault.set_enabled("s__a", False)
     assert vault.sync_capabilities("s", "tool", {}) == {}            # the upstream dropped it
     vault.set_policy("s", "disabled")
     states = vault.sync_capabilities("s", "tool", {"a": tool, "b": {"name": "b"}})
-    assert states == {"a": False, "b": False}                        # choice kept; new one follows policy
+    assert enabled(states) == {"a": False, "b": False}               # choice kept; new one follows policy
     actions = [r["action"] for r in vault.audit_rows(100)]
     assert "upstream-removed" in actions and "upstream-restored" in actions
 

@@ -545,17 +545,22 @@ def test_choices_survive_upstream_upgrades(home, raw_gateway, tmp_path):
     cli("disable", "up__fail")
     cli("policy", "up", "disabled")
 
-    # run 2: fail removed, newtool added (policy: disabled), echo's schema changed
+    # run 2: fail removed, newtool added (policy: disabled), echo's schema changed: held back until approved
     gw, tools = run("--tools echo,slow,newtool --schema-tag ' (v2)'", upgraded=True)
     assert "up__fail" not in tools and "up__newtool" not in tools
-    assert tools["up__echo"]["description"].endswith("(v2)")
+    assert "up__echo" not in tools and "up__slow" in tools
     reply = gw.request("tools/call", {"name": "up__newtool", "arguments": {}})
     assert reply.get("error", {}).get("code") == -32602 and "disabled" in reply["error"]["message"]
+    reply = gw.request("tools/call", {"name": "up__echo", "arguments": {"text": "x"}})
+    assert reply.get("error", {}).get("code") == -32602 and "coffer approve up__echo" in reply["error"]["message"]
     gw.close()
+    approved = cli("approve", "up__echo").stdout
+    assert "(v2)" in approved and "approved tool up__echo" in approved
 
     # run 3: fail comes back and is still disabled
     gw, tools = run("--tools echo,slow,fail,newtool --schema-tag ' (v2)'")
-    assert "up__fail" not in tools and "up__newtool" not in tools and "up__echo" in tools
+    assert "up__fail" not in tools and "up__newtool" not in tools
+    assert tools["up__echo"]["description"].endswith("(v2)")
     reply = gw.request("tools/call", {"name": "up__fail", "arguments": {}})
     assert reply.get("error", {}).get("code") == -32602 and "disabled" in reply["error"]["message"]
     gw.close()
@@ -568,7 +573,7 @@ def test_choices_survive_upstream_upgrades(home, raw_gateway, tmp_path):
     assert ("upstream-restored", "up:fail") in actions
     added = next(row for row in audit if row["action"] == "upstream-added" and row["target"] == "up:newtool")
     assert "disabled by policy" in added["detail"]
-    assert ("disable", "up__fail") in actions
+    assert ("disable", "up__fail") in actions and ("approve", "up:echo") in actions
 
 
 def test_a_request_bigger_than_the_pipe_and_the_calls_behind_it_arrive_whole_and_in_order(home, raw_gateway,
