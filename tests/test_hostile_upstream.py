@@ -548,7 +548,9 @@ def colliding_long_names():
 
 
 def called_names(gw, server="h"):
-    """exposed name -> the upstream tool it reaches (the fixture answers "called <name>")."""
+    """exposed name -> the upstream tool it reaches (the fixture answers "called <name>"), from the server's live
+    list: the echo call waits until it has started, so the remembered list of its last start is replaced."""
+    assert text_of(call(gw, f"{server}__echo", {"text": "up"})) == "up"
     mapping = {}
     for name in tool_names(gw.request("tools/list")):
         if name.startswith(f"{server}__") and name not in (f"{server}__echo", f"{server}__env"):
@@ -588,6 +590,27 @@ def test_shortened_names_never_collide_and_every_cli_target_is_what_the_client_s
     assert sorted(after.values()) == sorted(pair + [third]), after
     refused = call(gw, victim)
     assert "error" in refused and "disabled" in refused["error"]["message"], refused
+
+
+def test_a_new_tool_never_takes_over_an_exposed_name_already_given_to_another(home, tmp_path, watched_gateway):
+    """A client (and the agent's memory) holds the names it was shown.  When an upstream later adds a tool whose
+    literal name equals another tool's shortened name, the established name must keep reaching the established
+    tool; the newcomer is the one that gets a longer name.  Otherwise a call made under the old name - even one
+    routed from the remembered list while the server starts - silently runs a different tool."""
+    names_file = tmp_path / "names.json"
+    third = "another_extremely_long_tool_name_that_will_surely_be_shortened_too"
+    names_file.write_text(json.dumps([third]))
+    add_hostile("h", "collide", extra=("--names-file", str(names_file)))
+    gw = session(watched_gateway)
+    established = next(exposed for exposed, original in called_names(gw).items() if original == third)
+    gw.close()
+    names_file.write_text(json.dumps([third, established.removeprefix("h__")]))
+    gw = session(watched_gateway)
+    reply = call(gw, established)  # routed once h has started and listed the newcomer
+    assert text_of(reply) == f"called {third}", f"{established} now reaches another tool: {reply}"
+    seen = called_names(gw)
+    assert sorted(seen.values()) == sorted([third, established.removeprefix("h__")]), seen  # neither is hidden
+    assert seen[established] == third, f"{established} reached {third} at first, now {seen[established]}"
 
 
 # -- class 13: bounded lines, pages and lists from an upstream ---------------------------------------------------
