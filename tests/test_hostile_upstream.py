@@ -218,6 +218,49 @@ def test_trust_updates_lets_changes_through_and_pin_updates_restores_the_pin(hom
     assert "d__echo" not in tool_names(gw.request("tools/list"))
 
 
+def test_a_quarantined_tool_stays_hidden_while_its_server_starts_again(home, tmp_path, watched_gateway):
+    """The list a client gets before a server is up comes from the vault: it must not carry the changed definition
+    (nor the tool) either."""
+    flags = tmp_path / "flags"
+    flags.write_text("")
+    drift_file = tmp_path / "drift.json"
+    add_hostile("d", "prompts", extra=("--drift-file", str(drift_file), "--args-file", str(flags)))
+    gw = session(watched_gateway)
+    gw.close()
+    drift_file.write_text(json.dumps({"description": EVIL}))
+    gw = session(watched_gateway)
+    call(gw, "d__env")
+    gw.close()
+    flags.write_text("--start-delay 4")
+    gw = watched_gateway()
+    gw.initialize()
+    early = gw.request("tools/list")  # answered from the vault: d is still sleeping
+    assert "d__env" in tool_names(early), "the remembered list was not used (test assumption)"
+    assert "d__echo" not in tool_names(early) and EVIL not in json.dumps(early), early
+    early_prompts = gw.request("prompts/list")
+    assert EVIL not in json.dumps(early_prompts), early_prompts
+    refused = call(gw, "d__echo", {"text": "x"})
+    assert "error" in refused and "coffer approve d__echo" in refused["error"]["message"], refused
+
+
+def test_a_changed_resource_template_is_quarantined_too(home, tmp_path, watched_gateway):
+    drift_file = tmp_path / "drift.json"
+    add_hostile("t", "templates", extra=("--templates", "notes://{id}", "--drift-file", str(drift_file)))
+    add_hostile("good")
+    gw = session(watched_gateway)
+    assert "notes://{id}" in json.dumps(gw.request("resources/templates/list"))
+    assert "t read notes://1" in json.dumps(gw.request("resources/read", {"uri": "notes://1"}))
+    gw.close()
+    drift_file.write_text(json.dumps({"description": EVIL}))
+    gw = session(watched_gateway)
+    call(gw, "t__env")
+    templates = gw.request("resources/templates/list")
+    assert "notes://{id}" not in json.dumps(templates) and EVIL not in json.dumps(templates), templates
+    refused = gw.request("resources/read", {"uri": "notes://1"})
+    assert "error" in refused and "coffer approve" in refused["error"]["message"], refused
+    healthy(gw)
+
+
 # -- class 4: terminal control characters ---------------------------------------------------------------------------
 
 def assert_no_control(text, where):
@@ -438,6 +481,19 @@ def test_undefined_server_requests_are_refused_not_relayed(home, watched_gateway
     healthy(gw)
 
 
+def test_a_flood_of_server_requests_is_bounded(home, watched_gateway):
+    """Each relayed sampling request may cost the user a model call: an upstream must not be able to queue
+    thousands of them on the client (nor grow the gateway's table of open requests without bound)."""
+    add_hostile("h", "ask")
+    add_hostile("good")
+    gw = session(watched_gateway, capabilities={"sampling": {}})
+    assert text_of(call(gw, "h__ask_many", {"method": "sampling/createMessage", "count": 5000})) == "asked 5000"
+    healthy(gw)
+    time.sleep(1.0)
+    relayed = sum(1 for r in gw.requests if r["method"] == "sampling/createMessage")
+    assert relayed <= 1000, f"{relayed} of 5,000 sampling requests were relayed to the client at once"
+
+
 def notify(gw, server, method, count=1, params=None):
     return call(gw, f"{server}__notify", {"method": method, "count": count, "params": params or {}})
 
@@ -553,7 +609,7 @@ def called_names(gw, server="h"):
     assert text_of(call(gw, f"{server}__echo", {"text": "up"})) == "up"
     mapping = {}
     for name in tool_names(gw.request("tools/list")):
-        if name.startswith(f"{server}__") and name not in (f"{server}__echo", f"{server}__env"):
+        if name.startswith(f"{server}__") and name not in (f"{server}__echo", f"{server}__env", f"{server}__crash"):
             reply = call(gw, name)
             mapping[name] = text_of(reply).removeprefix("called ") if "result" in reply else None
     return mapping
@@ -707,6 +763,29 @@ def test_an_upstreams_setsid_child_does_not_outlive_the_gateway(home, tmp_path, 
     finally:
         if running(child):
             os.kill(child, signal.SIGKILL)
+
+
+@posix_only
+def test_the_setsid_child_of_an_upstream_that_crashed_does_not_outlive_the_gateway(home, tmp_path,
+                                                                                   watched_gateway):
+    """A server that daemonizes a helper and later crashes: the helper is re-parented away from the dead server,
+    so finding it at shutdown needs Coffer to have kept track of it (e.g. as a child subreaper on Linux)."""
+    pid_file = tmp_path / "children.pid"
+    add_hostile("s", "setsid-child", extra=("--pid-file", str(pid_file)))
+    gw = session(watched_gateway)
+    assert text_of(call(gw, "s__echo", {"text": "first"})) == "first"
+    call(gw, "s__crash")
+    assert text_of(call(gw, "s__echo", {"text": "second"}, timeout=60)) == "second"
+    children = [int(p) for p in wait_until(lambda: len(pid_file.read_text().split()) >= 2 and
+                                           pid_file.read_text().split(), what="two children")]
+    try:
+        gw.close()
+        wait_until(lambda: not any(running(pid) for pid in children), timeout=15,
+                   what=f"the setsid children {children} to be ended")
+    finally:
+        for pid in children:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 # -- class 18: failed starts --------------------------------------------------------------------------------------

@@ -201,6 +201,33 @@ def test_adding_credentials_over_plain_http_to_a_remote_host_warns_once(home):
     assert cli("list").stderr.strip() == "", "the warning belongs to `add`, once"
 
 
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_slow_http_calls_cost_no_thread_each_and_never_hold_up_a_quick_call_or_a_cancellation(home, origins,
+                                                                                              watched_gateway):
+    """Bounding the threads that talk to one HTTP upstream must not queue a quick call, or the cancellation of a
+    slow one, behind a batch of long-running calls."""
+    here = origins()
+    here.routes["/mcp"] = mcp("here")
+    cli("add", "remote", "--url", here.url("/mcp"))
+    gw = started(watched_gateway)
+    threads = []
+    for i in range(200):
+        gw.send({"jsonrpc": "2.0", "id": f"slow{i}", "method": "tools/call",
+                 "params": {"name": "remote__slow", "arguments": {"seconds": 30}}})
+    wait_until(lambda: len([r for r in here.seen("POST") if b'"slow"' in r.body]) >= 1, what="a slow call")
+    threads.append(proc_status(gw.proc.pid, "Threads"))
+    gw.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "slow0"}})
+    quick = gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "quick"}}, timeout=20)
+    assert quick["result"]["content"][0]["text"] == "here: quick", quick
+    with gw.cond:
+        finished = [k for k in gw.responses if k.startswith('"slow')]
+    assert not finished or finished == ['"slow0"'], "the quick call waited for the slow ones"
+    wait_until(lambda: any(b"notifications/cancelled" in r.body for r in here.seen("POST")), timeout=10,
+               what="the cancellation to reach the server while the slow calls run")
+    threads.append(proc_status(gw.proc.pid, "Threads"))
+    assert max(threads) < 100, f"{max(threads)} threads for 200 slow calls to one HTTP upstream"
+
+
 # -- class 13: an HTTP body or SSE event over the limit ------------------------------------------------------------
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc")

@@ -205,6 +205,21 @@ def test_a_literal_header_value_is_moved_into_the_store(home, watched_gateway):
         server.close()
 
 
+def test_ordinary_settings_moved_into_the_store_do_not_corrupt_the_output(home, watched_gateway):
+    """Every literal --env value is moved into the store, settings included; redacting such short ordinary values
+    (true, enabled, info) must not mangle what Coffer prints, least of all its JSON."""
+    cli("add", "s", "--env", "DEBUG=true", "--env", "MODE=enabled", "--env", "LEVEL=info",
+                "--", *HOSTILE, "--name", "s")
+    env, gw = env_via_gateway(watched_gateway, "s")
+    assert (env.get("DEBUG"), env.get("MODE"), env.get("LEVEL")) == ("true", "enabled", "info")
+    servers = json.loads(cli("list", "--json").stdout)["servers"]  # must still be JSON
+    row = next(s for s in servers if s["name"] == "s")
+    assert row["enabled"] is True and row["policy"] == "enabled", row
+    assert "***" not in cli("list").stdout and "***" not in cli("audit").stdout
+    assert "***" not in json.dumps(json.loads(cli("log", "--json").stdout))
+    assert cli("secret", "list").stdout.strip()  # they were moved (fails where literals stay in coffer.db)
+
+
 def test_store_secrets_are_redacted_from_status_stderr_and_the_vault(home, watched_gateway, tmp_path):
     referenced = "ref-" + uuid.uuid4().hex
     unrelated = "unrel-" + uuid.uuid4().hex
