@@ -419,6 +419,29 @@ def test_a_malformed_tool_list_entry_is_repaired_or_dropped_on_the_raw_wire(home
         assert isinstance(template.get("uriTemplate"), str) and isinstance(template.get("name"), str), template
 
 
+def test_a_result_nested_deeper_than_a_client_can_parse_still_gets_the_client_an_answer(home):
+    """Python follows ~1,000 levels, the official SDK's parser far fewer: a reply Coffer can read but relays
+    verbatim leaves the SDK's call waiting forever.  Deep nesting is bounded on the way out as on the way in."""
+    add_hostile("h", "deep", opts=("--timeout", "10"))
+    cli("add", "good", "--", *FAKE)
+
+    async def body(client):
+        try:
+            with anyio.fail_after(20):
+                result = await client.call_tool("h__deep", {"where": "nested", "depth": 300})
+            outcome = "tool error" if result.is_error else "result"
+        except TimeoutError:
+            outcome = "hung"
+        except Exception as exc:  # noqa: BLE001 - a clean protocol error is a fine outcome
+            outcome = f"error {type(exc).__name__}"
+        good = await client.call_tool("good__echo", {"text": "fine"})
+        return outcome, good
+
+    outcome, good = sdk_run(body, timeout=120)
+    assert outcome != "hung", "the SDK client never got an answer it could parse"
+    assert good.content[0].text == "fine"
+
+
 # -- class 9: malformed replies ---------------------------------------------------------------------------------
 
 MALFORMED = ["err_string", "no_jsonrpc", "both", "err_code_string", "err_no_message", "result_number",
