@@ -317,6 +317,34 @@ def test_a_bad_server_row_disables_only_that_server(home, watched_gateway, damag
     no_traceback(gw.stderr_text())
 
 
+BAD_NAMES = {"escape": "evil\x1b]52;c;eA==\x07", "separator": "good__echo", "empty": "", "long": "x" * 100,
+             "reserved": "coffer", "space": "two words"}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_NAMES))
+def test_a_server_row_with_an_invalid_name_is_not_served(home, watched_gateway, case):
+    """`coffer add` refuses these names; a damaged row holding one must not put illegal, escape-laden or
+    colliding names (or tools inside Coffer's own coffer__ namespace) in front of a client."""
+    cli("add", "good", "--", *FAKE)
+    cli("add", "bad", "--", *FAKE)
+    damage(home, "UPDATE servers SET name=? WHERE name='bad'", (BAD_NAMES[case],))
+    listed = cli("list", check=False)
+    no_traceback(listed)
+    assert listed.returncode == 0 and "good" in listed.stdout
+    assert "\x1b" not in listed.stdout + listed.stderr
+    gw = watched_gateway()
+    assert "result" in gw.initialize()
+    names = [t["name"] for t in gw.request("tools/list")["result"]["tools"]]
+    assert all(re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", n) for n in names), names
+    assert len(names) == len(set(names))
+    assert sorted(names) == sorted(["coffer__search_tools"] + [f"good__{t}" for t in
+                                                             ("echo", "slow", "crash", "big", "fail", "sample")]), names
+    reply = gw.request("tools/call", {"name": "good__echo", "arguments": {"text": "served"}})
+    assert reply["result"]["content"][0]["text"] == "served"
+    gw.close()
+    no_traceback(gw.stderr_text())
+
+
 BAD_SETTINGS = {  # key, stored JSON text
     "not-json": ("call_timeout", "not json"),
     "wrong-type": ("call_timeout", '"abc"'),
