@@ -220,6 +220,34 @@ def test_ordinary_settings_moved_into_the_store_do_not_corrupt_the_output(home, 
     assert cli("secret", "list").stdout.strip()  # they were moved (fails where literals stay in coffer.db)
 
 
+@pytest.mark.parametrize("where", ["userinfo", "query"])
+def test_a_credential_inside_a_url_is_kept_out_of_the_vault_and_the_output(home, watched_gateway, where):
+    """Hosted MCP servers often take their key in the URL (?api_key=...) or as user:password@; such a literal is
+    a secret like a header value is."""
+    secret = "urlsecret" + uuid.uuid4().hex[:12]
+    server = HostileHttp()
+    try:
+        server.routes["/mcp"] = mcp("remote")
+        url = (server.url("/mcp") + f"?api_key={secret}" if where == "query"
+               else server.url("/mcp").replace("://", f"://user:{secret}@"))
+        added = cli("add", "remote", "--url", url)
+        assert secret not in added.stdout + added.stderr
+        assert not holding(home, secret), "a credential in a URL was written to the vault"
+        for args in (("list",), ("list", "--json"), ("audit",)):
+            shown = cli(*args)
+            assert secret not in shown.stdout + shown.stderr, f"`coffer {' '.join(args)}` shows it"
+        if where == "query":  # the server still gets its key
+            gw = watched_gateway()
+            gw.initialize()
+            reply = gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "hi"}})
+            assert reply["result"]["content"][0]["text"] == "remote: hi", reply
+            assert all(secret in r.path for r in server.seen("POST"))
+            gw.close()
+            assert not holding(home, secret) and secret not in gw.stderr_text()
+    finally:
+        server.close()
+
+
 def test_store_secrets_are_redacted_from_status_stderr_and_the_vault(home, watched_gateway, tmp_path):
     referenced = "ref-" + uuid.uuid4().hex
     unrelated = "unrel-" + uuid.uuid4().hex
