@@ -70,7 +70,8 @@ def wait_until(predicate, timeout=20.0, interval=0.1, what="condition"):
 
 
 def started(watched_gateway, env=None, **kwargs):
-    cli("add", "good", "--", *FAKE)
+    if "good" not in [s["name"] for s in json.loads(cli("list", "--json").stdout)["servers"]]:
+        cli("add", "good", "--", *FAKE)
     gw = watched_gateway(env={**SECRET_ENV, **(env or {})}, **kwargs)
     gw.initialize()
     gw.send({"jsonrpc": "2.0", "id": "first-list", "method": "tools/list"})
@@ -217,7 +218,10 @@ def test_slow_http_calls_cost_no_thread_each_and_never_hold_up_a_quick_call_or_a
     wait_until(lambda: len([r for r in here.seen("POST") if b'"slow"' in r.body]) >= 1, what="a slow call")
     threads.append(proc_status(gw.proc.pid, "Threads"))
     gw.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "slow0"}})
-    quick = gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "quick"}}, timeout=20)
+    try:
+        quick = gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "quick"}}, timeout=20)
+    except TimeoutError:
+        pytest.fail("a quick call waited behind the slow calls to the same HTTP upstream")
     assert quick["result"]["content"][0]["text"] == "here: quick", quick
     with gw.cond:
         finished = [k for k in gw.responses if k.startswith('"slow')]
@@ -226,6 +230,35 @@ def test_slow_http_calls_cost_no_thread_each_and_never_hold_up_a_quick_call_or_a
                what="the cancellation to reach the server while the slow calls run")
     threads.append(proc_status(gw.proc.pid, "Threads"))
     assert max(threads) < 100, f"{max(threads)} threads for 200 slow calls to one HTTP upstream"
+
+
+def test_a_call_to_a_remembered_tool_of_a_remote_that_hangs_at_initialize_meets_call_timeout(home, origins,
+                                                                                              watched_gateway):
+    here = origins()
+    serve = mcp("here")
+    hanging = {"on": False}
+
+    def route(request):
+        if hanging["on"] and b'"initialize"' in request.body:
+            time.sleep(90)  # accepts the connection, never answers in time
+        return serve(request)
+
+    here.routes["/mcp"] = route
+    cli("add", "remote", "--url", here.url("/mcp"))
+    cli("config", "call_timeout", "3")
+    gw = started(watched_gateway)
+    assert gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "x"}})["result"]
+    gw.close()
+    hanging["on"] = True
+    gw = started(watched_gateway)
+    gw.send({"jsonrpc": "2.0", "id": "call", "method": "tools/call",
+             "params": {"name": "remote__echo", "arguments": {"text": "x"}}})
+    try:
+        reply = gw.wait_response("call", timeout=25)  # init_timeout is 60 s and there are 5 attempts
+    except TimeoutError:
+        pytest.fail("a call to a remote that hangs at initialize was not answered within call_timeout")
+    assert reply["result"].get("isError") is True, reply
+    healthy(gw)
 
 
 # -- class 13: an HTTP body or SSE event over the limit ------------------------------------------------------------
