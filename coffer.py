@@ -14,14 +14,16 @@ One module, standard library only.  Sections, in the order data flows through th
     5. upstream supervisor: one server's connection, requests, lists and restarts; boundary checks
     6. catalogue: the merged, namespaced, filtered view of all upstreams
     7. search: the BM25F ranker behind coffer__search_tools (7b: optional semantic ranking)
-    8. gateway session: the MCP server a client talks to
-    9. client configs: import from, install into and diagnose the MCP clients a user has
-   10. command line
+    8. knowledge and memory: the user's documents and notes behind coffer__ask and coffer__remember
+    9. gateway session: the MCP server a client talks to
+   10. client configs: import from, install into and diagnose the MCP clients a user has
+   11. command line
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import contextlib
 import dataclasses
@@ -30,12 +32,14 @@ import errno
 import functools
 import hashlib
 import heapq
+import itertools
 import json
 import logging
 import math
 import os
 import queue
 import re
+import secrets
 import select
 import shlex
 import shutil
@@ -48,6 +52,7 @@ import tempfile
 import threading
 import time
 import unicodedata
+import urllib.parse  # loaded by the interpreter's own start-up anyway
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Callable, NamedTuple
@@ -73,12 +78,15 @@ REQUEST_TIMEOUT = -32001
 SEPARATOR = "__"
 RESERVED_SERVER = "coffer"
 SEARCH_TOOL = "coffer__search_tools"
+ASK_TOOL = "coffer__ask"
+REMEMBER_TOOL = "coffer__remember"
 SERVER_NAME_RE = re.compile(r"^[a-zA-Z0-9-]{1,24}$")
 EXPOSED_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 QUALIFIED_URI_RE = re.compile(r"^coffer\+([a-zA-Z0-9-]{1,24}):(.+)$", re.S)
 
 DEFAULTS = {
+    "oauth_client_metadata_url": "",  # https URL of Coffer's OAuth Client ID Metadata Document, where hosted
     "name_max_length": 48,          # leaves room for a client prefix such as mcp__<key>__ within 64
     "discovery_timeout": 5.0,       # seconds a list request waits for a starting upstream
     "call_timeout": 120.0,          # seconds a request may go without a reply or progress
@@ -95,6 +103,8 @@ DEFAULTS = {
     "max_message_bytes": 64 << 20,  # a longer line, HTTP body or SSE event fails that message, not the gateway
     "max_list_pages": 100,          # pages Coffer follows when an upstream paginates one list
     "max_list_items": 10_000,       # tools (prompts, resources...) kept per list per upstream
+    "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them
+    "ask_synthesis": "on",          # on: coffer__ask may ask the client's own model (sampling) for an answer
 }
 
 INSTRUCTIONS = (
@@ -728,7 +738,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS servers (
     name TEXT PRIMARY KEY,
-    transport TEXT NOT NULL,                 -- 'stdio' or 'http'
+    transport TEXT NOT NULL,                 -- 'stdio'; remote: 'http', 'sse', or 'auto' (not yet detected)
     command TEXT,                            -- JSON argv, unexpanded
     url TEXT,
     env TEXT NOT NULL DEFAULT '{}',          -- JSON, unexpanded: ${VAR} references, literal values never
@@ -742,7 +752,9 @@ CREATE TABLE IF NOT EXISTS servers (
     status TEXT, status_detail TEXT, status_at TEXT,
     capabilities TEXT,                       -- JSON: what the server advertised at its last initialize
     inherit_env TEXT NOT NULL DEFAULT '[]',  -- JSON: names of Coffer's environment variables it also gets
-    updates TEXT NOT NULL DEFAULT 'pin'      -- 'pin': a changed definition waits for `coffer approve`; 'trust'
+    updates TEXT NOT NULL DEFAULT 'pin',     -- 'pin': a changed definition waits for `coffer approve`; 'trust'
+    oauth TEXT                               -- JSON: OAuth client settings (client_id, client_secret_env, login_at);
+                                             -- names and a time only: tokens live in the secret store
 );
 CREATE TABLE IF NOT EXISTS capabilities (
     server TEXT NOT NULL,
@@ -776,12 +788,13 @@ MIGRATIONS = (
     ("servers", "capabilities", "TEXT"),
     ("servers", "inherit_env", "TEXT NOT NULL DEFAULT '[]'"),
     ("servers", "updates", "TEXT NOT NULL DEFAULT 'pin'"),
+    ("servers", "oauth", "TEXT"),
     ("capabilities", "approved", "TEXT"),
     ("capabilities", "approved_definition", "TEXT"),
 )
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
-TRANSPORTS = ("stdio", "http")
+TRANSPORTS = ("stdio", "http", "sse", "auto")
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
 
@@ -993,18 +1006,18 @@ class Vault:
 
     # -- servers -------------------------------------------------------------------------------------------
     def add_server(self, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
-                   timeout=None, inherit_env=None, transport=None, replace: bool = False) -> int:
+                   timeout=None, inherit_env=None, transport=None, oauth=None, replace: bool = False) -> int:
         """Register a server, or with ``replace`` change an existing one's definition (its capability choices
         stay).  Returns how many earlier choices apply: those of the server being replaced, or — after `remove`
         and `add` of the same name — the ones kept from before the removal (for the audit retention period)."""
         with self.transaction() as db:
             return self.put_server(db, name, command=command, url=url, env=env, headers=headers, cwd=cwd,
                                    policy=policy, timeout=timeout, inherit_env=inherit_env, transport=transport,
-                                   replace=replace)
+                                   oauth=oauth, replace=replace)
 
     def put_server(self, db, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
-                   timeout=None, inherit_env=None, transport=None, replace: bool = False, action: str | None = None,
-                   detail: str | None = None) -> int:
+                   timeout=None, inherit_env=None, transport=None, oauth=None, replace: bool = False,
+                   action: str | None = None, detail: str | None = None) -> int:
         """``add_server`` inside a transaction the caller holds (an import writes many servers in one); the one
         place a servers row is written.  Values must already be references, never literal secrets."""
         check_server_name(name)
@@ -1014,11 +1027,14 @@ class Vault:
             raise CofferError(f"bad policy {policy!r}: use 'enabled' or 'disabled'")
         if timeout is not None and not (timeout > 0):
             raise CofferError("--timeout must be a positive number of seconds")
-        transport = transport or ("http" if url else "stdio")
-        if transport not in TRANSPORTS:
-            raise CofferError(f"unknown transport {transport!r}")
+        transport = transport or ("auto" if url else "stdio")
+        if transport not in (REMOTE_TRANSPORTS if url else ("stdio",)):
+            raise CofferError(f"bad transport {transport!r} for a {'remote' if url else 'local'} server")
+        if url:
+            check_remote_url(url)
         definition = (transport, vault_json(command) if command else None, url, vault_json(env or {}),
-                      vault_json(headers or {}), cwd, timeout, vault_json(list(inherit_env or [])))
+                      vault_json(headers or {}), cwd, timeout, vault_json(list(inherit_env or [])),
+                      vault_json(oauth) if oauth else None)
         target = url or " ".join(shlex.quote(part) for part in command)
         existing = db.execute("SELECT name FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone()
         if existing and not (replace and existing["name"] == name):
@@ -1026,13 +1042,13 @@ class Vault:
                               f"changes its definition and keeps its choices")
         if existing:
             db.execute("UPDATE servers SET transport=?, command=?, url=?, env=?, headers=?, cwd=?, timeout=?,"
-                       " inherit_env=?, policy=coalesce(?, policy), status=NULL, status_detail=NULL,"
+                       " inherit_env=?, oauth=?, policy=coalesce(?, policy), status=NULL, status_detail=NULL,"
                        " status_at=NULL WHERE name=?", (*definition, policy, name))
         else:
             position = db.execute("SELECT coalesce(max(position), 0) + 1 FROM servers").fetchone()[0]
             db.execute(
-                "INSERT INTO servers(transport, command, url, env, headers, cwd, timeout, inherit_env, name,"
-                " policy, position, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO servers(transport, command, url, env, headers, cwd, timeout, inherit_env, oauth, name,"
+                " policy, position, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (*definition, name, policy or "enabled", position, utcnow()))
         self._audit(db, action or ("replace" if existing else "add"), name, detail or target)
         return db.execute("SELECT count(*) FROM capabilities WHERE server=?", (name,)).fetchone()[0]
@@ -1055,6 +1071,24 @@ class Vault:
         if not row:
             raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names())}")
         return _server_row(row)
+
+    def set_transport(self, name: str, transport: str) -> None:
+        """Remember which transport a remote server turned out to speak (transport auto)."""
+        if transport not in REMOTE_TRANSPORTS:
+            raise CofferError(f"bad transport {transport!r}")
+        with self.transaction() as db:
+            old = self._require_server(db, name)["transport"]
+            if old == transport or old == "stdio":
+                return
+            db.execute("UPDATE servers SET transport=? WHERE name=?", (transport, name))
+            self._audit(db, "transport", name, f"{old} -> {transport}")
+
+    def set_oauth(self, name: str, oauth: dict | None) -> None:
+        """A remote server's OAuth client settings (never a secret: a client secret is named by variable)."""
+        with self.transaction() as db:
+            self._require_server(db, name)
+            db.execute("UPDATE servers SET oauth=? WHERE name=?", (vault_json(oauth) if oauth else None, name))
+            self._audit(db, "oauth", name, "logged in" if (oauth or {}).get("login_at") else "login settings")
 
     def set_policy(self, name: str, policy: str) -> None:
         """enabled|disabled: what capabilities the server adds later start as; trust-updates|pin-updates: whether a
@@ -1384,6 +1418,7 @@ def _server_row(row) -> dict:
     server = dict(row)
     server.setdefault("inherit_env", "[]")
     server.setdefault("updates", "pin")
+    server.setdefault("oauth", None)
     try:
         command = _json_column(server["command"], list, None)
         if command is not None and not (command and all(isinstance(a, str) for a in command)):
@@ -1406,10 +1441,11 @@ def _server_row(row) -> dict:
         server["enabled"] = bool(server["enabled"])
     except (ValueError, TypeError) as exc:
         server.update(damaged=str(exc)[:200], enabled=False, command=None, env={}, headers={}, inherit_env=[])
-    try:
-        server["capabilities"] = _json_column(server.get("capabilities"), dict, None)
-    except (ValueError, TypeError):
-        server["capabilities"] = None  # forgotten, as if never started: the union then assumes everything
+    for key in ("capabilities", "oauth"):
+        try:
+            server[key] = _json_column(server.get(key), dict, None)
+        except (ValueError, TypeError):
+            server[key] = None  # forgotten: as if never started, or never given OAuth settings
     return server
 
 
@@ -1442,6 +1478,8 @@ def _checked_setting(key: str, raw):
         raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
     if key == "embedder_api" and value not in ("openai", "ollama"):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
+    if key in ("memory", "ask_synthesis") and value not in ("on", "off"):
+        raise CofferError(f"{key} must be on or off")
     if key == "max_message_bytes" and value < 4096:
         raise CofferError("max_message_bytes must be at least 4096")
     if isinstance(value, (int, float)) and value <= 0:
@@ -1552,7 +1590,7 @@ class InvocationLog:
 
 
 # ============================================================================================================
-# 4. Transports: how Coffer reaches an upstream (a subprocess on stdio, or Streamable HTTP)
+# 4. Transports: how Coffer reaches an upstream (stdio subprocess, Streamable HTTP, HTTP+SSE, OAuth)
 # ============================================================================================================
 
 
@@ -1563,9 +1601,12 @@ class UpstreamFailure(Exception):
     so the server is marked failed at once with the real reason instead of being retried into the same wall.
     """
 
-    def __init__(self, message: str, permanent: bool = False):
+    permanent = False
+
+    def __init__(self, message: str, permanent: bool | None = None):
         super().__init__(message)
-        self.permanent = permanent
+        if permanent is not None:
+            self.permanent = permanent
 
 
 class Transport:
@@ -1575,11 +1616,12 @@ class Transport:
     the connection ends, ``on_oversized(head, size)`` for a message over max_message_bytes (skipped unread), and
     ``on_stderr(line)`` for a subprocess's diagnostics.  ``send`` returns False when the connection no longer
     accepts input and raises EncodeError for a message that cannot be written.  ``fatal`` is set when the
-    connection failed in a way retrying cannot fix.
+    connection failed in a way retrying cannot fix; ``close_reason`` says, once it ended, what ended it.
     """
 
     pid = None
-    fatal: str | None = None
+    fatal: UpstreamFailure | None = None
+    close_reason: str | None = None
 
     def start(self) -> None:
         raise NotImplementedError
@@ -1922,156 +1964,368 @@ class StdioTransport(Transport):
                 pass
 
 
-# -- HTTP: one function decides redirects, so credentials never leave their origin ----------------------------
+# -- remote servers: one door for every HTTP exchange, so credentials never leave their origin -----------------
+# A remote server speaks Streamable HTTP (HttpTransport) or the 2024-11-05 HTTP+SSE transport (SseTransport);
+# "auto" asks it which, following the spec's backwards-compatibility procedure, and the answer is remembered in
+# the vault.  Any of them may be protected by OAuth: OAuthCredentials supplies and refreshes the bearer token, and
+# `coffer auth NAME` (oauth_login) is the only place a browser opens.  The credential rule for all of it:
+# configured headers and the bearer token go only to the configured URL's origin (scheme, host, port); a redirect,
+# an SSE endpoint or a saved login that would take them elsewhere is refused.  The authorization server only ever
+# gets what OAuth sends it (a code, a refresh token, Coffer's own client credentials), never a bearer token.
 
-class HttpError(Exception):
-    """An HTTP request that did not succeed; ``status`` is the HTTP status when there was one."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
+REMOTE_TRANSPORTS = ("auto", "http", "sse")
+OAUTH_SECRET_PREFIX = "oauth."          # SecretStore name of a server's saved login: oauth.<server>
 MAX_REDIRECTS = 3
-_LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+_ERROR_BODY_BYTES = 64 << 10            # how much of an error reply is read, for its message
+_METADATA_BYTES = 1 << 20               # OAuth metadata, registration and token replies
+_SSE_PIECE = 64 << 10                   # a stream is read in pieces of at most this, whatever its line lengths
+_SESSION_ID_RE = re.compile(r"^[\x21-\x7e]{1,1024}$")
 
 
-def url_origin(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of a URL: what a credential is bound to."""
-    import urllib.parse
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
+def url_origin(url) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an absolute http(s) URL, default port filled in; None for anything else."""
+    if not isinstance(url, str) or len(url) > 8192:
+        return None
     try:
-        port = parts.port or {"http": 80, "https": 443}.get(scheme, 0)
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
     except ValueError:
-        raise HttpError(f"invalid port in {printable(url)[:200]!r}") from None
-    return scheme, (parts.hostname or "").lower(), port
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return scheme, parts.hostname.lower(), port or (443 if scheme == "https" else 80)
 
 
-def origin_text(origin: tuple[str, str, int]) -> str:
-    return f"{origin[0]}://{origin[1]}:{origin[2]}"
+def same_origin(a, b) -> bool:
+    origin = url_origin(a)
+    return origin is not None and origin == url_origin(b)
+
+
+def origin_text(url) -> str:
+    origin = url_origin(url)
+    if origin is None:
+        return "an invalid URL"
+    scheme, host, port = origin
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" + ("" if port == (443 if scheme == "https" else 80) else f":{port}")
+
+
+def is_loopback_url(url) -> bool:
+    import ipaddress
+    origin = url_origin(url)
+    if origin is None:
+        return False
+    if origin[1] == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(origin[1]).is_loopback
+    except ValueError:
+        return False
+
+
+def _require_secure(url, what: str) -> str:
+    """An OAuth endpoint must be https (OAuth 2.1 §1.5); plain http only on this machine, for development."""
+    if url_origin(url) is None:
+        raise OAuthFailure(f"{what} is not an http(s) URL: {printable(str(url))[:200]}")
+    if urllib.parse.urlsplit(url).fragment:
+        raise OAuthFailure(f"{what} has a #fragment, which OAuth forbids: {printable(url)[:200]}")
+    if url_origin(url)[0] != "https" and not is_loopback_url(url):
+        raise OAuthFailure(f"{what} is plain http on another machine ({origin_text(url)}); "
+                           "refusing to send credentials there unencrypted")
+    return url
 
 
 def check_remote_url(url: str) -> str:
-    """A URL Coffer may connect to (http or https with a host), or CofferError saying what is wrong."""
-    try:
-        scheme, host, _ = url_origin(url)
-    except HttpError as exc:
-        raise CofferError(str(exc)) from None
-    if scheme not in ("http", "https") or not host or any(c.isspace() for c in url):
+    """A URL Coffer may connect to (http or https with a host), or CofferError saying what is wrong.  A URL that
+    holds a ${VAR} reference is checked when it is expanded, at start."""
+    if "${" in url:
+        return url
+    if url_origin(url) is None or any(c.isspace() for c in url):
         raise CofferError(f"invalid URL {printable(url)[:200]!r}: use http:// or https:// and a host name")
     return url
 
 
-def is_loopback(host: str) -> bool:
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+class HttpReply(NamedTuple):
+    """One HTTP exchange's answer.  ``stream`` is the still-open response when a streamed 2xx was asked for (the
+    caller reads and closes it); otherwise ``body`` holds the body (an error body cut at 64 KiB)."""
+    status: int
+    headers: dict           # lower-case name -> value; repeated headers joined with ", "
+    body: bytes
+    url: str                # where the answer came from, after same-origin redirects
+    stream: object = None
+
+
+class OriginRefused(UpstreamFailure):
+    """A redirect or an SSE endpoint that would carry credentials to another origin.  Permanent: retrying would
+    only ask the same server to send them there again."""
+
+    permanent = True
 
 
 _http_opener = None
 
 
-def http_open(method: str, url: str, headers: dict, body: bytes | None = None, timeout: float = 30.0):
-    """Send one HTTP request with urllib and return the open 2xx response; HttpError for anything else.
+def stream_errors() -> tuple:
+    """What reading a broken HTTP stream raises (http.client's IncompleteRead is neither OSError nor ValueError)."""
+    import http.client
+    return OSError, ValueError, http.client.HTTPException
 
-    Redirects are decided here, not by urllib (which re-sends every header, Authorization included, to whatever
-    host a redirect names, https->http included): a redirect is followed, with the same method and body, only
-    within the configured origin (scheme, host and port) and at most MAX_REDIRECTS times; any other is refused.
+
+def _header_dict(message) -> dict:
+    headers: dict[str, str] = {}
+    for name, value in (message.items() if message is not None else ()):
+        key = name.lower()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    return headers
+
+
+def remote_http(method: str, url: str, *, headers=None, body: bytes | None = None, timeout: float = 30.0,
+                max_bytes: int = _METADATA_BYTES, stream: bool = False) -> HttpReply:
+    """Every HTTP exchange Coffer makes (remote upstreams, OAuth, the embedder), with urllib.
+
+    Any status comes back as an HttpReply; what prevents an answer (unreachable, a body over ``max_bytes``)
+    raises UpstreamFailure.  Redirects are decided here, not by urllib (which re-sends every header, Authorization
+    included, to whatever host a redirect names, https->http included): a redirect is followed — with the same
+    method and body, the only meaning an MCP endpoint that moved can have — only within the configured origin and
+    at most MAX_REDIRECTS times; any other raises OriginRefused.
     """
     global _http_opener
-    import http.client, urllib.error, urllib.parse, urllib.request  # noqa: E401 - lazily: ~19 MB of RSS
+    import http.client, urllib.error, urllib.request  # noqa: E401 - lazily: ~19 MB of RSS
     if _http_opener is None:
         class _Decline(urllib.request.HTTPRedirectHandler):
             def redirect_request(self, *args, **kwargs):
-                return None  # a 3xx then surfaces as HTTPError, and http_open decides
+                return None  # a 3xx then surfaces as HTTPError, and remote_http decides
 
         _http_opener = urllib.request.build_opener(_Decline)
-    origin = url_origin(url)
-    if origin[0] not in ("http", "https"):
-        raise HttpError(f"unsupported URL scheme {origin[0]!r}")
+    if url_origin(url) is None:
+        raise UpstreamFailure(f"unsupported URL {printable(str(url))[:200]!r}", permanent=True)
+    sent = {"User-Agent": f"coffer/{__version__}", **(headers or {})}
+    where = origin_text(url)
     for _ in range(MAX_REDIRECTS + 1):
-        request = urllib.request.Request(url, data=body, headers=headers, method=method)
+        request = urllib.request.Request(url, data=body, headers=sent, method=method)
         try:
-            return _http_opener.open(request, timeout=timeout)
+            response = _http_opener.open(request, timeout=timeout)
         except urllib.error.HTTPError as exc:
-            status, reason = exc.code, exc.reason
             location = exc.headers.get("Location") if exc.headers is not None else None
-            try:
+            if exc.code in (301, 302, 303, 307, 308):
                 exc.close()
-            except Exception:  # noqa: BLE001 - closing a failed response is best effort
-                pass
-            if status not in (301, 302, 303, 307, 308):
-                raise HttpError(f"HTTP {status} {printable(reason)[:100]}", status) from None
-            target = urllib.parse.urljoin(url, location or "")
-            if not location or url_origin(target) != origin:
-                where = origin_text(url_origin(target)) if location else "nowhere"
-                raise HttpError(f"refused a redirect (HTTP {status}) from {origin_text(origin)} to {where}: Coffer "
-                                "sends credentials only to the configured origin; register the final URL instead",
-                                status) from None
-            url = target
-        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise HttpError(f"cannot reach {origin_text(origin)}: {printable(reason)[:200]}") from None
-    raise HttpError(f"more than {MAX_REDIRECTS} redirects within {origin_text(origin)}")
-
-
-def read_limited(response, limit: int) -> bytes:
-    data = response.read(limit + 1)
-    if len(data) > limit:
-        raise HttpError(f"a response body larger than max_message_bytes ({limit} bytes)")
-    return data
-
-
-def sse_events(read, limit: int):
-    """(event type, data) of each complete server-sent event; data over ``limit`` comes as an OversizedLine."""
-    data: list[bytes] = []
-    size, event, oversized = 0, "", None
-    for lines in read_line_bursts(read, max_line=limit):
-        for line in lines:
-            if isinstance(line, OversizedLine):
-                oversized = line
+                target = urllib.parse.urljoin(url, location or "")
+                if not location or not same_origin(target, url):
+                    raise OriginRefused(f"{where} redirected to {origin_text(target)} (HTTP {exc.code}): refused, "
+                                        "credentials never leave the configured origin; register the URL it "
+                                        "redirects to instead") from None
+                url = target
                 continue
-            line = line.rstrip(b"\r")
-            if not line:
-                if oversized is not None:
-                    yield event or "message", oversized
-                elif data:
-                    yield event or "message", b"\n".join(data)
-                data, size, event, oversized = [], 0, "", None
-                continue
-            if line.startswith(b":"):
-                continue
-            name, _, value = line.partition(b":")
-            if value.startswith(b" "):
-                value = value[1:]
-            if name == b"data" and oversized is None:
-                size += len(value) + 1
-                if size > limit:
-                    oversized = OversizedLine((b"\n".join(data) or value)[:4096], size)
-                    data = []
-                else:
-                    data.append(value)
-            elif name == b"event":
-                event = value.decode("utf-8", "replace")[:64]
+            try:
+                data = exc.read(_ERROR_BODY_BYTES) or b""
+            except (OSError, ValueError, http.client.HTTPException):
+                data = b""
+            finally:
+                exc.close()
+            return HttpReply(exc.code, _header_dict(exc.headers), data, url)
+        except urllib.error.URLError as exc:
+            raise UpstreamFailure(f"cannot reach {where}: {printable(str(getattr(exc, 'reason', exc)))[:200]}") \
+                from None
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise UpstreamFailure(f"cannot reach {where}: {exc.__class__.__name__}: {printable(str(exc))[:200]}") \
+                from None
+        reply = HttpReply(response.status, _header_dict(response.headers), b"", url, response)
+        if stream:
+            return reply
+        try:
+            data = response.read(max_bytes + 1)
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise UpstreamFailure(f"{where} broke off its reply: {exc.__class__.__name__}") from None
+        finally:
+            response.close()
+        if len(data) > max_bytes:
+            raise UpstreamFailure(f"{where} sent a reply larger than {max_bytes} bytes")
+        return reply._replace(body=data, stream=None)
+    raise OriginRefused(f"{where} redirected more than {MAX_REDIRECTS} times")
 
 
-_SESSION_ID_RE = re.compile(r"^[\x21-\x7e]{1,1024}$")
+def _stream_socket(response):
+    """The socket under a streamed urllib response (CPython's layout), or None: only to shut it down from another
+    thread (closing the response there would wait for the reader's lock) and to tune keepalive."""
+    raw = getattr(getattr(response, "fp", None), "raw", None)
+    return getattr(raw, "_sock", None)
+
+
+def settle_stream(response) -> None:
+    """A stream that may stay silent for hours: no read timeout, TCP keepalive so a dead peer is noticed."""
+    import socket
+
+    sock = _stream_socket(response)
+    if sock is None:
+        return
+    try:
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 15), ("TCP_KEEPCNT", 4)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    except OSError:
+        pass
+
+
+def abort_stream(response) -> None:
+    """End a streamed response from any thread: its reader sees end of stream and closes it."""
+    import socket
+
+    sock = _stream_socket(response)
+    try:
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+        else:
+            response.close()
+    except (OSError, ValueError):
+        pass
+
+
+def _close_reply(reply: HttpReply) -> None:
+    if reply.stream is not None:
+        try:
+            reply.stream.close()
+        except (OSError, ValueError):
+            pass
+
+
+def _content_type(reply: HttpReply) -> str:
+    return reply.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _reply_text(reply: HttpReply, limit: int = 200) -> str:
+    """An error body, as much as a person should see of it: printable, redacted, short."""
+    text = reply.body[:limit * 4].decode("utf-8", "replace").strip()
+    return printable(redact(" ".join(text.split())))[:limit]
+
+
+def authorized_exchange(name: str, auth, method: str, url: str, *, headers: dict, body: bytes | None = None,
+                        timeout: float, max_bytes: int = _METADATA_BYTES, stream: bool = False) -> HttpReply:
+    """One exchange with a remote upstream, carrying its OAuth token when it has one: refreshed before expiry,
+    and once more (then retried once) when the server answers 401.  Raises NeedsLogin when only a person can
+    fix it.  Without ``auth`` (the server has a configured Authorization header) a 401 is returned as is."""
+    for attempt in (1, 2):
+        sent = dict(headers)
+        if auth is not None:
+            sent.update(auth.headers_for(url))
+        reply = remote_http(method, url, headers=sent, body=body, timeout=timeout, max_bytes=max_bytes,
+                            stream=stream)
+        if auth is None or reply.status not in (401, 403):
+            return reply
+        challenges = parse_www_authenticate(reply.headers.get("www-authenticate"))
+        bearer = challenges.get("bearer")
+        if reply.status == 403:
+            if bearer is not None and bearer.get("error") == "insufficient_scope":
+                scope = printable(bearer.get("scope", ""))[:200]
+                raise NeedsLogin(name, f"it asks for more permissions{f' (scope {scope})' if scope else ''}; "
+                                       f"add --scope to `coffer auth {name}`")
+            return reply
+        if challenges and bearer is None:
+            schemes = ", ".join(sorted(challenges))[:100]
+            raise UpstreamFailure(f"HTTP 401: '{name}' asks for {schemes} credentials, not an OAuth login; "
+                                  "give them with --header")
+        if attempt == 2:
+            raise NeedsLogin(name, "it refused a freshly refreshed token")
+        auth.unauthorized(bearer or {}, sent.get("Authorization"))  # returns only when a new token is ready
+    raise AssertionError("unreachable")
+
+
+
+# -- server-sent events ----------------------------------------------------------------------------------------
+
+class SseEvent(NamedTuple):
+    """One event of a text/event-stream.  ``oversized`` > 0: its data ran to that many bytes and was dropped;
+    ``data`` then holds its first 4 KiB, enough to find a request id in."""
+    kind: str
+    data: bytes
+    oversized: int = 0
+
+
+def _bounded_lines(readline, limit: int):
+    """(line, length) per line of a stream; a line longer than ``limit`` keeps only its first pieces."""
+    while True:
+        piece = readline(_SSE_PIECE)
+        if not piece:
+            return
+        if piece.endswith(b"\n"):
+            yield piece, len(piece)
+            continue
+        parts, length = [piece], len(piece)
+        while True:
+            piece = readline(_SSE_PIECE)
+            length += len(piece)
+            if length <= limit + _SSE_PIECE:
+                parts.append(piece)
+            if not piece or piece.endswith(b"\n"):
+                break
+        yield b"".join(parts), length
+        if not piece:
+            return
+
+
+def read_sse_events(readline, max_event_bytes: int):
+    """Parse a text/event-stream (WHATWG HTML §9.2) from ``readline(limit)``.  Memory stays under about
+    ``max_event_bytes`` whatever the server sends; an unfinished last event is dropped, as the standard says.
+    Lines end with LF or CRLF (a lone CR is not treated as a line end)."""
+    kind, data, size, head = "", [], 0, b""
+    for raw, length in _bounded_lines(readline, max_event_bytes):
+        line = raw[:-1] if raw.endswith(b"\n") else raw
+        line = line[:-1] if line.endswith(b"\r") else line
+        if not line:
+            if head:
+                yield SseEvent(kind or "message", head, size)
+            elif data and (data[0] or len(data) > 1):  # an event with empty data is not dispatched
+                yield SseEvent(kind or "message", b"\n".join(data))
+            kind, data, size, head = "", [], 0, b""
+            continue
+        if line.startswith(b":"):
+            continue  # a comment: servers send them to keep the connection open
+        name, colon, value = line.partition(b":")
+        if colon and value.startswith(b" "):
+            value = value[1:]
+        if name == b"data":
+            size += (length if length > max_event_bytes else len(value)) + 1
+            if size > max_event_bytes:
+                head = head or (b"\n".join(data) + b"\n" + value)[:4096]
+                data = []
+            elif not head:
+                data.append(value)
+        elif name == b"event":
+            kind = value[:64].decode("utf-8", "replace")
+        # id and retry serve resumption, which the 2024-11-05 transport does not define: a drop is a new session.
+
+
+def _messages_of(data: bytes, name: str) -> list[dict]:
+    """The JSON-RPC messages in one event (a message or a batch); junk is skipped with a warning."""
+    try:
+        payload = decode_json(data)
+    except ValueError as exc:
+        log.warning("[%s] skipped an SSE event that is not JSON (%d bytes: %s)", name, len(data), exc)
+        return []
+    items = payload if isinstance(payload, list) else [payload]
+    return [item for item in items if isinstance(item, dict)]
 
 
 class HttpTransport(Transport):
-    """An upstream MCP server over Streamable HTTP, with urllib through ``http_open``.
+    """An upstream MCP server over Streamable HTTP; every exchange goes through ``authorized_exchange``.
 
-    Each outgoing message is one POST on a bounded worker pool; the reply is either one JSON body or an SSE
-    stream that may carry the server's own requests and notifications before the response.  Bodies and events
-    are bounded by max_message_bytes.
+    Each outgoing message is one POST on a bounded worker pool; the reply is either one JSON body or an SSE stream
+    that may carry the server's own requests and notifications before the response.  Bodies and events are bounded
+    by max_message_bytes.  With ``auth`` (OAuthCredentials) each request carries the server's bearer token,
+    refreshed and retried once on 401.  A request that never got through fails through ``on_failure``: a failure
+    of the connection, not an error the server returned.
     """
 
     POOL_SIZE = 16
 
-    def __init__(self, name, url, headers, on_message, on_close, timeout, on_oversized=None, max_body=64 << 20):
+    def __init__(self, name, url, headers, on_message, on_close, timeout, on_oversized=None, max_body=64 << 20,
+                 auth=None, on_failure=None):
         self.name, self.url, self.headers = name, url, headers
-        self.on_message, self.on_close = on_message, on_close
+        self.on_message, self.on_close, self.on_failure = on_message, on_close, on_failure
         self.on_oversized = on_oversized or (lambda head, size: None)
-        self.timeout, self.max_body = timeout, max_body
+        self.timeout, self.max_body, self.auth = timeout, max_body, auth
         self.session_id: str | None = None
         self.protocol_version: str | None = None
         self._closed = False
@@ -2079,10 +2333,8 @@ class HttpTransport(Transport):
         self._pool = WorkerPool(f"coffer-{name}-http", self.POOL_SIZE)
 
     def start(self) -> None:
-        try:
-            check_remote_url(self.url)
-        except CofferError as exc:
-            raise UpstreamFailure(str(exc), permanent=True) from None
+        if url_origin(self.url) is None:
+            raise UpstreamFailure(f"invalid URL {printable(self.url)[:200]!r}", permanent=True)
 
     def send(self, message: dict) -> bool:
         if self._closed:
@@ -2103,71 +2355,85 @@ class HttpTransport(Transport):
     def _post(self, message: dict, body: bytes) -> None:
         initializing = message.get("method") == "initialize"
         try:
-            response = http_open("POST", self.url, self._request_headers(), body, self.timeout)
-        except HttpError as exc:
-            if exc.status == 404 and self.session_id:
-                log.warning("[%s] HTTP session expired", self.name)
-                self._closed = True
-                self.on_close()
-                return
-            text = str(exc)
-            if initializing and (exc.status in (401, 403, 404, 405) or "redirect" in text):
-                hints = {401: " (the server wants credentials: check --header)",
-                         403: " (the credentials were refused)",
-                         404: " (check the URL; an older HTTP+SSE server is not supported yet)",
-                         405: " (an older HTTP+SSE server? it is not supported yet)"}
-                self.fatal = text + hints.get(exc.status, "")
-                text = self.fatal
+            reply = authorized_exchange(self.name, self.auth, "POST", self.url, headers=self._request_headers(),
+                                        body=body, timeout=self.timeout, stream=True)
+        except UpstreamFailure as exc:
+            self._fail(message, str(exc))
+            if exc.permanent:
+                self._fatal(exc, message)
+            return
+        if reply.status == 404 and self.session_id:
+            _close_reply(reply)
+            log.warning("[%s] HTTP session expired", self.name)
+            self._closed = True
+            self.close_reason = "expired its HTTP session"
+            self.on_close()
+            return
+        if not 200 <= reply.status < 300:
+            text = f"HTTP {reply.status}: {_reply_text(reply)}".rstrip(": ")
+            if initializing and reply.status in (401, 403, 404, 405):
+                hints = {401: " (it wants credentials: check --header)", 403: " (the credentials were refused)",
+                         404: " (check the URL; an older HTTP+SSE server? add it with --transport sse)",
+                         405: " (an older HTTP+SSE server? add it with --transport sse)"}
+                self.fatal = UpstreamFailure(text + hints[reply.status], permanent=True)
+                text = str(self.fatal)
             self._fail(message, text)
             return
-        with response:
-            session = response.headers.get("Mcp-Session-Id")
+        try:
+            session = reply.headers.get("mcp-session-id")
             if session and initializing:
                 if not _SESSION_ID_RE.match(session):
-                    self.fatal = "the server sent an invalid Mcp-Session-Id"
-                    self._fail(message, self.fatal)
+                    self.fatal = UpstreamFailure("the server sent an invalid Mcp-Session-Id", permanent=True)
+                    self._fail(message, str(self.fatal))
                     return
                 self.session_id = session
-            try:
-                self._consume(response, message)
-            except HttpError as exc:
-                self._fail(message, str(exc))
-            except (OSError, ValueError) as exc:
-                self._fail(message, f"connection to {self.name} lost: {exc}")
+            self._consume(reply)
+        except UpstreamFailure as exc:
+            self._fail(message, str(exc))
+        except stream_errors() as exc:
+            self._fail(message, f"{self.name} broke off its reply: {exc.__class__.__name__}")
+        finally:
+            _close_reply(reply)
+
+    def _fatal(self, exc: UpstreamFailure, message: dict) -> None:
+        """Retrying cannot fix this (a login only a person can give, an origin refused).  At start the Upstream
+        reports it at once; once running, the connection ends so the server's status says so too (its restart
+        then fails at once, for the same reason)."""
+        self.fatal = exc
+        if message.get("method") != "initialize" and not self._closed:
+            self._closed = True
+            self.close_reason = str(exc)
+            self.on_close()
 
     def _fail(self, message: dict, text: str) -> None:
         if "id" in message and "method" in message:
-            self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, text))
+            if self.on_failure is not None:
+                self.on_failure(message["id"], text)
+            else:
+                self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, text))
 
-    def _consume(self, response, message: dict | None = None) -> None:
-        kind = (response.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+    def _consume(self, reply: HttpReply) -> None:
+        kind = _content_type(reply)
         if kind == "application/json":
-            data = read_limited(response, self.max_body)
+            data = reply.stream.read(self.max_body + 1)
+            if len(data) > self.max_body:
+                raise UpstreamFailure(f"a reply larger than max_message_bytes ({self.max_body} bytes)")
             if data.strip():
-                try:
-                    payload = decode_json(data)
-                except ValueError:
-                    raise HttpError("the server answered with a body that is not JSON") from None
-                for item in payload if isinstance(payload, list) else [payload]:
+                for item in _messages_of(data, self.name):
                     self._deliver(item)
         elif kind == "text/event-stream":
-            for _, data in sse_events(getattr(response, "read1", response.read), self.max_body):
-                if isinstance(data, OversizedLine):
-                    self.on_oversized(data.head, data.size)
-                    continue
-                if not data.strip():
-                    continue  # a priming event (id only), sent so a client could resume the stream
-                try:
-                    self._deliver(decode_json(data))
-                except ValueError:
-                    log.warning("[%s] skipped an SSE event that is not JSON", self.name)
+            for event in read_sse_events(reply.stream.readline, self.max_body):
+                if event.oversized:
+                    self.on_oversized(event.data, event.oversized)
+                elif event.kind == "message":
+                    for item in _messages_of(event.data, self.name):
+                        self._deliver(item)
 
-    def _deliver(self, item) -> None:
-        if isinstance(item, dict):
-            if isinstance(item.get("result"), dict) and isinstance(item["result"].get("protocolVersion"), str):
-                self.protocol_version = item["result"]["protocolVersion"][:32]
-                self._start_listening()
-            self.on_message(item)
+    def _deliver(self, item: dict) -> None:
+        if isinstance(item.get("result"), dict) and isinstance(item["result"].get("protocolVersion"), str):
+            self.protocol_version = item["result"]["protocolVersion"][:32]
+            self._start_listening()
+        self.on_message(item)
 
     def _start_listening(self) -> None:
         """Open the optional GET stream on which the server sends requests and notifications of its own."""
@@ -2180,9 +2446,15 @@ class HttpTransport(Transport):
             headers["Accept"] = "text/event-stream"
             time.sleep(0.05)  # after notifications/initialized has gone out
             try:
-                with http_open("GET", self.url, headers, None, 3600) as response:
-                    self._consume(response)
-            except (HttpError, OSError, ValueError) as exc:
+                reply = authorized_exchange(self.name, self.auth, "GET", self.url, headers=headers,
+                                            timeout=self.timeout, stream=True)
+                if 200 <= reply.status < 300 and reply.stream is not None:
+                    settle_stream(reply.stream)
+                    try:
+                        self._consume(reply)
+                    finally:
+                        _close_reply(reply)
+            except (UpstreamFailure, *stream_errors()) as exc:
                 log.debug("[%s] no server stream: %s", self.name, exc)  # 405: this server has none
 
         start_thread(listen, f"coffer-{self.name}-sse")
@@ -2193,9 +2465,1082 @@ class HttpTransport(Transport):
         self._closed = True
         if self.session_id:
             try:
-                http_open("DELETE", self.url, self._request_headers(), None, grace).close()
-            except (HttpError, OSError):
+                headers = {**self._request_headers(), **(self.auth.headers_for(self.url) if self.auth else {})}
+                remote_http("DELETE", self.url, headers=headers, timeout=grace, max_bytes=_ERROR_BODY_BYTES)
+            except UpstreamFailure:
                 pass
+
+
+# -- legacy HTTP+SSE --------------------------------------------------------------------------------------------
+
+class SseTransport(Transport):
+    """An upstream MCP server over the 2024-11-05 HTTP+SSE transport: one long GET stream carries everything the
+    server says; everything Coffer says is POSTed to the endpoint the stream announced first, which must be on
+    the configured origin (it receives the same credentials).
+
+    Threads: ``start`` runs on the upstream's start thread (opens the stream, waits for the endpoint);
+    coffer-<name>-sse reads the stream until it ends; coffer-<name>-post sends the POSTs one at a time, in the
+    order ``send`` (any thread) queued them, so initialize, its notification and what follows keep their order.
+    The transport defines no resumption: when the stream drops, the session is gone.  The transport then calls
+    ``on_close`` once with ``close_reason`` set; the Upstream fails what was in flight (not retried: a tool call
+    may have run) and starts a new session, and requests that arrive meanwhile wait for it.
+    """
+
+    def __init__(self, name, url, headers, on_message, on_close, timeout, auth=None,
+                 max_message_bytes: int = 64 << 20, on_failure=None):
+        self.name, self.url, self.headers = name, url, dict(headers)
+        self.on_message, self.on_close, self.on_failure = on_message, on_close, on_failure
+        self.timeout = timeout
+        self.auth = auth
+        self.max_message_bytes = max_message_bytes
+        self.endpoint: str | None = None
+        self.close_reason: str | None = None
+        self.fatal: UpstreamFailure | None = None  # a permanent failure met (a needed login, a refused origin)
+        self.pid = None
+        self._stream = self._stream_url = None
+        self._events = None
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._close_signalled = False
+
+    def start(self) -> None:
+        if url_origin(self.url) is None:
+            raise UpstreamFailure(f"unsupported URL {self.url!r}")
+        reply = authorized_exchange(self.name, self.auth, "GET", self.url, timeout=self.timeout, stream=True,
+                                    headers={"Accept": "text/event-stream", "Cache-Control": "no-cache",
+                                             **self.headers})
+        if not 200 <= reply.status < 300:
+            _close_reply(reply)
+            raise UpstreamFailure(f"GET {origin_text(self.url)} answered HTTP {reply.status}: {_reply_text(reply)}")
+        if _content_type(reply) != "text/event-stream":
+            _close_reply(reply)
+            raise UpstreamFailure(f"{self.url} is not an SSE stream (Content-Type: "
+                                  f"{printable(_content_type(reply))[:60] or 'none'})")
+        self._stream, self._stream_url = reply.stream, reply.url
+        readline = until_endpoint(reply.stream.readline, lambda: self.endpoint is not None, self.timeout, self.url)
+        self._events = read_sse_events(readline, self.max_message_bytes)
+        try:
+            # The endpoint must come first, within the start timeout (the socket's timeout until settled).
+            for event in self._events:
+                if event.kind == "endpoint":
+                    self.endpoint = self._checked_endpoint(event, reply.url)
+                    break
+                log.warning("[%s] ignored a %r event that came before the endpoint", self.name, event.kind)
+        except UpstreamFailure:
+            _close_reply(reply)
+            raise
+        except stream_errors() as exc:
+            _close_reply(reply)
+            raise UpstreamFailure(f"the SSE stream of {origin_text(self.url)} broke before announcing its "
+                                  f"endpoint: {exc.__class__.__name__}") from None
+        if self.endpoint is None:
+            _close_reply(reply)
+            raise UpstreamFailure(f"the SSE stream of {origin_text(self.url)} ended before announcing its endpoint")
+        with self._lock:
+            if self._closed:
+                _close_reply(reply)
+                raise UpstreamFailure("stopped while starting")
+        settle_stream(reply.stream)
+        start_thread(self._read, f"coffer-{self.name}-sse")
+        start_thread(self._write, f"coffer-{self.name}-post")
+
+    def _checked_endpoint(self, event: SseEvent, stream_url: str) -> str:
+        try:
+            text = event.data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise UpstreamFailure("the SSE endpoint event is not UTF-8 text") from None
+        if event.oversized or not text or len(text) > 4096 or any(c in text for c in "\r\n\x00"):
+            raise UpstreamFailure("the SSE endpoint event does not hold a URL")
+        endpoint = urllib.parse.urljoin(stream_url, text)
+        if not same_origin(endpoint, self.url):
+            raise OriginRefused(f"the SSE stream named an endpoint on {origin_text(endpoint)}, not on "
+                                f"{origin_text(self.url)}: refused, credentials never leave the configured origin")
+        return urllib.parse.urldefrag(endpoint)[0]
+
+    def send(self, message: dict) -> bool:
+        with self._lock:
+            if self._closed or self.endpoint is None:
+                return False
+            self._outbox.put(message)
+        return True
+
+    def _write(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is None or self._closed:
+                return
+            try:
+                self._post(message)
+            except Exception:  # noqa: BLE001 - one message is lost, not the writer
+                log.exception("[%s] error sending a message", self.name)
+                self._fail(message, "internal error while sending it")
+
+    def _post(self, message: dict) -> None:
+        try:
+            body = encode_line(message)
+        except ValueError as exc:
+            self._fail(message, f"cannot encode the message: {exc}")
+            return
+        if len(body) > self.max_message_bytes:
+            self._fail(message, f"message larger than {self.max_message_bytes} bytes")
+            return
+        try:
+            reply = authorized_exchange(self.name, self.auth, "POST", self.endpoint, body=body,
+                                        timeout=self.timeout, max_bytes=_ERROR_BODY_BYTES,
+                                        headers={"Content-Type": "application/json", **self.headers})
+        except UpstreamFailure as exc:
+            self._fail(message, str(exc))
+            if getattr(exc, "permanent", False):
+                self.fatal = exc
+                self._lost(str(exc), in_flight_note=False)
+            return
+        if 200 <= reply.status < 300:
+            return
+        if reply.status in (404, 410):  # the server no longer knows this session (it restarted, or timed it out)
+            self._fail(message, "the server forgot the SSE session")
+            self._lost(f"lost its SSE session (POST answered HTTP {reply.status})")
+            return
+        self._fail(message, f"HTTP {reply.status}: {_reply_text(reply)}")
+
+    def _fail(self, message: dict, text: str) -> None:
+        """A request that never reached the server (or whose answer never came back) fails as a connection
+        failure, through on_failure: a tool call then reads as a tool error, not as the server's own error."""
+        if "id" in message and "method" in message:
+            if self.on_failure is not None:
+                self.on_failure(message["id"], text)
+            else:
+                self.on_message(rpc_error(message["id"], UPSTREAM_ERROR, f"'{self.name}': {text}"))
+
+    def _read(self) -> None:
+        reason = "ended its SSE stream"
+        try:
+            for event in self._events:
+                if event.oversized:
+                    self._oversized(event)
+                elif event.kind == "message":
+                    for item in _messages_of(event.data, self.name):
+                        try:
+                            self.on_message(item)
+                        except Exception:  # noqa: BLE001 - a routing bug must not end the stream
+                            log.exception("[%s] error handling a message", self.name)
+                elif event.kind == "endpoint":
+                    self.endpoint = self._checked_endpoint(event, self._stream_url)  # moves within the origin only
+        except UpstreamFailure as exc:
+            reason = str(exc)
+        except stream_errors() as exc:
+            reason = f"dropped its SSE stream ({exc.__class__.__name__})"
+        finally:
+            try:
+                self._stream.close()
+            except (OSError, ValueError):
+                pass
+        self._lost(reason)
+
+    def _oversized(self, event: SseEvent) -> None:
+        request_id = request_id_in(event.data)
+        log.warning("[%s] dropped an SSE event of %d bytes (limit %d)", self.name, event.oversized,
+                    self.max_message_bytes)
+        if request_id is not None:  # most likely the answer to one of Coffer's requests: answer it with why
+            self._fail({"id": request_id, "method": "?"},
+                       f"'{self.name}' sent a reply larger than {self.max_message_bytes} bytes")
+
+    def _lost(self, reason: str, in_flight_note: bool = True) -> None:
+        with self._lock:
+            if self._closed or self._close_signalled:
+                return
+            self._close_signalled = True
+            self._closed = True
+            self.close_reason = reason + ("; calls in flight failed (not retried: a tool call may have run) and a "
+                                          "new session starts" if in_flight_note else "")
+        self._outbox.put(None)
+        if self._stream is not None:
+            abort_stream(self._stream)
+        log.warning("[%s] %s", self.name, reason)
+        self.on_close()
+
+    def close(self, grace: float = 2.0) -> None:
+        """End the session: the server sees its stream close.  (HTTP+SSE has no explicit session end.)"""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._outbox.put(None)
+        if self._stream is not None:
+            abort_stream(self._stream)
+
+
+# -- transport "auto": the spec's backwards-compatibility procedure --------------------------------------------
+
+def until_endpoint(readline, announced, timeout: float, url: str):
+    """``readline`` bounded until ``announced()``: a server must not trickle comments or other events forever
+    (each within the socket timeout) instead of naming its endpoint; at most 1 MiB or ``timeout`` seconds."""
+    deadline, seen = time.monotonic() + timeout, [0]
+
+    def bounded(limit: int) -> bytes:
+        line = readline(limit)
+        if not announced():
+            seen[0] += len(line)
+            if seen[0] > 1 << 20 or time.monotonic() > deadline:
+                raise UpstreamFailure(f"the SSE stream of {origin_text(url)} did not announce its endpoint within "
+                                      f"{timeout:g} s")
+        return line
+
+    return bounded
+
+
+class TransportProbe(NamedTuple):
+    kind: str       # "http" or "sse"
+    detail: str     # what answered, for the user
+
+
+def _probe_initialize() -> bytes:
+    return encode_line({"jsonrpc": "2.0", "id": "coffer-probe", "method": "initialize", "params": {
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "coffer", "version": __version__}}})
+
+
+def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: float = 10.0) -> TransportProbe:
+    """Which transport ``url`` speaks (MCP 2025-11-25 transports, backwards compatibility): POST an initialize;
+    a 2xx means Streamable HTTP; a 400, 404 or 405 means try GET, and an SSE stream that opens with an
+    ``endpoint`` event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
+    if url_origin(url) is None:
+        raise UpstreamFailure(f"unsupported URL {url!r}")
+    reply = authorized_exchange(name, auth, "POST", url, body=_probe_initialize(), timeout=timeout, stream=True,
+                                headers={"Content-Type": "application/json",
+                                         "Accept": "application/json, text/event-stream", **headers})
+    _close_reply(reply)
+    if 200 <= reply.status < 300:
+        if _content_type(reply) not in ("application/json", "text/event-stream"):
+            raise UpstreamFailure(f"{url} answered an MCP initialize with {printable(_content_type(reply))[:60]}"
+                                  " content: not an MCP endpoint")
+        session = reply.headers.get("mcp-session-id")
+        if session and len(session) < 1024:  # the probe's session is not the one the transport will use
+            try:
+                remote_http("DELETE", url, timeout=min(timeout, 5.0), max_bytes=_ERROR_BODY_BYTES,
+                            headers={**headers, **(auth.headers_for(url) if auth else {}),
+                                     "Mcp-Session-Id": session})
+            except UpstreamFailure:
+                pass
+        return TransportProbe("http", "Streamable HTTP")
+    if reply.status not in (400, 404, 405):
+        raise UpstreamFailure(f"{url} answered an MCP initialize with HTTP {reply.status}: {_reply_text(reply)}")
+    post_status = reply.status
+    stream = authorized_exchange(name, auth, "GET", url, timeout=timeout, stream=True,
+                                 headers={"Accept": "text/event-stream", **headers})
+    try:
+        if 200 <= stream.status < 300 and _content_type(stream) == "text/event-stream":
+            for event in read_sse_events(until_endpoint(stream.stream.readline, lambda: False, timeout, url),
+                                         64 << 10):
+                if event.kind == "endpoint":
+                    endpoint = urllib.parse.urljoin(stream.url, event.data.decode("utf-8", "replace").strip())
+                    if not same_origin(endpoint, url):
+                        raise OriginRefused(f"the SSE stream named an endpoint on {origin_text(endpoint)}, not on "
+                                            f"{origin_text(url)}: refused, credentials never leave the configured "
+                                            "origin")
+                    return TransportProbe("sse", "HTTP+SSE (the 2024-11-05 transport)")
+                break
+        got = f"HTTP {stream.status} {printable(_content_type(stream))[:60]}".strip()
+    except stream_errors() as exc:
+        got = f"a broken stream ({exc.__class__.__name__})"
+    finally:
+        _close_reply(stream)
+    raise UpstreamFailure(f"{url} speaks neither Streamable HTTP (POST initialize: HTTP {post_status}) nor "
+                          f"HTTP+SSE (GET: {got}, no endpoint event)")
+
+
+class AutoTransport(Transport):
+    """Transport "auto": on start, ask the server which transport it speaks (probe_transport), then be that
+    transport.  ``detected`` ('http' or 'sse') is what the gateway writes to the vault, so the next start goes
+    straight to it.  Same surface and threads as the transport it becomes."""
+
+    def __init__(self, name, url, headers, auth, timeout, make):
+        self.name, self.url, self.headers, self.auth, self.timeout = name, url, headers, auth, timeout
+        self._make = make       # kind -> HttpTransport or SseTransport, with the upstream's callbacks
+        self.detected: str | None = None
+        self.inner = None
+        self.pid = None
+        self._closed = False
+
+    def start(self) -> None:
+        probe = probe_transport(self.name, self.url, self.headers, self.auth, self.timeout)
+        if self._closed:
+            raise UpstreamFailure("stopped while starting")
+        self.detected = probe.kind
+        log.info("[%s] speaks %s", self.name, probe.detail)
+        self.inner = self._make(probe.kind)
+        self.inner.start()
+        if self._closed:  # stopped while the probe ran: do not leave the session open
+            self.inner.close(0.5)
+
+    def send(self, message: dict) -> bool:
+        return self.inner is not None and self.inner.send(message)
+
+    @property
+    def close_reason(self):
+        return getattr(self.inner, "close_reason", None)
+
+    @property
+    def fatal(self):
+        return getattr(self.inner, "fatal", None)
+
+    def close(self, grace: float = 2.0) -> None:
+        self._closed = True
+        if self.inner is not None:
+            self.inner.close(grace)
+
+
+def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, on_message, on_close,
+                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_oversized=None):
+    """The transport for a remote server (``kind`` is the vault's transport: auto, http or sse).
+
+    OAuth applies unless the server is configured with its own Authorization header: that header is the user's
+    choice of credentials and is sent as is (a 401 then reports that it was refused).
+    """
+    has_own_authorization = any(key.lower() == "authorization" for key in headers)
+    auth = None if has_own_authorization or store is None else OAuthCredentials(name, url, store)
+
+    def make(actual: str):
+        if actual == "sse":
+            return SseTransport(name, url, headers, on_message, on_close, timeout, auth, max_message_bytes,
+                                on_failure)
+        return HttpTransport(name, url, headers, on_message, on_close, timeout, on_oversized, max_message_bytes,
+                             auth=auth, on_failure=on_failure)
+
+    if kind == "auto":
+        return AutoTransport(name, url, headers, auth, min(timeout, 30.0), make)
+    return make(kind)
+
+
+# -- OAuth: discovery ------------------------------------------------------------------------------------------
+# MCP 2025-11-25 basic/authorization: 401 + WWW-Authenticate → protected resource metadata (RFC 9728) →
+# authorization server metadata (RFC 8414 / OpenID discovery) → client identity → authorization code + PKCE.
+
+class OAuthFailure(CofferError):
+    """A login that cannot proceed; says why in terms the user can act on."""
+
+
+class NeedsLogin(UpstreamFailure):
+    """A remote server needs a person to log in.  Permanent until `coffer auth NAME` runs: never retried, and
+    never answered by opening a browser from `coffer serve`."""
+
+    permanent = True
+
+    def __init__(self, server: str, why: str = ""):
+        self.server = server
+        super().__init__(f"'{server}' needs login: run `coffer auth {server}`" + (f" ({why})" if why else ""),
+                         permanent=True)
+
+
+_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_CHALLENGE_PART_RE = re.compile(rf'\s*,?\s*({_TOKEN})(?:\s*=\s*("(?:[^"\\]|\\.)*"|[^\s,]*))?')
+
+
+def parse_www_authenticate(value) -> dict[str, dict[str, str]]:
+    """{scheme (lower case): {param (lower case): value}} from a WWW-Authenticate header (RFC 9110 §11.6.1).
+    Unparseable parts are skipped; the header is cut at 8 KiB."""
+    challenges: dict[str, dict[str, str]] = {}
+    if not isinstance(value, str):
+        return challenges
+    text, position, current = value[:8192], 0, None
+    while position < len(text):
+        match = _CHALLENGE_PART_RE.match(text, position)
+        if not match or match.end() == position:
+            position += 1
+            continue
+        position = match.end()
+        token, raw = match.group(1), match.group(2)
+        if raw is None:
+            current = challenges.setdefault(token.lower(), {})
+        elif current is not None and token.lower() not in current:
+            if raw.startswith('"'):
+                raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+            current[token.lower()] = raw
+    return challenges
+
+
+def canonical_resource(url: str) -> str:
+    """RFC 8707 form of a server URL: lower-case scheme and host, no fragment, no lone trailing slash."""
+    parts = urllib.parse.urlsplit(url)
+    path = "" if parts.path == "/" else parts.path
+    return urllib.parse.urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, parts.query, ""))
+
+
+def resource_matches(server_url: str, resource) -> bool:
+    """Whether protected resource metadata naming ``resource`` may speak for ``server_url`` (RFC 9728 §3.3):
+    the same origin, and the resource's path is the server's path or a whole-segment prefix of it (a server at
+    /mcp may be covered by a resource naming the origin)."""
+    if not isinstance(resource, str) or not same_origin(server_url, resource):
+        return False
+    resource_parts = urllib.parse.urlsplit(resource)
+    if resource_parts.fragment:
+        return False
+    server_path = urllib.parse.urlsplit(server_url).path.rstrip("/") + "/"
+    return server_path.startswith(resource_parts.path.rstrip("/") + "/")
+
+
+def _str_list(value, limit: int = 100) -> list[str] | None:
+    if not isinstance(value, list):
+        return None
+    return [item for item in value[:limit] if isinstance(item, str) and 0 < len(item) <= 2048]
+
+
+def _json_object(reply: HttpReply, what: str) -> dict:
+    try:
+        document = decode_json(reply.body)
+    except ValueError as exc:
+        raise OAuthFailure(f"{what} is not JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise OAuthFailure(f"{what} is not a JSON object")
+    return document
+
+
+class ResourceMetadata(NamedTuple):
+    """RFC 9728 protected resource metadata, as far as Coffer uses it."""
+    resource: str
+    authorization_servers: list[str]
+    scopes_supported: list[str] | None
+    source: str
+
+
+class AuthServerMetadata(NamedTuple):
+    """RFC 8414 / OpenID Provider metadata, as far as Coffer uses it."""
+    issuer: str
+    authorization_endpoint: str
+    token_endpoint: str
+    registration_endpoint: str | None = None
+    revocation_endpoint: str | None = None
+    token_auth_methods: list[str] | None = None
+    client_id_metadata_documents: bool = False
+    iss_parameter: bool = False
+
+
+def _metadata_get(url: str) -> HttpReply | None:
+    """GET one metadata document; None when it is not there (so the next well-known URL is tried)."""
+    reply = remote_http("GET", url, timeout=15.0, headers={"Accept": "application/json",
+                                                           "MCP-Protocol-Version": LATEST_PROTOCOL_VERSION})
+    return reply if reply.status == 200 else None
+
+
+def discover_resource_metadata(server_url: str, bearer: dict) -> ResourceMetadata | None:
+    """The server's protected resource metadata: the URL its 401 named, else the two well-known URLs (path
+    first).  A document whose ``resource`` is not this server is refused outright, never skipped over."""
+    origin = origin_text(server_url)
+    path = urllib.parse.urlsplit(server_url).path.rstrip("/")
+    candidates = [bearer["resource_metadata"]] if bearer.get("resource_metadata") else []
+    if path:
+        candidates.append(f"{origin}/.well-known/oauth-protected-resource{path}")
+    candidates.append(f"{origin}/.well-known/oauth-protected-resource")
+    for url in candidates:
+        if url_origin(url) is None:
+            raise OAuthFailure(f"the server's 401 names resource metadata at a non-http URL: {printable(url)[:200]}")
+        reply = _metadata_get(url)
+        if reply is None:
+            continue
+        document = _json_object(reply, f"the protected resource metadata at {url}")
+        resource = document.get("resource")
+        if not resource_matches(server_url, resource):
+            raise OAuthFailure(f"the protected resource metadata at {url} is for "
+                               f"{printable(str(resource))[:200]!r}, not for {server_url}: refused (RFC 9728 §3.3); "
+                               "a token obtained through it could be meant for another server")
+        servers = _str_list(document.get("authorization_servers")) or []
+        if not servers:
+            raise OAuthFailure(f"the protected resource metadata at {url} names no authorization server")
+        return ResourceMetadata(resource, servers, _str_list(document.get("scopes_supported")), url)
+    return None
+
+
+def authorization_server_metadata_urls(issuer: str) -> list[str]:
+    """Where an issuer's metadata may be, in the order MCP 2025-11-25 prescribes (RFC 8414 path insertion,
+    then OpenID Connect discovery with path insertion, then with path appending)."""
+    origin = origin_text(issuer)
+    path = urllib.parse.urlsplit(issuer).path.rstrip("/")
+    if path:
+        return [f"{origin}/.well-known/oauth-authorization-server{path}",
+                f"{origin}/.well-known/openid-configuration{path}",
+                f"{origin}{path}/.well-known/openid-configuration"]
+    return [f"{origin}/.well-known/oauth-authorization-server", f"{origin}/.well-known/openid-configuration"]
+
+
+def _issuers_match(a: str, b: str) -> bool:
+    """RFC 8414 §3.3 string comparison, a root issuer's trailing slash aside."""
+    return a == b or (a.rstrip("/") == b.rstrip("/") and urllib.parse.urlsplit(a).path in ("", "/"))
+
+
+def discover_authorization_server(issuer: str) -> AuthServerMetadata:
+    _require_secure(issuer, "the authorization server")
+    for url in authorization_server_metadata_urls(issuer):
+        reply = _metadata_get(url)
+        if reply is None:
+            continue
+        document = _json_object(reply, f"the authorization server metadata at {url}")
+        if not isinstance(document.get("issuer"), str) or not _issuers_match(document["issuer"], issuer):
+            raise OAuthFailure(f"the metadata at {url} is for issuer {printable(str(document.get('issuer')))[:200]!r}"
+                               f", not {issuer}: refused (RFC 8414 §3.3)")
+        methods = _str_list(document.get("code_challenge_methods_supported")) or []
+        if "S256" not in methods:
+            raise OAuthFailure(f"the authorization server {issuer} does not offer PKCE with S256: refused "
+                               "(MCP requires it to protect the authorization code)")
+        endpoints = {}
+        for key in ("authorization_endpoint", "token_endpoint", "registration_endpoint", "revocation_endpoint"):
+            value = document.get(key)
+            if value is not None:
+                endpoints[key] = _require_secure(value, f"the {key.replace('_', ' ')}")
+        if "authorization_endpoint" not in endpoints or "token_endpoint" not in endpoints:
+            raise OAuthFailure(f"the metadata at {url} lacks an authorization or token endpoint")
+        return AuthServerMetadata(
+            issuer=issuer, token_auth_methods=_str_list(document.get("token_endpoint_auth_methods_supported")),
+            client_id_metadata_documents=document.get("client_id_metadata_document_supported") is True,
+            iss_parameter=document.get("authorization_response_iss_parameter_supported") is True, **endpoints)
+    raise OAuthFailure(f"no authorization server metadata at {' or '.join(authorization_server_metadata_urls(issuer))}")
+
+
+# -- OAuth: the saved login ------------------------------------------------------------------------------------
+
+class OAuthGrant(NamedTuple):
+    """A server's saved login: tokens and what is needed to refresh them.  Lives in the SecretStore under
+    oauth.<server> as one JSON text, never in coffer.db, logs or output."""
+    server_url: str
+    resource: str
+    issuer: str
+    token_endpoint: str
+    client_id: str
+    client_auth: str                        # none, client_secret_basic or client_secret_post
+    client_source: str                      # pre-registered, metadata-document or registered
+    access_token: str
+    token_type: str = "Bearer"
+    refresh_token: str | None = None
+    client_secret: str | None = None        # only for a client Coffer registered itself
+    client_secret_env: str | None = None    # a pre-registered client's secret: the variable holding it
+    redirect_uri: str | None = None
+    revocation_endpoint: str | None = None
+    scope: str | None = None
+    expires_at: float | None = None
+    lifetime: float | None = None
+    obtained_at: float = 0.0
+
+    def secret_values(self) -> list[str]:
+        return [v for v in (self.access_token, self.refresh_token, self.client_secret) if v]
+
+    def refresh_due(self, now: float) -> bool:
+        """Refresh a little before expiry: a tenth of the lifetime, between 1 s and 60 s."""
+        if self.expires_at is None:
+            return False
+        return now >= self.expires_at - min(60.0, max(1.0, 0.1 * (self.lifetime or 0.0)))
+
+    def to_text(self) -> str:
+        return json.dumps(self._asdict(), sort_keys=True)
+
+    @classmethod
+    def from_text(cls, text: str) -> OAuthGrant:
+        data = decode_json(text)
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        known = set(cls._fields)
+        values = {key: value for key, value in data.items() if key in known}
+        for key, value in values.items():
+            if key in ("expires_at", "lifetime", "obtained_at"):
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                    raise ValueError(f"{key} is not a number")
+            elif value is not None and (not isinstance(value, str) or len(value) > 65536):
+                raise ValueError(f"{key} is not text")
+        grant = cls(**values)
+        for key in ("server_url", "resource", "token_endpoint", "client_id", "access_token"):
+            if not getattr(grant, key):
+                raise ValueError(f"{key} is missing")
+        return grant
+
+
+def oauth_secret_name(server: str) -> str:
+    return OAUTH_SECRET_PREFIX + server
+
+
+class TokenEndpointError(Exception):
+    """The token endpoint said no; ``error`` is its OAuth error code (invalid_grant, ...) when it gave one."""
+
+    def __init__(self, error: str, text: str):
+        super().__init__(text)
+        self.error = error
+
+
+def token_request(token_endpoint: str, form: dict, client_id: str, client_auth: str,
+                  client_secret: str | None) -> dict:
+    """POST to the token endpoint (RFC 6749 §3.2) with the client's own authentication; returns the validated
+    token response.  Only ever carries a code or a refresh token: never a bearer token."""
+    import base64
+
+    _require_secure(token_endpoint, "the token endpoint")
+    form = dict(form)
+    headers = {"Content-Type": "application/x-www-form-urlencoded", "Accept": "application/json"}
+    form["client_id"] = client_id  # in the body even with Basic: many servers (the MCP SDK's among them) want it
+    if client_auth == "client_secret_basic" and client_secret:
+        pair = f"{urllib.parse.quote(client_id, safe='')}:{urllib.parse.quote(client_secret, safe='')}"
+        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+    elif client_auth == "client_secret_post" and client_secret:
+        form["client_secret"] = client_secret
+    body = urllib.parse.urlencode({k: v for k, v in form.items() if v is not None}).encode("ascii")
+    try:
+        reply = remote_http("POST", token_endpoint, headers=headers, body=body, timeout=30.0)
+    except UpstreamFailure as exc:
+        raise TokenEndpointError("", str(exc)) from None
+    try:
+        document = decode_json(reply.body)
+    except ValueError:
+        document = None
+    if reply.status != 200:
+        error = document.get("error") if isinstance(document, dict) else None
+        error = error if isinstance(error, str) and len(error) < 100 else ""
+        detail = document.get("error_description") if isinstance(document, dict) else None
+        detail = printable(redact(detail))[:200] if isinstance(detail, str) else _reply_text(reply)
+        raise TokenEndpointError(error, f"the token endpoint answered HTTP {reply.status}"
+                                        f"{f' {error}' if error else ''}{f': {detail}' if detail else ''}")
+    if not isinstance(document, dict):
+        raise TokenEndpointError("", "the token endpoint answered with something other than a JSON object")
+    access = document.get("access_token")
+    if not isinstance(access, str) or not 0 < len(access) <= 16384 or any(c in access for c in "\r\n"):
+        raise TokenEndpointError("", "the token endpoint sent no usable access_token")
+    token_type = document.get("token_type")
+    if not isinstance(token_type, str) or token_type.lower() != "bearer":
+        raise TokenEndpointError("", f"the token endpoint sent a {printable(str(token_type))[:40]!r} token; "
+                                     "Coffer sends Bearer tokens only")
+    refresh = document.get("refresh_token")
+    expires_in = document.get("expires_in")
+    scope = document.get("scope")
+    redact.add(access, refresh if isinstance(refresh, str) else None)
+    return {"access_token": access,
+            "refresh_token": refresh if isinstance(refresh, str) and 0 < len(refresh) <= 16384 else None,
+            "expires_in": float(expires_in) if isinstance(expires_in, (int, float)) and not isinstance(
+                expires_in, bool) and 0 < expires_in < 10 * 365 * 86400 else None,
+            "scope": scope if isinstance(scope, str) and len(scope) <= 4096 else None}
+
+
+def _apply_tokens(grant: OAuthGrant, tokens: dict, now: float) -> OAuthGrant:
+    """The grant after a token response: a refresh response may omit the refresh token (not rotated) and the
+    scope (unchanged), RFC 6749 §6."""
+    lifetime = tokens["expires_in"]
+    return grant._replace(access_token=tokens["access_token"], refresh_token=tokens["refresh_token"] or
+                          grant.refresh_token, scope=tokens["scope"] or grant.scope, lifetime=lifetime,
+                          expires_at=now + lifetime if lifetime else None, obtained_at=now)
+
+
+class OAuthCredentials:
+    """The bearer token of one remote upstream: read from the secret store, refreshed shortly before it expires
+    and when the server answers 401, forgotten when the authorization server says invalid_grant.  Never opens a
+    browser: whatever needs a person raises NeedsLogin.  The token goes only to the server's own origin.
+
+    Threads: any HTTP worker thread of the upstream.  One lock serialises the refresh, so requests that find the
+    token due together cause one refresh.  Other processes (a second `coffer serve`, `coffer auth`) share the
+    store: before refreshing, and before giving up on invalid_grant, the store is read again in case one of them
+    already refreshed (refresh tokens may be single-use).
+    """
+
+    def __init__(self, server: str, url: str, store):
+        self.server, self.url, self.store = server, url, store
+        self._lock = threading.Lock()
+        self._warned: str | None = None
+
+    def _load(self) -> OAuthGrant | None:
+        text = self.store.get(oauth_secret_name(self.server))
+        if text is None:
+            return None
+        try:
+            grant = OAuthGrant.from_text(text)
+        except (ValueError, TypeError) as exc:
+            self._warn_once(f"the saved login is damaged ({exc}); run `coffer auth {self.server}`")
+            return None
+        redact.add(*grant.secret_values())
+        if not (same_origin(grant.server_url, self.url) and resource_matches(self.url, grant.resource)):
+            self._warn_once(f"the saved login is for {origin_text(grant.server_url)}, not this server's URL; "
+                            "it is not sent")
+            return None
+        return grant
+
+    def _warn_once(self, text: str) -> None:
+        if self._warned != text:
+            self._warned = text
+            log.warning("[%s] %s", self.server, text)
+
+    def headers_for(self, url: str) -> dict:
+        """The Authorization header for a request to ``url``: none for another origin, none before a login."""
+        if not same_origin(url, self.url):
+            return {}
+        with self._lock:
+            grant = self._load()
+            if grant is None:
+                return {}
+            if grant.refresh_due(time.time()):
+                try:
+                    grant = self._refresh(grant)
+                except UpstreamFailure as exc:
+                    if isinstance(exc, NeedsLogin) or time.time() >= (grant.expires_at or 0):
+                        raise
+                    log.warning("[%s] could not refresh the login yet: %s", self.server, exc)
+        return {"Authorization": f"Bearer {grant.access_token}"}
+
+    def unauthorized(self, bearer: dict, sent_authorization: str | None) -> None:
+        """The server answered 401 to ``sent_authorization``: returns when a newer token is ready to retry with,
+        raises NeedsLogin (no login, or the authorization server refused it) or UpstreamFailure (unreachable)."""
+        with self._lock:
+            grant = self._load()
+            if grant is None:
+                raise NeedsLogin(self.server)
+            if sent_authorization != f"Bearer {grant.access_token}":
+                return  # another thread or process has refreshed meanwhile
+            self._refresh(grant)
+
+    def _refresh(self, grant: OAuthGrant) -> OAuthGrant:
+        latest = self._load()
+        if latest is not None and latest.access_token != grant.access_token and not latest.refresh_due(time.time()):
+            return latest
+        if not grant.refresh_token:
+            raise NeedsLogin(self.server, "its login expired and the authorization server gave no refresh token")
+        secret = grant_client_secret(grant, self.store)
+        try:
+            tokens = token_request(grant.token_endpoint, {"grant_type": "refresh_token",
+                                                          "refresh_token": grant.refresh_token,
+                                                          "resource": grant.resource},
+                                   grant.client_id, grant.client_auth, secret)
+        except TokenEndpointError as exc:
+            if exc.error in ("invalid_grant", "invalid_client", "unauthorized_client"):
+                latest = self._load()
+                if latest is not None and latest.refresh_token != grant.refresh_token:
+                    return latest  # rotated by another process between our read and our request
+                self.store.delete(oauth_secret_name(self.server))
+                log.warning("[%s] the authorization server refused the saved login (%s); it was forgotten",
+                            self.server, exc.error)
+                raise NeedsLogin(self.server, f"the authorization server refused its saved login ({exc.error})") \
+                    from None
+            raise UpstreamFailure(f"could not refresh the login of '{self.server}': {exc}") from None
+        grant = _apply_tokens(grant, tokens, time.time())
+        self.store.set(oauth_secret_name(self.server), grant.to_text())
+        log.info("[%s] refreshed its OAuth token", self.server)
+        return grant
+
+
+def resolve_client_secret(variable: str | None, store) -> str | None:
+    """A pre-registered client's secret, from the variable the user named (environment first, then the secret
+    store, like ${NAME}).  Coffer stores the variable's name, never the value."""
+    if not variable:
+        return None
+    value = os.environ.get(variable)
+    if value is None and store is not None:
+        value = store.get(variable)
+    if value:
+        redact.add(value)
+    return value or None
+
+
+def grant_client_secret(grant: OAuthGrant, store) -> str | None:
+    if grant.client_source == "registered":
+        return grant.client_secret
+    return resolve_client_secret(grant.client_secret_env, store)
+
+
+# -- OAuth: the login (only ever from `coffer auth`) ---------------------------------------------------------
+
+class ClientIdentity(NamedTuple):
+    client_id: str
+    client_secret: str | None
+    client_auth: str
+    source: str             # pre-registered, metadata-document or registered
+
+
+def _client_auth_method(methods: list[str] | None, has_secret: bool) -> str:
+    if not has_secret:
+        return "none"
+    if methods is None or "client_secret_basic" in methods:  # RFC 8414: the default when unlisted
+        return "client_secret_basic"
+    if "client_secret_post" in methods:
+        return "client_secret_post"
+    raise OAuthFailure("the authorization server accepts neither client_secret_basic nor client_secret_post "
+                       f"(it lists {', '.join(methods)[:200]})")
+
+
+def choose_client(server: str, metadata: AuthServerMetadata, oauth: dict, store, settings: dict,
+                  redirect_uri: str, scope: str | None, previous: OAuthGrant | None) -> ClientIdentity:
+    """Who Coffer is to this authorization server, in the order MCP 2025-11-25 gives: the client the user
+    pre-registered (--oauth-client-id), a Client ID Metadata Document when the server supports them, Dynamic
+    Client Registration (RFC 7591), else an error saying how to pre-register."""
+    if oauth.get("client_id"):
+        variable = oauth.get("client_secret_env")
+        secret = resolve_client_secret(variable, store)
+        if variable and not secret:
+            raise OAuthFailure(f"{variable} (named by --oauth-client-secret-env) is not set in the environment "
+                               "or the secret store")
+        return ClientIdentity(oauth["client_id"], secret, _client_auth_method(metadata.token_auth_methods,
+                                                                              bool(secret)), "pre-registered")
+    document_url = settings.get("oauth_client_metadata_url") or ""
+    if metadata.client_id_metadata_documents and document_url:
+        parts = urllib.parse.urlsplit(document_url)
+        if parts.path in ("", "/") or (parts.scheme != "https" and not is_loopback_url(document_url)):
+            raise OAuthFailure("the oauth_client_metadata_url setting must be an https URL with a path")
+        return ClientIdentity(document_url, None, "none", "metadata-document")
+    if metadata.registration_endpoint:
+        if (previous is not None and previous.client_source == "registered" and previous.issuer == metadata.issuer
+                and previous.redirect_uri == redirect_uri):
+            return ClientIdentity(previous.client_id, previous.client_secret, previous.client_auth, "registered")
+        return register_client(metadata, redirect_uri, scope)
+    raise OAuthFailure(f"the authorization server {metadata.issuer} lets no client register itself: register "
+                       f"an OAuth app with the provider (redirect URI http://127.0.0.1/callback), then run "
+                       f"`coffer auth {server} --oauth-client-id ID [--oauth-client-secret-env VAR]`")
+
+
+def register_client(metadata: AuthServerMetadata, redirect_uri: str, scope: str | None) -> ClientIdentity:
+    """Dynamic Client Registration (RFC 7591) as a public client: Coffer keeps no secret it does not need."""
+    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri], "grant_types": ["authorization_code", "refresh_token"],
+               "response_types": ["code"], "token_endpoint_auth_method": "none"}
+    if scope:
+        request["scope"] = scope
+    reply = remote_http("POST", metadata.registration_endpoint, body=encode_line(request), timeout=30.0,
+                        headers={"Content-Type": "application/json", "Accept": "application/json"})
+    if reply.status not in (200, 201):
+        raise OAuthFailure(f"client registration at {metadata.registration_endpoint} failed: HTTP {reply.status}"
+                           f" {_reply_text(reply)}")
+    document = _json_object(reply, "the client registration reply")
+    client_id, secret = document.get("client_id"), document.get("client_secret")
+    if not isinstance(client_id, str) or not 0 < len(client_id) <= 2048:
+        raise OAuthFailure("the client registration reply holds no client_id")
+    secret = secret if isinstance(secret, str) and 0 < len(secret) <= 4096 else None
+    method = document.get("token_endpoint_auth_method") or ("client_secret_basic" if secret else "none")
+    if method not in ("none", "client_secret_basic", "client_secret_post") or (method != "none" and not secret):
+        raise OAuthFailure(f"the authorization server registered Coffer for {printable(str(method))[:60]!r} "
+                           "client authentication, which Coffer cannot do")
+    redact.add(secret)
+    return ClientIdentity(client_id, secret, method, "registered")
+
+
+class LoopbackReceiver:
+    """Receives the authorization response on http://127.0.0.1:<port>/callback (RFC 8252 §7.3), once.
+
+    Threads: the listener thread coffer-oauth-callback serves requests; ``wait`` runs on the CLI's thread.  A
+    request that is not the callback gets a 404; the page the browser shows repeats nothing from the request.
+    """
+
+    def __init__(self, port: int = 0):
+        import http.server
+
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the http.server interface
+                path, _, query = self.path.partition("?")
+                if path != "/callback" or len(query) > 16384:
+                    self.send_error(404)
+                    return
+                params = {k: v[0] for k, v in urllib.parse.parse_qs(query, max_num_fields=20).items()}
+                if not ({"code", "error", "state"} & params.keys()):
+                    self.send_error(400)
+                    return
+                receiver.deliver(params)
+                page = (b"<!doctype html><title>Coffer</title><p>Coffer received the answer of the authorization "
+                        b"server. You can close this tab and return to the terminal.</p>")
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(page)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, *args):  # the request line holds the code: it must not reach stderr
+                pass
+
+        self._server = http.server.HTTPServer(("127.0.0.1", port), Handler)
+        self.redirect_uri = f"http://127.0.0.1:{self._server.server_address[1]}/callback"
+        self._result: dict | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                         name="coffer-oauth-callback", daemon=True).start()
+
+    def deliver(self, params: dict) -> None:
+        if self._result is None:
+            self._result = params
+            self._done.set()
+
+    def wait(self, timeout: float) -> dict | None:
+        self._done.wait(timeout)
+        return self._result
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _open_receiver(previous: OAuthGrant | None) -> LoopbackReceiver:
+    """Listen on the port a registered client's redirect URI names when it is free, so the registration can be
+    reused; else on any free port."""
+    if previous is not None and previous.client_source == "registered" and previous.redirect_uri:
+        try:
+            return LoopbackReceiver(urllib.parse.urlsplit(previous.redirect_uri).port or 0)
+        except (OSError, ValueError):
+            pass
+    return LoopbackReceiver(0)
+
+
+def _pkce_pair() -> tuple[str, str]:
+    import base64
+    import secrets
+
+    verifier = secrets.token_urlsafe(64)  # 86 characters of the unreserved set (RFC 7636 §4.1)
+    challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode("ascii")).digest()).rstrip(b"=")
+    return verifier, challenge.decode("ascii")
+
+
+def _read_pasted_callback(receiver: LoopbackReceiver, stdin) -> None:
+    """For a browser on another machine: the address it ended on, pasted into the terminal, is the callback."""
+    try:
+        for line in stdin:
+            line = line.strip()
+            parts = urllib.parse.urlsplit(line)
+            if parts.path.endswith("/callback") and parts.query:
+                receiver.deliver({k: v[0] for k, v in urllib.parse.parse_qs(parts.query, max_num_fields=20).items()})
+                return
+    except (OSError, ValueError):
+        pass
+
+
+def login_challenge(name: str, url: str, headers: dict) -> dict[str, dict[str, str]]:
+    """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  POST initialize first
+    (Streamable HTTP); on 400/404/405 a GET (HTTP+SSE).  Raises OAuthFailure when it wants no login."""
+    reply = remote_http("POST", url, body=_probe_initialize(), timeout=15.0, stream=True,
+                        headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+                                 **headers})
+    _close_reply(reply)
+    if reply.status in (400, 404, 405):
+        reply = remote_http("GET", url, timeout=15.0, stream=True, headers={"Accept": "text/event-stream",
+                                                                           **headers})
+        _close_reply(reply)
+    if reply.status in (401, 403):
+        return parse_www_authenticate(reply.headers.get("www-authenticate"))
+    if 200 <= reply.status < 300:
+        raise OAuthFailure(f"'{name}' answered without asking for a login: nothing to do")
+    raise OAuthFailure(f"'{name}' answered HTTP {reply.status} instead of asking for a login: {_reply_text(reply)}")
+
+
+def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings: dict, *, out,
+                open_browser=None, stdin=None, timeout: float = 300.0, scope: str | None = None) -> OAuthGrant:
+    """The whole interactive login of one server; saves the grant under oauth.<name> and returns it.
+
+    ``out`` gets what the user must read (the URL to open, never a token); ``open_browser(url)`` defaults to
+    webbrowser.open; ``stdin``, when given, is read for a pasted callback address (headless use).
+    """
+    import hmac
+    import secrets
+
+    challenges = login_challenge(name, url, headers)
+    if challenges and "bearer" not in challenges:
+        raise OAuthFailure(f"'{name}' asks for {', '.join(sorted(challenges))[:100]} credentials, not an OAuth "
+                           "login; give them with --header")
+    bearer = challenges.get("bearer", {})
+    resource_metadata = discover_resource_metadata(url, bearer)
+    if resource_metadata is not None:
+        issuer = resource_metadata.authorization_servers[0]  # RFC 9728 §7.6 leaves the choice to the client
+        resource = canonical_resource(resource_metadata.resource)
+    else:  # MCP 2025-03-26 servers: the authorization server is the MCP server's origin
+        issuer, resource = origin_text(url), canonical_resource(url)
+    metadata = discover_authorization_server(issuer)
+    if scope is None:
+        scope = bearer.get("scope") or (" ".join(resource_metadata.scopes_supported)
+                                         if resource_metadata and resource_metadata.scopes_supported else None)
+    key = oauth_secret_name(name)
+    try:
+        text = store.get(key)
+        previous = OAuthGrant.from_text(text) if text else None
+    except (ValueError, TypeError):
+        previous = None
+    receiver = _open_receiver(previous)
+    try:
+        client = choose_client(name, metadata, oauth, store, settings, receiver.redirect_uri, scope, previous)
+        verifier, challenge = _pkce_pair()
+        state = secrets.token_urlsafe(32)
+        params = {"response_type": "code", "client_id": client.client_id, "redirect_uri": receiver.redirect_uri,
+                  "code_challenge": challenge, "code_challenge_method": "S256", "state": state,
+                  "resource": resource}
+        if scope:
+            params["scope"] = scope
+        separator = "&" if urllib.parse.urlsplit(metadata.authorization_endpoint).query else "?"
+        address = metadata.authorization_endpoint + separator + urllib.parse.urlencode(params)
+        out.write(f"Log in to {name} in your browser. If it does not open, visit:\n\n  {address}\n\n"
+                  f"(waiting up to {timeout:g} s for the authorization server at {origin_text(address)}")
+        if stdin is not None:
+            out.write("; if your browser runs on another machine, paste here the address it ends on")
+            threading.Thread(target=_read_pasted_callback, args=(receiver, stdin), name="coffer-oauth-paste",
+                             daemon=True).start()
+        out.write(")\n")
+        out.flush()
+        if open_browser is None:
+            import webbrowser
+            open_browser = webbrowser.open
+        try:
+            open_browser(address)
+        except Exception as exc:  # noqa: BLE001 - no browser here is fine: the address is printed
+            log.debug("could not open a browser: %r", exc)
+        answer = receiver.wait(timeout)
+    finally:
+        receiver.close()
+    if answer is None:
+        raise OAuthFailure(f"no answer from the browser within {timeout:g} s")
+    if not hmac.compare_digest(str(answer.get("state", "")).encode("utf-8", "replace"), state.encode("ascii")):
+        raise OAuthFailure("the browser came back with a different state than this login sent: refused (it was "
+                           "not the answer to this login; possibly a cross-site request forgery)")
+    if answer.get("error"):
+        detail = printable(str(answer.get("error_description", "")))[:200]
+        raise OAuthFailure(f"the authorization server refused: {printable(answer['error'])[:60]}"
+                           + (f": {detail}" if detail else ""))
+    if "iss" in answer or metadata.iss_parameter:  # RFC 9207: the answer must come from the server we asked
+        if not _issuers_match(str(answer.get("iss", "")), metadata.issuer):
+            raise OAuthFailure("the authorization answer names another issuer than the server asked: refused")
+    code = answer.get("code")
+    if not isinstance(code, str) or not 0 < len(code) <= 4096:
+        raise OAuthFailure("the authorization server sent no code")
+    try:
+        tokens = token_request(metadata.token_endpoint, {
+            "grant_type": "authorization_code", "code": code, "redirect_uri": receiver.redirect_uri,
+            "code_verifier": verifier, "resource": resource}, client.client_id, client.client_auth,
+            client.client_secret)
+    except TokenEndpointError as exc:
+        raise OAuthFailure(f"could not get a token: {exc}") from None
+    grant = _apply_tokens(OAuthGrant(
+        server_url=url, resource=resource, issuer=metadata.issuer, token_endpoint=metadata.token_endpoint,
+        client_id=client.client_id, client_auth=client.client_auth, client_source=client.source,
+        access_token="", client_secret=client.client_secret if client.source == "registered" else None,
+        client_secret_env=oauth.get("client_secret_env") if client.source == "pre-registered" else None,
+        redirect_uri=receiver.redirect_uri, revocation_endpoint=metadata.revocation_endpoint, scope=scope),
+        tokens, time.time())
+    store.set(key, grant.to_text())
+    return grant
+
+
+def revoke_grant(grant: OAuthGrant, store) -> str:
+    """Best effort RFC 7009 revocation of a saved login (the refresh token revokes the access token with it on
+    most servers).  Returns what to tell the user."""
+    if not grant.revocation_endpoint:
+        return "the authorization server offers no revocation; the tokens expire on their own"
+    secret = grant_client_secret(grant, store)
+    token, hint = (grant.refresh_token, "refresh_token") if grant.refresh_token else (grant.access_token,
+                                                                                      "access_token")
+    try:
+        token_request_revoke(grant.revocation_endpoint, token, hint, grant.client_id, grant.client_auth, secret)
+    except (OAuthFailure, UpstreamFailure) as exc:
+        return f"the authorization server could not be told ({exc})"
+    return "revoked at the authorization server"
+
+
+def token_request_revoke(endpoint, token, hint, client_id, client_auth, client_secret) -> None:
+    import base64
+
+    _require_secure(endpoint, "the revocation endpoint")
+    headers = {"Content-Type": "application/x-www-form-urlencoded"}
+    form = {"token": token, "token_type_hint": hint}
+    form["client_id"] = client_id  # in the body even with Basic: many servers (the MCP SDK's among them) want it
+    if client_auth == "client_secret_basic" and client_secret:
+        pair = f"{urllib.parse.quote(client_id, safe='')}:{urllib.parse.quote(client_secret, safe='')}"
+        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+    elif client_auth == "client_secret_post" and client_secret:
+        form["client_secret"] = client_secret
+    reply = remote_http("POST", endpoint, headers=headers, timeout=10.0,
+                        body=urllib.parse.urlencode(form).encode("ascii"))
+    if reply.status != 200:
+        raise OAuthFailure(f"HTTP {reply.status}")
 
 
 # ============================================================================================================
@@ -2472,11 +3817,12 @@ class Upstream:
                 redact.add(expanded)  # what a reference expanded to is a secret wherever it shows up
             return expanded
 
-        if cfg["transport"] == "http":
+        if cfg["transport"] in REMOTE_TRANSPORTS:
             headers = {k: expand(v) for k, v in cfg["headers"].items()}
-            transport = HttpTransport(self.name, expand(cfg["url"]), headers, self._on_message, on_close,
-                                      max(float(self.settings["init_timeout"]), self.call_timeout),
-                                      self._on_oversized, limit)
+            transport = make_remote_transport(self.name, cfg["transport"], expand(cfg["url"]), headers, self.secrets,
+                                              self._on_message, on_close,
+                                              max(float(self.settings["init_timeout"]), self.call_timeout), limit,
+                                              on_failure=self._fail_request, on_oversized=self._on_oversized)
         else:
             own = {k: expand(v) for k, v in cfg["env"].items()}
             env = upstream_environment(own, cfg.get("inherit_env") or ())
@@ -2535,7 +3881,7 @@ class Upstream:
         permanent = getattr(exc, "permanent", False)
         if transport is not None:
             if transport.fatal:
-                text, permanent = transport.fatal, True
+                text, permanent = str(transport.fatal), True
             elif self._closed_generation == self.generation or "not accepting input" in text:
                 text = f"{transport.exit_detail() or 'closed its connection'} before it answered initialize"
         if self.stderr_tail and "stderr:" not in text:
@@ -2603,7 +3949,8 @@ class Upstream:
             orphaned = self._take_pending()
             if state == "ready":
                 self.state = "backoff"  # from now on a request waits for the restart instead of failing
-        reason = f"upstream '{self.name}' {transport.exit_detail() or 'closed its connection'}"
+        reason = (f"upstream '{self.name}' "
+                  f"{transport.close_reason or transport.exit_detail() or 'closed its connection'}")
         # The old connection may have only closed stdout; make sure its process and pipes are gone too.
         start_thread(transport.close, f"coffer-{self.name}-close", 0.5)
         for pending in orphaned:
@@ -2777,6 +4124,13 @@ class Upstream:
             return False
         self.notify("notifications/cancelled", {"requestId": request_id, "reason": reason})
         return True
+
+    def _fail_request(self, request_id, text: str) -> None:
+        """A remote transport could not get a request through or its answer back: the caller hears a failure of
+        the connection (a tool call reads it as a tool error), not an error the server itself returned."""
+        pending = self._finish(request_id) if isinstance(request_id, int) else None
+        if pending is not None:
+            pending.on_reply(None, "error", text if f"'{self.name}'" in text else f"upstream '{self.name}': {text}")
 
     def _finish(self, request_id):
         with self.lock:
@@ -3525,12 +4879,14 @@ class Embedder:
         if key:
             headers["Authorization"] = f"Bearer {key}"
         try:
-            with http_open("POST", endpoint, headers, encode_line(body), max(0.01, timeout)) as response:
-                payload = decode_json(read_limited(response, self.MAX_REPLY_BYTES))
-        except HttpError as exc:
+            reply = remote_http("POST", endpoint, headers=headers, body=encode_line(body),
+                                timeout=max(0.01, timeout), max_bytes=self.MAX_REPLY_BYTES)
+        except (UpstreamFailure, EncodeError) as exc:
             raise EmbedderError("timed out" if "timed out" in str(exc) else str(exc)) from None
-        except (OSError, EncodeError):
-            raise EmbedderError("the connection failed while reading the reply") from None
+        if reply.status != 200:
+            raise EmbedderError(f"HTTP {reply.status} from {origin_text(endpoint)}")
+        try:
+            payload = decode_json(reply.body)
         except ValueError:
             raise EmbedderError("the reply is not JSON") from None
         try:
@@ -3731,7 +5087,1415 @@ class SemanticRanker:
 
 
 # ============================================================================================================
-# 8. Gateway session: the MCP server a client talks to
+# 8. Knowledge and memory: the user's documents and notes, one retrieval call away (coffer__ask / __remember)
+# ============================================================================================================
+#
+# A knowledge source is a folder of Markdown / plain text / reStructuredText.  Files are split into passages
+# along headings and paragraphs (each passage knows its file, heading path and line range), stored in coffer.db
+# (knowledge_sources, knowledge_files, knowledge_passages) and ranked by BM25F over Coffer's own analysed terms
+# (identifier splitting, stemming; heading, body and path fields).  Where the interpreter's sqlite3 has FTS5, an
+# FTS5 table over those terms finds the candidates on disk and BM25F re-scores them (no index in memory, nothing
+# to rebuild when a file changes); otherwise an in-memory BM25F index over all passages answers.  Both engines
+# give the same ranking (evals/ask.py measures both; a test checks it).  Pseudo-relevance feedback was tried and
+# dropped: on the eval it moved recall@5 by +0.01 at best on one engine and lowered it on the other.
+#
+# Indexing is incremental: a file whose (mtime, size) did not change is not read; one whose sha256 did not change
+# is not re-split.  With an embedder configured, passage vectors are cached in the embeddings table (model + text
+# hash) like tool vectors and fused with the lexical ranking; any embedder failure answers lexically.  Memory
+# notes are small Markdown files with front matter under COFFER_HOME/memory/, indexed as the reserved source
+# "memory".
+
+
+KNOWLEDGE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS knowledge_sources (
+    name TEXT PRIMARY KEY,
+    root TEXT NOT NULL,                      -- absolute path as the user gave it (memory: COFFER_HOME/memory)
+    globs TEXT NOT NULL,                     -- JSON list of glob patterns, relative to root
+    kind TEXT NOT NULL DEFAULT 'folder',     -- 'folder' or 'memory'
+    created_at TEXT NOT NULL,
+    indexed_at TEXT,
+    last_stats TEXT                          -- JSON of the last ReindexStats (counts only, never text)
+);
+CREATE TABLE IF NOT EXISTS knowledge_files (
+    id INTEGER PRIMARY KEY,
+    source TEXT NOT NULL,
+    path TEXT NOT NULL,                      -- relative to the source root, '/'-separated
+    mtime_ns INTEGER NOT NULL, size INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,                    -- '' when never read (over the size bound)
+    skipped TEXT,                            -- why it has no passages (binary, too large, unreadable), or NULL
+    indexed_at TEXT NOT NULL,
+    UNIQUE (source, path)
+);
+CREATE TABLE IF NOT EXISTS knowledge_passages (
+    id INTEGER PRIMARY KEY,
+    file_id INTEGER NOT NULL,
+    source TEXT NOT NULL, path TEXT NOT NULL,
+    heading TEXT NOT NULL,                   -- heading path, 'Title > Section > Subsection'
+    first_line INTEGER NOT NULL, last_line INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    heading_terms TEXT NOT NULL, body_terms TEXT NOT NULL, path_terms TEXT NOT NULL  -- analysed, space-joined
+);
+CREATE INDEX IF NOT EXISTS knowledge_passages_file ON knowledge_passages(file_id);
+CREATE INDEX IF NOT EXISTS knowledge_passages_source ON knowledge_passages(source);
+CREATE TABLE IF NOT EXISTS knowledge_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO knowledge_meta(key, value) VALUES ('generation', 0), ('fts_synced', 1);
+"""
+# The FTS5 table holds Coffer's analysed terms, not the raw text: FTS5's own tokenizer then only splits on the
+# spaces, and both ranking paths agree on what a term is.  rowid = knowledge_passages.id.
+KNOWLEDGE_FTS_SCHEMA = """
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts USING fts5(
+    heading, body, path, source UNINDEXED, tokenize = 'unicode61 remove_diacritics 0');
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_vocab USING fts5vocab(knowledge_fts, 'row');
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_columns USING fts5vocab(knowledge_fts, 'col');
+"""
+
+KNOWLEDGE_DEFAULT_GLOBS = ("*.md", "*.markdown", "*.txt", "*.rst")
+MEMORY_SOURCE = "memory"
+KNOWLEDGE_SOURCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
+MEMORY_ID_RE = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}$")
+MEMORY_TAG_RE = re.compile(r"^[\w.-]{1,32}$")
+# Folders that are never documentation and can hold huge trees; hidden folders (.git, .venv) are skipped anyway.
+KNOWLEDGE_SKIP_DIRS = frozenset({"node_modules", "__pycache__", "site-packages"})
+# Tool-search stop words minus the words that carry meaning in documentation ("development server", "--help").
+KNOWLEDGE_STOP_WORDS = STOP_WORDS - {"server", "help", "tool", "tools", "mcp"}
+_CONTROL_CHARS_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+ROOT_UNREADABLE = "root unreadable"
+
+
+class KnowledgeLimits(NamedTuple):
+    """Bounds on what one source may cost; hostile or accidental trees (a home folder, a 50 MB log) stay cheap."""
+
+    max_file_bytes: int = 4 << 20        # larger files are skipped, not truncated: half a document misleads
+    max_files: int = 20_000              # matching files per source
+    max_entries: int = 400_000           # directory entries looked at per walk (a bound on walk time)
+    max_depth: int = 32
+    max_passages_per_file: int = 2_000
+    passage_chars: int = 1_500           # a passage closes once it holds this much and the next block would overflow
+    passage_max_chars: int = 3_000       # hard bound; a longer block (code kept whole up to here) is cut by lines
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Splitting: Markdown, reStructuredText and plain text into passages along headings and paragraphs
+# ------------------------------------------------------------------------------------------------------------
+
+class Passage(NamedTuple):
+    """A piece of a file: the exact text of lines first_line..last_line (1-based, inclusive)."""
+
+    heading: str
+    first_line: int
+    last_line: int
+    text: str
+
+
+class _Block(NamedTuple):
+    kind: str          # 'heading', 'para' or 'code' (kept whole up to passage_max_chars)
+    first: int         # 0-based line indexes, inclusive
+    last: int
+    level: int = 0
+    title: str = ""
+
+
+_MD_FENCE_RE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+_MD_ATX_RE = re.compile(r"^ {0,3}(#{1,6})(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
+_MD_UNDERLINE_RE = re.compile(r"^ {0,3}(=+|-+)[ \t]*$")
+_MD_BREAK_RE = re.compile(r"^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$")
+_RST_ADORNMENT_RE = re.compile(r"^([!-/:-@\[-`{-~])\1{2,}[ \t]*$")
+_RST_DIRECTIVE_RE = re.compile(r"^([ \t]*)\.\.[ \t]+\S")
+_LIST_ITEM_RE = re.compile(r"^ {0,3}(?:[-+*]|\d{1,9}[.)])[ \t]")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def _markdown_blocks(lines: list[str]):
+    n, i, para = len(lines), 0, None
+    if n and lines[0].strip() == "---":  # front matter is metadata, not text
+        for j in range(1, min(n, 200)):
+            if lines[j].strip() in ("---", "..."):
+                i = j + 1
+                break
+    while i < n:
+        line = lines[i]
+        fence = _MD_FENCE_RE.match(line)
+        if fence:
+            if para is not None:
+                yield _Block("para", para, i - 1)
+                para = None
+            marker = fence.group(1)
+            closing = re.compile(r"^ {0,3}" + re.escape(marker[0]) + "{" + str(len(marker)) + r",}[ \t]*$")
+            j = i + 1
+            while j < n and not closing.match(lines[j]):
+                j += 1
+            end = min(j, n - 1)
+            yield _Block("code", i, end)
+            i = end + 1
+            continue
+        atx = _MD_ATX_RE.match(line)
+        if atx:
+            if para is not None:
+                yield _Block("para", para, i - 1)
+                para = None
+            yield _Block("heading", i, i, len(atx.group(1)), (atx.group(2) or "").strip())
+            i += 1
+            continue
+        if not line.strip() or (para is None and _MD_BREAK_RE.match(line)):
+            if para is not None:
+                yield _Block("para", para, i - 1)
+                para = None
+            i += 1
+            continue
+        if (para is None and i + 1 < n and _MD_UNDERLINE_RE.match(lines[i + 1])
+                and not _LIST_ITEM_RE.match(line) and _indent(line) < 4):
+            yield _Block("heading", i, i + 1, 1 if lines[i + 1].strip()[0] == "=" else 2, line.strip())
+            i += 2
+            continue
+        if para is None:
+            para = i
+        i += 1
+    if para is not None:
+        yield _Block("para", para, n - 1)
+
+
+def _rst_blocks(lines: list[str]):
+    """Sections from over/underlined titles (levels in order of first appearance, as reST defines them);
+    directives and '::' literal blocks are kept whole with their indented body, blank lines included."""
+    styles: list[tuple[str, bool]] = []
+
+    def level(style):
+        if style not in styles:
+            styles.append(style)
+        return styles.index(style) + 1
+
+    def indented_end(start: int, base: int) -> int:
+        """Last line of the indented body after ``start`` (lines blank or indented deeper than ``base``)."""
+        j = start + 1
+        while j < n and (not lines[j].strip() or _indent(lines[j]) > base):
+            j += 1
+        end = j - 1
+        while end > start and not lines[end].strip():
+            end -= 1
+        return end
+
+    n, i, para = len(lines), 0, None
+    while i < n:
+        line = lines[i]
+        stripped = line.strip()
+        if para is None and stripped and _RST_ADORNMENT_RE.match(line) and i + 2 < n and lines[i + 1].strip() \
+                and _RST_ADORNMENT_RE.match(lines[i + 2]) and lines[i + 2].strip()[0] == stripped[0]:
+            yield _Block("heading", i, i + 2, level((stripped[0], True)), lines[i + 1].strip())
+            i += 3
+            continue
+        if para is None and stripped and not line[0].isspace() and i + 1 < n \
+                and _RST_ADORNMENT_RE.match(lines[i + 1]) and not _RST_ADORNMENT_RE.match(line) \
+                and len(lines[i + 1].rstrip()) >= min(len(line.rstrip()), 3):
+            yield _Block("heading", i, i + 1, level((lines[i + 1].strip()[0], False)), stripped)
+            i += 2
+            continue
+        if not stripped:
+            if para is not None:
+                yield _Block("para", para, i - 1)
+                if lines[i - 1].rstrip().endswith("::"):  # the literal block that follows belongs to it
+                    end = indented_end(i - 1, _indent(lines[para]))
+                    if end > i - 1:
+                        yield _Block("code", i, end)
+                        i = end + 1
+                        para = None
+                        continue
+                para = None
+            i += 1
+            continue
+        directive = _RST_DIRECTIVE_RE.match(line)
+        if para is None and directive:
+            end = indented_end(i, len(directive.group(1)))
+            yield _Block("code", i, end)
+            i = end + 1
+            continue
+        if para is None:
+            para = i
+        i += 1
+    if para is not None:
+        yield _Block("para", para, n - 1)
+
+
+def _text_blocks(lines: list[str]):
+    para = None
+    for i, line in enumerate(lines):
+        if line.strip():
+            if para is None:
+                para = i
+        elif para is not None:
+            yield _Block("para", para, i - 1)
+            para = None
+    if para is not None:
+        yield _Block("para", para, len(lines) - 1)
+
+
+def document_kind(path: str) -> str:
+    """'markdown', 'rst' or 'text', from the file name."""
+    lower = path.lower()
+    if lower.endswith((".md", ".markdown", ".mdx")):
+        return "markdown"
+    if lower.endswith((".rst", ".rest")):
+        return "rst"
+    return "text"
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines as an editor numbers them: \\r\\n, \\r and \\n end a line; nothing else does (str.splitlines would
+    also break on form feeds and U+2028, shifting every line number after them)."""
+    return re.split(r"\r\n|\r|\n", text)
+
+
+def split_passages(text: str, kind: str, limits: KnowledgeLimits = KnowledgeLimits()) -> list[Passage]:
+    """Passages of a document, in order.  A passage never crosses a heading; paragraphs are packed up to about
+    ``limits.passage_chars``; a code block or directive stays whole up to ``limits.passage_max_chars``."""
+    lines = split_lines(text)
+    blocks = {"markdown": _markdown_blocks, "rst": _rst_blocks}.get(kind, _text_blocks)(lines)
+    passages: list[Passage] = []
+    stack: list[tuple[int, str]] = []
+    current: list[_Block] = []
+    size = 0
+
+    def emit(first: int, last: int, heading: str, text: str | None = None) -> None:
+        if len(passages) < limits.max_passages_per_file:
+            text = text if text is not None else "\n".join(lines[first:last + 1])
+            # Only a pathological heading line (megabytes on one line) can push a passage past the bound here.
+            passages.append(Passage(heading, first + 1, last + 1, text[:limits.passage_max_chars]))
+
+    def flush() -> None:
+        nonlocal current, size
+        body = [block for block in current if block.kind != "heading"]
+        if body:
+            heading = current[0]
+            heading_size = sum(len(lines[k]) + 1 for k in range(heading.first, heading.last + 1))
+            # The heading line opens its first passage, unless it is absurdly long (then the path says it all).
+            first = heading.first if heading_size <= limits.passage_max_chars // 4 else body[0].first
+            emit(first, current[-1].last, heading_path)
+        current, size = [], 0
+
+    heading_path = ""
+    for block in blocks:
+        if len(passages) >= limits.max_passages_per_file:
+            break
+        if block.kind == "heading":
+            flush()
+            while stack and stack[-1][0] >= block.level:
+                stack.pop()
+            stack.append((block.level, block.title[:200]))
+            heading_path = " > ".join(title for _, title in stack if title)[:600]
+            current = [block]
+            continue
+        block_size = sum(len(lines[k]) + 1 for k in range(block.first, block.last + 1))
+        has_body = any(b.kind != "heading" for b in current)
+        if has_body and size + block_size > limits.passage_chars:
+            flush()
+        if block_size <= limits.passage_max_chars:
+            current.append(block)
+            size += block_size
+            continue
+        # Too big to keep whole: cut by lines (one over-long line by characters), the pending heading first.
+        start = current[0].first if current and len(lines[current[0].first]) <= limits.passage_max_chars // 4 \
+            else block.first
+        current, size = [], 0
+        chunk_first, chunk_size = start, 0
+        for k in range(block.first, block.last + 1):
+            line_size = len(lines[k]) + 1
+            if chunk_size and chunk_size + line_size > limits.passage_max_chars:
+                emit(chunk_first, k - 1, heading_path)
+                chunk_first, chunk_size = k, 0
+            if line_size > limits.passage_max_chars:
+                for offset in range(0, len(lines[k]), limits.passage_max_chars):
+                    emit(k, k, heading_path, lines[k][offset:offset + limits.passage_max_chars])
+                chunk_first, chunk_size = k + 1, 0
+                continue
+            chunk_size += line_size
+        if chunk_size:
+            emit(chunk_first, block.last, heading_path)
+    flush()
+    return passages
+
+
+def parse_front_matter(text: str) -> tuple[dict, int]:
+    """(fields, index of the first body line) of a '---' front matter block; the small YAML subset memory notes
+    use (``key: value``, values as JSON or bare words, ``[a, b]`` lists).  Unparseable lines are ignored: a
+    human may have edited the file."""
+    lines = split_lines(text)
+    if not lines or lines[0].strip() != "---":
+        return {}, 0
+    fields: dict = {}
+    for j in range(1, min(len(lines), 200)):
+        line = lines[j]
+        if line.strip() in ("---", "..."):
+            return fields, j + 1
+        key, sep, raw = line.partition(":")
+        if not sep or not key.strip():
+            continue
+        raw = raw.strip()
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = [item.strip().strip("'\"") for item in raw[1:-1].split(",") if item.strip()] \
+                if raw.startswith("[") and raw.endswith("]") else raw
+        fields[key.strip().lower()] = value
+    return {}, 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Walking a source folder: globs, .gitignore, hidden files, symlinks, bounds
+# ------------------------------------------------------------------------------------------------------------
+
+def glob_regex(pattern: str, ignore_case: bool = True) -> re.Pattern:
+    """A glob as a regex on '/'-separated relative paths: ``*`` and ``?`` stay within a path segment, ``**``
+    crosses segments, ``[...]`` is a character class.  A pattern without '/' matches the name in any folder."""
+    anchored = "/" in pattern.rstrip("/")
+    pattern = pattern.strip("/")
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif c == "*":
+            out.append("[^/]*")
+            i += 1
+        elif c == "?":
+            out.append("[^/]")
+            i += 1
+        elif c == "[":
+            end = pattern.find("]", i + 2)
+            if end == -1:
+                out.append(r"\[")
+                i += 1
+            else:
+                body = pattern[i + 1:end].replace("\\", "\\\\")
+                out.append("[" + ("^" + body[1:] if body[:1] in "!^" else body) + "]")
+                i = end + 1
+        elif c == "\\" and i + 1 < len(pattern):
+            out.append(re.escape(pattern[i + 1]))
+            i += 2
+        else:
+            out.append(re.escape(c))
+            i += 1
+    return re.compile(("" if anchored else "(?:.*/)?") + "".join(out) + r"\Z",
+                      (re.IGNORECASE if ignore_case else 0) | re.DOTALL)
+
+
+class _IgnoreRule(NamedTuple):
+    regex: re.Pattern
+    negated: bool
+    dir_only: bool
+
+
+def parse_gitignore(text: str) -> list[_IgnoreRule]:
+    """The common .gitignore subset: comments, blank lines, ``!`` negation, trailing ``/`` (folders only), a
+    leading or inner ``/`` anchoring to the .gitignore's folder, ``*``, ``?``, ``**``, ``[...]``, ``\\`` escapes."""
+    rules = []
+    for raw in split_lines(text)[:5_000]:
+        line = raw.rstrip()
+        if raw.endswith("\\ "):          # an escaped trailing space is part of the pattern
+            line += " "
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        if negated:
+            line = line[1:]
+        elif line.startswith("\\"):     # \! and \# stand for themselves
+            line = line[1:] if line[1:2] in ("!", "#") else line
+        dir_only = line.endswith("/")
+        line = line.rstrip("/")
+        if not line:
+            continue
+        anchored = "/" in line
+        try:
+            regex = glob_regex(("/" + line.lstrip("/")) if anchored else line, ignore_case=False)
+        except re.error:
+            continue
+        rules.append(_IgnoreRule(regex, negated, dir_only))
+    return rules
+
+
+def _ignored(rule_sets: list[tuple[str, list[_IgnoreRule]]], relative: str, is_dir: bool) -> bool:
+    """Git semantics: rules from the root .gitignore down, the last matching rule wins."""
+    ignored = False
+    for base, rules in rule_sets:
+        if base and not relative.startswith(base + "/"):
+            continue
+        inner = relative[len(base) + 1:] if base else relative
+        for rule in rules:
+            if (not rule.dir_only or is_dir) and rule.regex.match(inner):
+                ignored = not rule.negated
+    return ignored
+
+
+class FoundFile(NamedTuple):
+    path: str            # relative to the source root, '/'-separated
+    absolute: str
+    mtime_ns: int
+    size: int
+
+
+def _bad_name(name: str) -> bool:
+    """Names with control characters (a newline, an escape sequence) or bytes that are not text."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return True
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:   # undecodable bytes arrive as surrogates (PEP 383)
+        return True
+    return False
+
+
+def walk_source(root: str, globs, limits: KnowledgeLimits, skipped: collections.Counter) -> list[FoundFile]:
+    """The files of a source that match its globs, sorted by path.  Hidden entries, .gitignored entries, bad
+    names and symlinks leaving the root are skipped (counted in ``skipped`` by reason); symlink loops are cut by
+    remembering each folder's (device, inode); the walk stops at the limits with a warning."""
+    try:
+        root_real = os.path.realpath(root)
+        root_stat = os.stat(root_real)
+    except OSError as exc:
+        skipped[f"{ROOT_UNREADABLE}: {exc.strerror or exc}"] += 1
+        return []
+    if stat.S_ISREG(root_stat.st_mode):   # a single file given as the source
+        return [FoundFile(os.path.basename(root_real), root_real, root_stat.st_mtime_ns, root_stat.st_size)]
+    matchers = [glob_regex(g) for g in globs]
+    found: list[FoundFile] = []
+    seen_dirs = {(root_stat.st_dev, root_stat.st_ino)}
+    stack: list[tuple[str, str, int, list]] = [(root_real, "", 0, [])]
+    entries = 0
+    while stack:
+        folder, relative_folder, depth, rule_sets = stack.pop()
+        rule_sets = list(rule_sets)
+        gitignore = os.path.join(folder, ".gitignore")
+        try:
+            if os.path.isfile(gitignore) and os.path.getsize(gitignore) <= 256 << 10:
+                with open(gitignore, encoding="utf-8", errors="replace") as handle:
+                    rule_sets.append((relative_folder, parse_gitignore(handle.read())))
+        except OSError:
+            pass
+        try:
+            with os.scandir(folder) as iterator:
+                children = sorted(iterator, key=lambda entry: entry.name)
+        except OSError:
+            skipped["unreadable folder"] += 1
+            continue
+        for entry in children:
+            entries += 1
+            if entries > limits.max_entries or len(found) >= limits.max_files:
+                skipped["over the walk limits"] += 1   # reindex warns; changed() polls quietly
+                return sorted(found)
+            name = entry.name
+            if name.startswith("."):
+                continue
+            if _bad_name(name):
+                skipped["bad file name"] += 1
+                continue
+            relative = f"{relative_folder}/{name}" if relative_folder else name
+            try:
+                is_link = entry.is_symlink()
+                info = entry.stat()  # follows symlinks
+            except OSError:
+                skipped["unreadable"] += 1
+                continue
+            is_dir = stat.S_ISDIR(info.st_mode)
+            if _ignored(rule_sets, relative, is_dir):
+                continue
+            if is_link:
+                target = os.path.realpath(entry.path)
+                try:
+                    inside = os.path.commonpath([root_real, target]) == root_real
+                except ValueError:   # another drive (Windows)
+                    inside = False
+                if not inside:
+                    skipped["symlink outside the root"] += 1
+                    continue
+            if is_dir:
+                if name in KNOWLEDGE_SKIP_DIRS:
+                    continue
+                key = (info.st_dev, info.st_ino)
+                if key in seen_dirs:
+                    skipped["symlink loop"] += 1
+                    continue
+                if depth + 1 > limits.max_depth:
+                    skipped["too deep"] += 1
+                    continue
+                seen_dirs.add(key)
+                stack.append((entry.path, relative, depth + 1, rule_sets))
+            elif stat.S_ISREG(info.st_mode) and any(m.match(relative) for m in matchers):
+                found.append(FoundFile(relative, entry.path, info.st_mtime_ns, info.st_size))
+    return sorted(found)
+
+
+def read_document(absolute: str, limits: KnowledgeLimits) -> tuple[str | None, str, str]:
+    """(text or None, sha256, why not): binary files and files over the size bound give None."""
+    try:
+        with open(absolute, "rb") as handle:
+            data = handle.read(limits.max_file_bytes + 1)
+    except OSError as exc:
+        return None, "", f"unreadable ({exc.strerror or exc})"
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) > limits.max_file_bytes:
+        return None, digest, "too large"
+    if b"\x00" in data[:8192]:
+        return None, digest, "binary"
+    text = data.decode("utf-8", errors="replace")
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text, digest, ""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Analysis and ranking
+# ------------------------------------------------------------------------------------------------------------
+
+def knowledge_terms(text: str) -> tuple[str, ...]:
+    """Index/query terms of a passage or question: Coffer's word splitting and stemmer, documentation stop words."""
+    if text.isascii():
+        # _words treats each ASCII word on its own, so a cache per distinct word gives the same terms ~4x faster
+        # (documents repeat their words; indexing 10k passages is mostly this function).
+        return tuple(itertools.chain.from_iterable(map(_word_terms, _WORD_RE.findall(text))))
+    return tuple(stem(word) for word in _words(text) if word not in KNOWLEDGE_STOP_WORDS)
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _word_terms(word: str) -> tuple[str, ...]:
+    return tuple(stem(part) for part in _words(word) if part not in KNOWLEDGE_STOP_WORDS)
+
+
+def _path_words(path: str) -> str:
+    stem_part = path.rsplit(".", 1)[0] if "." in path.rsplit("/", 1)[-1] else path
+    return " ".join(knowledge_terms(stem_part.replace("/", " ").replace("-", " ").replace("_", " ")))
+
+
+class PassageIndex:
+    """Coffer's own BM25F over passages (heading, body and path fields), used where sqlite3 lacks FTS5.
+
+    Immutable once built: searches on any thread read it while a rebuild makes a new one.  Postings are compact
+    arrays (8 bytes a posting), with the BM25 weight of each (term, passage) computed once at build time.
+    """
+
+    FIELDS = (("heading", 2.0, 0.5), ("body", 1.0, 0.75), ("path", 0.7, 0.3))
+    K1 = 1.2
+
+    def __init__(self, rows):
+        """``rows``: (passage id, source, heading terms, body terms, path terms), terms space-joined."""
+        self.ids: list[int] = []
+        self.sources: list[str] = []
+        fields_per_doc = []
+        for passage_id, source, heading, body, path in rows:
+            self.ids.append(passage_id)
+            self.sources.append(source)
+            fields_per_doc.append((heading.split(), body.split(), path.split()))
+        n = len(self.ids)
+        averages = [(sum(len(doc[f]) for doc in fields_per_doc) / n if n else 0.0) or 1.0
+                    for f in range(len(self.FIELDS))]
+        raw: dict[str, tuple[array.array, array.array]] = {}
+        for doc_id, doc in enumerate(fields_per_doc):
+            tf: dict[str, float] = {}
+            for f, (_, weight, b) in enumerate(self.FIELDS):
+                terms = doc[f]
+                if terms:
+                    norm = weight / (1.0 - b + b * len(terms) / averages[f])
+                    for term in terms:
+                        tf[term] = tf.get(term, 0.0) + norm
+            for term, value in tf.items():
+                posting = raw.get(term)
+                if posting is None:
+                    posting = raw[term] = (array.array("i"), array.array("f"))
+                posting[0].append(doc_id)
+                posting[1].append(value)
+        k1 = self.K1
+        for term, (docs, values) in raw.items():
+            idf = math.log(1.0 + (n - len(docs) + 0.5) / (len(docs) + 0.5))
+            for k, value in enumerate(values):
+                values[k] = idf * value / (k1 + value)
+        self.postings = raw
+        self.count = n
+
+    def document_frequency(self, term: str) -> int:
+        posting = self.postings.get(term)
+        return len(posting[0]) if posting else 0
+
+    def rank(self, weights: dict[str, float], limit: int, sources: frozenset | None = None):
+        """Best ``limit`` (passage id, score), best first."""
+        scores: dict[int, float] = collections.defaultdict(float)
+        for term, weight in weights.items():
+            posting = self.postings.get(term)
+            if posting:
+                for doc_id, value in zip(*posting):
+                    scores[doc_id] += weight * value
+        if sources is not None:
+            scores = {d: s for d, s in scores.items() if self.sources[d] in sources}
+        best = heapq.nlargest(limit, scores.items(), key=lambda item: (item[1], -item[0]))
+        return [(self.ids[doc_id], score) for doc_id, score in best if score > 0.0]
+
+
+class KnowledgeHit(NamedTuple):
+    """One retrieved passage, as coffer__ask returns it."""
+
+    source: str
+    path: str
+    heading: str
+    lines: tuple[int, int]
+    text: str
+    score: float
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "path": self.path, "heading": self.heading, "lines": list(self.lines),
+                "text": self.text, "score": self.score}
+
+
+class KnowledgeAnswer(NamedTuple):
+    passages: list[KnowledgeHit]
+    total_searched: int
+    ranker: str            # 'fts5', 'bm25f', or either with '+hybrid'
+    note: str | None       # why a fallback happened (embedder down, vectors not ready)
+
+
+class KnowledgeSource(NamedTuple):
+    name: str
+    root: str
+    globs: tuple[str, ...]
+    kind: str
+    files: int
+    passages: int
+    indexed_at: str | None
+
+
+class ReindexStats(NamedTuple):
+    """What one reindex of one source did; counts only (the log may show it: no text, no question)."""
+
+    source: str
+    files_seen: int
+    files_read: int          # files whose (mtime, size) changed, so their bytes were read and hashed
+    files_added: int
+    files_changed: int       # content changed: re-split and re-indexed
+    files_removed: int
+    files_unchanged: int
+    passages_added: int
+    passages_removed: int
+    skipped: dict            # reason -> count (binary, too large, symlink outside the root, ...)
+    seconds: float
+
+
+class MemoryNote(NamedTuple):
+    id: str
+    time: str
+    client: str
+    tags: tuple[str, ...]
+    text: str
+
+
+class _Snapshot(NamedTuple):
+    generation: int
+    counts: dict               # source -> passages
+    lexical: PassageIndex | None     # the in-memory index (engine 'bm25f' only)
+    averages: tuple            # average field lengths in terms (heading, body, path), for re-scoring FTS5 hits
+
+
+_FTS5_AVAILABLE: bool | None = None
+
+
+def fts5_available() -> bool:
+    """Whether this interpreter's sqlite3 was built with FTS5 (checked once)."""
+    global _FTS5_AVAILABLE
+    if _FTS5_AVAILABLE is None:
+        try:
+            probe = sqlite3.connect(":memory:")
+            probe.execute("CREATE VIRTUAL TABLE probe USING fts5(x)")
+            probe.close()
+            _FTS5_AVAILABLE = True
+        except sqlite3.Error:
+            _FTS5_AVAILABLE = False
+    return _FTS5_AVAILABLE
+
+
+def passage_embedding_text(heading: str, text: str) -> str:
+    return f"{heading}\n{text}"[:2000] if heading else text[:2000]
+
+
+class KnowledgeBase:
+    """Owns the knowledge tables of coffer.db, the memory folder, and the in-memory indexes over them.
+
+    Threads: ``search``/``ask``/``sources``/``memories``/``memory``/``changed`` may run on any thread at once
+    (each thread reads through its own SQLite connection; WAL lets them read while a write is under way).
+    ``add_source``/``remove_source``/``reindex``/``remember``/``forget`` are writers: serialized by a lock in this
+    process and by SQLite's write lock across processes; they may run on any thread (the gateway's watcher
+    thread reindexes while worker threads search).  With an embedder, one daemon thread embeds new passages.
+    """
+
+    FTS_CANDIDATES = 100       # FTS5 hits re-scored by BM25F (50 gave the same eval results; 100 is margin)
+    FTS_COMMON_SHARE = 0.2     # terms in more than this share of passages do not pick candidates (see _lexical)
+    CANDIDATES = 50            # lexical and semantic candidates fused in hybrid mode
+    EMBED_CHUNK = 256          # passages embedded (and saved) per embedder call
+    # Lexical share of the hybrid blend.  Documentation passages are long and the question's exact words matter;
+    # on evals/ask.py with all-MiniLM-L6-v2, 0.7-0.8 was a plateau (nDCG@10 0.860 against 0.838 lexical) while
+    # tool search's 0.45 made the hybrid worse than lexical alone (0.821).
+    HYBRID_ALPHA = 0.75
+    MEMORY_MAX_CHARS = 16_000
+    QUESTION_MAX_CHARS = 2_000
+
+    def __init__(self, db_path: str, home: str, *, embedder: "Embedder | None" = None, engine: str = "auto",
+                 query_timeout: float = 1.0, build_timeout: float = 120.0,
+                 limits: KnowledgeLimits = KnowledgeLimits()):
+        if engine not in ("auto", "fts5", "bm25f"):
+            raise CofferError(f"knowledge engine must be auto, fts5 or bm25f, not {engine!r}")
+        if engine == "fts5" and not fts5_available():
+            raise CofferError("this Python's sqlite3 has no FTS5; use engine 'bm25f'")
+        self.db_path, self.home, self.limits = db_path, home, limits
+        self.engine = "fts5" if engine == "fts5" or (engine == "auto" and fts5_available()) else "bm25f"
+        self.memory_dir = os.path.join(home, "memory")
+        self._write_lock = threading.Lock()
+        self._snapshot_lock = threading.Lock()
+        self._snapshot: _Snapshot | None = None
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._writer = Vault._connect(db_path)
+        self._writer.executescript(KNOWLEDGE_SCHEMA)
+        if fts5_available():
+            self._prepare_fts()
+        self.embedder, self.query_timeout, self.build_timeout = embedder, query_timeout, build_timeout
+        self._vectors: dict[str, list[float]] = {}
+        self._semantic: tuple[list[int], SemanticIndex] | None = None  # (passage id per row, index)
+        self._embed_wanted = threading.Event()
+        self._embed_lock = threading.Lock()   # the background thread and ensure_vectors embed one at a time
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
+        # Memory notes join searches without a 'sources' filter only when the user turned memory on (the gateway
+        # sets this from 'coffer config memory'); an explicit sources=['memory'] always reaches them.
+        self.memory_enabled = True
+        if embedder is not None:
+            self._ensure_embedding_table()
+            self._embed_wanted.set()
+            threading.Thread(target=self._embed_loop, name="coffer-knowledge-embedder", daemon=True).start()
+
+    # -- connections ---------------------------------------------------------------------------------------
+    def _reader(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = Vault._connect(self.db_path)
+            with self._readers_lock:
+                self._readers.append(db)
+        return db
+
+    def close(self) -> None:
+        self._closed.set()
+        self._embed_wanted.set()
+        with self._readers_lock:
+            for db in self._readers:
+                try:
+                    db.close()
+                except sqlite3.Error:
+                    pass
+            self._readers.clear()
+        with self._write_lock:
+            self._writer.close()
+
+    def _generation(self, db) -> int:
+        return db.execute("SELECT value FROM knowledge_meta WHERE key='generation'").fetchone()[0]
+
+    def _prepare_fts(self) -> None:
+        """Create the FTS5 tables, set their ranking, and rebuild them if a Python without FTS5 wrote passages
+        since (it cannot update them)."""
+        self._writer.executescript(KNOWLEDGE_FTS_SCHEMA)
+        # The configured rank lets 'ORDER BY rank' take FTS5's own sorted path.  Stored in the table, so set once.
+        rank = self._writer.execute("SELECT v FROM knowledge_fts_config WHERE k='rank'").fetchone()
+        if not rank or rank[0] != "bm25(2.0, 1.0, 0.7)":
+            with self._write_lock, _Transaction(self._writer) as db:
+                db.execute("INSERT INTO knowledge_fts(knowledge_fts, rank) VALUES ('rank', 'bm25(2.0, 1.0, 0.7)')")
+        row = self._writer.execute("SELECT value FROM knowledge_meta WHERE key='fts_synced'").fetchone()
+        if row and row[0]:
+            return
+        with self._write_lock, _Transaction(self._writer) as db:
+            db.execute("DELETE FROM knowledge_fts")
+            db.execute("INSERT INTO knowledge_fts(rowid, heading, body, path, source) SELECT id, heading_terms,"
+                       " body_terms, path_terms, source FROM knowledge_passages")
+            db.execute("UPDATE knowledge_meta SET value=1 WHERE key='fts_synced'")
+        log.warning("knowledge: full-text index rebuilt (passages were written by a Python without FTS5)")
+
+    # -- sources -------------------------------------------------------------------------------------------
+    def add_source(self, path: str, name: str | None = None, globs=None) -> ReindexStats:
+        """Register a folder (or one file) and index it; the stats name the source."""
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise CofferError("give the path of a folder to add")
+        root = os.path.abspath(os.path.expanduser(path))
+        if not os.path.exists(root):
+            raise CofferError(f"{root} does not exist")
+        if name is None:
+            name = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(root.rstrip(os.sep)) or "docs").strip("-.")[:48]
+            name = name if name and KNOWLEDGE_SOURCE_RE.match(name) else "docs"
+        if not isinstance(name, str) or not KNOWLEDGE_SOURCE_RE.match(name):
+            raise CofferError(f"bad source name {name!r}: use letters, digits, '.', '_' or '-' (at most 48)")
+        if name.lower() == MEMORY_SOURCE:
+            raise CofferError(f"{MEMORY_SOURCE!r} is reserved for memory notes (coffer memory ...)")
+        globs = tuple(globs) if globs else KNOWLEDGE_DEFAULT_GLOBS
+        if len(globs) > 32 or not all(isinstance(g, str) and g and len(g) <= 200 and "\x00" not in g for g in globs):
+            raise CofferError("globs must be at most 32 non-empty patterns of at most 200 characters")
+        for pattern in globs:
+            try:
+                glob_regex(pattern)
+            except re.error as exc:
+                raise CofferError(f"bad glob {pattern!r}: {exc}") from None
+        with self._write_lock, _Transaction(self._writer) as db:
+            if db.execute("SELECT 1 FROM knowledge_sources WHERE lower(name)=lower(?)", (name,)).fetchone():
+                raise CofferError(f"knowledge source {name!r} already exists; remove it first or pick another name")
+            db.execute("INSERT INTO knowledge_sources(name, root, globs, kind, created_at) VALUES (?,?,?,?,?)",
+                       (name, root, dumps(list(globs)), "folder", utcnow()))
+        return self.reindex(name)[0]
+
+    def remove_source(self, name: str) -> None:
+        if name == MEMORY_SOURCE:
+            raise CofferError("memory notes are removed with 'coffer memory rm ID'")
+        with self._write_lock, _Transaction(self._writer) as db:
+            if not db.execute("SELECT 1 FROM knowledge_sources WHERE name=?", (name,)).fetchone():
+                raise CofferError(f"unknown knowledge source {name!r}")
+            self._delete_passages(db, "source=?", (name,))
+            db.execute("DELETE FROM knowledge_files WHERE source=?", (name,))
+            db.execute("DELETE FROM knowledge_sources WHERE name=?", (name,))
+            self._bump(db)
+        self._refresh_snapshot()
+
+    def sources(self) -> list[KnowledgeSource]:
+        db = self._reader()
+        files = dict(db.execute("SELECT source, count(*) FROM knowledge_files GROUP BY source").fetchall())
+        passages = dict(db.execute("SELECT source, count(*) FROM knowledge_passages GROUP BY source").fetchall())
+        return [KnowledgeSource(row["name"], row["root"], tuple(json.loads(row["globs"])), row["kind"],
+                                files.get(row["name"], 0), passages.get(row["name"], 0), row["indexed_at"])
+                for row in db.execute("SELECT * FROM knowledge_sources ORDER BY name")]
+
+    def _source_rows(self, db, name: str | None):
+        rows = db.execute("SELECT * FROM knowledge_sources" + (" WHERE name=?" if name else "") + " ORDER BY name",
+                          (name,) if name else ()).fetchall()
+        if name and not rows:
+            raise CofferError(f"unknown knowledge source {name!r}")
+        return rows
+
+    # -- indexing ------------------------------------------------------------------------------------------
+    def _bump(self, db) -> None:
+        db.execute("UPDATE knowledge_meta SET value=value+1 WHERE key='generation'")
+
+    def _delete_passages(self, db, where: str, args: tuple) -> int:
+        if fts5_available():
+            db.execute(f"DELETE FROM knowledge_fts WHERE rowid IN (SELECT id FROM knowledge_passages WHERE {where})",
+                       args)
+        else:
+            db.execute("UPDATE knowledge_meta SET value=0 WHERE key='fts_synced'")
+        return db.execute(f"DELETE FROM knowledge_passages WHERE {where}", args).rowcount
+
+    def reindex(self, name: str | None = None) -> list[ReindexStats]:
+        """Bring one source (or all) up to date with its files; only changed files are read and re-split."""
+        rows = self._source_rows(self._reader(), name)
+        stats = [self._reindex_source(row) for row in rows]
+        self._refresh_snapshot()
+        if self.embedder is not None:
+            self._embed_wanted.set()
+        return stats
+
+    def _reindex_source(self, source) -> ReindexStats:
+        started = time.monotonic()
+        name, kind = source["name"], source["kind"]
+        skipped: collections.Counter = collections.Counter()
+        found = walk_source(source["root"], tuple(json.loads(source["globs"])), self.limits, skipped)
+        stored = {row["path"]: row for row in self._reader().execute(
+            "SELECT id, path, mtime_ns, size, sha256, skipped FROM knowledge_files WHERE source=?", (name,))}
+        counts: collections.Counter = collections.Counter()
+        # (file, sha256, passages or None, why it has none): None without a reason = same content, new stat.
+        pending: list[tuple[FoundFile, str, list[Passage] | None, str | None]] = []
+        for found_file in found:
+            row = stored.get(found_file.path)
+            if row is not None and (row["mtime_ns"], row["size"]) == (found_file.mtime_ns, found_file.size):
+                counts["unchanged"] += 1
+                if row["skipped"]:
+                    skipped[row["skipped"]] += 1
+                continue
+            if found_file.size > self.limits.max_file_bytes:
+                text, digest, why_not = None, "", "too large"   # never read: a 50 MB log costs one stat
+            else:
+                text, digest, why_not = read_document(found_file.absolute, self.limits)
+                counts["read"] += 1
+            if text is None:
+                skipped[why_not] += 1
+                pending.append((found_file, digest, None, why_not))
+            elif row is not None and row["sha256"] == digest and not row["skipped"]:
+                counts["unchanged"] += 1        # touched, not changed: keep its passages
+                pending.append((found_file, digest, None, None))
+            else:
+                counts["changed" if row is not None else "added"] += 1
+                pending.append((found_file, digest, self._split(kind, found_file.path, text), None))
+            if len(pending) >= 200:   # write in batches: short write transactions, bounded memory
+                self._write_files(name, pending, counts)
+                pending = []
+        if pending:
+            self._write_files(name, pending, counts)
+        present = {f.path for f in found}
+        # A folder that is gone for now (an unmounted drive, a renamed parent) keeps its index until it is back.
+        root_missing = any(reason.startswith(ROOT_UNREADABLE) for reason in skipped)
+        gone = [] if root_missing else [row for path, row in stored.items() if path not in present]
+        with self._write_lock, _Transaction(self._writer) as db:
+            for row in gone:
+                counts["passages_removed"] += self._delete_passages(db, "file_id=?", (row["id"],))
+                db.execute("DELETE FROM knowledge_files WHERE id=?", (row["id"],))
+            if gone:
+                self._bump(db)
+            result = ReindexStats(name, len(found), counts["read"], counts["added"], counts["changed"], len(gone),
+                                  counts["unchanged"], counts["passages_added"], counts["passages_removed"],
+                                  dict(skipped), round(time.monotonic() - started, 3))
+            db.execute("UPDATE knowledge_sources SET indexed_at=?, last_stats=? WHERE name=?",
+                       (utcnow(), dumps(result._asdict()), name))
+        if skipped.get("over the walk limits"):
+            log.warning("knowledge: source %s is over the walk limits (%d files, %d entries); the rest is not "
+                        "indexed", name, self.limits.max_files, self.limits.max_entries)
+        return result
+
+    def _split(self, kind: str, path: str, text: str) -> list[Passage]:
+        text = redact(_CONTROL_CHARS_RE.sub("\ufffd", text))  # a known secret in a document stays out of coffer.db
+        if kind != "memory":
+            return split_passages(text, document_kind(path), self.limits)
+        fields, body_start = parse_front_matter(text)
+        tags = fields.get("tags") if isinstance(fields.get("tags"), list) else []
+        heading = "memory" + (": " + ", ".join(str(t) for t in tags[:16]) if tags else "")
+        return [p._replace(heading=heading) for p in split_passages(text, "markdown", self.limits)
+                if p.last_line > body_start]
+
+    def _write_files(self, name: str, pending, counts: collections.Counter) -> None:
+        now = utcnow()
+        with self._write_lock, _Transaction(self._writer) as db:
+            for found_file, digest, passages, why_not in pending:
+                row = db.execute("SELECT id, sha256, skipped FROM knowledge_files WHERE source=? AND path=?",
+                                 (name, found_file.path)).fetchone()
+                same = row is not None and row["sha256"] == digest and not row["skipped"]
+                if row is not None and ((passages is None and why_not is None) or (same and passages is not None)):
+                    # Same content (or another process indexed it meanwhile): remember the new stat only.
+                    db.execute("UPDATE knowledge_files SET mtime_ns=?, size=? WHERE id=?",
+                               (found_file.mtime_ns, found_file.size, row["id"]))
+                    continue
+                if row is not None:
+                    counts["passages_removed"] += self._delete_passages(db, "file_id=?", (row["id"],))
+                    db.execute("UPDATE knowledge_files SET mtime_ns=?, size=?, sha256=?, skipped=?, indexed_at=?"
+                               " WHERE id=?", (found_file.mtime_ns, found_file.size, digest, why_not, now, row["id"]))
+                    file_id = row["id"]
+                else:
+                    file_id = db.execute("INSERT INTO knowledge_files(source, path, mtime_ns, size, sha256, skipped,"
+                                         " indexed_at) VALUES (?,?,?,?,?,?,?)",
+                                         (name, found_file.path, found_file.mtime_ns, found_file.size, digest,
+                                          why_not, now)).lastrowid
+                if not passages:
+                    continue
+                path_terms = _path_words(found_file.path)
+                rows = [(file_id, name, found_file.path, p.heading, p.first_line, p.last_line, p.text,
+                         " ".join(knowledge_terms(p.heading)), " ".join(knowledge_terms(p.text)), path_terms)
+                        for p in passages]
+                db.executemany(
+                    "INSERT INTO knowledge_passages(file_id, source, path, heading, first_line, last_line, text,"
+                    " heading_terms, body_terms, path_terms) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
+                counts["passages_added"] += len(rows)
+                if fts5_available():
+                    db.execute("INSERT INTO knowledge_fts(rowid, heading, body, path, source) SELECT id,"
+                               " heading_terms, body_terms, path_terms, source FROM knowledge_passages WHERE"
+                               " file_id=?", (file_id,))
+                else:
+                    db.execute("UPDATE knowledge_meta SET value=0 WHERE key='fts_synced'")
+            self._bump(db)
+
+    def changed(self) -> bool:
+        """Whether any source's files differ from the index (added, removed, or a new mtime/size).
+
+        Cost: one directory listing per folder and one stat per matching file, no file is read -- measured 25 ms
+        for 1,368 files and 0.5 s for 20,000 (the per-source cap) on a busy 2-core machine.  ``start_watcher``
+        polls every 2 s and stretches the interval to 50x the last check, so polling stays under ~2% of a core.
+        """
+        db = self._reader()
+        for source in self._source_rows(db, None):
+            skipped: collections.Counter = collections.Counter()
+            found = walk_source(source["root"], tuple(json.loads(source["globs"])), self.limits, skipped)
+            if any(reason.startswith(ROOT_UNREADABLE) for reason in skipped):
+                continue   # nothing to compare with; reindex would keep the index as it is
+            stored = {row[0]: (row[1], row[2]) for row in db.execute(
+                "SELECT path, mtime_ns, size FROM knowledge_files WHERE source=?", (source["name"],))}
+            if stored != {f.path: (f.mtime_ns, f.size) for f in found}:
+                return True
+        return False
+
+    def start_watcher(self, interval: float = 2.0) -> None:
+        """Poll for file changes on a daemon thread and reindex when there are some (serve calls this once)."""
+        if self._watcher is not None:
+            return
+
+        def watch():
+            wait = interval
+            while not self._closed.wait(wait):
+                started = time.monotonic()
+                try:
+                    if self.changed():
+                        self.reindex()
+                except Exception:  # noqa: BLE001 - a bad folder must not end the watcher
+                    log.exception("knowledge: watching for file changes failed")
+                # Keep polling under ~2% of a core even for a huge source.
+                wait = max(interval, 50.0 * (time.monotonic() - started))
+
+        self._watcher = threading.Thread(target=watch, name="coffer-knowledge-watcher", daemon=True)
+        self._watcher.start()
+
+    # -- search --------------------------------------------------------------------------------------------
+    def _refresh_snapshot(self) -> _Snapshot:
+        """Rebuild the snapshot if the tables changed.  One builder at a time; searches on other threads keep
+        answering from the previous snapshot meanwhile (building the in-memory BM25F index of 10k passages takes
+        about a second; the FTS5 engine only reads counts)."""
+        with self._snapshot_lock:
+            db = self._reader()
+            db.execute("BEGIN")   # one consistent read: the generation and the rows it describes
+            try:
+                generation = self._generation(db)
+                if self._snapshot is not None and self._snapshot.generation == generation:
+                    return self._snapshot
+                counts = dict(db.execute("SELECT source, count(*) FROM knowledge_passages GROUP BY source"))
+                lexical, averages = None, (1.0, 1.0, 1.0)
+                if self.engine == "bm25f":
+                    lexical = PassageIndex(db.execute("SELECT id, source, heading_terms, body_terms, path_terms"
+                                                      " FROM knowledge_passages ORDER BY id"))
+                else:
+                    total = sum(counts.values()) or 1
+                    tokens = dict(db.execute("SELECT col, sum(cnt) FROM knowledge_fts_columns GROUP BY col"))
+                    averages = tuple((tokens.get(column) or 0) / total or 1.0
+                                     for column in ("heading", "body", "path"))
+            finally:
+                db.execute("COMMIT")
+            self._snapshot = _Snapshot(generation, counts, lexical, averages)
+            return self._snapshot
+
+    def _current_snapshot(self) -> _Snapshot:
+        snapshot = self._snapshot
+        if snapshot is not None and (snapshot.generation == self._generation(self._reader())
+                                     or self._snapshot_lock.locked()):
+            return snapshot   # current, or a rebuild is under way on another thread: answer from this one
+        return self._refresh_snapshot()
+
+    def query_weights(self, question: str) -> dict[str, float]:
+        weights: dict[str, float] = {}
+        for term in knowledge_terms(question):
+            weights[term] = 1.0
+        for term in translations(question):
+            weights[term] = max(weights.get(term, 0.0), TRANSLATION_WEIGHT)
+        return weights
+
+    def _lexical(self, snapshot: _Snapshot, weights: dict[str, float], limit: int, sources):
+        if self.engine == "bm25f":
+            return snapshot.lexical.rank(weights, limit, sources)
+        # FTS5 finds the candidates (its bm25() is a sum of per-column BM25, close to but not BM25F); BM25F then
+        # re-scores them exactly as PassageIndex would, so both engines rank alike.
+        total = sum(snapshot.counts.values())
+        frequencies = self._document_frequencies(snapshot, [term for term in weights if term])
+        idf = {t: math.log(1.0 + (total - df + 0.5) / (df + 0.5)) for t, df in frequencies.items() if df}
+        if not idf:
+            return []
+        # Candidates come from the terms that discriminate: a term in more than a tenth of the passages makes FTS5
+        # score thousands of rows for little; it still counts when the candidates are re-scored.
+        by_rarity = sorted(idf, key=lambda t: frequencies[t])
+        probe = [t for t in by_rarity if frequencies[t] <= total * self.FTS_COMMON_SHARE] or by_rarity[:2]
+        query = " OR ".join('"' + term.replace('"', '""') + '"' for term in probe)
+        sql = "SELECT rowid FROM knowledge_fts WHERE knowledge_fts MATCH ?"
+        args: list = [query]
+        if sources is not None:
+            sql += f" AND source IN ({','.join('?' * len(sources))})"
+            args.extend(sorted(sources))
+        sql += " ORDER BY rank LIMIT ?"   # rank = bm25(2.0, 1.0, 0.7), set in _prepare_fts: ~2x faster than bm25()
+        args.append(max(limit, self.FTS_CANDIDATES))
+        db = self._reader()
+        try:
+            candidates = [row[0] for row in db.execute(sql, args)]
+        except sqlite3.OperationalError as exc:
+            log.warning("knowledge: full-text query failed (%s)", exc)
+            return []
+        if not candidates:
+            return []
+        rows = db.execute("SELECT id, heading_terms, body_terms, path_terms FROM knowledge_passages WHERE id IN"
+                          f" ({','.join('?' * len(candidates))})", candidates).fetchall()
+        fields = [(weight, b, average) for (_, weight, b), average in zip(PassageIndex.FIELDS, snapshot.averages)]
+        needles = [(" " + term + " ", query_weight * idf[term]) for term, query_weight in weights.items()
+                   if term in idf]
+        k1 = PassageIndex.K1
+        scored = []
+        for row in rows:
+            # Terms are space-joined; with every space doubled, non-overlapping matches of " term " count every
+            # occurrence (adjacent repeats included), and the counting runs in C.
+            padded, norms = [], []
+            for text, (weight, b, average) in zip(row[1:], fields):
+                length = text.count(" ") + 1 if text else 0
+                padded.append(" " + text.replace(" ", "  ") + " ")
+                norms.append(weight / (1.0 - b + b * length / average))
+            score = 0.0
+            for needle, term_weight in needles:
+                tf = norms[0] * padded[0].count(needle) + norms[1] * padded[1].count(needle) \
+                    + norms[2] * padded[2].count(needle)
+                if tf:
+                    score += term_weight * tf / (k1 + tf)
+            if score > 0.0:
+                scored.append((row[0], score))
+        return heapq.nlargest(limit, scored, key=lambda item: (item[1], -item[0]))
+
+    def _document_frequencies(self, snapshot, terms: list[str]) -> dict[str, int]:
+        if not terms:
+            return {}
+        if snapshot.lexical is not None:
+            return {t: snapshot.lexical.document_frequency(t) for t in terms}
+        found = {}
+        for start in range(0, len(terms), 500):
+            chunk = terms[start:start + 500]
+            found.update(self._reader().execute(
+                f"SELECT term, doc FROM knowledge_fts_vocab WHERE term IN ({','.join('?' * len(chunk))})",
+                chunk).fetchall())
+        return found
+
+    def passages(self, sources=None):
+        """Every indexed passage (score 0), in id order: for listing, exporting and the evals' comparators."""
+        snapshot = self._current_snapshot()
+        wanted = self._check_sources(snapshot, sources)
+        for row in self._reader().execute("SELECT source, path, heading, first_line, last_line, text FROM"
+                                          " knowledge_passages ORDER BY id"):
+            if wanted is None or row["source"] in wanted:
+                yield KnowledgeHit(row["source"], row["path"], row["heading"], (row["first_line"], row["last_line"]),
+                                   row["text"], 0.0)
+
+    def search(self, question: str, top_k: int = 5, sources=None) -> list[KnowledgeHit]:
+        return self.ask(question, top_k, sources).passages
+
+    def ask(self, question: str, top_k: int = 5, sources=None) -> KnowledgeAnswer:
+        """The passages that best answer ``question``, best first; never raises for an embedder problem."""
+        if not isinstance(question, str):
+            raise CofferError("question must be a string")
+        question = question.strip()[:self.QUESTION_MAX_CHARS]
+        try:
+            top_k = max(1, min(20, int(top_k)))
+        except (TypeError, ValueError):
+            raise CofferError("top_k must be an integer from 1 to 20") from None
+        snapshot = self._current_snapshot()
+        wanted = self._check_sources(snapshot, sources)
+        if wanted is None and not self.memory_enabled and snapshot.counts.get(MEMORY_SOURCE):
+            wanted = frozenset(snapshot.counts) - {MEMORY_SOURCE}
+        total = sum(count for source, count in snapshot.counts.items() if wanted is None or source in wanted)
+        if not question or not total:
+            return KnowledgeAnswer([], total, self.engine, None)
+        weights = self.query_weights(question)
+        limit = max(top_k, self.CANDIDATES)
+        lexical = self._lexical(snapshot, weights, limit, wanted) if weights else []
+        ranker, note, ranked = self.engine, None, lexical[:top_k]
+        if self.embedder is not None:
+            ranked, ranker, note = self._hybrid(question, lexical, top_k, wanted)
+        return KnowledgeAnswer(self._hits(ranked), total, ranker, note)
+
+    def _check_sources(self, snapshot, sources):
+        if sources is None:
+            return None
+        if isinstance(sources, str):
+            sources = [sources]
+        if not isinstance(sources, (list, tuple)) or len(sources) > 100 or \
+                not all(isinstance(s, str) for s in sources):
+            raise CofferError("sources must be a list of knowledge source names")
+        known = {row[0] for row in self._reader().execute("SELECT name FROM knowledge_sources")}
+        unknown = [s for s in sources if s not in known]
+        if unknown:
+            raise CofferError(f"unknown knowledge source {unknown[0]!r}; known: {', '.join(sorted(known)) or 'none'}")
+        return frozenset(sources)
+
+    def _hits(self, ranked: list[tuple[int, float]]) -> list[KnowledgeHit]:
+        if not ranked:
+            return []
+        rows = {row["id"]: row for row in self._reader().execute(
+            "SELECT id, source, path, heading, first_line, last_line, text FROM knowledge_passages WHERE id IN"
+            f" ({','.join('?' * len(ranked))})", [doc for doc, _ in ranked])}
+        return [KnowledgeHit(row["source"], row["path"], row["heading"], (row["first_line"], row["last_line"]),
+                             row["text"], round(score, 4))
+                for doc, score in ranked if (row := rows.get(doc)) is not None]
+
+    # -- hybrid (optional embedder) ------------------------------------------------------------------------
+    def _hybrid(self, question, lexical, top_k, wanted):
+        semantic_state = self._semantic
+        if semantic_state is None:
+            return lexical[:top_k], self.engine, "embedder: passage vectors not ready yet"
+        try:
+            query_vector = self.embedder.embed([question], self.query_timeout)[0]
+        except EmbedderError as exc:
+            log.warning("knowledge: embedder fallback to BM25: %s", exc)
+            return lexical[:top_k], self.engine, f"embedder fallback: {exc}"
+        ids, index = semantic_state
+        try:
+            semantic = index.rank(query_vector, self.CANDIDATES * (4 if wanted is not None else 1))
+        except ValueError:
+            return lexical[:top_k], self.engine, "embedder fallback: vector dimension changed"
+        semantic = [(ids[row], score) for row, score in semantic]
+        if wanted is not None:
+            allowed = {row[0] for row in self._reader().execute(
+                f"SELECT id FROM knowledge_passages WHERE source IN ({','.join('?' * len(wanted))}) AND id IN"
+                f" ({','.join('?' * len(semantic))})", [*sorted(wanted), *(doc for doc, _ in semantic)])}
+            semantic = [(doc, score) for doc, score in semantic if doc in allowed]
+        semantic = semantic[:self.CANDIDATES]
+        return fuse(lexical, semantic, top_k, self.HYBRID_ALPHA), self.engine + "+hybrid", None
+
+    def _ensure_embedding_table(self) -> None:
+        try:
+            db = Vault._connect(self.db_path)
+            db.executescript(EMBEDDING_SCHEMA)
+            db.close()
+        except sqlite3.Error as exc:
+            log.warning("knowledge: embedding cache unavailable: %s", exc)
+
+    def _embed_loop(self) -> None:
+        delay, last_error = 5.0, None
+        while True:
+            self._embed_wanted.wait()
+            self._embed_wanted.clear()
+            if self._closed.is_set():
+                return
+            try:
+                self._embed_missing()
+            except Exception as exc:  # noqa: BLE001 - lexical search serves meanwhile; this thread must live on
+                if str(exc) != last_error:
+                    log.warning("knowledge: passage vectors unavailable (%s); answering lexically until they are",
+                                exc)
+                    last_error = str(exc)
+                if self._closed.wait(delay):
+                    return
+                delay = min(delay * 2, 120.0)
+                self._embed_wanted.set()
+                continue
+            delay, last_error = 5.0, None
+
+    def ensure_vectors(self) -> None:
+        """Embed what is missing now, on this thread (the background thread does the same on its own); raises
+        EmbedderError.  For callers that want hybrid answers at once: evals, tests, ``coffer knowledge reindex``."""
+        if self.embedder is None:
+            raise CofferError("no embedder is configured")
+        self._embed_missing()
+
+    def _embed_missing(self) -> None:
+        """Embed passages without a cached vector (saving them), then index every passage that has one."""
+        with self._embed_lock:
+            self._embed_missing_locked()
+
+    def _embed_missing_locked(self) -> None:
+        db = Vault._connect(self.db_path)
+        db.executescript(EMBEDDING_SCHEMA)
+        try:
+            rows = db.execute("SELECT id, heading, text FROM knowledge_passages ORDER BY id").fetchall()
+            texts = {row["id"]: passage_embedding_text(row["heading"], row["text"]) for row in rows}
+            hashes = {doc: text_hash(text) for doc, text in texts.items()}
+            key = self.embedder.cache_key
+            # Only the vectors of current passages stay in memory, as float32 arrays (1.5 kB each at 384
+            # dimensions, against ~12 kB as lists of floats).
+            current = set(hashes.values())
+            self._vectors = {h: v for h, v in self._vectors.items() if h in current}
+            wanted = list(current - set(self._vectors))
+            for start in range(0, len(wanted), 500):   # cached ones first: never re-embed what the vault has
+                chunk = wanted[start:start + 500]
+                for row in db.execute(f"SELECT text_hash, vector FROM embeddings WHERE model=? AND text_hash IN"
+                                      f" ({','.join('?' * len(chunk))})", [key, *chunk]):
+                    self._vectors[row["text_hash"]] = array.array("f", row["vector"])
+            missing = {}
+            for doc, digest in hashes.items():
+                if digest not in self._vectors and digest not in missing:
+                    missing[digest] = texts[doc]
+            # In chunks, each saved as it arrives: a slow embedder that fails part way keeps what it did.
+            pending = list(missing.items())
+            for start in range(0, len(pending), self.EMBED_CHUNK):
+                chunk = pending[start:start + self.EMBED_CHUNK]
+                vectors = self.embedder.embed([text for _, text in chunk], self.build_timeout)
+                new = {digest: array.array("f", vector) for (digest, _), vector in zip(chunk, vectors)}
+                self._vectors.update(new)
+                with _Transaction(db):
+                    db.executemany("INSERT OR REPLACE INTO embeddings(model, text_hash, dim, vector, created_at)"
+                                   " VALUES (?,?,?,?,?)",
+                                   [(key, h, len(v), v.tobytes(), utcnow()) for h, v in new.items()])
+        finally:
+            db.close()
+        ids = [doc for doc in hashes if hashes[doc] in self._vectors]
+        dims = collections.Counter(len(self._vectors[hashes[doc]]) for doc in ids)
+        if len(dims) > 1:   # the model behind the name changed: drop the minority, re-embed next round
+            keep = dims.most_common(1)[0][0]
+            for digest in [h for h, v in self._vectors.items() if len(v) != keep]:
+                del self._vectors[digest]
+            raise EmbedderError("cached passage vectors of several dimensions; re-embedding")
+        self._semantic = (ids, SemanticIndex([None] * len(ids), [self._vectors[hashes[doc]] for doc in ids]))
+
+    # -- memory --------------------------------------------------------------------------------------------
+    def _ensure_memory_source(self) -> None:
+        os.makedirs(self.memory_dir, mode=0o700, exist_ok=True)
+        with self._write_lock, _Transaction(self._writer) as db:
+            db.execute("INSERT OR IGNORE INTO knowledge_sources(name, root, globs, kind, created_at) VALUES"
+                       " (?,?,?,?,?)", (MEMORY_SOURCE, self.memory_dir, dumps(["*.md"]), "memory", utcnow()))
+
+    def remember(self, text: str, tags=(), client: str | None = None) -> str:
+        """Write a memory note (a 0600 Markdown file with front matter) and index it; returns its id."""
+        if not isinstance(text, str) or not text.strip():
+            raise CofferError("a memory needs some text")
+        if len(text) > self.MEMORY_MAX_CHARS:
+            raise CofferError(f"a memory holds at most {self.MEMORY_MAX_CHARS} characters")
+        if isinstance(tags, str):
+            tags = [tags]
+        if not isinstance(tags, (list, tuple)) or len(tags) > 16 or \
+                not all(isinstance(t, str) and MEMORY_TAG_RE.match(t) for t in tags):
+            raise CofferError("tags must be at most 16 words of letters, digits, '.', '_' or '-' (32 characters)")
+        client = _CONTROL_CHARS_RE.sub("", str(client or "unknown")).replace("\n", " ").replace("\r", " ")[:100]
+        self._ensure_memory_source()
+        now = time.time()
+        note_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
+        body = text.replace("\r\n", "\n").strip("\n")
+        content = (f"---\nid: {note_id}\ntime: {iso_timestamp(now)}\nclient: {json.dumps(client)}\n"
+                   f"tags: {json.dumps(list(tags))}\n---\n{body}\n")
+        path = os.path.join(self.memory_dir, note_id + ".md")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(content)
+        self.reindex(MEMORY_SOURCE)
+        return note_id
+
+    def _note_path(self, note_id: str) -> str:
+        if not isinstance(note_id, str) or not MEMORY_ID_RE.match(note_id):
+            raise CofferError(f"bad memory id {note_id!r}")
+        return os.path.join(self.memory_dir, note_id + ".md")
+
+    def memory(self, note_id: str) -> MemoryNote:
+        path = self._note_path(note_id)
+        if not os.path.isfile(path):
+            raise CofferError(f"unknown memory {note_id!r}")
+        text, _, why_not = read_document(path, self.limits)
+        if text is None:
+            raise CofferError(f"memory {note_id!r} is {why_not}")
+        fields, body_start = parse_front_matter(text)
+        tags = fields.get("tags") if isinstance(fields.get("tags"), list) else []
+        return MemoryNote(note_id, str(fields.get("time", "")), str(fields.get("client", "")),
+                          tuple(str(t) for t in tags), "\n".join(split_lines(text)[body_start:]).strip("\n"))
+
+    def memories(self) -> list[MemoryNote]:
+        try:
+            names = sorted(os.listdir(self.memory_dir))
+        except OSError:
+            return []
+        notes = []
+        for name in names:
+            note_id = name[:-3]
+            if name.endswith(".md") and MEMORY_ID_RE.match(note_id):
+                try:
+                    notes.append(self.memory(note_id))
+                except CofferError:
+                    continue
+        return notes
+
+    def forget(self, note_id: str) -> bool:
+        path = self._note_path(note_id)
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            return False
+        self.reindex(MEMORY_SOURCE)
+        return True
+
+
+# ============================================================================================================
+# 9. Gateway session: the MCP server a client talks to
 # ============================================================================================================
 
 SEARCH_TOOL_DEFINITION = {
@@ -3761,6 +6525,61 @@ SEARCH_TOOL_DEFINITION = {
     },
     "annotations": {"readOnlyHint": True, "openWorldHint": False},
 }
+
+ASK_TOOL_DEFINITION = {
+    "name": ASK_TOOL,
+    "title": "Ask the user's notes and docs",
+    "description": (
+        "Search the user's own documents and remembered facts (the folders and notes they keep in Coffer) and get "
+        "the passages that answer a question, each with its file, heading and line numbers; when the client can, "
+        "also a short answer citing them. Use it before asking the user something they may have written down."),
+    "inputSchema": {
+        "type": "object",
+        "properties": {
+            "question": {"type": "string", "description": "What you want to know, in plain words."},
+            "top_k": {"type": "integer", "minimum": 1, "maximum": 20, "default": 5,
+                      "description": "How many passages to return (1-20)."},
+            "sources": {"type": "array", "items": {"type": "string"},
+                        "description": "Only these knowledge sources (names from the user's setup; 'memory' for "
+                                       "remembered facts)."},
+        },
+        "required": ["question"],
+    },
+    "outputSchema": {
+        "type": "object",
+        "properties": {
+            "passages": {"type": "array", "items": {"type": "object", "properties": {
+                "source": {"type": "string"}, "path": {"type": "string"}, "heading": {"type": "string"},
+                "lines": {"type": "array", "items": {"type": "integer"}}, "text": {"type": "string"},
+                "score": {"type": "number"}}}},
+            "total_searched": {"type": "integer"},
+            "answer": {"type": "string"},
+        },
+        "required": ["passages", "total_searched"],
+    },
+    "annotations": {"readOnlyHint": True, "openWorldHint": False},
+}
+
+REMEMBER_TOOL_DEFINITION = {
+    "name": REMEMBER_TOOL,
+    "title": "Remember a fact for every agent",
+    "description": (
+        "Keep a fact the user (or you) want every agent to know later -- a decision, a preference, a convention, "
+        "where something lives. It is stored as a small note in the user's Coffer, which they can read and edit, "
+        "and coffer__ask finds it. Keep it short and self-contained; never store secrets."),
+    "inputSchema": {
+        "type": "object",
+        "properties": {
+            "text": {"type": "string", "description": "The fact, in one or a few sentences."},
+            "tags": {"type": "array", "items": {"type": "string"}, "description": "A few words to file it under."},
+        },
+        "required": ["text"],
+    },
+    "annotations": {"readOnlyHint": False, "destructiveHint": False, "idempotentHint": False,
+                    "openWorldHint": False},
+}
+
+ASK_SAMPLING_BUDGET = 30.0  # seconds coffer__ask may spend on the client's model, both calls together
 
 CLIENT_SIDE_CAPABILITIES = ("sampling", "elicitation", "roots")
 LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
@@ -3899,6 +6718,9 @@ class Gateway:
         self._client_request_seq = 0
         self._waiting: list[Waiting] = []
         self.workers = WorkerPool("coffer-work", 4)
+        self.knowledge: KnowledgeBase | None = None    # opened once a source exists or memory is on
+        self.own_requests: dict[str, dict] = {}       # Coffer's own requests to the client (sampling for ask)
+        self.knowledge_tools: list[dict] = []
         self.discovery_deadline = 0.0
         self._reported_missing = False
         self._stopping = threading.Event()
@@ -3972,6 +6794,7 @@ class Gateway:
             log.warning("retention pruning skipped: %s", exc)
         self.configs = self._serving(self.vault.servers(), report=True)
         self.remembered = self.vault.remembered_lists() if self.remember else {}
+        self._update_knowledge()
         start_thread(self._tick, "coffer-ticker")
         read = getattr(stream, "read1", stream.read)
         for lines in read_line_bursts(read, max_line=int(self.settings["max_message_bytes"])):
@@ -3995,6 +6818,33 @@ class Gateway:
             elif config["enabled"]:
                 configs[config["name"]] = config
         return configs
+
+    def _update_knowledge(self) -> bool:
+        """Open the knowledge base when a source exists or memory is on (its tools are listed only then);
+        True when the tools a client is shown changed."""
+        memory = self.settings["memory"] == "on"
+        try:
+            with self.vault_lock:
+                row = self.vault.db.execute("SELECT count(*) FROM knowledge_sources WHERE kind='folder'").fetchone()
+            has_sources = bool(row and row[0])
+        except sqlite3.Error:
+            has_sources = False  # no knowledge table yet: nothing was ever added
+        if (has_sources or memory) and self.knowledge is None:
+            try:
+                self.knowledge = KnowledgeBase(self.vault.path, self.vault.home,
+                                               embedder=Embedder.from_settings(self.settings, self.vault.secrets),
+                                               query_timeout=float(self.settings["embedder_timeout"]))
+                self.knowledge.start_watcher()
+            except (sqlite3.Error, CofferError, OSError) as exc:
+                log.warning("knowledge and memory unavailable: %s", exc)
+                self.knowledge = None
+        if self.knowledge is not None:
+            self.knowledge.memory_enabled = memory
+        tools = ([ASK_TOOL_DEFINITION] if has_sources or memory else []) + ([REMEMBER_TOOL_DEFINITION] if memory
+                                                                            else [])
+        changed = [t["name"] for t in tools] != [t["name"] for t in self.knowledge_tools]
+        self.knowledge_tools = tools if self.knowledge is not None else []
+        return changed
 
     def handle_line(self, line) -> None:
         if isinstance(line, OversizedLine):
@@ -4098,11 +6948,20 @@ class Gateway:
             self.rebuild()  # remembered tools are listable at once; before `initialized`, so no notification
         self.initialized = True
         instructions = INSTRUCTIONS
-        unlisted = len(self.catalogue.tools) + 1 - len(self.listed_tools())
+        unlisted = len(self.catalogue.tools) + 1 + len(self.knowledge_tools) - len(self.listed_tools())
         if unlisted > 0:
             instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
                              f"by name and {SEARCH_TOOL} finds them.")
+        if self.knowledge_tools:
+            instructions += (f" {ASK_TOOL} searches the user's own notes and docs"
+                             + (f", and {REMEMBER_TOOL} keeps a fact for every agent" if len(self.knowledge_tools) > 1
+                                else "") + ".")
         failed = [c["name"] for c in self.configs.values() if c.get("status") == "failed"]
+        login = [name for name in failed if "needs login" in (self.configs[name].get("status_detail") or "")]
+        if login:
+            instructions += (" Waiting for the user to log in (in a terminal: coffer auth NAME): "
+                             + ", ".join(login)[:200] + ".")
+        failed = [name for name in failed if name not in login]
         if failed:
             instructions += " Failed at their last start: " + ", ".join(failed)[:200] + "."
         self.advertised = self._advertised_capabilities()
@@ -4188,7 +7047,10 @@ class Gateway:
             settings = self.vault.settings()
             changed = states != self.states
             self.states = states
-        keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env")
+        if self._update_knowledge():
+            self._force_tools_notice = True
+            changed = True
+        keys = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env", "oauth")
         if settings != self.settings:
             if any(settings.get(k) != self.settings.get(k) for k in set(settings) | set(self.settings)
                    if setting_key(k) == "expose"):
@@ -4231,6 +7093,7 @@ class Gateway:
             self.rebuild()
 
     def on_ready(self, upstream: Upstream) -> None:
+        self._remember_transport(upstream)
         counts = {kind: len(items) for kind, items in upstream.lists.items() if items}
         info = upstream.server_info
         who = f"{info.get('name', '?')} {info.get('version', '')}".strip() + ": " if info else ""
@@ -4247,6 +7110,23 @@ class Gateway:
                 upstream.request("resources/subscribe", {"uri": uri}, lambda *a: None)
         self.rebuild(force=restarted)
         self._release_waiting()
+
+    def _remember_transport(self, upstream: Upstream) -> None:
+        """Transport auto found what the server speaks: write it down so the next start skips the probe.  The
+        running config is updated too, so this gateway does not take the vault change for a new config."""
+        detected = getattr(upstream.transport, "detected", None)
+        if not detected or upstream.config.get("transport") != "auto":
+            return
+        try:
+            with self.vault_lock:
+                self.vault.set_transport(upstream.name, detected)
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not remember its transport: %s", upstream.name, exc)
+            return
+        upstream.config["transport"] = detected
+        config = self.configs.get(upstream.name)
+        if config is not None:
+            config["transport"] = detected
 
     def on_down(self, upstream: Upstream) -> None:
         with self.lock:  # what the dead process asked of the client can no longer be answered
@@ -4322,7 +7202,12 @@ class Gateway:
 
     def _client_response(self, message: dict) -> None:
         with self.lock:
-            relayed = self.client_requests.pop(message["id"], None)
+            own = self.own_requests.pop(message["id"], None)
+            relayed = self.client_requests.pop(message["id"], None) if own is None else None
+        if own is not None:
+            own["reply"] = normalized_reply(message)
+            own["done"].set()
+            return
         if relayed is not None and relayed.upstream.generation == relayed.generation:
             # (a restarted server never asked this; its answer is dropped)
             answer = normalized_reply(message)
@@ -4421,12 +7306,13 @@ class Gateway:
     def listed_tools(self) -> list[dict]:
         """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
         tools = self.catalogue.tools
+        builtins = [SEARCH_TOOL_DEFINITION] + self.knowledge_tools
         mode = expose_mode(self.settings, client_family(self.client_name))
         if mode == "search":
-            return [SEARCH_TOOL_DEFINITION]
+            return builtins
         if mode.startswith("budget:"):
-            tools = budget_tools(tools, int(mode.partition(":")[2]), self.usage)
-        return [SEARCH_TOOL_DEFINITION] + tools
+            tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, self.usage)
+        return builtins + tools
 
     def _tools_list(self, msg_id, params):
         return self._after_discovery(msg_id, lambda: {"tools": self.listed_tools()}, kind="tool")
@@ -4522,6 +7408,10 @@ class Gateway:
             # With an embedder a query may wait up to embedder_timeout: answer it off the client's reader thread.
             return self._after_discovery(msg_id, lambda: self._search_tools(arguments or {}, started),
                                          background=self.semantic is not None, kind="tool")
+        if name in (ASK_TOOL, REMEMBER_TOOL) and any(t["name"] == name for t in self.knowledge_tools):
+            work = self._ask if name == ASK_TOOL else self._remember
+            self.workers.submit(self._answer, msg_id, name, lambda: work(arguments or {}, started))
+            return None
         return self._route_named(msg_id, params, name, "tool", "tools/call", started)
 
     def _prompts_get(self, msg_id, params):
@@ -4640,8 +7530,105 @@ class Gateway:
         self.log.record(self.client_name, RESERVED_SERVER, SEARCH_TOOL, "tool", started, "ok", note)
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
+    def request_client(self, method: str, params: dict, timeout: float):
+        """Coffer's own request to the client (sampling for coffer__ask), waited for on the calling worker
+        thread; the result object, or None on an error, a refusal or ``timeout``."""
+        with self.lock:
+            self._client_request_seq += 1
+            ours = f"coffer-own-{self._client_request_seq}"
+            box = self.own_requests[ours] = {"done": threading.Event(), "reply": None}
+        self.send({"jsonrpc": "2.0", "id": ours, "method": method, "params": params})
+        if not box["done"].wait(timeout):
+            with self.lock:
+                self.own_requests.pop(ours, None)
+            self.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                       "params": {"requestId": ours, "reason": "coffer__ask ran out of time"}})
+            return None
+        return box["reply"].get("result")
+
+    def _sample_text(self, prompt: str, max_tokens: int, deadline: float) -> str | None:
+        """One sampling/createMessage round trip to the client's own model: its text, or None."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 1.0:
+            return None
+        result = self.request_client("sampling/createMessage", {
+            "messages": [{"role": "user", "content": {"type": "text", "text": prompt}}],
+            "maxTokens": max_tokens, "includeContext": "none",
+            "systemPrompt": "You help a retrieval tool. Follow the instructions exactly and be brief."}, remaining)
+        content = result.get("content") if isinstance(result, dict) else None
+        if isinstance(content, list):  # 2025-11-25 allows a list of content blocks
+            content = next((c for c in content if isinstance(c, dict) and c.get("type") == "text"), None)
+        text = content.get("text") if isinstance(content, dict) else None
+        return text.strip()[:8000] if isinstance(text, str) and text.strip() else None
+
+    def _ask(self, arguments: dict, started: float) -> dict:
+        """coffer__ask: the passages that answer a question; with the client's sampling (and ask_synthesis on), at
+        most two calls to its model -- a rewrite into search queries, and an answer citing passage numbers --
+        within ASK_SAMPLING_BUDGET.  The passages are returned whatever the model does.  The log gets who, when,
+        how long and the outcome: never the question, a passage or the answer."""
+        def fail(text):
+            self.log.record(self.client_name, RESERVED_SERVER, ASK_TOOL, "tool", started, "error", text)
+            return tool_error_result(text)
+
+        question = arguments.get("question")
+        sources = arguments.get("sources")
+        if not isinstance(question, str) or not question.strip():
+            return fail("question must be a non-empty string")
+        if sources is not None and not (isinstance(sources, list) and all(isinstance(x, str) for x in sources)):
+            return fail("sources must be a list of source names")
+        try:
+            top_k = bounded_top_k(arguments.get("top_k"))
+            answer = self.knowledge.ask(question, top_k, sources)
+        except (ValueError, CofferError) as exc:
+            return fail(str(exc))
+        hits, notes = list(answer.passages), [answer.note] if answer.note else []
+        synthesis = None
+        if "sampling" in self.client_capabilities and self.settings["ask_synthesis"] == "on" and hits:
+            deadline = time.monotonic() + ASK_SAMPLING_BUDGET
+            rewritten = self._sample_text(
+                "Rewrite this question into at most three short search queries for a keyword search over the "
+                f"user's notes, one per line, nothing else.\n\nQuestion: {question[:2000]}", 200, deadline)
+            if rewritten:
+                merged = {(h.source, h.path, tuple(h.lines)): h for h in hits}
+                for query in [line.strip(" -*0123456789.") for line in rewritten.splitlines()][:3]:
+                    if query:
+                        for hit in self.knowledge.ask(query, top_k, sources).passages:
+                            key = (hit.source, hit.path, tuple(hit.lines))
+                            if key not in merged or hit.score > merged[key].score:
+                                merged[key] = hit
+                hits = sorted(merged.values(), key=lambda h: -h.score)[:top_k]
+            numbered = "\n\n".join(f"[{i}] {h.path} ({h.heading}):\n{h.text[:3000]}" for i, h in
+                                    enumerate(hits, 1))
+            synthesis = self._sample_text(
+                "Answer the question using only the numbered passages below, citing them like [1]. If they do "
+                f"not answer it, say so.\n\nQuestion: {question[:2000]}\n\nPassages:\n{numbered}", 600, deadline)
+            if synthesis is None:
+                notes.append("no answer from the client's model; passages only")
+        payload = {"passages": [hit.to_dict() for hit in hits], "total_searched": answer.total_searched}
+        if synthesis:
+            payload["answer"] = synthesis
+        self.log.record(self.client_name, RESERVED_SERVER, ASK_TOOL, "tool", started, "ok",
+                        "; ".join(notes) or None)
+        return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
+
+    def _remember(self, arguments: dict, started: float) -> dict:
+        text, tags = arguments.get("text"), arguments.get("tags") or []
+        try:
+            if not isinstance(text, str) or not text.strip():
+                raise CofferError("text must be a non-empty string")
+            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+                raise CofferError("tags must be a list of words")
+            note_id = self.knowledge.remember(redact(text), tags, client=self.client_name)
+        except CofferError as exc:
+            self.log.record(self.client_name, RESERVED_SERVER, REMEMBER_TOOL, "tool", started, "error", str(exc))
+            return tool_error_result(str(exc))
+        self.log.record(self.client_name, RESERVED_SERVER, REMEMBER_TOOL, "tool", started, "ok")
+        payload = {"id": note_id, "stored": True}
+        return {"content": [{"type": "text", "text": f"Remembered as {note_id}."}], "structuredContent": payload}
+
+
 # ============================================================================================================
-# 9. Client configs: move in from the MCP clients a user already has, install Coffer into them, diagnose
+# 10. Client configs: move in from the MCP clients a user already has, install Coffer into them, diagnose
 # ============================================================================================================
 #
 #
@@ -6469,7 +9456,7 @@ def add_client_commands(command) -> None:
 
 
 # ============================================================================================================
-# 10. Command line
+# 11. Command line
 # ============================================================================================================
 
 
@@ -6648,7 +9635,9 @@ def _print_table(rows: list[list], headers: list[str]) -> None:
 def _command_text(server: dict) -> str:
     if server.get("damaged"):
         return "(damaged definition)"
-    return server["url"] if server["transport"] != "stdio" else " ".join(shlex.quote(p) for p in server["command"])
+    if server["transport"] == "stdio":
+        return " ".join(shlex.quote(p) for p in server["command"])
+    return server["url"] + (f" ({server['transport']})" if server["transport"] != "http" else "")
 
 
 def cmd_add(vault: Vault, args) -> int:
@@ -6677,7 +9666,7 @@ def cmd_add(vault: Vault, args) -> int:
     moved = moved_env + moved_headers
     earlier = vault.add_server(args.name, command=args.command or None, url=args.url, env=env, headers=headers,
                                cwd=args.cwd, policy=args.policy, timeout=args.timeout,
-                               inherit_env=args.inherit_env, replace=args.replace)
+                               inherit_env=args.inherit_env, replace=args.replace, **remote_add_options(args))
     if earlier:
         say(f"kept the earlier choices for {earlier} of {args.name}'s tools, prompts and resources "
             "(coffer show / coffer enable to change them)")
@@ -6686,10 +9675,10 @@ def cmd_add(vault: Vault, args) -> int:
             f"{', '.join('${' + name + '}' for name in moved)} (coffer secret list)")
     say(f"added {args.name}: {_command_text(vault.server(args.name))}")
     if args.url:
-        scheme, host, _ = url_origin(args.url)
-        if scheme == "http" and not is_loopback(host) and headers:
+        if url_origin(args.url) and url_origin(args.url)[0] == "http" and not is_loopback_url(args.url) and headers:
             log.warning("%s: its headers (credentials?) will cross the network unencrypted over plain http to %s; "
-                        "use https if the server offers it", args.name, host)
+                        "use https if the server offers it", args.name, origin_text(args.url))
+        report_remote_added(vault, args.name, vault.secrets)
     elif args.command and not shutil.which(args.command[0]) and not os.path.dirname(args.command[0]):
         log.warning("%s: %r is not on PATH here; the server will fail to start until it is installed",
                     args.name, args.command[0])
@@ -6698,6 +9687,7 @@ def cmd_add(vault: Vault, args) -> int:
 
 def cmd_remove(vault: Vault, args) -> int:
     vault.remove_server(args.name)
+    vault.secrets.delete(oauth_secret_name(args.name))  # a login belongs to that server only
     say(f"removed {args.name}")
     return 0
 
@@ -6933,6 +9923,203 @@ def cmd_config(vault: Vault, args) -> int:
     return 0
 
 
+def add_remote_arguments(p) -> None:
+    """The `coffer add` options for remote servers (call from build_parser after --url/--header)."""
+    p.add_argument("--transport", choices=REMOTE_TRANSPORTS, default=None,
+                   help="with --url: auto (default) asks the server; http = Streamable HTTP; sse = the legacy "
+                        "HTTP+SSE transport (2024-11-05)")
+    p.add_argument("--oauth-client-id", metavar="ID",
+                   help="with --url: an OAuth client you registered with the server's provider (else Coffer uses a "
+                        "client metadata document or registers itself)")
+    p.add_argument("--oauth-client-secret-env", metavar="VAR",
+                   help="the variable (environment, then `coffer secret`) holding that client's secret; the secret "
+                        "itself is never stored by Coffer")
+
+
+def add_auth_command(command) -> None:
+    """`coffer auth NAME [--logout]` (call from build_parser: ``add_auth_command(command)``)."""
+    p = command("auth", cmd_auth, "log in to an OAuth-protected remote server in your browser (or --logout)")
+    p.add_argument("name")
+    p.add_argument("--logout", action="store_true", help="forget the saved login (and revoke it where possible)")
+    p.add_argument("--scope", help="ask for these scopes (space-separated) instead of what the server suggests")
+    p.add_argument("--oauth-client-id", metavar="ID", help="use (and remember) this pre-registered OAuth client")
+    p.add_argument("--oauth-client-secret-env", metavar="VAR", help="the variable holding its secret")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the browser (default 300)")
+    p.add_argument("--no-browser", action="store_true", help="only print the address to open")
+
+
+def remote_add_options(args) -> dict:
+    """What cmd_add passes to Vault.add_server for a remote server: transport and the OAuth client settings."""
+    if not args.url:
+        if args.transport or args.oauth_client_id or args.oauth_client_secret_env:
+            raise CofferError("--transport and --oauth-* go with --url")
+        return {}
+    if args.oauth_client_secret_env and not ENV_KEY_RE.match(args.oauth_client_secret_env):
+        raise CofferError("--oauth-client-secret-env takes a variable name, not a secret")
+    if args.oauth_client_secret_env and not args.oauth_client_id:
+        raise CofferError("--oauth-client-secret-env goes with --oauth-client-id")
+    oauth = {key: value for key, value in (("client_id", args.oauth_client_id),
+                                           ("client_secret_env", args.oauth_client_secret_env)) if value}
+    return {"transport": args.transport or "auto", "oauth": oauth or None}
+
+
+def report_remote_added(vault: Vault, name: str, store) -> None:
+    """After `coffer add --url`: ask the server which transport it speaks (transport auto) and whether it needs
+    a login, and say so.  Nothing here is fatal: an unreachable server is detected at its first start."""
+    server = vault.server(name)
+    if server["transport"] != "auto":
+        return
+    missing: list[str] = []
+    url = expand_vars(server["url"], missing=missing, secrets=store)
+    headers = {k: expand_vars(v, missing=missing, secrets=store) for k, v in server["headers"].items()}
+    own_authorization = any(key.lower() == "authorization" for key in headers)
+    auth = None if own_authorization else OAuthCredentials(name, url, store)
+    try:
+        probe = probe_transport(name, url, headers, auth, timeout=10.0)
+    except NeedsLogin as exc:
+        vault.record_status(name, "failed", str(exc))  # `list` and the agent's instructions say so at once
+        say(f"{name} needs a login: run `coffer auth {name}`")
+        return
+    except UpstreamFailure as exc:
+        say(f"could not ask {name} which transport it speaks now ({printable(redact(str(exc)))[:300]}); "
+              "it will be detected at its first start")
+        return
+    vault.set_transport(name, probe.kind)
+    say(f"{name} speaks {probe.detail}")
+
+
+def cmd_auth(vault: Vault, args) -> int:
+    server = vault.server(args.name)
+    if server["transport"] == "stdio":
+        raise CofferError(f"{args.name} is a local (stdio) server: it takes credentials from --env, not a login")
+    store = vault.secrets
+    key = oauth_secret_name(args.name)
+    if args.logout:
+        text = store.get(key)
+        if text is None:
+            say(f"{args.name} had no saved login")
+            return 0
+        try:
+            grant = OAuthGrant.from_text(text)
+            redact.add(*grant.secret_values())
+            outcome = revoke_grant(grant, store)
+        except (ValueError, TypeError):
+            outcome = "the saved login was damaged"
+        store.delete(key)
+        vault.set_oauth(args.name, dict(server.get("oauth") or {}, login_at=None))
+        say(f"logged out of {args.name} ({outcome})")
+        return 0
+    missing: list[str] = []
+    url = expand_vars(server["url"], missing=missing, secrets=store)
+    headers = {k: expand_vars(v, missing=missing, secrets=store) for k, v in server["headers"].items()}
+    if any(k.lower() == "authorization" for k in headers):
+        raise CofferError(f"{args.name} is configured with its own Authorization header (--header); remove it "
+                          "to log in with OAuth")
+    oauth = dict(server.get("oauth") or {})
+    if args.oauth_client_id:
+        oauth["client_id"] = args.oauth_client_id
+        oauth.pop("client_secret_env", None)
+    if args.oauth_client_secret_env:
+        if not ENV_KEY_RE.match(args.oauth_client_secret_env):
+            raise CofferError("--oauth-client-secret-env takes a variable name, not a secret")
+        oauth["client_secret_env"] = args.oauth_client_secret_env
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    try:
+        grant = oauth_login(args.name, url, headers, oauth, store, vault.settings(), out=sys.stderr,
+                            open_browser=(lambda address: False) if args.no_browser else None,
+                            stdin=sys.stdin if interactive else None, timeout=args.timeout, scope=args.scope)
+    except UpstreamFailure as exc:
+        raise CofferError(f"login to {args.name} failed: {exc}") from None
+    except OAuthFailure as exc:
+        raise CofferError(f"login to {args.name} failed: {exc}") from None
+    if server["transport"] == "auto":
+        try:
+            probe = probe_transport(args.name, url, headers, OAuthCredentials(args.name, url, store), 15.0)
+            vault.set_transport(args.name, probe.kind)
+        except UpstreamFailure as exc:
+            log.warning("[%s] logged in, but could not ask which transport it speaks: %s", args.name, exc)
+    # Last, so a running gateway restarts the server once, with the new token (it compares the oauth column).
+    vault.set_oauth(args.name, dict(oauth, login_at=utcnow()))
+    vault.record_status(args.name, "logged in", "waiting for its next start")
+    say(f"logged in to {args.name}" + (f" (scopes: {printable(grant.scope)[:300]})" if grant.scope else ""))
+    return 0
+
+
+def open_knowledge(vault: Vault) -> KnowledgeBase:
+    """The knowledge base for a CLI command: no embedder (a running gateway embeds in the background)."""
+    return KnowledgeBase(vault.path, vault.home)
+
+
+def cmd_knowledge(vault: Vault, args) -> int:
+    if vault.read_only and args.action != "list":
+        vault.transaction()  # says why
+    kb = open_knowledge(vault)
+    try:
+        if args.action == "add":
+            if not args.target:
+                raise CofferError("coffer knowledge add PATH [--name NAME] [--glob PATTERN]...")
+            stats = kb.add_source(args.target, args.name, args.glob or None)
+            vault_audit(vault, "knowledge-add", stats.source, os.path.abspath(os.path.expanduser(args.target)))
+            say(f"added knowledge source {stats.source}: {stats.passages_added} passages from {stats.files_seen} files"
+                + (f" (skipped: {', '.join(f'{n} {why}' for why, n in stats.skipped.items())})" if stats.skipped
+                   else ""))
+            if vault.setting("memory") != "on":
+                say("agents find it with coffer__ask (memory notes too, after: coffer config memory on)")
+        elif args.action == "remove":
+            if not args.target:
+                raise CofferError("coffer knowledge remove NAME")
+            kb.remove_source(args.target)
+            vault_audit(vault, "knowledge-remove", args.target)
+            say(f"removed knowledge source {args.target}")
+        elif args.action == "reindex":
+            for stats in kb.reindex(args.target):
+                say(f"{stats.source}: {stats.files_seen} files, {stats.files_added} added, {stats.files_changed} "
+                    f"changed, {stats.files_removed} removed, {stats.files_unchanged} unchanged ({stats.seconds:g}s)")
+        else:
+            rows = [source._asdict() for source in kb.sources()]
+            if args.json:
+                say_json({"sources": rows})
+            elif not rows:
+                say("no knowledge sources yet: coffer knowledge add PATH")
+            else:
+                _print_table([[r["name"], r["files"], r["passages"], r["indexed_at"] or "", r["root"]] for r in rows],
+                             ["NAME", "FILES", "PASSAGES", "INDEXED", "ROOT"])
+    finally:
+        kb.close()
+    return 0
+
+
+def cmd_memory(vault: Vault, args) -> int:
+    if vault.read_only and args.action == "rm":
+        vault.transaction()
+    kb = open_knowledge(vault)
+    try:
+        if args.action == "list":
+            notes = kb.memories()
+            if args.json:
+                say_json({"memories": [note._asdict() for note in notes]})
+            elif not notes:
+                say("no memories yet" + ("" if vault.setting("memory") == "on" else
+                                         " (agents can keep some after: coffer config memory on)"))
+            else:
+                _print_table([[n.id, n.time, n.client, ",".join(n.tags), n.text.splitlines()[0][:60]
+                               if n.text else ""] for n in notes], ["ID", "CREATED", "CLIENT", "TAGS", "TEXT"])
+            return 0
+        if not args.id:
+            raise CofferError(f"coffer memory {args.action} ID (coffer memory list shows them)")
+        if args.action == "show":
+            note = kb.memory(args.id)
+            say_json(note._asdict()) if args.json else say(note.text)
+        elif not kb.forget(args.id):
+            raise CofferError(f"no memory {args.id!r}")
+        else:
+            vault_audit(vault, "memory-remove", args.id)
+            say(f"forgot {args.id}")
+    finally:
+        kb.close()
+    return 0
+
+
 def cmd_serve(vault: Vault, args) -> int:
     vault.actor = "gateway"
 
@@ -6967,6 +10154,7 @@ examples:
   coffer secret set GITHUB_TOKEN          (asks for the value; or pipe it in)
   coffer add gh --env GITHUB_TOKEN='${GITHUB_TOKEN}' -- npx -y @modelcontextprotocol/server-github
   coffer add docs --url https://example.com/mcp --header 'Authorization=Bearer ${DOCS_TOKEN}'
+  coffer add linear --url https://mcp.linear.app/sse && coffer auth linear
   coffer list
   coffer tools
   coffer disable time__convert_time
@@ -7011,9 +10199,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "secret store")
     p.add_argument("--inherit-env", action="append", default=[], metavar="NAME",
                    help="also pass this variable of Coffer's own environment ('*': all of it)")
-    p.add_argument("--url", help="a remote server speaking MCP Streamable HTTP")
+    p.add_argument("--url", help="a remote server (Streamable HTTP or the legacy HTTP+SSE transport)")
     p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
                    help="HTTP header (with --url); a literal value goes to the secret store")
+    add_remote_arguments(p)
     p.add_argument("--cwd", help="working directory for the server process")
     p.add_argument("--timeout", type=float, help="per-call timeout in seconds (default: the call_timeout setting)")
     p.add_argument("--policy", choices=("enabled", "disabled"),
@@ -7022,6 +10211,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="change the definition of a server already registered, keeping its choices")
     p.set_defaults(command=[])
     command("remove", cmd_remove, "unregister a server").add_argument("name")
+    add_auth_command(command)
     p = command("list", cmd_list, "registered servers, their status and tool counts")
     p.add_argument("--json", action="store_true")
     p = command("tools", cmd_tools, "the aggregated tool catalogue, as a client sees it (starts every server)")
@@ -7042,6 +10232,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("secret", cmd_secret, "the secret store: set NAME (prompted, or from stdin), list, rm NAME")
     p.add_argument("action", choices=("set", "list", "rm"))
     p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p = command("knowledge", cmd_knowledge, "folders of notes and docs agents search with coffer__ask: "
+                                            "add PATH [--name N] [--glob G]..., list, remove NAME, reindex [NAME]")
+    p.add_argument("action", choices=("add", "list", "remove", "reindex"))
+    p.add_argument("target", nargs="?", metavar="PATH|NAME")
+    p.add_argument("--name", help="the source's name (default: the folder's name)")
+    p.add_argument("--glob", action="append", metavar="PATTERN",
+                   help=f"which files (default: {' '.join(KNOWLEDGE_DEFAULT_GLOBS)}); repeatable")
+    p.add_argument("--json", action="store_true")
+    p = command("memory", cmd_memory, "facts agents kept with coffer__remember (coffer config memory on): "
+                                      "list, show ID, rm ID")
+    p.add_argument("action", choices=("list", "show", "rm"))
+    p.add_argument("id", nargs="?")
     p.add_argument("--json", action="store_true")
     p = command("call", cmd_call, "call one tool through the gateway and print its result (for scripts)")
     p.add_argument("tool")

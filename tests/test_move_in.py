@@ -136,12 +136,8 @@ EXPECTED_IMPORT = {"time", "my-server", "local-echo", "team-docs", "cursor-remot
 SSE_ENTRIES = {"remote-sse", "gem-sse"}
 
 
-def sse_supported():
-    return "SSE_SUPPORTED = True" in Path(COFFER).read_text(encoding="utf-8")
-
-
 def expected_import():
-    return EXPECTED_IMPORT | (SSE_ENTRIES if sse_supported() else set())
+    return EXPECTED_IMPORT | SSE_ENTRIES
 
 
 def import_json(world, *extra):
@@ -157,10 +153,7 @@ def test_dry_run_plans_every_client_and_changes_nothing(world):
     added = {entry["name"]: entry for entry in plan["added"]}
     assert set(added) == expected_import()
     skipped = {(s["name"], s["source"]): s["reason"] for s in plan["skipped"]}
-    if sse_supported():
-        assert {added[n]["kind"] for n in SSE_ENTRIES} == {"sse"}
-    else:  # an SSE entry is never stored as a server this Coffer cannot start
-        assert "SSE" in skipped[("remote-sse", "claude-code")] and "SSE" in skipped[("gem-sse", "gemini")]
+    assert {added[n]["kind"] for n in SSE_ENTRIES} == {"sse"}
     assert {added[n]["kind"] for n in ("team-docs", "cursor-remote", "windsurf-remote", "codex-http",
                                        "gem-http")} == {"http"}
     assert added["my-server"]["renamed_from"] == "my_server" and added["proj-tool"]["renamed_from"] == "proj_tool"
@@ -311,12 +304,12 @@ def test_install_claude_code_replace_then_uninstall_restores(world):
     claude = world.files["claude-code"]
     original = json.loads(claude.read_text())
     out = world.run("install", "claude-code", "--replace").stdout
-    assert f"removed (now served through Coffer): {'remote-sse, ' if sse_supported() else ''}time" in out
+    assert f"removed (now served through Coffer): remote-sse, time" in out
     after = json.loads(claude.read_text())
     entry = after["mcpServers"]["coffer"]
     assert entry["type"] == "stdio" and os.path.isabs(entry["command"]) and entry["args"][-1] == "serve"
     assert entry["env"] == {"COFFER_HOME": str(world.coffer_home)}
-    assert set(after["mcpServers"]) == {"coffer"} | (set() if sse_supported() else {"remote-sse"})
+    assert set(after["mcpServers"]) == {"coffer"}
     assert after["numStartups"] == 42 and after["projects"] == original["projects"]
     assert len(backups(claude)) == 1 and json.loads(backups(claude)[0].read_text()) == original
     stash = [line for line in out.splitlines() if "kept (private, 0600) in" in line][0].split(" in ")[1].split(";")[0]
@@ -391,7 +384,7 @@ def test_doctor_reports_servers_clients_and_exits_1_when_one_is_broken(world):
     world.run("config", "name_max_length", "64")  # past what Claude Code allows once mcp__coffer__ is in front
     world.run("install", "claude-code")
     for name in {"team-docs", "cursor-remote", "windsurf-remote", "zed-old", "codex-http", "gem-http", "vs-echo",
-                 "codex-echo"} | (SSE_ENTRIES if sse_supported() else set()):
+                 "codex-echo"} | SSE_ENTRIES:
         world.run("remove", name)
     proc = world.run("doctor", "--json", check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -31,9 +31,6 @@ from mcp.shared.exceptions import MCPError
 import coffer
 from conftest import COFFER, EVERYTHING_JS, PY, ROOT, TIME_SERVER, cli, needs_node
 
-pytestmark = pytest.mark.skipif(not hasattr(coffer, "SseTransport"),
-                                reason="the remote-upstreams draft (issue 13) is not in coffer.py yet")
-
 OAUTH_SERVER = ROOT / "tests" / "fixtures" / "oauth_server.py"
 FAKE_BROWSER = ROOT / "tests" / "fixtures" / "fake_browser.py"
 
@@ -380,13 +377,14 @@ def test_an_sse_endpoint_on_another_origin_is_refused_and_gets_no_credentials(ho
         added = transcript.cli("add", "evil", "--url", url, "--header", "X-Api-Key=${EVIL_KEY}", env=env)
         transcript.cli("add", "evil2", "--url", url, "--transport", "sse", "--header", "X-Api-Key=${EVIL_KEY}",
                        env=env)
-        transcript.cli("tools", env=env)
+        listed = transcript.cli("tools", env=env, check=False)
         row = server_row("evil2")
     finally:
         hostile.shutdown()
         elsewhere.shutdown()
     assert "refused" in added.stdout and "credentials never leave the configured origin" in added.stdout
     assert row["status"] == "failed" and "refused" in row["detail"]
+    assert listed.returncode == 1 and "evil2 did not start" in listed.stderr
     assert elsewhere.seen == []
     assert all("sk-test-0123456789abcdef" not in text for text in transcript.texts)
 
@@ -424,13 +422,14 @@ def test_a_redirect_to_another_origin_is_refused_and_the_credentials_stay_home(h
         added = transcript.cli("add", "redir", "--url", url, "--header", "Authorization=Bearer ${REDIR_KEY}", env=env)
         transcript.cli("add", "redir2", "--url", url, "--transport", "http", "--header",
                        "Authorization=Bearer ${REDIR_KEY}", env=env)
-        transcript.cli("tools", env=env)
+        listed = transcript.cli("tools", env=env, check=False)
         row = server_row("redir2")
     finally:
         redirecting.shutdown()
         elsewhere.shutdown()
     assert "refused, credentials never leave the configured origin" in added.stdout
     assert row["status"] == "failed" and "redirected to http://localhost" in row["detail"]
+    assert listed.returncode == 1 and "redir2 did not start" in listed.stderr
     assert elsewhere.seen == []
     assert all("sk-redirect-0123456789" not in text for text in transcript.texts)
 

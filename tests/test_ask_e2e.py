@@ -1,0 +1,163 @@
+"""coffer__ask and coffer__remember end to end (issue 14): the official SDK client talks to ``coffer serve``; the
+user's folder is a real folder, memory a real note, and the client's model (sampling) a callback of the client."""
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import mcp_types as types
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+
+from conftest import COFFER, FAKE, PY, cli
+
+
+def gateway():
+    return StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
+
+
+def run(body, name="ask-agent", **client_kwargs):
+    async def main():
+        async with Client(gateway(), client_info=types.Implementation(name=name, version="1"),
+                          **client_kwargs) as client:
+            return await body(client)
+    return anyio.run(main)
+
+
+def structured(result):
+    return result.structured_content or json.loads(result.content[0].text)
+
+
+def test_ask_and_remember_are_listed_only_when_there_is_something_to_ask(home, tmp_path):
+    cli("add", "s", "--", *FAKE, "--tools", "echo")
+
+    async def names(client):
+        return [t.name for t in (await client.list_tools()).tools], client.instructions
+
+    tools, instructions = run(names)
+    assert "coffer__ask" not in tools and "coffer__remember" not in tools and "coffer__ask" not in instructions
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("# A\n\nSomething.\n")
+    cli("knowledge", "add", str(docs))
+    tools, instructions = run(names)
+    assert "coffer__ask" in tools and "coffer__remember" not in tools and "coffer__ask" in instructions
+    cli("config", "memory", "on")
+    tools, _ = run(names)
+    assert "coffer__remember" in tools
+
+    async def search(client):  # built-in tools are never search results
+        return structured(await client.call_tool("coffer__search_tools", {"query": "ask notes remember"}))
+    assert all(not t["name"].startswith("coffer__") for t in run(search)["tools"])
+
+
+def test_a_folder_is_searched_and_an_edit_is_seen_without_a_restart(home, tmp_path):
+    docs = tmp_path / "handbook"
+    docs.mkdir()
+    (docs / "deploy.md").write_text("# Deploying\n\nShip a release with `make ship` from the main branch.\n\n"
+                                    "## Rollback\n\nIf a release breaks, run `make undo VERSION=<tag>`.\n")
+    (docs / "team.rst").write_text("Team\n====\n\nThe on-call rota lives in the wiki under Operations.\n")
+    cli("knowledge", "add", str(docs), "--name", "handbook")
+
+    async def body(client):
+        first = structured(await client.call_tool("coffer__ask", {"question": "how do I undo a broken release?"}))
+        (docs / "deploy.md").write_text("# Deploying\n\nShip a release with `make ship` from the main branch.\n\n"
+                                        "## Rollback\n\nIf a release breaks, run `coffer-revert --to <tag>`.\n")
+        deadline = time.monotonic() + 20
+        while True:
+            again = structured(await client.call_tool("coffer__ask", {"question": "what to run if a release breaks",
+                                                                      "top_k": 1}))
+            if "coffer-revert" in again["passages"][0]["text"] or time.monotonic() > deadline:
+                return first, again
+            await anyio.sleep(0.5)
+
+    first, again = run(body)
+    top = first["passages"][0]
+    assert top["source"] == "handbook" and top["path"] == "deploy.md" and "make undo" in top["text"]
+    assert top["heading"].endswith("Rollback") and top["lines"][0] >= 5
+    assert first["total_searched"] >= 3 and "answer" not in first      # no sampling: passages only
+    assert "coffer-revert" in again["passages"][0]["text"] and len(again["passages"]) == 1
+
+
+def test_memory_from_one_session_is_found_by_another_and_is_a_private_note(home, tmp_path):
+    cli("config", "memory", "on")
+    fact = f"The staging database runs on host db-stage-{uuid.uuid4().hex[:6]}."
+
+    async def keep(client):
+        return await client.call_tool("coffer__remember", {"text": fact, "tags": ["infra"]})
+
+    kept = run(keep, name="claude-code")
+    assert not kept.is_error
+    notes = list((Path(home) / "memory").glob("*.md"))
+    assert len(notes) == 1
+    note = notes[0].read_text()
+    assert fact in note and "claude-code" in note and "infra" in note
+    if os.name == "posix":
+        assert oct(notes[0].stat().st_mode & 0o777) == "0o600"
+
+    async def ask(client):
+        return structured(await client.call_tool("coffer__ask", {"question": "where is the staging database?"}))
+
+    found = run(ask, name="cursor")
+    assert fact in found["passages"][0]["text"] and found["passages"][0]["source"] == "memory"
+    listed = json.loads(cli("memory", "list", "--json").stdout)["memories"]
+    assert [m["text"].strip() for m in listed] == [fact]
+    cli("memory", "rm", listed[0]["id"])
+    assert not list((Path(home) / "memory").glob("*.md"))
+
+
+def test_a_client_with_sampling_gets_an_answer_and_the_log_keeps_no_words(home, tmp_path):
+    marker = "MRK" + uuid.uuid4().hex[:10]
+    docs = tmp_path / "notes"
+    docs.mkdir()
+    (docs / "wifi.md").write_text(f"# Office wifi\n\nThe guest network password is {marker}-pw.\n")
+    cli("knowledge", "add", str(docs))
+    prompts = []
+
+    async def model(ctx, params):
+        prompt = params.messages[0].content.text
+        prompts.append(prompt)
+        reply = "guest wifi password" if "search queries" in prompt else f"It is {marker}-pw [1]."
+        return types.CreateMessageResult(role="assistant", model="test-model",
+                                         content=types.TextContent(type="text", text=reply))
+
+    async def body(client):
+        return structured(await client.call_tool("coffer__ask", {"question": f"what is the wifi password {marker}?"}))
+
+    answered = run(body, sampling_callback=model)
+    assert answered["answer"] == f"It is {marker}-pw [1]." and len(prompts) == 2
+    assert f"{marker}-pw" in answered["passages"][0]["text"]
+
+    async def plain(client):
+        return structured(await client.call_tool("coffer__ask", {"question": "wifi password"}))
+    assert "answer" not in run(plain)                                   # no sampling declared: no answer
+
+    cli("config", "ask_synthesis", "off")
+    answered = run(body, sampling_callback=model)
+    assert "answer" not in answered and len(prompts) == 2               # switched off: the model is not asked
+
+    rows = json.loads(cli("log", "--json").stdout)["invocations"]
+    asks = [r for r in rows if r["capability"] == "coffer__ask"]
+    assert len(asks) == 3 and all(r["status"] == "ok" for r in asks)
+    database = (Path(home) / "coffer.db").read_bytes() + b"".join(
+        p.read_bytes() for p in Path(home).glob("coffer.db-*"))
+    assert b"what is the wifi password" not in database and b"It is " + marker.encode() not in database
+
+
+def test_a_model_that_fails_still_gets_the_passages(home, tmp_path):
+    docs = tmp_path / "notes"
+    docs.mkdir()
+    (docs / "a.md").write_text("# Coffee\n\nThe coffee machine is descaled on Fridays.\n")
+    cli("knowledge", "add", str(docs))
+
+    async def broken(ctx, params):
+        return types.ErrorData(code=-32603, message="model unavailable")
+
+    async def body(client):
+        return structured(await client.call_tool("coffer__ask", {"question": "when is the coffee machine descaled?"}))
+
+    answered = run(body, sampling_callback=broken)
+    assert "Fridays" in answered["passages"][0]["text"] and "answer" not in answered
