@@ -846,6 +846,24 @@ def test_an_upstream_that_exits_at_once_is_reported_with_its_exit_code_and_stder
     assert "Traceback" not in gw.stderr_text()
 
 
+def test_every_upstream_that_exits_at_once_reports_its_stderr(home, watched_gateway):
+    """The reason a server gives on stderr is the real reason: it must be in the status every time, not only when
+    the stderr reader happens to win the race against the exit."""
+    cli("config", "max_restarts", "1")
+    for i in range(8):
+        cli("add", f"quick{i}", "--", "/bin/sh", "-c", f"echo 'fatal: boom {i}' >&2; exit 3")
+    add_hostile("good")
+    gw = session(watched_gateway)
+    healthy(gw)
+    servers = wait_until(lambda: (rows := {s["name"]: s for s in json.loads(cli("list", "--json").stdout)["servers"]})
+                         and all(rows[f"quick{i}"]["status"] == "failed" for i in range(8)) and rows,
+                         timeout=30, what="every quick server to fail")
+    missing = {name: row["detail"] for name, row in servers.items()
+               if name.startswith("quick") and (f"boom {name[5:]}" not in (row["detail"] or "")
+                                                or "not accepting input" in row["detail"])}
+    assert not missing, f"status without the server's stderr: {missing}"
+
+
 def test_an_upstream_that_exits_after_a_burst_of_stderr_prints_no_traceback(home, watched_gateway):
     cli("config", "max_restarts", "3")
     for i in range(4):
