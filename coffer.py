@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import base64
 import collections
 import contextlib
 import dataclasses
@@ -32,6 +33,7 @@ import errno
 import functools
 import hashlib
 import heapq
+import hmac
 import itertools
 import json
 import logging
@@ -103,6 +105,8 @@ DEFAULTS = {
     "max_message_bytes": 64 << 20,  # a longer line, HTTP body or SSE event fails that message, not the gateway
     "max_list_pages": 100,          # pages Coffer follows when an upstream paginates one list
     "max_list_items": 10_000,       # tools (prompts, resources...) kept per list per upstream
+    "probe_timeout": 10.0,          # seconds a new server has to answer server/discover before initialize is tried
+    "mrtr_ttl": 300.0,              # seconds a 2026-07-28 client has to answer a question an upstream asked mid-call
     "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them
     "ask_synthesis": "on",          # on: coffer__ask may ask the client's own model (sampling) for an answer
 }
@@ -427,6 +431,14 @@ def negotiate_version(requested) -> str:
     return requested if requested in PROTOCOL_VERSIONS else LATEST_PROTOCOL_VERSION
 
 
+class RpcError(Exception):
+    """A JSON-RPC error to answer a request with (its code, message and optional data)."""
+
+    def __init__(self, code: int, message: str, data=None):
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+
 def rpc_error(msg_id, code: int, message: str, data=None) -> dict:
     error = {"code": code, "message": message}
     if data is not None:
@@ -441,6 +453,467 @@ def rpc_result(msg_id, result) -> dict:
 def tool_error_result(text: str) -> dict:
     """An error an agent reads as a tool result (isError) rather than a protocol failure."""
     return {"content": [{"type": "text", "text": text}], "isError": True}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 1b. MCP 2026-07-28, the stateless era: the per-request envelope, result shapes, listen filters, requestState
+#
+# A 2026-07-28 request carries its protocol version, client identity and capabilities in params._meta; every
+# result carries resultType; list results carry cache hints; change notifications travel only on
+# subscriptions/listen streams; a server asks the client for input by answering input_required and reading the
+# answers from the retry.  These helpers hold the wire rules so the gateway and the upstream code can stay about
+# routing.  All of them treat their input as hostile and never keep state.
+
+MODERN_PROTOCOL_VERSIONS = ("2026-07-28",)
+META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CLIENT_INFO = "io.modelcontextprotocol/clientInfo"
+META_CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_LOG_LEVEL = "io.modelcontextprotocol/logLevel"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+META_SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId"
+ENVELOPE_KEYS = (META_PROTOCOL_VERSION, META_CLIENT_INFO, META_CLIENT_CAPABILITIES, META_LOG_LEVEL)
+
+MISSING_REQUIRED_CLIENT_CAPABILITY = -32021
+UNSUPPORTED_PROTOCOL_VERSION = -32022
+
+INPUT_REQUIRED_METHODS = frozenset({"tools/call", "prompts/get", "resources/read"})
+CACHEABLE_METHODS = frozenset({"server/discover", "tools/list", "prompts/list", "resources/list",
+                               "resources/templates/list", "resources/read"})
+MODERN_CLIENT_METHODS = frozenset({"server/discover", "subscriptions/listen", "tools/list", "tools/call",
+                                   "prompts/list", "prompts/get", "resources/list", "resources/templates/list",
+                                   "resources/read", "completion/complete"})
+HANDSHAKE_ONLY_METHODS = frozenset({"initialize", "ping", "logging/setLevel", "resources/subscribe",
+                                    "resources/unsubscribe"})
+INPUT_REQUEST_METHODS = frozenset({"sampling/createMessage", "elicitation/create", "roots/list"})
+
+MAX_TTL_MS = 24 * 60 * 60 * 1000        # the SDK client caps any ttlMs at a day; so do we
+MAX_REQUEST_STATE = 256 * 1024          # an upstream's sealed state rides inside ours; the SDK's are ~0.5 kB
+MAX_INPUT_REQUESTS = 32
+MAX_LISTEN_URIS = 256
+MAX_URI_LENGTH = 2048
+_SCHEMA_WALK_LIMIT = 20_000             # schema nodes visited when rewriting $refs (a hostile schema costs this)
+
+
+class Envelope(NamedTuple):
+    """The 2026-07-28 per-request fields of one client request (params._meta)."""
+    protocol_version: str
+    client_capabilities: dict
+    client_info: dict | None
+    log_level: str | None
+
+
+def is_enveloped(params) -> bool:
+    """Whether a request claims the modern era: the protocol-version key alone is the signal, so a half-built
+    envelope still routes modern and gets the error that names what is missing."""
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return isinstance(meta, dict) and META_PROTOCOL_VERSION in meta
+
+
+def parse_envelope(params) -> Envelope:
+    """Validate the envelope the way the spec orders it: shape and required keys (-32602), then the version
+    (-32022 naming what Coffer speaks).  clientInfo is display-only: a malformed one reads as absent."""
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    if not isinstance(meta, dict):
+        raise RpcError(INVALID_PARAMS, f"params._meta must be an object carrying the required "
+                                       f"'{META_PROTOCOL_VERSION}' and '{META_CLIENT_CAPABILITIES}' envelope keys")
+    missing = [key for key in (META_PROTOCOL_VERSION, META_CLIENT_CAPABILITIES) if key not in meta]
+    if missing:
+        raise RpcError(INVALID_PARAMS, f"params._meta is missing the required envelope key(s): {', '.join(missing)}")
+    version = meta[META_PROTOCOL_VERSION]
+    if not isinstance(version, str):
+        raise RpcError(INVALID_PARAMS, "the protocol-version envelope value must be a string")
+    if version not in MODERN_PROTOCOL_VERSIONS:
+        raise RpcError(UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
+                       {"supported": list(MODERN_PROTOCOL_VERSIONS), "requested": version[:100]})
+    capabilities = meta[META_CLIENT_CAPABILITIES]
+    if not isinstance(capabilities, dict):
+        raise RpcError(INVALID_PARAMS, f"'{META_CLIENT_CAPABILITIES}' must be an object")
+    level = meta.get(META_LOG_LEVEL)
+    if level is not None and level not in LOG_LEVELS:
+        raise RpcError(INVALID_PARAMS, f"'{META_LOG_LEVEL}' must be one of {', '.join(LOG_LEVELS)}")
+    info = meta.get(META_CLIENT_INFO)
+    return Envelope(version, capabilities, info if isinstance(info, dict) else None, level)
+
+
+def stamp_envelope(params, envelope: Envelope) -> dict:
+    """Params for a modern upstream: the client's own _meta (progress token, trace context) with the envelope
+    replaced by ``envelope`` - the client's identity and capabilities, never Coffer's own guesses."""
+    params = dict(params) if isinstance(params, dict) else {}
+    meta = params.get("_meta")
+    meta = {k: v for k, v in meta.items() if k not in ENVELOPE_KEYS} if isinstance(meta, dict) else {}
+    meta[META_PROTOCOL_VERSION] = MODERN_PROTOCOL_VERSIONS[-1]
+    meta[META_CLIENT_CAPABILITIES] = envelope.client_capabilities
+    if envelope.client_info is not None:
+        meta[META_CLIENT_INFO] = envelope.client_info
+    if envelope.log_level is not None:
+        meta[META_LOG_LEVEL] = envelope.log_level
+    params["_meta"] = meta
+    return params
+
+
+def strip_envelope(params) -> dict:
+    """Params for a handshake upstream: the SDK's handshake loop refuses any request whose _meta carries the
+    protocol-version key (-32600), and MRTR fields mean nothing there."""
+    params = {k: v for k, v in params.items() if k not in ("inputResponses", "requestState")} \
+        if isinstance(params, dict) else {}
+    meta = params.get("_meta")
+    if isinstance(meta, dict):
+        meta = {k: v for k, v in meta.items() if k not in ENVELOPE_KEYS}
+        if meta:
+            params["_meta"] = meta
+        else:
+            del params["_meta"]
+    return params
+
+
+def coffer_server_info() -> dict:
+    return {"name": "coffer", "title": "Coffer MCP gateway", "version": __version__}
+
+
+def shape_modern_result(method: str, result, ttl_ms: int = 0, cache_scope: str = "private") -> dict:
+    """A result as a 2026-07-28 client must receive it: resultType always, Coffer's serverInfo in _meta, and cache
+    hints on complete results of the cacheable methods (an upstream's valid hints win over the defaults)."""
+    result = dict(result) if isinstance(result, dict) else {}
+    kind = result.get("resultType")
+    kind = "complete" if kind is None else kind  # a handshake upstream never sets it
+    if kind == "input_required" and method in INPUT_REQUIRED_METHODS:
+        result.pop("ttlMs", None)
+        result.pop("cacheScope", None)  # interim results are never cacheable
+    elif kind == "complete":
+        result["resultType"] = "complete"
+        if method in CACHEABLE_METHODS:
+            ttl = result.get("ttlMs")
+            valid = isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl >= 0 and ttl == ttl
+            result["ttlMs"] = min(int(ttl), MAX_TTL_MS) if valid else ttl_ms
+            if result.get("cacheScope") not in ("public", "private"):
+                result["cacheScope"] = cache_scope
+    else:
+        # An extension's resultType (e.g. tasks) needs the extension advertised; Coffer advertises none.
+        raise RpcError(INTERNAL_ERROR, f"the upstream answered {method} with resultType {str(kind)[:40]!r}, "
+                                       "which Coffer does not bridge")
+    meta = result.get("_meta")
+    result["_meta"] = {**(meta if isinstance(meta, dict) else {}), META_SERVER_INFO: coffer_server_info()}
+    return result
+
+
+def shape_handshake_result(method: str, result, wrap_structured: bool = False) -> dict:
+    """A complete result as a handshake-era client must receive it: no 2026 fields, and structuredContent an
+    object (wrapped as {"result": value} when the tool's outputSchema was wrapped, or when it is not an object)."""
+    result = dict(result) if isinstance(result, dict) else {}
+    if result.get("resultType", "complete") != "complete":
+        raise ValueError(f"not a complete result: resultType {result.get('resultType')!r}")
+    for key in ("resultType", "ttlMs", "cacheScope"):
+        result.pop(key, None)
+    meta = result.get("_meta")
+    if isinstance(meta, dict) and META_SERVER_INFO in meta:
+        meta = {k: v for k, v in meta.items() if k != META_SERVER_INFO}
+        if meta:
+            result["_meta"] = meta
+        else:
+            del result["_meta"]
+    if method == "tools/call" and "structuredContent" in result:
+        value = result["structuredContent"]
+        if wrap_structured or not (value is None or isinstance(value, dict)):
+            result["structuredContent"] = {"result": value}
+    return result
+
+
+def shape_handshake_tool(tool: dict) -> tuple[dict, bool]:
+    """A tool definition a handshake-era client accepts, and whether its results must be wrapped: 2025-11-25 wants
+    outputSchema rooted at type "object" (the Python SDK rejects the whole tools/list otherwise)."""
+    schema = tool.get("outputSchema")
+    if "outputSchema" not in tool or (isinstance(schema, dict) and schema.get("type") == "object"):
+        return tool, False
+    if not isinstance(schema, (dict, bool)):
+        return {k: v for k, v in tool.items() if k != "outputSchema"}, False  # not a schema at all: drop it
+    return {**tool, "outputSchema": wrap_output_schema(schema)}, True
+
+
+def wrap_output_schema(schema) -> dict:
+    """``{"type":"object","properties":{"result": schema},"required":["result"]}``, with $schema and the $defs
+    hoisted to the new root and other local $refs re-pointed, so references still resolve."""
+    if isinstance(schema, bool):
+        return {"type": "object", "properties": {"result": schema}, "required": ["result"]}
+    inner = dict(schema)
+    root: dict = {"type": "object"}
+    if "$schema" in inner:
+        root["$schema"] = inner.pop("$schema")
+    if "$id" not in inner:  # with its own $id the inner schema stays a resource of its own and its refs resolve
+        for key in ("$defs", "definitions"):
+            if key in inner:
+                root[key] = inner.pop(key)
+        inner = _repoint_refs(inner)
+    root["properties"] = {"result": inner}
+    root["required"] = ["result"]
+    return root
+
+
+def _repoint_refs(schema):
+    """Prefix local JSON-pointer $refs with /properties/result (except into the hoisted $defs); instance data
+    (const, enum, default, examples) is copied untouched.  Bounded: a huge schema is left as it was."""
+    budget = [_SCHEMA_WALK_LIMIT]
+
+    def walk(node, depth):
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 64:
+            raise OverflowError
+        if isinstance(node, list):
+            return [walk(item, depth + 1) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+                pointer = value[1:]
+                out[key] = value if pointer.startswith(("/$defs/", "/definitions/")) \
+                    else "#/properties/result" + pointer
+            elif key in ("const", "enum", "default", "examples"):
+                out[key] = value
+            else:
+                out[key] = walk(value, depth + 1)
+        return out
+
+    try:
+        return walk(schema, 0)
+    except OverflowError:
+        log.warning("an outputSchema was too large to re-point its $refs; wrapped it unchanged")
+        return schema
+
+
+class ListenFilter(NamedTuple):
+    """What one subscriptions/listen stream asked for (or, after ``honoured``, what it will get)."""
+    tools: bool
+    prompts: bool
+    resources: bool
+    uris: tuple[str, ...]
+
+    def honoured(self, offered: set[str], can_subscribe: bool) -> ListenFilter:
+        """The subset Coffer delivers: kinds it advertises (``offered`` ⊆ {"tools","prompts","resources"})."""
+        return ListenFilter(self.tools and "tools" in offered, self.prompts and "prompts" in offered,
+                            self.resources and "resources" in offered, self.uris if can_subscribe else ())
+
+    def wire(self) -> dict:
+        filt: dict = {}
+        for flag, key in ((self.tools, "toolsListChanged"), (self.prompts, "promptsListChanged"),
+                          (self.resources, "resourcesListChanged")):
+            if flag:
+                filt[key] = True
+        if self.uris:
+            filt["resourceSubscriptions"] = list(self.uris)
+        return filt
+
+    def wants(self, kind: str) -> bool:
+        return {"tools": self.tools, "prompts": self.prompts, "resources": self.resources}.get(kind, False)
+
+
+def parse_listen_filter(params) -> ListenFilter:
+    notifications = params.get("notifications") if isinstance(params, dict) else None
+    if not isinstance(notifications, dict):
+        raise RpcError(INVALID_PARAMS, "'notifications' must be an object")
+    flags = []
+    for key in ("toolsListChanged", "promptsListChanged", "resourcesListChanged"):
+        value = notifications.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise RpcError(INVALID_PARAMS, f"notifications.{key} must be a boolean")
+        flags.append(value is True)
+    uris = notifications.get("resourceSubscriptions")
+    if uris is None:
+        uris = []
+    if not isinstance(uris, list) or len(uris) > MAX_LISTEN_URIS or not all(
+            isinstance(u, str) and 0 < len(u) <= MAX_URI_LENGTH for u in uris):
+        raise RpcError(INVALID_PARAMS, f"notifications.resourceSubscriptions must be a list of at most "
+                                       f"{MAX_LISTEN_URIS} URIs")
+    return ListenFilter(*flags, tuple(dict.fromkeys(uris)))
+
+
+def listen_frame(method: str, subscription_id, params: dict | None = None) -> dict:
+    """A notification on a listen stream: tagged with the listen request's own JSON-RPC id."""
+    params = dict(params or {})
+    meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+    params["_meta"] = {**meta, META_SUBSCRIPTION_ID: subscription_id}
+    return {"jsonrpc": "2.0", "method": method, "params": params}
+
+
+def missing_capability(method: str, params, capabilities) -> dict | None:
+    """The requiredCapabilities a -32021 must name when ``capabilities`` (one request's envelope) cannot serve an
+    upstream's ``method`` request, else None.  A bare ``elicitation: {}`` means form support (the pre-modes shape)."""
+    caps = capabilities if isinstance(capabilities, dict) else {}
+    params = params if isinstance(params, dict) else {}
+    if method == "sampling/createMessage":
+        sampling = caps.get("sampling")
+        wants_tools = bool(params.get("tools")) or params.get("toolChoice") is not None
+        if isinstance(sampling, dict) and (not wants_tools or isinstance(sampling.get("tools"), dict)):
+            return None
+        return {"sampling": {"tools": {}} if wants_tools else {}}
+    if method == "elicitation/create":
+        elicitation = caps.get("elicitation")
+        if params.get("mode") == "url":
+            return None if isinstance(elicitation, dict) and isinstance(elicitation.get("url"), dict) \
+                else {"elicitation": {"url": {}}}
+        if isinstance(elicitation, dict) and ("form" in elicitation or "url" not in elicitation):
+            return None
+        return {"elicitation": {"form": {}}}
+    if method == "roots/list":
+        return None if isinstance(caps.get("roots"), dict) else {"roots": {}}
+    return None
+
+
+class InputRound(NamedTuple):
+    """One validated input_required result from a modern upstream."""
+    requests: dict          # key -> {"method": ..., "params": {...}}
+    request_state: str | None
+
+
+def parse_input_required(result) -> InputRound:
+    """Validate an upstream's input_required result before acting on it (ValueError says what is wrong)."""
+    if not isinstance(result, dict) or result.get("resultType") != "input_required":
+        raise ValueError("not an input_required result")
+    raw = result.get("inputRequests")
+    state = result.get("requestState")
+    if raw is None and state is None:
+        raise ValueError("input_required with neither inputRequests nor requestState")
+    if state is not None and (not isinstance(state, str) or len(state) > MAX_REQUEST_STATE):
+        raise ValueError("requestState must be a string of at most 256 KiB")
+    requests: dict = {}
+    if raw is not None:
+        if not isinstance(raw, dict) or len(raw) > MAX_INPUT_REQUESTS:
+            raise ValueError(f"inputRequests must be an object of at most {MAX_INPUT_REQUESTS} entries")
+        for key, request in raw.items():
+            if not (isinstance(key, str) and 0 < len(key) <= 256) or not isinstance(request, dict):
+                raise ValueError("each inputRequests entry needs a short string key and an object")
+            method, params = request.get("method"), request.get("params", {})
+            if method not in INPUT_REQUEST_METHODS or not isinstance(params, dict):
+                raise ValueError(f"inputRequests[{key[:40]!r}] is not sampling, elicitation or roots")
+            requests[key] = {"method": method, "params": params}
+    return InputRound(requests, state)
+
+
+class DiscoverVerdict(NamedTuple):
+    """What an upstream's answer to Coffer's server/discover probe says about its era."""
+    era: str                # "modern", "handshake" or "incompatible"
+    retry_discover: bool    # -32022 named a version we speak: ask once more before adopting it
+    result: dict | None     # the DiscoverResult when era == "modern" and no retry is needed
+    reason: str
+
+
+def classify_discover_reply(response) -> DiscoverVerdict:
+    """The spec's stdio probe (basic/transports/stdio.mdx "Backward Compatibility"): a DiscoverResult or a
+    recognised modern error means modern; anything else - any other error, no answer, junk - means handshake.
+    ``response`` is the JSON-RPC response dict, or None for a timeout."""
+    if not isinstance(response, dict):
+        return DiscoverVerdict("handshake", False, None, "no answer to server/discover")
+    error = response.get("error")
+    if error is not None:
+        code = error.get("code") if isinstance(error, dict) else None
+        data = error.get("data") if isinstance(error, dict) else None
+        supported = data.get("supported") if isinstance(data, dict) else None
+        if code == UNSUPPORTED_PROTOCOL_VERSION and isinstance(supported, list):
+            if any(v in MODERN_PROTOCOL_VERSIONS for v in supported):
+                return DiscoverVerdict("modern", True, None, "server/discover asked for a version we speak")
+            if not any(v in PROTOCOL_VERSIONS for v in supported):
+                shown = ", ".join(str(v)[:20] for v in supported[:5])
+                return DiscoverVerdict("incompatible", False, None,
+                                       f"the server speaks only {shown}; Coffer speaks "
+                                       f"{', '.join(MODERN_PROTOCOL_VERSIONS + PROTOCOL_VERSIONS)}")
+        return DiscoverVerdict("handshake", False, None, f"server/discover answered error {code}")
+    result = response.get("result")
+    versions = result.get("supportedVersions") if isinstance(result, dict) else None
+    if isinstance(versions, list) and any(v in MODERN_PROTOCOL_VERSIONS for v in versions) \
+            and isinstance(result.get("capabilities"), dict):
+        return DiscoverVerdict("modern", False, result, "server/discover answered")
+    return DiscoverVerdict("handshake", False, None, "server/discover named no version Coffer speaks")
+
+
+def _b64u(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+
+
+def _b64u_decode(text: str) -> bytes:
+    raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64u(raw) != text:  # only the canonical encoding: one token, one spelling
+        raise ValueError("non-canonical base64url")
+    return raw
+
+
+def modern_error(message: dict) -> dict:
+    """An error reply as a 2026-07-28 client may receive it: the legacy-range codes Coffer and handshake upstreams
+    use (-32001 timeout, -32003 unreachable, -32002 resource not found, -32042 URL elicitation) are replaced by the
+    standard ones the 2026 spec allows, with what they meant in ``data``."""
+    error = message.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    mapped = {-32001: (INTERNAL_ERROR, "upstream_timeout"), -32003: (INTERNAL_ERROR, "upstream_unavailable"),
+              -32002: (INVALID_PARAMS, "resource_not_found"), -32042: (INTERNAL_ERROR, "url_elicitation_required")}
+    if code not in mapped:
+        return message
+    new_code, meaning = mapped[code]
+    data = error.get("data")
+    return {**message, "error": {"code": new_code, "message": error.get("message", ""),
+                                 "data": {"coffer": meaning, **({"detail": data} if data is not None else {})}}}
+
+
+class RequestStateSealer:
+    """Coffer's own requestState: a claims object, HMAC-SHA256 under a key that lives only in this process.
+
+    The spec makes an echoed requestState attacker-controlled (basic/patterns/mrtr.mdx, server requirements 4-5):
+    the seal gives integrity, ``exp`` a short life, and m/t/a bind it to the request it answers (method, the name
+    or URI the client used, a digest of the arguments).  One ``coffer serve`` serves one client, so the process
+    key is the principal binding; a restart invalidates every state, as it must (the parked calls died with it).
+    Stateless and thread-safe: the client reader thread unseals, upstream reader threads seal.
+    """
+
+    PREFIX = "c1."
+    _LABEL = b"coffer/request-state/v1\x00"
+
+    def __init__(self, key: bytes | None = None, ttl: float = 300.0, clock=time.time):
+        self._key = key if key is not None else os.urandom(32)
+        self.ttl = float(ttl)
+        self._clock = clock
+
+    @staticmethod
+    def binding(method: str, params) -> tuple[str, str]:
+        """(target, arguments digest) of a request: the URI for resources/read, else the name."""
+        params = params if isinstance(params, dict) else {}
+        if method == "resources/read":
+            target, arguments = params.get("uri"), {}
+        else:
+            target, arguments = params.get("name"), params.get("arguments") or {}
+        canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return str(target)[:1024], _b64u(hashlib.sha256(canonical.encode("ascii")).digest()[:16])
+
+    def seal(self, method: str, params, claims: dict) -> str:
+        target, digest = self.binding(method, params)
+        payload = {**claims, "v": 1, "m": method, "t": target, "a": digest, "exp": int(self._clock() + self.ttl)}
+        body = json.dumps(payload, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        mac = hmac.new(self._key, self._LABEL + body, hashlib.sha256).digest()
+        return f"{self.PREFIX}{_b64u(body)}.{_b64u(mac)}"
+
+    def unseal(self, token, method: str, params) -> dict:
+        """The claims of a state this process sealed for this very request, or -32602 (the SDK's words; the real
+        reason goes to the log only)."""
+        reason = None
+        claims = None
+        try:
+            if not isinstance(token, str) or len(token) > MAX_REQUEST_STATE * 2 or not token.startswith(self.PREFIX):
+                raise ValueError("malformed")
+            body_text, _, mac_text = token[len(self.PREFIX):].partition(".")
+            body, mac = _b64u_decode(body_text), _b64u_decode(mac_text)
+            expected = hmac.new(self._key, self._LABEL + body, hashlib.sha256).digest()
+            if not hmac.compare_digest(mac, expected):
+                raise ValueError("seal")
+            claims = json.loads(body)
+            if not isinstance(claims, dict) or claims.get("v") != 1:
+                raise ValueError("malformed")
+            exp = claims.get("exp")
+            if not isinstance(exp, int) or isinstance(exp, bool) or not self._clock() < exp:
+                raise ValueError("expired")
+            if (claims.get("m"), claims.get("t"), claims.get("a")) != (method, *self.binding(method, params)):
+                raise ValueError("bound to another request")
+        except (ValueError, UnicodeDecodeError) as exc:  # json errors are ValueErrors too
+            reason = str(exc) or "malformed"
+        if reason is not None:
+            log.warning("requestState refused on %s: %s", method, reason)
+            raise RpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+        return claims
 
 
 # ============================================================================================================
@@ -753,8 +1226,9 @@ CREATE TABLE IF NOT EXISTS servers (
     capabilities TEXT,                       -- JSON: what the server advertised at its last initialize
     inherit_env TEXT NOT NULL DEFAULT '[]',  -- JSON: names of Coffer's environment variables it also gets
     updates TEXT NOT NULL DEFAULT 'pin',     -- 'pin': a changed definition waits for `coffer approve`; 'trust'
-    oauth TEXT                               -- JSON: OAuth client settings (client_id, client_secret_env, login_at);
+    oauth TEXT,                              -- JSON: OAuth client settings (client_id, client_secret_env, login_at);
                                              -- names and a time only: tokens live in the secret store
+    era TEXT                                 -- 'handshake' or 'modern' (MCP 2026-07-28) at its last start; NULL: probe
 );
 CREATE TABLE IF NOT EXISTS capabilities (
     server TEXT NOT NULL,
@@ -789,6 +1263,7 @@ MIGRATIONS = (
     ("servers", "inherit_env", "TEXT NOT NULL DEFAULT '[]'"),
     ("servers", "updates", "TEXT NOT NULL DEFAULT 'pin'"),
     ("servers", "oauth", "TEXT"),
+    ("servers", "era", "TEXT"),
     ("capabilities", "approved", "TEXT"),
     ("capabilities", "approved_definition", "TEXT"),
 )
@@ -1082,6 +1557,12 @@ class Vault:
                 return
             db.execute("UPDATE servers SET transport=? WHERE name=?", (transport, name))
             self._audit(db, "transport", name, f"{old} -> {transport}")
+
+    def record_era(self, name: str, era: str | None) -> None:
+        """Which protocol era a server spoke at its last start, so the next start skips the probe (no audit row:
+        it is an observation, not a change of the user's)."""
+        with self.transaction() as db:
+            db.execute("UPDATE servers SET era=? WHERE name=?", (era, name))
 
     def set_oauth(self, name: str, oauth: dict | None) -> None:
         """A remote server's OAuth client settings (never a secret: a client secret is named by variable)."""
@@ -1419,6 +1900,9 @@ def _server_row(row) -> dict:
     server.setdefault("inherit_env", "[]")
     server.setdefault("updates", "pin")
     server.setdefault("oauth", None)
+    server.setdefault("era", None)
+    if server["era"] not in (None, "handshake", "modern"):
+        server["era"] = None
     try:
         command = _json_column(server["command"], list, None)
         if command is not None and not (command and all(isinstance(a, str) for a in command)):
@@ -3628,9 +4112,9 @@ def check_definition(kind: str, item) -> dict:
                                              all(isinstance(r, str) for r in schema["required"])):
                 schema = {k: v for k, v in schema.items() if k != "required"}
             item["inputSchema"] = schema if "type" in schema else {"type": "object", **schema}
-        output = item.get("outputSchema")
-        if output is not None and not (isinstance(output, dict) and output.get("type", "object") == "object"):
-            del item["outputSchema"]
+        if "outputSchema" in item and not isinstance(item["outputSchema"], (dict, bool)):
+            del item["outputSchema"]  # not a JSON Schema at all (2026-07-28 allows any schema; the catalogue wraps
+            # a non-object one for a handshake-era client)
         annotations = item.get("annotations")
         if isinstance(annotations, dict):
             item["annotations"] = {k: v for k, v in annotations.items()
@@ -3739,7 +4223,8 @@ class QueuedRequest:
     on_reply: Callable
     timeout: float
     ticket: Ticket
-    deadline: float
+    deadline: float | None
+    envelope: Envelope | None = None
 
 
 class Upstream:
@@ -3762,7 +4247,7 @@ class Upstream:
     QUICK_DEATH = 10.0  # a server that dies this soon after becoming ready counts as a failed start
 
     def __init__(self, config: dict, settings: dict, events, client_capabilities=None, protocol_version=None,
-                 secrets: SecretStore | None = None):
+                 secrets: SecretStore | None = None, client_info: dict | None = None):
         self.config = config
         self.name: str = config["name"]
         self.settings = settings
@@ -3792,6 +4277,13 @@ class Upstream:
         self.generation = 0
         self._closed_generation = -1
         self._timer: threading.Timer | None = None
+        # The era this server speaks: remembered from its last start (None: probe with server/discover).  A modern
+        # (2026-07-28) server gets the client's own envelope on every request: its identity and capabilities.
+        self.era: str | None = config.get("era")
+        self.envelope = Envelope(MODERN_PROTOCOL_VERSIONS[-1], self.client_capabilities,
+                                 client_info or {"name": "coffer", "version": __version__}, None)
+        self._listen_id: int | None = None          # Coffer's subscriptions/listen on a modern server
+        self._listen_backoff = 1.0
         self._relayed = TokenBucket(rate=200.0, burst=1000.0)   # notifications relayed to the client
         self._stderr_relayed = TokenBucket(rate=50.0, burst=200.0)
 
@@ -3845,21 +4337,13 @@ class Upstream:
                 self.transport = transport
                 self.generation += 1
             transport.start()
-            result = self.call("initialize", {
-                "protocolVersion": self.protocol_version,
-                "capabilities": self.client_capabilities,
-                "clientInfo": {"name": "coffer", "title": "Coffer MCP gateway", "version": __version__},
-            }, self.settings["init_timeout"])
-            if not isinstance(result, dict):
-                raise UpstreamFailure("initialize returned no result object")
-            self.notify("notifications/initialized")
-            self.capabilities = result.get("capabilities") if isinstance(result.get("capabilities"), dict) else {}
-            info = result.get("serverInfo")
-            self.server_info = _clean_strings(info) if isinstance(info, dict) else {}
+            self._open_session(isinstance(transport, StdioTransport))
             for kind in CAPABILITY_KINDS:
                 self.refresh(kind, notify=False)
             if self._closed_generation == self.generation:
                 raise UpstreamFailure("the server exited during discovery")
+            if self.era == "modern":
+                self._listen()
         except Exception as exc:  # noqa: BLE001 - any failure of a third-party server is a failed start
             self._start_failed(transport, exc)
             return
@@ -3873,6 +4357,98 @@ class Upstream:
             backlog, self.backlog = self.backlog, []
         self.events.on_ready(self)
         self._run_backlog(backlog)
+
+    def _open_session(self, stdio: bool) -> None:
+        """Begin the session the way the spec's stdio compatibility rule says: server/discover first (unless the
+        vault remembers a handshake-era server); a DiscoverResult or a recognised modern error means 2026-07-28,
+        anything else -- another error, silence, junk -- means initialize.  A remote server speaks the handshake era
+        here.  Sets era, capabilities and server_info, or raises UpstreamFailure."""
+        if stdio and self.era != "handshake":
+            verdict = self._discover()
+            if verdict.era == "modern":
+                self._adopt_modern(verdict.result)
+                return
+            if self._closed_generation == self.generation:
+                self.era = "handshake"  # it died on server/discover: its next start goes straight to initialize
+                raise UpstreamFailure("exited when asked server/discover")
+        response = self.call_raw("initialize", {
+            "protocolVersion": self.protocol_version, "capabilities": self.client_capabilities,
+            "clientInfo": {"name": "coffer", "title": "Coffer MCP gateway", "version": __version__},
+        }, self.settings["init_timeout"])
+        error = response.get("error")
+        if error is not None:
+            data = error.get("data") if isinstance(error.get("data"), dict) else {}
+            if stdio and error["code"] == UNSUPPORTED_PROTOCOL_VERSION and any(
+                    v in MODERN_PROTOCOL_VERSIONS for v in (data.get("supported") or []) if isinstance(v, str)):
+                verdict = self._discover()  # a server that speaks only 2026-07-28 (or was locked so by our probe)
+                if verdict.era == "modern":
+                    self._adopt_modern(verdict.result)
+                    return
+            raise UpstreamFailure(f"initialize failed: {printable(error['message'])[:300]}")
+        result = response["result"]
+        self.era = "handshake"
+        self.notify("notifications/initialized")
+        self.capabilities = result.get("capabilities") if isinstance(result.get("capabilities"), dict) else {}
+        info = result.get("serverInfo")
+        self.server_info = _clean_strings(info) if isinstance(info, dict) else {}
+
+    def _discover(self) -> DiscoverVerdict:
+        """Ask server/discover (and once more if it names a version Coffer speaks in a -32022)."""
+        for _ in range(2):
+            try:
+                response = self.call_raw("server/discover", stamp_envelope({}, self.envelope),
+                                         float(self.settings["probe_timeout"]))
+            except UpstreamFailure as exc:
+                return DiscoverVerdict("handshake", False, None, str(exc))
+            verdict = classify_discover_reply(response)
+            if verdict.era == "incompatible":
+                raise UpstreamFailure(verdict.reason, permanent=True)
+            if not verdict.retry_discover:
+                return verdict
+        return DiscoverVerdict("handshake", False, None, "server/discover kept naming other versions")
+
+    def _adopt_modern(self, result: dict) -> None:
+        self.era = "modern"
+        self.capabilities = result["capabilities"]
+        meta = result.get("_meta") if isinstance(result.get("_meta"), dict) else {}
+        info = meta.get(META_SERVER_INFO)
+        self.server_info = _clean_strings(info) if isinstance(info, dict) else {}
+
+    def _listen(self) -> None:
+        """Open a subscriptions/listen stream for the lists a modern server announces changes of: its events
+        refresh them as list_changed did in the handshake era.  Reopened (with backoff) whenever it ends."""
+        wanted = {key: True for key, capability in (("toolsListChanged", "tools"), ("promptsListChanged", "prompts"),
+                                                     ("resourcesListChanged", "resources"))
+                  if isinstance(self.capabilities.get(capability), dict)
+                  and self.capabilities[capability].get("listChanged")}
+        if not wanted or self.state == "stopped":
+            return
+        generation = self.generation
+
+        def ended(response, failure, text):
+            with self.lock:
+                if self._listen_id == request_id:
+                    self._listen_id = None
+                alive = self.state == "ready" and self.generation == generation
+            if not alive:
+                return
+            delay, self._listen_backoff = self._listen_backoff, min(30.0, self._listen_backoff * 2)
+            log.debug("[%s] its subscriptions/listen stream ended (%s); reopening in %gs", self.name,
+                      text or "ended by the server", delay)
+
+            def reopen():
+                if self.state == "ready" and self.generation == generation:
+                    for kind in CAPABILITY_KINDS:  # nothing is replayed: what changed meanwhile is refetched
+                        self._refresh_soon(kind)
+                    self._listen()
+
+            timer = threading.Timer(delay, reopen)
+            timer.daemon = True
+            timer.start()
+
+        request_id = self._send_request("subscriptions/listen", {"notifications": wanted}, ended, 0)
+        with self.lock:
+            self._listen_id = request_id
 
     def _start_failed(self, transport: Transport | None, exc: Exception) -> None:
         if not isinstance(exc, (UpstreamFailure, OSError, ValueError)):
@@ -4004,7 +4580,7 @@ class Upstream:
 
     # -- requests ------------------------------------------------------------------------------------------
     def request(self, method: str, params, on_reply, timeout: float | None = None, ticket: Ticket | None = None,
-                deadline: float | None = None):
+                deadline: float | None = None, envelope: Envelope | None = None):
         """Send a request, or queue it while the server starts; ``on_reply(response, failure_status,
         failure_text)`` runs exactly once, unless the request is cancelled first.
 
@@ -4012,13 +4588,14 @@ class Upstream:
         """
         timeout = self.call_timeout if timeout is None else timeout
         ticket = ticket or Ticket()
-        deadline = deadline if deadline is not None else time.monotonic() + timeout
+        if deadline is None and timeout:
+            deadline = time.monotonic() + timeout
         with self.lock:
             if ticket.cancelled:
                 return None  # cancelled while it waited in the backlog: never sent, never answered
             state = self.state
             if state in ("starting", "backoff", "idle"):
-                self.backlog.append(QueuedRequest(method, params, on_reply, timeout, ticket, deadline))
+                self.backlog.append(QueuedRequest(method, params, on_reply, timeout, ticket, deadline, envelope))
                 if state == "idle":
                     self.start()
                 return ticket
@@ -4027,16 +4604,17 @@ class Upstream:
             detail = f": {self.last_error}" if self.last_error else ""
             on_reply(None, "error", f"upstream '{self.name}' is unavailable ({state}){detail}")
             return None
-        queued = QueuedRequest(method, params, on_reply, timeout, ticket, deadline)
-        ticket.request_id = self._send_request(method, params, on_reply, timeout, deadline, queued)
+        queued = QueuedRequest(method, params, on_reply, timeout, ticket, deadline, envelope)
+        ticket.request_id = self._send_request(method, params, on_reply, timeout, deadline, queued, envelope)
         return ticket if ticket.request_id is not None or queued in self.backlog else None
 
     def _run_backlog(self, backlog: list[QueuedRequest]) -> None:
         for queued in backlog:
             self.request(queued.method, queued.params, queued.on_reply, queued.timeout, queued.ticket,
-                         queued.deadline)
+                         queued.deadline, queued.envelope)
 
-    def _send_request(self, method, params, on_reply, timeout, deadline=None, requeue: QueuedRequest | None = None):
+    def _send_request(self, method, params, on_reply, timeout, deadline=None, requeue: QueuedRequest | None = None,
+                      envelope: Envelope | None = None):
         """Register and send one request; its id, or None when it failed (``on_reply`` has run) — or, with
         ``requeue``, when the connection had just died unnoticed and the request now waits for the restart."""
         with self.lock:
@@ -4055,6 +4633,7 @@ class Upstream:
                 self.by_token[token] = pending
             transport = self.transport
         message = {"jsonrpc": "2.0", "id": request_id, "method": method}
+        params = self.prepare(method, params, envelope)
         if params is not None:
             message["params"] = params
         try:
@@ -4075,8 +4654,9 @@ class Upstream:
                                 f"{(transport and transport.exit_detail()) or 'is not accepting input'}")
         return None
 
-    def call(self, method: str, params=None, timeout: float | None = None):
-        """Blocking request for Coffer's own use (initialize, discovery); returns the result or raises."""
+    def call_raw(self, method: str, params=None, timeout: float | None = None) -> dict:
+        """Blocking request for Coffer's own use (initialize, discovery): the normalized reply, result or error;
+        UpstreamFailure when none came (timeout, the connection ended)."""
         done = threading.Event()
         box = {}
 
@@ -4091,11 +4671,30 @@ class Upstream:
             raise UpstreamFailure(f"{method} timed out after {timeout:g}s")
         if box["response"] is None:
             raise UpstreamFailure(f"{method}: {box['text']}")
-        if "error" in box["response"]:
-            raise UpstreamFailure(f"{method} failed: {printable(box['response']['error']['message'])[:300]}")
-        return box["response"]["result"]
+        return box["response"]
+
+    def call(self, method: str, params=None, timeout: float | None = None):
+        """call_raw, for a result: an error reply raises UpstreamFailure."""
+        response = self.call_raw(method, params, timeout)
+        if "error" in response:
+            raise UpstreamFailure(f"{method} failed: {printable(response['error']['message'])[:300]}")
+        return response["result"]
+
+    def prepare(self, method: str, params, envelope: Envelope | None = None):
+        """Params as this server's era needs them: a modern server gets the client's envelope (``envelope``, else
+        the one the session started with); a handshake server gets none, and no multi-round-trip fields."""
+        if method in ("initialize", "server/discover"):
+            return params
+        if self.era == "modern":
+            return stamp_envelope(params, envelope or self.envelope)
+        if isinstance(params, dict) and ("requestState" in params or "inputResponses" in params or (
+                isinstance(params.get("_meta"), dict) and any(k in params["_meta"] for k in ENVELOPE_KEYS))):
+            return strip_envelope(params)
+        return params
 
     def notify(self, method: str, params=None) -> None:
+        if self.era == "modern" and method != "notifications/cancelled":
+            return  # the only client notification of 2026-07-28 (initialized, roots and progress are gone)
         message = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
@@ -4109,9 +4708,11 @@ class Upstream:
             except EncodeError as exc:
                 log.warning("[%s] could not relay a message: %s", self.name, exc)
 
-    def cancel(self, ticket: Ticket, reason: str = "cancelled by the client") -> bool:
+    def cancel(self, ticket: Ticket | None, reason: str = "cancelled by the client") -> bool:
         """Forget a request (a late reply is then dropped) and tell the upstream, with its own id; a request
-        still queued is simply never sent.  False if it was already answered or cancelled."""
+        still queued is simply never sent.  False if it was already answered or cancelled (or never sent)."""
+        if ticket is None:
+            return False
         with self.lock:
             if ticket.cancelled:
                 return False
@@ -4132,6 +4733,19 @@ class Upstream:
         if pending is not None:
             pending.on_reply(None, "error", text if f"'{self.name}'" in text else f"upstream '{self.name}': {text}")
 
+    def hold(self, ticket: Ticket | None) -> None:
+        """Pause a request's timeout while the client is asked something for it (a person may be answering)."""
+        with self.lock:
+            pending = self.pending.get(ticket.request_id) if ticket is not None else None
+            if pending is not None:
+                pending.deadline = None
+
+    def release(self, ticket: Ticket | None) -> None:
+        with self.lock:
+            pending = self.pending.get(ticket.request_id) if ticket is not None else None
+            if pending is not None and pending.timeout:
+                pending.deadline = time.monotonic() + pending.timeout
+
     def _finish(self, request_id):
         with self.lock:
             pending = self.pending.pop(request_id, None)
@@ -4145,9 +4759,9 @@ class Upstream:
             return
         with self.lock:
             expired = [rid for rid, p in self.pending.items() if p.deadline is not None and p.deadline <= now]
-            waited = [queued for queued in self.backlog if queued.deadline <= now]
+            waited = [queued for queued in self.backlog if queued.deadline is not None and queued.deadline <= now]
             if waited:
-                self.backlog = [queued for queued in self.backlog if queued.deadline > now]
+                self.backlog = [queued for queued in self.backlog if queued not in waited]
         for queued in waited:
             detail = f" (last error: {self.last_error})" if self.last_error else ""
             queued.on_reply(None, "timeout", f"upstream '{self.name}' was not ready within {queued.timeout:g}s"
@@ -4184,6 +4798,16 @@ class Upstream:
         if method in LIST_CHANGED:
             for kind in LIST_CHANGED[method]:
                 self._refresh_soon(kind)
+            return
+        if method == "notifications/subscriptions/acknowledged":
+            self._listen_backoff = 1.0
+            return
+        if method == "notifications/cancelled" and self.era == "modern":
+            params = message.get("params") if isinstance(message.get("params"), dict) else {}
+            if params.get("requestId") == self._listen_id and self._listen_id is not None:
+                pending = self._finish(self._listen_id)  # the server ended our listen stream
+                if pending is not None:
+                    pending.on_reply(None, "error", "the server ended the stream")
             return
         if method not in RELAYED_NOTIFICATIONS:
             log.debug("[%s] dropped a notification the protocol does not define: %.100s", self.name, method)
@@ -4408,6 +5032,20 @@ class Catalogue:
                 self.template_by_text[exposed] = Route(up, text)
                 self.template_by_text.setdefault(text, Route(up, text))
         self.template_routes.sort(key=lambda route: -route.literal)  # stable: ties keep registration order
+        # What a handshake-era (2025) client accepts: an outputSchema rooted at an object.  A 2026-07-28 upstream may
+        # declare any schema; such a tool is listed with its schema wrapped as {"result": ...}, and its results'
+        # structuredContent is wrapped the same way (wrapped_outputs).
+        self.wrapped_outputs: set[str] = set()
+        self.handshake_tools = self.tools
+        if any("outputSchema" in tool and not (isinstance(tool["outputSchema"], dict)
+                                               and tool["outputSchema"].get("type") == "object")
+               for tool in self.tools):
+            self.handshake_tools = []
+            for tool in self.tools:
+                shaped, wrapped = shape_handshake_tool(tool)
+                self.handshake_tools.append(shaped)
+                if wrapped:
+                    self.wrapped_outputs.add(tool["name"])
         self._index: SearchIndex | None = None
         self._index_lock = threading.Lock()
 
@@ -6585,12 +7223,6 @@ CLIENT_SIDE_CAPABILITIES = ("sampling", "elicitation", "roots")
 LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 
 
-class RpcError(Exception):
-    def __init__(self, code: int, message: str, data=None):
-        super().__init__(message)
-        self.code, self.message, self.data = code, message, data
-
-
 def _require_str(params: dict, key: str) -> str:
     value = params.get(key)
     if not isinstance(value, str) or not value:
@@ -6644,13 +7276,53 @@ def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dic
     return sorted(chosen, key=lambda tool: order[id(tool)])
 
 
-class InFlight(NamedTuple):
-    """A client request Coffer forwarded and has not answered yet (for cancellation and the log)."""
+@dataclass
+class Question:
+    """A request an upstream asked the client mid-call, parked for a 2026-07-28 client (which answers it by
+    retrying the call with inputResponses)."""
+    upstream_id: object
+    method: str
+    params: dict
+    asked: bool = False     # already sent to the client in an input_required result
+
+
+@dataclass
+class ForwardedCall:
+    """A client request Coffer sent to an upstream, until its answer reaches the client.
+
+    ``msg_id`` is the client request that will receive the answer: the original one or, after the upstream asked the
+    client something mid-call (a 2026-07-28 client answers by retrying), the retry; None while a question is out
+    with the client.  A reply that arrives then is ``held`` for the retry.  Guarded by Gateway.lock.
+    """
     upstream: Upstream
-    ticket: Ticket
+    method: str
     capability: str
     kind: str | None
     started: float
+    msg_id: object
+    client_params: dict                   # as the client sent them: what a sealed requestState is bound to
+    upstream_params: dict                 # as sent upstream (original name), for a multi-round-trip retry
+    ticket: Ticket | None = None
+    done: bool = False
+    held: tuple | None = None
+    exchange: str | None = None           # id in Gateway.exchanges while questions are parked
+    questions: dict = dataclasses.field(default_factory=dict)   # key -> Question
+    parked_until: float = 0.0
+    rounds: int = 0                       # input_required rounds driven for a handshake-era client
+    progress_token: object = None         # Coffer's own token upstream (2026-07-28 client), mapped to the current
+    sent: bool = False                    # request's token; False while questions precede the call itself
+
+    @property
+    def log_level(self) -> str | None:
+        meta = self.client_params.get("_meta")
+        level = meta.get(META_LOG_LEVEL) if isinstance(meta, dict) else None
+        return level if level in LOG_LEVELS else None
+
+    @property
+    def capabilities(self) -> dict:
+        meta = self.client_params.get("_meta")
+        caps = meta.get(META_CLIENT_CAPABILITIES) if isinstance(meta, dict) else None
+        return caps if isinstance(caps, dict) else {}
 
 
 class RelayedRequest(NamedTuple):
@@ -6665,6 +7337,7 @@ class Waiting(NamedTuple):
     msg_id: object
     work: Callable
     kind: str | None
+    method: str
 
 
 class Gateway:
@@ -6713,7 +7386,14 @@ class Gateway:
         self.log_level = None
         self.advertised: dict = {}
         self.subscriptions: dict[str, set[str]] = collections.defaultdict(set)  # server -> original URIs
-        self.inflight: dict[object, InFlight] = {}             # by the client's request id
+        self.inflight: dict[object, ForwardedCall] = {}        # by the client's request id
+        self.client_era: str | None = None    # "handshake" (initialize) or "modern" (2026-07-28), set by request 1
+        self.client_info: dict = {}
+        self.listen_streams: dict[object, ListenFilter] = {}   # a 2026-07-28 client's open subscriptions/listen
+        self.exchanges: dict[str, ForwardedCall] = {}          # calls whose upstream asked the client something
+        self.progress_calls: dict[str, ForwardedCall] = {}     # Coffer's progress token -> call (2026-07-28 client)
+        self.orphan_questions: dict[str, list[Question]] = collections.defaultdict(list)  # asked with no call
+        self.sealer = RequestStateSealer(ttl=float(self.settings["mrtr_ttl"]))
         self.client_requests: dict[str, RelayedRequest] = {}   # by the id Coffer gave the relayed request
         self._client_request_seq = 0
         self._waiting: list[Waiting] = []
@@ -6739,11 +7419,16 @@ class Gateway:
             "completion/complete": self._complete,
             "logging/setLevel": self._set_level,
         }
+        self.modern_handlers = {method: self.handlers[method] for method in MODERN_CLIENT_METHODS
+                                if method in self.handlers}
+        self.modern_handlers.update({"server/discover": self._discover, "subscriptions/listen": self._listen})
 
     # -- the client stream ---------------------------------------------------------------------------------
     def send(self, message: dict) -> None:
         """Queue one message for the client (written at the end of the current burst, or now).  Never raises: a
         reply that cannot be encoded is replaced by an error reply to the same id."""
+        if self.client_era == "modern" and "error" in message:
+            message = modern_error(message)
         try:
             data = encode_line(message)
         except EncodeError as exc:
@@ -6901,6 +7586,15 @@ class Gateway:
         if not has_id:
             self._client_notification(method, params)
             return
+        if self.client_era is None and (method == "server/discover" or is_enveloped(params)):
+            self.client_era = "modern"  # the spec's rule: the first request decides, once per connection
+        if self.client_era == "modern":
+            self._dispatch_modern(msg_id, method, params)
+            return
+        if is_enveloped(params):
+            self.send(rpc_error(msg_id, INVALID_REQUEST, "this connection serves the handshake protocol era; "
+                                "requests carrying the 2026-07-28 envelope are not accepted on it"))
+            return
         handler = self.handlers.get(method)
         if handler is None:
             self.send(rpc_error(msg_id, METHOD_NOT_FOUND, f"Method not found: {method[:200]}"))
@@ -6922,20 +7616,49 @@ class Gateway:
             self.send(rpc_error(msg_id, INTERNAL_ERROR, f"Internal error in {method}"))
             return
         if result is not None:
-            self.send(rpc_result(msg_id, result))
+            self._respond(msg_id, method, result)
+
+    def _respond(self, msg_id, method: str, result: dict, wrapped: bool = False) -> None:
+        """Send a result in the client's era: a 2026-07-28 client gets resultType, Coffer's serverInfo and cache
+        hints; a handshake-era client never sees 2026 fields, and gets non-object structuredContent wrapped (a
+        2025 client rejects anything else), as it got the tool's outputSchema wrapped (``wrapped``)."""
+        if self.client_era == "modern":
+            try:
+                result = shape_modern_result(method, result)
+            except RpcError as exc:
+                self.send(rpc_error(msg_id, exc.code, exc.message, exc.data))
+                return
+        elif wrapped or "resultType" in result or (method == "tools/call" and "structuredContent" in result and
+                                                   not isinstance(result["structuredContent"], dict)):
+            try:
+                result = shape_handshake_result(method, result, wrapped)
+            except ValueError as exc:
+                self.send(rpc_error(msg_id, INTERNAL_ERROR, f"the upstream's answer cannot be bridged: {exc}"))
+                return
+        self.send(rpc_result(msg_id, result))
 
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def _initialize(self, msg_id, params):
+        """The handshake era's session start (2025-11-25 and earlier)."""
         if self.initialized:
             raise RpcError(INVALID_REQUEST, "Invalid Request: already initialized")
         capabilities = params.get("capabilities")
         if capabilities is not None and not isinstance(capabilities, dict):
             raise RpcError(INVALID_PARAMS, "'capabilities' must be an object")
         self.protocol_version = negotiate_version(params.get("protocolVersion"))
-        self.client_capabilities = capabilities or {}
         info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else {}
-        self.client_name = str(info.get("name") or "unknown")[:64]
+        self.client_era = "handshake"
+        self._begin_session(capabilities or {}, info)
+        return {"protocolVersion": self.protocol_version, "capabilities": self.advertised,
+                "serverInfo": coffer_server_info(), "instructions": self.instructions()}
+
+    def _begin_session(self, capabilities: dict, client_info: dict) -> None:
+        """What the client's first request starts, in either era: its upstreams (they need the client's
+        capabilities and identity), the catalogue remembered from last time, the usage behind budgeted lists."""
+        self.client_capabilities = capabilities
+        self.client_info = client_info
+        self.client_name = str(client_info.get("name") or "unknown")[:64]
         try:
             with self.vault_lock:
                 self.usage = self.vault.tool_usage()
@@ -6947,6 +7670,10 @@ class Gateway:
         if any(up.remembered for up in list(self.upstreams.values())):
             self.rebuild()  # remembered tools are listable at once; before `initialized`, so no notification
         self.initialized = True
+        self.advertised = self._advertised_capabilities()
+
+    def instructions(self) -> str:
+        """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
         instructions = INSTRUCTIONS
         unlisted = len(self.catalogue.tools) + 1 + len(self.knowledge_tools) - len(self.listed_tools())
         if unlisted > 0:
@@ -6964,13 +7691,66 @@ class Gateway:
         failed = [name for name in failed if name not in login]
         if failed:
             instructions += " Failed at their last start: " + ", ".join(failed)[:200] + "."
-        self.advertised = self._advertised_capabilities()
-        return {
-            "protocolVersion": self.protocol_version,
-            "capabilities": self.advertised,
-            "serverInfo": {"name": "coffer", "title": "Coffer MCP gateway", "version": __version__},
-            "instructions": instructions[:800],
-        }
+        return instructions[:800]
+
+    # -- the 2026-07-28 era (stateless: every request carries its envelope) ----------------------------------
+    def _dispatch_modern(self, msg_id, method: str, params: dict) -> None:
+        """One request of a 2026-07-28 client: the envelope checked in the spec's order, the session started by
+        the first request, then the same handlers as the handshake era; results get their 2026 shape in send."""
+        if method == "initialize":
+            version = params.get("protocolVersion")
+            self.send(rpc_error(msg_id, UNSUPPORTED_PROTOCOL_VERSION, "this connection serves the 2026-07-28 protocol;"
+                                " the initialize handshake is not accepted", {
+                                    "supported": list(MODERN_PROTOCOL_VERSIONS),
+                                    "requested": version[:100] if isinstance(version, str) else ""}))
+            return
+        try:
+            envelope = parse_envelope(params)
+        except RpcError as exc:
+            self.send(rpc_error(msg_id, exc.code, exc.message, exc.data))
+            return
+        handler = self.modern_handlers.get(method)
+        if handler is None:
+            self.send(rpc_error(msg_id, METHOD_NOT_FOUND, f"Method not found: {method[:200]}"))
+            return
+        if not self.initialized:
+            self.protocol_version = MODERN_PROTOCOL_VERSIONS[-1]
+            self._begin_session(envelope.client_capabilities, envelope.client_info or {})
+        self._answer(msg_id, method, lambda: handler(msg_id, params))
+
+    def _discover(self, msg_id, params):
+        return {"supportedVersions": list(MODERN_PROTOCOL_VERSIONS), "capabilities": self.advertised,
+                "instructions": self.instructions()}
+
+    def _listen(self, msg_id, params):
+        """subscriptions/listen: acknowledge what Coffer will deliver, then keep the stream open (never answered)
+        until the client cancels it; list changes and resource updates go to every stream that asked."""
+        wanted = parse_listen_filter(params)
+        offered = {kind for kind in ("tools", "prompts", "resources") if kind in self.advertised}
+        resources = self.advertised.get("resources")
+        honoured = wanted.honoured(offered, bool(isinstance(resources, dict) and resources.get("subscribe")))
+        routes = [(uri, self.catalogue.route_resource(uri)) for uri in honoured.uris]
+        honoured = honoured._replace(uris=tuple(uri for uri, route in routes if route is not None))
+        with self.lock:
+            self.listen_streams[msg_id] = honoured
+        self.send(listen_frame("notifications/subscriptions/acknowledged", msg_id,
+                               {"notifications": honoured.wire()}))
+        for uri, route in routes:
+            if route is not None:
+                self._subscribe_upstream(route, True)
+        return None
+
+    def _subscribe_upstream(self, route: Route, on: bool) -> None:
+        """Have an upstream send resources/updated for a URI (handshake-era servers only: a 2026-07-28 server
+        would need a listen stream of its own for resources, which Coffer does not open yet)."""
+        upstream, original = route
+        with self.lock:
+            subscribed = self.subscriptions[upstream.name]
+            was = original in subscribed
+            subscribed.add(original) if on else subscribed.discard(original)
+        if was != on and upstream.era != "modern" and upstream.state == "ready":
+            upstream.request("resources/subscribe" if on else "resources/unsubscribe", {"uri": original},
+                             lambda *a: None)
 
     def _advertised_capabilities(self) -> dict:
         """The union of what the upstreams offered when they last started, every list with listChanged.
@@ -6999,7 +7779,8 @@ class Gateway:
         with self.lock:  # initialize (client thread) and a vault reload (ticker) may both get here
             if config["name"] in self.upstreams:
                 return
-            upstream = Upstream(config, self.settings, self, caps, self.protocol_version, self.vault.secrets)
+            upstream = Upstream(config, self.settings, self, caps, self.protocol_version, self.vault.secrets,
+                                self.client_info or None)
             upstream.remembered = self.remembered.pop(config["name"], {})  # only for the first start of a session
             self.upstreams[config["name"]] = upstream
         upstream.start()
@@ -7026,6 +7807,8 @@ class Gateway:
                     log.exception("[%s] error while expiring requests", upstream.name)
             try:
                 self._release_waiting()
+                if self.exchanges:
+                    self._expire_exchanges(now)
             except Exception:  # noqa: BLE001
                 log.exception("error while answering waiting requests")
             if now - last_reload >= 1.0:
@@ -7094,6 +7877,13 @@ class Gateway:
 
     def on_ready(self, upstream: Upstream) -> None:
         self._remember_transport(upstream)
+        if upstream.era != upstream.config.get("era"):
+            try:
+                with self.vault_lock:
+                    self.vault.record_era(upstream.name, upstream.era)
+                upstream.config["era"] = upstream.era
+            except (sqlite3.Error, CofferError) as exc:
+                log.debug("[%s] could not remember its protocol era: %s", upstream.name, exc)
         counts = {kind: len(items) for kind, items in upstream.lists.items() if items}
         info = upstream.server_info
         who = f"{info.get('name', '?')} {info.get('version', '')}".strip() + ": " if info else ""
@@ -7101,12 +7891,12 @@ class Gateway:
                             who + (", ".join(f"{n} {k}s" for k, n in counts.items()) or "no capabilities"),
                             upstream.capabilities)
         if self.log_level and "logging" in upstream.capabilities:
-            upstream.request("logging/setLevel", {"level": self.log_level}, lambda *a: None)
+            self._level_for(upstream, self.log_level)
         restarted = upstream.spawns > 1
         if restarted:
             with self.lock:
                 uris = sorted(self.subscriptions.get(upstream.name, ()))
-            for uri in uris:
+            for uri in uris if upstream.era != "modern" else ():
                 upstream.request("resources/subscribe", {"uri": uri}, lambda *a: None)
         self.rebuild(force=restarted)
         self._release_waiting()
@@ -7155,10 +7945,26 @@ class Gateway:
             return
         method = message["method"]
         params = message.get("params") if isinstance(message.get("params"), dict) else {}
+        if method == "notifications/progress" and self.progress_calls:
+            token = params.get("progressToken")
+            with self.lock:
+                call = self.progress_calls.get(token) if isinstance(token, str) else None
+                meta = call.client_params.get("_meta") if call is not None and call.msg_id is not None else None
+            if call is not None:
+                if not isinstance(meta, dict) or not valid_request_id(meta.get("progressToken")):
+                    return  # detached while a question is out, or the current request asked for no progress
+                params = {**params, "progressToken": meta["progressToken"]}
         if method == "notifications/message":
             level = params.get("level")
-            if level not in LOG_LEVELS or (self.log_level and
-                                           LOG_LEVELS.index(level) < LOG_LEVELS.index(self.log_level)):
+            floor = self.log_level
+            if self.client_era == "modern":  # only requests that asked for logs (logLevel) may get them
+                with self.lock:
+                    asked = [call.log_level for call in self.inflight.values()
+                             if call.upstream is upstream and call.log_level]
+                floor = min(asked, key=LOG_LEVELS.index) if asked else None
+                if floor is None:
+                    return
+            if level not in LOG_LEVELS or (floor and LOG_LEVELS.index(level) < LOG_LEVELS.index(floor)):
                 return
             logger = params.get("logger")
             params = {**params, "logger": f"{upstream.name}/{logger}"[:200] if isinstance(logger, str) and logger
@@ -7169,7 +7975,9 @@ class Gateway:
                 subscribed = isinstance(uri, str) and uri in self.subscriptions.get(upstream.name, ())
             if not subscribed:
                 return
-            params = {**params, "uri": self.catalogue.exposed_uri(upstream.name, uri)}
+            exposed = self.catalogue.exposed_uri(upstream.name, uri)
+            self.announce(method, "resources", {**params, "uri": exposed}, uri=exposed)
+            return
         elif method == "notifications/cancelled":
             with self.lock:
                 ours = next((cid for cid, relayed in self.client_requests.items()
@@ -7179,12 +7987,17 @@ class Gateway:
                     return
                 del self.client_requests[ours]
             params = {**params, "requestId": ours}
-        elif method == "notifications/elicitation/complete" and "elicitation" not in self.client_capabilities:
+        elif method == "notifications/elicitation/complete" and ("elicitation" not in self.client_capabilities
+                                                                 or self.client_era == "modern"):
             return
         self.send({"jsonrpc": "2.0", "method": method, "params": params})
 
     def on_request(self, upstream: Upstream, message: dict) -> None:
-        """A server->client request (sampling, elicitation, roots): relay it under an id of Coffer's own."""
+        """A server->client request (sampling, elicitation, roots): relay it under an id of Coffer's own to a
+        handshake-era client; park it as an input_required round for a 2026-07-28 client."""
+        if self.client_era == "modern":
+            self._park(upstream, message)
+            return
         needed = SERVER_REQUEST_NEEDS[message["method"]]
         if needed not in self.client_capabilities:
             upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND,
@@ -7207,6 +8020,8 @@ class Gateway:
         if own is not None:
             own["reply"] = normalized_reply(message)
             own["done"].set()
+            if own.get("callback") is not None:
+                own["callback"](own["reply"])
             return
         if relayed is not None and relayed.upstream.generation == relayed.generation:
             # (a restarted server never asked this; its answer is dropped)
@@ -7219,6 +8034,18 @@ class Gateway:
             request_id = params.get("requestId")
             with self.lock:
                 entry = self.inflight.pop(request_id, None) if valid_request_id(request_id) else None
+                stream = self.listen_streams.pop(request_id, None) if valid_request_id(request_id) else None
+                if entry is not None:
+                    entry.done = True
+                    self.progress_calls.pop(entry.progress_token, None)
+                    if entry.exchange is not None:
+                        self.exchanges.pop(entry.exchange, None)
+            if stream is not None:
+                still = {uri for other in list(self.listen_streams.values()) for uri in other.uris}
+                for uri in set(stream.uris) - still:
+                    route = self.catalogue.route_resource(uri)
+                    if route is not None:
+                        self._subscribe_upstream(route, False)
             if entry is not None:
                 reason = params.get("reason")
                 if entry.upstream.cancel(entry.ticket, reason[:200] if isinstance(reason, str) and reason
@@ -7257,7 +8084,19 @@ class Gateway:
                 return
             for key in ("tools", "prompts", "resources"):
                 if key in self.advertised and (old[key] != new[key] or (force and key == "tools")):
-                    self.send({"jsonrpc": "2.0", "method": f"notifications/{key}/list_changed"})
+                    self.announce(f"notifications/{key}/list_changed", key)
+
+    def announce(self, method: str, key: str, params: dict | None = None, uri: str | None = None) -> None:
+        """A change notification in the client's era: bare for a handshake-era client; for a 2026-07-28 client one
+        frame per listen stream that asked for it, tagged with that stream (never a bare one)."""
+        if self.client_era != "modern":
+            self.send({"jsonrpc": "2.0", "method": method, **({"params": params} if params else {})})
+            return
+        with self.lock:
+            streams = [sid for sid, wanted in self.listen_streams.items()
+                       if (uri in wanted.uris if uri is not None else wanted.wants(key))]
+        for sid in streams:
+            self.send(listen_frame(method, sid, params))
 
     def _discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind``, only those with no remembered list of that kind."""
@@ -7265,7 +8104,8 @@ class Gateway:
                 if up.state not in ("failed", "stopped") and not up.ready_at
                 and not (kind and kind in up.remembered)]
 
-    def _after_discovery(self, msg_id, work, background: bool = False, kind: str | None = None) -> None:
+    def _after_discovery(self, msg_id, work, background: bool = False, kind: str | None = None,
+                         method: str = "tools/call") -> None:
         """Run ``work`` once every upstream has been discovered (or, for ``kind``, is remembered from its last
         start) or the discovery budget is spent.
 
@@ -7277,10 +8117,10 @@ class Gateway:
         if not self._discovering(kind) or time.monotonic() >= self.discovery_deadline:
             if not background:
                 return work()
-            self.workers.submit(self._answer, msg_id, "a deferred request", work)
+            self.workers.submit(self._answer, msg_id, method, work)
             return None
         with self.lock:
-            self._waiting.append(Waiting(msg_id, work, kind))
+            self._waiting.append(Waiting(msg_id, work, kind, method))
         return None
 
     def _release_waiting(self) -> None:
@@ -7301,11 +8141,11 @@ class Gateway:
             log.warning("still starting after %gs: %s; their tools will be announced to the client when they are "
                         "up", self.settings["discovery_timeout"], ", ".join(missing))
         for waiting in done:
-            self.workers.submit(self._answer, waiting.msg_id, "a deferred request", waiting.work)
+            self.workers.submit(self._answer, waiting.msg_id, waiting.method, waiting.work)
 
     def listed_tools(self) -> list[dict]:
         """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
-        tools = self.catalogue.tools
+        tools = self.catalogue.tools if self.client_era == "modern" else self.catalogue.handshake_tools
         builtins = [SEARCH_TOOL_DEFINITION] + self.knowledge_tools
         mode = expose_mode(self.settings, client_family(self.client_name))
         if mode == "search":
@@ -7315,61 +8155,312 @@ class Gateway:
         return builtins + tools
 
     def _tools_list(self, msg_id, params):
-        return self._after_discovery(msg_id, lambda: {"tools": self.listed_tools()}, kind="tool")
+        return self._after_discovery(msg_id, lambda: {"tools": self.listed_tools()}, kind="tool", method="tools/list")
 
     def _prompts_list(self, msg_id, params):
-        return self._after_discovery(msg_id, lambda: {"prompts": self.catalogue.prompts}, kind="prompt")
+        return self._after_discovery(msg_id, lambda: {"prompts": self.catalogue.prompts}, kind="prompt",
+                                     method="prompts/list")
 
     def _resources_list(self, msg_id, params):
-        return self._after_discovery(msg_id, lambda: {"resources": self.catalogue.resources})
+        return self._after_discovery(msg_id, lambda: {"resources": self.catalogue.resources},
+                                     method="resources/list")
 
     def _templates_list(self, msg_id, params):
-        return self._after_discovery(msg_id, lambda: {"resourceTemplates": self.catalogue.templates})
+        return self._after_discovery(msg_id, lambda: {"resourceTemplates": self.catalogue.templates},
+                                     method="resources/templates/list")
 
     # -- routed requests -----------------------------------------------------------------------------------
     def _forward(self, msg_id, upstream: Upstream, method: str, params: dict, capability: str, kind: str | None,
-                 started: float) -> None:
-        """Send a client request upstream under the upstream's own id; its reply goes straight to the client."""
-        state = {"done": False}
-        client = self.client_name
+                 started: float, client_params: dict | None = None) -> None:
+        """Send a client request upstream under the upstream's own id; its reply goes straight to the client
+        (``_deliver``).  ``params`` are the upstream's (its own names); ``client_params`` what the client sent."""
+        call = ForwardedCall(upstream, method, capability, kind, started, msg_id,
+                             client_params if client_params is not None else params, params)
+        if self.client_era == "modern" and method in INPUT_REQUIRED_METHODS:
+            # A retry is a new request with a new progress token: upstream the call keeps one token of Coffer's,
+            # and its progress goes to whichever client request currently stands for the call.
+            meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+            if valid_request_id(meta.get("progressToken")):
+                with self.lock:
+                    self._client_request_seq += 1
+                    call.progress_token = f"coffer-progress-{self._client_request_seq}"
+                    self.progress_calls[call.progress_token] = call
+                call.upstream_params = {**params, "_meta": {**meta, "progressToken": call.progress_token}}
+            with self.lock:
+                orphans = self.orphan_questions.pop(upstream.name, [])
+            if orphans:  # the upstream asked before any call could carry the question: this one carries it first
+                with self.lock:
+                    for question in orphans:
+                        self._client_request_seq += 1
+                        call.questions[f"coffer-{self._client_request_seq}"] = question
+                    self.inflight[msg_id] = call
+                self._ask_parked(call)
+                return
+        self._send_call(call)
+
+    def _send_call(self, call: ForwardedCall) -> None:
+        call.sent = True
 
         def on_reply(response, failure, text):
             with self.lock:
-                state["done"] = True
-                entry = self.inflight.get(msg_id)
-                if entry is not None and entry.upstream is upstream and entry.ticket is state.get("ticket"):
+                if call.msg_id is None:   # a question is out with the client: the retry will take this reply
+                    call.held = (response, failure, text)
+                    return
+                msg_id, call.done = call.msg_id, True
+                if self.inflight.get(msg_id) is call:
                     del self.inflight[msg_id]
-            # The row is queued before the client sees the reply, so the log's order is the order of causes.
-            if response is None:
-                if kind:
-                    self.log.record(client, upstream.name, capability, kind, started, failure, text[:200])
-                if method == "tools/call":
-                    self.send(rpc_result(msg_id, tool_error_result(f"coffer: {text}")))
-                else:
-                    code = REQUEST_TIMEOUT if failure == "timeout" else UPSTREAM_ERROR
-                    self.send(rpc_error(msg_id, code, text))
-                return
-            result = response.get("result")
-            if method == "tools/call" and result is not None and not isinstance(result.get("content"), list):
-                result["content"] = []  # required by every client's schema; a bad one would fail the whole reply
-            if kind:
-                if "error" in response:
-                    self.log.record(client, upstream.name, capability, kind, started, "error",
-                                    f"upstream returned JSON-RPC error {response['error']['code']}")
-                elif method == "tools/call" and result.get("isError") is True:
-                    self.log.record(client, upstream.name, capability, kind, started, "error",
-                                    "tool reported isError")
-                else:
-                    self.log.record(client, upstream.name, capability, kind, started, "ok")
-            response["id"] = msg_id  # a fresh, normalized reply (see normalized_reply): Coffer's to change
-            self.send(response)
+                if call.progress_token is not None and not call.exchange:
+                    self.progress_calls.pop(call.progress_token, None)
+            self._deliver(call, msg_id, response, failure, text)
 
-        ticket = upstream.request(method, params, on_reply)
+        ticket = call.upstream.request(call.method, call.upstream_params, on_reply)
         if ticket is not None:
             with self.lock:
-                if not state["done"]:
-                    state["ticket"] = ticket
-                    self.inflight[msg_id] = InFlight(upstream, ticket, capability, kind, started)
+                call.ticket = ticket
+                if not call.done and call.msg_id is not None:
+                    self.inflight[call.msg_id] = call
+
+    def _deliver(self, call: ForwardedCall, msg_id, response, failure, text) -> None:
+        """An upstream's answer to ``call``, to the client request ``msg_id``: logged (who/when/how long/outcome,
+        queued before the client sees it, so the log's order is the order of causes), shaped for the client's era;
+        an input_required answer from a 2026-07-28 upstream is bridged instead."""
+        client, upstream, method = self.client_name, call.upstream, call.method
+        if response is None:
+            if call.kind:
+                self.log.record(client, upstream.name, call.capability, call.kind, call.started, failure, text[:200])
+            if method == "tools/call":
+                self._respond(msg_id, method, tool_error_result(f"coffer: {text}"))
+            else:
+                self.send(rpc_error(msg_id, REQUEST_TIMEOUT if failure == "timeout" else UPSTREAM_ERROR, text))
+            return
+        result = response.get("result")
+        if result is not None and result.get("resultType") == "input_required" and method in INPUT_REQUIRED_METHODS:
+            self._input_required(call, msg_id, result)
+            return
+        if method == "tools/call" and result is not None and not isinstance(result.get("content"), list):
+            result["content"] = []  # required by every client's schema; a bad one would fail the whole reply
+        if call.kind:
+            if "error" in response:
+                self.log.record(client, upstream.name, call.capability, call.kind, call.started, "error",
+                                f"upstream returned JSON-RPC error {response['error']['code']}")
+            elif method == "tools/call" and result.get("isError") is True:
+                self.log.record(client, upstream.name, call.capability, call.kind, call.started, "error",
+                                "tool reported isError")
+            else:
+                self.log.record(client, upstream.name, call.capability, call.kind, call.started, "ok")
+        if result is None:
+            response["id"] = msg_id  # a fresh, normalized reply (see normalized_reply): Coffer's to change
+            self.send(response)
+        else:
+            self._respond(msg_id, method, result, call.capability in self.catalogue.wrapped_outputs)
+
+    # -- multi-round-trip requests: an upstream that needs the client mid-call ------------------------------
+    def _input_required(self, call: ForwardedCall, msg_id, result: dict) -> None:
+        """A 2026-07-28 upstream answered input_required.  A modern client gets it with the upstream's
+        requestState sealed inside Coffer's own (so the retry reaches the same upstream, byte for byte); a
+        handshake-era client has the questions asked as real requests, and Coffer retries for it."""
+        try:
+            round_ = parse_input_required(result)
+        except ValueError as exc:
+            self._fail_call(call, msg_id, f"the upstream asked for input in a way Coffer cannot relay: {exc}")
+            return
+        if self.client_era == "modern":
+            sealed = self.sealer.seal(call.method, call.client_params,
+                                      {"s": call.upstream.name, "u": round_.request_state})
+            self._respond(msg_id, call.method, {**result, "requestState": sealed})
+            return
+        call.rounds += 1
+        if call.rounds > 10:
+            self._fail_call(call, msg_id, "the upstream kept asking for input (more than 10 rounds)")
+            return
+        answers: dict = {}
+        outstanding = set(round_.requests)
+
+        def retry():
+            params = {**call.upstream_params, "inputResponses": answers}
+            if round_.request_state is not None:
+                params["requestState"] = round_.request_state
+            else:
+                params.pop("requestState", None)
+            with self.lock:
+                call.upstream_params, call.msg_id, call.done = params, msg_id, False
+            self._send_call(call)
+
+        if not outstanding:  # only a requestState: the server asks to be retried (load shedding)
+            threading.Timer(min(0.25, 0.05 * 2 ** call.rounds), retry).start()
+            return
+        for key, request in round_.requests.items():
+            need = SERVER_REQUEST_NEEDS[request["method"]]
+            if need not in self.client_capabilities:
+                self._fail_call(call, msg_id, f"the upstream needs {need}, which this client did not declare")
+                return
+
+            def answered(reply, key=key):
+                if "error" in reply or not isinstance(reply.get("result"), dict):
+                    error = reply.get("error") or {}
+                    self._fail_call(call, msg_id, f"the client refused the upstream's question: "
+                                                  f"{printable(str(error.get('message', 'no answer')))[:200]}")
+                    return
+                with self.lock:
+                    answers[key] = reply["result"]
+                    outstanding.discard(key)
+                    complete = not outstanding
+                if complete:
+                    retry()
+
+            self.request_client_async(request["method"], request["params"], answered)
+
+    def _fail_call(self, call: ForwardedCall, msg_id, text: str) -> None:
+        if call.kind:
+            self.log.record(self.client_name, call.upstream.name, call.capability, call.kind, call.started, "error",
+                            text[:200])
+        if call.method == "tools/call":
+            self._respond(msg_id, call.method, tool_error_result(f"coffer: {text}"))
+        else:
+            self.send(rpc_error(msg_id, INTERNAL_ERROR, text))
+
+    def _park(self, upstream: Upstream, message: dict) -> None:
+        """A handshake-era upstream asks a 2026-07-28 client something (sampling, elicitation, roots) mid-call:
+        the client can be asked only as the answer to one of its calls, so the oldest call in flight to that
+        upstream answers input_required with the question and a sealed requestState; the upstream's request waits
+        (its call's timeout paused) until the client retries with the answer, or mrtr_ttl passes."""
+        method, params = message["method"], message.get("params") if isinstance(message.get("params"), dict) else {}
+        with self.lock:
+            carriers = [c for c in self.inflight.values() if c.upstream is upstream and c.msg_id is not None
+                        and c.method in INPUT_REQUIRED_METHODS]
+            detached = [c for c in self.exchanges.values() if c.upstream is upstream]
+            carrier = min(carriers, key=lambda c: c.started) if carriers else (detached[0] if detached else None)
+        if carrier is None:  # no call to carry it yet: the next call to this upstream will ask it first
+            with self.lock:
+                orphans = self.orphan_questions[upstream.name]
+                if len(orphans) < 8:
+                    orphans.append(Question(message["id"], method, params))
+                    return
+            upstream.respond(rpc_error(message["id"], INTERNAL_ERROR, "Coffer: too many questions are waiting for "
+                                       "this 2026-07-28 client"))
+            return
+        need = missing_capability(method, params, carrier.capabilities)
+        if need is not None:
+            upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "the client does not support this request"))
+            with self.lock:
+                msg_id = carrier.msg_id
+                if msg_id is None or self.inflight.get(msg_id) is not carrier:
+                    return
+                del self.inflight[msg_id]
+                carrier.done = True
+            upstream.cancel(carrier.ticket, "the client cannot answer what the tool asked")
+            if carrier.kind:
+                self.log.record(self.client_name, upstream.name, carrier.capability, carrier.kind, carrier.started,
+                                "error", f"needs the client's {', '.join(need)}")
+            self.send(rpc_error(msg_id, MISSING_REQUIRED_CLIENT_CAPABILITY, "the tool needs a client capability "
+                                "this request did not declare", {"requiredCapabilities": need}))
+            return
+        with self.lock:
+            self._client_request_seq += 1
+            carrier.questions[f"coffer-{self._client_request_seq}"] = Question(message["id"], method, params)
+        self._ask_parked(carrier)
+
+    def _ask_parked(self, call: ForwardedCall) -> None:
+        """Answer the call's current client request with the questions not yet asked (if it has one waiting)."""
+        with self.lock:
+            msg_id = call.msg_id
+            fresh = {key: q for key, q in call.questions.items() if not q.asked}
+            if msg_id is None or not fresh:
+                return
+            for question in fresh.values():
+                question.asked = True
+            if self.inflight.get(msg_id) is call:
+                del self.inflight[msg_id]
+            call.msg_id = None
+            if call.exchange is None:
+                self._client_request_seq += 1
+                call.exchange = f"x{self._client_request_seq}"
+            self.exchanges[call.exchange] = call
+            call.parked_until = time.monotonic() + float(self.settings["mrtr_ttl"])
+        if call.sent:
+            call.upstream.hold(call.ticket)
+        state = self.sealer.seal(call.method, call.client_params, {"x": call.exchange})
+        self._respond(msg_id, call.method, {
+            "resultType": "input_required", "requestState": state,
+            "inputRequests": {key: {"method": q.method, **({"params": q.params} if q.params or q.method != "roots/list"
+                                                            else {})} for key, q in fresh.items()}})
+
+    def _resume(self, msg_id, method: str, params: dict, started: float):
+        """A 2026-07-28 client's retry carrying a requestState Coffer sealed: answers for a parked exchange, or
+        an upstream's own state to hand back to it, byte for byte."""
+        claims = self.sealer.unseal(params.get("requestState"), method, params)
+        responses = params.get("inputResponses")
+        if responses is not None and not isinstance(responses, dict):
+            raise RpcError(INVALID_PARAMS, "'inputResponses' must be an object")
+        responses = responses or {}
+        if "ask" in claims and self.knowledge is not None:  # coffer__ask's own rounds with the client's model
+            arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
+            self.workers.submit(self._answer, msg_id, method, lambda: self._ask(
+                arguments, started, params, {"claims": claims, "responses": responses}))
+            return None
+        if "s" in claims:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says now
+            upstream = self.upstreams.get(claims["s"])
+            route = (self.catalogue.tool_routes if method == "tools/call" else self.catalogue.prompt_routes).get(
+                params.get("name")) if method != "resources/read" else self.catalogue.route_resource(params["uri"])
+            if upstream is None or route is None or route.upstream is not upstream:
+                raise RpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+            key = "uri" if method == "resources/read" else "name"
+            upstream_params = {k: v for k, v in params.items() if k != "requestState"}
+            upstream_params[key] = route.name
+            if claims.get("u") is not None:
+                upstream_params["requestState"] = claims["u"]
+            self._forward(msg_id, upstream, method, upstream_params, params.get(key), "tool" if method == "tools/call"
+                          else "prompt" if method == "prompts/get" else "resource", started, params)
+            return None
+        with self.lock:
+            call = self.exchanges.get(claims.get("x"))
+            if call is None or call.msg_id is not None:
+                call = None
+            else:
+                answered = {key: q for key, q in call.questions.items() if q.asked and isinstance(
+                    responses.get(key), dict)}
+                for key in answered:
+                    del call.questions[key]
+                call.msg_id, call.client_params = msg_id, {**call.client_params, **{
+                    k: v for k, v in params.items() if k == "_meta"}}
+                if not call.questions:
+                    del self.exchanges[call.exchange]
+                    call.exchange = None
+                held, call.held = call.held, None
+                if held is None:
+                    self.inflight[msg_id] = call
+                else:
+                    call.done = True
+        if call is None:
+            raise RpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
+        for key, question in answered.items():
+            call.upstream.respond({"jsonrpc": "2.0", "id": question.upstream_id, "result": responses[key]})
+        if not call.sent and not call.questions:
+            self._send_call(call)  # the questions that came first are answered: now the call itself
+            return None
+        call.upstream.release(call.ticket)
+        if held is not None:
+            self._deliver(call, msg_id, *held)
+            return None
+        for question in call.questions.values():
+            question.asked = False  # not answered in this retry: ask again
+        self._ask_parked(call)
+        return None
+
+    def _expire_exchanges(self, now: float) -> None:
+        """A question nobody answered within mrtr_ttl: the upstream's call is cancelled and forgotten."""
+        with self.lock:
+            stale = [call for call in self.exchanges.values() if call.parked_until <= now]
+            for call in stale:
+                del self.exchanges[call.exchange]
+        for call in stale:
+            self.progress_calls.pop(call.progress_token, None)
+            for question in call.questions.values():
+                call.upstream.respond(rpc_error(question.upstream_id, INTERNAL_ERROR, "the client never answered"))
+            call.upstream.cancel(call.ticket, "the client never answered what the tool asked")
+            if call.kind:
+                self.log.record(self.client_name, call.upstream.name, call.capability, call.kind, call.started,
+                                "cancelled", "the client never answered what the tool asked")
 
     def _deny(self, capability: str, kind: str, started: float):
         """A disabled or quarantined capability: logged as denied, and an error that says what the user can do."""
@@ -7388,7 +8479,7 @@ class Gateway:
         """An unknown name: wait out discovery if its server is still starting, else a readable error."""
         server = name.partition(SEPARATOR)[0]
         if retry is not None and server in self._discovering() and time.monotonic() < self.discovery_deadline:
-            return self._after_discovery(msg_id, retry)
+            return self._after_discovery(msg_id, retry, method="tools/call" if kind == "tool" else "prompts/get")
         if server in self.disabled_servers:
             self.log.record(self.client_name, server, name, kind, started, "denied", "server is disabled")
             raise RpcError(INVALID_PARAMS, f"{kind} {name!r} belongs to server {server!r}, which is disabled in Coffer "
@@ -7408,14 +8499,20 @@ class Gateway:
             # With an embedder a query may wait up to embedder_timeout: answer it off the client's reader thread.
             return self._after_discovery(msg_id, lambda: self._search_tools(arguments or {}, started),
                                          background=self.semantic is not None, kind="tool")
+        if self.client_era == "modern" and "requestState" in params:
+            return self._resume(msg_id, "tools/call", params, started)
         if name in (ASK_TOOL, REMEMBER_TOOL) and any(t["name"] == name for t in self.knowledge_tools):
-            work = self._ask if name == ASK_TOOL else self._remember
-            self.workers.submit(self._answer, msg_id, name, lambda: work(arguments or {}, started))
+            work = (lambda: self._ask(arguments or {}, started, params)) if name == ASK_TOOL else (
+                lambda: self._remember(arguments or {}, started))
+            self.workers.submit(self._answer, msg_id, "tools/call", work)
             return None
         return self._route_named(msg_id, params, name, "tool", "tools/call", started)
 
     def _prompts_get(self, msg_id, params):
         started = time.monotonic()
+        if self.client_era == "modern" and "requestState" in params:
+            _require_str(params, "name")
+            return self._resume(msg_id, "prompts/get", params, started)
         return self._route_named(msg_id, params, _require_str(params, "name"), "prompt", "prompts/get", started)
 
     def _route_named(self, msg_id, params, name: str, kind: str, method: str, started: float,
@@ -7430,7 +8527,7 @@ class Gateway:
                 lambda: self._route_named(msg_id, params, name, kind, method, started, True))
             return self._unknown(msg_id, name, kind, started, retry)
         upstream, original = route
-        self._forward(msg_id, upstream, method, {**params, "name": original}, name, kind, started)
+        self._forward(msg_id, upstream, method, {**params, "name": original}, name, kind, started, params)
         return None
 
     def _resource_route(self, uri: str, started: float, log_kind):
@@ -7447,6 +8544,8 @@ class Gateway:
     def _resources_read(self, msg_id, params):
         started = time.monotonic()
         uri = _require_str(params, "uri")
+        if self.client_era == "modern" and "requestState" in params:
+            return self._resume(msg_id, "resources/read", params, started)
 
         def work():
             route = self._resource_route(uri, started, "resource")
@@ -7454,9 +8553,9 @@ class Gateway:
             # A templated URI carries the caller's values; the log keeps only what identifies the capability.
             capability = uri if uri in self.catalogue.resource_routes else self.catalogue.template_of(route)
             self._forward(msg_id, upstream, "resources/read", {**params, "uri": original}, capability,
-                          "resource", started)
+                          "resource", started, params)
 
-        return self._after_discovery(msg_id, work)
+        return self._after_discovery(msg_id, work, method="resources/read")
 
     def _subscription(self, method: str):
         def handler(msg_id, params):
@@ -7465,6 +8564,8 @@ class Gateway:
             with self.lock:  # remembered so a restarted upstream is subscribed again
                 subscribed = self.subscriptions[upstream.name]
                 subscribed.add(original) if method == "resources/subscribe" else subscribed.discard(original)
+            if upstream.era == "modern":
+                return {}  # a 2026-07-28 server has no resources/subscribe (updates need a listen stream of its own)
             self._forward(msg_id, upstream, method, {**params, "uri": original}, uri, None, time.monotonic())
         return handler
 
@@ -7499,8 +8600,17 @@ class Gateway:
         self.log_level = level
         for upstream in list(self.upstreams.values()):
             if upstream.state == "ready" and "logging" in upstream.capabilities:
-                upstream.request("logging/setLevel", {"level": level}, lambda *a: None)
+                self._level_for(upstream, level)
         return {}
+
+    @staticmethod
+    def _level_for(upstream: Upstream, level: str) -> None:
+        """A handshake-era client's logging level: logging/setLevel to a handshake server, the envelope's logLevel
+        on every request to a 2026-07-28 one (which has no setLevel)."""
+        if upstream.era == "modern":
+            upstream.envelope = upstream.envelope._replace(log_level=level)
+        else:
+            upstream.request("logging/setLevel", {"level": level}, lambda *a: None)
 
     # -- built-in tools ------------------------------------------------------------------------------------
     def _search_tools(self, arguments: dict, started: float) -> dict:
@@ -7530,14 +8640,22 @@ class Gateway:
         self.log.record(self.client_name, RESERVED_SERVER, SEARCH_TOOL, "tool", started, "ok", note)
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
-    def request_client(self, method: str, params: dict, timeout: float):
-        """Coffer's own request to the client (sampling for coffer__ask), waited for on the calling worker
-        thread; the result object, or None on an error, a refusal or ``timeout``."""
+    def request_client_async(self, method: str, params: dict, callback=None) -> tuple[str, dict]:
+        """Coffer's own request to the client; ``callback(reply)`` runs on the client reader thread when the
+        normalized reply arrives.  Returns (the id used, the box the reply lands in)."""
         with self.lock:
             self._client_request_seq += 1
             ours = f"coffer-own-{self._client_request_seq}"
-            box = self.own_requests[ours] = {"done": threading.Event(), "reply": None}
+            box = self.own_requests[ours] = {"done": threading.Event(), "reply": None, "callback": callback}
         self.send({"jsonrpc": "2.0", "id": ours, "method": method, "params": params})
+        return ours, box
+
+    def request_client(self, method: str, params: dict, timeout: float):
+        """Coffer's own request to the client (sampling for coffer__ask), waited for on the calling worker
+        thread; the result object, or None on an error, a refusal or ``timeout``."""
+        if self.client_era == "modern":
+            return None  # a 2026-07-28 client takes no requests: coffer__ask answers with passages only
+        ours, box = self.request_client_async(method, params)
         if not box["done"].wait(timeout):
             with self.lock:
                 self.own_requests.pop(ours, None)
@@ -7546,26 +8664,52 @@ class Gateway:
             return None
         return box["reply"].get("result")
 
-    def _sample_text(self, prompt: str, max_tokens: int, deadline: float) -> str | None:
-        """One sampling/createMessage round trip to the client's own model: its text, or None."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 1.0:
-            return None
-        result = self.request_client("sampling/createMessage", {
-            "messages": [{"role": "user", "content": {"type": "text", "text": prompt}}],
-            "maxTokens": max_tokens, "includeContext": "none",
-            "systemPrompt": "You help a retrieval tool. Follow the instructions exactly and be brief."}, remaining)
+    @staticmethod
+    def _sampling_params(prompt: str, max_tokens: int) -> dict:
+        return {"messages": [{"role": "user", "content": {"type": "text", "text": prompt}}], "maxTokens": max_tokens,
+                "includeContext": "none",
+                "systemPrompt": "You help a retrieval tool. Follow the instructions exactly and be brief."}
+
+    @staticmethod
+    def _sampled_text(result) -> str | None:
+        """The text of a CreateMessageResult (a client's answer), or None."""
         content = result.get("content") if isinstance(result, dict) else None
         if isinstance(content, list):  # 2025-11-25 allows a list of content blocks
             content = next((c for c in content if isinstance(c, dict) and c.get("type") == "text"), None)
         text = content.get("text") if isinstance(content, dict) else None
         return text.strip()[:8000] if isinstance(text, str) and text.strip() else None
 
-    def _ask(self, arguments: dict, started: float) -> dict:
+    def _sample_text(self, prompt: str, max_tokens: int, deadline: float) -> str | None:
+        """One sampling/createMessage round trip to a handshake-era client's model: its text, or None."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 1.0:
+            return None
+        return self._sampled_text(self.request_client("sampling/createMessage",
+                                                      self._sampling_params(prompt, max_tokens), remaining))
+
+    @staticmethod
+    def _rewrite_prompt(question: str) -> str:
+        return ("Rewrite this question into at most three short search queries for a keyword search over the "
+                f"user's notes, one per line, nothing else.\n\nQuestion: {question[:2000]}")
+
+    @staticmethod
+    def _answer_prompt(question: str, hits) -> str:
+        numbered = "\n\n".join(f"[{i}] {h.path} ({h.heading}):\n{h.text[:3000]}" for i, h in enumerate(hits, 1))
+        return ("Answer the question using only the numbered passages below, citing them like [1]. If they do not "
+                f"answer it, say so.\n\nQuestion: {question[:2000]}\n\nPassages:\n{numbered}")
+
+    @staticmethod
+    def _queries(rewritten: str | None) -> list[str]:
+        lines = [line.strip(" -*0123456789.") for line in (rewritten or "").splitlines()]
+        return [line[:300] for line in lines if line][:3]
+
+    def _ask(self, arguments: dict, started: float, params: dict | None = None, round_: dict | None = None) -> dict:
         """coffer__ask: the passages that answer a question; with the client's sampling (and ask_synthesis on), at
         most two calls to its model -- a rewrite into search queries, and an answer citing passage numbers --
-        within ASK_SAMPLING_BUDGET.  The passages are returned whatever the model does.  The log gets who, when,
-        how long and the outcome: never the question, a passage or the answer."""
+        within ASK_SAMPLING_BUDGET.  A handshake-era client is asked with sampling requests; a 2026-07-28 client
+        with input_required rounds (``round_``: the sealed claims and the inputResponses of a retry).  The passages
+        are returned whatever the model does.  The log gets who, when, how long and the outcome: never the
+        question, a passage or the answer."""
         def fail(text):
             self.log.record(self.client_name, RESERVED_SERVER, ASK_TOOL, "tool", started, "error", text)
             return tool_error_result(text)
@@ -7576,34 +8720,50 @@ class Gateway:
             return fail("question must be a non-empty string")
         if sources is not None and not (isinstance(sources, list) and all(isinstance(x, str) for x in sources)):
             return fail("sources must be a list of source names")
+        claims, responses = (round_ or {}).get("claims") or {}, (round_ or {}).get("responses") or {}
         try:
             top_k = bounded_top_k(arguments.get("top_k"))
             answer = self.knowledge.ask(question, top_k, sources)
+            hits, notes = list(answer.passages), [answer.note] if answer.note else []
+            queries = claims.get("q") if isinstance(claims.get("q"), list) else []
+            if claims.get("ask") == 1:
+                queries = self._queries(self._sampled_text(responses.get("coffer-rewrite")))
+            if queries:
+                merged = {(h.source, h.path, tuple(h.lines)): h for h in hits}
+                for query in queries:
+                    for hit in self.knowledge.ask(str(query), top_k, sources).passages:
+                        key = (hit.source, hit.path, tuple(hit.lines))
+                        if key not in merged or hit.score > merged[key].score:
+                            merged[key] = hit
+                hits = sorted(merged.values(), key=lambda h: -h.score)[:top_k]
         except (ValueError, CofferError) as exc:
             return fail(str(exc))
-        hits, notes = list(answer.passages), [answer.note] if answer.note else []
         synthesis = None
-        if "sampling" in self.client_capabilities and self.settings["ask_synthesis"] == "on" and hits:
+        wanted = self.settings["ask_synthesis"] == "on" and bool(hits)
+        if self.client_era == "modern":
+            meta = (params or {}).get("_meta") if isinstance((params or {}).get("_meta"), dict) else {}
+            caps = meta.get(META_CLIENT_CAPABILITIES) if isinstance(meta.get(META_CLIENT_CAPABILITIES), dict) else {}
+            first = claims.get("t0", time.time())
+            in_time = time.time() - first < ASK_SAMPLING_BUDGET
+            if wanted and isinstance(caps.get("sampling"), dict) and in_time and claims.get("ask") in (None, 1):
+                stage, prompt, tokens = ((1, self._rewrite_prompt(question), 200) if claims.get("ask") is None
+                                         else (2, self._answer_prompt(question, hits), 600))
+                key = "coffer-rewrite" if stage == 1 else "coffer-answer"
+                state = self.sealer.seal("tools/call", params, {"ask": stage, "q": queries, "t0": int(first)})
+                return {"resultType": "input_required", "requestState": state, "inputRequests": {
+                    key: {"method": "sampling/createMessage", "params": self._sampling_params(prompt, tokens)}}}
+            if claims.get("ask") == 2:
+                synthesis = self._sampled_text(responses.get("coffer-answer"))
+        elif wanted and "sampling" in self.client_capabilities and not claims:
             deadline = time.monotonic() + ASK_SAMPLING_BUDGET
-            rewritten = self._sample_text(
-                "Rewrite this question into at most three short search queries for a keyword search over the "
-                f"user's notes, one per line, nothing else.\n\nQuestion: {question[:2000]}", 200, deadline)
-            if rewritten:
-                merged = {(h.source, h.path, tuple(h.lines)): h for h in hits}
-                for query in [line.strip(" -*0123456789.") for line in rewritten.splitlines()][:3]:
-                    if query:
-                        for hit in self.knowledge.ask(query, top_k, sources).passages:
-                            key = (hit.source, hit.path, tuple(hit.lines))
-                            if key not in merged or hit.score > merged[key].score:
-                                merged[key] = hit
-                hits = sorted(merged.values(), key=lambda h: -h.score)[:top_k]
-            numbered = "\n\n".join(f"[{i}] {h.path} ({h.heading}):\n{h.text[:3000]}" for i, h in
-                                    enumerate(hits, 1))
-            synthesis = self._sample_text(
-                "Answer the question using only the numbered passages below, citing them like [1]. If they do "
-                f"not answer it, say so.\n\nQuestion: {question[:2000]}\n\nPassages:\n{numbered}", 600, deadline)
-            if synthesis is None:
-                notes.append("no answer from the client's model; passages only")
+            queries = self._queries(self._sample_text(self._rewrite_prompt(question), 200, deadline))
+            if queries:
+                return self._ask(arguments, started, params, {"claims": {"ask": 0, "q": queries, "sync": deadline}})
+            synthesis = self._sample_text(self._answer_prompt(question, hits), 600, deadline)
+        if claims.get("ask") == 0:  # the handshake era's second step (after the rewrite)
+            synthesis = self._sample_text(self._answer_prompt(question, hits), 600, claims["sync"])
+        if wanted and synthesis is None and (claims or "sampling" in self.client_capabilities):
+            notes.append("no answer from the client's model; passages only")
         payload = {"passages": [hit.to_dict() for hit in hits], "total_searched": answer.total_searched}
         if synthesis:
             payload["answer"] = synthesis
@@ -9476,7 +10636,8 @@ class GatewayClient:
         bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
                      f"import coffer; sys.exit(coffer.main({argv!r}))")
         config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
-                  "command": [sys.executable, "-c", bootstrap], "headers": {}, "inherit_env": ["*"]}
+                  "command": [sys.executable, "-c", bootstrap], "headers": {}, "inherit_env": ["*"],
+                  "era": "handshake"}
         self.ready = threading.Event()
         self.upstream = Upstream(config, settings, self, {}, LATEST_PROTOCOL_VERSION)
         self.upstream._on_stderr = lambda line: (sys.stderr.write(printable(redact(line)) + "\n"),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import anyio
 import mcp_types as types
+import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
@@ -109,7 +110,8 @@ def test_memory_from_one_session_is_found_by_another_and_is_a_private_note(home,
     assert not list((Path(home) / "memory").glob("*.md"))
 
 
-def test_a_client_with_sampling_gets_an_answer_and_the_log_keeps_no_words(home, tmp_path):
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+def test_a_client_with_sampling_gets_an_answer_and_the_log_keeps_no_words(home, tmp_path, mode):
     marker = "MRK" + uuid.uuid4().hex[:10]
     docs = tmp_path / "notes"
     docs.mkdir()
@@ -127,16 +129,16 @@ def test_a_client_with_sampling_gets_an_answer_and_the_log_keeps_no_words(home, 
     async def body(client):
         return structured(await client.call_tool("coffer__ask", {"question": f"what is the wifi password {marker}?"}))
 
-    answered = run(body, sampling_callback=model)
+    answered = run(body, sampling_callback=model, mode=mode)
     assert answered["answer"] == f"It is {marker}-pw [1]." and len(prompts) == 2
     assert f"{marker}-pw" in answered["passages"][0]["text"]
 
     async def plain(client):
         return structured(await client.call_tool("coffer__ask", {"question": "wifi password"}))
-    assert "answer" not in run(plain)                                   # no sampling declared: no answer
+    assert "answer" not in run(plain, mode=mode)                        # no sampling declared: no answer
 
     cli("config", "ask_synthesis", "off")
-    answered = run(body, sampling_callback=model)
+    answered = run(body, sampling_callback=model, mode=mode)
     assert "answer" not in answered and len(prompts) == 2               # switched off: the model is not asked
 
     rows = json.loads(cli("log", "--json").stdout)["invocations"]
@@ -159,5 +161,8 @@ def test_a_model_that_fails_still_gets_the_passages(home, tmp_path):
     async def body(client):
         return structured(await client.call_tool("coffer__ask", {"question": "when is the coffee machine descaled?"}))
 
-    answered = run(body, sampling_callback=broken)
+    # A handshake-era client answers the sampling request with an error and still gets the passages.  (A
+    # 2026-07-28 client's SDK gives up on the whole call when its own model fails an input_required round: that
+    # client never retries, so there is nothing left for Coffer to answer.)
+    answered = run(body, sampling_callback=broken, mode="legacy")
     assert "Fridays" in answered["passages"][0]["text"] and "answer" not in answered
