@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COFFER = str(ROOT / "coffer.py")
 PY = sys.executable
 FAKE = [PY, str(ROOT / "tests" / "fixtures" / "fake_server.py")]
+HOSTILE = [PY, str(ROOT / "tests" / "fixtures" / "hostile_server.py")]
 NODE_MODULES = ROOT / ".ci" / "node_modules" / "@modelcontextprotocol"
 EVERYTHING_JS = NODE_MODULES / "server-everything" / "dist" / "index.js"
 MEMORY_JS = NODE_MODULES / "server-memory" / "dist" / "index.js"
@@ -31,6 +32,17 @@ def rss_kb(pid):
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def proc_status(pid, key="VmRSS"):
+    """One numeric field of /proc/PID/status (kB for memory fields, a count for Threads); None without /proc."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1])
     except OSError:
         return None
@@ -156,6 +168,68 @@ def raw_gateway(home):
 
     def start(env=None):
         gateway = RawGateway(env)
+        gateways.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in gateways:
+        gateway.close()
+
+
+class WatchedGateway(RawGateway):
+    """A RawGateway for hostile tests: a line that is not strict JSON is kept in ``bad_lines`` instead of killing
+    the reader, and with ``rss_ceiling_mb`` a watchdog kills the gateway the moment its RSS passes the ceiling
+    (``over_ceiling`` then holds the RSS seen), so a regression costs the shared machine nothing."""
+
+    def __init__(self, env=None, rss_ceiling_mb=None):
+        self.bad_lines = []
+        self.over_ceiling = None
+        super().__init__(env)
+        if rss_ceiling_mb:
+            threading.Thread(target=self._watch_rss, args=(rss_ceiling_mb * 1024,), daemon=True).start()
+
+    def _read(self):
+        def strict(name):
+            raise ValueError(f"non-standard JSON constant {name}")
+
+        for line in self.proc.stdout:
+            try:
+                msg = json.loads(line, parse_constant=strict)
+                if not isinstance(msg, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                with self.cond:
+                    self.bad_lines.append(line[:200])
+                    self.cond.notify_all()
+                continue
+            with self.cond:
+                if "method" in msg and "id" in msg:
+                    self.requests.append(msg)
+                elif "method" in msg:
+                    self.notifications.append(msg)
+                else:
+                    self.responses.setdefault(json.dumps(msg.get("id")), []).append(msg)
+                self.cond.notify_all()
+
+    def _watch_rss(self, ceiling_kb):
+        while self.proc.poll() is None:
+            rss = proc_status(self.proc.pid)
+            if rss is not None and rss > ceiling_kb:
+                self.over_ceiling = rss
+                self.proc.kill()
+                return
+            time.sleep(0.02)
+
+    def stderr_text(self):
+        return "".join(self.stderr_lines)
+
+
+@pytest.fixture
+def watched_gateway(home):
+    gateways = []
+
+    def start(env=None, rss_ceiling_mb=None):
+        gateway = WatchedGateway(env, rss_ceiling_mb)
         gateways.append(gateway)
         return gateway
 

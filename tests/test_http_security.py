@@ -1,0 +1,352 @@
+"""Hostile HTTP (issue 15, classes 1, 13 and 18): remote upstreams and the embedder talk to real local HTTP(S)
+servers (tests/fixtures/hostile_http.py) that redirect, misbehave and record every request, so a test can prove
+which credentials reached which origin."""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FAKE, ROOT, cli, proc_status
+
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
+import hostile_http  # noqa: E402
+from hostile_http import HostileHttp, embeddings, mcp, redirect, status  # noqa: E402
+
+LINUX = os.path.exists("/proc/self/status")
+TOKEN, API_KEY = "tok-5ecret-aa11", "key-5ecret-bb22"
+SECRET_ENV = {"REMOTE_TOKEN": TOKEN, "REMOTE_KEY": API_KEY}
+CREDENTIAL_HEADERS = ("--header", "Authorization=Bearer ${REMOTE_TOKEN}", "--header", "X-Api-Key=${REMOTE_KEY}")
+
+
+@pytest.fixture(autouse=True)
+def secret_env(monkeypatch):
+    """The user's shell has the tokens: `coffer add` (which may probe the URL) and the gateway both see them."""
+    for key, value in SECRET_ENV.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture
+def origins():
+    servers = []
+
+    def make(cert=None):
+        server = HostileHttp(cert)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    made = hostile_http.self_signed_cert(tmp_path_factory.mktemp("tls"))
+    if made is None:
+        pytest.skip("no openssl CLI to make a certificate")
+    return made
+
+
+def leaks(server):
+    """Requests that reached ``server`` carrying a credential or a session id."""
+    found = []
+    for request in server.seen():
+        carried = [name for name in ("authorization", "x-api-key", "mcp-session-id") if name in request.headers]
+        if carried or TOKEN in json.dumps(request.headers) or API_KEY in json.dumps(request.headers):
+            found.append((request.method, request.path, carried))
+    return found
+
+
+def server_status(name):
+    return next(s for s in json.loads(cli("list", "--json").stdout)["servers"] if s["name"] == name)
+
+
+def wait_until(predicate, timeout=20.0, interval=0.1, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def started(watched_gateway, env=None, **kwargs):
+    if "good" not in [s["name"] for s in json.loads(cli("list", "--json").stdout)["servers"]]:
+        cli("add", "good", "--", *FAKE)
+    gw = watched_gateway(env={**SECRET_ENV, **(env or {})}, **kwargs)
+    gw.initialize()
+    gw.send({"jsonrpc": "2.0", "id": "first-list", "method": "tools/list"})
+    gw.wait_for(lambda g: g.responses.get('"first-list"') or g.proc.poll() is not None, timeout=60)
+    return gw
+
+
+def healthy(gw):
+    assert gw.proc.poll() is None, f"the gateway exited: {gw.stderr_text()[-2000:]}"
+    reply = gw.request("tools/call", {"name": "good__echo", "arguments": {"text": "neighbour ok"}}, timeout=30)
+    assert reply["result"]["content"][0]["text"] == "neighbour ok", reply
+    assert "Traceback" not in gw.stderr_text(), gw.stderr_text()[-3000:]
+
+
+def settled_with_a_redirect_error(name):
+    """The upstream is reported failed (max_restarts is small in these tests) and says it was a redirect."""
+    status_row = wait_until(lambda: (s := server_status(name))["status"] == "failed" and s, timeout=30,
+                            what=f"{name} to be marked failed")
+    assert "redirect" in (status_row["detail"] or "").lower(), status_row
+    return status_row
+
+
+# -- class 1: redirects never carry credentials to another origin -------------------------------------------------
+
+def test_a_cross_origin_redirect_of_a_post_never_carries_credentials(home, origins, watched_gateway):
+    elsewhere = origins()
+    elsewhere.routes["/mcp"] = mcp("elsewhere")
+    here = origins()
+    cli("config", "max_restarts", "2")
+    for code in (301, 302, 303, 307, 308):
+        here.routes[f"/r{code}"] = redirect(code, elsewhere.url("/mcp"))
+        cli("add", f"r{code}", "--url", here.url(f"/r{code}"), *CREDENTIAL_HEADERS)
+    # initialize answered here, the session's later requests redirected away (with the session id)
+    here.routes["/later"] = mcp("here", redirect_after_init=(307, elsewhere.url("/mcp")))
+    cli("add", "later", "--url", here.url("/later"), *CREDENTIAL_HEADERS)
+    gw = started(watched_gateway)
+    wait_until(lambda: all(len(here.seen(path=f"/r{code}")) >= 1 for code in (301, 302, 303, 307, 308))
+               and here.seen("POST", "/later"), what="every upstream to be tried")
+    for code in (301, 302, 303, 307, 308):
+        assert any(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in here.seen(path=f"/r{code}"))
+    healthy(gw)
+    time.sleep(1.0)
+    assert not leaks(elsewhere), f"credentials reached another origin: {leaks(elsewhere)}"
+    for name in ("r302", "r307", "later"):
+        settled_with_a_redirect_error(name)
+
+
+def test_a_redirect_of_the_sse_stream_never_carries_credentials(home, origins, watched_gateway):
+    elsewhere = origins()
+    elsewhere.routes["/mcp"] = mcp("elsewhere")
+    here = origins()
+    for code in (307, 308):
+        here.routes[f"/s{code}"] = mcp("here", sse_get=redirect(code, elsewhere.url("/mcp")))
+        cli("add", f"s{code}", "--url", here.url(f"/s{code}"), *CREDENTIAL_HEADERS)
+    gw = started(watched_gateway)
+    wait_until(lambda: all(here.seen("GET", f"/s{code}") for code in (307, 308)), what="the SSE GETs")
+    healthy(gw)
+    time.sleep(1.0)
+    assert not leaks(elsewhere), f"the SSE stream's credentials reached another origin: {leaks(elsewhere)}"
+    reply = gw.request("tools/call", {"name": "s307__echo", "arguments": {"text": "posts still work"}})
+    assert reply["result"]["content"][0]["text"] == "here: posts still work"
+
+
+def test_an_https_to_http_redirect_is_refused(home, origins, watched_gateway, cert):
+    cleartext = origins()
+    cleartext.routes["/mcp"] = mcp("cleartext")
+    secure = origins(cert)
+    secure.routes["/mcp"] = redirect(302, cleartext.url("/mcp"))
+    secure.routes["/ok"] = mcp("secure")
+    cli("config", "max_restarts", "2")
+    cli("add", "down", "--url", secure.url("/mcp"), *CREDENTIAL_HEADERS)
+    cli("add", "tls", "--url", secure.url("/ok"), *CREDENTIAL_HEADERS)
+    gw = started(watched_gateway, env={"SSL_CERT_FILE": cert[0]})
+    reply = gw.request("tools/call", {"name": "tls__echo", "arguments": {"text": "over tls"}})
+    assert reply["result"]["content"][0]["text"] == "secure: over tls", "the HTTPS upstream itself must work"
+    wait_until(lambda: secure.seen("POST", "/mcp"), what="the redirecting upstream to be tried")
+    healthy(gw)
+    time.sleep(1.0)
+    assert not cleartext.seen(), f"a downgrade was followed: {[(r.method, r.path) for r in cleartext.seen()]}"
+    settled_with_a_redirect_error("down")
+
+
+def test_a_same_origin_redirect_is_followed_and_a_loop_is_not(home, origins, watched_gateway):
+    here = origins()
+    here.routes["/mcp"] = mcp("here")
+    here.routes["/old"] = redirect(307, here.url("/mcp"))
+    here.routes["/moved"] = redirect(308, "/mcp")  # relative Location
+    here.routes["/loop"] = redirect(307, here.url("/loop"))
+    cli("config", "max_restarts", "2")
+    for name in ("old", "moved", "loop"):
+        cli("add", name, "--url", here.url(f"/{name}"), *CREDENTIAL_HEADERS)
+    gw = started(watched_gateway)
+    for name in ("old", "moved"):
+        reply = gw.request("tools/call", {"name": f"{name}__echo", "arguments": {"text": "followed"}})
+        assert reply.get("result", {}).get("content", [{}])[0].get("text") == "here: followed", reply
+    assert all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in here.seen("POST", "/mcp"))
+    settled_with_a_redirect_error("loop")
+    healthy(gw)
+
+
+def test_the_embedder_never_sends_its_key_to_another_origin(home, origins, watched_gateway):
+    elsewhere = origins()
+    elsewhere.routes["/v1/embeddings"] = embeddings()
+    here = origins()
+    here.routes["/v1/embeddings"] = redirect(302, elsewhere.url("/v1/embeddings"))
+    cli("config", "embedder_url", here.url("/v1"))
+    cli("config", "embedder_model", "test")
+    cli("config", "embedder_key_env", "EMBED_KEY")
+    gw = started(watched_gateway, env={"EMBED_KEY": TOKEN})
+    reply = gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {"query": "echo some text"}})
+    assert "result" in reply
+    wait_until(lambda: here.seen("POST", "/v1/embeddings"), what="the embedder to be used")
+    assert any(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in here.seen("POST", "/v1/embeddings"))
+    healthy(gw)
+    time.sleep(1.0)
+    assert not leaks(elsewhere), f"the embedder's key reached another origin: {leaks(elsewhere)}"
+
+
+def test_adding_credentials_over_plain_http_to_a_remote_host_warns_once(home):
+    plain = cli("add", "plain", "--url", "http://mcp.example.com/mcp", "--header",
+                "Authorization=Bearer ${REMOTE_TOKEN}")
+    assert "http" in plain.stderr.lower() and plain.stderr.strip(), "no warning about credentials over plain http"
+    assert len([line for line in plain.stderr.splitlines() if line.strip()]) == 1, plain.stderr
+    for name, url in (("tls", "https://mcp.example.com/mcp"), ("loop4", "http://127.0.0.1:9/mcp"),
+                      ("local", "http://localhost:9/mcp"), ("loop6", "http://[::1]:9/mcp")):
+        quiet = cli("add", name, "--url", url, "--header", "Authorization=Bearer ${REMOTE_TOKEN}")
+        assert quiet.stderr.strip() == "", f"{url}: {quiet.stderr}"
+    assert cli("list").stderr.strip() == "", "the warning belongs to `add`, once"
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_slow_http_calls_cost_no_thread_each_and_never_hold_up_a_quick_call_or_a_cancellation(home, origins,
+                                                                                              watched_gateway):
+    """Bounding the threads that talk to one HTTP upstream must not queue a quick call, or the cancellation of a
+    slow one, behind a batch of long-running calls."""
+    here = origins()
+    here.routes["/mcp"] = mcp("here")
+    cli("add", "remote", "--url", here.url("/mcp"))
+    gw = started(watched_gateway)
+    threads = []
+    for i in range(200):
+        gw.send({"jsonrpc": "2.0", "id": f"slow{i}", "method": "tools/call",
+                 "params": {"name": "remote__slow", "arguments": {"seconds": 30}}})
+    wait_until(lambda: len([r for r in here.seen("POST") if b'"slow"' in r.body]) >= 1, what="a slow call")
+    threads.append(proc_status(gw.proc.pid, "Threads"))
+    gw.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "slow0"}})
+    try:
+        quick = gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "quick"}}, timeout=20)
+    except TimeoutError:
+        pytest.fail("a quick call waited behind the slow calls to the same HTTP upstream")
+    assert quick["result"]["content"][0]["text"] == "here: quick", quick
+    with gw.cond:
+        finished = [k for k in gw.responses if k.startswith('"slow')]
+    assert not finished or finished == ['"slow0"'], "the quick call waited for the slow ones"
+    wait_until(lambda: any(b"notifications/cancelled" in r.body for r in here.seen("POST")), timeout=10,
+               what="the cancellation to reach the server while the slow calls run")
+    threads.append(proc_status(gw.proc.pid, "Threads"))
+    assert max(threads) < 100, f"{max(threads)} threads for 200 slow calls to one HTTP upstream"
+
+
+def test_a_call_to_a_remembered_tool_of_a_remote_that_hangs_at_initialize_meets_call_timeout(home, origins,
+                                                                                              watched_gateway):
+    here = origins()
+    serve = mcp("here")
+    hanging = {"on": False}
+
+    def route(request):
+        if hanging["on"] and b'"initialize"' in request.body:
+            time.sleep(90)  # accepts the connection, never answers in time
+        return serve(request)
+
+    here.routes["/mcp"] = route
+    cli("add", "remote", "--url", here.url("/mcp"))
+    cli("config", "call_timeout", "3")
+    gw = started(watched_gateway)
+    assert gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "x"}})["result"]
+    gw.close()
+    hanging["on"] = True
+    gw = started(watched_gateway)
+    gw.send({"jsonrpc": "2.0", "id": "call", "method": "tools/call",
+             "params": {"name": "remote__echo", "arguments": {"text": "x"}}})
+    try:
+        reply = gw.wait_response("call", timeout=25)  # init_timeout is 60 s and there are 5 attempts
+    except TimeoutError:
+        pytest.fail("a call to a remote that hangs at initialize was not answered within call_timeout")
+    assert reply["result"].get("isError") is True, reply
+    healthy(gw)
+
+
+# -- class 13: an HTTP body or SSE event over the limit ------------------------------------------------------------
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@pytest.mark.parametrize("kind", ["json", "sse-event", "sse-lines"])
+def test_an_oversized_http_reply_fails_that_upstream_and_memory_stays_bounded(home, origins, watched_gateway, kind):
+    cli("config", "max_message_bytes", "1000000")
+    cli("config", "max_restarts", "2")
+    here = origins()
+    here.routes["/mcp"] = mcp("here", huge_list=(kind, 400))
+    cli("add", "huge", "--url", here.url("/mcp"))
+    gw = started(watched_gateway, rss_ceiling_mb=250)
+    baseline = proc_status(gw.proc.pid, "VmHWM")
+    try:
+        wait_until(lambda: gw.proc.poll() is not None or server_status("huge")["status"] in ("failed", "backoff"),
+                   timeout=120, what="the oversized list to be refused")
+    except AssertionError:
+        pass
+    if gw.over_ceiling:
+        pytest.fail(f"a 400 MiB HTTP reply ({kind}) took the gateway's RSS to {gw.over_ceiling // 1024} MB")
+    healthy(gw)
+    assert proc_status(gw.proc.pid, "VmHWM") - baseline < 100 * 1024
+    said = (server_status("huge")["detail"] or "") + gw.stderr_text()
+    assert any(word in said.lower() for word in ("max_message_bytes", "too large", "limit", "exceed")), said[-1000:]
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_an_oversized_embedder_reply_is_bounded(home, origins, watched_gateway):
+    cli("config", "max_message_bytes", "1000000")
+    here = origins()
+    here.routes["/v1/embeddings"] = embeddings(huge_mib=400)
+    cli("config", "embedder_url", here.url("/v1"))
+    cli("config", "embedder_model", "test")
+    gw = started(watched_gateway, rss_ceiling_mb=250)
+    reply = gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {"query": "echo text"}})
+    assert "result" in reply
+    try:
+        wait_until(lambda: gw.proc.poll() is not None or len(here.seen("POST")) >= 2, timeout=60,
+                   what="the embedder to be asked twice")
+    except AssertionError:
+        pass
+    if gw.over_ceiling:
+        pytest.fail(f"a 400 MiB embeddings reply took the gateway's RSS to {gw.over_ceiling // 1024} MB")
+    healthy(gw)
+
+
+# -- class 18: permanent HTTP failures fail at once -----------------------------------------------------------------
+
+def initialize_posts(server, path):
+    return [r for r in server.seen("POST", path) if b'"initialize"' in r.body]
+
+
+@pytest.mark.parametrize("code", [401, 403, 404])
+def test_a_permanent_http_status_fails_at_once_with_the_status(home, origins, watched_gateway, code):
+    here = origins()
+    here.routes["/mcp"] = status(code)
+    here.routes["/flaky"] = status(503)
+    cli("add", "denied", "--url", here.url("/mcp"), *CREDENTIAL_HEADERS)
+    cli("add", "flaky", "--url", here.url("/flaky"))
+    probed = len(initialize_posts(here, "/mcp"))  # `coffer add` may have tried it once already
+    gw = started(watched_gateway)
+    failed = wait_until(lambda: (s := server_status("denied"))["status"] == "failed" and s, timeout=30,
+                        what="the denied upstream to be marked failed")
+    assert str(code) in (failed["detail"] or ""), failed
+    wait_until(lambda: len(initialize_posts(here, "/flaky")) >= 2, what="a 503 to be retried")
+    assert len(initialize_posts(here, "/mcp")) - probed == 1, f"HTTP {code} was retried by the gateway"
+    reply = gw.request("tools/call", {"name": "denied__echo", "arguments": {}})
+    assert "error" in reply or reply["result"].get("isError")
+    healthy(gw)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/mcp", "ftp://example.com/mcp", "not a url"])
+def test_an_invalid_url_is_refused_at_add_or_fails_at_once(home, watched_gateway, url):
+    added = cli("add", "bad", "--url", url, check=False)
+    assert "Traceback" not in added.stderr
+    if added.returncode != 0:
+        assert added.stderr.strip().count("\n") == 0 and "bad" not in cli("list").stdout
+        return
+    gw = started(watched_gateway)
+    wait_until(lambda: server_status("bad")["status"] == "failed", timeout=30, what="bad to be marked failed")
+    healthy(gw)
+    attempts = sum(1 for line in gw.stderr_lines if "[bad]" in line and "fail" in line.lower())
+    assert attempts <= 2, f"an invalid URL was retried ({attempts} failure lines)"
