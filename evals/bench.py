@@ -11,6 +11,9 @@ official MCP Python SDK), so machine speed cancels out and the ratios travel:
 
 1. call overhead   one tool call at a time, direct to the upstream vs through ``coffer serve`` (and FastMCP),
                    interleaved in batches so drift (thermal, noisy neighbours) hits every path alike;
+1b. modern path    the same for MCP 2026-07-28: an SDK 2.x server that speaks only that revision, reached by a
+                   2026-07-28 client directly, through Coffer, and by a handshake-era client through Coffer (the
+                   cross-era bridge); plus a multi-round-trip (elicitation) call on each path;
 2. throughput      32 and 256 calls in flight over one client session;
 3. startup         spawn + initialize + a tools/list holding every upstream's tools, for 1, 4 and 8 real
                    upstreams, against the slowest of those upstreams started alone;
@@ -41,6 +44,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 
@@ -54,6 +58,8 @@ CATALOG_SERVER = str(ROOT / "evals" / "fixtures" / "catalog_server.py")
 FASTMCP_PROXY = str(ROOT / "evals" / "fixtures" / "fastmcp_proxy.py")
 RELAY = str(ROOT / "evals" / "fixtures" / "passthrough_relay.py")
 PROFILED_COFFER = str(ROOT / "evals" / "fixtures" / "profiled_coffer.py")
+MODERN_ONLY = str(ROOT / "tests" / "fixtures" / "modern_only.py")  # SDK 2.x, answers initialize with -32022
+MODERN = "2026-07-28"  # the stateless revision; an SDK client in this mode sends no initialize
 NODE_MODULES = ROOT / ".ci" / "node_modules" / "@modelcontextprotocol"
 EVERYTHING_JS = NODE_MODULES / "server-everything" / "dist" / "index.js"
 MEMORY_JS = NODE_MODULES / "server-memory" / "dist" / "index.js"
@@ -86,6 +92,8 @@ import coffer  # noqa: E402  (the module under test lives at the repository root
 TARGETS = [
     ("call.max_added_p50_ms", "added median latency per call (worst tool)", "<=", 0.25),
     ("throughput.ratio_32", "throughput at 32 in flight vs direct (worst tool)", ">=", 0.85),
+    ("modern.added_p50_ms", "added median latency, 2026-07-28 client and upstream", "<=", 0.25),
+    ("modern.bridge_added_p50_ms", "  the same, handshake-era client bridged to it", "<=", 0.25),
     ("startup.excess_ms_8", "startup with 8 upstreams minus slowest single", "<=", 50.0),
     ("startup.live_excess_ms_8", "  the same, first session (serve --live)", "<=", 50.0),
     ("search.p50_ms_1000", "search p50 at 1k tools (in-process)", "<=", 1.0),
@@ -183,6 +191,8 @@ def make_upstream(kind: str, name: str, workdir: Path) -> Upstream:
         return Upstream(name, kind, PY, ["-m", "mcp_server_time"])
     if kind == "fx":
         return Upstream(name, kind, PY, [FAKE_SERVER, "--tools", "echo"])
+    if kind == "modern":
+        return Upstream(name, kind, PY, [MODERN_ONLY])
     if kind == "everything":
         return Upstream(name, kind, "node", [str(EVERYTHING_JS), "stdio"])
     if kind == "memory":
@@ -191,7 +201,11 @@ def make_upstream(kind: str, name: str, workdir: Path) -> Upstream:
 
 
 # The tool each benchmark calls on an upstream kind: cheap, deterministic, no side effects.
-CALL_TARGETS = {"time": ("get_current_time", {"timezone": "UTC"}), "fx": ("echo", {"text": "hello"})}
+CALL_TARGETS = {"time": ("get_current_time", {"timezone": "UTC"}), "fx": ("echo", {"text": "hello"}),
+                "modern": ("echo", {"message": "hello"})}
+# A call that needs the client mid-call: on 2026-07-28 an input_required result and a retry carrying the answer
+# (multi round-trip), on the handshake era a real elicitation request from the server.
+MRTR_TARGET = ("ask_elicitation", {})
 
 
 @dataclass
@@ -202,6 +216,8 @@ class Path_:
     params: object                  # StdioServerParameters
     prefix: str | None              # how the gateway names tools: "<server>__", "<server>_", or None (direct)
     slow: bool = False              # FastMCP's default proxy spawns every upstream per request
+    mode: str = "legacy"            # the SDK client's protocol mode: "legacy" (initialize) or MODERN
+    elicitation: bool = False       # the client declares elicitation (and answers it), for MRTR_TARGET
 
 
 class Gateways:
@@ -212,19 +228,21 @@ class Gateways:
         self.errlog = open(workdir / "stderr.log", "a", encoding="utf-8")  # noqa: SIM115 - lives as long as we do
         self._count = 0
 
-    def coffer(self, upstreams: list[Upstream], settings: dict | None = None, form: str = "installed") -> Path_:
+    def coffer(self, upstreams: list[Upstream], settings: dict | None = None, form: str = "installed",
+               label: str = "coffer", mode: str = "legacy", elicitation: bool = False) -> Path_:
         from mcp.client.stdio import StdioServerParameters
         self._count += 1
         home = self.workdir / f"coffer-home-{self._count}"
         env = {**os.environ, "COFFER_HOME": str(home)}
         for up in upstreams:
             flags = [f"--env={k}={v}" for k, v in up.env.items()]
-            _run([PY, COFFER, "add", up.name, *flags, "--", up.command, *up.args], env)
+            coffer_cli(["add", up.name, *flags, "--", up.command, *up.args], env)
         # Wait for every upstream on the first tools/list (the default 5 s budget would cut startup short on a
         # loaded 2-core runner and make the startup numbers measure the budget instead of the servers).
         for key, value in {"discovery_timeout": "60", **(settings or {})}.items():
-            _run([PY, COFFER, "config", key, str(value)], env)
-        return Path_("coffer", StdioServerParameters(command=PY, args=SERVE_ARGS[form], env=env), "__")
+            coffer_cli(["config", key, str(value)], env)
+        return Path_(label, StdioServerParameters(command=PY, args=SERVE_ARGS[form], env=env), "__", mode=mode,
+                     elicitation=elicitation)
 
     def fastmcp(self, upstreams: list[Upstream], shared: bool) -> Path_:
         from mcp.client.stdio import StdioServerParameters
@@ -245,6 +263,12 @@ def _run(argv: list[str], env: dict) -> None:
         raise RuntimeError(f"{' '.join(argv[1:4])} failed: {proc.stderr.strip()}")
 
 
+def coffer_cli(argv: list[str], env: dict) -> None:
+    """One ``coffer`` CLI command, started as installed (from bytecode: ~0.14 s instead of ~0.33 s for the
+    script form, which recompiles the module; the bench runs dozens of these while setting up)."""
+    _run([PY, *SERVE_ARGS["installed"][:2], *argv], env)
+
+
 def fastmcp_problem() -> str | None:
     """Why FastMCP cannot be benchmarked here, or None when it can."""
     try:
@@ -255,16 +279,26 @@ def fastmcp_problem() -> str | None:
     return None
 
 
+async def accept_elicitation(context, params):
+    """The user of the benchmark client: accepts every elicitation with the name the fixture asks for."""
+    import mcp_types
+    return mcp_types.ElicitResult(action="accept", content={"name": "Ada"})
+
+
 @contextlib.asynccontextmanager
-async def connect(params, errlog):
+async def connect(params, errlog, mode: str = "legacy", elicitation: bool = False):
     """An SDK client session over stdio with the server's stderr kept out of the report.
 
-    ``cache=None``: the SDK's response cache would otherwise answer repeated list requests itself.
+    ``mode``: "legacy" opens the handshake era (initialize); MODERN sends every request with the 2026-07-28
+    envelope and no handshake.  ``cache=None``: the SDK's response cache would otherwise answer repeated list
+    requests itself (it caches modern list results for their ttlMs).  ``elicitation``: declare the capability
+    and accept every request (the MRTR rows).
     """
     from mcp import Client
     from mcp.client.stdio import stdio_client
-    async with Client(stdio_client(params, errlog=errlog), mode="legacy", cache=None,
-                      read_timeout_seconds=300) as client:
+    extra = {"elicitation_callback": accept_elicitation} if elicitation else {}
+    async with Client(stdio_client(params, errlog=errlog), mode=mode, cache=None,
+                      read_timeout_seconds=300, **extra) as client:
         yield client
 
 
@@ -280,58 +314,93 @@ def resolve_tool(names: list[str], server: str, tool: str, prefix: str | None) -
 # ------------------------------------------------------------------------------------------------- 1. latency
 
 async def open_session(stack, path, upstream, tool, errlog):
-    """Connect one path's client and find what the tool is called on that path."""
-    client = await stack.enter_async_context(connect(path.params, errlog))
+    """Connect one path's client and find what the tool is called on that path (listing the tools also
+    gives the SDK client the output schemas it validates results against, so no call re-lists them)."""
+    client = await stack.enter_async_context(connect(path.params, errlog, path.mode, path.elicitation))
     names = [t.name for t in (await client.list_tools()).tools]
-    return client, resolve_tool(names, upstream.name, tool, path.prefix)
+    return client, names, resolve_tool(names, upstream.name, tool, path.prefix)
+
+
+class LatencyPlan(NamedTuple):
+    """One tool to time on every path: what to call, and how many calls per path (``slow_n`` on slow paths)."""
+
+    tool: str
+    arguments: dict
+    n: int
+    slow_n: int
 
 
 async def bench_latency(paths: list[Path_], upstream: Upstream, n: int, slow_n: int, batch: int, warmup: int,
                         errlog) -> dict:
-    """Sequential calls to one tool on every path, interleaved: round r runs one batch per path, in an order
-    rotated by r, so slow drift and ordering effects are shared instead of landing on one path."""
+    """Sequential calls to the upstream kind's CALL_TARGETS tool on every path (see bench_latency_plans)."""
     tool, arguments = CALL_TARGETS[upstream.kind]
-    samples: dict[str, list[float]] = {p.label: [] for p in paths}
-    rounds = max(1, math.ceil(n / batch))
+    return (await bench_latency_plans(paths, upstream, [LatencyPlan(tool, arguments, n, slow_n)], batch, warmup,
+                                      errlog))[0]
+
+
+async def bench_latency_plans(paths: list[Path_], upstream: Upstream, plans: list[LatencyPlan], batch: int,
+                              warmup: int, errlog) -> list[dict]:
+    """Per plan, sequential calls of its tool on every path over the same sessions (opened once), interleaved:
+    round r runs one batch per path, in an order rotated by r, so slow drift and ordering effects are shared
+    instead of landing on one path.
+
+    Also the CPU each ``coffer serve`` used per call it forwarded (``_cpu_us_per_call``, by path label): its
+    process is found as the one that appeared while that path connected."""
+    results = []
     async with contextlib.AsyncExitStack() as stack:
-        sessions = []
+        sessions, gateway_pid = [], {}
         for path in paths:
-            client, name = await open_session(stack, path, upstream, tool, errlog)
-            quota = slow_n if path.slow else n
-            for _ in range(min(warmup, quota)):
-                await client.call_tool(name, arguments)
-            sessions.append((path, client, name, quota))
-        gateway_pids = children_matching(os.getpid(), SERVE_NEEDLE["installed"])
-        cpu_before = cpu_seconds(gateway_pids[0]) if len(gateway_pids) == 1 else None
-        for r in range(rounds):
-            for i in range(len(sessions)):
-                path, client, name, quota = sessions[(i + r) % len(sessions)]
-                got = samples[path.label]
-                size = min(math.ceil(quota / rounds), quota - len(got))
-                for _ in range(size):
-                    t0 = time.perf_counter()
-                    result = await client.call_tool(name, arguments)
-                    got.append(time.perf_counter() - t0)
+            before = set(children_matching(os.getpid(), SERVE_NEEDLE["installed"]))
+            client, names, _ = await open_session(stack, path, upstream, plans[0].tool, errlog)
+            started = set(children_matching(os.getpid(), SERVE_NEEDLE["installed"])) - before
+            if len(started) == 1:
+                gateway_pid[path.label] = started.pop()
+            sessions.append((path, client, names))
+        for plan in plans:
+            samples: dict = {p.label: [] for p in paths}
+            timed = []
+            for path, client, names in sessions:
+                name = resolve_tool(names, upstream.name, plan.tool, path.prefix)
+                quota = plan.slow_n if path.slow else plan.n
+                for _ in range(min(warmup, quota)):
+                    result = await client.call_tool(name, plan.arguments)
                     if result.is_error:
                         raise RuntimeError(f"{path.label}: {name} failed: {result.content}")
-        if cpu_before is not None:
+                timed.append((path, client, name, quota))
+            rounds = max(1, math.ceil(plan.n / batch))
+            cpu_before = {label: cpu_seconds(pid) for label, pid in gateway_pid.items()}
+            for r in range(rounds):
+                for i in range(len(timed)):
+                    path, client, name, quota = timed[(i + r) % len(timed)]
+                    got = samples[path.label]
+                    size = min(math.ceil(quota / rounds), quota - len(got))
+                    for _ in range(size):
+                        t0 = time.perf_counter()
+                        result = await client.call_tool(name, plan.arguments)
+                        got.append(time.perf_counter() - t0)
+                        if result.is_error:
+                            raise RuntimeError(f"{path.label}: {name} failed: {result.content}")
             # Coffer's CPU per forwarded call (idle ticking while other paths run is included: an upper bound).
-            samples["_coffer_cpu_us_per_call"] = (cpu_seconds(gateway_pids[0]) - cpu_before) / n * 1e6
-    return samples
+            samples["_cpu_us_per_call"] = {
+                label: (cpu_seconds(pid) - cpu_before[label]) / len(samples[label]) * 1e6
+                for label, pid in gateway_pid.items() if cpu_before[label] is not None and samples[label]}
+            results.append(samples)
+    return results
 
 
-def latency_rows(tool_label: str, samples: dict[str, list[float]]) -> tuple[list[list], dict]:
-    cpu = samples.pop("_coffer_cpu_us_per_call", None)
-    direct = samples["direct"]
-    d50 = pct(direct, 50) * 1000
-    rows, data = [], {"coffer_cpu_us_per_call": cpu}
+def latency_rows(tool_label: str, samples: dict, baseline: str = "direct") -> tuple[list[list], dict]:
+    """Table rows and data for one tool's samples; added latency and ratios are against ``baseline``."""
+    cpu = samples.pop("_cpu_us_per_call", None) or {}
+    d50, d99 = pct(samples[baseline], 50) * 1000, pct(samples[baseline], 99) * 1000
+    rows, data = [], {"coffer_cpu_us_per_call": cpu.get("coffer"), "cpu_us_per_call": cpu, "baseline": baseline}
     for label, values in samples.items():
         p50, p99 = pct(values, 50) * 1000, pct(values, 99) * 1000
-        added = None if label == "direct" else p50 - d50
+        added = None if label == baseline else p50 - d50
+        added_p99 = None if label == baseline else p99 - d99
         ratio = p50 / d50 if d50 else None
-        rows.append([tool_label, label, len(values), p50, p99, added, f"{ratio:.2f}x"])
+        rows.append([tool_label, label, len(values), p50, p99, added, added_p99, f"{ratio:.2f}x"])
         data[label] = {"n": len(values), "p50_ms": p50, "p99_ms": p99, "mean_ms": statistics.fmean(values) * 1000,
-                       "added_p50_ms": added, "ratio_p50": ratio}
+                       "added_p50_ms": added, "added_p99_ms": added_p99, "ratio_p50": ratio}
     return rows, data
 
 
@@ -367,7 +436,7 @@ async def bench_throughput(paths: list[Path_], upstream: Upstream, levels: list[
     async with contextlib.AsyncExitStack() as stack:
         sessions = []
         for path in paths:
-            client, name = await open_session(stack, path, upstream, tool, errlog)
+            client, _, name = await open_session(stack, path, upstream, tool, errlog)
             await run_inflight(client, name, arguments, 8, 8 if path.slow else 64)  # warm up
             sessions.append((path, client, name))
         for r in range(rounds):
@@ -685,13 +754,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m evals.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (< 60 s)")
     parser.add_argument("--json", action="store_true", help="print all results as JSON on stdout")
-    parser.add_argument("--only", default="call,throughput,startup,search",
-                        help="comma-separated sections to run (call, throughput, startup, search)")
+    parser.add_argument("--only", default="call,modern,throughput,startup,search",
+                        help="comma-separated sections to run (call, modern, throughput, startup, search)")
     parser.add_argument("--no-fastmcp", action="store_true", help="skip the FastMCP peer rows")
     parser.add_argument("--calls", type=int, help="sequential calls per path and tool (default 2000; quick 200)")
     parser.add_argument("--fastmcp-default-calls", type=int,
                         help="calls through FastMCP's default proxy, which spawns per request (default 10; quick 4)")
     parser.add_argument("--batch", type=int, default=100, help="calls per path per interleaved batch")
+    parser.add_argument("--mrtr-calls", type=int, help="elicitation (multi round-trip) calls per path on the "
+                                                       "modern path (default 500; quick 50)")
     parser.add_argument("--inflight", help="concurrency levels for throughput (default 32,256; quick 32)")
     parser.add_argument("--throughput-calls", type=int, help="calls per throughput measurement, at least 2x the level (default 1000; quick 200)")
     parser.add_argument("--throughput-rounds", type=int, help="alternating rounds, median kept (default 2; quick 1)")
@@ -710,7 +781,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                         "quick 2)")
     args = parser.parse_args(argv)
     quick = args.quick
-    defaults = {"calls": 200 if quick else 2000, "fastmcp_default_calls": 4 if quick else 10,
+    defaults = {"calls": 200 if quick else 2000, "mrtr_calls": 50 if quick else 500, "fastmcp_default_calls": 4 if quick else 10,
                 "throughput_calls": 200 if quick else 1000, "throughput_rounds": 1 if quick else 2,
                 "startup_reps": 1 if quick else 3, "search_queries": 300 if quick else 2000,
                 "e2e_calls": 100 if quick else 300, "build_reps": 2 if quick else 3,
@@ -797,9 +868,51 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
                         if d.get("coffer_cpu_us_per_call") is not None)
         report.data["call"]["max_added_p50_ms"] = max(d["coffer"]["added_p50_ms"] for d in data.values())
         report.table("1. Call overhead (sequential calls, SDK client, interleaved batches)",
-                     ["tool", "path", "n", "p50 ms", "p99 ms", "added p50 ms", "p50 ratio"], rows,
+                     ["tool", "path", "n", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "p50 ratio"], rows,
                      "relay-floor: the same server behind a Python relay that copies lines and parses nothing "
                      "(evals/fixtures/passthrough_relay.py), the cost of the process hop alone."
+                     + (f"\ncoffer serve CPU per forwarded call (us, from /proc, includes its idle ticker): {cpu}"
+                        if cpu else ""))
+
+    if "modern" in args.sections:
+        mark("modern")
+        modern = make_upstream("modern", "modern", workdir)
+        log(f"[1b] modern path (MCP {MODERN}): {args.calls} echo calls, {args.mrtr_calls} elicitation calls per path")
+        rows, data = [], {}
+        paths = [Path_(f"direct ({MODERN})", modern.params(), None, mode=MODERN, elicitation=True),
+                 Path_(f"relay-floor ({MODERN})", modern.relayed(), None, mode=MODERN, elicitation=True),
+                 gateways.coffer([modern], label=f"coffer ({MODERN})", mode=MODERN, elicitation=True),
+                 gateways.coffer([modern], label="coffer (legacy client)", elicitation=True)]
+        plans = [LatencyPlan(*CALL_TARGETS["modern"], args.calls, args.calls),
+                 LatencyPlan(*MRTR_TARGET, args.mrtr_calls, args.mrtr_calls)]
+        results = await bench_latency_plans(paths, modern, plans, args.batch, min(50, max(5, args.calls // 10)),
+                                            errlog)
+        for plan, samples in zip(plans, results):
+            tool = f"{modern.name}.{plan.tool}"
+            r, d = latency_rows(tool, samples, baseline=paths[0].label)
+            rows += r
+            data[tool] = d
+        echo, mrtr = data[f"modern.{CALL_TARGETS['modern'][0]}"], data[f"modern.{MRTR_TARGET[0]}"]
+        data["added_p50_ms"] = echo[f"coffer ({MODERN})"]["added_p50_ms"]
+        data["bridge_added_p50_ms"] = echo["coffer (legacy client)"]["added_p50_ms"]
+        data["mrtr_added_p50_ms"] = mrtr[f"coffer ({MODERN})"]["added_p50_ms"]
+        data["mrtr_bridge_added_p50_ms"] = mrtr["coffer (legacy client)"]["added_p50_ms"]
+        # The hop alone costs what the relay floor shows; Coffer's own work is what it adds above that.
+        data["above_relay_floor_ms"] = data["added_p50_ms"] - echo[f"relay-floor ({MODERN})"]["added_p50_ms"]
+        report.data["modern"] = data
+        cpu = "; ".join(f"{tool}: " + ", ".join(f"{label} {us:.0f}" for label, us in d["cpu_us_per_call"].items())
+                        for tool, d in data.items() if isinstance(d, dict) and d.get("cpu_us_per_call"))
+        report.table(f"1b. Modern path (MCP {MODERN}: tests/fixtures/modern_only.py, an SDK 2.x server that "
+                     "refuses initialize)",
+                     ["tool", "path", "n", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "p50 ratio"], rows,
+                     f"added: vs direct ({MODERN}), a {MODERN} SDK client straight to the server. coffer "
+                     f"(legacy client): a handshake-era client (initialize) through Coffer to the same {MODERN}-only "
+                     "server, the cross-era bridge; its added figure also holds the two client modes' own "
+                     f"difference.\n{MRTR_TARGET[0]}: one client call, a multi-round-trip on {MODERN} (the server "
+                     "answers input_required, the client retries with the elicited answer: direct and through "
+                     "Coffer, which forwards the round); for the legacy client Coffer turns the round into a real "
+                     "elicitation request and retries the server itself."
+                     + f"\ncoffer ({MODERN}) above the relay floor (echo, p50): {data['above_relay_floor_ms']:+.3f} ms"
                      + (f"\ncoffer serve CPU per forwarded call (us, from /proc, includes its idle ticker): {cpu}"
                         if cpu else ""))
 
