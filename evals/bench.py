@@ -20,7 +20,10 @@ official MCP Python SDK), so machine speed cancels out and the ratios travel:
 4. search          ``SearchIndex`` build time and query latency in-process for 100 .. 30k tools, the
                    end-to-end ``coffer__search_tools`` latency through the gateway, and the gateway's RSS
                    holding a ~1k-tool catalogue;
-5. peer            FastMCP's multi-server proxy fronting the same upstreams, in rows 1-3.
+5. knowledge       ``coffer__ask`` over 10k generated Markdown passages: index time and ask latency in-process
+                   (``KnowledgeBase``) and through ``coffer serve``, for both engines (SQLite FTS5, and Coffer's own
+                   BM25F as a Python without FTS5 runs it);
+6. peer            FastMCP's multi-server proxy fronting the same upstreams, in rows 1-3.
 
 Targets are printed as PASS/MISS next to the numbers; a miss never changes the exit status, because a benchmark
 on a loaded CI runner is evidence, not a verdict.
@@ -29,12 +32,15 @@ on a loaded CI runner is evidence, not a verdict.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import itertools
 import json
 import math
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -66,6 +72,8 @@ MEMORY_JS = NODE_MODULES / "server-memory" / "dist" / "index.js"
 PROJECT_CATALOG = ROOT / "evals" / "data" / "catalog.jsonl"
 PROJECT_QUERIES = ROOT / "evals" / "data" / "queries.jsonl"
 SHARED_EVALS = ROOT.parent / "shared" / "evals"
+ASK_CORPUS = ROOT / "evals" / "ask_data" / "corpus"            # pinned docs (click, flask): the word statistics
+ASK_QUESTIONS = ROOT / "evals" / "ask_data" / "questions.jsonl"  # 269 questions people wrote about those docs
 
 # How the benchmarks start the gateway.  "installed" is what `pip install`/`uvx coffer` gives: the module
 # imported from compiled bytecode.  "script" is `python coffer.py serve` (a vendored copy), which Python
@@ -74,8 +82,12 @@ SERVE_ARGS = {
     "installed": ["-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import coffer; sys.exit(coffer.main())",
                   "serve"],
     "script": [COFFER, "serve"],
+    # The gateway as it runs on a Python whose sqlite3 lacks FTS5 (the knowledge base then keeps Coffer's own
+    # BM25F index in memory): the same module with its FTS5 probe answered "no", as tests/test_knowledge.py does.
+    "no-fts5": ["-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import coffer; "
+                      "coffer._FTS5_AVAILABLE = False; sys.exit(coffer.main())", "serve"],
 }
-SERVE_NEEDLE = {"installed": "import coffer", "script": "coffer.py serve"}  # finds the process in /proc
+SERVE_NEEDLE = {"installed": "import coffer", "script": "coffer.py serve", "no-fts5": "import coffer"}  # finds the process in /proc
 
 
 def ensure_bytecode() -> None:
@@ -100,6 +112,12 @@ TARGETS = [
     ("search.p50_ms_10000", "search p50 at 10k tools (in-process)", "<=", 10.0),
     ("search.build_ms_10000", "index build at 10k tools", "<=", 300.0),
     ("rss.idle_mb", "idle RSS of coffer serve at ~1k tools", "<=", 40.0),
+    ("knowledge.fts5.index_s", "knowledge: index 10k passages, fts5 (s)", "<=", 10.0),
+    ("knowledge.bm25f.index_s", "knowledge: index 10k passages, bm25f (s)", "<=", 10.0),
+    ("knowledge.fts5.p50_ms", "coffer__ask p50 at 10k passages, fts5 (in-process)", "<=", 20.0),
+    ("knowledge.bm25f.p50_ms", "coffer__ask p50 at 10k passages, bm25f (in-process)", "<=", 20.0),
+    ("knowledge.fts5.gw_p50_ms", "  the same through coffer serve, fts5", "<=", 20.0),
+    ("knowledge.bm25f.gw_p50_ms", "  the same through coffer serve, bm25f", "<=", 20.0),
 ]
 
 
@@ -719,6 +737,154 @@ async def bench_search_gateway(gateways: Gateways, base: list[dict], size: int, 
     return out
 
 
+# ------------------------------------------------------------------------------------------------- 5. knowledge
+
+def corpus_words() -> tuple[list[str], list[int]]:
+    """The words of the pinned documentation corpus with their counts, most frequent first (ties by spelling):
+    a unigram model of real technical prose, so generated passages have realistic term statistics (stop words,
+    a long tail of rare terms, identifiers such as url_for) and the real questions hit them as they hit docs."""
+    counts: collections.Counter = collections.Counter()
+    for path in sorted(ASK_CORPUS.rglob("*")):
+        if path.is_file():
+            counts.update(re.findall(r"[A-Za-z][A-Za-z0-9_]{1,30}", path.read_text(encoding="utf-8",
+                                                                                     errors="replace")))
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return [word for word, _ in ranked], [count for _, count in ranked]
+
+
+def write_knowledge_corpus(folder: Path, passages: int, sections_per_file: int = 10, seed: int = 14) -> int:
+    """Generate a deterministic Markdown tree of ``passages`` sections in 20 folders, ``sections_per_file``
+    per file: a title, then '## ' sections of two paragraphs (every fourth with a fenced code block), each
+    under Coffer's 1,500-character packing size, so each section becomes one passage.  Returns the file count."""
+    words, counts = corpus_words()
+    cumulative = list(itertools.accumulate(counts))
+    rng = random.Random(seed)
+
+    def draw(k: int) -> list[str]:
+        return rng.choices(words, cum_weights=cumulative, k=k)
+
+    def sentence() -> str:
+        text = " ".join(draw(rng.randint(8, 16)))
+        return text[0].upper() + text[1:] + "."
+
+    files = math.ceil(passages / sections_per_file)
+    for number in range(files):
+        lines = [f"# {' '.join(draw(3)).title()}", ""]
+        for section in range(min(sections_per_file, passages - number * sections_per_file)):
+            lines += [f"## {' '.join(draw(rng.randint(2, 5))).capitalize()}", ""]
+            for _ in range(2):
+                lines += [" ".join(sentence() for _ in range(rng.randint(3, 4))), ""]
+            if section % 4 == 3:
+                lines += ["```python"] + [f"{a}.{b}({c}={d!r})" for a, b, c, d in
+                                          (draw(4) for _ in range(rng.randint(2, 5)))] + ["```", ""]
+        target = folder / f"part{number % 20:02d}" / f"doc{number:05d}.md"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("\n".join(lines), encoding="utf-8")
+    return files
+
+
+def ask_questions() -> list[str]:
+    return [row["question"] for row in read_jsonl(ASK_QUESTIONS)]
+
+
+def clear_term_caches() -> None:
+    """Empty the tokenizer's memo tables, so an index build pays what a fresh process pays."""
+    for cached in (coffer.stem, coffer._analysed, coffer._word_terms):
+        cached.cache_clear()
+
+
+@contextlib.contextmanager
+def fts5_probe(available: bool):
+    """Run as a Python with (or without) FTS5 in its sqlite3 would (the module checks once and keeps the answer)."""
+    saved = coffer._FTS5_AVAILABLE
+    coffer._FTS5_AVAILABLE = None if available else False  # None: the module probes sqlite3 again
+    try:
+        yield
+    finally:
+        coffer._FTS5_AVAILABLE = saved
+
+
+def bench_knowledge_inprocess(corpus: Path, db_path: Path, home: Path, engine: str, questions: list[str],
+                              n_queries: int) -> dict:
+    """Index ``corpus`` as one source with ``engine`` (cold caches), then time ``KnowledgeBase.ask`` (what
+    coffer__ask calls) over the questions: the first ask of a freshly opened knowledge base (a gateway start:
+    for bm25f it builds the in-memory index) and ``n_queries`` more, first uses of every term included."""
+    clear_term_caches()
+    with fts5_probe(engine == "fts5"):
+        kb = coffer.KnowledgeBase(str(db_path), str(home), engine=engine)
+        t0 = time.perf_counter()
+        stats = kb.add_source(str(corpus), name="docs")
+        index_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        unchanged = kb.changed()   # the serve watcher's poll: a stat per file, nothing read
+        poll_ms = (time.perf_counter() - t0) * 1000
+        kb.close()
+        clear_term_caches()
+        kb = coffer.KnowledgeBase(str(db_path), str(home), engine=engine)
+        t0 = time.perf_counter()
+        first = kb.ask(questions[0], 5)
+        first_ms = (time.perf_counter() - t0) * 1000
+        lat, empty = [], 0
+        for i in range(n_queries):
+            question = questions[i % len(questions)]
+            t0 = time.perf_counter()
+            answer = kb.ask(question, 5)
+            lat.append(time.perf_counter() - t0)
+            empty += not answer.passages
+        kb.close()
+    if unchanged:
+        raise RuntimeError("knowledge: changed() right after indexing")
+    out = {"engine": engine, "ranker": first.ranker, "files": stats.files_seen, "passages": stats.passages_added,
+           "index_s": index_s, "watch_poll_ms": poll_ms, "first_ask_ms": first_ms, "queries": n_queries,
+           "p50_ms": pct(lat, 50) * 1000, "p95_ms": pct(lat, 95) * 1000, "no_passage_share": empty / n_queries}
+    log(f"  knowledge in-process {engine}: {out['passages']} passages indexed in {index_s:.2f} s, "
+        f"ask p50 {out['p50_ms']:.2f} ms")
+    return out
+
+
+async def bench_knowledge_gateway(home: Path, engine: str, questions: list[str], calls: int, errlog) -> dict:
+    """``coffer__ask`` through ``coffer serve`` (no upstream; the knowledge source set up in ``home``), each
+    ask paired with a ``ping`` on the same session as in section 4.  The first ask pays the knowledge base's
+    start (for bm25f, building its in-memory index) and is reported on its own; the serve watcher polls the
+    folder every 2 s meanwhile, as it does for a user."""
+    from mcp.client.stdio import StdioServerParameters
+    form = "installed" if engine == "fts5" else "no-fts5"
+    params = StdioServerParameters(command=PY, args=SERVE_ARGS[form], env={**os.environ, "COFFER_HOME": str(home)})
+    out: dict = {"engine": engine}
+    async with connect(params, errlog) as client:
+        names = [t.name for t in (await client.list_tools()).tools]
+        if coffer.ASK_TOOL not in names:
+            raise RuntimeError(f"{coffer.ASK_TOOL} not listed by coffer serve: {names}")
+        pids = children_matching(os.getpid(), SERVE_NEEDLE[form])
+        t0 = time.perf_counter()
+        result = await client.call_tool(coffer.ASK_TOOL, {"question": questions[0], "top_k": 5})
+        out["first_ask_ms"] = (time.perf_counter() - t0) * 1000
+        if result.is_error or not (result.structured_content or {}).get("passages"):
+            raise RuntimeError(f"coffer__ask failed: {result.content}")
+        out["total_searched"] = result.structured_content.get("total_searched")
+        for question in questions[1:11]:  # warm up the session
+            await client.call_tool(coffer.ASK_TOOL, {"question": question, "top_k": 5})
+        warnings.filterwarnings("ignore", message="ping is removed")
+        ask, ping = [], []
+        for i in range(calls):
+            t1 = time.perf_counter()
+            await client.send_ping()
+            t2 = time.perf_counter()
+            result = await client.call_tool(coffer.ASK_TOOL, {"question": questions[i % len(questions)], "top_k": 5})
+            t3 = time.perf_counter()
+            if result.is_error:
+                raise RuntimeError(f"coffer__ask failed: {result.content}")
+            ping.append(t2 - t1)
+            ask.append(t3 - t2)
+        status = proc_status(pids[0]) if len(pids) == 1 else None
+    out.update({"calls": calls, "p50_ms": pct(ask, 50) * 1000, "p95_ms": pct(ask, 95) * 1000,
+                "ping_p50_ms": pct(ping, 50) * 1000,
+                "rss_mb": status["VmRSS"] / 1024 if status else None,
+                "peak_rss_mb": status["VmHWM"] / 1024 if status else None})
+    log(f"  knowledge via gateway {engine}: ask p50 {out['p50_ms']:.2f} ms (ping {out['ping_p50_ms']:.2f} ms)")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- profile
 
 async def profile_gateway(gateways: Gateways, upstream: Upstream, calls: int, out: Path, errlog) -> str:
@@ -754,8 +920,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m evals.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (< 60 s)")
     parser.add_argument("--json", action="store_true", help="print all results as JSON on stdout")
-    parser.add_argument("--only", default="call,modern,throughput,startup,search",
-                        help="comma-separated sections to run (call, modern, throughput, startup, search)")
+    parser.add_argument("--only", default="call,modern,throughput,startup,search,knowledge",
+                        help="comma-separated sections to run (call, modern, throughput, startup, search, knowledge)")
     parser.add_argument("--no-fastmcp", action="store_true", help="skip the FastMCP peer rows")
     parser.add_argument("--calls", type=int, help="sequential calls per path and tool (default 2000; quick 200)")
     parser.add_argument("--fastmcp-default-calls", type=int,
@@ -772,6 +938,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--search-queries", type=int, help="timed in-process queries per size (default 2000)")
     parser.add_argument("--e2e-sizes", help="sizes searched through the gateway (default 1000,10000)")
     parser.add_argument("--e2e-calls", type=int, help="searches through the gateway per size (default 300)")
+    parser.add_argument("--knowledge-passages", type=int, default=10_000,
+                        help="generated passages for the knowledge section (default 10000)")
+    parser.add_argument("--knowledge-queries", type=int, help="timed in-process asks per engine (default 2000; "
+                                                              "quick 300)")
+    parser.add_argument("--knowledge-calls", type=int, help="coffer__ask calls through the gateway per engine "
+                                                            "(default 300; quick 60)")
     parser.add_argument("--profile", metavar="OUT.pstats",
                         help="also profile `coffer serve` (all threads) under the call load, print its top "
                              "functions and keep the pstats file")
@@ -781,7 +953,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                         "quick 2)")
     args = parser.parse_args(argv)
     quick = args.quick
-    defaults = {"calls": 200 if quick else 2000, "mrtr_calls": 50 if quick else 500, "fastmcp_default_calls": 4 if quick else 10,
+    defaults = {"calls": 200 if quick else 2000, "mrtr_calls": 50 if quick else 500,
+                "knowledge_queries": 300 if quick else 2000, "knowledge_calls": 60 if quick else 300, "fastmcp_default_calls": 4 if quick else 10,
                 "throughput_calls": 200 if quick else 1000, "throughput_rounds": 1 if quick else 2,
                 "startup_reps": 1 if quick else 3, "search_queries": 300 if quick else 2000,
                 "e2e_calls": 100 if quick else 300, "build_reps": 2 if quick else 3,
@@ -1029,6 +1202,46 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         elif 1000 in e2e:
             report.data["rss"] = {"skipped": "no /proc here (not Linux)"}
             log("RSS skipped: no /proc on this platform")
+    if "knowledge" in args.sections:
+        mark("knowledge")
+        corpus = workdir / "knowledge-corpus"
+        t0 = time.perf_counter()
+        files = write_knowledge_corpus(corpus, args.knowledge_passages)
+        generated_s = time.perf_counter() - t0
+        questions = ask_questions()
+        engines = ["fts5", "bm25f"] if coffer.fts5_available() else ["bm25f"]
+        log(f"[5] knowledge: {args.knowledge_passages} passages in {files} generated files ({generated_s:.1f} s); "
+            f"engines {engines}; {args.knowledge_queries} asks in-process, {args.knowledge_calls} via the gateway")
+        data: dict = {"files": files, "requested_passages": args.knowledge_passages, "questions": str(ASK_QUESTIONS),
+                      "vocabulary": str(ASK_CORPUS)}
+        rows = []
+        for engine in engines:
+            home = workdir / f"knowledge-home-{engine}"
+            coffer_cli(["config", "discovery_timeout", "60"], {**os.environ, "COFFER_HOME": str(home)})  # the vault
+            inproc = bench_knowledge_inprocess(corpus, home / "coffer.db", home, engine, questions,
+                                               args.knowledge_queries)
+            gateway = await bench_knowledge_gateway(home, engine, questions, args.knowledge_calls, errlog)
+            data[engine] = {**inproc, "gateway": gateway, "gw_p50_ms": gateway["p50_ms"],
+                            "gw_p95_ms": gateway["p95_ms"]}
+            rows.append([engine, inproc["passages"], inproc["files"], inproc["index_s"], inproc["first_ask_ms"],
+                         inproc["p50_ms"], inproc["p95_ms"], gateway["first_ask_ms"], gateway["p50_ms"],
+                         gateway["p95_ms"], gateway["ping_p50_ms"], gateway["peak_rss_mb"]])
+        report.data["knowledge"] = data
+        polls = ", ".join(f"{e} {data[e]['watch_poll_ms']:.0f} ms" for e in engines)
+        report.table(f"5. Knowledge (coffer__ask, top_k=5, no embedder; {args.knowledge_passages} generated "
+                     "passages)",
+                     ["engine", "passages", "files", "index s", "first ask ms", "p50 ms", "p95 ms",
+                      "gw first ms", "gw p50 ms", "gw p95 ms", "gw ping p50 ms", "gw peak RSS MB"], rows,
+                     "corpus: generated Markdown (fixed seed), words drawn by their frequency in the pinned click/flask "
+                     "docs (evals/ask_data/corpus); questions: the 269 written for those docs.\n"
+                     "index: KnowledgeBase.add_source with cold term caches (walk, read, hash, split, analyse, "
+                     "write; bm25f also builds its in-memory index). first ask: a freshly opened knowledge base "
+                     "(bm25f builds its in-memory index there; a gateway's first coffer__ask pays it). p50/p95: "
+                     "KnowledgeBase.ask in-process; gw: tools/call coffer__ask through `coffer serve` with the "
+                     "official SDK client, a ping on the same session as the protocol baseline.\n"
+                     "bm25f: the engine of a Python without FTS5 (the gateway started with its FTS5 probe answered "
+                     f"no). Watcher poll (changed(), every 2 s in serve): {polls}.")
+
     if args.profile:
         mark("profile")
         out = Path(args.profile).resolve()
