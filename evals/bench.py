@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python -m evals.bench                 # full run, a few minutes on 2 cores
-    python -m evals.bench --quick         # small sizes, < 60 s, for smoke tests
+    python -m evals.bench --quick         # small sizes, about a minute, no FastMCP, for smoke tests
     python -m evals.bench --json          # everything machine-readable on stdout (tables go to stderr)
 
 Every number is relative to a baseline measured in the same run, on the same machine, by the same client (the
@@ -87,7 +87,8 @@ SERVE_ARGS = {
     "no-fts5": ["-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import coffer; "
                       "coffer._FTS5_AVAILABLE = False; sys.exit(coffer.main())", "serve"],
 }
-SERVE_NEEDLE = {"installed": "import coffer", "script": "coffer.py serve", "no-fts5": "import coffer"}  # finds the process in /proc
+# How to find each form's process in /proc.
+SERVE_NEEDLE = {"installed": "import coffer", "script": "coffer.py serve", "no-fts5": "import coffer"}
 
 
 def ensure_bytecode() -> None:
@@ -972,11 +973,13 @@ async def profile_gateway(gateways: Gateways, upstream: Upstream, calls: int, ou
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m evals.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (< 60 s)")
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (about a minute)")
     parser.add_argument("--json", action="store_true", help="print all results as JSON on stdout")
     parser.add_argument("--only", default="call,modern,throughput,startup,search,knowledge",
                         help="comma-separated sections to run (call, modern, throughput, startup, search, knowledge)")
     parser.add_argument("--no-fastmcp", action="store_true", help="skip the FastMCP peer rows")
+    parser.add_argument("--fastmcp", action="store_true",
+                        help="with --quick: include FastMCP's shared proxy (left out by default: +~25 s)")
     parser.add_argument("--calls", type=int, help="sequential calls per path and tool (default 2000; quick 200)")
     parser.add_argument("--fastmcp-default-calls", type=int,
                         help="calls through FastMCP's default proxy, which spawns per request (default 10; quick 4)")
@@ -995,9 +998,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--knowledge-passages", type=int, default=10_000,
                         help="generated passages for the knowledge section (default 10000)")
     parser.add_argument("--knowledge-queries", type=int, help="timed in-process asks per engine (default 2000; "
-                                                              "quick 300)")
+                                                              "quick 269, each question once)")
     parser.add_argument("--knowledge-calls", type=int, help="coffer__ask calls through the gateway per engine "
-                                                            "(default 300; quick 60)")
+                                                            "(default 300; quick 50)")
     parser.add_argument("--profile", metavar="OUT.pstats",
                         help="also profile `coffer serve` (all threads) under the call load, print its top "
                              "functions and keep the pstats file")
@@ -1008,7 +1011,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {"calls": 200 if quick else 2000, "mrtr_calls": 50 if quick else 500,
-                "knowledge_queries": 300 if quick else 2000, "knowledge_calls": 60 if quick else 300, "fastmcp_default_calls": 4 if quick else 10,
+                "knowledge_queries": 269 if quick else 2000, "knowledge_calls": 50 if quick else 300,
+                "fastmcp_default_calls": 4 if quick else 10,
                 "throughput_calls": 200 if quick else 1000, "throughput_rounds": 1 if quick else 2,
                 "startup_reps": 1 if quick else 3, "search_queries": 300 if quick else 2000,
                 "e2e_calls": 100 if quick else 300, "build_reps": 2 if quick else 3,
@@ -1032,7 +1036,12 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
     gateways = Gateways(workdir)
     errlog = gateways.errlog
     peers: list[str] = []
-    if not args.no_fastmcp:
+    if args.quick and not args.fastmcp:
+        # FastMCP's shared proxy takes ~3.4 s to start here and is spawned four times over the call and
+        # throughput sections (and its startup rows take seconds each): a third of a quick run.
+        report.data["fastmcp_skipped"] = "--quick (add --fastmcp for its shared-proxy rows)"
+        log("FastMCP rows skipped in --quick (add --fastmcp to include the shared proxy)")
+    elif not args.no_fastmcp:
         problem = fastmcp_problem()
         if problem:
             log(f"FastMCP rows skipped: {problem}")
@@ -1292,8 +1301,8 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
                      "passages)",
                      ["engine", "passages", "files", "index s", "first ask ms", "p50 ms", "p95 ms",
                       "gw first ms", "gw p50 ms", "gw p95 ms", "gw ping p50 ms", "gw peak RSS MB"], rows,
-                     "corpus: generated Markdown (fixed seed), words drawn by their frequency in the pinned click/flask "
-                     "docs (evals/ask_data/corpus); questions: the 269 written for those docs.\n"
+                     "corpus: generated Markdown (fixed seed), words drawn by their frequency in the pinned "
+                     "click/flask docs (evals/ask_data/corpus); questions: the 269 written for those docs.\n"
                      "index: KnowledgeBase.add_source with cold term caches (walk, read, hash, split, analyse, "
                      "write; bm25f also builds its in-memory index). first ask: a freshly opened knowledge base "
                      "(bm25f builds its in-memory index there; a gateway's first coffer__ask pays it). p50/p95: "
@@ -1329,7 +1338,8 @@ def evaluate_targets(report: Report, quick: bool = False) -> None:
         rows.append([label, value, f"{op} {threshold:g}", verdict])
     report.data["targets"] = verdicts
     report.table("Targets (a MISS is reported, never fatal)", ["target", "value", "goal", "verdict"], rows,
-                 "--quick: 200 calls and one round per figure, a smoke test; its verdicts swing from run to run."
+                 "--quick: 200 calls and one round per figure, no FastMCP, a smoke test; its verdicts swing from "
+                 "run to run (search p50s there include most terms' first use: 300 queries, nearly all distinct)."
                  if quick else None)
 
 
