@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python -m evals.bench                 # full run, a few minutes on 2 cores
-    python -m evals.bench --quick         # small sizes, < 60 s, for smoke tests
+    python -m evals.bench --quick         # small sizes, about a minute, no FastMCP, for smoke tests
     python -m evals.bench --json          # everything machine-readable on stdout (tables go to stderr)
 
 Every number is relative to a baseline measured in the same run, on the same machine, by the same client (the
@@ -11,13 +11,19 @@ official MCP Python SDK), so machine speed cancels out and the ratios travel:
 
 1. call overhead   one tool call at a time, direct to the upstream vs through ``coffer serve`` (and FastMCP),
                    interleaved in batches so drift (thermal, noisy neighbours) hits every path alike;
+1b. modern path    the same for MCP 2026-07-28: an SDK 2.x server that speaks only that revision, reached by a
+                   2026-07-28 client directly, through Coffer, and by a handshake-era client through Coffer (the
+                   cross-era bridge); plus a multi-round-trip (elicitation) call on each path;
 2. throughput      32 and 256 calls in flight over one client session;
 3. startup         spawn + initialize + a tools/list holding every upstream's tools, for 1, 4 and 8 real
                    upstreams, against the slowest of those upstreams started alone;
 4. search          ``SearchIndex`` build time and query latency in-process for 100 .. 30k tools, the
                    end-to-end ``coffer__search_tools`` latency through the gateway, and the gateway's RSS
                    holding a ~1k-tool catalogue;
-5. peer            FastMCP's multi-server proxy fronting the same upstreams, in rows 1-3.
+5. knowledge       ``coffer__ask`` over 10k generated Markdown passages: index time and ask latency in-process
+                   (``KnowledgeBase``) and through ``coffer serve``, for both engines (SQLite FTS5, and Coffer's own
+                   BM25F as a Python without FTS5 runs it);
+6. peer            FastMCP's multi-server proxy fronting the same upstreams, in rows 1-3.
 
 Targets are printed as PASS/MISS next to the numbers; a miss never changes the exit status, because a benchmark
 on a loaded CI runner is evidence, not a verdict.
@@ -26,12 +32,15 @@ on a loaded CI runner is evidence, not a verdict.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import itertools
 import json
 import math
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -41,6 +50,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 
@@ -54,12 +64,16 @@ CATALOG_SERVER = str(ROOT / "evals" / "fixtures" / "catalog_server.py")
 FASTMCP_PROXY = str(ROOT / "evals" / "fixtures" / "fastmcp_proxy.py")
 RELAY = str(ROOT / "evals" / "fixtures" / "passthrough_relay.py")
 PROFILED_COFFER = str(ROOT / "evals" / "fixtures" / "profiled_coffer.py")
+MODERN_ONLY = str(ROOT / "tests" / "fixtures" / "modern_only.py")  # SDK 2.x, answers initialize with -32022
+MODERN = "2026-07-28"  # the stateless revision; an SDK client in this mode sends no initialize
 NODE_MODULES = ROOT / ".ci" / "node_modules" / "@modelcontextprotocol"
 EVERYTHING_JS = NODE_MODULES / "server-everything" / "dist" / "index.js"
 MEMORY_JS = NODE_MODULES / "server-memory" / "dist" / "index.js"
 PROJECT_CATALOG = ROOT / "evals" / "data" / "catalog.jsonl"
 PROJECT_QUERIES = ROOT / "evals" / "data" / "queries.jsonl"
 SHARED_EVALS = ROOT.parent / "shared" / "evals"
+ASK_CORPUS = ROOT / "evals" / "ask_data" / "corpus"            # pinned docs (click, flask): the word statistics
+ASK_QUESTIONS = ROOT / "evals" / "ask_data" / "questions.jsonl"  # 269 questions people wrote about those docs
 
 # How the benchmarks start the gateway.  "installed" is what `pip install`/`uvx coffer` gives: the module
 # imported from compiled bytecode.  "script" is `python coffer.py serve` (a vendored copy), which Python
@@ -68,8 +82,13 @@ SERVE_ARGS = {
     "installed": ["-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import coffer; sys.exit(coffer.main())",
                   "serve"],
     "script": [COFFER, "serve"],
+    # The gateway as it runs on a Python whose sqlite3 lacks FTS5 (the knowledge base then keeps Coffer's own
+    # BM25F index in memory): the same module with its FTS5 probe answered "no", as tests/test_knowledge.py does.
+    "no-fts5": ["-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import coffer; "
+                      "coffer._FTS5_AVAILABLE = False; sys.exit(coffer.main())", "serve"],
 }
-SERVE_NEEDLE = {"installed": "import coffer", "script": "coffer.py serve"}  # finds the process in /proc
+# How to find each form's process in /proc.
+SERVE_NEEDLE = {"installed": "import coffer", "script": "coffer.py serve", "no-fts5": "import coffer"}
 
 
 def ensure_bytecode() -> None:
@@ -86,12 +105,20 @@ import coffer  # noqa: E402  (the module under test lives at the repository root
 TARGETS = [
     ("call.max_added_p50_ms", "added median latency per call (worst tool)", "<=", 0.25),
     ("throughput.ratio_32", "throughput at 32 in flight vs direct (worst tool)", ">=", 0.85),
+    ("modern.added_p50_ms", "added median latency, 2026-07-28 client and upstream", "<=", 0.25),
+    ("modern.bridge_added_p50_ms", "  the same, handshake-era client bridged to it", "<=", 0.25),
     ("startup.excess_ms_8", "startup with 8 upstreams minus slowest single", "<=", 50.0),
     ("startup.live_excess_ms_8", "  the same, first session (serve --live)", "<=", 50.0),
     ("search.p50_ms_1000", "search p50 at 1k tools (in-process)", "<=", 1.0),
     ("search.p50_ms_10000", "search p50 at 10k tools (in-process)", "<=", 10.0),
-    ("search.build_ms_10000", "index build at 10k tools", "<=", 300.0),
+    ("search.build_ms_10000", "index build at 10k distinct tools (cold caches)", "<=", 300.0),
     ("rss.idle_mb", "idle RSS of coffer serve at ~1k tools", "<=", 40.0),
+    ("knowledge.fts5.index_s", "knowledge: index 10k passages, fts5 (s)", "<=", 10.0),
+    ("knowledge.bm25f.index_s", "knowledge: index 10k passages, bm25f (s)", "<=", 10.0),
+    ("knowledge.fts5.p50_ms", "coffer__ask p50 at 10k passages, fts5 (in-process)", "<=", 20.0),
+    ("knowledge.bm25f.p50_ms", "coffer__ask p50 at 10k passages, bm25f (in-process)", "<=", 20.0),
+    ("knowledge.fts5.gw_p50_ms", "  the same through coffer serve, fts5", "<=", 20.0),
+    ("knowledge.bm25f.gw_p50_ms", "  the same through coffer serve, bm25f", "<=", 20.0),
 ]
 
 
@@ -183,6 +210,8 @@ def make_upstream(kind: str, name: str, workdir: Path) -> Upstream:
         return Upstream(name, kind, PY, ["-m", "mcp_server_time"])
     if kind == "fx":
         return Upstream(name, kind, PY, [FAKE_SERVER, "--tools", "echo"])
+    if kind == "modern":
+        return Upstream(name, kind, PY, [MODERN_ONLY])
     if kind == "everything":
         return Upstream(name, kind, "node", [str(EVERYTHING_JS), "stdio"])
     if kind == "memory":
@@ -191,7 +220,11 @@ def make_upstream(kind: str, name: str, workdir: Path) -> Upstream:
 
 
 # The tool each benchmark calls on an upstream kind: cheap, deterministic, no side effects.
-CALL_TARGETS = {"time": ("get_current_time", {"timezone": "UTC"}), "fx": ("echo", {"text": "hello"})}
+CALL_TARGETS = {"time": ("get_current_time", {"timezone": "UTC"}), "fx": ("echo", {"text": "hello"}),
+                "modern": ("echo", {"message": "hello"})}
+# A call that needs the client mid-call: on 2026-07-28 an input_required result and a retry carrying the answer
+# (multi round-trip), on the handshake era a real elicitation request from the server.
+MRTR_TARGET = ("ask_elicitation", {})
 
 
 @dataclass
@@ -202,6 +235,8 @@ class Path_:
     params: object                  # StdioServerParameters
     prefix: str | None              # how the gateway names tools: "<server>__", "<server>_", or None (direct)
     slow: bool = False              # FastMCP's default proxy spawns every upstream per request
+    mode: str = "legacy"            # the SDK client's protocol mode: "legacy" (initialize) or MODERN
+    elicitation: bool = False       # the client declares elicitation (and answers it), for MRTR_TARGET
 
 
 class Gateways:
@@ -212,19 +247,21 @@ class Gateways:
         self.errlog = open(workdir / "stderr.log", "a", encoding="utf-8")  # noqa: SIM115 - lives as long as we do
         self._count = 0
 
-    def coffer(self, upstreams: list[Upstream], settings: dict | None = None, form: str = "installed") -> Path_:
+    def coffer(self, upstreams: list[Upstream], settings: dict | None = None, form: str = "installed",
+               label: str = "coffer", mode: str = "legacy", elicitation: bool = False) -> Path_:
         from mcp.client.stdio import StdioServerParameters
         self._count += 1
         home = self.workdir / f"coffer-home-{self._count}"
         env = {**os.environ, "COFFER_HOME": str(home)}
         for up in upstreams:
             flags = [f"--env={k}={v}" for k, v in up.env.items()]
-            _run([PY, COFFER, "add", up.name, *flags, "--", up.command, *up.args], env)
+            coffer_cli(["add", up.name, *flags, "--", up.command, *up.args], env)
         # Wait for every upstream on the first tools/list (the default 5 s budget would cut startup short on a
         # loaded 2-core runner and make the startup numbers measure the budget instead of the servers).
         for key, value in {"discovery_timeout": "60", **(settings or {})}.items():
-            _run([PY, COFFER, "config", key, str(value)], env)
-        return Path_("coffer", StdioServerParameters(command=PY, args=SERVE_ARGS[form], env=env), "__")
+            coffer_cli(["config", key, str(value)], env)
+        return Path_(label, StdioServerParameters(command=PY, args=SERVE_ARGS[form], env=env), "__", mode=mode,
+                     elicitation=elicitation)
 
     def fastmcp(self, upstreams: list[Upstream], shared: bool) -> Path_:
         from mcp.client.stdio import StdioServerParameters
@@ -245,6 +282,12 @@ def _run(argv: list[str], env: dict) -> None:
         raise RuntimeError(f"{' '.join(argv[1:4])} failed: {proc.stderr.strip()}")
 
 
+def coffer_cli(argv: list[str], env: dict) -> None:
+    """One ``coffer`` CLI command, started as installed (from bytecode: ~0.14 s instead of ~0.33 s for the
+    script form, which recompiles the module; the bench runs dozens of these while setting up)."""
+    _run([PY, *SERVE_ARGS["installed"][:2], *argv], env)
+
+
 def fastmcp_problem() -> str | None:
     """Why FastMCP cannot be benchmarked here, or None when it can."""
     try:
@@ -255,16 +298,26 @@ def fastmcp_problem() -> str | None:
     return None
 
 
+async def accept_elicitation(context, params):
+    """The user of the benchmark client: accepts every elicitation with the name the fixture asks for."""
+    import mcp_types
+    return mcp_types.ElicitResult(action="accept", content={"name": "Ada"})
+
+
 @contextlib.asynccontextmanager
-async def connect(params, errlog):
+async def connect(params, errlog, mode: str = "legacy", elicitation: bool = False):
     """An SDK client session over stdio with the server's stderr kept out of the report.
 
-    ``cache=None``: the SDK's response cache would otherwise answer repeated list requests itself.
+    ``mode``: "legacy" opens the handshake era (initialize); MODERN sends every request with the 2026-07-28
+    envelope and no handshake.  ``cache=None``: the SDK's response cache would otherwise answer repeated list
+    requests itself (it caches modern list results for their ttlMs).  ``elicitation``: declare the capability
+    and accept every request (the MRTR rows).
     """
     from mcp import Client
     from mcp.client.stdio import stdio_client
-    async with Client(stdio_client(params, errlog=errlog), mode="legacy", cache=None,
-                      read_timeout_seconds=300) as client:
+    extra = {"elicitation_callback": accept_elicitation} if elicitation else {}
+    async with Client(stdio_client(params, errlog=errlog), mode=mode, cache=None,
+                      read_timeout_seconds=300, **extra) as client:
         yield client
 
 
@@ -280,58 +333,93 @@ def resolve_tool(names: list[str], server: str, tool: str, prefix: str | None) -
 # ------------------------------------------------------------------------------------------------- 1. latency
 
 async def open_session(stack, path, upstream, tool, errlog):
-    """Connect one path's client and find what the tool is called on that path."""
-    client = await stack.enter_async_context(connect(path.params, errlog))
+    """Connect one path's client and find what the tool is called on that path (listing the tools also
+    gives the SDK client the output schemas it validates results against, so no call re-lists them)."""
+    client = await stack.enter_async_context(connect(path.params, errlog, path.mode, path.elicitation))
     names = [t.name for t in (await client.list_tools()).tools]
-    return client, resolve_tool(names, upstream.name, tool, path.prefix)
+    return client, names, resolve_tool(names, upstream.name, tool, path.prefix)
+
+
+class LatencyPlan(NamedTuple):
+    """One tool to time on every path: what to call, and how many calls per path (``slow_n`` on slow paths)."""
+
+    tool: str
+    arguments: dict
+    n: int
+    slow_n: int
 
 
 async def bench_latency(paths: list[Path_], upstream: Upstream, n: int, slow_n: int, batch: int, warmup: int,
                         errlog) -> dict:
-    """Sequential calls to one tool on every path, interleaved: round r runs one batch per path, in an order
-    rotated by r, so slow drift and ordering effects are shared instead of landing on one path."""
+    """Sequential calls to the upstream kind's CALL_TARGETS tool on every path (see bench_latency_plans)."""
     tool, arguments = CALL_TARGETS[upstream.kind]
-    samples: dict[str, list[float]] = {p.label: [] for p in paths}
-    rounds = max(1, math.ceil(n / batch))
+    return (await bench_latency_plans(paths, upstream, [LatencyPlan(tool, arguments, n, slow_n)], batch, warmup,
+                                      errlog))[0]
+
+
+async def bench_latency_plans(paths: list[Path_], upstream: Upstream, plans: list[LatencyPlan], batch: int,
+                              warmup: int, errlog) -> list[dict]:
+    """Per plan, sequential calls of its tool on every path over the same sessions (opened once), interleaved:
+    round r runs one batch per path, in an order rotated by r, so slow drift and ordering effects are shared
+    instead of landing on one path.
+
+    Also the CPU each ``coffer serve`` used per call it forwarded (``_cpu_us_per_call``, by path label): its
+    process is found as the one that appeared while that path connected."""
+    results = []
     async with contextlib.AsyncExitStack() as stack:
-        sessions = []
+        sessions, gateway_pid = [], {}
         for path in paths:
-            client, name = await open_session(stack, path, upstream, tool, errlog)
-            quota = slow_n if path.slow else n
-            for _ in range(min(warmup, quota)):
-                await client.call_tool(name, arguments)
-            sessions.append((path, client, name, quota))
-        gateway_pids = children_matching(os.getpid(), SERVE_NEEDLE["installed"])
-        cpu_before = cpu_seconds(gateway_pids[0]) if len(gateway_pids) == 1 else None
-        for r in range(rounds):
-            for i in range(len(sessions)):
-                path, client, name, quota = sessions[(i + r) % len(sessions)]
-                got = samples[path.label]
-                size = min(math.ceil(quota / rounds), quota - len(got))
-                for _ in range(size):
-                    t0 = time.perf_counter()
-                    result = await client.call_tool(name, arguments)
-                    got.append(time.perf_counter() - t0)
+            before = set(children_matching(os.getpid(), SERVE_NEEDLE["installed"]))
+            client, names, _ = await open_session(stack, path, upstream, plans[0].tool, errlog)
+            started = set(children_matching(os.getpid(), SERVE_NEEDLE["installed"])) - before
+            if len(started) == 1:
+                gateway_pid[path.label] = started.pop()
+            sessions.append((path, client, names))
+        for plan in plans:
+            samples: dict = {p.label: [] for p in paths}
+            timed = []
+            for path, client, names in sessions:
+                name = resolve_tool(names, upstream.name, plan.tool, path.prefix)
+                quota = plan.slow_n if path.slow else plan.n
+                for _ in range(min(warmup, quota)):
+                    result = await client.call_tool(name, plan.arguments)
                     if result.is_error:
                         raise RuntimeError(f"{path.label}: {name} failed: {result.content}")
-        if cpu_before is not None:
+                timed.append((path, client, name, quota))
+            rounds = max(1, math.ceil(plan.n / batch))
+            cpu_before = {label: cpu_seconds(pid) for label, pid in gateway_pid.items()}
+            for r in range(rounds):
+                for i in range(len(timed)):
+                    path, client, name, quota = timed[(i + r) % len(timed)]
+                    got = samples[path.label]
+                    size = min(math.ceil(quota / rounds), quota - len(got))
+                    for _ in range(size):
+                        t0 = time.perf_counter()
+                        result = await client.call_tool(name, plan.arguments)
+                        got.append(time.perf_counter() - t0)
+                        if result.is_error:
+                            raise RuntimeError(f"{path.label}: {name} failed: {result.content}")
             # Coffer's CPU per forwarded call (idle ticking while other paths run is included: an upper bound).
-            samples["_coffer_cpu_us_per_call"] = (cpu_seconds(gateway_pids[0]) - cpu_before) / n * 1e6
-    return samples
+            samples["_cpu_us_per_call"] = {
+                label: (cpu_seconds(pid) - cpu_before[label]) / len(samples[label]) * 1e6
+                for label, pid in gateway_pid.items() if cpu_before[label] is not None and samples[label]}
+            results.append(samples)
+    return results
 
 
-def latency_rows(tool_label: str, samples: dict[str, list[float]]) -> tuple[list[list], dict]:
-    cpu = samples.pop("_coffer_cpu_us_per_call", None)
-    direct = samples["direct"]
-    d50 = pct(direct, 50) * 1000
-    rows, data = [], {"coffer_cpu_us_per_call": cpu}
+def latency_rows(tool_label: str, samples: dict, baseline: str = "direct") -> tuple[list[list], dict]:
+    """Table rows and data for one tool's samples; added latency and ratios are against ``baseline``."""
+    cpu = samples.pop("_cpu_us_per_call", None) or {}
+    d50, d99 = pct(samples[baseline], 50) * 1000, pct(samples[baseline], 99) * 1000
+    rows, data = [], {"coffer_cpu_us_per_call": cpu.get("coffer"), "cpu_us_per_call": cpu, "baseline": baseline}
     for label, values in samples.items():
         p50, p99 = pct(values, 50) * 1000, pct(values, 99) * 1000
-        added = None if label == "direct" else p50 - d50
+        added = None if label == baseline else p50 - d50
+        added_p99 = None if label == baseline else p99 - d99
         ratio = p50 / d50 if d50 else None
-        rows.append([tool_label, label, len(values), p50, p99, added, f"{ratio:.2f}x"])
+        rows.append([tool_label, label, len(values), p50, p99, added, added_p99, f"{ratio:.2f}x"])
         data[label] = {"n": len(values), "p50_ms": p50, "p99_ms": p99, "mean_ms": statistics.fmean(values) * 1000,
-                       "added_p50_ms": added, "ratio_p50": ratio}
+                       "added_p50_ms": added, "added_p99_ms": added_p99, "ratio_p50": ratio}
     return rows, data
 
 
@@ -367,7 +455,7 @@ async def bench_throughput(paths: list[Path_], upstream: Upstream, levels: list[
     async with contextlib.AsyncExitStack() as stack:
         sessions = []
         for path in paths:
-            client, name = await open_session(stack, path, upstream, tool, errlog)
+            client, _, name = await open_session(stack, path, upstream, tool, errlog)
             await run_inflight(client, name, arguments, 8, 8 if path.slow else 64)  # warm up
             sessions.append((path, client, name))
         for r in range(rounds):
@@ -513,11 +601,16 @@ def base_catalog() -> tuple[list[dict], list[str]]:
     return tools, [str(s) for s in sources]
 
 
-def synth_catalog(base: list[dict], size: int) -> list[dict]:
+def synth_catalog(base: list[dict], size: int, distinct: bool = True) -> list[dict]:
     """``size`` tools: a fixed-seed sample of ``base`` when it is big enough, else copies of it with the server
-    part renamed (``github-2__create_issue``) so names stay unique and each copy looks like another server."""
+    part renamed (``github-2__create_issue``) so names stay unique and each copy looks like another server.
+
+    ``distinct``: every copy's texts differ from the original's (see ``varied_tool``), as in a real catalogue
+    of that size; with exact copies the tokenizer's per-text cache analyses only ``len(base)`` texts, and an
+    index build would look cheaper than it is."""
     if size <= len(base):
         return random.Random(0).sample(base, size)
+    vocabulary = catalog_vocabulary(base) if distinct else None
     tools = []
     for copy in range(1, math.ceil(size / len(base)) + 1):
         for tool in base:
@@ -527,8 +620,45 @@ def synth_catalog(base: list[dict], size: int) -> list[dict]:
             if copy > 1:
                 server, sep, short = name.partition("__")
                 name = f"{server}-{copy}__{short}" if sep else f"{name}-{copy}"
+                if vocabulary:
+                    tools.append(varied_tool({**tool, "name": name}, vocabulary, random.Random(name)))
+                    continue
             tools.append({**tool, "name": name})
     return tools
+
+
+def catalog_vocabulary(base: list[dict]) -> tuple[list[str], list[int]]:
+    """The words of the base catalogue's descriptions, with cumulative counts for drawing by frequency."""
+    counts: collections.Counter = collections.Counter()
+    for tool in base:
+        counts.update(re.findall(r"[A-Za-z][A-Za-z0-9]+", str(tool.get("description") or "")))
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return [word for word, _ in ranked], list(itertools.accumulate(count for _, count in ranked))
+
+
+def varied_tool(tool: dict, vocabulary: tuple[list[str], list[int]], rng: random.Random) -> dict:
+    """Another server's version of ``tool``: about a third of the words of its description and parameter
+    descriptions swapped for catalogue words drawn by frequency, and half the time one more word in its short
+    name (``create_issue_comment``), so its texts are new to the tokenizer but keep realistic lengths and
+    vocabulary."""
+    words, cumulative = vocabulary
+
+    def vary(text: str) -> str:
+        tokens = text.split(" ")
+        swaps = rng.choices(words, cum_weights=cumulative, k=len(tokens))
+        return " ".join(swap if rng.random() < 0.33 else token for token, swap in zip(tokens, swaps))
+
+    varied = {**tool, "description": vary(str(tool.get("description") or ""))}
+    if rng.random() < 0.5:
+        server, _, short = tool["name"].partition("__")
+        varied["name"] = f"{server}__{short}_{rng.choices(words, cum_weights=cumulative)[0].lower()}"[:64]
+    schema = tool.get("inputSchema")
+    if isinstance(schema, dict) and isinstance(schema.get("properties"), dict):
+        properties = {key: ({**value, "description": vary(value["description"])}
+                            if isinstance(value, dict) and isinstance(value.get("description"), str) else value)
+                      for key, value in schema["properties"].items()}
+        varied["inputSchema"] = {**schema, "properties": properties}
+    return varied
 
 
 def queries() -> list[str]:
@@ -538,14 +668,25 @@ def queries() -> list[str]:
 def bench_search_inprocess(base: list[dict], sizes: list[int], n_queries: int, build_reps: int) -> dict:
     """Index build and per-query latency, in this process.  The first build of each size starts with the
     tokenizer's caches emptied (a gateway's first build); the rebuild figure is the median of the others
-    (``build_reps`` - 1, at least one; what a catalogue change costs when most texts were seen before)."""
+    (``build_reps`` - 1, at least one; what a catalogue change costs when most texts were seen before).
+
+    Beyond the base catalogue every tool's texts are distinct (``synth_catalog``); for those sizes up to 10k the
+    cold build of exact copies is reported too (``build_copies_ms``, what earlier reports measured: the
+    tokenizer then analyses only the base's texts)."""
     texts = queries()
     out = {}
     for size in sizes:
+        copies_ms = None
+        if len(base) < size <= 10_000:
+            copies = synth_catalog(base, size, distinct=False)
+            clear_term_caches()
+            t0 = time.perf_counter()
+            coffer.SearchIndex(copies)
+            copies_ms = (time.perf_counter() - t0) * 1000
+            del copies
         tools = synth_catalog(base, size)
         builds = []
-        coffer._analysed.cache_clear()
-        coffer.stem.cache_clear()
+        clear_term_caches()
         for _ in range(max(2, build_reps) if size <= 10_000 else 2):
             t0 = time.perf_counter()
             index = coffer.SearchIndex(tools)
@@ -559,6 +700,7 @@ def bench_search_inprocess(base: list[dict], sizes: list[int], n_queries: int, b
             index.search(q, 5)
             lat.append(time.perf_counter() - t0)
         out[size] = {"build_ms": builds[0] * 1000, "rebuild_ms": statistics.median(builds[1:]) * 1000,
+                     "build_copies_ms": copies_ms,
                      "p50_ms": pct(lat, 50) * 1000,
                      "p95_ms": pct(lat, 95) * 1000, "queries": n_queries}
         log(f"  search in-process {size} tools: build {out[size]['build_ms']:.0f} ms, p50 {out[size]['p50_ms']:.3f} ms")
@@ -650,6 +792,154 @@ async def bench_search_gateway(gateways: Gateways, base: list[dict], size: int, 
     return out
 
 
+# ------------------------------------------------------------------------------------------------- 5. knowledge
+
+def corpus_words() -> tuple[list[str], list[int]]:
+    """The words of the pinned documentation corpus with their counts, most frequent first (ties by spelling):
+    a unigram model of real technical prose, so generated passages have realistic term statistics (stop words,
+    a long tail of rare terms, identifiers such as url_for) and the real questions hit them as they hit docs."""
+    counts: collections.Counter = collections.Counter()
+    for path in sorted(ASK_CORPUS.rglob("*")):
+        if path.is_file():
+            counts.update(re.findall(r"[A-Za-z][A-Za-z0-9_]{1,30}", path.read_text(encoding="utf-8",
+                                                                                     errors="replace")))
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return [word for word, _ in ranked], [count for _, count in ranked]
+
+
+def write_knowledge_corpus(folder: Path, passages: int, sections_per_file: int = 10, seed: int = 14) -> int:
+    """Generate a deterministic Markdown tree of ``passages`` sections in 20 folders, ``sections_per_file``
+    per file: a title, then '## ' sections of two paragraphs (every fourth with a fenced code block), each
+    under Coffer's 1,500-character packing size, so each section becomes one passage.  Returns the file count."""
+    words, counts = corpus_words()
+    cumulative = list(itertools.accumulate(counts))
+    rng = random.Random(seed)
+
+    def draw(k: int) -> list[str]:
+        return rng.choices(words, cum_weights=cumulative, k=k)
+
+    def sentence() -> str:
+        text = " ".join(draw(rng.randint(8, 16)))
+        return text[0].upper() + text[1:] + "."
+
+    files = math.ceil(passages / sections_per_file)
+    for number in range(files):
+        lines = [f"# {' '.join(draw(3)).title()}", ""]
+        for section in range(min(sections_per_file, passages - number * sections_per_file)):
+            lines += [f"## {' '.join(draw(rng.randint(2, 5))).capitalize()}", ""]
+            for _ in range(2):
+                lines += [" ".join(sentence() for _ in range(rng.randint(3, 4))), ""]
+            if section % 4 == 3:
+                lines += ["```python"] + [f"{a}.{b}({c}={d!r})" for a, b, c, d in
+                                          (draw(4) for _ in range(rng.randint(2, 5)))] + ["```", ""]
+        target = folder / f"part{number % 20:02d}" / f"doc{number:05d}.md"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("\n".join(lines), encoding="utf-8")
+    return files
+
+
+def ask_questions() -> list[str]:
+    return [row["question"] for row in read_jsonl(ASK_QUESTIONS)]
+
+
+def clear_term_caches() -> None:
+    """Empty the tokenizer's memo tables, so an index build pays what a fresh process pays."""
+    for cached in (coffer.stem, coffer.singular, coffer._analysed, coffer._word_terms):
+        cached.cache_clear()
+
+
+@contextlib.contextmanager
+def fts5_probe(available: bool):
+    """Run as a Python with (or without) FTS5 in its sqlite3 would (the module checks once and keeps the answer)."""
+    saved = coffer._FTS5_AVAILABLE
+    coffer._FTS5_AVAILABLE = None if available else False  # None: the module probes sqlite3 again
+    try:
+        yield
+    finally:
+        coffer._FTS5_AVAILABLE = saved
+
+
+def bench_knowledge_inprocess(corpus: Path, db_path: Path, home: Path, engine: str, questions: list[str],
+                              n_queries: int) -> dict:
+    """Index ``corpus`` as one source with ``engine`` (cold caches), then time ``KnowledgeBase.ask`` (what
+    coffer__ask calls) over the questions: the first ask of a freshly opened knowledge base (a gateway start:
+    for bm25f it builds the in-memory index) and ``n_queries`` more, first uses of every term included."""
+    clear_term_caches()
+    with fts5_probe(engine == "fts5"):
+        kb = coffer.KnowledgeBase(str(db_path), str(home), engine=engine)
+        t0 = time.perf_counter()
+        stats = kb.add_source(str(corpus), name="docs")
+        index_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        unchanged = kb.changed()   # the serve watcher's poll: a stat per file, nothing read
+        poll_ms = (time.perf_counter() - t0) * 1000
+        kb.close()
+        clear_term_caches()
+        kb = coffer.KnowledgeBase(str(db_path), str(home), engine=engine)
+        t0 = time.perf_counter()
+        first = kb.ask(questions[0], 5)
+        first_ms = (time.perf_counter() - t0) * 1000
+        lat, empty = [], 0
+        for i in range(n_queries):
+            question = questions[i % len(questions)]
+            t0 = time.perf_counter()
+            answer = kb.ask(question, 5)
+            lat.append(time.perf_counter() - t0)
+            empty += not answer.passages
+        kb.close()
+    if unchanged:
+        raise RuntimeError("knowledge: changed() right after indexing")
+    out = {"engine": engine, "ranker": first.ranker, "files": stats.files_seen, "passages": stats.passages_added,
+           "index_s": index_s, "watch_poll_ms": poll_ms, "first_ask_ms": first_ms, "queries": n_queries,
+           "p50_ms": pct(lat, 50) * 1000, "p95_ms": pct(lat, 95) * 1000, "no_passage_share": empty / n_queries}
+    log(f"  knowledge in-process {engine}: {out['passages']} passages indexed in {index_s:.2f} s, "
+        f"ask p50 {out['p50_ms']:.2f} ms")
+    return out
+
+
+async def bench_knowledge_gateway(home: Path, engine: str, questions: list[str], calls: int, errlog) -> dict:
+    """``coffer__ask`` through ``coffer serve`` (no upstream; the knowledge source set up in ``home``), each
+    ask paired with a ``ping`` on the same session as in section 4.  The first ask pays the knowledge base's
+    start (for bm25f, building its in-memory index) and is reported on its own; the serve watcher polls the
+    folder every 2 s meanwhile, as it does for a user."""
+    from mcp.client.stdio import StdioServerParameters
+    form = "installed" if engine == "fts5" else "no-fts5"
+    params = StdioServerParameters(command=PY, args=SERVE_ARGS[form], env={**os.environ, "COFFER_HOME": str(home)})
+    out: dict = {"engine": engine}
+    async with connect(params, errlog) as client:
+        names = [t.name for t in (await client.list_tools()).tools]
+        if coffer.ASK_TOOL not in names:
+            raise RuntimeError(f"{coffer.ASK_TOOL} not listed by coffer serve: {names}")
+        pids = children_matching(os.getpid(), SERVE_NEEDLE[form])
+        t0 = time.perf_counter()
+        result = await client.call_tool(coffer.ASK_TOOL, {"question": questions[0], "top_k": 5})
+        out["first_ask_ms"] = (time.perf_counter() - t0) * 1000
+        if result.is_error or not (result.structured_content or {}).get("passages"):
+            raise RuntimeError(f"coffer__ask failed: {result.content}")
+        out["total_searched"] = result.structured_content.get("total_searched")
+        for question in questions[1:11]:  # warm up the session
+            await client.call_tool(coffer.ASK_TOOL, {"question": question, "top_k": 5})
+        warnings.filterwarnings("ignore", message="ping is removed")
+        ask, ping = [], []
+        for i in range(calls):
+            t1 = time.perf_counter()
+            await client.send_ping()
+            t2 = time.perf_counter()
+            result = await client.call_tool(coffer.ASK_TOOL, {"question": questions[i % len(questions)], "top_k": 5})
+            t3 = time.perf_counter()
+            if result.is_error:
+                raise RuntimeError(f"coffer__ask failed: {result.content}")
+            ping.append(t2 - t1)
+            ask.append(t3 - t2)
+        status = proc_status(pids[0]) if len(pids) == 1 else None
+    out.update({"calls": calls, "p50_ms": pct(ask, 50) * 1000, "p95_ms": pct(ask, 95) * 1000,
+                "ping_p50_ms": pct(ping, 50) * 1000,
+                "rss_mb": status["VmRSS"] / 1024 if status else None,
+                "peak_rss_mb": status["VmHWM"] / 1024 if status else None})
+    log(f"  knowledge via gateway {engine}: ask p50 {out['p50_ms']:.2f} ms (ping {out['ping_p50_ms']:.2f} ms)")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- profile
 
 async def profile_gateway(gateways: Gateways, upstream: Upstream, calls: int, out: Path, errlog) -> str:
@@ -683,15 +973,19 @@ async def profile_gateway(gateways: Gateways, upstream: Upstream, calls: int, ou
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m evals.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (< 60 s)")
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (about a minute)")
     parser.add_argument("--json", action="store_true", help="print all results as JSON on stdout")
-    parser.add_argument("--only", default="call,throughput,startup,search",
-                        help="comma-separated sections to run (call, throughput, startup, search)")
+    parser.add_argument("--only", default="call,modern,throughput,startup,search,knowledge",
+                        help="comma-separated sections to run (call, modern, throughput, startup, search, knowledge)")
     parser.add_argument("--no-fastmcp", action="store_true", help="skip the FastMCP peer rows")
+    parser.add_argument("--fastmcp", action="store_true",
+                        help="with --quick: include FastMCP's shared proxy (left out by default: +~25 s)")
     parser.add_argument("--calls", type=int, help="sequential calls per path and tool (default 2000; quick 200)")
     parser.add_argument("--fastmcp-default-calls", type=int,
                         help="calls through FastMCP's default proxy, which spawns per request (default 10; quick 4)")
     parser.add_argument("--batch", type=int, default=100, help="calls per path per interleaved batch")
+    parser.add_argument("--mrtr-calls", type=int, help="elicitation (multi round-trip) calls per path on the "
+                                                       "modern path (default 500; quick 50)")
     parser.add_argument("--inflight", help="concurrency levels for throughput (default 32,256; quick 32)")
     parser.add_argument("--throughput-calls", type=int, help="calls per throughput measurement, at least 2x the level (default 1000; quick 200)")
     parser.add_argument("--throughput-rounds", type=int, help="alternating rounds, median kept (default 2; quick 1)")
@@ -701,6 +995,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--search-queries", type=int, help="timed in-process queries per size (default 2000)")
     parser.add_argument("--e2e-sizes", help="sizes searched through the gateway (default 1000,10000)")
     parser.add_argument("--e2e-calls", type=int, help="searches through the gateway per size (default 300)")
+    parser.add_argument("--knowledge-passages", type=int, default=10_000,
+                        help="generated passages for the knowledge section (default 10000)")
+    parser.add_argument("--knowledge-queries", type=int, help="timed in-process asks per engine (default 2000; "
+                                                              "quick 269, each question once)")
+    parser.add_argument("--knowledge-calls", type=int, help="coffer__ask calls through the gateway per engine "
+                                                            "(default 300; quick 50)")
     parser.add_argument("--profile", metavar="OUT.pstats",
                         help="also profile `coffer serve` (all threads) under the call load, print its top "
                              "functions and keep the pstats file")
@@ -710,7 +1010,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                         "quick 2)")
     args = parser.parse_args(argv)
     quick = args.quick
-    defaults = {"calls": 200 if quick else 2000, "fastmcp_default_calls": 4 if quick else 10,
+    defaults = {"calls": 200 if quick else 2000, "mrtr_calls": 50 if quick else 500,
+                "knowledge_queries": 269 if quick else 2000, "knowledge_calls": 50 if quick else 300,
+                "fastmcp_default_calls": 4 if quick else 10,
                 "throughput_calls": 200 if quick else 1000, "throughput_rounds": 1 if quick else 2,
                 "startup_reps": 1 if quick else 3, "search_queries": 300 if quick else 2000,
                 "e2e_calls": 100 if quick else 300, "build_reps": 2 if quick else 3,
@@ -734,7 +1036,12 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
     gateways = Gateways(workdir)
     errlog = gateways.errlog
     peers: list[str] = []
-    if not args.no_fastmcp:
+    if args.quick and not args.fastmcp:
+        # FastMCP's shared proxy takes ~3.4 s to start here and is spawned four times over the call and
+        # throughput sections (and its startup rows take seconds each): a third of a quick run.
+        report.data["fastmcp_skipped"] = "--quick (add --fastmcp for its shared-proxy rows)"
+        log("FastMCP rows skipped in --quick (add --fastmcp to include the shared proxy)")
+    elif not args.no_fastmcp:
         problem = fastmcp_problem()
         if problem:
             log(f"FastMCP rows skipped: {problem}")
@@ -797,9 +1104,51 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
                         if d.get("coffer_cpu_us_per_call") is not None)
         report.data["call"]["max_added_p50_ms"] = max(d["coffer"]["added_p50_ms"] for d in data.values())
         report.table("1. Call overhead (sequential calls, SDK client, interleaved batches)",
-                     ["tool", "path", "n", "p50 ms", "p99 ms", "added p50 ms", "p50 ratio"], rows,
+                     ["tool", "path", "n", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "p50 ratio"], rows,
                      "relay-floor: the same server behind a Python relay that copies lines and parses nothing "
                      "(evals/fixtures/passthrough_relay.py), the cost of the process hop alone."
+                     + (f"\ncoffer serve CPU per forwarded call (us, from /proc, includes its idle ticker): {cpu}"
+                        if cpu else ""))
+
+    if "modern" in args.sections:
+        mark("modern")
+        modern = make_upstream("modern", "modern", workdir)
+        log(f"[1b] modern path (MCP {MODERN}): {args.calls} echo calls, {args.mrtr_calls} elicitation calls per path")
+        rows, data = [], {}
+        paths = [Path_(f"direct ({MODERN})", modern.params(), None, mode=MODERN, elicitation=True),
+                 Path_(f"relay-floor ({MODERN})", modern.relayed(), None, mode=MODERN, elicitation=True),
+                 gateways.coffer([modern], label=f"coffer ({MODERN})", mode=MODERN, elicitation=True),
+                 gateways.coffer([modern], label="coffer (legacy client)", elicitation=True)]
+        plans = [LatencyPlan(*CALL_TARGETS["modern"], args.calls, args.calls),
+                 LatencyPlan(*MRTR_TARGET, args.mrtr_calls, args.mrtr_calls)]
+        results = await bench_latency_plans(paths, modern, plans, args.batch, min(50, max(5, args.calls // 10)),
+                                            errlog)
+        for plan, samples in zip(plans, results):
+            tool = f"{modern.name}.{plan.tool}"
+            r, d = latency_rows(tool, samples, baseline=paths[0].label)
+            rows += r
+            data[tool] = d
+        echo, mrtr = data[f"modern.{CALL_TARGETS['modern'][0]}"], data[f"modern.{MRTR_TARGET[0]}"]
+        data["added_p50_ms"] = echo[f"coffer ({MODERN})"]["added_p50_ms"]
+        data["bridge_added_p50_ms"] = echo["coffer (legacy client)"]["added_p50_ms"]
+        data["mrtr_added_p50_ms"] = mrtr[f"coffer ({MODERN})"]["added_p50_ms"]
+        data["mrtr_bridge_added_p50_ms"] = mrtr["coffer (legacy client)"]["added_p50_ms"]
+        # The hop alone costs what the relay floor shows; Coffer's own work is what it adds above that.
+        data["above_relay_floor_ms"] = data["added_p50_ms"] - echo[f"relay-floor ({MODERN})"]["added_p50_ms"]
+        report.data["modern"] = data
+        cpu = "; ".join(f"{tool}: " + ", ".join(f"{label} {us:.0f}" for label, us in d["cpu_us_per_call"].items())
+                        for tool, d in data.items() if isinstance(d, dict) and d.get("cpu_us_per_call"))
+        report.table(f"1b. Modern path (MCP {MODERN}: tests/fixtures/modern_only.py, an SDK 2.x server that "
+                     "refuses initialize)",
+                     ["tool", "path", "n", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "p50 ratio"], rows,
+                     f"added: vs direct ({MODERN}), a {MODERN} SDK client straight to the server. coffer "
+                     f"(legacy client): a handshake-era client (initialize) through Coffer to the same {MODERN}-only "
+                     "server, the cross-era bridge; its added figure also holds the two client modes' own "
+                     f"difference.\n{MRTR_TARGET[0]}: one client call, a multi-round-trip on {MODERN} (the server "
+                     "answers input_required, the client retries with the elicited answer: direct and through "
+                     "Coffer, which forwards the round); for the legacy client Coffer turns the round into a real "
+                     "elicitation request and retries the server itself."
+                     + f"\ncoffer ({MODERN}) above the relay floor (echo, p50): {data['above_relay_floor_ms']:+.3f} ms"
                      + (f"\ncoffer serve CPU per forwarded call (us, from /proc, includes its idle ticker): {cpu}"
                         if cpu else ""))
 
@@ -880,7 +1229,8 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         rows = []
         for size in sorted(set(sizes) | set(e2e)):
             i, e = inproc.get(size, {}), e2e.get(size, {})
-            rows.append([size, i.get("build_ms"), i.get("rebuild_ms"), i.get("p50_ms"), i.get("p95_ms"),
+            rows.append([size, i.get("build_ms"), i.get("rebuild_ms"), i.get("build_copies_ms"), i.get("p50_ms"),
+                         i.get("p95_ms"),
                          e.get("p50_ms"), e.get("p95_ms"), e.get("ping_p50_ms"), e.get("ready_s")])
         report.data["search"] = {"base_tools": len(base), "sources": sources, "queries": str(PROJECT_QUERIES),
                                  "in_process": {str(k): v for k, v in inproc.items()},
@@ -890,10 +1240,15 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
                 report.data["search"][f"p50_ms_{size}"] = inproc[size]["p50_ms"]
                 report.data["search"][f"build_ms_{size}"] = inproc[size]["build_ms"]
         report.table("4. Search (coffer__search_tools; top_k=5)",
-                     ["tools", "build ms", "rebuild ms", "p50 ms", "p95 ms", "gw p50 ms", "gw p95 ms",
+                     ["tools", "build ms", "rebuild ms", "copies build ms", "p50 ms", "p95 ms", "gw p50 ms",
+                      "gw p95 ms",
                       "gw ping p50 ms", "gw ready s"], rows,
+                     f"catalogue: up to {len(base)} tools a sample of the real ones; beyond, copies under renamed "
+                     "servers with a third of their description words swapped and half their names extended, so "
+                     "every text is new to the tokenizer (distinct tools).\n"
                      "build: first build, tokenizer caches empty; rebuild: again with the caches warm (a catalogue "
-                     "change). p50/p95: SearchIndex.search in-process, first uses of a term included (postings "
+                     "change); copies build: the same size made of exact copies, cold (as earlier reports measured "
+                     "it). p50/p95: SearchIndex.search in-process, first uses of a term included (postings "
                      "are built on demand); gw: the tool called through `coffer serve` (one "
                      "upstream listing the catalogue), with a ping on the same session as the protocol baseline; "
                      "ready: spawn to first tools/list.")
@@ -916,6 +1271,46 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         elif 1000 in e2e:
             report.data["rss"] = {"skipped": "no /proc here (not Linux)"}
             log("RSS skipped: no /proc on this platform")
+    if "knowledge" in args.sections:
+        mark("knowledge")
+        corpus = workdir / "knowledge-corpus"
+        t0 = time.perf_counter()
+        files = write_knowledge_corpus(corpus, args.knowledge_passages)
+        generated_s = time.perf_counter() - t0
+        questions = ask_questions()
+        engines = ["fts5", "bm25f"] if coffer.fts5_available() else ["bm25f"]
+        log(f"[5] knowledge: {args.knowledge_passages} passages in {files} generated files ({generated_s:.1f} s); "
+            f"engines {engines}; {args.knowledge_queries} asks in-process, {args.knowledge_calls} via the gateway")
+        data: dict = {"files": files, "requested_passages": args.knowledge_passages, "questions": str(ASK_QUESTIONS),
+                      "vocabulary": str(ASK_CORPUS)}
+        rows = []
+        for engine in engines:
+            home = workdir / f"knowledge-home-{engine}"
+            coffer_cli(["config", "discovery_timeout", "60"], {**os.environ, "COFFER_HOME": str(home)})  # the vault
+            inproc = bench_knowledge_inprocess(corpus, home / "coffer.db", home, engine, questions,
+                                               args.knowledge_queries)
+            gateway = await bench_knowledge_gateway(home, engine, questions, args.knowledge_calls, errlog)
+            data[engine] = {**inproc, "gateway": gateway, "gw_p50_ms": gateway["p50_ms"],
+                            "gw_p95_ms": gateway["p95_ms"]}
+            rows.append([engine, inproc["passages"], inproc["files"], inproc["index_s"], inproc["first_ask_ms"],
+                         inproc["p50_ms"], inproc["p95_ms"], gateway["first_ask_ms"], gateway["p50_ms"],
+                         gateway["p95_ms"], gateway["ping_p50_ms"], gateway["peak_rss_mb"]])
+        report.data["knowledge"] = data
+        polls = ", ".join(f"{e} {data[e]['watch_poll_ms']:.0f} ms" for e in engines)
+        report.table(f"5. Knowledge (coffer__ask, top_k=5, no embedder; {args.knowledge_passages} generated "
+                     "passages)",
+                     ["engine", "passages", "files", "index s", "first ask ms", "p50 ms", "p95 ms",
+                      "gw first ms", "gw p50 ms", "gw p95 ms", "gw ping p50 ms", "gw peak RSS MB"], rows,
+                     "corpus: generated Markdown (fixed seed), words drawn by their frequency in the pinned "
+                     "click/flask docs (evals/ask_data/corpus); questions: the 269 written for those docs.\n"
+                     "index: KnowledgeBase.add_source with cold term caches (walk, read, hash, split, analyse, "
+                     "write; bm25f also builds its in-memory index). first ask: a freshly opened knowledge base "
+                     "(bm25f builds its in-memory index there; a gateway's first coffer__ask pays it). p50/p95: "
+                     "KnowledgeBase.ask in-process; gw: tools/call coffer__ask through `coffer serve` with the "
+                     "official SDK client, a ping on the same session as the protocol baseline.\n"
+                     "bm25f: the engine of a Python without FTS5 (the gateway started with its FTS5 probe answered "
+                     f"no). Watcher poll (changed(), every 2 s in serve): {polls}.")
+
     if args.profile:
         mark("profile")
         out = Path(args.profile).resolve()
@@ -943,7 +1338,8 @@ def evaluate_targets(report: Report, quick: bool = False) -> None:
         rows.append([label, value, f"{op} {threshold:g}", verdict])
     report.data["targets"] = verdicts
     report.table("Targets (a MISS is reported, never fatal)", ["target", "value", "goal", "verdict"], rows,
-                 "--quick: 200 calls and one round per figure, a smoke test; its verdicts swing from run to run."
+                 "--quick: 200 calls and one round per figure, no FastMCP, a smoke test; its verdicts swing from "
+                 "run to run (search p50s there include most terms' first use: 300 queries, nearly all distinct)."
                  if quick else None)
 
 
