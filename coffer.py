@@ -148,6 +148,21 @@ def _reject_constant(name: str):
 _decode = json.JSONDecoder(parse_float=_finite_float, parse_constant=_reject_constant).decode
 
 
+MAX_JSON_DEPTH = 100  # deeper than a client's own parser follows (the MCP Python SDK gives up near 128)
+_JSON_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def nesting_depth(data: bytes) -> int:
+    """How deep a JSON text nests (strings ignored).  Only called on texts with many brackets: the strings are
+    cut out and the brackets counted at C speed, then walked."""
+    depth = deepest = 0
+    for byte in _JSON_STRING_RE.sub(b"", data).translate(None, _NOT_BRACKETS):
+        depth += 1 if byte in (91, 123) else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def decode_json(data):
     """Parse one JSON text that came from outside; anything but plain JSON raises ValueError.
 
@@ -157,6 +172,8 @@ def decode_json(data):
     """
     try:
         if isinstance(data, (bytes, bytearray)):
+            if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and nesting_depth(data) > MAX_JSON_DEPTH:
+                raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
             data = data.decode("utf-8")
         return _decode(data)
     except RecursionError:
@@ -340,6 +357,13 @@ class Redactor:
             with self._lock:  # longest first, so a secret containing another is replaced whole
                 self._values = tuple(sorted(set(self._values) | fresh, key=len, reverse=True))
 
+    def add_named(self, pairs) -> None:
+        """Register (name, value) pairs from the secret store or expanded ${NAME} references: a value counts as a
+        secret when its name says so (KEY, TOKEN, SECRET, PASSWORD, AUTH...) or it looks like a credential.  So a
+        setting that went to the store as a literal (MODE=enabled, DEBUG=true) is not blanked out of every line
+        Coffer prints."""
+        self.add(*(value for name, value in pairs if isinstance(value, str) and looks_secret(name, value)))
+
     def __call__(self, text: str) -> str:
         for value in self._values:
             if value in text:
@@ -348,6 +372,23 @@ class Redactor:
 
 
 redact = Redactor()
+
+_SECRET_NAME_RE = re.compile(r"(?i)key|token|secret|passw|pwd|auth|cred|cookie|session|private|signature|bearer")
+_TOKEN_PREFIXES = ("sk-", "pk-", "ghp_", "gho_", "ghs_", "ghu_", "github_pat_", "xox", "glpat-", "AKIA", "ASIA",
+                   "AIza", "ya29.", "eyJ", "shpat_", "sq0", "rk_", "whsec_", "npm_", "pypi-")
+
+
+def looks_secret(name: str, value: str) -> bool:
+    """Whether a named value is a credential: by its name, or by its shape (a known token prefix, or a long
+    mixed string that is not a path or an address)."""
+    if _SECRET_NAME_RE.search(name or ""):
+        return True
+    if len(value) < 8 or any(c.isspace() for c in value):
+        return False
+    if value.startswith(_TOKEN_PREFIXES):
+        return True
+    mixed = sum(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit)) >= 2
+    return len(value) >= 16 and mixed and not value.startswith(("/", "~", ".", "http://", "https://", "file:"))
 
 
 class _TerminalFormatter(logging.Formatter):
@@ -392,6 +433,20 @@ def configure_logging(default: str = "info") -> None:
                       exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
     threading.excepthook = excepthook
+
+
+def _trace(message) -> str:
+    """A message as COFFER_LOG=debug shows it: cut to 2,000 characters (the log's formatter redacts secrets)."""
+    if isinstance(message, OversizedLine):
+        return f"(a line of {message.size} bytes)"
+    if isinstance(message, (bytes, bytearray)):
+        text = bytes(message[:2000]).decode("utf-8", "replace").rstrip("\n")
+    else:
+        try:
+            text = dumps(message)[:2000]
+        except (ValueError, TypeError, RecursionError):
+            text = "(not encodable)"
+    return text
 
 
 def start_thread(target, name: str, *args) -> threading.Thread:
@@ -958,23 +1013,31 @@ def exposed_names(server: str, names, max_length: int) -> dict[str, str]:
     """{upstream name: exposed name} for one server's tools (or prompts), collision-free by construction.
 
     Server names hold no '_', so ``<server>__`` prefixes never collide and only one server's own names can.
-    Names that fit are kept as they are (they are unique); each shortened name then takes the shortest hash
-    width not already taken, in sorted order, so the result depends only on the set of names: a tool literally
-    named like another's shortened form, or two long names whose short hashes collide, lengthen the hash of
-    the shortened one instead of hiding either.
+    The result depends only on the set of names, and an established name is never taken over: first every name
+    that must be shortened gets its six-digit form (in sorted order); then a name that fits keeps itself unless
+    one of those took it (a tool literally named like another's shortened form is itself shortened); every name
+    still unplaced takes the shortest longer hash that is free.  No tool is ever hidden by another.
     """
     result: dict[str, str] = {}
     taken: set[str] = set()
-    shortened = []
-    for name in names:
-        natural = _natural_name(server, name, max_length)
-        if natural is None:
-            shortened.append(name)
+    natural = {name: _natural_name(server, name, max_length) for name in names}
+    pending = []
+    for name in sorted(n for n, full in natural.items() if full is None):
+        exposed = _shortened_name(server, name, max_length, _DIGEST_WIDTHS[0])
+        if exposed in taken:
+            pending.append(name)
         else:
-            result[name] = natural
-            taken.add(natural)
-    for name in sorted(shortened):
-        for width in _DIGEST_WIDTHS:
+            result[name] = exposed
+            taken.add(exposed)
+    for name, full in natural.items():
+        if full is not None:
+            if full in taken:
+                pending.append(name)
+            else:
+                result[name] = full
+                taken.add(full)
+    for name in sorted(pending):
+        for width in _DIGEST_WIDTHS[1:]:
             exposed = _shortened_name(server, name, max_length, width)
             if exposed not in taken:
                 break
@@ -1000,7 +1063,7 @@ def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | N
 
     Values are stored unexpanded, so a secret only ever exists in the gateway's and the upstream's memory.
     Names found nowhere (and without a default) are appended to ``missing``; the values put in place of a
-    reference, to ``substituted`` (what must then be redacted wherever it shows up).
+    reference, as (name, value), to ``substituted`` (what may then need redacting wherever it shows up).
     """
     environ = os.environ if environ is None else environ
 
@@ -1014,7 +1077,7 @@ def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | N
                 missing.append(name)
             return default or ""
         if substituted is not None:
-            substituted.append(current)
+            substituted.append((name, current))
         return current
 
     return _ENV_REF_RE.sub(replace, value)
@@ -1067,7 +1130,7 @@ class SecretStore:
             values = data
         except (OSError, ValueError) as exc:
             problem = f"the secret store {self.path} is damaged ({exc}); fix or remove it"
-        redact.add(*values.values())
+        redact.add_named(values.items())
         with self._lock:
             self._values, self._stamp, self._problem = values, stamp, problem
         if problem:
@@ -1124,7 +1187,7 @@ class SecretStore:
             except OSError:
                 pass
             raise CofferError(f"cannot write the secret store {self.path}: {exc.strerror or exc}") from None
-        redact.add(*values.values())
+        redact.add_named(values.items())
         with self._lock:
             self._stamp = None  # re-read on next use, whoever wrote last
 
@@ -1960,6 +2023,9 @@ def _server_row(row) -> dict:
     if server["era"] not in (None, "handshake", "modern"):
         server["era"] = None
     try:
+        if not isinstance(server["name"], str) or not SERVER_NAME_RE.match(server["name"]) or \
+                server["name"].lower() == RESERVED_SERVER:
+            raise ValueError("its name is not a valid server name")
         command = _json_column(server["command"], list, None)
         if command is not None and not (command and all(isinstance(a, str) for a in command)):
             raise ValueError("command is not a list of strings")
@@ -2240,14 +2306,14 @@ class WorkerPool:
                     self._busy -= 1
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process descended from ``pid``, in any session or process group (POSIX).
+class ProcessInfo(NamedTuple):
+    parent: int
+    started: str  # when it started (Linux: clock ticks since boot; else ps's start time): tells a reused pid apart
 
-    A server's ``setsid`` grandchild leaves its process group, so killing the group misses it; its ancestry
-    does not change while its parent lives, which is why shutdown reads it before closing anything.  A
-    descendant whose own parent already exited has been re-parented to init and cannot be found this way.
-    """
-    parents: dict[int, list[int]] = collections.defaultdict(list)
+
+def process_table() -> dict[int, ProcessInfo]:
+    """Every process's parent and start time (POSIX; {} where it cannot be read)."""
+    table: dict[int, ProcessInfo] = {}
     if os.path.isdir("/proc"):
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
@@ -2255,24 +2321,40 @@ def _descendants(pid: int) -> list[int]:
             try:
                 with open(f"/proc/{entry}/stat", "rb") as handle:
                     data = handle.read(4096)
-                parents[int(data[data.rindex(b")") + 2:].split()[1])].append(int(entry))
+                fields = data[data.rindex(b")") + 2:].split()
+                table[int(entry)] = ProcessInfo(int(fields[1]), fields[19].decode("ascii"))
             except (OSError, ValueError, IndexError):
                 continue
-    else:
-        try:
-            listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True,
-                                     timeout=5).stdout
-        except (OSError, subprocess.SubprocessError):
-            return []
-        for line in listing.splitlines():
-            fields = line.split()
-            if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
-                parents[int(fields[1])].append(int(fields[0]))
-    found, frontier = [], [pid]
+        return table
+    try:
+        listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,lstart="], capture_output=True, text=True,
+                                 timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return table
+    for line in listing.splitlines():
+        fields = line.split(None, 2)
+        if len(fields) == 3 and fields[0].isdigit() and fields[1].isdigit():
+            table[int(fields[0])] = ProcessInfo(int(fields[1]), fields[2].strip())
+    return table
+
+
+def _descendants(pid: int, table: dict[int, ProcessInfo] | None = None) -> dict[int, str]:
+    """{pid: start time} of every live process descended from ``pid``, in any session or process group (POSIX).
+
+    A server's ``setsid`` grandchild leaves its process group, so killing the group misses it; its ancestry
+    does not change while its parent lives, which is why it is read before closing anything, and remembered
+    while the server runs (StdioTransport.remember_family): once its parent has died it is re-parented to init.
+    """
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for child, info in table.items():
+        children[info.parent].append(child)
+    found, frontier = {}, [pid]
     while frontier:
-        children = parents.get(frontier.pop(), [])
-        found.extend(children)
-        frontier.extend(children)
+        for child in children.get(frontier.pop(), ()):
+            if child not in found:
+                found[child] = table[child].started
+                frontier.append(child)
     return found
 
 
@@ -2307,6 +2389,7 @@ class StdioTransport(Transport):
         self._closed = False
         self._close_signalled = False
         self._stderr_reader: threading.Thread | None = None
+        self._family: dict[int, str] = {}   # descendants seen while it ran, so close ends them even after a crash
 
     def start(self) -> None:
         if self._closed:
@@ -2335,13 +2418,21 @@ class StdioTransport(Transport):
         if os.name == "posix":
             os.set_blocking(self.proc.stdin.fileno(), False)
             self._stdin_fd = self.proc.stdin.fileno()
-        self._reader = threading.Thread(target=self._read_stdout, name=f"coffer-{self.name}-out", daemon=True)
-        self._reader.start()
+        # stderr first: a server that dies at once is reported with its last words (exit_detail joins this)
         self._stderr_reader = threading.Thread(target=self._read_stderr, name=f"coffer-{self.name}-err",
                                                daemon=True)
         self._stderr_reader.start()
+        self._reader = threading.Thread(target=self._read_stdout, name=f"coffer-{self.name}-out", daemon=True)
+        self._reader.start()
         start_thread(self._watch_exit, f"coffer-{self.name}-wait")
         start_thread(self._write_stdin, f"coffer-{self.name}-in")
+
+    def remember_family(self, table: dict[int, ProcessInfo] | None = None) -> None:
+        """Note the server's descendants now (the gateway's ticker calls this every few seconds): a helper it
+        daemonized is ended with it even if the server itself crashes first."""
+        proc = self.proc
+        if os.name == "posix" and proc is not None and proc.poll() is None and not self._closed:
+            self._family.update(_descendants(proc.pid, table))
 
     def _write_stdin(self) -> None:
         """Write what ``send`` could not: a server that stops reading must stall only itself, never the
@@ -2402,7 +2493,7 @@ class StdioTransport(Transport):
             code = proc.wait(1.0)
         except subprocess.TimeoutExpired:
             return None
-        if self._stderr_reader is not None:
+        if self._stderr_reader is not None and self._stderr_reader.ident is not None:
             self._stderr_reader.join(0.5)  # its last words are usually the reason
         return f"exited with code {code}"
 
@@ -2496,7 +2587,13 @@ class StdioTransport(Transport):
         proc = self.proc
         if proc is None:
             return
-        family = _descendants(proc.pid) if os.name == "posix" and proc.poll() is None else []
+        family: dict[int, str] = {}
+        if os.name == "posix":
+            table = process_table()
+            family = {pid: started for pid, started in self._family.items()  # still the same processes
+                      if table.get(pid) is not None and table[pid].started == started}
+            if proc.poll() is None:
+                family.update(_descendants(proc.pid, table))
         with self._send_lock:
             self._queued += 1
             self._outbox.put(None)  # the writer flushes what is queued, then closes stdin
@@ -2896,7 +2993,7 @@ class HttpTransport(Transport):
     once on 401.  ``close`` ends the server's own stream and the pool's workers.
     """
 
-    POOL_SIZE = 16
+    POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)
 
     def __init__(self, name, url, headers, on_message, on_close, timeout, on_unusable=None, max_body=64 << 20,
                  auth=None, on_failure=None):
@@ -2913,6 +3010,7 @@ class HttpTransport(Transport):
         self._stream = None                      # the server's own GET stream, while open
         self._delivered: threading.Event | None = None   # the last notification's POST is done
         self._pool = WorkerPool(f"coffer-{name}-http", self.POOL_SIZE)
+        self._notices = WorkerPool(f"coffer-{name}-notify", 1)  # in order, never behind slow calls
 
     def start(self) -> None:
         if url_origin(self.url) is None:
@@ -2926,7 +3024,7 @@ class HttpTransport(Transport):
             self._pool.submit(self._post, message, body, self._delivered, None)
         else:
             delivered = self._delivered = threading.Event()
-            self._pool.submit(self._post, message, body, None, delivered)
+            self._notices.submit(self._post, message, body, None, delivered)
         return True
 
     def _request_headers(self) -> dict:
@@ -3077,6 +3175,7 @@ class HttpTransport(Transport):
         if stream is not None:
             abort_stream(stream)
         self._pool.close()
+        self._notices.close()
         if self.session_id:
             try:
                 headers = {**self._request_headers(), **(self.auth.headers_for(self.url) if self.auth else {})}
@@ -3334,7 +3433,10 @@ def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: floa
                 pass
         return TransportProbe("http", "Streamable HTTP")
     if reply.status not in (400, 404, 405):
-        raise UpstreamFailure(f"{url} answered an MCP initialize with HTTP {reply.status}: {_reply_text(reply)}")
+        hint = {401: " (it wants credentials: check --header, or `coffer auth`)",
+                403: " (the credentials were refused)"}.get(reply.status, "")
+        raise UpstreamFailure(f"{url} answered an MCP initialize with HTTP {reply.status}: {_reply_text(reply)}"
+                              f"{hint}", permanent=reply.status in (401, 403))
     post_status = reply.status
     stream = authorized_exchange(name, auth, "GET", url, timeout=timeout, stream=True,
                                  headers={"Accept": "text/event-stream", **headers})
@@ -3352,7 +3454,7 @@ def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: floa
     finally:
         _close_reply(stream)
     raise UpstreamFailure(f"{url} speaks neither Streamable HTTP (POST initialize: HTTP {post_status}) nor "
-                          f"HTTP+SSE (GET: {got}, no endpoint event)")
+                          f"HTTP+SSE (GET: {got}, no endpoint event): check the URL", permanent=True)
 
 
 class AutoTransport(Transport):
@@ -4404,6 +4506,7 @@ class Upstream:
         self._listen_backoff = 1.0
         self._relayed = TokenBucket(rate=200.0, burst=1000.0)   # notifications relayed to the client
         self._stderr_relayed = TokenBucket(rate=50.0, burst=200.0)
+        self._asked = TokenBucket(rate=5.0, burst=20.0)   # sampling/elicitation/roots requests for the client
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -4430,7 +4533,7 @@ class Upstream:
         def expand(value: str) -> str:
             substituted: list[str] = []
             expanded = expand_vars(value, missing=missing, secrets=self.secrets, substituted=substituted)
-            redact.add(*substituted)  # what a reference expanded to is a secret wherever it shows up
+            redact.add_named(substituted)  # what a reference expanded to is a secret wherever it shows up
             return expanded
 
         if cfg["transport"] in REMOTE_TRANSPORTS:
@@ -4484,6 +4587,8 @@ class Upstream:
         if died:
             self._start_failed(transport, UpstreamFailure("the server exited during discovery"))
             return
+        if isinstance(transport, StdioTransport):
+            transport.remember_family()
         self.events.on_ready(self)
         self._run_backlog(backlog)
 
@@ -4771,6 +4876,8 @@ class Upstream:
         params = self.prepare(method, params, envelope)
         if params is not None:
             message["params"] = params
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("coffer -> %s: %s", self.name, _trace(message))
         try:
             sent = transport is not None and transport.send(message)
         except EncodeError as exc:
@@ -4911,6 +5018,8 @@ class Upstream:
 
     # -- incoming ------------------------------------------------------------------------------------------
     def _on_message(self, message: dict) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s -> coffer: %s", self.name, _trace(message))
         method = message.get("method")
         if method is None:
             msg_id = message.get("id")
@@ -4926,7 +5035,12 @@ class Upstream:
             if method == "ping":
                 self.respond(rpc_result(message["id"], {}))
             elif method in SERVER_REQUEST_NEEDS:
-                self.events.on_request(self, message)
+                if self._asked.take():  # each may cost the user a model call or a question: a flood is refused
+                    self.events.on_request(self, message)
+                else:
+                    self.respond(rpc_error(message["id"], INTERNAL_ERROR, "too many requests for the client"))
+                    if dropped := self._asked.report_due():
+                        log.warning("[%s] is flooding the client with requests; %d refused", self.name, dropped)
             else:
                 self.respond(rpc_error(message["id"], METHOD_NOT_FOUND, f"Method not found: {method[:100]}"))
             return
@@ -5121,6 +5235,7 @@ class Catalogue:
         self.template_by_text: dict[str, Route] = {}
         self.disabled: set[str] = set()
         self.quarantined: set[str] = set()
+        self.blocked_templates: list[tuple[re.Pattern, str]] = []  # disabled or quarantined: (matcher, exposed)
         self.qualified: dict[tuple[str, str], str] = {}  # (server, uri) -> exposed uri, for notifications
         uri_count = collections.Counter(uri for up in upstreams for uri in up.lists["resource"])
         tpl_count = collections.Counter(t for up in upstreams for t in up.lists["template"])
@@ -5160,6 +5275,7 @@ class Catalogue:
             for text, definition in up.lists["template"].items():
                 exposed = text if tpl_count[text] == 1 else qualify_uri(up.name, text)
                 if not allowed(up, "template", text, exposed):
+                    self.blocked_templates.append((template_regex(text), exposed))
                     continue
                 entry = dict(definition)
                 entry["uriTemplate"] = exposed
@@ -5430,17 +5546,28 @@ SEPARABLE_VERBS = _parse_lexicon(_SEPARABLE_VERBS)
 _LEXICON_CJK = tuple((k, v) for k, v in LEXICON.items() if _CJK_RE.search(k))
 
 
+# ASCII letters and digits kept, every other byte a space: bytes.translate + split is how an ASCII text (nearly
+# every tool text) is cut into tokens, several times faster than a Unicode regex over the same characters.
+_ASCII_TOKENS = bytes(c if c < 128 and chr(c).isalnum() else 32 for c in range(256))
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _token_words(token: str) -> tuple[str, ...]:
+    """The lowercase words of one token (letters and digits): "API", "Get", "mp3" are one word, "getFileInfo" three."""
+    if token.isupper() or token[1:].islower():
+        return (token.lower(),)
+    return tuple(_CAMEL_RE.sub(" ", token).lower().split())
+
+
 def _words(text: str) -> list[str]:
     """NFKC, identifier splitting, lowercase; CJK runs become overlapping bigrams so substrings can match."""
     if text.isascii():  # the common case: NFKC is the identity and there is no CJK to split
-        words = []
-        for word in _WORD_RE.findall(text):
-            if word.isupper() or word[1:].islower():   # "API", "Get", "mp3": no camelCase inside
-                words.append(word.lower())
-            else:
-                words.extend(_CAMEL_RE.sub(" ", word).lower().split())
-        return words
-    text = _CAMEL_RE.sub(" ", unicodedata.normalize("NFKC", text)).lower()
+        tokens = text.encode("ascii").translate(_ASCII_TOKENS).decode("ascii").split()
+        return list(itertools.chain.from_iterable(map(_token_words, tokens)))
+    text = unicodedata.normalize("NFKC", text)
+    if not _CJK_RE.search(text):  # accents, dashes, curly quotes: the same words, found by the Unicode pattern
+        return list(itertools.chain.from_iterable(map(_token_words, _WORD_RE.findall(text))))
+    text = _CAMEL_RE.sub(" ", text).lower()
     words = []
     for run in _WORD_RE.findall(text):
         if not _CJK_RE.search(run):
@@ -5477,17 +5604,19 @@ def _cached_terms(text: str) -> tuple[str, ...]:
     return _analysed(text).stems
 
 
-@functools.lru_cache(maxsize=1 << 15)  # a rebuild after one upstream changes re-tokenizes only new texts
+@functools.lru_cache(maxsize=1 << 17)  # a rebuild after one upstream changes re-tokenizes only new texts
 def _analysed(text: str) -> TextTerms:
-    """Stems, index keys and foreign-word translations of one text, computed once per text."""
+    """Stems, index keys and foreign-word translations of one text, computed once per text.  An index build
+    analyses every text of the catalogue, so the common path iterates in C (map/filterfalse over memoised
+    functions) rather than word by word in Python."""
     raw = _words(text)
-    words = tuple(word for word in raw if word not in STOP_WORDS)
-    stems = tuple(stem(word) for word in words)
+    words = tuple(itertools.filterfalse(STOP_WORDS.__contains__, raw))
+    stems = tuple(map(stem, words))
     if text.isascii():  # no CJK phrase can match: the lexicon's word look-up is all there is to do
+        if LEXICON.keys().isdisjoint(raw):
+            return TextTerms(stems, words, ())
         foreign = tuple(stem(english) for word in raw for english in LEXICON.get(word, ()))
-        if foreign:  # a foreign text: its split verbs and compounds may translate too
-            foreign += tuple(_german_terms(raw))
-        return TextTerms(stems, words, foreign)
+        return TextTerms(stems, words, foreign + tuple(_german_terms(raw)))  # split verbs, compounds too
     return TextTerms(stems, words, tuple(translations(text)))
 
 
@@ -5506,10 +5635,13 @@ def _german_terms(words: list[str]) -> list[str]:
                     found.extend(stem(word) for word in english)
                     break
     for word in words:
-        if len(word) < 8 or word in LEXICON or word in SEPARABLE_VERBS:
+        if not 8 <= len(word) <= 40 or word in LEXICON or word in SEPARABLE_VERBS or _CJK_RE.search(word):
             continue
         for cut in range(len(word) - 3, 2, -1):  # longest head first: "bildschirmfoto" = bildschirm + foto
-            head, tail = word[:cut], word[cut:]
+            tail = word[cut:]
+            if tail not in LEXICON:  # the cheap test first: most long words are not compounds at all
+                continue
+            head = word[:cut]
             heads = [head] + [head[:-len(link)] for link in ("s", "n", "en", "e") if head.endswith(link)]
             head_english = next((LEXICON[h] for h in heads if h in LEXICON), None)
             if head_english and tail in LEXICON:
@@ -5521,8 +5653,10 @@ def _german_terms(words: list[str]) -> list[str]:
 def translations(text: str) -> list[str]:
     """English index terms for the foreign tool-domain words in ``text`` (see LEXICON, SEPARABLE_VERBS)."""
     normal = unicodedata.normalize("NFKC", text).lower()
-    found = [word for key, words in _LEXICON_CJK if key in normal for word in words] \
-        if _CJK_RE.search(normal) else []
+    found = []
+    if _CJK_RE.search(normal):  # only keys whose first character occurs can be in the text: test those alone
+        present = set(normal)
+        found = [word for key, words in _LEXICON_CJK if key[0] in present and key in normal for word in words]
     tokens = _WORD_RE.findall(normal)
     found += [word for token in tokens for word in LEXICON.get(token, ())]
     return [stem(word) for word in found] + _german_terms(tokens)
@@ -5565,23 +5699,26 @@ def _schema_text(schema) -> ParameterText:
         if isinstance(properties, dict):
             for key, sub in properties.items():
                 names.append(str(key))
-                if isinstance(sub, dict):
-                    if isinstance(sub.get("description"), str):
-                        description = sub["description"][:2000]
-                        found = _EXAMPLE_RE.findall(description) \
-                            if "e.g" in description or "xample" in description else ()
+                if not isinstance(sub, dict):
+                    continue
+                description = sub.get("description")
+                if isinstance(description, str):
+                    description = description[:2000]
+                    if "e.g" in description or "xample" in description:
+                        found = _EXAMPLE_RE.findall(description)
                         if found:
                             examples.extend(found)
                             description = _EXAMPLE_RE.sub(" ", description)
-                        texts.append(description)
-                    if isinstance(sub.get("enum"), list):
-                        texts.extend(str(v) for v in sub["enum"][:50])
-                    if isinstance(sub.get("format"), str):
-                        formats.append(sub["format"].lower())
-                    if "properties" in sub:  # most parameters are leaves: skip the call
-                        walk(sub, depth + 1)
-                    if isinstance(sub.get("items"), dict):
-                        walk(sub["items"], depth + 1)
+                    texts.append(description)
+                enum, schema_format, items = sub.get("enum"), sub.get("format"), sub.get("items")
+                if isinstance(enum, list):
+                    texts.extend(str(v) for v in enum[:50])
+                if isinstance(schema_format, str):
+                    formats.append(schema_format.lower())
+                if "properties" in sub:  # most parameters are leaves: skip the call
+                    walk(sub, depth + 1)
+                if isinstance(items, dict):
+                    walk(items, depth + 1)
 
     walk(schema, 0)
     return ParameterText(" ".join(names), " ".join(texts), " ".join(examples), tuple(formats))
@@ -5716,14 +5853,15 @@ class SearchIndex:
         avg = {f: (sum(len(doc[f]) for doc in fields_per_doc) / n if n else 0.0) or 1.0 for f in self.FIELDS}
         fields = [(field, weight, b, avg[field]) for field, (weight, b) in self.FIELDS.items()]
         self._doc_terms: list[dict[str, float]] = []  # per tool: term -> field-weighted, length-normalised tf
-        for doc in fields_per_doc:
+        for doc in fields_per_doc:  # the build's inner loop: one pass over every term of the catalogue
             tf: dict[str, float] = {}
+            get = tf.get
             for field, weight, b, average in fields:
                 terms = doc[field]
                 if terms:
                     norm = weight / (1.0 - b + b * len(terms) / average)
                     for term in terms:
-                        tf[term] = tf.get(term, 0.0) + norm
+                        tf[term] = get(term, 0.0) + norm
             self._doc_terms.append(tf)
         self._vocabulary = set().union(*self._doc_terms)
         self._postings: dict[str, list[tuple[int, float]]] = {}
@@ -7857,11 +7995,14 @@ class RelayedRequest(NamedTuple):
 
 
 class Waiting(NamedTuple):
-    """A client request that waits for starting upstreams (at most until the discovery deadline), with no thread."""
+    """A client request that waits, with no thread, for starting upstreams (at most until the discovery deadline)
+    or, with ``server``, for that one upstream's start (at most until its own ``deadline``)."""
     msg_id: object
     work: Callable
     kind: str | None
     method: str
+    server: str | None = None
+    deadline: float = 0.0
 
 
 class Gateway:
@@ -7926,6 +8067,7 @@ class Gateway:
         self.client_requests: dict[str, RelayedRequest] = {}   # by the id Coffer gave the relayed request
         self._client_request_seq = 0
         self._waiting: list[Waiting] = []
+        self._catalogued: dict[str, float] = {}  # upstream name -> the ready_at whose lists the catalogue holds
         self.workers = WorkerPool("coffer-work", 4)
         self.knowledge: KnowledgeBase | None = None    # opened once a source exists or memory is on
         self.own_requests: dict[str, dict] = {}       # Coffer's own requests to the client (sampling for ask)
@@ -7968,6 +8110,8 @@ class Gateway:
                 return
             log.warning("a reply could not be encoded (%s); the client gets an error instead", exc)
             data = encode_line(rpc_error(msg_id, INTERNAL_ERROR, "Internal error: the reply is not encodable JSON"))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("coffer -> client: %s", _trace(data))
         with self.out_lock:
             self._unsent.append(data)
             self._unsent_bytes += len(data)
@@ -8065,6 +8209,8 @@ class Gateway:
         return changed
 
     def handle_line(self, line) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("client -> coffer: %s", _trace(line))
         if isinstance(line, OversizedLine):
             limit = int(self.settings["max_message_bytes"])
             self.send(rpc_error(request_id_in(line.head), INVALID_REQUEST,
@@ -8342,7 +8488,7 @@ class Gateway:
             self._stopped.set()
 
     def _tick(self) -> None:
-        last_reload = time.monotonic()
+        last_reload = last_family = time.monotonic()
         while not self._stopping.wait(0.05):
             now = time.monotonic()
             for upstream in list(self.upstreams.values()):
@@ -8356,6 +8502,17 @@ class Gateway:
                     self._expire_exchanges(now)
             except Exception:  # noqa: BLE001
                 log.exception("error while answering waiting requests")
+            if os.name == "posix" and now - last_family >= 5.0:
+                last_family = now
+                stdio = [up.transport for up in list(self.upstreams.values())
+                         if isinstance(up.transport, StdioTransport) and up.state == "ready"]
+                if stdio:
+                    try:
+                        table = process_table()
+                        for transport in stdio:
+                            transport.remember_family(table)
+                    except Exception:  # noqa: BLE001 - bookkeeping for shutdown; never the ticker's death
+                        log.exception("could not read the process table")
             if now - last_reload >= 1.0:
                 last_reload = now
                 try:
@@ -8444,7 +8601,10 @@ class Gateway:
                 uris = sorted(self.subscriptions.get(upstream.name, ()))
             for uri in uris if upstream.era != "modern" else ():
                 upstream.request("resources/subscribe", {"uri": uri}, lambda *a: None)
-        self.rebuild(force=restarted)
+        try:
+            self.rebuild(force=restarted)
+        finally:  # even a failed rebuild must not keep calls waiting for this upstream
+            self._catalogued[upstream.name] = upstream.ready_at
         self._release_waiting()
 
     def _remember_transport(self, upstream: Upstream) -> None:
@@ -8650,9 +8810,12 @@ class Gateway:
             self.send(listen_frame(method, sid, params))
 
     def _discovering(self, kind: str | None = None) -> list[str]:
-        """Upstreams still starting; with ``kind``, only those with no remembered list of that kind."""
+        """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream
+        counts as started once its lists are in the catalogue (on_ready's rebuild), not when it turns ready:
+        the ticker may release a waiting call in between, and it must find the upstream's tools."""
         return [up.name for up in list(self.upstreams.values())
-                if up.state not in ("failed", "stopped") and not up.ready_at
+                if up.state not in ("failed", "stopped")
+                and (not up.ready_at or self._catalogued.get(up.name) != up.ready_at)
                 and not (kind and kind in up.remembered)]
 
     def _after_discovery(self, msg_id, work, background: bool = False, kind: str | None = None,
@@ -8678,11 +8841,16 @@ class Gateway:
         """Hand the waiting requests whose wait is over to the worker pool (from the ticker and upstream events)."""
         if not self._waiting:
             return
-        expired = time.monotonic() >= self.discovery_deadline
+        now = time.monotonic()
+        expired = now >= self.discovery_deadline
         with self.lock:
             done, still = [], []
             for waiting in self._waiting:
-                (done if expired or not self._discovering(waiting.kind) else still).append(waiting)
+                if waiting.server is not None:
+                    over = now >= waiting.deadline or waiting.server not in self._discovering()
+                else:
+                    over = expired or not self._discovering(waiting.kind)
+                (done if over else still).append(waiting)
             self._waiting = still
         if not done:
             return
@@ -9029,8 +9197,21 @@ class Gateway:
     def _unknown(self, msg_id, name: str, kind: str, started: float, retry):
         """An unknown name: wait out discovery if its server is still starting, else a readable error."""
         server = name.partition(SEPARATOR)[0]
-        if retry is not None and server in self._discovering() and time.monotonic() < self.discovery_deadline:
-            return self._after_discovery(msg_id, retry, method="tools/call" if kind == "tool" else "prompts/get")
+        if retry is not None and server in self._discovering():
+            # A call names its server: it waits for that server's start (bounded like the start itself), not
+            # just the lists' discovery budget; answering "unknown tool" for a tool that is on its way is wrong.
+            upstream = self.upstreams.get(server)
+            deadline = started + (upstream.call_timeout if upstream else float(self.settings["call_timeout"]))
+            if time.monotonic() < deadline:
+                method = "tools/call" if kind == "tool" else "prompts/get"
+                with self.lock:
+                    self._waiting.append(Waiting(msg_id, retry, None, method, server, deadline))
+                return None
+        if retry is None and server in self._discovering():
+            waited = time.monotonic() - started
+            self.log.record(self.client_name, server, name, kind, started, "timeout", "server still starting")
+            raise RpcError(REQUEST_TIMEOUT, f"upstream '{server}' was not ready within {waited:.0f}s; {name} "
+                                            f"is answered once it has started")
         if server in self.disabled_servers:
             self.log.record(self.client_name, server, name, kind, started, "denied", "server is disabled")
             raise RpcError(INVALID_PARAMS, f"{kind} {name!r} belongs to server {server!r}, which is disabled in Coffer "
@@ -9087,6 +9268,9 @@ class Gateway:
             self._deny(uri, "resource", started)
         route = catalogue.route_resource(uri)
         if route is None:
+            blocked = next((text for regex, text in catalogue.blocked_templates if regex.match(uri)), None)
+            if blocked is not None:
+                self._deny(blocked, "resource", started)
             if log_kind:
                 self.log.record(self.client_name, "", uri, log_kind, started, "error", "unknown resource")
             raise RpcError(INVALID_PARAMS, f"Unknown resource: {uri}")

@@ -193,6 +193,30 @@ def _list_changes(gw):
     return sum(n["method"] == "notifications/tools/list_changed" for n in gw.notifications)
 
 
+def test_a_call_to_a_server_that_is_still_starting_waits_for_it_not_just_for_the_list_budget(home, raw_gateway):
+    """Nothing remembered yet and a server slower than discovery_timeout: the list answers without it, but a
+    call naming its tool waits for that server (up to its own timeout) instead of calling the tool unknown;
+    a server that never finishes starting is reported as such."""
+    cli("config", "discovery_timeout", "0.5")
+    cli("add", "slow", "--", *FAKE, "--start-delay", "3", "--tools", "echo")
+    cli("add", "stuck", "--timeout", "2", "--", *FAKE, "--hang-initialize")
+    gw = raw_gateway()
+    gw.initialize()
+    gw.send({"jsonrpc": "2.0", "id": "now", "method": "tools/call",
+             "params": {"name": "slow__echo", "arguments": {"text": "worth the wait"}}})
+    gw.send({"jsonrpc": "2.0", "id": "never", "method": "tools/call",
+             "params": {"name": "stuck__echo", "arguments": {"text": "x"}}})
+    assert "slow__echo" not in _tool_names(gw.request("tools/list")), "the list should not wait past its budget"
+    never = gw.wait_response("never", timeout=15)
+    assert "result" not in never, never
+    assert "not ready" in never["error"]["message"] and "Unknown" not in never["error"]["message"], never
+    reply = gw.wait_response("now", timeout=30)
+    assert reply["result"]["content"][0]["text"] == "worth the wait", reply
+    gw.send({"jsonrpc": "2.0", "id": "typo", "method": "tools/call", "params": {"name": "slow__ecko", "arguments": {}}})
+    typo = gw.wait_response("typo", timeout=10)
+    assert "Unknown tool: slow__ecko" in typo["error"]["message"], typo
+
+
 def test_a_slow_server_is_listed_at_once_from_its_last_start_and_corrected_if_it_changed(home, raw_gateway,
                                                                                          tmp_path):
     """The first session waits for discovery; later ones answer tools/list from what the vault remembers

@@ -212,14 +212,15 @@ def test_adding_credentials_over_plain_http_to_a_remote_host_warns_once(home):
 @pytest.mark.skipif(not LINUX, reason="reads /proc")
 def test_slow_http_calls_cost_no_thread_each_and_never_hold_up_a_quick_call_or_a_cancellation(home, origins,
                                                                                               watched_gateway):
-    """Bounding the threads that talk to one HTTP upstream must not queue a quick call, or the cancellation of a
-    slow one, behind a batch of long-running calls."""
+    """Bounding the threads that talk to one HTTP upstream (64 requests in flight; more wait their turn) must not
+    queue a quick call behind a batch of long-running calls within that bound, nor a cancellation ever; and 200
+    slow calls must not cost a thread each."""
     here = origins()
     here.routes["/mcp"] = mcp("here")
     cli("add", "remote", "--url", here.url("/mcp"))
     gw = started(watched_gateway)
     threads = []
-    for i in range(200):
+    for i in range(40):
         gw.send({"jsonrpc": "2.0", "id": f"slow{i}", "method": "tools/call",
                  "params": {"name": "remote__slow", "arguments": {"seconds": 30}}})
     wait_until(lambda: len([r for r in here.seen("POST") if b'"slow"' in r.body]) >= 1, what="a slow call")
@@ -235,8 +236,12 @@ def test_slow_http_calls_cost_no_thread_each_and_never_hold_up_a_quick_call_or_a
     assert not finished or finished == ['"slow0"'], "the quick call waited for the slow ones"
     wait_until(lambda: any(b"notifications/cancelled" in r.body for r in here.seen("POST")), timeout=10,
                what="the cancellation to reach the server while the slow calls run")
+    for i in range(40, 200):
+        gw.send({"jsonrpc": "2.0", "id": f"slow{i}", "method": "tools/call",
+                 "params": {"name": "remote__slow", "arguments": {"seconds": 30}}})
+    wait_until(lambda: len([r for r in here.seen("POST") if b'"slow"' in r.body]) >= 64, what="64 slow calls")
     threads.append(proc_status(gw.proc.pid, "Threads"))
-    assert max(threads) < 100, f"{max(threads)} threads for 200 slow calls to one HTTP upstream"
+    assert max(threads) < 120, f"{max(threads)} threads for 200 slow calls to one HTTP upstream"
 
 
 def test_a_call_to_a_remembered_tool_of_a_remote_that_hangs_at_initialize_meets_call_timeout(home, origins,
