@@ -5807,6 +5807,9 @@ def query_entities(query: str) -> list[QueryEntity]:
 _WEB_WORDS = frozenset(stem(w) for w in "web internet online".split())
 _INFO_CUES = frozenset(stem(w) for w in """news headlines headline latest recent trending information info
 background facts article articles happened happening wikipedia""".split())
+# Cues that only say "current": a tool whose name holds one of these (latest_version) is not named for the
+# request's topic the way a news tool is named for "news".
+_INFO_MODIFIERS = frozenset(stem(w) for w in "latest recent happened happening".split())
 _QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", "wie", "was", "wann", "wo"))
 
 
@@ -5879,8 +5882,9 @@ class SearchIndex:
         self._exact: dict[tuple[str, frozenset], frozenset] = {}
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
-        self._web_tools = [doc_id for doc_id, doc in enumerate(fields_per_doc) if "search" in doc["name"] and
-                           not (_WEB_WORDS.isdisjoint(doc["name"]) and _WEB_WORDS.isdisjoint(doc["description"]))]
+        self._web_tools = [doc_id for doc_id, doc in enumerate(fields_per_doc)
+                           if ("search" in doc["name"] or "search" in doc["server"])  # search__web, brave_web_search
+                           and not (_WEB_WORDS.isdisjoint(doc["name"]) and _WEB_WORDS.isdisjoint(doc["description"]))]
         self._partners: dict[str, str | None] = {}
         self._stem_cap = math.log(1.0 + (n - max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)
                                   / (max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)) if n else 0.0
@@ -6065,7 +6069,7 @@ class SearchIndex:
             # shares an incidental word of its description ("latest" in a version tool's) does not.
             best_doc = max(scores, key=scores.__getitem__, default=None)
             matched = 0 if best_doc is None else sum(term in self._doc_terms[best_doc] for term in own)
-            named = best_doc is not None and not set(own).isdisjoint(self._texts[best_doc][0].stems)
+            named = best_doc is not None and not (set(own) - _INFO_MODIFIERS).isdisjoint(self._texts[best_doc][0].stems)
             if matched <= self.WEB_MAX_MATCHED and not named:
                 lift = self.WEB_SEARCH_WEIGHT * self._virtual_idf(len(self._web_tools))
                 for doc_id in self._web_tools:
