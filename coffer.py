@@ -8936,12 +8936,18 @@ class Gateway:
                     self.progress_calls.pop(call.progress_token, None)
             self._deliver(call, msg_id, response, failure, text)
 
-        ticket = call.upstream.request(call.method, call.upstream_params, on_reply)
-        if ticket is not None:
-            with self.lock:
-                call.ticket = ticket
-                if not call.done and call.msg_id is not None:
-                    self.inflight[call.msg_id] = call
+        # In flight before it is sent: the upstream may ask the client something (sampling, elicitation) the
+        # moment it reads the call, and that question needs this call to carry it to a 2026-07-28 client.
+        call.ticket = Ticket()
+        with self.lock:
+            if call.msg_id is not None:
+                self.inflight[call.msg_id] = call
+        if call.upstream.request(call.method, call.upstream_params, on_reply, ticket=call.ticket) is None:
+            return  # failed at once: on_reply has answered and cleared it
+        with self.lock:
+            parked = call.msg_id is None and not call.done
+        if parked:  # a question went out before the request had its id: pause its timeout now
+            call.upstream.hold(call.ticket)
 
     def _deliver(self, call: ForwardedCall, msg_id, response, failure, text) -> None:
         """An upstream's answer to ``call``, to the client request ``msg_id``: logged (who/when/how long/outcome,

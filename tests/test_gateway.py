@@ -7,7 +7,7 @@ import textwrap
 import threading
 import time
 
-
+import coffer
 from conftest import FAKE, PY, cli, everything_cmd, needs_node
 
 
@@ -304,3 +304,46 @@ def test_a_call_cancelled_while_its_server_starts_is_never_sent(home, raw_gatewa
     gw.close()
     rows = json.loads(cli("log", "--json", "--limit", "10").stdout)["invocations"]
     assert any(r["capability"] == "up__echo" and r["status"] == "cancelled" for r in rows)
+
+
+class _AsksAtOnce:
+    """An upstream that asks the client for a sampling the instant it reads a call, before the gateway's
+    send has even returned: the ordering a fast server and a busy gateway thread produce."""
+
+    name, generation = "asker", 1
+
+    def __init__(self):
+        self.gateway = None
+        self.answers = []
+
+    def request(self, method, params, on_reply, timeout=None, ticket=None, **_):
+        self.gateway.on_request(self, {"jsonrpc": "2.0", "id": 7, "method": "sampling/createMessage",
+                                       "params": {"messages": [], "maxTokens": 5}})
+        return ticket
+
+    def hold(self, ticket):
+        pass
+
+    def respond(self, message):
+        self.answers.append(message)
+
+
+def test_a_question_asked_the_instant_a_call_arrives_reaches_a_2026_client(home):
+    import io
+    out = io.BytesIO()
+    gateway = coffer.Gateway(coffer.Vault(str(home)), out=out)
+    gateway.client_era = "modern"
+    upstream = _AsksAtOnce()
+    upstream.gateway = gateway
+    params = {"name": "ask", "arguments": {},
+              "_meta": {coffer.META_CLIENT_CAPABILITIES: {"sampling": {}}}}
+    gateway._forward(41, upstream, "tools/call", dict(params), "asker__ask", "tool", time.monotonic(), params)
+    gateway._write_unsent()
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    # Not parked as an orphan waiting for some later call (the upstream would time out after 60 s):
+    # the call itself answers input_required with the upstream's question.
+    assert [r.get("id") for r in replies] == [41], replies
+    result = replies[0]["result"]
+    assert result["resultType"] == "input_required"
+    assert [q["method"] for q in result["inputRequests"].values()] == ["sampling/createMessage"]
+    assert upstream.answers == []  # nothing refused on the client's behalf
