@@ -11406,6 +11406,7 @@ class ServerProbe:
         self.progress = progress or (lambda result: None)
         self.vault_lock = threading.Lock()
         self.done = threading.Condition()
+        self.settled: dict[str, str] = {}  # name -> ready|failed, once its event is handled (guarded by done)
         servers = [s for s in vault.servers() if names is None or s["name"] in names]
         self.skipped = {s["name"]: s["damaged"] or "disabled" for s in servers if s["damaged"] or not s["enabled"]}
         self.upstreams = [Upstream(s, self.settings, self, {}, LATEST_PROTOCOL_VERSION, vault.secrets)
@@ -11422,8 +11423,11 @@ class ServerProbe:
             with self.done:
                 while len(finished) < len(self.upstreams):
                     for upstream in self.upstreams:
-                        if upstream.name not in finished and upstream.state in ("ready", "failed"):
-                            finished[upstream.name] = self._result(upstream, upstream.state, started)
+                        # The event, not upstream.state: the state flips before its event is recorded, and a
+                        # command that finished in between would leave the vault saying "never started".
+                        state = self.settled.get(upstream.name)
+                        if upstream.name not in finished and state is not None:
+                            finished[upstream.name] = self._result(upstream, state, started)
                             self.progress(finished[upstream.name])
                     remaining = started + timeout - time.monotonic()
                     if remaining <= 0 or len(finished) == len(self.upstreams):
@@ -11463,13 +11467,16 @@ class ServerProbe:
     def on_ready(self, upstream):
         counts = ", ".join(f"{len(items)} {kind}s" for kind, items in upstream.lists.items() if items)
         self._record(upstream, "ready", counts or "no capabilities", upstream.capabilities)
-        with self.done:
-            self.done.notify_all()
+        self._settle(upstream, "ready")
 
     def on_down(self, upstream):
         if upstream.state == "failed":
             self._record(upstream, "failed", upstream.last_error or "")
+            self._settle(upstream, "failed")
+
+    def _settle(self, upstream, state: str) -> None:
         with self.done:
+            self.settled.setdefault(upstream.name, state)
             self.done.notify_all()
 
     def on_list_changed(self, upstream, kind, items, notify):
