@@ -38,6 +38,7 @@ import itertools
 import json
 import logging
 import math
+import operator
 import os
 import queue
 import re
@@ -5543,7 +5544,11 @@ _GERMAN_PARTICLES = ("hoch", "herunter", "runter", "an", "ab", "auf", "aus", "ei
 
 LEXICON = _parse_lexicon(_LEXICON)
 SEPARABLE_VERBS = _parse_lexicon(_SEPARABLE_VERBS)
-_LEXICON_CJK = tuple((k, v) for k, v in LEXICON.items() if _CJK_RE.search(k))
+_LEXICON_CJK: dict[str, list[tuple[str, tuple[str, ...]]]] = {}  # first character -> (CJK key, English words)
+for _key, _english in LEXICON.items():
+    if _CJK_RE.search(_key):
+        _LEXICON_CJK.setdefault(_key[0], []).append((_key, _english))
+del _key, _english
 
 
 # ASCII letters and digits kept, every other byte a space: bytes.translate + split is how an ASCII text (nearly
@@ -5570,7 +5575,7 @@ def _words(text: str) -> list[str]:
     text = _CAMEL_RE.sub(" ", text).lower()
     words = []
     for run in _WORD_RE.findall(text):
-        if not _CJK_RE.search(run):
+        if run.isascii() or not _CJK_RE.search(run):
             words.append(run)
             continue
         position = 0
@@ -5586,13 +5591,13 @@ def _words(text: str) -> list[str]:
 
 
 class TextTerms(NamedTuple):
-    """What one text contributes to the index: stems (the index terms, what ``tokenize`` returns), its words
-    as written (stop words dropped; a query compares them, plural-folded, so an exact word can outrank one that
-    merely shares its stem), and the English stems of its foreign tool-domain words."""
+    """What one text contributes to the index: stems (the index terms, what ``tokenize`` returns), the English
+    stems of its foreign tool-domain words, and the text itself (its surface words, ``surface_words``, are
+    needed only when a query compares exact words, so they are derived then, not at build time)."""
 
     stems: tuple[str, ...]
-    words: tuple[str, ...]
     foreign: tuple[str, ...]
+    text: str
 
 
 def tokenize(text: str) -> list[str]:
@@ -5600,24 +5605,71 @@ def tokenize(text: str) -> list[str]:
     return list(_analysed(text).stems)
 
 
+def surface_words(text: str) -> tuple[str, ...]:
+    """A text's words as written (lowercased, stop words dropped): a query compares them, plural-folded, so an
+    exact word can outrank one that merely shares its stem."""
+    return tuple(itertools.filterfalse(STOP_WORDS.__contains__, _words(text)))
+
+
 def _cached_terms(text: str) -> tuple[str, ...]:
     return _analysed(text).stems
 
 
+class _ForeignStems(tuple):
+    """The stems of a token that holds a foreign tool-domain word (a lexicon word or a compound of two): the
+    mark travels with the stems, so a text needs translating exactly when one of its tokens carries it."""
+
+
+class _TokenStems(dict):
+    """token -> its index terms (identifier-split, lowercased, stop words dropped, stemmed), filled on first
+    sight.  An index build analyses tens of thousands of texts whose words repeat: one dict look-up per token
+    (in C, through map) is most of what it then does per word.  Emptied when it outgrows LIMIT, so a catalogue
+    of random words cannot grow it without bound; a token looked up again is simply recomputed."""
+
+    LIMIT = 1 << 17
+
+    def __missing__(self, token: str) -> tuple[str, ...]:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        words = _token_words(token)
+        found = tuple(stem(word) for word in words if word not in STOP_WORDS)
+        if not LEXICON.keys().isdisjoint(words) or any(map(_compound_terms, words)):  # Verzeichnisbaum too
+            found = _ForeignStems(found)
+        self[token] = found
+        return found
+
+
+_TOKEN_STEMS = _TokenStems()
+
+
 @functools.lru_cache(maxsize=1 << 17)  # a rebuild after one upstream changes re-tokenizes only new texts
 def _analysed(text: str) -> TextTerms:
-    """Stems, index keys and foreign-word translations of one text, computed once per text.  An index build
-    analyses every text of the catalogue, so the common path iterates in C (map/filterfalse over memoised
-    functions) rather than word by word in Python."""
-    raw = _words(text)
-    words = tuple(itertools.filterfalse(STOP_WORDS.__contains__, raw))
-    stems = tuple(map(stem, words))
-    if text.isascii():  # no CJK phrase can match: the lexicon's word look-up is all there is to do
-        if LEXICON.keys().isdisjoint(raw):
-            return TextTerms(stems, words, ())
+    """Stems and foreign-word translations of one text, computed once per text.  An index build analyses every
+    text of the catalogue, so the common path (ASCII) iterates in C over memoised tokens rather than word by
+    word in Python."""
+    if text.isascii():  # NFKC is the identity and no CJK phrase can match: the lexicon's word look-up is all
+        tokens = text.encode("ascii").translate(_ASCII_TOKENS).decode("ascii").split()
+        per_token = list(map(_TOKEN_STEMS.__getitem__, tokens))
+        stems = tuple(itertools.chain.from_iterable(per_token))
+        if _ForeignStems not in set(map(type, per_token)):
+            return TextTerms(stems, (), text)
+        raw = _words(text)
         foreign = tuple(stem(english) for word in raw for english in LEXICON.get(word, ()))
-        return TextTerms(stems, words, foreign + tuple(_german_terms(raw)))  # split verbs, compounds too
-    return TextTerms(stems, words, tuple(translations(text)))
+        return TextTerms(stems, foreign + tuple(_german_terms(raw)), text)  # split verbs, compounds too
+    normal = unicodedata.normalize("NFKC", text)
+    if _CJK_RE.search(normal):
+        stems = tuple(map(stem, surface_words(text)))
+    else:  # accents, dashes, curly quotes: the same tokens as ASCII text, found by the Unicode pattern
+        stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, _WORD_RE.findall(normal))))
+    return TextTerms(stems, tuple(translations(text)), text)
+
+
+def forget_analysed_texts() -> None:
+    """Empty every memo of the text analysis, as in a fresh process (benchmarks of a cold index build)."""
+    for cached in (stem, singular, _analysed, _token_words, _compound_terms, _separable_matches,
+                   _word_terms):  # _word_terms: the knowledge section's, below
+        cached.cache_clear()
+    _TOKEN_STEMS.clear()
 
 
 def _german_terms(words: list[str]) -> list[str]:
@@ -5625,29 +5677,58 @@ def _german_terms(words: list[str]) -> list[str]:
     and for compounds of two lexicon words ("Verzeichnisbaum" = directory tree)."""
     found: list[str] = []
     particles = [word for word in words if word in _GERMAN_PARTICLES]
-    for particle in particles:
-        for verb in words:
-            if verb == particle or len(verb) < 3:
-                continue
-            for form in (verb + "n", verb + "en", verb, verb[:-1] + "en", verb[:-2] + "en"):
-                english = SEPARABLE_VERBS.get(particle + form)
-                if english:
-                    found.extend(stem(word) for word in english)
-                    break
+    if particles:  # "an", "um", "zu" are English words too: look the verbs up once, not once per particle
+        verbs = [(verb, matches) for verb in words if len(verb) >= 3 for matches in (_separable_matches(verb),)
+                 if matches]
+        for particle in particles:
+            for verb, matches in verbs:
+                if verb != particle and particle in matches:
+                    found.extend(matches[particle])
     for word in words:
-        if not 8 <= len(word) <= 40 or word in LEXICON or word in SEPARABLE_VERBS or _CJK_RE.search(word):
-            continue
-        for cut in range(len(word) - 3, 2, -1):  # longest head first: "bildschirmfoto" = bildschirm + foto
-            tail = word[cut:]
-            if tail not in LEXICON:  # the cheap test first: most long words are not compounds at all
-                continue
-            head = word[:cut]
-            heads = [head] + [head[:-len(link)] for link in ("s", "n", "en", "e") if head.endswith(link)]
-            head_english = next((LEXICON[h] for h in heads if h in LEXICON), None)
-            if head_english and tail in LEXICON:
-                found.extend(stem(w) for w in head_english + LEXICON[tail])
-                break
+        found.extend(_compound_terms(word))
     return found
+
+
+def _separable_index() -> dict[str, dict[str, tuple[str, ...]]]:
+    """The rest of each separable verb after a particle it starts with -> {particle: English words}."""
+    index: dict[str, dict[str, tuple[str, ...]]] = collections.defaultdict(dict)
+    for verb, english in SEPARABLE_VERBS.items():
+        for particle in _GERMAN_PARTICLES:
+            if verb.startswith(particle) and len(verb) > len(particle):
+                index[verb[len(particle):]][particle] = english
+    return dict(index)
+
+
+_SEPARABLE_REST = _separable_index()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _separable_matches(verb: str) -> dict[str, tuple[str, ...]]:
+    """particle -> English stems of the separable verb that particle makes with this inflected form ("lade" +
+    "hoch" = hochladen = upload); the first matching form wins, as a reader would try them."""
+    matches: dict[str, tuple[str, ...]] = {}
+    for form in (verb + "n", verb + "en", verb, verb[:-1] + "en", verb[:-2] + "en"):
+        for particle, english in _SEPARABLE_REST.get(form, {}).items():
+            matches.setdefault(particle, tuple(stem(word) for word in english))
+    return matches
+
+
+@functools.lru_cache(maxsize=1 << 16)  # long words repeat across a catalogue's descriptions; most are not compounds
+def _compound_terms(word: str) -> tuple[str, ...]:
+    """English stems of a compound of two lexicon words ("Verzeichnisbaum" = directory tree), else ()."""
+    if not 8 <= len(word) <= 40 or word in LEXICON or word in SEPARABLE_VERBS or (
+            not word.isascii() and _CJK_RE.search(word)):
+        return ()
+    for cut in range(len(word) - 3, 2, -1):  # longest head first: "bildschirmfoto" = bildschirm + foto
+        tail = word[cut:]
+        if tail not in LEXICON:  # the cheap test first: most long words are not compounds at all
+            continue
+        head = word[:cut]
+        heads = [head] + [head[:-len(link)] for link in ("s", "n", "en", "e") if head.endswith(link)]
+        head_english = next((LEXICON[h] for h in heads if h in LEXICON), None)
+        if head_english:
+            return tuple(stem(w) for w in head_english + LEXICON[tail])
+    return ()
 
 
 def translations(text: str) -> list[str]:
@@ -5655,8 +5736,8 @@ def translations(text: str) -> list[str]:
     normal = unicodedata.normalize("NFKC", text).lower()
     found = []
     if _CJK_RE.search(normal):  # only keys whose first character occurs can be in the text: test those alone
-        present = set(normal)
-        found = [word for key, words in _LEXICON_CJK if key[0] in present and key in normal for word in words]
+        found = [word for first in sorted(_LEXICON_CJK.keys() & set(normal)) for key, words in _LEXICON_CJK[first]
+                 if key in normal for word in words]
     tokens = _WORD_RE.findall(normal)
     found += [word for token in tokens for word in LEXICON.get(token, ())]
     return [stem(word) for word in found] + _german_terms(tokens)
@@ -5964,7 +6045,7 @@ class SearchIndex:
         found = self._surfaces[doc_id]
         if found is None:
             found = self._surfaces[doc_id] = frozenset(
-                singular(word) for terms in self._texts[doc_id][:5] for word in terms.words)
+                singular(word) for terms in self._texts[doc_id][:5] for word in surface_words(terms.text))
         return found
 
     def _virtual_idf(self, holders: int) -> float:

@@ -844,8 +844,7 @@ def ask_questions() -> list[str]:
 
 def clear_term_caches() -> None:
     """Empty the tokenizer's memo tables, so an index build pays what a fresh process pays."""
-    for cached in (coffer.stem, coffer.singular, coffer._analysed, coffer._word_terms, coffer._token_words):
-        cached.cache_clear()
+    coffer.forget_analysed_texts()
 
 
 @contextlib.contextmanager
