@@ -5934,7 +5934,12 @@ class SearchIndex:
         self.tools = tools  # a snapshot the caller does not change (the semantic ranker matches it by identity)
         fields_per_doc = [self._fields(tool) for tool in self.tools]
         n = len(self.tools)
-        avg = {f: (sum(len(doc[f]) for doc in fields_per_doc) / n if n else 0.0) or 1.0 for f in self.FIELDS}
+        # A field's average length over the tools that have it: over all tools, a field few of them fill (a
+        # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
+        avg = {}
+        for f in self.FIELDS:
+            lengths = list(filter(None, map(len, map(operator.itemgetter(f), fields_per_doc))))
+            avg[f] = sum(lengths) / len(lengths) if lengths else 1.0
         fields = [(field, weight, b, avg[field]) for field, (weight, b) in self.FIELDS.items()]
         self._doc_terms: list[dict[str, float]] = []  # per tool: term -> field-weighted, length-normalised tf
         for doc in fields_per_doc:  # the build's inner loop: one pass over every term of the catalogue

@@ -266,6 +266,36 @@ def test_german_split_verbs_compounds_and_mixed_chinese_reach_english_tools(quer
     assert top(coffer.SearchIndex(GERMAN_AND_CJK), query) == [expected]
 
 
+GERMAN_TOOLS = [
+    tool("ablage__hochladen", "Lade eine Datei in die Ablage hoch"),            # ASCII German, split verb
+    tool("ablage__struktur", "Zeigt den Verzeichnisbaum der Ablage"),            # ASCII German, compound
+    tool("ablage__loeschen", "Löscht eine Datei endgültig"),                     # accented German
+    tool("drive__share", "Share a file with another user by email"),
+    tool("drive__rename", "Rename a file in place"),
+    tool("fs__read_file", "Read the complete contents of a file"),
+    tool("fs__list_directory", "List the entries of one directory"),
+]
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("upload a file", "ablage__hochladen"),
+    ("show me the tree", "ablage__struktur"),
+])
+def test_a_tool_described_in_german_is_found_by_an_english_request(query, expected):
+    assert top(coffer.SearchIndex(GERMAN_TOOLS), query) == [expected]
+
+
+def test_a_catalogue_of_random_words_cannot_grow_the_tokenizer_tables_without_bound(monkeypatch):
+    monkeypatch.setattr(coffer._TokenStems, "LIMIT", 500)
+    rng = random.Random(7)
+    junk = [tool(f"junk__t{i}", " ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=9))
+                                         for _ in range(20))) for i in range(200)]
+    index = coffer.SearchIndex(junk + GERMAN_TOOLS)     # 4,000 distinct words through a 500-word table
+    assert len(coffer._TOKEN_STEMS) <= 500
+    assert top(index, "upload") == ["ablage__hochladen"]       # its translation survived the table's wipes
+    assert coffer.tokenize("Creating issues") == ["creat", "issu"]
+
+
 def test_fusion_lets_a_confident_embedder_decide_but_not_a_confused_one():
     confident_lexical = [(0, 10.0), (1, 2.0)]
     flat = [(1, 0.26), (2, 0.25), (3, 0.22), (0, 0.17)]         # cosines of a query the model does not understand
