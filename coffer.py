@@ -5880,6 +5880,8 @@ def query_entities(query: str) -> list[QueryEntity]:
                 continue
             found.append(QueryEntity(kind, start, end))
             taken.append((start, end))
+    if any(entity.kind.name == "sql" for entity in found):  # GROUP, WHERE, ORDER are its keywords, not tickers
+        found = [entity for entity in found if entity.kind.name != "ticker"]
     return sorted(found, key=lambda e: e.start)
 
 

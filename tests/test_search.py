@@ -176,6 +176,11 @@ ENTITY_CATALOGUE = [
     schema_tool("market__quote", "Latest trade of a listed company", symbol={"type": "string"}),
     schema_tool("mail__send", "Send a message", to={"type": "string", "format": "email"},
                 body={"type": "string"}),
+    schema_tool("warehouse__run", "Run against the analytics warehouse", query={"type": "string"}),
+    schema_tool("warehouse__describe", "Columns of one warehouse table", table={"type": "string"}),
+    schema_tool("jobs__create", "Create a recurring job", command={"type": "string"},
+                schedule={"type": "string", "description": "Cron expression"}),
+    schema_tool("jobs__list", "Every recurring job and its last run"),
 ]
 
 
@@ -188,6 +193,10 @@ ENTITY_CATALOGUE = [
     ("deploy/checkout output", "cluster__logs"),                         # a k8s resource
     ("NVDA right now", "market__quote"),                                 # a ticker
     ("ping ops-oncall@example.com: disk full", "mail__send"),            # an email address
+    ("open C:\\Users\\ana\\todo.txt", "files__read_text"),               # a Windows path
+    ("open ~/reports/q3-summary", "files__read_text"),                   # a home-relative path
+    ("SELECT region, sum(total) FROM orders GROUP BY region", "warehouse__run"),   # SQL, not the table tool
+    ("every weekday: 30 6 * * 1-5 backup.sh", "jobs__create"),            # a cron expression
 ])
 def test_arguments_in_the_request_pick_the_tool_whose_parameters_take_them(query, expected):
     assert top(coffer.SearchIndex(ENTITY_CATALOGUE), query) == [expected]
