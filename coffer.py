@@ -5647,7 +5647,7 @@ def _analysed(text: str) -> TextTerms:
     """Stems and foreign-word translations of one text, computed once per text.  An index build analyses every
     text of the catalogue, so the common path (ASCII) iterates in C over memoised tokens rather than word by
     word in Python."""
-    if text.isascii():  # NFKC is the identity and no CJK phrase can match: the lexicon's word look-up is all
+    if text.isascii():  # NFKC is the identity and no CJK phrase can match: word look-ups are all there is
         tokens = text.encode("ascii").translate(_ASCII_TOKENS).decode("ascii").split()
         per_token = list(map(_TOKEN_STEMS.__getitem__, tokens))
         stems = tuple(itertools.chain.from_iterable(per_token))
