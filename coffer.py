@@ -5515,6 +5515,40 @@ umbenennen=rename benenne=rename kopiere=copy kopieren=copy vergleiche=compare v
 zusammenfassung=summary fasse=summarize erkläre=explain übersicht=overview abhängigkeiten=dependencies
 datenbank=database abfrage=query tabellen=table zeitzone=timezone stadt=city wo=location entfernung=distance
 höhe=elevation ort=place orte=place
+アップロード=upload ダウンロード=download ディレクトリ=directory フォルダ=folder フォルダー=folder ツリー=tree
+スケール=scale レプリカ=replica デプロイ=deploy コンテナ=container イメージ=image ポッド=pod ノード=node
+ユーザー=user ユーザ=user アカウント=account パスワード=password プロジェクト=project タスク=task チケット=ticket
+コメント=comment プルリクエスト=pull_request マージ=merge コミット=commit タグ=tag リリース=release ビルド=build
+エラー=error バグ=bug ドキュメント=document テーブル=table クエリ=query スキーマ=schema レコード=record
+スプレッドシート=spreadsheet シート=sheet グラフ=chart チャート=chart レポート=report リンク=link ウェブ=web
+サイト=website タブ=tab フォーム=form テキスト=text ノート=note メモ=note メモリ=memory スレッド=thread イベント=event
+スケジュール=schedule リマインダー=reminder タイムゾーン=timezone コード=code スクリプト=script コマンド=command
+ターミナル=terminal プロセス=process サーバー=server サーバ=server ポート=port キャッシュ=cache
+バックアップ=backup インストール=install パッケージ=package バージョン=version ステータス=status
+ログイン=login トークン=token インボイス=invoice カスタマー=customer 天気予報=weather_forecast 価格=price
+株式=stock 編集=edit 実行=run 返信=reply 移動=move 複製=copy コピー=copy 名前変更=rename
+比較=compare 説明=explain 開く=open 追加=add 支払い=payment 請求書=invoice 顧客=customer 注文=order
+파일=file 폴더=folder 디렉토리=directory 디렉터리=directory 트리=tree 검색=search 찾기=find 찾아=find
+생성=create 만들=create 만드=create 삭제=delete 지워=delete 지우=delete 전송=send 보내=send 메시지=message 메일=email
+번역=translate 이미지=image 사진=photo 스크린샷=screenshot 웹=web 페이지=page 캘린더=calendar 일정=event
+시간=time 날씨=weather 주가=stock_price 주식=stock 가격=price 지도=map 주소=address 위치=location 이슈=issue
+저장소=repository 리포지토리=repository 데이터베이스=database 목록=list 다운로드=download 업로드=upload
+실행=run 동영상=video 음악=music 노트=note 메모=note 메모리=memory 작업=task 회의=meeting 커밋=commit 코드=code
+사용자=user 댓글=comment 병합=merge 브랜치=branch 요약=summarize 변환=convert 차트=chart 뉴스=news
+브라우저=browser 클릭=click 링크=link 테이블=table 문서=document 저장=save 편집=edit 수정=update
+업데이트=update 조회=view 열어=open 열기=open 읽어=read 읽기=read 로그=log 채널=channel 버튼=button
+배포=deploy 컨테이너=container 노드=node 포트=port 상태=status 현재=current 최신=latest 최근=recent
+환율=exchange_rate 항공편=flight 호텔=hotel 결제=payment 청구서=invoice 고객=customer 주문=order
+스케일=scale 복제본=replica 레플리카=replica
+arquivo=file arquivos=file criar=create excluir=delete apagar=delete pesquisar=search procurar=search
+previsão=forecast mensagem=message mensagens=message usuário=user repositório=repository baixar=download
+tarefa=task tarefas=task reunião=meeting comentário=comment traduzir=translate imagem=image
+endereço=address localização=location notícias=news preço=price planilha=spreadsheet resumir=summarize
+cartella=folder cercare=search creare=create eliminare=delete
+inviare=send invia=send messaggio=message messaggi=message utente=user immagine=image indirizzo=address
+notizie=news prezzo=price riunione=meeting commento=comment tradurre=translate traduci=translate
+scaricare=download scarica=download caricare=upload carica=upload riassumere=summarize riassumi=summarize
+meteo=weather previsioni=forecast
 """
 
 

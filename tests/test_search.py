@@ -270,8 +270,14 @@ GERMAN_AND_CJK = [
     ("Lege bitte einen Ordner für die Belege an", "fs__create_directory"),  # anlegen
     ("Zeig mir den Verzeichnisbaum", "fs__directory_tree"),               # compound: Verzeichnis + Baum
     ("把 deployment checkout 扩容到 5 个副本", "cluster__scale"),          # Chinese around English identifiers
+    ("README.md をアップロードして", "drive__upload"),                     # Japanese: katakana loanwords
+    ("checkout を 5 レプリカにスケール", "cluster__scale"),
+    ("report.pdf 파일을 업로드해줘", "drive__upload"),                      # Korean, particles attached
+    ("디렉토리 트리 보여줘", "fs__directory_tree"),
+    ("excluir o arquivo ./tmp/a.log", "fs__delete_file"),                # Portuguese
+    ("carica report.pdf sul drive", "drive__upload"),                     # Italian
 ])
-def test_german_split_verbs_compounds_and_mixed_chinese_reach_english_tools(query, expected):
+def test_non_english_requests_reach_english_tools(query, expected):
     assert top(coffer.SearchIndex(GERMAN_AND_CJK), query) == [expected]
 
 
