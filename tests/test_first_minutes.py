@@ -183,3 +183,25 @@ def test_serve_by_hand_says_what_it_is(home):
         proc.wait()
         os.close(controller)
         os.close(terminal)
+
+
+def test_a_probe_finishes_only_after_it_has_recorded_what_it_saw(home, monkeypatch):
+    # The status write is what `coffer list` reads later. Slow it down so a probe that returned as soon as the
+    # server looked ready would leave the vault saying "never started".
+    import time
+
+    import coffer
+    cli("add", "good", "--", *FAKE, "--tools", "echo")
+    cli("add", "crashy", "--", *FAKE, "--exit-at-start")
+    record = coffer.Vault.record_status
+
+    def slow_record(self, *args, **kwargs):
+        time.sleep(0.4)
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(coffer.Vault, "record_status", slow_record)
+    vault = coffer.Vault(str(home))
+    results = {r.name: r.state for r in coffer.ServerProbe(vault).run(timeout=30)}
+    assert results == {"good": "ready", "crashy": "failed"}
+    statuses = {s["name"]: s["status"] for s in vault.servers()}
+    assert statuses == {"good": "ready", "crashy": "failed"}
