@@ -31,6 +31,7 @@ import dataclasses
 import difflib
 import errno
 import functools
+import gc
 import hashlib
 import heapq
 import hmac
@@ -5354,6 +5355,10 @@ class Catalogue:
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 _WORD_RE = re.compile(r"[^\W_]+")
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
+# The word characters of those scripts: a CJK run of a text's words, as _WORD_RE finds them (not the kana
+# middle dot, voicing marks or unassigned code points).
+_CJK_WORD_RE = re.compile(r"[\u3041-\u3096\u309d-\u309f\u30a1-\u30fa\u30fc-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+                          r"\uac00-\ud7a3\uf900-\ufaff]+")
 
 STOP_WORDS = frozenset("""
 a about above after again all also am an and any are as at be been before being below between both but by can
@@ -5575,6 +5580,7 @@ ausfüllen=fill auswählen=select anklicken=click weiterschicken=forward umbenen
 """
 _GERMAN_PARTICLES = ("hoch", "herunter", "runter", "an", "ab", "auf", "aus", "ein", "hinzu", "um", "zu",
                      "zurück", "weiter", "nach", "heraus", "zusammen", "fest", "neu")
+_GERMAN_PARTICLE_SET = frozenset(_GERMAN_PARTICLES)
 
 LEXICON = _parse_lexicon(_LEXICON)
 SEPARABLE_VERBS = _parse_lexicon(_SEPARABLE_VERBS)
@@ -5645,10 +5651,6 @@ def surface_words(text: str) -> tuple[str, ...]:
     return tuple(itertools.filterfalse(STOP_WORDS.__contains__, _words(text)))
 
 
-def _cached_terms(text: str) -> tuple[str, ...]:
-    return _analysed(text).stems
-
-
 class _ForeignStems(tuple):
     """The stems of a token that holds a foreign tool-domain word (a lexicon word or a compound of two): the
     mark travels with the stems, so a text needs translating exactly when one of its tokens carries it."""
@@ -5691,11 +5693,19 @@ def _analysed(text: str) -> TextTerms:
         foreign = tuple(stem(english) for word in raw for english in LEXICON.get(word, ()))
         return TextTerms(stems, foreign + tuple(_german_terms(raw)), text)  # split verbs, compounds too
     normal = unicodedata.normalize("NFKC", text)
-    if _CJK_RE.search(normal):
-        stems = tuple(map(stem, surface_words(text)))
+    if _CJK_RE.search(normal):  # the words around CJK runs as in any text, then each run's bigrams (unstemmed)
+        words = _WORD_RE.findall(_CJK_RE.sub(" ", normal))
+        bigrams = map(_cjk_bigrams, _CJK_WORD_RE.findall(normal))
+        stems = tuple(itertools.chain(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, words)),
+                                      itertools.chain.from_iterable(bigrams)))
     else:  # accents, dashes, curly quotes: the same tokens as ASCII text, found by the Unicode pattern
         stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, _WORD_RE.findall(normal))))
-    return TextTerms(stems, tuple(translations(text)), text)
+    return TextTerms(stems, tuple(_translated(normal.lower())), text)
+
+
+def _cjk_bigrams(run: str) -> list[str]:
+    """A CJK run as overlapping character pairs, so a phrase matches the words inside it; one character alone."""
+    return list(map(operator.add, run, run[1:])) if len(run) > 1 else [run]
 
 
 def forget_analysed_texts() -> None:
@@ -5710,7 +5720,7 @@ def _german_terms(words: list[str]) -> list[str]:
     """English stems for German separable verbs split over the clause ("lade ... hoch" = hochladen = upload)
     and for compounds of two lexicon words ("Verzeichnisbaum" = directory tree)."""
     found: list[str] = []
-    particles = [word for word in words if word in _GERMAN_PARTICLES]
+    particles = list(filter(_GERMAN_PARTICLE_SET.__contains__, words))
     if particles:  # "an", "um", "zu" are English words too: look the verbs up once, not once per particle
         verbs = [(verb, matches) for verb in words if len(verb) >= 3 for matches in (_separable_matches(verb),)
                  if matches]
@@ -5718,8 +5728,7 @@ def _german_terms(words: list[str]) -> list[str]:
             for verb, matches in verbs:
                 if verb != particle and particle in matches:
                     found.extend(matches[particle])
-    for word in words:
-        found.extend(_compound_terms(word))
+    found.extend(itertools.chain.from_iterable(map(_compound_terms, words)))
     return found
 
 
@@ -5767,7 +5776,11 @@ def _compound_terms(word: str) -> tuple[str, ...]:
 
 def translations(text: str) -> list[str]:
     """English index terms for the foreign tool-domain words in ``text`` (see LEXICON, SEPARABLE_VERBS)."""
-    normal = unicodedata.normalize("NFKC", text).lower()
+    return _translated(unicodedata.normalize("NFKC", text).lower())
+
+
+def _translated(normal: str) -> list[str]:
+    """translations() of a text already NFKC-normalised and lowercased."""
     found = []
     if _CJK_RE.search(normal):  # only keys whose first character occurs can be in the text: test those alone
         found = [word for first in sorted(_LEXICON_CJK.keys() & set(normal)) for key, words in _LEXICON_CJK[first]
@@ -5930,6 +5943,31 @@ _INFO_MODIFIERS = frozenset(stem(w) for w in "latest recent happened happening".
 _QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", "wie", "was", "wann", "wo"))
 
 
+class CollectorPause:
+    """Pauses Python's cyclic garbage collector around an index build.  A build allocates hundreds of thousands
+    of small objects, none of them in cycles, and every collection those allocations trigger walks every live
+    object, the catalogue included: nearly half of a 10k-tool build.  Reference counting still frees what the
+    build drops.  Builds on several threads share one pause; the collector runs again when the last ends, and
+    only if it was running when the first began (an application that disabled it keeps it disabled)."""
+
+    _lock = threading.Lock()
+    _depth = 0
+    _resume = False
+
+    def __enter__(self) -> None:
+        with CollectorPause._lock:
+            if CollectorPause._depth == 0:
+                CollectorPause._resume = gc.isenabled()
+                gc.disable()
+            CollectorPause._depth += 1
+
+    def __exit__(self, *exc_info) -> None:
+        with CollectorPause._lock:
+            CollectorPause._depth -= 1
+            if CollectorPause._depth == 0 and CollectorPause._resume:
+                gc.enable()
+
+
 class SearchIndex:
     """BM25F over a tool list.  Built once per catalogue change; a query is a few dictionary look-ups per term.
 
@@ -5966,71 +6004,84 @@ class SearchIndex:
     PHRASE_ALONE_WEIGHT = 0.4
     PHRASE_MIN_TOOLS = 3
 
+    # The fields of SearchIndex._fields, in the order it returns them.
+    FIELD_ORDER = ("name", "server", "title", "description", "params", "param_text", "examples", "translated")
+
     def __init__(self, tools: list[dict]):
         self.tools = tools  # a snapshot the caller does not change (the semantic ranker matches it by identity)
-        fields_per_doc = [self._fields(tool) for tool in self.tools]
+        with CollectorPause():
+            self._build()
+
+    def _build(self) -> None:
+        analysed = list(map(self._fields, self.tools))
         n = len(self.tools)
+        # Per tool, its terms field by field: term frequencies are counted from these when a query first uses a
+        # term (see postings), so the build does no per-term work in Python beyond analysing the texts.
+        self._doc_fields = [fields for fields, _ in analysed]
+        self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
+        self._vocabulary = frozenset().union(*self._doc_sets)
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
-        avg = {}
-        for f in self.FIELDS:
-            lengths = list(filter(None, map(len, map(operator.itemgetter(f), fields_per_doc))))
-            avg[f] = sum(lengths) / len(lengths) if lengths else 1.0
-        fields = [(field, weight, b, avg[field]) for field, (weight, b) in self.FIELDS.items()]
-        self._doc_terms: list[dict[str, float]] = []  # per tool: term -> field-weighted, length-normalised tf
-        for doc in fields_per_doc:  # the build's inner loop: one pass over every term of the catalogue
-            tf: dict[str, float] = {}
-            get = tf.get
-            for field, weight, b, average in fields:
-                terms = doc[field]
-                if terms:
-                    norm = weight / (1.0 - b + b * len(terms) / average)
-                    for term in terms:
-                        tf[term] = get(term, 0.0) + norm
-            self._doc_terms.append(tf)
-        self._vocabulary = set().union(*self._doc_terms)
+        self._field_params = []
+        for position, field in enumerate(self.FIELD_ORDER):
+            weight, b = self.FIELDS[field]
+            lengths = list(filter(None, map(len, map(operator.itemgetter(position), self._doc_fields))))
+            self._field_params.append((weight, b, sum(lengths) / len(lengths) if lengths else 1.0))
         self._postings: dict[str, list[tuple[int, float]]] = {}
         self._idf: dict[str, float] = {}
-        order = sorted(range(n), key=lambda i: str(self.tools[i].get("name", "")))
+        names = [str(tool.get("name", "")) for tool in self.tools]
         self._rank_of = [0] * n
-        for rank, doc_id in enumerate(order):
+        for rank, doc_id in enumerate(sorted(range(n), key=names.__getitem__)):
             self._rank_of[doc_id] = rank
         servers: dict[str, int] = {}
-        self._server_of = [servers.setdefault(str(tool.get("name", "")).partition(SEPARATOR)[0], len(servers))
-                           if SEPARATOR in str(tool.get("name", "")) else -1 for tool in self.tools]
+        self._server_of = [servers.setdefault(name.partition(SEPARATOR)[0], len(servers)) if SEPARATOR in name
+                           else -1 for name in names]
         # What queries need beyond BM25 (surface words, parameter words) is derived from these on first use.
-        self._texts = [doc["texts"] for doc in fields_per_doc]
+        self._texts = [texts for _, texts in analysed]
         self._surfaces: list[frozenset | None] = [None] * n
         self._exact: dict[tuple[str, frozenset], frozenset] = {}
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
-        self._web_tools = [doc_id for doc_id, doc in enumerate(fields_per_doc)
-                           if ("search" in doc["name"] or "search" in doc["server"])  # search__web, brave_web_search
-                           and not (_WEB_WORDS.isdisjoint(doc["name"]) and _WEB_WORDS.isdisjoint(doc["description"]))]
+        self._web_tools_found: list[int] | None = None
         self._partners: dict[str, str | None] = {}
         self._stem_cap = math.log(1.0 + (n - max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)
                                   / (max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)) if n else 0.0
 
     @staticmethod
-    def _fields(tool: dict) -> dict[str, list[str]]:
-        name = str(tool.get("name") or "")
+    def _fields(tool: dict) -> tuple[tuple[tuple[str, ...], ...], tuple]:
+        """A tool's terms per field (in FIELD_ORDER), and its analysed texts (name, title, description,
+        parameter names, parameter texts) with its parameters' formats."""
+        name = tool.get("name")
+        name = name if isinstance(name, str) else str(name or "")
         server, sep, short = name.partition(SEPARATOR)
         if not sep:
             server, short = "", name
-        description = tool.get("description") if isinstance(tool.get("description"), str) else ""
-        title = tool.get("title") if isinstance(tool.get("title"), str) else ""
-        annotations = tool.get("annotations") if isinstance(tool.get("annotations"), dict) else {}
-        if not title and isinstance(annotations.get("title"), str):
-            title = annotations["title"]
+        description = tool.get("description")
+        if not isinstance(description, str):
+            description = ""
+        title = tool.get("title")
+        if not title or not isinstance(title, str):  # else the title its annotations give, if any
+            annotations = tool.get("annotations")
+            title = annotations.get("title") if isinstance(annotations, dict) else ""
+            title = title if isinstance(title, str) else ""
         parameters = _schema_text(tool.get("inputSchema"))
         short_terms, title_terms, description_terms = _analysed(short), _analysed(title), _analysed(description)
-        param_names = _analysed(parameters.names)
-        param_text = _analysed(parameters.texts)
-        return {"name": short_terms.stems, "server": _cached_terms(server), "title": title_terms.stems,
-                "description": description_terms.stems, "params": param_names.stems,
-                "param_text": param_text.stems, "examples": _cached_terms(parameters.examples),
-                "translated": short_terms.foreign + title_terms.foreign + description_terms.foreign,
-                "texts": (short_terms, title_terms, description_terms, param_names, param_text, parameters.formats)}
+        param_names, param_text = _analysed(parameters.names), _analysed(parameters.texts)
+        translated = short_terms.foreign + title_terms.foreign + description_terms.foreign
+        return ((short_terms.stems, _analysed(server).stems, title_terms.stems, description_terms.stems,
+                 param_names.stems, param_text.stems, _analysed(parameters.examples).stems, translated),
+                (short_terms, title_terms, description_terms, param_names, param_text, parameters.formats))
+
+    @property
+    def _web_tools(self) -> list[int]:
+        """Ids of the general web-search tools (search__web, brave_web_search), found on first use."""
+        found = self._web_tools_found
+        if found is None:
+            found = self._web_tools_found = [
+                doc_id for doc_id, (name, server, _, description, *_) in enumerate(self._doc_fields)
+                if ("search" in name or "search" in server)
+                and not (_WEB_WORDS.isdisjoint(name) and _WEB_WORDS.isdisjoint(description))]
+        return found
 
     def phrase_partner(self, term: str) -> str | None:
         """The one word ``term`` sits next to in >= 90% of the (>= PHRASE_MIN_TOOLS) tool names holding it
@@ -6061,15 +6112,26 @@ class SearchIndex:
 
     def postings(self, term: str) -> list[tuple[int, float]]:
         """(doc id, BM25 weight) of every tool holding ``term``, built by the first query that uses the term:
-        most of a catalogue's vocabulary is never searched for, so a rebuild does not pay for it."""
+        most of a catalogue's vocabulary is never searched for, so a build does not pay for it."""
         found = self._postings.get(term)
         if found is None:
             if term not in self._vocabulary:
                 return []
-            pairs = [(doc_id, tf[term]) for doc_id, tf in enumerate(self._doc_terms) if term in tf]
-            n, k1 = len(self._doc_terms), self.K1
-            idf = self._idf[term] = math.log(1.0 + (n - len(pairs) + 0.5) / (len(pairs) + 0.5))
-            found = self._postings[term] = [(doc_id, idf * value / (k1 + value)) for doc_id, value in pairs]
+            holders = list(itertools.compress(range(len(self._doc_sets)),
+                                              map(operator.contains, self._doc_sets, itertools.repeat(term))))
+            n, k1, params = len(self._doc_sets), self.K1, self._field_params
+            idf = math.log(1.0 + (n - len(holders) + 0.5) / (len(holders) + 0.5))
+            found = []
+            for doc_id in holders:  # field-weighted, length-normalised term frequency
+                tf = 0.0
+                for terms, (weight, b, average) in zip(self._doc_fields[doc_id], params):
+                    if terms:
+                        count = terms.count(term)
+                        if count:
+                            tf += count * weight / (1.0 - b + b * len(terms) / average)
+                found.append((doc_id, idf * tf / (k1 + tf)))
+            self._idf[term] = idf
+            self._postings[term] = found
         return found
 
     def exact_docs(self, term: str, surfaces: frozenset) -> frozenset:
@@ -6190,7 +6252,7 @@ class SearchIndex:
             # tool named for the topic (a news tool for "news") or matching more keeps its place; one that
             # shares an incidental word of its description ("latest" in a version tool's) does not.
             best_doc = max(scores, key=scores.__getitem__, default=None)
-            matched = 0 if best_doc is None else sum(term in self._doc_terms[best_doc] for term in own)
+            matched = 0 if best_doc is None else sum(term in self._doc_sets[best_doc] for term in own)
             named = best_doc is not None and not (set(own) - _INFO_MODIFIERS).isdisjoint(self._texts[best_doc][0].stems)
             if matched <= self.WEB_MAX_MATCHED and not named:
                 lift = self.WEB_SEARCH_WEIGHT * self._virtual_idf(len(self._web_tools))
