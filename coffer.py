@@ -5357,6 +5357,7 @@ _WORD_RE = re.compile(r"[^\W_]+")
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
 # The word characters of those scripts: a CJK run of a text's words, as _WORD_RE finds them (not the kana
 # middle dot, voicing marks or unassigned code points).
+_NON_CJK_WORD_RE = re.compile(r"[^\W_\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
 _CJK_WORD_RE = re.compile(r"[\u3041-\u3096\u309d-\u309f\u30a1-\u30fa\u30fc-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
                           r"\uac00-\ud7a3\uf900-\ufaff]+")
 
@@ -5693,14 +5694,16 @@ def _analysed(text: str) -> TextTerms:
         foreign = tuple(stem(english) for word in raw for english in LEXICON.get(word, ()))
         return TextTerms(stems, foreign + tuple(_german_terms(raw)), text)  # split verbs, compounds too
     normal = unicodedata.normalize("NFKC", text)
-    if _CJK_RE.search(normal):  # the words around CJK runs as in any text, then each run's bigrams (unstemmed)
-        words = _WORD_RE.findall(_CJK_RE.sub(" ", normal))
-        bigrams = map(_cjk_bigrams, _CJK_WORD_RE.findall(normal))
-        stems = tuple(itertools.chain(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, words)),
-                                      itertools.chain.from_iterable(bigrams)))
-    else:  # accents, dashes, curly quotes: the same tokens as ASCII text, found by the Unicode pattern
+    if not _CJK_RE.search(normal):  # accents, dashes, curly quotes: the same tokens as ASCII text
         stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, _WORD_RE.findall(normal))))
-    return TextTerms(stems, tuple(_translated(normal.lower())), text)
+        return TextTerms(stems, tuple(_translated(normal.lower())), text)
+    # The words around CJK runs as in any text, then each run's bigrams (unstemmed).  German verbs split over a
+    # clause are not looked for in CJK text; a query is always read whole (translations).
+    words = _NON_CJK_WORD_RE.findall(normal)
+    bigrams = map(_cjk_bigrams, _CJK_WORD_RE.findall(normal))
+    stems = tuple(itertools.chain(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, words)),
+                                  itertools.chain.from_iterable(bigrams)))
+    return TextTerms(stems, tuple(_translated(normal.lower(), german=False)), text)
 
 
 def _cjk_bigrams(run: str) -> list[str]:
@@ -5779,15 +5782,17 @@ def translations(text: str) -> list[str]:
     return _translated(unicodedata.normalize("NFKC", text).lower())
 
 
-def _translated(normal: str) -> list[str]:
-    """translations() of a text already NFKC-normalised and lowercased."""
+def _translated(normal: str, german: bool = True) -> list[str]:
+    """translations() of a text already NFKC-normalised and lowercased; ``german``: German split verbs and
+    compounds too."""
     found = []
     if _CJK_RE.search(normal):  # only keys whose first character occurs can be in the text: test those alone
         found = [word for first in sorted(_LEXICON_CJK.keys() & set(normal)) for key, words in _LEXICON_CJK[first]
                  if key in normal for word in words]
     tokens = _WORD_RE.findall(normal)
     found += [word for token in tokens for word in LEXICON.get(token, ())]
-    return [stem(word) for word in found] + _german_terms(tokens)
+    found = [stem(word) for word in found]
+    return found + _german_terms(tokens) if german else found
 
 
 def _build_equivalences() -> dict[str, tuple[str, ...]]:
@@ -5818,38 +5823,44 @@ _EXAMPLE_RE = re.compile(r"\b(?:e\.g\.|for example)[^.;)\n]*", re.IGNORECASE)
 
 def _schema_text(schema) -> ParameterText:
     """Parameter names, descriptions/enums and formats of a JSON schema, nested properties included."""
-    names, texts, examples, formats = [], [], [], []
-
-    def walk(node, depth):
-        if not isinstance(node, dict) or depth > 4:
-            return
-        properties = node.get("properties")
-        if isinstance(properties, dict):
-            for key, sub in properties.items():
-                names.append(str(key))
-                if not isinstance(sub, dict):
-                    continue
-                description = sub.get("description")
-                if isinstance(description, str):
-                    description = description[:2000]
-                    if "e.g" in description or "xample" in description:
-                        found = _EXAMPLE_RE.findall(description)
-                        if found:
-                            examples.extend(found)
-                            description = _EXAMPLE_RE.sub(" ", description)
-                    texts.append(description)
-                enum, schema_format, items = sub.get("enum"), sub.get("format"), sub.get("items")
-                if isinstance(enum, list):
-                    texts.extend(str(v) for v in enum[:50])
-                if isinstance(schema_format, str):
-                    formats.append(schema_format.lower())
-                if "properties" in sub:  # most parameters are leaves: skip the call
-                    walk(sub, depth + 1)
-                if isinstance(items, dict):
-                    walk(items, depth + 1)
-
-    walk(schema, 0)
+    names: list[str] = []
+    texts: list[str] = []
+    examples: list[str] = []
+    formats: list[str] = []
+    _collect_parameters(schema, 0, names, texts, examples, formats)
     return ParameterText(" ".join(names), " ".join(texts), " ".join(examples), tuple(formats))
+
+
+def _collect_parameters(node, depth: int, names: list, texts: list, examples: list, formats: list) -> None:
+    """_schema_text's walk, depth first.  A function of its own, not a closure: a recursive closure is a
+    reference cycle, garbage only the cyclic collector frees, and an index build makes one per tool."""
+    if not isinstance(node, dict) or depth > 4:
+        return
+    properties = node.get("properties")
+    if not isinstance(properties, dict):
+        return
+    for key, sub in properties.items():
+        names.append(str(key))
+        if not isinstance(sub, dict):
+            continue
+        description = sub.get("description")
+        if isinstance(description, str):
+            description = description[:2000]
+            if "e.g" in description or "xample" in description:
+                found = _EXAMPLE_RE.findall(description)
+                if found:
+                    examples.extend(found)
+                    description = _EXAMPLE_RE.sub(" ", description)
+            texts.append(description)
+        enum, schema_format, items = sub.get("enum"), sub.get("format"), sub.get("items")
+        if isinstance(enum, list):
+            texts.extend(map(str, enum[:50]))
+        if isinstance(schema_format, str):
+            formats.append(schema_format.lower())
+        if "properties" in sub:  # most parameters are leaves: skip the call
+            _collect_parameters(sub, depth + 1, names, texts, examples, formats)
+        if isinstance(items, dict):
+            _collect_parameters(items, depth + 1, names, texts, examples, formats)
 
 
 # ---- typed entities in a query, matched against what a tool's parameters accept
