@@ -59,7 +59,7 @@ import unicodedata
 import urllib.parse  # loaded by the interpreter's own start-up anyway
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 __version__ = "0.1.0"
 
@@ -5585,10 +5585,12 @@ _GERMAN_PARTICLE_SET = frozenset(_GERMAN_PARTICLES)
 
 LEXICON = _parse_lexicon(_LEXICON)
 SEPARABLE_VERBS = _parse_lexicon(_SEPARABLE_VERBS)
-_LEXICON_CJK: dict[str, list[tuple[str, tuple[str, ...]]]] = {}  # first character -> (CJK key, English words)
+# The CJK keys of the lexicon by their first two characters (a one-character key by its one): a text's CJK runs
+# need testing only against the keys that start with one of their characters or character pairs.
+_LEXICON_CJK: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
 for _key, _english in LEXICON.items():
     if _CJK_RE.search(_key):
-        _LEXICON_CJK.setdefault(_key[0], []).append((_key, _english))
+        _LEXICON_CJK.setdefault(_key[:2], []).append((_key, _english))
 del _key, _english
 
 
@@ -5652,9 +5654,12 @@ def surface_words(text: str) -> tuple[str, ...]:
     return tuple(itertools.filterfalse(STOP_WORDS.__contains__, _words(text)))
 
 
-class _ForeignStems(tuple):
-    """The stems of a token that holds a foreign tool-domain word (a lexicon word or a compound of two): the
-    mark travels with the stems, so a text needs translating exactly when one of its tokens carries it."""
+# Two stems no word can produce (analysis yields letters and digits only): _BATCH_SEPARATOR stands between
+# the texts of a batch (see analyse_texts), _FOREIGN_MARK ends the stems of a token that holds a foreign
+# tool-domain word (a lexicon word, or a compound of two), so a text needs translating exactly when one of its
+# tokens carries the mark.
+_BATCH_SEPARATOR = "\x01"
+_FOREIGN_MARK = "\x02"
 
 
 class _TokenStems(dict):
@@ -5668,10 +5673,13 @@ class _TokenStems(dict):
     def __missing__(self, token: str) -> tuple[str, ...]:
         if len(self) >= self.LIMIT:
             self.clear()
-        words = _token_words(token)
-        found = tuple(stem(word) for word in words if word not in STOP_WORDS)
-        if not LEXICON.keys().isdisjoint(words) or any(map(_compound_terms, words)):  # Verzeichnisbaum too
-            found = _ForeignStems(found)
+        if token == _BATCH_SEPARATOR:
+            found: tuple[str, ...] = (_BATCH_SEPARATOR,)
+        else:
+            words = _token_words(token)
+            found = tuple(stem(word) for word in words if word not in STOP_WORDS)
+            if not LEXICON.keys().isdisjoint(words) or any(map(_compound_terms, words)):  # Verzeichnisbaum too
+                found += (_FOREIGN_MARK,)
         self[token] = found
         return found
 
@@ -5679,31 +5687,133 @@ class _TokenStems(dict):
 _TOKEN_STEMS = _TokenStems()
 
 
-@functools.lru_cache(maxsize=1 << 17)  # a rebuild after one upstream changes re-tokenizes only new texts
+class _AnalysedTexts(dict):
+    """text -> its TextTerms, filled on first sight: a rebuild after one upstream changes analyses only the new
+    texts.  Emptied when it outgrows LIMIT, as _TokenStems is."""
+
+    LIMIT = 1 << 17
+
+    def __missing__(self, text: str) -> TextTerms:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        found = self[text] = _analyse(text)
+        return found
+
+    def remember(self, found: dict[str, TextTerms]) -> None:
+        if len(self) + len(found) > self.LIMIT:
+            self.clear()
+        if len(found) <= self.LIMIT:
+            self.update(found)
+
+
+_ANALYSED_TEXTS = _AnalysedTexts()
+
+
 def _analysed(text: str) -> TextTerms:
-    """Stems and foreign-word translations of one text, computed once per text.  An index build analyses every
-    text of the catalogue, so the common path (ASCII) iterates in C over memoised tokens rather than word by
-    word in Python."""
+    """Stems and foreign-word translations of one text, computed once per text."""
+    return _ANALYSED_TEXTS[text]
+
+
+def analyse_texts(texts: Iterable[str]) -> dict[str, TextTerms]:
+    """TextTerms of each of ``texts``.  The ASCII texts not seen before (nearly all of a new catalogue's) are
+    analysed as one batch: one split of their joined text and one pass of token look-ups, in C, instead of a
+    few Python calls per text."""
+    found: dict[str, TextTerms] = {}
+    fresh = []
+    known = _ANALYSED_TEXTS.get
+    for text in dict.fromkeys(texts):
+        terms = known(text)
+        if terms is None:
+            fresh.append(text)
+        else:
+            found[text] = terms
+    batch = [text for text in fresh if text.isascii() and _BATCH_SEPARATOR not in text]
+    new: dict[str, TextTerms] = {}
+    for start in range(0, len(batch), _BATCH_TEXTS):
+        chunk = batch[start:start + _BATCH_TEXTS]
+        new.update(zip(chunk, _analyse_ascii_batch(chunk)))
+    new.update((text, _analyse(text)) for text in fresh if text not in new)
+    _ANALYSED_TEXTS.remember(new)
+    found.update(new)
+    return found
+
+
+# Texts per batch: the batch's temporary strings then fit in memory the allocator has already touched (one
+# batch of a whole 10k-tool catalogue page-faults its way through ~30 MB).
+_BATCH_TEXTS = 1024
+# _ASCII_TOKENS, except that the batch separator stays itself.
+_ASCII_BATCH_TOKENS = _ASCII_TOKENS[:1] + _BATCH_SEPARATOR.encode("ascii") + _ASCII_TOKENS[2:]
+
+
+def _analyse_ascii_batch(texts: list[str]) -> list[TextTerms]:
+    """_analyse of ASCII texts free of the separator, all at once: the stems of the joined texts, cut at the
+    separators.  A text with a foreign word goes through _analyse for its translations."""
+    if not texts:
+        return []
+    joined = f" {_BATCH_SEPARATOR} ".join(texts)
+    tokens = joined.encode("ascii").translate(_ASCII_BATCH_TOKENS).decode("ascii").split()
+    stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, tokens)))
+    per_text, start, cut = [], 0, stems.index
+    for _ in range(len(texts) - 1):
+        end = cut(_BATCH_SEPARATOR, start)
+        per_text.append(stems[start:end])
+        start = end + 1
+    per_text.append(stems[start:])
+    found = list(map(_new_text_terms, zip(per_text, itertools.repeat(()), texts)))
+    if _FOREIGN_MARK in stems:  # rare: a text with a foreign word is analysed again, with its translations
+        found = [_analyse(terms.text) if _FOREIGN_MARK in terms.stems else terms for terms in found]
+    return found
+
+
+# TextTerms from a (stems, foreign, text) tuple, as its own constructor makes it, without a Python call each.
+_new_text_terms = functools.partial(tuple.__new__, TextTerms)
+
+
+def _analyse(text: str) -> TextTerms:
+    """_analysed, uncached.  The common path (ASCII) iterates in C over memoised tokens rather than word by word
+    in Python."""
     if text.isascii():  # NFKC is the identity and no CJK phrase can match: word look-ups are all there is
         tokens = text.encode("ascii").translate(_ASCII_TOKENS).decode("ascii").split()
-        per_token = list(map(_TOKEN_STEMS.__getitem__, tokens))
-        stems = tuple(itertools.chain.from_iterable(per_token))
-        if _ForeignStems not in set(map(type, per_token)):
+        stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, tokens)))
+        if _FOREIGN_MARK not in stems:
             return TextTerms(stems, (), text)
         raw = _words(text)
         foreign = tuple(stem(english) for word in raw for english in LEXICON.get(word, ()))
-        return TextTerms(stems, foreign + tuple(_german_terms(raw)), text)  # split verbs, compounds too
+        return TextTerms(_without_mark(stems), foreign + tuple(_german_terms(raw)), text)  # split verbs too
     normal = unicodedata.normalize("NFKC", text)
-    if not _CJK_RE.search(normal):  # accents, dashes, curly quotes: the same tokens as ASCII text
+    if not _CJK_RE.search(normal):  # accents, dashes, curly quotes: the same tokens, the same rule as ASCII text
         stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, _WORD_RE.findall(normal))))
-        return TextTerms(stems, tuple(_translated(normal.lower())), text)
-    # The words around CJK runs as in any text, then each run's bigrams (unstemmed).  German verbs split over a
-    # clause are not looked for in CJK text; a query is always read whole (translations).
+        if _FOREIGN_MARK not in stems:
+            return TextTerms(stems, (), text)
+        return TextTerms(_without_mark(stems), tuple(_translated(normal.lower())), text)
+    # The words around CJK runs as in any text, then each run's bigrams (unstemmed); the CJK lexicon words in
+    # the runs, and the other lexicon words if a word carries the mark (German verbs split over a clause are not
+    # looked for in CJK text; a query is always read whole: translations).
     words = _NON_CJK_WORD_RE.findall(normal)
-    bigrams = map(_cjk_bigrams, _CJK_WORD_RE.findall(normal))
-    stems = tuple(itertools.chain(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, words)),
-                                  itertools.chain.from_iterable(bigrams)))
-    return TextTerms(stems, tuple(_translated(normal.lower(), german=False)), text)
+    runs = _CJK_WORD_RE.findall(normal)
+    bigrams = list(itertools.chain.from_iterable(map(_cjk_bigrams, runs)))
+    stems = tuple(itertools.chain(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, words)), bigrams))
+    found = _cjk_lexicon_words(runs, bigrams)
+    if _FOREIGN_MARK in stems:
+        stems = _without_mark(stems)
+        found += itertools.chain.from_iterable(map(LEXICON.get, " ".join(words).lower().split(), itertools.repeat(())))
+    return TextTerms(stems, tuple(map(stem, found)), text)
+
+
+def _without_mark(stems: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(filter(_FOREIGN_MARK.__ne__, stems)) if _FOREIGN_MARK in stems else stems
+
+
+def _cjk_lexicon_words(runs: list[str], bigrams: Iterable[str]) -> list[str]:
+    """The English words of the CJK lexicon keys inside these CJK runs, each key once (keys match as
+    substrings: a run has no spaces between its words)."""
+    joined = " ".join(runs)
+    found: list[str] = []
+    for start in sorted(_LEXICON_CJK.keys() & set(itertools.chain(joined, bigrams))):
+        for key, english in _LEXICON_CJK[start]:
+            if len(key) <= 2 or key in joined:
+                found.extend(english)
+    return found
 
 
 def _cjk_bigrams(run: str) -> list[str]:
@@ -5713,10 +5823,11 @@ def _cjk_bigrams(run: str) -> list[str]:
 
 def forget_analysed_texts() -> None:
     """Empty every memo of the text analysis, as in a fresh process (benchmarks of a cold index build)."""
-    for cached in (stem, singular, _analysed, _token_words, _compound_terms, _separable_matches,
+    for cached in (stem, singular, _token_words, _compound_terms, _separable_matches,
                    _word_terms):  # _word_terms: the knowledge section's, below
         cached.cache_clear()
     _TOKEN_STEMS.clear()
+    _ANALYSED_TEXTS.clear()
 
 
 def _german_terms(words: list[str]) -> list[str]:
@@ -5786,10 +5897,10 @@ def _translated(normal: str, german: bool = True) -> list[str]:
     """translations() of a text already NFKC-normalised and lowercased; ``german``: German split verbs and
     compounds too."""
     found = []
-    if _CJK_RE.search(normal):  # only keys whose first character occurs can be in the text: test those alone
-        found = [word for first in sorted(_LEXICON_CJK.keys() & set(normal)) for key, words in _LEXICON_CJK[first]
-                 if key in normal for word in words]
-    tokens = _WORD_RE.findall(normal)
+    if _CJK_RE.search(normal):
+        runs = _CJK_WORD_RE.findall(normal)
+        found = _cjk_lexicon_words(runs, itertools.chain.from_iterable(map(_cjk_bigrams, runs)))
+    tokens = _NON_CJK_WORD_RE.findall(normal)  # a CJK key is found inside its run above, not again as a word
     found += [word for token in tokens for word in LEXICON.get(token, ())]
     found = [stem(word) for word in found]
     return found + _german_terms(tokens) if german else found
@@ -5979,6 +6090,20 @@ class CollectorPause:
                 gc.enable()
 
 
+class ToolTexts(NamedTuple):
+    """The searchable texts of one tool: its name without the server part, the server, title, description,
+    parameter names, parameter descriptions and enum values, their example clauses, and formats."""
+
+    short: str
+    server: str
+    title: str
+    description: str
+    parameter_names: str
+    parameter_texts: str
+    examples: str
+    formats: tuple[str, ...]
+
+
 class SearchIndex:
     """BM25F over a tool list.  Built once per catalogue change; a query is a few dictionary look-ups per term.
 
@@ -6024,11 +6149,23 @@ class SearchIndex:
             self._build()
 
     def _build(self) -> None:
-        analysed = list(map(self._fields, self.tools))
         n = len(self.tools)
-        # Per tool, its terms field by field: term frequencies are counted from these when a query first uses a
-        # term (see postings), so the build does no per-term work in Python beyond analysing the texts.
-        self._doc_fields = [fields for fields, _ in analysed]
+        # Column by column (every tool's name, then every description, ...), in C where it can be: one batch
+        # analyses the catalogue's texts, and a tool's fields are zipped from the columns.
+        columns = list(zip(*map(self._tool_texts, self.tools))) or [()] * len(ToolTexts._fields)
+        analysed = analyse_texts(itertools.chain.from_iterable(columns[:-1]))
+        short, server, title, description, names, params, examples = (
+            list(map(analysed.__getitem__, column)) for column in columns[:-1])
+        stems, foreign = operator.attrgetter("stems"), operator.attrgetter("foreign")
+        translated = map(operator.add, map(operator.add, map(foreign, short), map(foreign, title)),
+                         map(foreign, description))
+        # Per tool, its terms field by field (FIELD_ORDER): term frequencies are counted from these when a query
+        # first uses a term (see postings), so the build does no per-term work in Python.
+        self._doc_fields = list(zip(map(stems, short), map(stems, server), map(stems, title),
+                                    map(stems, description), map(stems, names), map(stems, params),
+                                    map(stems, examples), translated))
+        # What queries need beyond BM25 (surface words, parameter words) is derived from these on first use.
+        self._texts = list(zip(short, title, description, names, params, columns[-1]))
         self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
         self._vocabulary = frozenset().union(*self._doc_sets)
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
@@ -6040,15 +6177,13 @@ class SearchIndex:
             self._field_params.append((weight, b, sum(lengths) / len(lengths) if lengths else 1.0))
         self._postings: dict[str, list[tuple[int, float]]] = {}
         self._idf: dict[str, float] = {}
-        names = [str(tool.get("name", "")) for tool in self.tools]
+        full_names = [str(tool.get("name", "")) for tool in self.tools]
         self._rank_of = [0] * n
-        for rank, doc_id in enumerate(sorted(range(n), key=names.__getitem__)):
+        for rank, doc_id in enumerate(sorted(range(n), key=full_names.__getitem__)):
             self._rank_of[doc_id] = rank
         servers: dict[str, int] = {}
         self._server_of = [servers.setdefault(name.partition(SEPARATOR)[0], len(servers)) if SEPARATOR in name
-                           else -1 for name in names]
-        # What queries need beyond BM25 (surface words, parameter words) is derived from these on first use.
-        self._texts = [texts for _, texts in analysed]
+                           else -1 for name in full_names]
         self._surfaces: list[frozenset | None] = [None] * n
         self._exact: dict[tuple[str, frozenset], frozenset] = {}
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
@@ -6059,9 +6194,7 @@ class SearchIndex:
                                   / (max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)) if n else 0.0
 
     @staticmethod
-    def _fields(tool: dict) -> tuple[tuple[tuple[str, ...], ...], tuple]:
-        """A tool's terms per field (in FIELD_ORDER), and its analysed texts (name, title, description,
-        parameter names, parameter texts) with its parameters' formats."""
+    def _tool_texts(tool: dict) -> ToolTexts:
         name = tool.get("name")
         name = name if isinstance(name, str) else str(name or "")
         server, sep, short = name.partition(SEPARATOR)
@@ -6076,12 +6209,8 @@ class SearchIndex:
             title = annotations.get("title") if isinstance(annotations, dict) else ""
             title = title if isinstance(title, str) else ""
         parameters = _schema_text(tool.get("inputSchema"))
-        short_terms, title_terms, description_terms = _analysed(short), _analysed(title), _analysed(description)
-        param_names, param_text = _analysed(parameters.names), _analysed(parameters.texts)
-        translated = short_terms.foreign + title_terms.foreign + description_terms.foreign
-        return ((short_terms.stems, _analysed(server).stems, title_terms.stems, description_terms.stems,
-                 param_names.stems, param_text.stems, _analysed(parameters.examples).stems, translated),
-                (short_terms, title_terms, description_terms, param_names, param_text, parameters.formats))
+        return ToolTexts(short, server, title, description, parameters.names, parameters.texts,
+                         parameters.examples, parameters.formats)
 
     @property
     def _web_tools(self) -> list[int]:

@@ -311,6 +311,20 @@ def test_a_catalogue_of_random_words_cannot_grow_the_tokenizer_tables_without_bo
     assert coffer.tokenize("Creating issues") == ["creat", "issu"]
 
 
+def test_every_tool_keeps_its_own_words_whatever_its_neighbours_hold():
+    # An index build analyses a catalogue's texts together; no text, however odd, may shift words between tools.
+    odd = ["", "   ", "\x01", "a\x01b \x02 c", "ABC-123\x00", "Lade die Datei hoch", "读取文件 readFile",
+           "Löscht eine Datei", "no words at all: !!!", "\x02\x02"]
+    tools = []
+    for i in range(60):
+        tools.append(tool(f"s__tool{i}", f"zq{i}x unique marker {odd[i % len(odd)]}", arg=odd[(i + 3) % len(odd)]))
+    index = coffer.SearchIndex(tools)
+    for i in range(60):
+        assert top(index, f"zq{i}x") == [f"s__tool{i}"]
+    german = [name for name in names(index.search("upload", 20))]
+    assert german and all(int(name[len("s__tool"):]) % len(odd) == 5 for name in german)
+
+
 def test_fusion_lets_a_confident_embedder_decide_but_not_a_confused_one():
     confident_lexical = [(0, 10.0), (1, 2.0)]
     flat = [(1, 0.26), (2, 0.25), (3, 0.22), (0, 0.17)]         # cosines of a query the model does not understand
