@@ -5584,6 +5584,7 @@ _GERMAN_PARTICLES = ("hoch", "herunter", "runter", "an", "ab", "auf", "aus", "ei
 _GERMAN_PARTICLE_SET = frozenset(_GERMAN_PARTICLES)
 
 LEXICON = _parse_lexicon(_LEXICON)
+_LEXICON_ENDINGS = frozenset(key[-3:] for key in LEXICON if len(key) >= 3)  # a compound ends in a lexicon word
 SEPARABLE_VERBS = _parse_lexicon(_SEPARABLE_VERBS)
 # The CJK keys of the lexicon by their first two characters (a one-character key by its one): a text's CJK runs
 # need testing only against the keys that start with one of their characters or character pairs.
@@ -5677,7 +5678,7 @@ class _TokenStems(dict):
             found: tuple[str, ...] = (_BATCH_SEPARATOR,)
         else:
             words = _token_words(token)
-            found = tuple(stem(word) for word in words if word not in STOP_WORDS)
+            found = tuple(map(stem, itertools.filterfalse(STOP_WORDS.__contains__, words)))
             if not LEXICON.keys().isdisjoint(words) or any(map(_compound_terms, words)):  # Verzeichnisbaum too
                 found += (_FOREIGN_MARK,)
         self[token] = found
@@ -5873,8 +5874,8 @@ def _separable_matches(verb: str) -> dict[str, tuple[str, ...]]:
 @functools.lru_cache(maxsize=1 << 16)  # long words repeat across a catalogue's descriptions; most are not compounds
 def _compound_terms(word: str) -> tuple[str, ...]:
     """English stems of a compound of two lexicon words ("Verzeichnisbaum" = directory tree), else ()."""
-    if not 8 <= len(word) <= 40 or word in LEXICON or word in SEPARABLE_VERBS or (
-            not word.isascii() and _CJK_RE.search(word)):
+    if not 8 <= len(word) <= 40 or word[-3:] not in _LEXICON_ENDINGS or word in LEXICON or (
+            word in SEPARABLE_VERBS or not word.isascii() and _CJK_RE.search(word)):
         return ()
     for cut in range(len(word) - 3, 2, -1):  # longest head first: "bildschirmfoto" = bildschirm + foto
         tail = word[cut:]
@@ -5918,13 +5919,18 @@ def _build_equivalences() -> dict[str, tuple[str, ...]]:
 EQUIVALENCES = _build_equivalences()
 
 
-class ParameterText(NamedTuple):
-    """A tool's parameters as searchable text: names, descriptions and enum values, the example clauses of
-    those descriptions (kept apart: "e.g. 'Asia/Tokyo'" says what a value looks like, not what the tool is
-    for), and the JSON-schema ``format`` values (uri, email, date-time, ...) that say what a parameter takes."""
+class ToolTexts(NamedTuple):
+    """The searchable texts of one tool: its name without the server part, the server, title, description, and
+    its parameters: their names, descriptions and enum values, the example clauses of those descriptions (kept
+    apart: "e.g. 'Asia/Tokyo'" says what a value looks like, not what the tool is for), and the JSON-schema
+    ``format`` values (uri, email, date-time, ...) that say what a parameter takes."""
 
-    names: str
-    texts: str
+    short: str
+    server: str
+    title: str
+    description: str
+    parameter_names: str
+    parameter_texts: str
     examples: str
     formats: tuple[str, ...]
 
@@ -5932,19 +5938,10 @@ class ParameterText(NamedTuple):
 _EXAMPLE_RE = re.compile(r"\b(?:e\.g\.|for example)[^.;)\n]*", re.IGNORECASE)
 
 
-def _schema_text(schema) -> ParameterText:
-    """Parameter names, descriptions/enums and formats of a JSON schema, nested properties included."""
-    names: list[str] = []
-    texts: list[str] = []
-    examples: list[str] = []
-    formats: list[str] = []
-    _collect_parameters(schema, 0, names, texts, examples, formats)
-    return ParameterText(" ".join(names), " ".join(texts), " ".join(examples), tuple(formats))
-
-
 def _collect_parameters(node, depth: int, names: list, texts: list, examples: list, formats: list) -> None:
-    """_schema_text's walk, depth first.  A function of its own, not a closure: a recursive closure is a
-    reference cycle, garbage only the cyclic collector frees, and an index build makes one per tool."""
+    """Parameter names, descriptions/enums, example clauses and formats of a JSON schema's properties, nested
+    ones included, depth first.  A function of its own, not a closure: a recursive closure is a reference
+    cycle, garbage only the cyclic collector frees, and an index build walks one schema per tool."""
     if not isinstance(node, dict) or depth > 4:
         return
     properties = node.get("properties")
@@ -6090,20 +6087,6 @@ class CollectorPause:
                 gc.enable()
 
 
-class ToolTexts(NamedTuple):
-    """The searchable texts of one tool: its name without the server part, the server, title, description,
-    parameter names, parameter descriptions and enum values, their example clauses, and formats."""
-
-    short: str
-    server: str
-    title: str
-    description: str
-    parameter_names: str
-    parameter_texts: str
-    examples: str
-    formats: tuple[str, ...]
-
-
 class SearchIndex:
     """BM25F over a tool list.  Built once per catalogue change; a query is a few dictionary look-ups per term.
 
@@ -6208,9 +6191,13 @@ class SearchIndex:
             annotations = tool.get("annotations")
             title = annotations.get("title") if isinstance(annotations, dict) else ""
             title = title if isinstance(title, str) else ""
-        parameters = _schema_text(tool.get("inputSchema"))
-        return ToolTexts(short, server, title, description, parameters.names, parameters.texts,
-                         parameters.examples, parameters.formats)
+        names: list[str] = []
+        texts: list[str] = []
+        examples: list[str] = []
+        formats: list[str] = []
+        _collect_parameters(tool.get("inputSchema"), 0, names, texts, examples, formats)
+        return ToolTexts(short, server, title, description, " ".join(names), " ".join(texts), " ".join(examples),
+                         tuple(formats))
 
     @property
     def _web_tools(self) -> list[int]:
