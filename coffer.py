@@ -6084,6 +6084,13 @@ class CollectorPause:
         with CollectorPause._lock:
             CollectorPause._depth -= 1
             if CollectorPause._depth == 0 and CollectorPause._resume:
+                if gc.get_freeze_count() == 0:
+                    # What the builds made lives as long as their indexes and holds no cycles: move it to the
+                    # oldest generation (freeze, then unfreeze, moves lists and walks nothing) rather than let
+                    # the first allocation after enable() walk every object as a young one.  Skipped if the
+                    # application froze objects itself: unfreeze would undo that.
+                    gc.freeze()
+                    gc.unfreeze()
                 gc.enable()
 
 

@@ -1,7 +1,9 @@
 """The BM25F ranker behind coffer__search_tools: tokenizer, stemmer, field weights, determinism, CJK, clamping."""
 
+import gc
 import json
 import random
+import threading
 
 import pytest
 
@@ -323,6 +325,32 @@ def test_every_tool_keeps_its_own_words_whatever_its_neighbours_hold():
         assert top(index, f"zq{i}x") == [f"s__tool{i}"]
     german = [name for name in names(index.search("upload", 20))]
     assert german and all(int(name[len("s__tool"):]) % len(odd) == 5 for name in german)
+
+
+def test_an_index_build_leaves_the_garbage_collector_as_it_found_it():
+    # The build pauses the collector; an application embedding coffer must find it as it left it.
+    catalogue = [tool(f"s__t{i}", f"tool number {i} reads files") for i in range(200)]
+    assert gc.isenabled()
+    threads = [threading.Thread(target=coffer.SearchIndex, args=(catalogue,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    coffer.SearchIndex(catalogue)
+    for thread in threads:
+        thread.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        coffer.SearchIndex(catalogue)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        coffer.SearchIndex(catalogue)
+        assert gc.get_freeze_count() >= frozen and gc.isenabled()
+    finally:
+        gc.unfreeze()
 
 
 def test_fusion_lets_a_confident_embedder_decide_but_not_a_confused_one():
