@@ -5355,8 +5355,8 @@ class Catalogue:
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 _WORD_RE = re.compile(r"[^\W_]+")
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
-# The word characters of those scripts: a CJK run of a text's words, as _WORD_RE finds them (not the kana
-# middle dot, voicing marks or unassigned code points).
+# The words of a text outside those scripts, and the runs of those scripts' word characters (as _WORD_RE would
+# find them: not the kana middle dot, voicing marks or unassigned code points).
 _NON_CJK_WORD_RE = re.compile(r"[^\W_\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
 _CJK_WORD_RE = re.compile(r"[\u3041-\u3096\u309d-\u309f\u30a1-\u30fa\u30fc-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
                           r"\uac00-\ud7a3\uf900-\ufaff]+")
@@ -5797,7 +5797,8 @@ def _analyse(text: str) -> TextTerms:
     found = _cjk_lexicon_words(runs, bigrams)
     if _FOREIGN_MARK in stems:
         stems = _without_mark(stems)
-        found += itertools.chain.from_iterable(map(LEXICON.get, " ".join(words).lower().split(), itertools.repeat(())))
+        lowered = " ".join(words).lower().split()
+        found += itertools.chain.from_iterable(map(LEXICON.get, lowered, itertools.repeat(())))
     return TextTerms(stems, tuple(map(stem, found)), text)
 
 
