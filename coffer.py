@@ -473,6 +473,7 @@ class NotListedYet(CofferError):
 
 
 TOP_K_DEFAULT, TOP_K_MAX = 5, 20
+SEARCH_QUERY_MAX_CHARS = 2_000
 
 
 def bounded_top_k(value) -> int:
@@ -485,6 +486,13 @@ def bounded_top_k(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"top_k must be an integer between 1 and {TOP_K_MAX}")
     return max(1, min(TOP_K_MAX, value))
+
+
+def bounded_query(query: str) -> str:
+    """The one rule for a search query's length: its first SEARCH_QUERY_MAX_CHARS characters.  An agent writes
+    a sentence or two; the patterns that find paths and e-mail addresses in a query cost up to the square of
+    its length, so a megabyte of "a.a.a." would hold a worker for an hour."""
+    return query[:SEARCH_QUERY_MAX_CHARS]
 
 
 def negotiate_version(requested) -> str:
@@ -6352,8 +6360,9 @@ class SearchIndex:
         return own, other, entities
 
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
-        """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name."""
-        own, other, entities = self._query_plan(query)
+        """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name; a
+        query is read up to bounded_query's limit."""
+        own, other, entities = self._query_plan(bounded_query(query))
         scores: dict[int, float] = collections.defaultdict(float)
         exact_weight, stem_weight = self.SURFACE_WEIGHT + self.STEM_WEIGHT, self.STEM_WEIGHT
         for term, (weight, surfaces) in own.items():
@@ -6686,7 +6695,8 @@ class SemanticRanker:
         return SemanticIndex(tools, vectors)
 
     def search(self, lexical_index: SearchIndex, query: str, top_k: int):
-        """Hybrid search, or BM25 with a note saying why not."""
+        """Hybrid search, or BM25 with a note saying why not; the embedder reads what the lexical ranker reads."""
+        query = bounded_query(query)
         with self.lock:
             index = self.index if self._index_for is lexical_index.tools else None
         if index is None:

@@ -353,6 +353,18 @@ def test_an_index_build_leaves_the_garbage_collector_as_it_found_it():
         gc.unfreeze()
 
 
+def test_a_huge_query_is_read_from_its_first_2000_characters(monkeypatch):
+    # The path and e-mail patterns cost up to the square of a query's length: a hostile client's megabyte of
+    # "a.a.a." must not hold a worker thread for an hour.  The query is read up to 2,000 characters.
+    seen = []
+    real = coffer.query_entities
+    monkeypatch.setattr(coffer, "query_entities", lambda query: seen.append(len(query)) or real(query))
+    index = coffer.SearchIndex(FILES_AND_PLACES)
+    huge = "read the complete contents of ./notes/todo.txt " + "a." * 30_000
+    assert top(index, huge, 3) == top(index, huge[:2000], 3) != []
+    assert seen and max(seen) <= 2000
+
+
 def test_fusion_lets_a_confident_embedder_decide_but_not_a_confused_one():
     confident_lexical = [(0, 10.0), (1, 2.0)]
     flat = [(1, 0.26), (2, 0.25), (3, 0.22), (0, 0.17)]         # cosines of a query the model does not understand

@@ -145,6 +145,18 @@ def test_tool_vectors_are_cached_so_a_restart_embeds_only_queries(home, raw_gate
     assert stub.inputs and all(t == "echo text back" for t in stub.inputs)   # no tool was embedded again
 
 
+def test_a_huge_query_is_answered_and_the_embedder_reads_only_its_first_2000_characters(home, raw_gateway, stub):
+    configure(stub.url, timeout="5")
+    gw = raw_gateway()
+    gw.initialize()
+    wait_hybrid(gw)
+    stub.inputs.clear()
+    huge = "echo text back " + "a." * 200_000                       # 400 KB: within a message, far past a query
+    payload = search(gw, huge, timeout=60)
+    assert payload["ranker"] == "hybrid" and payload["tools"][0]["name"] == "fx__echo"
+    assert stub.inputs == [huge[:2000]]
+
+
 def test_the_api_key_is_read_from_the_named_variable_and_never_stored(home, raw_gateway, stub):
     configure(stub.url)
     cli("config", "embedder_key_env", "MY_EMBED_KEY")
