@@ -5375,8 +5375,9 @@ could did do does doing down during each few for from further had has have havin
 if in into is it its itself just let me more most my no nor not now of off on once only or other our ours out
 over own please same she should so some such than that the their theirs them then there these they this those
 through to too under until up very was we were what when where which while who whom why will with would you
-your yours want need like using use via tool tools mcp server i'd i'm it's let's help could kindly
-""".split())
+your yours want need like using use via tool tools mcp server help could kindly
+s t d m ll re ve don doesn didn isn aren wasn weren haven hasn hadn couldn shouldn wouldn
+""".split())  # the last line: what is left of "what's", "don't", "I'd", "we've" once the apostrophe splits them
 
 _IRREGULAR = {"children": "child", "people": "person", "men": "man", "women": "woman", "data": "data",
               "analyses": "analysis", "indices": "index", "media": "media", "news": "news", "status": "status",
@@ -5471,6 +5472,9 @@ song music track playlist
 deploy release ship
 error exception crash failure
 comment reply review
+dialog popup modal
+coordinates latitude longitude
+elevation altitude height
 """
 
 EQUIVALENCE_WEIGHT = 0.35
@@ -5984,17 +5988,19 @@ def _collect_parameters(node, depth: int, names: list, texts: list, examples: li
 
 class EntityKind(NamedTuple):
     """One kind of argument an agent writes into a request (a path, a URL, a ticket key, ...): how to spot it
-    in a query, and the parameter-name stems / schema formats of the tools that take it."""
+    in a query, and the parameter-name stems / schema formats of the tools that take it; a weak cue is a
+    parameter name that may take it (a file's "name"), counted as a cue in a parameter's description is."""
 
     name: str
     pattern: re.Pattern
     cues: frozenset
     formats: frozenset = frozenset()
+    weak_cues: frozenset = frozenset()
 
 
-def _kind(name: str, pattern: str, cues: str, formats: str = "", flags: int = 0) -> EntityKind:
+def _kind(name: str, pattern: str, cues: str, formats: str = "", flags: int = 0, weak: str = "") -> EntityKind:
     return EntityKind(name, re.compile(pattern, flags), frozenset(stem(w) for w in cues.split()),
-                      frozenset(formats.split()))
+                      frozenset(formats.split()), frozenset(stem(w) for w in weak.split()))
 
 
 _FILE_EXTENSIONS = ("py|js|mjs|ts|tsx|jsx|md|txt|json|jsonl|ya?ml|toml|csv|tsv|pdf|png|jpe?g|gif|svg|webp|html?|"
@@ -6012,8 +6018,8 @@ ENTITY_KINDS = (
     _kind("email", r"\b[\w.+-]+@[\w-]+\.[\w.-]*[a-z]\b", "email mail recipient assignee", "email idn-email"),
     _kind("path", r"(?:^|(?<=[\s(\"'`=]))(?:~[/\\]|\.{1,2}[/\\]|/(?=[\w.-]+)|[A-Za-z]:\\)[^\s\"'`,;]*",
           "path file filename filepath directory dir folder source destination"),
-    _kind("file", rf"\b[\w-]+\.(?:{_FILE_EXTENSIONS})\b", "path file filename filepath name",
-          flags=re.IGNORECASE),
+    _kind("file", rf"(?:\b[\w.-]+/)*\b[\w-]+\.(?:{_FILE_EXTENSIONS})\b", "path file filename filepath",
+          flags=re.IGNORECASE, weak="name"),
     _kind("selector", r"(?:^|(?<=\s))(?:\.[A-Za-z][\w-]*(?:\s*[>+~]\s*[\w.#-]+)*|[a-z]+\[[\w-]+(?:[~|^$*]?=[^\]]*)?\]"
           r"|[\w.#-]+\s*>\s*[\w.#-]+)", "selector element locator css xpath ref"),
     _kind("hash_name", r"(?:^|(?<=\s))#[A-Za-z][\w-]*", "selector element locator ref channel tag"),
@@ -6101,6 +6107,18 @@ class CollectorPause:
                     gc.freeze()
                     gc.unfreeze()
                 gc.enable()
+
+
+class QueryPlan(NamedTuple):
+    """What one query asks for.  own: its stems -> (weight, their surface words); other: stems it implies
+    (translations, the question cue, equivalents) -> weight; entities: the typed arguments in it; need: the
+    stems of what it asks for (its words outside entities, their translations and equivalents: a URL that holds
+    "news" is not a request for news)."""
+
+    own: dict[str, tuple[float, set]]
+    other: dict[str, float]
+    entities: list[QueryEntity]
+    need: frozenset
 
 
 class SearchIndex:
@@ -6302,15 +6320,15 @@ class SearchIndex:
 
     def entity_tools(self, kind: EntityKind) -> list[tuple[int, float]]:
         """(doc id, strength) of the tools whose parameters take ``kind``: 1.0 by a parameter name or format,
-        0.5 by a parameter description; computed on first use of the kind."""
+        0.5 by a parameter description or a weak cue; computed on first use of the kind."""
         found = self._entity_tools.get(kind.name)
         if found is None:
-            cues, formats = kind.cues, kind.formats
+            cues, formats, weak = kind.cues, kind.formats, kind.weak_cues
             found = []
             for doc_id, (*_, names, words, doc_formats) in enumerate(self._texts):
                 if not cues.isdisjoint(names.stems) or not formats.isdisjoint(doc_formats):
                     found.append((doc_id, 1.0))
-                elif not cues.isdisjoint(words.stems):
+                elif not cues.isdisjoint(words.stems) or not weak.isdisjoint(names.stems):
                     found.append((doc_id, 0.5))
             self._entity_tools[kind.name] = found
         return found
@@ -6321,11 +6339,9 @@ class SearchIndex:
             found = self._entity_strength_maps[kind.name] = dict(self.entity_tools(kind))
         return found
 
-    def _query_plan(self, query: str):
-        """(own stem -> weight, its surface words; other stem -> weight; entities) for one query.  Own words are
-        the query's; other stems come from translations, the question cue and equivalents (no surface form)."""
+    def _query_plan(self, query: str) -> QueryPlan:
         entities = query_entities(query) if self.ENTITY_WEIGHT or self.ENTITY_WORD_WEIGHT != 1.0 else []
-        inside, outside = set(), set()
+        inside, outside, rest_text = set(), set(), query
         if entities:
             rest, last = [], 0
             for entity in entities:
@@ -6333,7 +6349,8 @@ class SearchIndex:
                 rest.append(query[last:entity.start])
                 last = entity.end
             rest.append(query[last:])
-            outside = set(_words(" ".join(rest)))
+            rest_text = " ".join(rest)
+            outside = set(_words(rest_text))
         own: dict[str, tuple[float, set]] = {}
         words = [word for word in _words(query) if word not in STOP_WORDS]
         present = {stem(word) for word in words}
@@ -6347,7 +6364,8 @@ class SearchIndex:
             surfaces.add(singular(word))
             own[term] = (max(previous, weight), surfaces)
         other: dict[str, float] = {}
-        for term in translations(query):
+        translated = translations(rest_text)  # an entity's words are arguments: they are not translated either
+        for term in translated:
             other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
         lowered = query.lower().replace("'", "").split()
         if self.QUESTION_WEIGHT and lowered and lowered[0].strip("¿?") in _QUESTION_STARTS:
@@ -6357,12 +6375,15 @@ class SearchIndex:
                 other[equivalent] = max(other.get(equivalent, 0.0), EQUIVALENCE_WEIGHT * weight)
         for term in own:
             other.pop(term, None)
-        return own, other, entities
+        need = {stem(word) for word in words if word not in inside or word in outside}.union(translated)
+        need.update(*map(EQUIVALENCES.get, list(need), itertools.repeat(())))
+        return QueryPlan(own, other, entities, frozenset(need))
 
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
         """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name; a
         query is read up to bounded_query's limit."""
-        own, other, entities = self._query_plan(bounded_query(query))
+        plan = self._query_plan(bounded_query(query))
+        own, other, entities = plan.own, plan.other, plan.entities
         scores: dict[int, float] = collections.defaultdict(float)
         exact_weight, stem_weight = self.SURFACE_WEIGHT + self.STEM_WEIGHT, self.STEM_WEIGHT
         for term, (weight, surfaces) in own.items():
@@ -6378,7 +6399,6 @@ class SearchIndex:
         for term, weight in other.items():
             for doc_id, value in self.postings(term):
                 scores[doc_id] += stem_weight * weight * value
-        stems = {**other, **{term: weight for term, (weight, _) in own.items()}}
         if entities and self.ENTITY_WEIGHT:
             for kind in {entity.kind.name: entity.kind for entity in entities}.values():
                 accepting = self.entity_tools(kind)
@@ -6391,7 +6411,7 @@ class SearchIndex:
                     continue
                 for doc_id, strength in accepting:
                     scores[doc_id] += bonus * strength
-        if self._web_tools and self.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(stems):
+        if self._web_tools and self.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need):
             # Only when the best tool matches at most one of the request's words, and not by its name: a narrow
             # tool named for the topic (a news tool for "news") or matching more keeps its place; one that
             # shares an incidental word of its description ("latest" in a version tool's) does not.

@@ -199,12 +199,14 @@ ENTITY_CATALOGUE = [
     ("open ~/reports/q3-summary", "files__read_text"),                   # a home-relative path
     ("SELECT region, sum(total) FROM orders GROUP BY region", "warehouse__run"),   # SQL, not the table tool
     ("every weekday: 30 6 * * 1-5 backup.sh", "jobs__create"),            # a cron expression
+    ("show me what's inside src/lib/index.ts", "files__read_text"),       # a relative path with no ./
 ])
 def test_arguments_in_the_request_pick_the_tool_whose_parameters_take_them(query, expected):
     assert top(coffer.SearchIndex(ENTITY_CATALOGUE), query) == [expected]
 
 
 NEWS_AND_NARROW_TOOLS = [
+    schema_tool("browser__navigate", "Navigate to a URL", url={"type": "string"}),
     schema_tool("packages__latest_version", "Latest published version of a package", package={"type": "string"}),
     schema_tool("search__web", "Search the web: pages, news and facts from the internet", q={"type": "string"}),
     schema_tool("chips__order_part", "Order an electronic part from the catalogue", part={"type": "string"}),
@@ -225,9 +227,32 @@ NEWS_AND_NARROW_TOOLS = [
     ("list my recent files", "files__list_recent"),
     ("show recent commits", "git__log"),
     ("latest weather forecast for Paris", "weather__forecast"),
+    # ...and words inside an argument are not the request: this URL holds "news", the request is to open it
+    ("go to https://news.example.com/latest", "browser__navigate"),
 ])
 def test_a_general_information_request_reaches_web_search_not_a_tool_sharing_one_word(query, expected):
     assert top(coffer.SearchIndex(NEWS_AND_NARROW_TOOLS), query) == [expected]
+
+
+def test_what_is_left_of_a_contraction_matches_nothing():
+    # "what's", "don't", "we've" split at the apostrophe: the "s", "t", "ve" left over are not words of the request.
+    tools = [tool("people__get_profile", "Get a person's profile: the user's name, the team's roles, the org's plan"),
+             tool("notes__read", "Read a note")]
+    index = coffer.SearchIndex(tools)
+    assert top(index, "what's in my note") == ["notes__read"]
+    assert index.search("what's it", 3) == []
+
+
+def test_common_interface_words_reach_tools_named_otherwise():
+    tools = [tool("browser__handle_dialog", "Handle a dialog", accept={"type": "boolean"}),
+             tool("browser__click", "Perform click on a web page"),
+             tool("maps__elevation", "Get elevation data for locations on the earth"),
+             tool("maps__geocode", "Convert an address into coordinates"),
+             tool("browser__close", "Close the page")]
+    index = coffer.SearchIndex(tools)
+    assert top(index, "dismiss the popup") == ["browser__handle_dialog"]
+    assert top(index, "altitude of Denver") == ["maps__elevation"]
+    assert top(index, "latitude and longitude of the station") == ["maps__geocode"]
 
 
 def test_one_servers_compound_name_word_does_not_take_over_a_request_about_something_else():
