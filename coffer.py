@@ -5476,6 +5476,17 @@ dialog popup modal
 coordinates latitude longitude
 elevation altitude height
 """
+# Shorthand an agent writes for words a tool's description spells out ("open a PR" = pull request): in a query
+# they also count as the full words, at TRANSLATION_WEIGHT.
+_ABBREVIATIONS = """
+pr=pull_request prs=pull_request mr=merge_request mrs=merge_request k8s=kubernetes gh=github
+repo=repository repos=repository env=environment envs=environment config=configuration configs=configuration
+cfg=configuration msg=message msgs=message db=database dbs=database dir=directory dirs=directory
+docs=documentation auth=authentication info=information dm=direct_message dms=direct_message org=organization
+orgs=organization pkg=package pkgs=package deps=dependency img=image imgs=image pic=picture pics=picture
+vid=video vids=video addr=address stats=statistics tz=timezone calc=calculate txn=transaction
+txns=transaction perf=performance prod=production dev=development
+"""
 
 EQUIVALENCE_WEIGHT = 0.35
 TRANSLATION_WEIGHT = 0.8
@@ -5930,6 +5941,7 @@ def _build_equivalences() -> dict[str, tuple[str, ...]]:
 
 
 EQUIVALENCES = _build_equivalences()
+ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _parse_lexicon(_ABBREVIATIONS).items()}
 
 
 class ToolTexts(NamedTuple):
@@ -6365,6 +6377,8 @@ class SearchIndex:
             own[term] = (max(previous, weight), surfaces)
         other: dict[str, float] = {}
         translated = translations(rest_text)  # an entity's words are arguments: they are not translated either
+        translated += itertools.chain.from_iterable(
+            ABBREVIATIONS.get(word, ()) for word in words if word not in inside or word in outside)
         for term in translated:
             other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
         lowered = query.lower().replace("'", "").split()

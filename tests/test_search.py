@@ -255,6 +255,18 @@ def test_common_interface_words_reach_tools_named_otherwise():
     assert top(index, "latitude and longitude of the station") == ["maps__geocode"]
 
 
+def test_shorthand_in_a_request_counts_as_the_words_it_stands_for():
+    tools = [tool("hub__create_pull_request", "Create a new pull request"),
+             tool("hub__search_repositories", "Search for repositories"),
+             tool("graph__open_nodes", "Open nodes of the knowledge graph by name"),
+             tool("tables__query", "Query rows of one table", table={"type": "string"}),
+             tool("tables__list_databases", "List the databases you can reach")]
+    index = coffer.SearchIndex(tools)
+    assert top(index, "open a PR from feature/login into main") == ["hub__create_pull_request"]
+    assert top(index, "find repos about vector search") == ["hub__search_repositories"]
+    assert top(index, "which dbs can I reach") == ["tables__list_databases"]
+
+
 def test_one_servers_compound_name_word_does_not_take_over_a_request_about_something_else():
     hub = [tool(f"hub__{verb}_pull_request", f"{verb.capitalize()} a pull request in a repository")
            for verb in ("create", "get", "list", "merge", "update", "review")]
