@@ -6292,17 +6292,18 @@ class SearchIndex:
                 return []
             holders = list(itertools.compress(range(len(self._doc_sets)),
                                               map(operator.contains, self._doc_sets, itertools.repeat(term))))
-            n, k1, params = len(self._doc_sets), self.K1, self._field_params
+            n, k1 = len(self._doc_sets), self.K1
             idf = math.log(1.0 + (n - len(holders) + 0.5) / (len(holders) + 0.5))
-            found = []
-            for doc_id in holders:  # field-weighted, length-normalised term frequency
-                tf = 0.0
-                for terms, (weight, b, average) in zip(self._doc_fields[doc_id], params):
-                    if terms:
-                        count = terms.count(term)
-                        if count:
-                            tf += count * weight / (1.0 - b + b * len(terms) / average)
-                found.append((doc_id, idf * tf / (k1 + tf)))
+            # Field-weighted, length-normalised term frequency, a field at a time: the term is counted in every
+            # holder's field in C, and Python arithmetic runs only where it occurs.
+            fields = list(map(self._doc_fields.__getitem__, holders))
+            tf = [0.0] * len(holders)
+            for position, (weight, b, average) in enumerate(self._field_params):
+                column = list(map(operator.itemgetter(position), fields))
+                counts = list(map(tuple.count, column, itertools.repeat(term)))
+                for i in itertools.compress(range(len(counts)), counts):
+                    tf[i] += counts[i] * weight / (1.0 - b + b * len(column[i]) / average)
+            found = [(doc_id, idf * value / (k1 + value)) for doc_id, value in zip(holders, tf)]
             self._idf[term] = idf
             self._postings[term] = found
         return found
