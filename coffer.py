@@ -6000,8 +6000,8 @@ def _collect_parameters(node, depth: int, names: list, texts: list, examples: li
 
 class EntityKind(NamedTuple):
     """One kind of argument an agent writes into a request (a path, a URL, a ticket key, ...): how to spot it
-    in a query, and the parameter-name stems / schema formats of the tools that take it; a weak cue is a
-    parameter name that may take it (a file's "name"), counted as a cue in a parameter's description is."""
+    in a query, and the parameter-name stems / schema formats of the tools that take it.  A weak cue is a
+    parameter name that may take it (a file's "name"): it counts half, as a cue in a description does."""
 
     name: str
     pattern: re.Pattern
@@ -6169,7 +6169,7 @@ class SearchIndex:
     PHRASE_ALONE_WEIGHT = 0.4
     PHRASE_MIN_TOOLS = 3
 
-    # The fields of SearchIndex._fields, in the order it returns them.
+    # A tool's fields in _doc_fields, in this order.
     FIELD_ORDER = ("name", "server", "title", "description", "params", "param_text", "examples", "translated")
 
     def __init__(self, tools: list[dict]):
@@ -6353,6 +6353,7 @@ class SearchIndex:
         return found
 
     def _query_plan(self, query: str) -> QueryPlan:
+        """What ``query`` asks for (see QueryPlan): its own words, what they imply, its arguments, its need."""
         entities = query_entities(query) if self.ENTITY_WEIGHT or self.ENTITY_WORD_WEIGHT != 1.0 else []
         inside, outside, rest_text = set(), set(), query
         if entities:
