@@ -5802,7 +5802,7 @@ def _analyse(text: str) -> TextTerms:
         if _FOREIGN_MARK not in stems:
             return TextTerms(stems, (), text)
         raw = _words(text)
-        foreign = tuple(stem(english) for word in raw for english in LEXICON.get(word, ()))
+        foreign = tuple(map(stem, _lexicon_words(raw)))
         return TextTerms(_without_mark(stems), foreign + tuple(_german_terms(raw)), text)  # split verbs too
     normal = unicodedata.normalize("NFKC", text)
     if not _CJK_RE.search(normal):  # accents, dashes, curly quotes: the same tokens, the same rule as ASCII text
@@ -5820,9 +5820,13 @@ def _analyse(text: str) -> TextTerms:
     found = _cjk_lexicon_words(runs, bigrams)
     if _FOREIGN_MARK in stems:
         stems = _without_mark(stems)
-        lowered = " ".join(words).lower().split()
-        found += itertools.chain.from_iterable(map(LEXICON.get, lowered, itertools.repeat(())))
+        found += _lexicon_words(" ".join(words).lower().split())
     return TextTerms(stems, tuple(map(stem, found)), text)
+
+
+def _lexicon_words(words: Iterable[str]) -> list[str]:
+    """The English words the lexicon gives for these (lowercased) words, in order."""
+    return list(itertools.chain.from_iterable(map(LEXICON.get, words, itertools.repeat(()))))
 
 
 def _without_mark(stems: tuple[str, ...]) -> tuple[str, ...]:
@@ -5926,7 +5930,7 @@ def _translated(normal: str, german: bool = True) -> list[str]:
         runs = _CJK_WORD_RE.findall(normal)
         found = _cjk_lexicon_words(runs, itertools.chain.from_iterable(map(_cjk_bigrams, runs)))
     tokens = _NON_CJK_WORD_RE.findall(normal)  # a CJK key is found inside its run above, not again as a word
-    found += [word for token in tokens for word in LEXICON.get(token, ())]
+    found += _lexicon_words(tokens)
     found = [stem(word) for word in found]
     return found + _german_terms(tokens) if german else found
 

@@ -244,7 +244,7 @@ def test_what_is_left_of_a_contraction_matches_nothing():
 
 
 def test_common_interface_words_reach_tools_named_otherwise():
-    tools = [tool("browser__handle_dialog", "Handle a dialog", accept={"type": "boolean"}),
+    tools = [tool("browser__handle_dialog", "Handle a dialog", accept="Whether to accept it"),
              tool("browser__click", "Perform click on a web page"),
              tool("maps__elevation", "Get elevation data for locations on the earth"),
              tool("maps__geocode", "Convert an address into coordinates"),
