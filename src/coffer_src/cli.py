@@ -1,0 +1,883 @@
+"""Command line: coffer's commands."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import sqlite3
+import sys
+from datetime import datetime, timezone
+
+from coffer_src.errors import CofferError, NotListedYet
+from coffer_src.terminal import _print_table, configure_logging, log, printable, redact, say, say_json
+from coffer_src import __version__
+from coffer_src.jsonrpc import decode_json
+from coffer_src.names import (
+    ENV_KEY_RE, REMOTE_TRANSPORTS, SEARCH_TOOL, SEPARATOR, check_remote_url, check_server_name, exposed_names,
+    is_loopback_url, origin_text, url_origin)
+from coffer_src.secret_store import expand_vars, parse_env_assignment, plan_literals, plan_url_literals, save_secrets
+from coffer_src.vault import DEFAULTS, Vault, _did_you_mean, _state, coffer_home, setting_key, utcnow
+from coffer_src.transport.stdio import UpstreamFailure
+from coffer_src.oauth import (
+    NeedsLogin, OAuthCredentials, OAuthFailure, OAuthGrant, oauth_login, oauth_secret_name, revoke_grant)
+from coffer_src.transport.remote import probe_transport
+from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
+from coffer_src.knowledge.base import KnowledgeBase
+from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
+from coffer_src.gateway.session import Gateway
+from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
+from coffer_src.clients.files import ClientContext, ConfigProblem
+from coffer_src.clients.move_in import (
+    CLIENTS, ClientFile, EditResult, FileProblem, ImportPlan, apply_import, client_files, coffer_launch_command,
+    detect_file, install_client, plan_import, uninstall_client)
+from coffer_src.clients.doctor import _command_text, print_doctor, run_doctor, show_server
+
+def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
+    home = os.path.expanduser("~")
+    short = lambda path: path.replace(home, "~", 1) if path.startswith(home + os.sep) else path  # noqa: E731
+    for problem in plan.problems:
+        say(f"! {problem.client}: {short(problem.path)}: {problem.reason} (file left as it is)")
+    for planned in plan.added:
+        server = planned.server
+        target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in server.command)
+        verb = "replace" if planned.overwrite else "add"
+        say(f"+ {verb} {planned.name} ({server.kind}) from {server.client} {short(server.path)}: {target}")
+        if planned.renamed_because:
+            say(f"    {planned.renamed_because}")
+        if planned.secrets:
+            say(f"    literal values moved to Coffer's secret store as: {', '.join(sorted(planned.secrets))}")
+        for note in server.notes:
+            say(f"    note: {note}")
+    for skipped in plan.skipped:
+        say(f"- skip {skipped.name} from {skipped.client} {short(skipped.path)}: {skipped.reason}")
+    if not plan.files_read and not plan.problems:
+        say("no MCP client configs found (looked for: " + ", ".join(CLIENTS) + ")")
+    elif not plan.added:
+        say("nothing to import")
+    elif dry_run:
+        say(f"dry run: {len(plan.added)} server(s) would be imported; nothing was changed")
+
+
+# -- commands -------------------------------------------------------------------------------------------------
+
+def import_sources(sources: list[str], ctx: ClientContext) -> tuple[list[ClientFile], list[FileProblem]]:
+    """Client names and file paths -> the files to read; a path that cannot be told apart is a FileProblem."""
+    files: list[ClientFile] = []
+    problems: list[FileProblem] = []
+    for source in sources or CLIENTS:
+        if source in CLIENTS:
+            files.extend(client_files(source, ctx))
+        elif os.path.sep in source or os.path.exists(source) or source.endswith((".json", ".toml")):
+            try:
+                files.extend(detect_file(source, ctx))
+            except ConfigProblem as exc:
+                problems.append(FileProblem("?", os.path.abspath(source), str(exc)))
+        else:
+            raise CofferError(f"unknown source {source!r}: give a client ({', '.join(CLIENTS)}) or a file path")
+    return files, problems
+
+
+def cmd_import(vault, args) -> int:
+    ctx = ClientContext.current()
+    store = vault.secrets
+    files, problems = import_sources(args.sources, ctx)
+    plan = plan_import(vault, store, files, ctx, overwrite=args.overwrite)
+    plan.problems[:0] = problems
+    if not args.dry_run and plan.added:
+        apply_import(vault, store, plan)
+    if args.json:
+        say_json(plan.as_json())
+    else:
+        print_import_plan(plan, args.dry_run)
+        if plan.added and not args.dry_run:
+            say(f"imported {len(plan.added)} server(s); next: coffer install CLIENT --replace, then coffer doctor")
+    return 1 if plan.problems and args.sources and not plan.added and not plan.skipped else 0
+
+
+def _print_edit(result: EditResult, verb: str, dry_run: bool) -> None:
+    if not result.changed:
+        say(f"{result.client}: {result.path} already as wanted; nothing changed")
+        return
+    prefix = "dry run: would " if dry_run else ""
+    say(f"{prefix}{verb} {result.client}: {result.path}")
+    if result.removed:
+        say(f"  {'would remove' if dry_run else 'removed'} (now served through Coffer): {', '.join(result.removed)}")
+    if result.restored:
+        say(f"  {'would put back' if dry_run else 'put back'}: {', '.join(result.restored)}")
+    for name, why in result.kept_out:
+        say(f"  not put back: {name} ({why}); its entry stays in {result.stash}")
+    if result.backup:
+        say(f"  backup: {result.backup}")
+    if result.stash and result.removed and not dry_run:
+        say(f"  the removed entries are kept (private, 0600) in {result.stash}; coffer uninstall "
+              f"{result.client} puts them back")
+
+
+def cmd_install(vault, args) -> int:
+    result = install_client(vault, vault.secrets, args.client, ClientContext.current(), project=args.project,
+                            replace=args.replace, dry_run=args.dry_run)
+    _print_edit(result, "install Coffer into" if args.dry_run else "installed Coffer into", args.dry_run)
+    if result.changed and not args.dry_run:
+        say(f"  restart {args.client} to load it")
+    command = coffer_launch_command()[0]
+    if re.search(r"[\\/](archive-v\d+|\.?cache[\\/]uv)[\\/]", command):
+        say(f"  note: {command} lives in uv's cache, which uv may prune; for a lasting entry run "
+              "'uv tool install coffer-mcp' (or pipx install coffer-mcp), then coffer install again")
+    return 0
+
+
+def cmd_uninstall(vault, args) -> int:
+    result = uninstall_client(vault, vault.secrets, args.client, ClientContext.current(), project=args.project,
+                              dry_run=args.dry_run)
+    _print_edit(result, "remove Coffer from" if args.dry_run else "removed Coffer from", args.dry_run)
+    return 0
+
+
+def cmd_doctor(vault, args, probe=None) -> int:
+    report = run_doctor(vault, vault.secrets, ClientContext.current(), probe)
+    if args.json:
+        say_json(report)
+    else:
+        print_doctor(report)
+    return 0 if report["ok"] else 1
+
+
+def cmd_show(vault, args) -> int:
+    shown = show_server(vault, args.name)
+    if args.json:
+        say_json(shown)
+        return 0
+    target = shown["url"] if shown["transport"] != "stdio" else " ".join(shlex.quote(p) for p in shown["command"])
+    say(f"{shown['name']} ({shown['transport']}): {target}")
+    for label, values in (("env", shown["env"]), ("header", shown["headers"])):
+        for key, value in values.items():
+            say(f"  {label} {key}={value}")
+    if shown["cwd"]:
+        say(f"  cwd {shown['cwd']}")
+    say(f"  enabled: {'yes' if shown['enabled'] else 'no'}; new capabilities: {shown['policy']}"
+          + (f"; timeout {shown['timeout']} s" if shown["timeout"] else ""))
+    detail = f" ({shown['status_detail']})" if shown["status_detail"] else ""
+    since = f" since {shown['status_at']}" if shown["status_at"] else ""
+    say(f"  status: {shown['status']}{since}{detail}")
+    if shown["capabilities"]:
+        say()
+        _print_table([[c["kind"], c["name"], c["state"]] for c in shown["capabilities"]], ["KIND", "NAME", "STATE"])
+    else:
+        say("  no capabilities seen yet (coffer tools starts it)")
+    return 0
+
+
+def add_client_commands(command) -> None:
+    """Wire import/install/uninstall/doctor/show into build_parser (``command`` is its local helper)."""
+    p = command("import", cmd_import, "import the MCP servers of your clients (Claude, Cursor, VS Code, ...)")
+    p.add_argument("sources", nargs="*", metavar="SOURCE",
+                   help=f"a client ({', '.join(CLIENTS)}) or a config file; default: every client found")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace a different server of the same name")
+    for name, handler, text in (("install", cmd_install, "add Coffer to a client's config, as 'coffer'"),
+                                ("uninstall", cmd_uninstall, "remove Coffer from a client's config and put back "
+                                                             "what install --replace took out")):
+        p = command(name, handler, text)
+        p.add_argument("client", choices=CLIENTS)
+        p.add_argument("--project", action="store_true", help="the current project's config, not the user's")
+        p.add_argument("--dry-run", action="store_true")
+        if name == "install":
+            p.add_argument("--replace", action="store_true",
+                           help="also remove the servers Coffer now serves from that client's config")
+    p = command("doctor", cmd_doctor, "check every server, client config and the vault; exit 1 if a server is broken")
+    p.add_argument("--json", action="store_true")
+    p = command("show", cmd_show, "a server's definition (secrets as references), status and capabilities")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+
+
+def cmd_add(vault: Vault, args) -> int:
+    env = dict(parse_env_assignment(item) for item in args.env)
+    headers = {}
+    for item in args.header:
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", key.strip()):
+            raise CofferError(f"bad --header {item!r}: expected NAME=VALUE with NAME a valid HTTP header name")
+        if any(c in value for c in "\r\n\x00"):
+            raise CofferError(f"bad --header {key}: the value holds a line break")
+        headers[key.strip()] = value
+    if args.url:
+        check_remote_url(args.url)
+        if env:
+            raise CofferError("--env is for servers Coffer starts; a remote server (--url) takes --header")
+        if args.inherit_env:
+            raise CofferError("--inherit-env is for servers Coffer starts, not for --url")
+    elif headers:
+        raise CofferError("--header is for remote servers (--url); a server Coffer starts takes --env")
+    check_server_name(args.name)
+    if vault.read_only:
+        vault.transaction()  # says the vault is read-only, before any secret is stored
+    planned: dict[str, str] = {}
+    env, _ = plan_literals(args.name, env, vault.secrets, overwrite=args.replace, planned=planned)
+    headers, _ = plan_literals(args.name, headers, vault.secrets, header=True, overwrite=args.replace,
+                               planned=planned)
+    url = plan_url_literals(args.name, args.url, vault.secrets, args.replace, planned)[0] if args.url else None
+    earlier = vault.add_server(args.name, command=args.command or None, url=url, env=env, headers=headers,
+                               cwd=args.cwd, policy=args.policy, timeout=args.timeout,
+                               inherit_env=args.inherit_env, replace=args.replace, **remote_add_options(args))
+    save_secrets(vault.secrets, planned)  # only now: a refused definition leaves the store as it was
+    moved = list(planned)
+    if earlier:
+        say(f"kept the earlier choices for {earlier} of {args.name}'s tools, prompts and resources "
+            "(coffer show / coffer enable to change them)")
+    if moved:
+        say(f"moved {len(moved)} literal value(s) into Coffer's secret store: "
+            f"{', '.join('${' + name + '}' for name in moved)} (coffer secret list)")
+    say(f"added {args.name}: {_command_text(vault.server(args.name))}")
+    if args.url:
+        if url_origin(args.url) and url_origin(args.url)[0] == "http" and not is_loopback_url(args.url) and headers:
+            log.warning("%s: its headers (credentials?) will cross the network unencrypted over plain http to %s; "
+                        "use https if the server offers it", args.name, origin_text(args.url))
+        report_remote_added(vault, args.name, vault.secrets)
+    elif args.command and not shutil.which(args.command[0]) and not os.path.dirname(args.command[0]):
+        log.warning("%s: %r is not on PATH here; the server will fail to start until it is installed",
+                    args.name, args.command[0])
+    return 0
+
+
+def cmd_remove(vault: Vault, args) -> int:
+    vault.remove_server(args.name)
+    vault.secrets.delete(oauth_secret_name(args.name))  # a login belongs to that server only
+    say(f"removed {args.name}")
+    return 0
+
+
+def cmd_list(vault: Vault, args) -> int:
+    counts = collections.Counter(row["server"] for row in vault.capabilities()
+                                 if row["kind"] == "tool" and row["present"] and row["enabled"])
+    held = collections.Counter(row["server"] for row in vault.pending_approvals())
+    servers = [{"name": s["name"], "transport": s["transport"], "command": _command_text(s),
+                "enabled": s["enabled"], "policy": s["policy"], "updates": s["updates"],
+                "status": "damaged" if s["damaged"] else (s["status"] or "never started"),
+                "detail": s["damaged"] or s["status_detail"], "since": s["status_at"], "tools": counts.get(s["name"], 0),
+                "awaiting_approval": held.get(s["name"], 0)}
+               for s in vault.servers()]
+    if args.json:
+        say_json({"servers": servers})
+    elif not servers:
+        say("no servers yet: coffer add NAME -- COMMAND [ARGS...]")
+    else:
+        _print_table([[s["name"], "yes" if s["enabled"] else "no", s["status"], s["tools"], s["command"]]
+                      for s in servers], ["NAME", "ENABLED", "STATUS", "TOOLS", "COMMAND"])
+        for s in servers:
+            if s["status"] in ("failed", "damaged") and s["detail"]:
+                say(f"\n{s['name']} {s['status']}: {s['detail']}")
+            if s["awaiting_approval"]:
+                say(f"\n{s['name']}: {s['awaiting_approval']} changed definition(s) held back until you run "
+                    f"`coffer approve {s['name']}`")
+    return 0
+
+
+def cached_tools(vault: Vault) -> list[dict]:
+    """The tools the last session saw, as a client would see them: enabled, approved, of enabled servers."""
+    max_length = vault.setting("name_max_length")
+    servers = {s["name"]: s for s in vault.servers()}
+    by_server: dict[str, list[dict]] = collections.defaultdict(list)
+    for row in vault.capabilities():
+        if row["kind"] == "tool" and row["present"] and row["server"] in servers:
+            by_server[row["server"]].append(row)
+    tools = []
+    for server, rows in by_server.items():
+        if not servers[server]["enabled"]:
+            continue
+        names = exposed_names(server, [row["name"] for row in rows], max_length)
+        for row in rows:
+            state = _state(row)
+            try:
+                definition = json.loads(row["definition"] or "{}")
+            except ValueError:
+                continue
+            if state.usable and isinstance(definition, dict):
+                tools.append(dict(definition, name=names[row["name"]]))
+    return tools
+
+
+def cmd_tools(vault: Vault, args) -> int:
+    """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
+    server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
+    failed = []
+    if args.cached:
+        tools = cached_tools(vault)
+    else:
+        interactive = sys.stderr.isatty()
+
+        def progress(result: ProbeResult) -> None:
+            if interactive:
+                what = f"{len(result.tools)} tools" if result.state == "ready" else result.state
+                print(printable(f"  {result.name}: {what} ({result.seconds:g}s)"), file=sys.stderr)
+
+        results = ServerProbe(vault, progress=progress).run()
+        tools = [tool for result in results for tool in result.tools]
+        failed = [result for result in results if result.state != "ready"]
+    mode = expose_mode(vault.settings(), client_family(args.client or ""))
+    if mode.startswith("budget:"):
+        tools = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
+    tools = [SEARCH_TOOL_DEFINITION] + (tools if mode != "search" else [])
+    if args.json:
+        say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
+                                             for r in failed]})
+    else:
+        for tool in tools:
+            description = (tool.get("description") or "").strip().splitlines()
+            say(f"{tool['name']:<48}  {description[0][:100] if description else ''}")
+    for result in failed:
+        print(printable(redact(f"coffer: {result.name} {'did not start' if result.state == 'failed' else result.state}"
+                               f": {result.detail or 'no reason given'}")), file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_enable(vault: Vault, args, enabled: bool = True) -> int:
+    try:
+        what = vault.set_enabled(args.target, enabled)
+    except NotListedYet as exc:
+        # Probably a server added but never started: ask that one server what it offers, then try once more.
+        ServerProbe(vault, [args.target.partition(SEPARATOR)[0]]).run()
+        try:
+            what = vault.set_enabled(args.target, enabled)
+        except NotListedYet:
+            raise CofferError(str(exc)) from None
+    say(f"{'enabled' if enabled else 'disabled'} {what}")
+    return 0
+
+
+def cmd_approve(vault: Vault, args) -> int:
+    if args.target is None:
+        pending = vault.pending_approvals()
+        if not pending:
+            say("nothing is waiting for approval")
+        for row in pending:
+            say(f"{row['kind']} {row['server']}:{row['name']} changed since it was approved")
+        return 0
+    approved = vault.approve(args.target)
+    if not approved:
+        say(f"{args.target}: nothing is waiting for approval")
+    for label, diff in approved:
+        say(f"approved {label}; what changed:\n{diff or '(no visible difference)'}\n")
+    return 0
+
+
+def cmd_policy(vault: Vault, args) -> int:
+    vault.set_policy(args.server, args.policy)
+    say({"enabled": f"new capabilities of {args.server} will be enabled",
+         "disabled": f"new capabilities of {args.server} will be disabled",
+         "trust-updates": f"changed definitions from {args.server} apply without approval",
+         "pin-updates": f"changed definitions from {args.server} wait for `coffer approve`"}[args.policy])
+    return 0
+
+
+def cmd_secret(vault: Vault, args) -> int:
+    store = vault.secrets
+    if args.action == "list":
+        names = store.names()
+        if args.json:
+            say_json({"secrets": names})
+        else:
+            say("\n".join(names) if names else "no secrets stored: coffer secret set NAME")
+        return 0
+    if not args.name:
+        raise CofferError(f"coffer secret {args.action} needs a NAME")
+    if args.action == "rm":
+        if not store.delete(args.name):
+            raise CofferError(f"no secret named {args.name!r}{_did_you_mean(args.name, store.names())}")
+        vault_audit(vault, "secret-remove", args.name)
+        say(f"removed secret {args.name}")
+        return 0
+    if sys.stdin.isatty():
+        import getpass
+        value = getpass.getpass(f"value for {args.name} (not shown): ")
+    else:
+        value = sys.stdin.read((64 << 10) + 1).rstrip("\r\n")
+    if not value:
+        raise CofferError("empty value: nothing stored")
+    store.set(args.name, value)
+    vault_audit(vault, "secret-set", args.name)
+    say(f"stored secret {args.name}; refer to it as ${{{args.name}}} in --env or --header")
+    return 0
+
+
+def vault_audit(vault: Vault, action: str, target: str, detail: str | None = None) -> None:
+    """An audit row for a change made outside coffer.db (the secret store): the name, never the value."""
+    try:
+        with vault.transaction() as db:
+            vault._audit(db, action, target, detail)
+    except CofferError:
+        pass  # a read-only vault cannot record it; the change itself was made
+
+
+def cmd_call(vault: Vault, args) -> int:
+    try:
+        arguments = decode_json(args.arguments) if args.arguments is not None else {}
+    except ValueError as exc:
+        raise CofferError(f"arguments are not valid JSON: {exc}") from None
+    if not isinstance(arguments, dict):
+        raise CofferError("arguments must be a JSON object, e.g. '{\"timezone\": \"UTC\"}'")
+    server = args.tool.partition(SEPARATOR)[0]
+    with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
+        try:
+            result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
+        except UpstreamFailure as exc:
+            raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
+    say_json(result)
+    return 1 if isinstance(result, dict) and result.get("isError") else 0
+
+
+def _ms(value) -> str:
+    return f"{value:.1f}ms" if isinstance(value, (int, float)) else str(value)
+
+
+def cmd_log(vault: Vault, args) -> int:
+    rows = vault.invocations(args.limit)
+    if args.json:
+        say_json({"invocations": rows})
+    else:
+        _print_table([[r["ts"], r["client"], r["server"] or "", r["capability"], r["kind"], _ms(r["duration_ms"]),
+                       r["status"], r["error"] or ""] for r in rows],
+                     ["TIME", "CLIENT", "SERVER", "CAPABILITY", "KIND", "DURATION", "STATUS", "ERROR"])
+    return 0
+
+
+def cmd_audit(vault: Vault, args) -> int:
+    since = args.since
+    if since:
+        try:
+            since = datetime.fromisoformat(since.replace("Z", "+00:00")).astimezone(timezone.utc).isoformat(
+                timespec="milliseconds").replace("+00:00", "Z") if "T" in since or " " in since else \
+                datetime.fromisoformat(since).date().isoformat()
+        except ValueError:
+            raise CofferError(f"--since {since!r}: use a date like 2026-11-30 or a time like 2026-11-30T12:00") \
+                from None
+    rows = vault.audit_rows(args.limit, since, args.kind, args.server)
+    if args.json:
+        say_json({"audit": rows})
+    else:
+        _print_table([[r["ts"], r["actor"], r["action"], r["target"] or "", r["detail"] or ""] for r in rows],
+                     ["TIME", "ACTOR", "ACTION", "TARGET", "DETAIL"])
+    return 0
+
+
+def cmd_config(vault: Vault, args) -> int:
+    if args.key and args.value is not None:
+        vault.set_setting(args.key, args.value)
+    settings = vault.settings()
+    if args.key and args.key not in settings:
+        if setting_key(args.key) != args.key:
+            settings[args.key] = f"(not set: the global expose, {settings['expose']})"
+        else:
+            raise CofferError(f"unknown setting {args.key!r}{_did_you_mean(args.key, DEFAULTS)}; "
+                              f"known: {', '.join(sorted(DEFAULTS))}")
+    if args.json:
+        say_json({args.key: settings[args.key]} if args.key else settings)
+        return 0
+    for key in [args.key] if args.key else sorted(settings):
+        say(f"{key} = {settings[key]}")
+    return 0
+
+
+def add_remote_arguments(p) -> None:
+    """The `coffer add` options for remote servers (call from build_parser after --url/--header)."""
+    p.add_argument("--transport", choices=REMOTE_TRANSPORTS, default=None,
+                   help="with --url: auto (default) asks the server; http = Streamable HTTP; sse = the legacy "
+                        "HTTP+SSE transport (2024-11-05)")
+    p.add_argument("--oauth-client-id", metavar="ID",
+                   help="with --url: an OAuth client you registered with the server's provider (else Coffer uses a "
+                        "client metadata document or registers itself)")
+    p.add_argument("--oauth-client-secret-env", metavar="VAR",
+                   help="the variable (environment, then `coffer secret`) holding that client's secret; the secret "
+                        "itself is never stored by Coffer")
+
+
+def add_auth_command(command) -> None:
+    """`coffer auth NAME [--logout]` (call from build_parser: ``add_auth_command(command)``)."""
+    p = command("auth", cmd_auth, "log in to an OAuth-protected remote server in your browser (or --logout)")
+    p.add_argument("name")
+    p.add_argument("--logout", action="store_true", help="forget the saved login (and revoke it where possible)")
+    p.add_argument("--scope", help="ask for these scopes (space-separated) instead of what the server suggests")
+    p.add_argument("--oauth-client-id", metavar="ID", help="use (and remember) this pre-registered OAuth client")
+    p.add_argument("--oauth-client-secret-env", metavar="VAR", help="the variable holding its secret")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the browser (default 300)")
+    p.add_argument("--no-browser", action="store_true", help="only print the address to open")
+
+
+def remote_add_options(args) -> dict:
+    """What cmd_add passes to Vault.add_server for a remote server: transport and the OAuth client settings."""
+    if not args.url:
+        if args.transport or args.oauth_client_id or args.oauth_client_secret_env:
+            raise CofferError("--transport and --oauth-* go with --url")
+        return {}
+    if args.oauth_client_secret_env and not ENV_KEY_RE.match(args.oauth_client_secret_env):
+        raise CofferError("--oauth-client-secret-env takes a variable name, not a secret")
+    if args.oauth_client_secret_env and not args.oauth_client_id:
+        raise CofferError("--oauth-client-secret-env goes with --oauth-client-id")
+    oauth = {key: value for key, value in (("client_id", args.oauth_client_id),
+                                           ("client_secret_env", args.oauth_client_secret_env)) if value}
+    return {"transport": args.transport or "auto", "oauth": oauth or None}
+
+
+def report_remote_added(vault: Vault, name: str, store) -> None:
+    """After `coffer add --url`: ask the server which transport it speaks (transport auto) and whether it needs
+    a login, and say so.  Nothing here is fatal: an unreachable server is detected at its first start."""
+    server = vault.server(name)
+    if server["transport"] != "auto":
+        return
+    missing: list[str] = []
+    url = expand_vars(server["url"], missing=missing, secrets=store)
+    headers = {k: expand_vars(v, missing=missing, secrets=store) for k, v in server["headers"].items()}
+    own_authorization = any(key.lower() == "authorization" for key in headers)
+    auth = None if own_authorization else OAuthCredentials(name, url, store)
+    try:
+        probe = probe_transport(name, url, headers, auth, timeout=10.0)
+    except NeedsLogin as exc:
+        vault.record_status(name, "failed", str(exc))  # `list` and the agent's instructions say so at once
+        say(f"{name} needs a login: run `coffer auth {name}`")
+        return
+    except UpstreamFailure as exc:
+        say(f"could not ask {name} which transport it speaks now ({printable(redact(str(exc)))[:300]}); "
+              "it will be detected at its first start")
+        return
+    vault.set_transport(name, probe.kind)
+    say(f"{name} speaks {probe.detail}")
+
+
+def cmd_auth(vault: Vault, args) -> int:
+    server = vault.server(args.name)
+    if server["transport"] == "stdio":
+        raise CofferError(f"{args.name} is a local (stdio) server: it takes credentials from --env, not a login")
+    store = vault.secrets
+    key = oauth_secret_name(args.name)
+    if args.logout:
+        text = store.get(key)
+        if text is None:
+            say(f"{args.name} had no saved login")
+            return 0
+        try:
+            grant = OAuthGrant.from_text(text)
+            redact.add(*grant.secret_values())
+            outcome = revoke_grant(grant, store)
+        except (ValueError, TypeError):
+            outcome = "the saved login was damaged"
+        store.delete(key)
+        vault.set_oauth(args.name, dict(server.get("oauth") or {}, login_at=None))
+        say(f"logged out of {args.name} ({outcome})")
+        return 0
+    missing: list[str] = []
+    url = expand_vars(server["url"], missing=missing, secrets=store)
+    headers = {k: expand_vars(v, missing=missing, secrets=store) for k, v in server["headers"].items()}
+    if any(k.lower() == "authorization" for k in headers):
+        raise CofferError(f"{args.name} is configured with its own Authorization header (--header); remove it "
+                          "to log in with OAuth")
+    oauth = dict(server.get("oauth") or {})
+    if args.oauth_client_id:
+        oauth["client_id"] = args.oauth_client_id
+        oauth.pop("client_secret_env", None)
+    if args.oauth_client_secret_env:
+        if not ENV_KEY_RE.match(args.oauth_client_secret_env):
+            raise CofferError("--oauth-client-secret-env takes a variable name, not a secret")
+        oauth["client_secret_env"] = args.oauth_client_secret_env
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    try:
+        grant = oauth_login(args.name, url, headers, oauth, store, vault.settings(), out=sys.stderr,
+                            open_browser=(lambda address: False) if args.no_browser else None,
+                            stdin=sys.stdin if interactive else None, timeout=args.timeout, scope=args.scope)
+    except UpstreamFailure as exc:
+        raise CofferError(f"login to {args.name} failed: {exc}") from None
+    except OAuthFailure as exc:
+        raise CofferError(f"login to {args.name} failed: {exc}") from None
+    if server["transport"] == "auto":
+        try:
+            probe = probe_transport(args.name, url, headers, OAuthCredentials(args.name, url, store), 15.0)
+            vault.set_transport(args.name, probe.kind)
+        except UpstreamFailure as exc:
+            log.warning("[%s] logged in, but could not ask which transport it speaks: %s", args.name, exc)
+    # Last, so a running gateway restarts the server once, with the new token (it compares the oauth column).
+    vault.set_oauth(args.name, dict(oauth, login_at=utcnow()))
+    vault.record_status(args.name, "logged in", "waiting for its next start")
+    say(f"logged in to {args.name}" + (f" (scopes: {printable(grant.scope)[:300]})" if grant.scope else ""))
+    return 0
+
+
+def open_knowledge(vault: Vault) -> KnowledgeBase:
+    """The knowledge base for a CLI command: no embedder (a running gateway embeds in the background)."""
+    return KnowledgeBase(vault.path, vault.home)
+
+
+def cmd_knowledge(vault: Vault, args) -> int:
+    if vault.read_only and args.action != "list":
+        vault.transaction()  # says why
+    kb = open_knowledge(vault)
+    try:
+        if args.action == "add":
+            if not args.target:
+                raise CofferError("coffer knowledge add PATH [--name NAME] [--glob PATTERN]...")
+            stats = kb.add_source(args.target, args.name, args.glob or None)
+            vault_audit(vault, "knowledge-add", stats.source, os.path.abspath(os.path.expanduser(args.target)))
+            say(f"added knowledge source {stats.source}: {stats.passages_added} passages from {stats.files_seen} files"
+                + (f" (skipped: {', '.join(f'{n} {why}' for why, n in stats.skipped.items())})" if stats.skipped
+                   else ""))
+            if vault.setting("memory") != "on":
+                say("agents find it with coffer__ask (memory notes too, after: coffer config memory on)")
+        elif args.action == "remove":
+            if not args.target:
+                raise CofferError("coffer knowledge remove NAME")
+            kb.remove_source(args.target)
+            vault_audit(vault, "knowledge-remove", args.target)
+            say(f"removed knowledge source {args.target}")
+        elif args.action == "reindex":
+            for stats in kb.reindex(args.target):
+                say(f"{stats.source}: {stats.files_seen} files, {stats.files_added} added, {stats.files_changed} "
+                    f"changed, {stats.files_removed} removed, {stats.files_unchanged} unchanged ({stats.seconds:g}s)")
+        else:
+            rows = [source._asdict() for source in kb.sources()]
+            if args.json:
+                say_json({"sources": rows})
+            elif not rows:
+                say("no knowledge sources yet: coffer knowledge add PATH")
+            else:
+                _print_table([[r["name"], r["files"], r["passages"], r["indexed_at"] or "", r["root"]] for r in rows],
+                             ["NAME", "FILES", "PASSAGES", "INDEXED", "ROOT"])
+    finally:
+        kb.close()
+    return 0
+
+
+def cmd_memory(vault: Vault, args) -> int:
+    if vault.read_only and args.action == "rm":
+        vault.transaction()
+    kb = open_knowledge(vault)
+    try:
+        if args.action == "list":
+            notes = kb.memories()
+            if args.json:
+                say_json({"memories": [note._asdict() for note in notes]})
+            elif not notes:
+                say("no memories yet" + ("" if vault.setting("memory") == "on" else
+                                         " (agents can keep some after: coffer config memory on)"))
+            else:
+                _print_table([[n.id, n.time, n.client, ",".join(n.tags), n.text.splitlines()[0][:60]
+                               if n.text else ""] for n in notes], ["ID", "CREATED", "CLIENT", "TAGS", "TEXT"])
+            return 0
+        if not args.id:
+            raise CofferError(f"coffer memory {args.action} ID (coffer memory list shows them)")
+        if args.action == "show":
+            note = kb.memory(args.id)
+            say_json(note._asdict()) if args.json else say(note.text)
+        elif not kb.forget(args.id):
+            raise CofferError(f"no memory {args.id!r}")
+        else:
+            vault_audit(vault, "memory-remove", args.id)
+            say(f"forgot {args.id}")
+    finally:
+        kb.close()
+    return 0
+
+
+def cmd_serve(vault: Vault, args) -> int:
+    vault.actor = "gateway"
+
+    def client_gone():
+        gateway.shutdown()
+        os._exit(0)  # the main thread is blocked reading a client that will never write again
+
+    gateway = Gateway(vault, remember=not args.live, on_client_gone=client_gone, only=args.only)
+
+    def on_signal(signum, frame):
+        if not gateway._stopping.is_set():  # a second signal must not interrupt the shutdown itself
+            raise SystemExit(0)
+
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), on_signal)
+    try:
+        if sys.stdin.isatty() and sys.stderr.isatty():
+            log.info("coffer serve speaks MCP on stdin/stdout and waits for a client; an agent starts it itself "
+                     "(e.g. `claude mcp add coffer -- coffer serve`). Ctrl-C to quit.")
+        gateway.serve(sys.stdin.buffer)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        gateway.shutdown()
+    return 0
+
+
+EPILOG = """
+examples:
+  coffer add time -- uvx mcp-server-time
+  coffer secret set GITHUB_TOKEN          (asks for the value; or pipe it in)
+  coffer add gh --env GITHUB_TOKEN='${GITHUB_TOKEN}' -- npx -y @modelcontextprotocol/server-github
+  coffer add docs --url https://example.com/mcp --header 'Authorization=Bearer ${DOCS_TOKEN}'
+  coffer add linear --url https://mcp.linear.app/sse && coffer auth linear
+  coffer list
+  coffer tools
+  coffer disable time__convert_time
+  coffer call time__get_current_time '{"timezone": "UTC"}'
+  coffer log --limit 20
+
+agent configuration (Claude Code, Codex, Cursor, Claude Desktop): one stdio server whose command is
+`coffer serve` (or `python /path/to/coffer.py serve`).
+
+data: $COFFER_HOME (default ~/.coffer, private: 0700) holds coffer.db and secrets.json.  ${VAR} and
+${VAR:-default} in --env, --header, the URL and the command are stored as written and resolved when the server
+starts: from Coffer's environment first, then from its secret store (coffer secret set).  A literal value given
+to --env or --header is moved into the secret store and replaced by a reference, so no secret reaches coffer.db.
+Prefer --env over command arguments for secrets: arguments are visible to every local user in `ps`.
+A server started by Coffer sees only a minimal environment (PATH, HOME, locale, proxy and certificate settings,
+package-manager settings) plus its own --env; --inherit-env NAME passes more.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="coffer", description="Coffer: register MCP servers once, use them from every agent.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"coffer {__version__}")
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND")
+
+    def command(name, handler, help_text, **kwargs):
+        p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
+        p.set_defaults(handler=handler)
+        return p
+
+    p = command("add", cmd_add, "register an upstream server: NAME [options] -- COMMAND [ARGS...], or --url URL",
+                usage="coffer add NAME [--env KEY=VALUE]... [--inherit-env NAME]... [--timeout S] [--policy P] "
+                      "-- COMMAND [ARGS...]\n       coffer add NAME --url URL [--header NAME=VALUE]...",
+                epilog="Secrets: write --env KEY='${NAME}' and keep the value in the environment or in `coffer "
+                       "secret set NAME`; a literal value is moved into the secret store for you.  ${VAR} in the "
+                       "command's arguments works too, but arguments are visible to other local users in `ps`: "
+                       "prefer --env.")
+    p.add_argument("name", help="server name: 1-24 letters, digits or '-'; becomes the <server>__ prefix")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment for the server; ${VAR} is resolved at start, a literal value goes to the "
+                        "secret store")
+    p.add_argument("--inherit-env", action="append", default=[], metavar="NAME",
+                   help="also pass this variable of Coffer's own environment ('*': all of it)")
+    p.add_argument("--url", help="a remote server (Streamable HTTP or the legacy HTTP+SSE transport)")
+    p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
+                   help="HTTP header (with --url); a literal value goes to the secret store")
+    add_remote_arguments(p)
+    p.add_argument("--cwd", help="working directory for the server process")
+    p.add_argument("--timeout", type=float, help="per-call timeout in seconds (default: the call_timeout setting)")
+    p.add_argument("--policy", choices=("enabled", "disabled"),
+                   help="whether tools the server adds later start enabled (default) or disabled")
+    p.add_argument("--replace", action="store_true",
+                   help="change the definition of a server already registered, keeping its choices")
+    p.set_defaults(command=[])
+    command("remove", cmd_remove, "unregister a server").add_argument("name")
+    add_auth_command(command)
+    p = command("list", cmd_list, "registered servers, their status and tool counts")
+    p.add_argument("--json", action="store_true")
+    p = command("tools", cmd_tools, "the aggregated tool catalogue, as a client sees it (starts every server)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--cached", action="store_true", help="what the last session saw, without starting servers")
+    p.add_argument("--client", metavar="NAME", help="as this client is shown it (cursor, windsurf, vscode, ...)")
+    command("enable", cmd_enable, "enable a server, tool, prompt or resource").add_argument("target")
+    command("disable", lambda v, a: cmd_enable(v, a, False),
+            "disable a server, tool, prompt or resource (kept across restarts and upgrades)").add_argument("target")
+    p = command("approve", cmd_approve, "accept a changed tool/prompt/resource definition after reading the diff "
+                                        "(a server name approves all of its changes; no target lists them)")
+    p.add_argument("target", nargs="?")
+    p = command("policy", cmd_policy, "what a server's new capabilities start as (enabled|disabled), and whether "
+                                      "its changed definitions apply at once (trust-updates) or wait for `coffer "
+                                      "approve` (pin-updates, the default)")
+    p.add_argument("server")
+    p.add_argument("policy", choices=("enabled", "disabled", "trust-updates", "pin-updates"))
+    p = command("secret", cmd_secret, "the secret store: set NAME (prompted, or from stdin), list, rm NAME")
+    p.add_argument("action", choices=("set", "list", "rm"))
+    p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p = command("knowledge", cmd_knowledge, "folders of notes and docs agents search with coffer__ask: "
+                                            "add PATH [--name N] [--glob G]..., list, remove NAME, reindex [NAME]")
+    p.add_argument("action", choices=("add", "list", "remove", "reindex"))
+    p.add_argument("target", nargs="?", metavar="PATH|NAME")
+    p.add_argument("--name", help="the source's name (default: the folder's name)")
+    p.add_argument("--glob", action="append", metavar="PATTERN",
+                   help=f"which files (default: {' '.join(KNOWLEDGE_DEFAULT_GLOBS)}); repeatable")
+    p.add_argument("--json", action="store_true")
+    p = command("memory", cmd_memory, "facts agents kept with coffer__remember (coffer config memory on): "
+                                      "list, show ID, rm ID")
+    p.add_argument("action", choices=("list", "show", "rm"))
+    p.add_argument("id", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p = command("call", cmd_call, "call one tool through the gateway and print its result (for scripts)")
+    p.add_argument("tool")
+    p.add_argument("arguments", nargs="?", help="a JSON object (default {})")
+    for name, handler, text in (("log", cmd_log, "recent invocations (never arguments or results)"),
+                                ("audit", cmd_audit, "every change to the vault, newest last")):
+        p = command(name, handler, text)
+        p.add_argument("--json", action="store_true")
+        p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--since", metavar="DATE", help="only rows from this date or time on (2026-11-30[T12:00])")
+    p.add_argument("--kind", metavar="ACTION", help="only this action (add, disable, approve, upstream, ...)")
+    p.add_argument("--server", metavar="NAME", help="only rows about this server")
+    p = command("config", cmd_config, "show or change a setting")
+    p.add_argument("key", nargs="?")
+    p.add_argument("value", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p = command("serve", cmd_serve, "run the MCP gateway on stdio (what an agent's config runs)")
+    p.add_argument("--live", action="store_true",
+                   help="list only what started servers offer now; by default a server still starting is "
+                        "listed as it was at its last start, and a change is announced when it is up")
+    p.add_argument("--only", action="append", metavar="SERVER", help=argparse.SUPPRESS)
+    add_client_commands(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    configure_logging("info" if argv[:1] == ["serve"] else "warning")
+    trailing: list[str] = []
+    if argv[:1] == ["add"] and "--" in argv:
+        split = argv.index("--")
+        argv, trailing = argv[:split], argv[split + 1:]
+        if not trailing:
+            print("coffer: error: nothing after '--': give the command that starts the server", file=sys.stderr)
+            return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    if trailing:
+        args.command = trailing
+    if getattr(args, "limit", 1) is not None and getattr(args, "limit", 1) < 1:
+        parser.error("--limit must be at least 1")
+    vault = None
+    try:
+        vault = Vault()
+        return args.handler(vault, args)
+    except KeyboardInterrupt:
+        print("coffer: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `coffer ... | head`: the reader had enough
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+    except CofferError as exc:
+        print(printable(redact(f"coffer: error: {exc}")), file=sys.stderr)
+        return 1
+    except sqlite3.Error as exc:
+        where = f" under {coffer_home()}" if vault is None else ""
+        print(printable(redact(f"coffer: error: the vault{where}: {exc}")), file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 - a bug: one line for the user, the traceback with COFFER_LOG=debug
+        log.exception("internal error")
+        return 1
+    finally:
+        if vault is not None:
+            vault.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Doctor: what is wrong with a user's setup, and the command that fixes it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sqlite3
+import stat
+import threading
+from typing import Callable
+
+from coffer_src.terminal import log, say
+from coffer_src.secret_store import _ENV_REF_RE, expand_vars
+from coffer_src.vault import PRIVATE_FILES, SCHEMA, _state
+from coffer_src.probe import ServerProbe
+from coffer_src.clients.files import ClientContext, ConfigProblem
+from coffer_src.clients.move_in import (
+    CLIENTS, CLIENT_TOOL_NAME_LIMITS, COFFER_ENTRY, GUI_CLIENTS, GUI_PATH, SECRET_SET_HINT, client_files,
+    load_client_file, registered_in_coffer)
+
+# -- doctor ---------------------------------------------------------------------------------------------------
+
+def _references(server: dict) -> list[tuple[str, bool]]:
+    """(NAME, has a default) for every ${NAME} in what Coffer expands when it starts the server."""
+    texts = list(server.get("command") or []) + [server.get("url") or "", server.get("cwd") or ""]
+    texts += list((server.get("env") or {}).values()) + list((server.get("headers") or {}).values())
+    return [(m.group(1), m.group(2) is not None) for text in texts for m in _ENV_REF_RE.finditer(text or "")]
+
+
+def _problem(problem: str, fix: str, severity: str = "error") -> dict:
+    return {"problem": problem, "fix": fix, "severity": severity}
+
+
+def client_report(vault, store, ctx: ClientContext) -> list[dict]:
+    reports = []
+    for client in CLIENTS:
+        for file in client_files(client, ctx):
+            exists = os.path.exists(file.path)
+            if file.scope != "user" and not exists:
+                continue
+            report = {"client": client, "path": file.path, "scope": file.scope, "found": exists,
+                      "installed": False, "duplicates": [], "problems": []}
+            try:
+                document, servers = load_client_file(file) if exists else (None, {})
+            except ConfigProblem as exc:
+                report["problems"].append(_problem(f"{file.path}: {exc}",
+                                                   "fix the file by hand; coffer leaves it as it is"))
+                reports.append(report)
+                continue
+            if file.scope == "local" and not servers:
+                continue
+            report["installed"] = COFFER_ENTRY in servers
+            duplicates = registered_in_coffer(vault, store, file, servers, ctx)
+            report["duplicates"] = sorted(duplicates)
+            if report["installed"] and duplicates:
+                flag = " --project" if file.scope == "project" else ""
+                report["problems"].append(_problem(
+                    f"{client} runs {', '.join(sorted(duplicates))} beside Coffer, so the agent sees them twice",
+                    f"coffer install {client}{flag} --replace", "warning"))
+            reports.append(report)
+    return reports
+
+
+def server_report(vault, store, server: dict, installed_clients: set, probe, settings: dict) -> dict:
+    problems = []
+    name = server["name"]
+    if server.get("damaged"):   # the lead's Vault marks a row it could not decode (and disables it)
+        return {"name": name, "ok": False, "enabled": False, "tools": 0, "problems": [_problem(
+            f"its definition in coffer.db is damaged: {server['damaged']}",
+            f"coffer remove {name}, then add or import it again")]}
+    if not server.get("enabled", True):
+        return {"name": name, "ok": True, "enabled": False, "problems": [], "tools": 0}
+    missing = sorted({ref for ref, has_default in _references(server)
+                      if not has_default and ref not in os.environ and store.get(ref) is None})
+    for ref in missing:
+        problems.append(_problem(f"${{{ref}}} is not set (neither in the environment nor in the secret store)",
+                                 SECRET_SET_HINT.format(name=ref)))
+    gui_installed = sorted(installed_clients & set(GUI_CLIENTS))
+    if server["transport"] == "stdio" and server.get("command"):
+        program = expand_vars(server["command"][0], environ={**{n: store.get(n) or "" for n in store.names()},
+                                                             **os.environ})
+        on_path = shutil.which(program)
+        if not on_path:
+            problems.append(_problem(f"command {program!r} is not found on PATH",
+                                     f"install it, or register it with its absolute path: coffer remove {name} "
+                                     f"&& coffer add {name} -- /absolute/path/to/{os.path.basename(program)} ..."))
+        elif not os.path.isabs(program) and not shutil.which(program, path=GUI_PATH):
+            fix = (f"register it with its absolute path: coffer remove {name} && coffer add {name} -- "
+                   f"{on_path} {' '.join(shlex.quote(a) for a in server['command'][1:])}".rstrip())
+            where = f" ({', '.join(gui_installed)} start Coffer that way)" if gui_installed else ""
+            problems.append(_problem(f"command {program!r} is on your shell's PATH ({on_path}) but not on the "
+                                     f"minimal PATH desktop apps get ({GUI_PATH}){where}", fix,
+                                     "error" if gui_installed else "warning"))
+    tools: list = []
+    if not any(p["severity"] == "error" for p in problems):
+        ok, tools, error = probe(server)
+        tools = [str(t) for t in tools or []]
+        if not ok:
+            problems.append(_problem(f"did not start and list its tools within {settings['init_timeout']} s: "
+                                     f"{error}", f"run it by hand to see why: {_command_text(server)}"))
+    for client in sorted(installed_clients):
+        if client not in CLIENT_TOOL_NAME_LIMITS:
+            continue
+        limit, prefix = CLIENT_TOOL_NAME_LIMITS[client]
+        too_long = [t for t in tools if len(prefix) + len(t) > limit]
+        if too_long:
+            problems.append(_problem(
+                f"{len(too_long)} tool name(s) exceed {client}'s {limit}-character limit with {prefix!r} in front "
+                f"(e.g. {too_long[0]})", f"coffer config name_max_length {max(34, limit - len(prefix))}", "warning"))
+    return {"name": name, "ok": not any(p["severity"] == "error" for p in problems), "enabled": True,
+            "problems": problems, "tools": len(tools)}
+
+
+def vault_report(vault) -> dict:
+    problems = []
+    if os.name != "nt":  # the vault fixes these on open; what is left is what it could not fix
+        for path, wanted in [(vault.home, "700")] + [(os.path.join(vault.home, f), "600") for f in PRIVATE_FILES]:
+            if os.path.exists(path) and (mode := stat.S_IMODE(os.stat(path).st_mode)) & 0o077:
+                problems.append(_problem(f"{path} is readable by others (mode {mode:o})", f"chmod {wanted} {path}"))
+    try:
+        wanted = sqlite3.connect(":memory:")
+        wanted.executescript(SCHEMA)
+        for (table,) in wanted.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall():
+            expected = {row[1] for row in wanted.execute(f"PRAGMA table_info({table})")}
+            actual = {row[1] for row in vault.db.execute(f"PRAGMA table_info({table})")}
+            if expected - actual:
+                problems.append(_problem(f"table {table} lacks {', '.join(sorted(expected - actual))}",
+                                         "run any coffer command with this version to upgrade the vault"))
+        wanted.close()
+        check = vault.db.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            problems.append(_problem(f"coffer.db is damaged: {check}",
+                                     f"restore {vault.path} from a backup, or move it away and re-import"))
+    except sqlite3.Error as exc:
+        problems.append(_problem(f"coffer.db cannot be checked: {exc}", f"look at {vault.path}"))
+    return {"path": vault.home, "ok": not problems, "problems": problems}
+
+
+def probe_all(vault) -> Callable:
+    """probe(server) -> (ok, exposed tool names, error), from one ServerProbe that starts every server at once."""
+    results = {result.name: result for result in ServerProbe(vault).run()}
+
+    def probe(server):
+        result = results.get(server["name"])
+        if result is None:
+            return False, [], "not started (disabled or damaged)"
+        return result.state == "ready", [tool["name"] for tool in result.tools], result.detail or result.state
+    return probe
+
+
+def run_doctor(vault, store, ctx: ClientContext, probe=None) -> dict:
+    settings = vault.settings()
+    probe = probe or probe_all(vault)
+    clients = client_report(vault, store, ctx)
+    installed = {c["client"] for c in clients if c["installed"]}
+    servers = vault.servers()
+    reports: list = [None] * len(servers)
+
+    def check(index, server):
+        try:
+            reports[index] = server_report(vault, store, server, installed, probe, settings)
+        except Exception as exc:  # noqa: BLE001 - one server's odd state must not hide the others' report
+            log.exception("doctor: checking %s failed", server["name"])
+            reports[index] = {"name": server["name"], "ok": False, "enabled": server.get("enabled", True),
+                              "tools": 0, "problems": [_problem(f"could not be checked: {exc}", "coffer list")]}
+
+    threads = [threading.Thread(target=check, args=(i, s), name=f"coffer-doctor-{s['name']}", daemon=True)
+               for i, s in enumerate(servers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    vault_state = vault_report(vault)
+    return {"ok": all(r["ok"] for r in reports) and vault_state["ok"], "servers": reports, "clients": clients,
+            "vault": vault_state}
+
+
+def print_doctor(report: dict) -> None:
+    marks = {True: "ok ", False: "!! "}
+    say("servers:")
+    if not report["servers"]:
+        say("  none registered: coffer import (from your clients) or coffer add NAME -- COMMAND")
+    for server in report["servers"]:
+        state = "disabled" if not server.get("enabled", True) else f"{server['tools']} tools"
+        say(f"  {marks[server['ok']]}{server['name']} ({state})")
+        for problem in server["problems"]:
+            say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+    say("clients:")
+    for client in report["clients"]:
+        state = ("Coffer installed" if client["installed"] else "Coffer not installed") if client["found"] \
+            else "no config"
+        say(f"  {client['client']:<15} {state:<21} {client['path']}")
+        for problem in client["problems"]:
+            say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+    vault_state = report["vault"]
+    say(f"vault: {vault_state['path']} {'ok' if vault_state['ok'] else ''}".rstrip())
+    for problem in vault_state["problems"]:
+        say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+
+
+# -- show -----------------------------------------------------------------------------------------------------
+
+def _shown(value: str) -> str:
+    """A stored env/header value as ``coffer show`` prints it: references as written, literals never."""
+    return value if (not value or _ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
+
+
+def show_server(vault, name: str) -> dict:
+    server = vault.server(name)
+    capabilities = [{"kind": row["kind"], "name": row["name"],
+                     "state": ("enabled" if row["enabled"] else "disabled")
+                     + (", changed: waiting for coffer approve" if _state(row).quarantined else "")
+                     + ("" if row["present"] else ", no longer listed")}
+                    for row in vault.capabilities(name)]
+    return {"name": server["name"], "transport": server["transport"], "command": server.get("command"),
+            "url": server.get("url"), "cwd": server.get("cwd"),
+            "env": {k: _shown(v) for k, v in (server.get("env") or {}).items()},
+            "headers": {k: _shown(v) for k, v in (server.get("headers") or {}).items()},
+            "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
+            "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
+            "status_at": server.get("status_at"), "capabilities": capabilities}
+
+
+def _command_text(server: dict) -> str:
+    if server.get("damaged"):
+        return "(damaged definition)"
+    if server["transport"] == "stdio":
+        return " ".join(shlex.quote(p) for p in server["command"])
+    return server["url"] + (f" ({server['transport']})" if server["transport"] != "http" else "")

@@ -1,0 +1,160 @@
+"""Names and addresses: server names, exposed <server>__<name> names, qualified URIs, remote URLs."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import urllib.parse
+
+from coffer_src.errors import CofferError
+from coffer_src.terminal import printable
+
+SEPARATOR = "__"
+RESERVED_SERVER = "coffer"
+SEARCH_TOOL = "coffer__search_tools"
+ASK_TOOL = "coffer__ask"
+REMEMBER_TOOL = "coffer__remember"
+SERVER_NAME_RE = re.compile(r"^[a-zA-Z0-9-]{1,24}$")
+EXPOSED_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+QUALIFIED_URI_RE = re.compile(r"^coffer\+([a-zA-Z0-9-]{1,24}):(.+)$", re.S)
+
+
+
+
+def check_server_name(name: str) -> str:
+    if not isinstance(name, str) or not SERVER_NAME_RE.match(name):
+        raise CofferError(f"invalid server name {name!r}: use 1-24 letters, digits or '-'")
+    if name.lower() == RESERVED_SERVER:
+        raise CofferError(f"server name {name!r} is reserved for Coffer's own tools")
+    return name
+
+
+#: The default longest exposed name: room for a client prefix such as mcp__<key>__ within 64.
+NAME_MAX_LENGTH = 48
+_DIGEST_WIDTHS = (6, 8, 10, 12, 16, 24, 32, 64)
+
+
+def _natural_name(server: str, name: str, max_length: int) -> str | None:
+    full = f"{server}{SEPARATOR}{name}"
+    return full if len(full) <= max_length and EXPOSED_NAME_RE.match(full) else None
+
+
+def _shortened_name(server: str, name: str, max_length: int, width: int) -> str:
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:width]
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
+    room = max(1, max_length - len(server) - len(SEPARATOR) - width - 1)
+    return f"{server}{SEPARATOR}{safe[:room].rstrip('_') or 'x'}_{digest}"
+
+
+def expose_name(server: str, name: str, max_length: int = NAME_MAX_LENGTH) -> str:
+    """``<server>__<name>``, or — when that is too long or not a legal MCP tool name — a readable prefix plus six hex
+    digits of the name's hash, stable across restarts and machines.  This is the name a tool gets when nothing
+    collides with it; ``exposed_names`` decides for a whole list."""
+    return _natural_name(server, name, max_length) or _shortened_name(server, name, max_length, 6)
+
+
+def exposed_names(server: str, names, max_length: int) -> dict[str, str]:
+    """{upstream name: exposed name} for one server's tools (or prompts), collision-free by construction.
+
+    Server names hold no '_', so ``<server>__`` prefixes never collide and only one server's own names can.
+    The result depends only on the set of names, and an established name is never taken over: first every name
+    that must be shortened gets its six-digit form (in sorted order); then a name that fits keeps itself unless
+    one of those took it (a tool literally named like another's shortened form is itself shortened); every name
+    still unplaced takes the shortest longer hash that is free.  No tool is ever hidden by another.
+    """
+    result: dict[str, str] = {}
+    taken: set[str] = set()
+    natural = {name: _natural_name(server, name, max_length) for name in names}
+    pending = []
+    for name in sorted(n for n, full in natural.items() if full is None):
+        exposed = _shortened_name(server, name, max_length, _DIGEST_WIDTHS[0])
+        if exposed in taken:
+            pending.append(name)
+        else:
+            result[name] = exposed
+            taken.add(exposed)
+    for name, full in natural.items():
+        if full is not None:
+            if full in taken:
+                pending.append(name)
+            else:
+                result[name] = full
+                taken.add(full)
+    for name in sorted(pending):
+        for width in _DIGEST_WIDTHS[1:]:
+            exposed = _shortened_name(server, name, max_length, width)
+            if exposed not in taken:
+                break
+        result[name] = exposed
+        taken.add(exposed)
+    return result
+
+
+def qualify_uri(server: str, uri: str) -> str:
+    """The exposed form of a resource URI that two upstreams both publish."""
+    return f"coffer+{server}:{uri}"
+
+
+# -- remote servers: one door for every HTTP exchange, so credentials never leave their origin -----------------
+# A remote server speaks Streamable HTTP (HttpTransport) or the 2024-11-05 HTTP+SSE transport (SseTransport);
+# "auto" asks it which, following the spec's backwards-compatibility procedure, and the answer is remembered in
+# the vault.  Any of them may be protected by OAuth: OAuthCredentials supplies and refreshes the bearer token, and
+# `coffer auth NAME` (oauth_login) is the only place a browser opens.  The credential rule for all of it:
+# configured headers and the bearer token go only to the configured URL's origin (scheme, host, port); a redirect,
+# an SSE endpoint or a saved login that would take them elsewhere is refused.  The authorization server only ever
+# gets what OAuth sends it (a code, a refresh token, Coffer's own client credentials), never a bearer token.
+
+REMOTE_TRANSPORTS = ("auto", "http", "sse")
+
+
+def url_origin(url) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an absolute http(s) URL, default port filled in; None for anything else."""
+    if not isinstance(url, str) or len(url) > 8192:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return scheme, parts.hostname.lower(), port or (443 if scheme == "https" else 80)
+
+
+def same_origin(a, b) -> bool:
+    origin = url_origin(a)
+    return origin is not None and origin == url_origin(b)
+
+
+def origin_text(url) -> str:
+    origin = url_origin(url)
+    if origin is None:
+        return "an invalid URL"
+    scheme, host, port = origin
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" + ("" if port == (443 if scheme == "https" else 80) else f":{port}")
+
+
+def is_loopback_url(url) -> bool:
+    import ipaddress
+    origin = url_origin(url)
+    if origin is None:
+        return False
+    if origin[1] == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(origin[1]).is_loopback
+    except ValueError:
+        return False
+
+
+def check_remote_url(url: str) -> str:
+    """A URL Coffer may connect to (http or https with a host), or CofferError saying what is wrong.  A URL that
+    holds a ${VAR} reference is checked when it is expanded, at start."""
+    if "${" in url:
+        return url
+    if url_origin(url) is None or any(c.isspace() for c in url):
+        raise CofferError(f"invalid URL {printable(url)[:200]!r}: use http:// or https:// and a host name")
+    return url

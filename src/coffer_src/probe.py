@@ -1,0 +1,184 @@
+"""Probes: starting a server once to see what it offers, from the command line."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import threading
+import time
+from typing import NamedTuple
+
+from coffer_src.errors import CofferError
+from coffer_src.terminal import log, printable, redact
+from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
+from coffer_src.threads import start_thread
+from coffer_src.names import RESERVED_SERVER, exposed_names
+from coffer_src.vault import CapabilityState, Vault
+from coffer_src.upstream.supervisor import Upstream
+
+
+
+class GatewayClient:
+    """Talks to a ``coffer serve`` subprocess exactly as an agent would, for ``coffer call`` and ``coffer tools``.
+
+    It is an Upstream whose server happens to be Coffer itself, so the CLI exercises the real gateway path.
+    """
+
+    def __init__(self, vault: Vault, only: list[str] | None = None):
+        settings = dict(vault.settings())
+        settings["init_timeout"] = float(settings["discovery_timeout"]) + float(settings["init_timeout"])
+        settings["max_restarts"] = 1
+        argv = ["serve", "--live"] + [arg for name in only or () for arg in ("--only", name)]
+        # Imported rather than run as a script, so Python uses the cached bytecode (compiling coffer.py costs
+        # ~30 ms per start); sys.path is extended in-process so the upstreams' environment stays untouched.
+        bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                     f"import coffer; sys.exit(coffer.main({argv!r}))")
+        config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
+                  "command": [sys.executable, "-c", bootstrap], "headers": {}, "inherit_env": ["*"],
+                  "era": "handshake"}
+        self.ready = threading.Event()
+        self.upstream = Upstream(config, settings, self, {}, LATEST_PROTOCOL_VERSION)
+        self.upstream._on_stderr = lambda line: (sys.stderr.write(printable(redact(line)) + "\n"),
+                                                 sys.stderr.flush())
+
+    def __enter__(self):
+        self.upstream.start()
+        self.ready.wait(self.upstream.settings["init_timeout"] + 10)
+        if self.upstream.state != "ready":
+            raise CofferError(f"coffer serve did not start: {self.upstream.last_error}")
+        return self
+
+    def __exit__(self, *exc):
+        self.upstream.stop()
+
+    # events
+    def on_ready(self, upstream):
+        self.ready.set()
+
+    def on_down(self, upstream):
+        self.ready.set()
+
+    def on_list_changed(self, upstream, kind, items, notify):
+        pass
+
+    def on_notification(self, upstream, message):
+        pass
+
+    def on_request(self, upstream, message):
+        upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "the coffer CLI cannot answer this"))
+
+    def call(self, method: str, params: dict):
+        return self.upstream.call(method, params)
+
+
+class ProbeResult(NamedTuple):
+    """What starting one server told: ``state`` is ready, failed or timed out; ``tools`` as a client sees them."""
+    name: str
+    state: str
+    detail: str
+    tools: list
+    seconds: float
+
+
+class ServerProbe:
+    """Starts servers in this process, with no client attached, to see what they offer — for `coffer tools`,
+    `coffer doctor`, and enabling a tool of a server never started.  What it learns is recorded in the vault as
+    a gateway would record it (capabilities, status), so `coffer list` reports the last attempt of any command.
+
+    Threads: each upstream's own; ``run`` waits on a condition the upstream events signal.
+    """
+
+    def __init__(self, vault: Vault, names: list[str] | None = None, progress=None):
+        self.vault = vault
+        self.settings = vault.settings()
+        # A server that exits at once is tried twice here, not max_restarts times: a person is waiting.
+        self.settings["max_restarts"] = min(2, int(self.settings["max_restarts"]))
+        self.progress = progress or (lambda result: None)
+        self.vault_lock = threading.Lock()
+        self.done = threading.Condition()
+        self.settled: dict[str, str] = {}  # name -> ready|failed, once its event is handled (guarded by done)
+        servers = [s for s in vault.servers() if names is None or s["name"] in names]
+        self.skipped = {s["name"]: s["damaged"] or "disabled" for s in servers if s["damaged"] or not s["enabled"]}
+        self.upstreams = [Upstream(s, self.settings, self, {}, LATEST_PROTOCOL_VERSION, vault.secrets)
+                          for s in servers if s["name"] not in self.skipped]
+
+    def run(self, timeout: float | None = None) -> list[ProbeResult]:
+        """Start every server at once and wait for each to be ready or failed, at most ``timeout`` (init_timeout)."""
+        timeout = float(self.settings["init_timeout"]) if timeout is None else timeout
+        started = time.monotonic()
+        finished: dict[str, ProbeResult] = {}
+        for upstream in self.upstreams:
+            upstream.start()
+        try:
+            with self.done:
+                while len(finished) < len(self.upstreams):
+                    for upstream in self.upstreams:
+                        # The event, not upstream.state: the state flips before its event is recorded, and a
+                        # command that finished in between would leave the vault saying "never started".
+                        state = self.settled.get(upstream.name)
+                        if upstream.name not in finished and state is not None:
+                            finished[upstream.name] = self._result(upstream, state, started)
+                            self.progress(finished[upstream.name])
+                    remaining = started + timeout - time.monotonic()
+                    if remaining <= 0 or len(finished) == len(self.upstreams):
+                        break
+                    self.done.wait(min(remaining, 0.5))
+            for upstream in self.upstreams:
+                if upstream.name not in finished:
+                    result = self._result(upstream, "timed out", started, f"did not answer within {timeout:g}s")
+                    self._record(upstream, "timed out", result.detail)
+                    finished[upstream.name] = result
+                    self.progress(result)
+        finally:
+            threads = [start_thread(up.stop, f"coffer-{up.name}-stop") for up in self.upstreams]
+            for thread in threads:
+                thread.join(5.0)
+        return [finished[up.name] for up in self.upstreams]
+
+    def _result(self, upstream: Upstream, state: str, started: float, detail: str | None = None) -> ProbeResult:
+        tools = []
+        if state == "ready":
+            with self.vault_lock:
+                states = self.vault.capability_states()
+            names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"])
+            tools = [dict(definition, name=names[name]) for name, definition in upstream.lists["tool"].items()
+                     if states.get((upstream.name, "tool", name), CapabilityState(True)).usable]
+        return ProbeResult(upstream.name, state, detail or (upstream.last_error or ""), tools,
+                           round(time.monotonic() - started, 2))
+
+    def _record(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
+        try:
+            with self.vault_lock:
+                self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record status: %s", upstream.name, exc)
+
+    # events, as an Upstream sends them to its gateway
+    def on_ready(self, upstream):
+        counts = ", ".join(f"{len(items)} {kind}s" for kind, items in upstream.lists.items() if items)
+        self._record(upstream, "ready", counts or "no capabilities", upstream.capabilities)
+        self._settle(upstream, "ready")
+
+    def on_down(self, upstream):
+        if upstream.state == "failed":
+            self._record(upstream, "failed", upstream.last_error or "")
+            self._settle(upstream, "failed")
+
+    def _settle(self, upstream, state: str) -> None:
+        with self.done:
+            self.settled.setdefault(upstream.name, state)
+            self.done.notify_all()
+
+    def on_list_changed(self, upstream, kind, items, notify):
+        try:
+            with self.vault_lock:
+                self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
+        except (sqlite3.Error, CofferError) as exc:
+            log.warning("[%s] could not record its %ss: %s", upstream.name, kind, exc)
+
+    def on_notification(self, upstream, message):
+        pass
+
+    def on_request(self, upstream, message):
+        upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "no client is connected"))

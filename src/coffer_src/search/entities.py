@@ -1,0 +1,100 @@
+"""Search entities: typed values in a query matched against what a tool's parameters accept."""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from coffer_src.search.text import stem
+
+# ---- typed entities in a query, matched against what a tool's parameters accept
+
+class EntityKind(NamedTuple):
+    """One kind of argument an agent writes into a request (a path, a URL, a ticket key, ...): how to spot it
+    in a query, and the parameter-name stems / schema formats of the tools that take it.  A weak cue is a
+    parameter name that may take it (a file's "name"): it counts half, as a cue in a description does."""
+
+    name: str
+    pattern: re.Pattern
+    cues: frozenset
+    formats: frozenset = frozenset()
+    weak_cues: frozenset = frozenset()
+
+
+def _kind(name: str, pattern: str, cues: str, formats: str = "", flags: int = 0, weak: str = "") -> EntityKind:
+    return EntityKind(name, re.compile(pattern, flags), frozenset(stem(w) for w in cues.split()),
+                      frozenset(formats.split()), frozenset(stem(w) for w in weak.split()))
+
+
+_FILE_EXTENSIONS = ("py|js|mjs|ts|tsx|jsx|md|txt|json|jsonl|ya?ml|toml|csv|tsv|pdf|png|jpe?g|gif|svg|webp|html?|"
+                    "css|xml|log|sh|ini|cfg|conf|docx?|xlsx?|pptx?|zip|tar|gz|sql|rs|go|java|kt|c|cpp|h|rb|php|"
+                    "ipynb|wav|mp3|mp4|mov|db|sqlite")
+_COMMON_ACRONYMS = frozenset("""
+I A OK AI API APIS URL URI SQL PR PRS CSV PDF JSON HTML CSS HTTP HTTPS UTC GMT EU US USA UK ID IDS CLI UI UX DB
+FAQ TODO README LGTM ETA PM AM CEO CTO HR QA CI CD VM OS IO IP DNS SSH SSL TLS AWS GCP SDK MCP LLM GPT PNG JPG
+SVG XML YAML YML MD TXT RSS ASAP FYI DM DMS NEW GET PUT POST OR AND NOT IN ON AT TO IS BY IT BE
+""".split())
+
+ENTITY_KINDS = (
+    _kind("url", r"\bhttps?://[^\s<>\"'`]+|\bwww\.[a-z0-9-]+\.[a-z]{2,}[^\s<>\"'`]*",
+          "url uri link href website webpage endpoint", "uri url iri uri-reference"),
+    _kind("email", r"\b[\w.+-]+@[\w-]+\.[\w.-]*[a-z]\b", "email mail recipient assignee", "email idn-email"),
+    _kind("path", r"(?:^|(?<=[\s(\"'`=]))(?:~[/\\]|\.{1,2}[/\\]|/(?=[\w.-]+)|[A-Za-z]:\\)[^\s\"'`,;]*",
+          "path file filename filepath directory dir folder source destination"),
+    _kind("file", rf"(?:\b[\w.-]+/)*\b[\w-]+\.(?:{_FILE_EXTENSIONS})\b", "path file filename filepath",
+          flags=re.IGNORECASE, weak="name"),
+    _kind("selector", r"(?:^|(?<=\s))(?:\.[A-Za-z][\w-]*(?:\s*[>+~]\s*[\w.#-]+)*|[a-z]+\[[\w-]+(?:[~|^$*]?=[^\]]*)?\]"
+          r"|[\w.#-]+\s*>\s*[\w.#-]+)", "selector element locator css xpath ref"),
+    _kind("hash_name", r"(?:^|(?<=\s))#[A-Za-z][\w-]*", "selector element locator ref channel tag"),
+    _kind("issue_key", r"\b[A-Z][A-Z0-9]{1,9}-\d+\b", "issue ticket issuekey issueidorkey"),
+    _kind("k8s", r"\b(?:deploy|deployments?|po|pods?|svc|services?|cm|configmaps?|secrets?|ns|namespaces?|sts|"
+          r"statefulsets?|ds|daemonsets?|jobs?|cronjobs?|ing|ingress|nodes?|pvc|rs)/[a-z0-9][\w.-]*",
+          "resourcetype resource kind namespace pod deployment"),
+    _kind("timezone", r"\b(?:Africa|America|Antarctica|Asia|Atlantic|Australia|Europe|Indian|Pacific|Etc)/[A-Z][\w+-]+",
+          "timezone tz zone"),
+    _kind("repo", r"(?:^|(?<=\s))[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(?=#\d|[\s,.;:!?)]|$)", "repo repository owner"),
+    _kind("number_ref", r"(?:^|(?<=[\s/\w]))#\d+\b", "number issue pull pr"),
+    _kind("sql", r"\b(?:select\s.+?\sfrom|insert\s+into|update\s+\w+\s+set|delete\s+from|(?:create|alter|drop)\s+table)\b",
+          "sql query statement", flags=re.IGNORECASE | re.DOTALL),
+    _kind("cron", r"(?:^|(?<=\s))(?:[\d*/,-]+\s+){4}[\d*/,-]+(?=\s|$)", "cron schedule expression"),
+    _kind("date", r"\b\d{4}-\d{2}-\d{2}\b", "date day start end since until", "date date-time"),
+    _kind("clock", r"\b\d{1,2}:\d{2}\b", "time hour"),
+    _kind("sha", r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", "sha commit revision ref hash"),
+    _kind("ticker", r"\b[A-Z]{2,5}\b", "symbol ticker"),
+)
+
+
+class QueryEntity(NamedTuple):
+    kind: EntityKind
+    start: int
+    end: int
+
+
+def query_entities(query: str) -> list[QueryEntity]:
+    """Typed entities in a query, leftmost first; a span claimed by one kind is not read again by a later one
+    (so the path in a URL is the URL's, and "ABC-123" is a ticket key, not a ticker)."""
+    found: list[QueryEntity] = []
+    taken: list[tuple[int, int]] = []
+    for kind in ENTITY_KINDS:
+        for match in kind.pattern.finditer(query):
+            start, end = match.span()
+            if start == end or any(start < b and a < end for a, b in taken):
+                continue
+            if kind.name == "ticker" and match.group() in _COMMON_ACRONYMS:
+                continue
+            found.append(QueryEntity(kind, start, end))
+            taken.append((start, end))
+    if any(entity.kind.name == "sql" for entity in found):  # GROUP, WHERE, ORDER are its keywords, not tickers
+        found = [entity for entity in found if entity.kind.name != "ticker"]
+    return sorted(found, key=lambda e: e.start)
+
+
+# A general web-search tool (a search engine, not a search inside one product) and the words of a request
+# for general information, which belongs to such a tool unless a narrower tool matches it clearly.
+_WEB_WORDS = frozenset(stem(w) for w in "web internet online".split())
+_INFO_CUES = frozenset(stem(w) for w in """news headlines headline latest recent trending information info
+background facts article articles happened happening wikipedia""".split())
+# Cues that only say "current": a tool whose name holds one of these (latest_version) is not named for the
+# request's topic the way a news tool is named for "news".
+_INFO_MODIFIERS = frozenset(stem(w) for w in "latest recent happened happening".split())
+_QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", "wie", "was", "wann", "wo"))

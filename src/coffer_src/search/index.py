@@ -1,0 +1,393 @@
+"""Search index: the BM25F ranker behind coffer__search_tools.
+
+Tool catalogues are small documents with a few strong fields: the name says what a tool does, the description
+says how, parameters say on what.  BM25F scores each field with its own weight and length normalisation.  Queries
+are phrased by an agent mid-task, so the tokenizer splits identifiers (createIssue, create_issue, create-issue), a
+light stemmer folds morphology, a small vocabulary of tool-domain equivalences (create/add/new, delete/remove, ...)
+matches at reduced weight, and a small cross-lingual lexicon lets common Chinese, Japanese, Spanish, German and
+French words reach English tools."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import heapq
+import itertools
+import math
+import operator
+import threading
+from typing import NamedTuple
+
+from coffer_src.jsonrpc import TOP_K_DEFAULT
+from coffer_src.names import SEPARATOR
+from coffer_src.search.lexicon import EQUIVALENCE_WEIGHT, STOP_WORDS, TRANSLATION_WEIGHT
+from coffer_src.search.text import (
+    ABBREVIATIONS, EQUIVALENCES, ToolTexts, _collect_parameters, _words, analyse_texts, bounded_query, bounded_top_k,
+    singular, stem, surface_words, translations)
+from coffer_src.search.entities import (
+    EntityKind, QueryEntity, _INFO_CUES, _INFO_MODIFIERS, _QUESTION_STARTS, _WEB_WORDS, query_entities)
+
+class CollectorPause:
+    """Pauses Python's cyclic garbage collector around an index build.  A build allocates hundreds of thousands
+    of small objects, none of them in cycles, and every collection those allocations trigger walks every live
+    object, the catalogue included: nearly half of a 10k-tool build.  Reference counting still frees what the
+    build drops.  Builds on several threads share one pause; the collector runs again when the last ends, and
+    only if it was running when the first began (an application that disabled it keeps it disabled).  Its lock
+    is a leaf: nothing else is taken while it is held."""
+
+    _lock = threading.Lock()
+    _depth = 0
+    _resume = False
+
+    def __enter__(self) -> None:
+        with CollectorPause._lock:
+            if CollectorPause._depth == 0:
+                CollectorPause._resume = gc.isenabled()
+                gc.disable()
+            CollectorPause._depth += 1
+
+    def __exit__(self, *exc_info) -> None:
+        with CollectorPause._lock:
+            CollectorPause._depth -= 1
+            if CollectorPause._depth == 0 and CollectorPause._resume:
+                if gc.get_freeze_count() == 0:
+                    # What the builds made lives as long as their indexes and holds no cycles: move it to the
+                    # oldest generation (freeze, then unfreeze, moves lists and walks nothing) rather than let
+                    # the first allocation after enable() walk every object as a young one.  Skipped if the
+                    # application froze objects itself: unfreeze would undo that.
+                    gc.freeze()
+                    gc.unfreeze()
+                gc.enable()
+
+
+class QueryPlan(NamedTuple):
+    """What one query asks for.  own: its stems -> (weight, their surface words); other: stems it implies
+    (translations, the question cue, equivalents) -> weight; entities: the typed arguments in it; need: the
+    stems of what it asks for (its words outside entities, their translations and equivalents: a URL that holds
+    "news" is not a request for news)."""
+
+    own: dict[str, tuple[float, set]]
+    other: dict[str, float]
+    entities: list[QueryEntity]
+    need: frozenset
+
+
+class SearchIndex:
+    """BM25F over a tool list.  Built once per catalogue change; a query is a few dictionary look-ups per term.
+
+    ``search(query, top_k)`` returns ``[(tool, score)]``, best first, zero scores dropped, ties broken by name.
+    Immutable after construction except for the lazily filled posting/entity caches; the gateway builds one per
+    catalogue and searches it from its request threads (cache fills are idempotent dict writes).
+    """
+
+    # field: (weight, length-normalisation b)
+    FIELDS = {"name": (3.0, 0.5), "server": (1.5, 0.3), "title": (2.0, 0.5), "description": (0.8, 0.75),
+              "params": (0.5, 0.5), "param_text": (0.5, 0.75), "examples": (0.3, 0.75), "translated": (0.8, 0.75)}
+    K1 = 1.2
+    # A tool whose server also holds the best match for the query is likelier to be wanted too (tasks span
+    # several tools of one server): each tool gains this share of its server's best score.
+    SERVER_BOOST = 0.2
+    # An exact word scores SURFACE_WEIGHT + STEM_WEIGHT, a word that only shares the stem STEM_WEIGHT, and a
+    # stem-only match counts its idf at most up to the idf of a term in STEM_ONLY_IDF_CAP of the tools: a rare
+    # stem ("located" ~ "location") must not outweigh the request's real words.
+    SURFACE_WEIGHT = 0.3
+    STEM_WEIGHT = 0.7
+    STEM_ONLY_IDF_CAP = 0.01
+    # Typed entities (a path, a URL, a ticket key, ...) favour tools whose parameters take them: each kind in
+    # the query scores like a query word held by the tools that accept it (weight x its idf; a parameter-name
+    # cue counts fully, a cue in a parameter description half).
+    ENTITY_WEIGHT = 0.5
+    ENTITY_WORD_WEIGHT = 0.6  # words inside an entity ("main" in ./src/main.py) are arguments, not the need
+    # A request for general information scores general web-search tools like a query word of this weight.
+    WEB_SEARCH_WEIGHT = 1.0
+    WEB_MAX_MATCHED = 1  # ... unless the best tool matches more of the request's own words than this
+    # A question ("what time is it in Tokyo") asks for a current value: "current" joins at this weight.
+    QUESTION_WEIGHT = 0.7
+    # A name word bound to a partner in (nearly) every tool name that holds it ("pull" in pull_request) means
+    # little alone: without its partner in the query it counts this share.
+    PHRASE_ALONE_WEIGHT = 0.4
+    PHRASE_MIN_TOOLS = 3
+
+    # A tool's fields in _doc_fields, in this order.
+    FIELD_ORDER = ("name", "server", "title", "description", "params", "param_text", "examples", "translated")
+
+    def __init__(self, tools: list[dict]):
+        self.tools = tools  # a snapshot the caller does not change (the semantic ranker matches it by identity)
+        with CollectorPause():
+            self._build()
+
+    def _build(self) -> None:
+        n = len(self.tools)
+        # Column by column (every tool's name, then every description, ...), in C where it can be: one batch
+        # analyses the catalogue's texts, and a tool's fields are zipped from the columns.
+        columns = list(zip(*map(self._tool_texts, self.tools))) or [()] * len(ToolTexts._fields)
+        analysed = analyse_texts(itertools.chain.from_iterable(columns[:-1]))
+        short, server, title, description, names, params, examples = (
+            list(map(analysed.__getitem__, column)) for column in columns[:-1])
+        stems, foreign = operator.attrgetter("stems"), operator.attrgetter("foreign")
+        translated = map(operator.add, map(operator.add, map(foreign, short), map(foreign, title)),
+                         map(foreign, description))
+        # Per tool, its terms field by field (FIELD_ORDER): term frequencies are counted from these when a query
+        # first uses a term (see postings), so the build does no per-term work in Python.
+        self._doc_fields = list(zip(map(stems, short), map(stems, server), map(stems, title),
+                                    map(stems, description), map(stems, names), map(stems, params),
+                                    map(stems, examples), translated))
+        # What queries need beyond BM25 (surface words, parameter words) is derived from these on first use.
+        self._texts = list(zip(short, title, description, names, params, columns[-1]))
+        self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
+        self._vocabulary = frozenset().union(*self._doc_sets)
+        # A field's average length over the tools that have it: over all tools, a field few of them fill (a
+        # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
+        self._field_params = []
+        for position, field in enumerate(self.FIELD_ORDER):
+            weight, b = self.FIELDS[field]
+            lengths = list(filter(None, map(len, map(operator.itemgetter(position), self._doc_fields))))
+            self._field_params.append((weight, b, sum(lengths) / len(lengths) if lengths else 1.0))
+        self._postings: dict[str, list[tuple[int, float]]] = {}
+        self._idf: dict[str, float] = {}
+        full_names = [str(tool.get("name", "")) for tool in self.tools]
+        self._rank_of = [0] * n
+        for rank, doc_id in enumerate(sorted(range(n), key=full_names.__getitem__)):
+            self._rank_of[doc_id] = rank
+        servers: dict[str, int] = {}
+        self._server_of = [servers.setdefault(name.partition(SEPARATOR)[0], len(servers)) if SEPARATOR in name
+                           else -1 for name in full_names]
+        self._surfaces: list[frozenset | None] = [None] * n
+        self._exact: dict[tuple[str, frozenset], frozenset] = {}
+        self._entity_tools: dict[str, list[tuple[int, float]]] = {}
+        self._entity_strength_maps: dict[str, dict[int, float]] = {}
+        self._web_tools_found: list[int] | None = None
+        self._partners: dict[str, str | None] = {}
+        self._stem_cap = math.log(1.0 + (n - max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)
+                                  / (max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)) if n else 0.0
+
+    @staticmethod
+    def _tool_texts(tool: dict) -> ToolTexts:
+        name = tool.get("name")
+        name = name if isinstance(name, str) else str(name or "")
+        server, sep, short = name.partition(SEPARATOR)
+        if not sep:
+            server, short = "", name
+        description = tool.get("description")
+        if not isinstance(description, str):
+            description = ""
+        title = tool.get("title")
+        if not title or not isinstance(title, str):  # else the title its annotations give, if any
+            annotations = tool.get("annotations")
+            title = annotations.get("title") if isinstance(annotations, dict) else ""
+            title = title if isinstance(title, str) else ""
+        names: list[str] = []
+        texts: list[str] = []
+        examples: list[str] = []
+        formats: list[str] = []
+        _collect_parameters(tool.get("inputSchema"), 0, names, texts, examples, formats)
+        return ToolTexts(short, server, title, description, " ".join(names), " ".join(texts), " ".join(examples),
+                         tuple(formats))
+
+    @property
+    def _web_tools(self) -> list[int]:
+        """Ids of the general web-search tools (search__web, brave_web_search), found on first use."""
+        found = self._web_tools_found
+        if found is None:
+            found = self._web_tools_found = [
+                doc_id for doc_id, (name, server, _, description, *_) in enumerate(self._doc_fields)
+                if ("search" in name or "search" in server)
+                and not (_WEB_WORDS.isdisjoint(name) and _WEB_WORDS.isdisjoint(description))]
+        return found
+
+    def phrase_partner(self, term: str) -> str | None:
+        """The one word ``term`` sits next to in >= 90% of the (>= PHRASE_MIN_TOOLS) tool names holding it
+        ("pull" -> "request"), else None.  Such a word alone in a query is weak evidence for those tools.
+        Computed from the term's postings on first use."""
+        if term in self._partners:
+            return self._partners[term]
+        holders, pairs = 0, {}
+        for doc_id, _ in self.postings(term):
+            words = self._texts[doc_id][0].stems
+            if term not in words:
+                continue
+            holders += 1
+            for i, word in enumerate(words):
+                if word == term:
+                    for neighbour in {words[j] for j in (i - 1, i + 1) if 0 <= j < len(words)} - {term}:
+                        pairs[neighbour] = pairs.get(neighbour, 0) + 1
+        partner = None
+        if holders >= self.PHRASE_MIN_TOOLS and pairs:
+            best = max(sorted(pairs), key=pairs.__getitem__)
+            if pairs[best] >= 0.9 * holders:
+                partner = best
+        self._partners[term] = partner
+        return partner
+
+    def __len__(self) -> int:
+        return len(self.tools)
+
+    def postings(self, term: str) -> list[tuple[int, float]]:
+        """(doc id, BM25 weight) of every tool holding ``term``, built by the first query that uses the term:
+        most of a catalogue's vocabulary is never searched for, so a build does not pay for it."""
+        found = self._postings.get(term)
+        if found is None:
+            if term not in self._vocabulary:
+                return []
+            holders = list(itertools.compress(range(len(self._doc_sets)),
+                                              map(operator.contains, self._doc_sets, itertools.repeat(term))))
+            n, k1 = len(self._doc_sets), self.K1
+            idf = math.log(1.0 + (n - len(holders) + 0.5) / (len(holders) + 0.5))
+            # Field-weighted, length-normalised term frequency, a field at a time: the term is counted in every
+            # holder's field in C, and Python arithmetic runs only where it occurs.
+            fields = list(map(self._doc_fields.__getitem__, holders))
+            tf = [0.0] * len(holders)
+            for position, (weight, b, average) in enumerate(self._field_params):
+                column = list(map(operator.itemgetter(position), fields))
+                counts = list(map(tuple.count, column, itertools.repeat(term)))
+                for i in itertools.compress(range(len(counts)), counts):
+                    tf[i] += counts[i] * weight / (1.0 - b + b * len(column[i]) / average)
+            found = [(doc_id, idf * value / (k1 + value)) for doc_id, value in zip(holders, tf)]
+            self._idf[term] = idf
+            self._postings[term] = found
+        return found
+
+    def exact_docs(self, term: str, surfaces: frozenset) -> frozenset:
+        """Ids of the tools holding ``term`` that also hold one of these exact (plural-folded) words; computed
+        from the term's postings on first use, so it costs what the postings cost."""
+        key = (term, surfaces)
+        found = self._exact.get(key)
+        if found is None:
+            found = self._exact[key] = frozenset(doc_id for doc_id, _ in self.postings(term)
+                                                 if not surfaces.isdisjoint(self._doc_surfaces(doc_id)))
+        return found
+
+    def _doc_surfaces(self, doc_id: int) -> frozenset:
+        found = self._surfaces[doc_id]
+        if found is None:
+            found = self._surfaces[doc_id] = frozenset(
+                singular(word) for terms in self._texts[doc_id][:5] for word in surface_words(terms.text))
+        return found
+
+    def _virtual_idf(self, holders: int) -> float:
+        """The idf a query term would have if exactly ``holders`` tools held it: an entity kind or the
+        general-information need is scored like one more query word, so it weighs less in a long request."""
+        n = len(self.tools)
+        return math.log(1.0 + (n - holders + 0.5) / (holders + 0.5)) if n else 0.0
+
+    def entity_tools(self, kind: EntityKind) -> list[tuple[int, float]]:
+        """(doc id, strength) of the tools whose parameters take ``kind``: 1.0 by a parameter name or format,
+        0.5 by a parameter description or a weak cue; computed on first use of the kind."""
+        found = self._entity_tools.get(kind.name)
+        if found is None:
+            cues, formats, weak = kind.cues, kind.formats, kind.weak_cues
+            found = []
+            for doc_id, (*_, names, words, doc_formats) in enumerate(self._texts):
+                if not cues.isdisjoint(names.stems) or not formats.isdisjoint(doc_formats):
+                    found.append((doc_id, 1.0))
+                elif not cues.isdisjoint(words.stems) or not weak.isdisjoint(names.stems):
+                    found.append((doc_id, 0.5))
+            self._entity_tools[kind.name] = found
+        return found
+
+    def _entity_strengths(self, kind: EntityKind) -> dict[int, float]:
+        found = self._entity_strength_maps.get(kind.name)
+        if found is None:
+            found = self._entity_strength_maps[kind.name] = dict(self.entity_tools(kind))
+        return found
+
+    def _query_plan(self, query: str) -> QueryPlan:
+        """What ``query`` asks for (see QueryPlan): its own words, what they imply, its arguments, its need."""
+        entities = query_entities(query) if self.ENTITY_WEIGHT or self.ENTITY_WORD_WEIGHT != 1.0 else []
+        inside, outside, rest_text = set(), set(), query
+        if entities:
+            rest, last = [], 0
+            for entity in entities:
+                inside.update(_words(query[entity.start:entity.end]))
+                rest.append(query[last:entity.start])
+                last = entity.end
+            rest.append(query[last:])
+            rest_text = " ".join(rest)
+            outside = set(_words(rest_text))
+        own: dict[str, tuple[float, set]] = {}
+        words = [word for word in _words(query) if word not in STOP_WORDS]
+        present = {stem(word) for word in words}
+        for word in words:
+            weight = self.ENTITY_WORD_WEIGHT if word in inside and word not in outside else 1.0
+            term = stem(word)
+            partner = self.phrase_partner(term) if self.PHRASE_ALONE_WEIGHT != 1.0 else None
+            if partner is not None and partner not in present:
+                weight *= self.PHRASE_ALONE_WEIGHT
+            previous, surfaces = own.get(term, (0.0, set()))
+            surfaces.add(singular(word))
+            own[term] = (max(previous, weight), surfaces)
+        other: dict[str, float] = {}
+        translated = translations(rest_text)  # an entity's words are arguments: they are not translated either
+        translated += itertools.chain.from_iterable(
+            ABBREVIATIONS.get(word, ()) for word in words if word not in inside or word in outside)
+        for term in translated:
+            other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
+        lowered = query.lower().replace("'", "").split()
+        if self.QUESTION_WEIGHT and lowered and lowered[0].strip("¿?") in _QUESTION_STARTS:
+            other["current"] = max(other.get("current", 0.0), self.QUESTION_WEIGHT)
+        for term, weight in [(t, w) for t, (w, _) in own.items()] + list(other.items()):
+            for equivalent in EQUIVALENCES.get(term, ()):
+                other[equivalent] = max(other.get(equivalent, 0.0), EQUIVALENCE_WEIGHT * weight)
+        for term in own:
+            other.pop(term, None)
+        need = {stem(word) for word in words if word not in inside or word in outside}.union(translated)
+        need.update(*map(EQUIVALENCES.get, list(need), itertools.repeat(())))
+        return QueryPlan(own, other, entities, frozenset(need))
+
+    def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
+        """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name; a
+        query is read up to bounded_query's limit."""
+        plan = self._query_plan(bounded_query(query))
+        own, other, entities = plan.own, plan.other, plan.entities
+        scores: dict[int, float] = collections.defaultdict(float)
+        exact_weight, stem_weight = self.SURFACE_WEIGHT + self.STEM_WEIGHT, self.STEM_WEIGHT
+        for term, (weight, surfaces) in own.items():
+            hits = self.postings(term)
+            if not hits:
+                continue
+            idf = self._idf[term]
+            stem_only = stem_weight * weight * (min(1.0, self._stem_cap / idf) if idf > 0 else 1.0)
+            exact = exact_weight * weight
+            exact_docs = self.exact_docs(term, frozenset(surfaces))
+            for doc_id, value in hits:
+                scores[doc_id] += value * (exact if doc_id in exact_docs else stem_only)
+        for term, weight in other.items():
+            for doc_id, value in self.postings(term):
+                scores[doc_id] += stem_weight * weight * value
+        if entities and self.ENTITY_WEIGHT:
+            for kind in {entity.kind.name: entity.kind for entity in entities}.values():
+                accepting = self.entity_tools(kind)
+                bonus = self.ENTITY_WEIGHT * self._virtual_idf(len(accepting))
+                if scores and len(accepting) > 4 * len(scores):
+                    # A kind most tools accept (a path in a big catalogue) only re-orders what matched.
+                    strengths = self._entity_strengths(kind)
+                    for doc_id in list(scores):
+                        scores[doc_id] += bonus * strengths.get(doc_id, 0.0)
+                    continue
+                for doc_id, strength in accepting:
+                    scores[doc_id] += bonus * strength
+        if self._web_tools and self.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need):
+            # Only when the best tool matches at most one of the request's words, and not by its name: a narrow
+            # tool named for the topic (a news tool for "news") or matching more keeps its place; one that
+            # shares an incidental word of its description ("latest" in a version tool's) does not.
+            best_doc = max(scores, key=scores.__getitem__, default=None)
+            matched = 0 if best_doc is None else sum(term in self._doc_sets[best_doc] for term in own)
+            named = best_doc is not None and not (set(own) - _INFO_MODIFIERS).isdisjoint(self._texts[best_doc][0].stems)
+            if matched <= self.WEB_MAX_MATCHED and not named:
+                lift = self.WEB_SEARCH_WEIGHT * self._virtual_idf(len(self._web_tools))
+                for doc_id in self._web_tools:
+                    scores[doc_id] += lift
+        server_of, rank_of = self._server_of, self._rank_of
+        server_best: dict[int, float] = {-1: 0.0}  # -1: tools with no server prefix get no boost
+        for doc_id, score in scores.items():
+            server = server_of[doc_id]
+            if server >= 0 and score > server_best.get(server, 0.0):
+                server_best[server] = score
+        boost = self.SERVER_BOOST
+        ranked = ((-(score + boost * server_best[server_of[doc_id]]), rank_of[doc_id], doc_id)
+                  for doc_id, score in scores.items() if score > 0.0)
+        return [(doc_id, -neg) for neg, _, doc_id in heapq.nsmallest(limit, ranked)]
+
+    def search(self, query: str, top_k: int = TOP_K_DEFAULT) -> list[tuple[dict, float]]:
+        top_k = bounded_top_k(top_k)
+        return [(self.tools[doc_id], round(score, 4)) for doc_id, score in self.rank(query, top_k)]

@@ -1,0 +1,285 @@
+"""Secrets: ${VAR} references, the private secret store, literals moved out of configs, an upstream's environment."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import urllib.parse
+
+from coffer_src.errors import CofferError
+from coffer_src.terminal import log, redact
+from coffer_src.jsonrpc import decode_json
+from coffer_src.names import ENV_KEY_RE
+
+# -- ${VAR} references and the secret store ------------------------------------------------------------------
+
+_ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$")
+
+
+def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | None = None,
+                substituted: list | None = None) -> str:
+    """Expand ``${VAR}`` and ``${VAR:-default}``: from the environment first, then from the secret store.
+
+    Values are stored unexpanded, so a secret only ever exists in the gateway's and the upstream's memory.
+    Names found nowhere (and without a default) are appended to ``missing``; the values put in place of a
+    reference, as (name, value), to ``substituted`` (what may then need redacting wherever it shows up).
+    """
+    environ = os.environ if environ is None else environ
+
+    def replace(match):
+        name, default = match.group(1), match.group(2)
+        current = environ.get(name)
+        if current is None and secrets is not None:
+            current = secrets.get(name)
+        if current is None or (current == "" and default is not None):
+            if default is None and missing is not None:
+                missing.append(name)
+            return default or ""
+        if substituted is not None:
+            substituted.append((name, current))
+        return current
+
+    return _ENV_REF_RE.sub(replace, value)
+
+
+class SecretStore:
+    """Named secret values, in COFFER_HOME/secrets.json (0600 inside the 0700 home), never in coffer.db.
+
+    Why a file rather than an OS keychain: none is reachable from the standard library on all three systems
+    (macOS needs the `security` tool, Windows DPAPI needs ctypes, Linux's Secret Service needs a D-Bus session that
+    a headless or SSH agent host usually lacks), and the agent host must work air-gapped and unattended.  A private
+    file is what ssh, aws and gh use; it is as safe as the user's account.
+
+    Any thread, any process: a read re-parses the file only when its mtime or size changed; a write replaces it
+    atomically (write a private temporary file, then rename), so no reader ever sees half of it.  Every value read
+    is registered with the redactor, so it never reaches a log or the terminal.
+    """
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, home: str):
+        self.path = os.path.join(home, "secrets.json")
+        self._values: dict[str, str] = {}
+        self._stamp = None
+        self._problem: str | None = None
+        self._lock = threading.Lock()
+
+    def _read(self) -> dict[str, str]:
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise CofferError(f"cannot read the secret store {self.path}: {exc.strerror or exc}") from None
+        stamp = (info.st_mtime_ns, info.st_size, info.st_ino)
+        with self._lock:
+            if stamp == self._stamp:
+                if self._problem:
+                    raise CofferError(self._problem)
+                return self._values
+        problem, values = None, {}
+        try:
+            if info.st_size > self.MAX_BYTES:
+                raise ValueError(f"larger than {self.MAX_BYTES} bytes")
+            with open(self.path, "rb") as handle:
+                data = decode_json(handle.read(self.MAX_BYTES + 1))
+            if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in data.items()):
+                raise ValueError("not an object of names to text values")
+            values = data
+        except (OSError, ValueError) as exc:
+            problem = f"the secret store {self.path} is damaged ({exc}); fix or remove it"
+        redact.add_named(values.items())
+        with self._lock:
+            self._values, self._stamp, self._problem = values, stamp, problem
+        if problem:
+            raise CofferError(problem)
+        return values
+
+    def get(self, name: str) -> str | None:
+        """The value, or None when absent (a damaged store is logged once and treated as empty)."""
+        try:
+            return self._read().get(name)
+        except CofferError as exc:
+            if self._problem != getattr(self, "_reported", None):
+                self._reported = self._problem
+                log.warning("%s", exc)
+            return None
+
+    def names(self) -> list[str]:
+        return sorted(self._read())
+
+    def values(self) -> list[str]:
+        try:
+            return list(self._read().values())
+        except CofferError:
+            return []
+
+    def set(self, name: str, value: str) -> None:
+        if not SECRET_NAME_RE.match(name or ""):
+            raise CofferError(f"invalid secret name {name!r}: use letters, digits and _ (start with a letter)")
+        if not isinstance(value, str) or "\x00" in value or len(value) > 64 << 10:
+            raise CofferError("a secret value must be text without NUL bytes, at most 64 KiB")
+        values = dict(self._read())
+        values[name] = value
+        self._write(values)
+
+    def delete(self, name: str) -> bool:
+        values = dict(self._read())
+        if values.pop(name, None) is None:
+            return False
+        self._write(values)
+        return True
+
+    def _write(self, values: dict[str, str]) -> None:
+        temporary = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(json.dumps(values, indent=1, sort_keys=True).encode("utf-8"))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+            raise CofferError(f"cannot write the secret store {self.path}: {exc.strerror or exc}") from None
+        redact.add_named(values.items())
+        with self._lock:
+            self._stamp = None  # re-read on next use, whoever wrote last
+
+
+_AUTH_SCHEME_RE = re.compile(r"^(Bearer|Basic|Token|Bot|Digest)\s+(\S.*)$", re.I | re.S)
+
+
+def secret_name_for(server: str, key: str) -> str:
+    """The store name a literal value of ``key`` gets: ``<SERVER>_<KEY>`` (GITHUB_TOKEN of server github stays
+    GITHUB_TOKEN), a legal ${NAME}."""
+    prefix = re.sub(r"[^A-Z0-9]+", "_", server.upper()).strip("_")
+    key = re.sub(r"[^A-Z0-9]+", "_", key.upper()).strip("_") or "VALUE"
+    name = key if key.startswith(prefix + "_") else f"{prefix}_{key}"
+    return name if not name[0].isdigit() else f"S_{name}"
+
+
+def plan_literals(server: str, values: dict[str, str], secrets: SecretStore, header: bool = False,
+                  overwrite: bool = False, planned: dict | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """The one rule for literal --env/--header values (add, import): each goes to the secret store and the
+    definition keeps a ${NAME} reference.  Returns (the mapping with references, {name: value} to store), and
+    writes nothing: the caller stores them only once the definition is accepted (``save_secrets``).
+
+    Any value that holds no ${...} reference counts as literal: Coffer cannot tell a token from a setting, and a
+    setting in the store costs nothing.  For an Authorization-style header only the credential moves
+    ("Bearer ${NAME}"), so the stored definition still reads as what it is.  A name already holding another
+    value gets a numbered twin, unless ``overwrite`` (the server's definition is being replaced).  ``planned``
+    shares names across calls of one run (an import of many servers).
+    """
+    planned = {} if planned is None else planned
+    result, mine = {}, {}
+    for key, value in values.items():
+        if value == "" or _ENV_REF_RE.search(value):
+            result[key] = value
+            continue
+        scheme, credential = "", value
+        match = _AUTH_SCHEME_RE.match(value) if header else None
+        if match:
+            scheme, credential = match.group(1) + " ", match.group(2)
+        base = secret_name_for(server, key)
+        name, n = base, 1
+        while True:
+            held = planned.get(name)
+            held = secrets.get(name) if held is None else held
+            if held is None or held == credential or (overwrite and name not in planned):
+                break
+            n += 1
+            name = f"{base}_{n}"
+        planned[name] = mine[name] = credential
+        result[key] = f"{scheme}${{{name}}}"
+    return result, mine
+
+
+_SECRET_QUERY_RE = re.compile(r"(?i)^(?:.*[_-])?(?:key|token|secret|password|passwd|pwd|auth|signature|sig|"
+                              r"credential|apikey|access[_-]?token)$")
+
+
+def plan_url_literals(server: str, url: str, secrets: SecretStore, overwrite: bool = False,
+                      planned: dict | None = None) -> tuple[str, dict[str, str]]:
+    """A URL with its credentials moved to the store like --env values: the password of user:password@ and query
+    parameters named like keys and tokens (?api_key=...) become ${NAME} references."""
+    parts = urllib.parse.urlsplit(url)
+    moved: dict[str, str] = {}
+    netloc = parts.netloc
+    if parts.password and "${" not in parts.password:
+        refs, found = plan_literals(server, {"URL_PASSWORD": parts.password}, secrets, overwrite=overwrite,
+                                    planned=planned)
+        moved.update(found)
+        netloc = netloc.replace(":" + parts.password + "@", ":" + refs["URL_PASSWORD"] + "@", 1)
+    query = []
+    for key, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        if _SECRET_QUERY_RE.match(key) and value and "${" not in value:
+            refs, found = plan_literals(server, {f"URL_{key}": value}, secrets, overwrite=overwrite, planned=planned)
+            moved.update(found)
+            value = refs[f"URL_{key}"]
+        query.append(f"{urllib.parse.quote(key, safe='')}={value if '${' in value else urllib.parse.quote(value)}")
+    if not moved:
+        return url, moved
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "&".join(query), parts.fragment)), moved
+
+
+def save_secrets(secrets: SecretStore, values: dict[str, str]) -> None:
+    for name, value in values.items():
+        if secrets.get(name) != value:
+            secrets.set(name, value)
+
+
+def resolution_digest(config: dict, secrets: SecretStore | None) -> str:
+    """A digest of what a server's ${NAME} references resolve to now: when `coffer secret set` changes one, a
+    running gateway restarts that server with the new value (and only that server)."""
+    texts = [config.get("url") or "", config.get("cwd") or "", *(config.get("command") or ()),
+             *(config.get("env") or {}).values(), *(config.get("headers") or {}).values()]
+    names = sorted({match.group(1) for text in texts for match in _ENV_REF_RE.finditer(text)})
+    values = [f"{name}={os.environ[name] if name in os.environ else (secrets.get(name) if secrets else None)}"
+              for name in names]
+    return hashlib.sha256("\0".join(values).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+# -- an upstream's environment -------------------------------------------------------------------------------
+# A stdio upstream gets what a program needs to run and to reach the user's package registry through the
+# user's proxy and certificates, plus its own --env; never the rest of Coffer's environment, where other
+# servers' tokens and the user's cloud keys live.  --inherit-env NAME (or '*') passes more, explicitly.
+
+SAFE_ENV_NAMES = frozenset("""
+PATH HOME USER LOGNAME USERNAME SHELL TERM COLORTERM LANG LANGUAGE TZ TMPDIR TMP TEMP PWD
+HTTP_PROXY HTTPS_PROXY NO_PROXY ALL_PROXY FTP_PROXY SSL_CERT_FILE SSL_CERT_DIR REQUESTS_CA_BUNDLE CURL_CA_BUNDLE
+NODE_EXTRA_CA_CERTS GIT_SSL_CAINFO JAVA_HOME GOPATH GOROOT GOPROXY CARGO_HOME RUSTUP_HOME DENO_DIR BUN_INSTALL
+PNPM_HOME COREPACK_HOME
+SYSTEMROOT SYSTEMDRIVE WINDIR COMSPEC PATHEXT APPDATA LOCALAPPDATA PROGRAMDATA PROGRAMFILES PROGRAMFILES(X86)
+PROGRAMW6432 COMMONPROGRAMFILES COMMONPROGRAMFILES(X86) USERPROFILE HOMEDRIVE HOMEPATH PUBLIC ALLUSERSPROFILE
+NUMBER_OF_PROCESSORS PROCESSOR_ARCHITECTURE OS __CF_USER_TEXT_ENCODING
+""".split())
+SAFE_ENV_PREFIXES = ("LC_", "NPM_CONFIG_", "PIP_", "UV_", "PIPX_", "PYENV_", "NVM_", "VOLTA_", "XDG_")
+
+
+def upstream_environment(own: dict[str, str], inherit=(), environ=None) -> dict[str, str]:
+    """The environment a stdio upstream starts with: the safe subset of ``environ``, what ``inherit`` names (or
+    all of it for '*'), then the server's own --env on top."""
+    environ = os.environ if environ is None else environ
+    wanted = {name.upper() for name in inherit}
+    everything = "*" in wanted
+    env = {key: value for key, value in environ.items()
+           if everything or key.upper() in SAFE_ENV_NAMES or key.upper().startswith(SAFE_ENV_PREFIXES)
+           or key.upper() in wanted}
+    env.update(own)
+    return env
+
+
+def parse_env_assignment(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not ENV_KEY_RE.match(key):
+        raise CofferError(f"bad --env {text!r}: expected KEY=VALUE with KEY a valid variable name")
+    return key, value

@@ -1,0 +1,159 @@
+"""Terminal and logging: text safe for a terminal, secret redaction, the log's format."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import threading
+
+# -- what reaches a terminal or a log --------------------------------------------------------------------------
+# Every diagnostic goes to stderr through the "coffer" logger: stdout belongs to the JSON-RPC stream.  Text an
+# upstream wrote (its stderr, tool descriptions, error messages) passes through printable() before a terminal sees
+# it, and every known secret value is replaced by *** before anything is printed, logged or stored.
+log = logging.getLogger("coffer")
+
+_UNPRINTABLE_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _visible(match) -> str:
+    char = match.group()
+    return "\ufffd" if "\ud800" <= char <= "\udfff" else f"\\x{ord(char):02x}"
+
+
+def printable(text) -> str:
+    """``text`` made safe for a terminal: C0/C1 control characters (ESC, BEL, CR, OSC 52 clipboard writes...) shown
+    as visible \\xNN, lone surrogates as U+FFFD; newlines and tabs stay."""
+    text = str(text)
+    return _UNPRINTABLE_RE.sub(_visible, text) if _UNPRINTABLE_RE.search(text) else text
+
+
+_JSON_UNSAFE_RE = re.compile("[\x7f-\x9f\ud800-\udfff\u2028\u2029]")
+
+
+def terminal_json(value) -> str:
+    """Pretty JSON for a terminal: json escapes C0 itself; DEL, C1 and lone surrogates are escaped here too."""
+    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    return _JSON_UNSAFE_RE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+class Redactor:
+    """Every secret value this process knows: the secret store's values and what ${VAR} references expanded to.
+
+    ``redact(text)`` replaces each with *** — applied to every log record, to stored stderr and status details, and
+    to CLI output.  Values shorter than MIN_LENGTH are not redacted (they would blank out ordinary words).
+    """
+
+    MIN_LENGTH = 4
+
+    def __init__(self):
+        self._values: tuple[str, ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, *values) -> None:
+        """Register values, with the forms JSON and repr() give them (a secret holding a quote, a backslash or a
+        newline is printed escaped by --json output and %r log arguments)."""
+        forms = set()
+        for value in values:
+            if isinstance(value, str) and len(value) >= self.MIN_LENGTH:
+                forms.update({value, json.dumps(value, ensure_ascii=False)[1:-1], json.dumps(value)[1:-1],
+                              repr(value)[1:-1]})
+        fresh = forms - set(self._values)
+        if fresh:
+            with self._lock:  # longest first, so a secret containing another is replaced whole
+                self._values = tuple(sorted(set(self._values) | fresh, key=len, reverse=True))
+
+    def add_named(self, pairs) -> None:
+        """Register (name, value) pairs from the secret store or expanded ${NAME} references: a value counts as a
+        secret when its name says so (KEY, TOKEN, SECRET, PASSWORD, AUTH...) or it looks like a credential.  So a
+        setting that went to the store as a literal (MODE=enabled, DEBUG=true) is not blanked out of every line
+        Coffer prints."""
+        self.add(*(value for name, value in pairs if isinstance(value, str) and looks_secret(name, value)))
+
+    def __call__(self, text: str) -> str:
+        for value in self._values:
+            if value in text:
+                text = text.replace(value, "***")
+        return text
+
+
+redact = Redactor()
+
+_SECRET_NAME_RE = re.compile(r"(?i)key|token|secret|passw|pwd|auth|cred|cookie|session|private|signature|bearer")
+_TOKEN_PREFIXES = ("sk-", "pk-", "ghp_", "gho_", "ghs_", "ghu_", "github_pat_", "xox", "glpat-", "AKIA", "ASIA",
+                   "AIza", "ya29.", "eyJ", "shpat_", "sq0", "rk_", "whsec_", "npm_", "pypi-")
+
+
+def looks_secret(name: str, value: str) -> bool:
+    """Whether a named value is a credential: by its name, or by its shape (a known token prefix, or a long
+    mixed string that is not a path or an address)."""
+    if _SECRET_NAME_RE.search(name or ""):
+        return True
+    if len(value) < 8 or any(c.isspace() for c in value):
+        return False
+    if value.startswith(_TOKEN_PREFIXES):
+        return True
+    mixed = sum(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit)) >= 2
+    return len(value) >= 16 and mixed and not value.startswith(("/", "~", ".", "http://", "https://", "file:"))
+
+
+class _TerminalFormatter(logging.Formatter):
+    """``coffer: message``, redacted and printable; a traceback when COFFER_LOG=debug or stderr is not a terminal
+    (a client's log file), else one line naming the exception, so a user never faces a traceback."""
+
+    def __init__(self, tracebacks: bool):
+        super().__init__()
+        self.tracebacks = tracebacks
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"coffer: {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            if self.tracebacks:
+                text += "\n" + self.formatException(record.exc_info)
+            else:
+                exc = record.exc_info[1]
+                text += f" [{exc.__class__.__name__}: {exc}; COFFER_LOG=debug shows the traceback]"
+        return printable(redact(text))
+
+
+def configure_logging(default: str = "info") -> None:
+    """Log to stderr at COFFER_LOG's level (debug traces every message), else at ``default``: info for
+    `serve` (whose stderr is the client's log of it), warning for commands a person reads.  Idempotent."""
+    if getattr(log, "_coffer_configured", False):
+        return
+    level = (os.environ.get("COFFER_LOG") or default).strip().upper()
+    log.setLevel(getattr(logging, level) if level in ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO)
+    try:
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_TerminalFormatter(tracebacks=log.level <= logging.DEBUG or not tty))
+    log.addHandler(handler)
+    log.propagate = False
+    log._coffer_configured = True
+
+    def excepthook(args):  # a thread that dies says so, with its traceback, through the same redaction
+        if args.exc_type is not SystemExit:
+            log.error("thread %s died", getattr(args.thread, "name", "?"),
+                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+    threading.excepthook = excepthook
+
+
+def say(text="") -> None:
+    """Print for a human: known secrets redacted, terminal control characters made visible."""
+    print(printable(redact(str(text))))
+
+
+def say_json(value) -> None:
+    print(redact(terminal_json(value)))
+
+
+def _print_table(rows: list[list], headers: list[str]) -> None:
+    cells = [[printable(redact(str(cell))).replace("\n", " ") for cell in row] for row in [headers] + rows]
+    widths = [max(len(cell) for cell in column) for column in zip(*cells)]
+    for row in cells:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

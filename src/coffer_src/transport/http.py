@@ -1,0 +1,260 @@
+"""HTTP plumbing: redirect-safe requests, origins, bounded bodies and SSE event streams."""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from coffer_src.terminal import log, printable, redact
+from coffer_src import __version__
+from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, decode_json, encode_line
+from coffer_src.names import origin_text, same_origin, url_origin
+from coffer_src.transport.stdio import UpstreamFailure
+
+OAUTH_SECRET_PREFIX = "oauth."          # SecretStore name of a server's saved login: oauth.<server>
+MAX_REDIRECTS = 3
+_ERROR_BODY_BYTES = 64 << 10            # how much of an error reply is read, for its message
+_METADATA_BYTES = 1 << 20               # OAuth metadata, registration and token replies
+_SSE_PIECE = 64 << 10                   # a stream is read in pieces of at most this, whatever its line lengths
+_SESSION_ID_RE = re.compile(r"^[\x21-\x7e]{1,1024}$")
+
+
+class HttpReply(NamedTuple):
+    """One HTTP exchange's answer.  ``stream`` is the still-open response when a streamed 2xx was asked for (the
+    caller reads and closes it); otherwise ``body`` holds the body (an error body cut at 64 KiB)."""
+    status: int
+    headers: dict           # lower-case name -> value; repeated headers joined with ", "
+    body: bytes
+    url: str                # where the answer came from, after same-origin redirects
+    stream: object = None
+
+
+class OriginRefused(UpstreamFailure):
+    """A redirect or an SSE endpoint that would carry credentials to another origin.  Permanent: retrying would
+    only ask the same server to send them there again."""
+
+    permanent = True
+
+
+_http_opener = None
+
+
+def stream_errors() -> tuple:
+    """What reading a broken HTTP stream raises (http.client's IncompleteRead is neither OSError nor ValueError)."""
+    import http.client
+    return OSError, ValueError, http.client.HTTPException
+
+
+def _header_dict(message) -> dict:
+    headers: dict[str, str] = {}
+    for name, value in (message.items() if message is not None else ()):
+        key = name.lower()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    return headers
+
+
+def remote_http(method: str, url: str, *, headers=None, body: bytes | None = None, timeout: float = 30.0,
+                max_bytes: int = _METADATA_BYTES, stream: bool = False) -> HttpReply:
+    """Every HTTP exchange Coffer makes (remote upstreams, OAuth, the embedder), with urllib.
+
+    Any status comes back as an HttpReply; what prevents an answer (unreachable, a body over ``max_bytes``)
+    raises UpstreamFailure.  Redirects are decided here, not by urllib (which re-sends every header, Authorization
+    included, to whatever host a redirect names, https->http included): a redirect is followed — with the same
+    method and body, the only meaning an MCP endpoint that moved can have — only within the configured origin and
+    at most MAX_REDIRECTS times; any other raises OriginRefused.
+    """
+    global _http_opener
+    import http.client, urllib.error, urllib.request  # noqa: E401 - lazily: ~19 MB of RSS
+    if _http_opener is None:
+        class _Decline(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):
+                return None  # a 3xx then surfaces as HTTPError, and remote_http decides
+
+        _http_opener = urllib.request.build_opener(_Decline)
+    if url_origin(url) is None:
+        raise UpstreamFailure(f"unsupported URL {printable(str(url))[:200]!r}", permanent=True)
+    sent = {"User-Agent": f"coffer/{__version__}", **(headers or {})}
+    where = origin_text(url)
+    for _ in range(MAX_REDIRECTS + 1):
+        request = urllib.request.Request(url, data=body, headers=sent, method=method)
+        try:
+            response = _http_opener.open(request, timeout=timeout)
+        except urllib.error.HTTPError as exc:
+            location = exc.headers.get("Location") if exc.headers is not None else None
+            if exc.code in (301, 302, 303, 307, 308):
+                exc.close()
+                target = urllib.parse.urljoin(url, location or "")
+                if not location or not same_origin(target, url):
+                    raise OriginRefused(f"{where} redirected to {origin_text(target)} (HTTP {exc.code}): refused, "
+                                        "credentials never leave the configured origin; register the URL it "
+                                        "redirects to instead") from None
+                url = target
+                continue
+            try:
+                data = exc.read(_ERROR_BODY_BYTES) or b""
+            except (OSError, ValueError, http.client.HTTPException):
+                data = b""
+            finally:
+                exc.close()
+            return HttpReply(exc.code, _header_dict(exc.headers), data, url)
+        except urllib.error.URLError as exc:
+            raise UpstreamFailure(f"cannot reach {where}: {printable(str(getattr(exc, 'reason', exc)))[:200]}") \
+                from None
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise UpstreamFailure(f"cannot reach {where}: {exc.__class__.__name__}: {printable(str(exc))[:200]}") \
+                from None
+        reply = HttpReply(response.status, _header_dict(response.headers), b"", url, response)
+        if stream:
+            return reply
+        try:
+            data = response.read(max_bytes + 1)
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise UpstreamFailure(f"{where} broke off its reply: {exc.__class__.__name__}") from None
+        finally:
+            response.close()
+        if len(data) > max_bytes:
+            raise UpstreamFailure(f"{where} sent a reply larger than {max_bytes} bytes")
+        return reply._replace(body=data, stream=None)
+    raise OriginRefused(f"{where} redirected more than {MAX_REDIRECTS} times")
+
+
+def _stream_socket(response):
+    """The socket under a streamed urllib response (CPython's layout), or None: only to shut it down from another
+    thread (closing the response there would wait for the reader's lock) and to tune keepalive."""
+    raw = getattr(getattr(response, "fp", None), "raw", None)
+    return getattr(raw, "_sock", None)
+
+
+def settle_stream(response) -> None:
+    """A stream that may stay silent for hours: no read timeout, TCP keepalive so a dead peer is noticed."""
+    import socket
+
+    sock = _stream_socket(response)
+    if sock is None:
+        return
+    try:
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 15), ("TCP_KEEPCNT", 4)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    except OSError:
+        pass
+
+
+def abort_stream(response) -> None:
+    """End a streamed response from any thread: its reader sees end of stream and closes it."""
+    import socket
+
+    sock = _stream_socket(response)
+    try:
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+        else:
+            response.close()
+    except (OSError, ValueError):
+        pass
+
+
+def _close_reply(reply: HttpReply) -> None:
+    if reply.stream is not None:
+        try:
+            reply.stream.close()
+        except (OSError, ValueError):
+            pass
+
+
+def _content_type(reply: HttpReply) -> str:
+    return reply.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _reply_text(reply: HttpReply, limit: int = 200) -> str:
+    """An error body, as much as a person should see of it: printable, redacted, short."""
+    text = reply.body[:limit * 4].decode("utf-8", "replace").strip()
+    return printable(redact(" ".join(text.split())))[:limit]
+
+
+# -- server-sent events ----------------------------------------------------------------------------------------
+
+class SseEvent(NamedTuple):
+    """One event of a text/event-stream.  ``oversized`` > 0: its data ran to that many bytes and was dropped;
+    ``data`` then holds its first 4 KiB, enough to find a request id in."""
+    kind: str
+    data: bytes
+    oversized: int = 0
+
+
+def _bounded_lines(readline, limit: int):
+    """(line, length) per line of a stream; a line longer than ``limit`` keeps only its first pieces."""
+    while True:
+        piece = readline(_SSE_PIECE)
+        if not piece:
+            return
+        if piece.endswith(b"\n"):
+            yield piece, len(piece)
+            continue
+        parts, length = [piece], len(piece)
+        while True:
+            piece = readline(_SSE_PIECE)
+            length += len(piece)
+            if length <= limit + _SSE_PIECE:
+                parts.append(piece)
+            if not piece or piece.endswith(b"\n"):
+                break
+        yield b"".join(parts), length
+        if not piece:
+            return
+
+
+def read_sse_events(readline, max_event_bytes: int):
+    """Parse a text/event-stream (WHATWG HTML §9.2) from ``readline(limit)``.  Memory stays under about
+    ``max_event_bytes`` whatever the server sends; an unfinished last event is dropped, as the standard says.
+    Lines end with LF or CRLF (a lone CR is not treated as a line end)."""
+    kind, data, size, head = "", [], 0, b""
+    for raw, length in _bounded_lines(readline, max_event_bytes):
+        line = raw[:-1] if raw.endswith(b"\n") else raw
+        line = line[:-1] if line.endswith(b"\r") else line
+        if not line:
+            if head:
+                yield SseEvent(kind or "message", head, size)
+            elif data and (data[0] or len(data) > 1):  # an event with empty data is not dispatched
+                yield SseEvent(kind or "message", b"\n".join(data))
+            kind, data, size, head = "", [], 0, b""
+            continue
+        if line.startswith(b":"):
+            continue  # a comment: servers send them to keep the connection open
+        name, colon, value = line.partition(b":")
+        if colon and value.startswith(b" "):
+            value = value[1:]
+        if name == b"data":
+            # Each line costs ~100 bytes of bookkeeping, whatever it holds: an event of a million empty data
+            # lines must hit the limit long before it holds a gigabyte.
+            size += (length if length > max_event_bytes else len(value)) + 128
+            if size > max_event_bytes:
+                head = head or (b"\n".join(data) + b"\n" + value)[:4096]
+                data = []
+            elif not head:
+                data.append(value)
+        elif name == b"event":
+            kind = value[:64].decode("utf-8", "replace")
+        # id and retry serve resumption, which the 2024-11-05 transport does not define: a drop is a new session.
+
+
+def _messages_of(data: bytes, name: str, on_unusable=None) -> list[dict]:
+    """The JSON-RPC messages in one event or body (a message or a batch); junk is skipped with a warning, and
+    ``on_unusable`` hears of it, so a request it answered fails at once instead of waiting for its timeout."""
+    try:
+        payload = decode_json(data)
+    except ValueError as exc:
+        log.warning("[%s] skipped an SSE event that is not JSON (%d bytes: %s)", name, len(data), exc)
+        if on_unusable is not None:
+            on_unusable(data[:4096], f"a reply Coffer cannot read ({exc})")
+        return []
+    items = payload if isinstance(payload, list) else [payload]
+    return [item for item in items if isinstance(item, dict)]
+
+
+def _probe_initialize() -> bytes:
+    return encode_line({"jsonrpc": "2.0", "id": "coffer-probe", "method": "initialize", "params": {
+        "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+        "clientInfo": {"name": "coffer", "version": __version__}}})

@@ -1,0 +1,985 @@
+"""Vault: coffer.db, its schema, servers, capability choices and pins, settings, the invocation and audit logs."""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import hashlib
+import json
+import math
+import os
+import queue
+import re
+import shlex
+import sqlite3
+import stat
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import NamedTuple
+
+from coffer_src.errors import CofferError, NotListedYet
+from coffer_src.terminal import log, redact
+from coffer_src.names import (
+    NAME_MAX_LENGTH,
+    QUALIFIED_URI_RE, REMOTE_TRANSPORTS, RESERVED_SERVER, SEPARATOR, SERVER_NAME_RE, check_remote_url,
+    check_server_name, exposed_names)
+from coffer_src.secret_store import SecretStore
+
+DEFAULTS = {
+    "oauth_client_metadata_url": "",  # https URL of Coffer's OAuth Client ID Metadata Document, where hosted
+    "name_max_length": NAME_MAX_LENGTH,
+    "discovery_timeout": 5.0,       # seconds a list request waits for a starting upstream
+    "call_timeout": 120.0,          # seconds a request may go without a reply or progress
+    "init_timeout": 60.0,           # seconds an upstream may take to answer initialize
+    "max_restarts": 5,              # consecutive failed starts before an upstream is marked failed
+    "retention_invocations_days": 30,
+    "retention_audit_days": 365,
+    "expose": "auto",               # auto | all | search | budget:N (see expose_mode); expose.<client> overrides
+    "embedder_url": "",             # e.g. http://127.0.0.1:11434/v1 (OpenAI-compatible) or an Ollama base URL
+    "embedder_model": "",
+    "embedder_api": "openai",       # "openai" (POST {url}/embeddings) or "ollama" (POST {url}/api/embed)
+    "embedder_key_env": "",         # name of the environment variable holding the API key (never the key)
+    "embedder_timeout": 1.0,        # seconds a query may wait for its embedding before BM25 answers alone
+    "max_message_bytes": 64 << 20,  # a longer line, HTTP body or SSE event fails that message, not the gateway
+    "max_list_pages": 100,          # pages Coffer follows when an upstream paginates one list
+    "max_list_items": 10_000,       # tools (prompts, resources...) kept per list per upstream
+    "probe_timeout": 10.0,          # seconds a new server has to answer server/discover before initialize is tried
+    "mrtr_ttl": 300.0,              # seconds a 2026-07-28 client has to answer a question an upstream asked mid-call
+    "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them
+    "ask_synthesis": "on",          # on: coffer__ask may ask the client's own model (sampling) for an answer
+}
+
+
+def utcnow() -> str:
+    return iso_timestamp(time.time())
+
+
+def iso_timestamp(epoch_seconds: float) -> str:
+    return datetime.fromtimestamp(epoch_seconds, timezone.utc).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS servers (
+    name TEXT PRIMARY KEY,
+    transport TEXT NOT NULL,                 -- 'stdio'; remote: 'http', 'sse', or 'auto' (not yet detected)
+    command TEXT,                            -- JSON argv, unexpanded
+    url TEXT,
+    env TEXT NOT NULL DEFAULT '{}',          -- JSON, unexpanded: ${VAR} references, literal values never
+    headers TEXT NOT NULL DEFAULT '{}',      -- JSON, unexpanded, like env
+    cwd TEXT,
+    enabled INTEGER NOT NULL DEFAULT 1,
+    policy TEXT NOT NULL DEFAULT 'enabled',  -- what a capability seen for the first time gets
+    timeout REAL,                            -- per-call timeout in seconds; NULL = the global default
+    position INTEGER NOT NULL,
+    created_at TEXT NOT NULL,
+    status TEXT, status_detail TEXT, status_at TEXT,
+    capabilities TEXT,                       -- JSON: what the server advertised at its last initialize
+    inherit_env TEXT NOT NULL DEFAULT '[]',  -- JSON: names of Coffer's environment variables it also gets
+    updates TEXT NOT NULL DEFAULT 'pin',     -- 'pin': a changed definition waits for `coffer approve`; 'trust'
+    oauth TEXT,                              -- JSON: OAuth client settings (client_id, client_secret_env, login_at);
+                                             -- names and a time only: tokens live in the secret store
+    era TEXT                                 -- 'handshake' or 'modern' (MCP 2026-07-28) at its last start; NULL: probe
+);
+CREATE TABLE IF NOT EXISTS capabilities (
+    server TEXT NOT NULL,
+    kind TEXT NOT NULL,                      -- tool, prompt, resource, template
+    name TEXT NOT NULL,                      -- the upstream's own name or URI
+    enabled INTEGER NOT NULL,
+    present INTEGER NOT NULL DEFAULT 1,      -- 0 once the upstream stops listing it; the choice is kept
+    fingerprint TEXT,                        -- of the definition the upstream lists now
+    definition TEXT,                         -- last advertised definition (schemas, never call data)
+    first_seen TEXT NOT NULL,
+    last_seen TEXT NOT NULL,
+    approved TEXT,                           -- fingerprint the user accepted; differs from fingerprint = quarantined
+    approved_definition TEXT,                -- that definition, for the diff `coffer approve` shows
+    PRIMARY KEY (server, kind, name)
+);
+CREATE TABLE IF NOT EXISTS invocations (
+    id INTEGER PRIMARY KEY,
+    ts TEXT NOT NULL, client TEXT, server TEXT, capability TEXT, kind TEXT,
+    duration_ms REAL, status TEXT NOT NULL, error TEXT
+);
+CREATE INDEX IF NOT EXISTS invocations_ts ON invocations(ts);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY,
+    ts TEXT NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL, target TEXT, detail TEXT
+);
+CREATE INDEX IF NOT EXISTS audit_ts ON audit(ts);
+"""
+# Columns added after the first release: (table, column, declaration).  A vault written by an earlier Coffer gains
+# them on open; an approved fingerprint of NULL means "accept what is listed next" (no quarantine on upgrade).
+MIGRATIONS = (
+    ("servers", "capabilities", "TEXT"),
+    ("servers", "inherit_env", "TEXT NOT NULL DEFAULT '[]'"),
+    ("servers", "updates", "TEXT NOT NULL DEFAULT 'pin'"),
+    ("servers", "oauth", "TEXT"),
+    ("servers", "era", "TEXT"),
+    ("capabilities", "approved", "TEXT"),
+    ("capabilities", "approved_definition", "TEXT"),
+)
+
+CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+TRANSPORTS = ("stdio", "http", "sse", "auto")
+PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
+
+
+def coffer_home() -> str:
+    return os.path.abspath(os.path.expanduser(os.environ.get("COFFER_HOME") or os.path.join("~", ".coffer")))
+
+
+def vault_json(value) -> str:
+    """JSON for a vault column: ASCII, so no string an upstream sent (a lone surrogate included) can fail the
+    write, and it decodes back to exactly the same value."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def storable(text):
+    """Text for a vault column or a log: lone surrogates replaced, so SQLite's UTF-8 encoding cannot fail."""
+    if not isinstance(text, str):
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+# What a definition's pin covers: everything the model reads or the call depends on, not the volatile fields
+# (a resource's size or modification time changes with its content, not with its meaning).
+_UNPINNED_FIELDS = {"tool": ("_meta",), "prompt": ("_meta",), "resource": ("_meta", "size", "annotations"),
+                    "template": ("_meta", "annotations")}
+
+
+def fingerprint(definition: dict, kind: str = "tool") -> str:
+    pinned = {k: v for k, v in definition.items() if k not in _UNPINNED_FIELDS.get(kind, ())}
+    return hashlib.sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
+
+
+class CapabilityState(NamedTuple):
+    """The user's standing choice for one capability: enabled or not, and quarantined when its definition changed
+    since the user (or the first listing) accepted it."""
+    enabled: bool
+    quarantined: bool = False
+
+    @property
+    def usable(self) -> bool:
+        return self.enabled and not self.quarantined
+
+
+def _private_path(path: str, directory: bool) -> str | None:
+    """Make ``path`` accessible to its owner only; a notice when it was not (POSIX; Windows ACLs are left alone)."""
+    if os.name != "posix":
+        return None
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    if not mode & 0o077:
+        return None
+    wanted = 0o700 if directory else mode & 0o600
+    try:
+        os.chmod(path, wanted)
+    except OSError as exc:
+        return f"{path} is readable by other users (mode {mode:04o}) and could not be fixed: {exc.strerror}"
+    return f"{path} was readable by other users (mode {mode:04o}); now {wanted:04o}"
+
+
+_reported_settings: set[str] = set()
+
+
+class Vault:
+    """coffer.db: the registered servers, the user's choices, and the logs.
+
+    Every change is one transaction.  Many processes share the file (several ``coffer serve`` plus the CLI), so
+    it runs in WAL mode with a busy timeout, and writers keep their transactions short.  COFFER_HOME is 0700 and
+    every file in it 0600; looser permissions are fixed on open, with a notice.  A vault that cannot be written
+    (a read-only file or directory) opens read-only: reading commands work, changing ones say why they cannot.
+    One damaged row costs that row only: a server whose definition does not parse is reported and not started,
+    a setting that does not parse falls back to its default with a warning.
+    """
+
+    def __init__(self, home: str | None = None, actor: str = "cli"):
+        self.home = home or coffer_home()
+        self.actor = actor
+        self.read_only = False
+        if not os.path.isdir(self.home):
+            try:
+                os.makedirs(self.home, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise CofferError(f"cannot create {self.home}: {exc.strerror or exc}") from None
+        self.path = os.path.join(self.home, "coffer.db")
+        self.secrets = SecretStore(self.home)
+        was_empty = os.path.isfile(self.path) and os.path.getsize(self.path) == 0
+        if not os.path.exists(self.path):
+            try:  # created private from the start; SQLite gives -wal and -shm the same mode
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except OSError:
+                pass  # a race with another process, or a read-only home: connecting says which
+        try:
+            self.db = self._connect(self.path)
+            self._migrate()
+        except sqlite3.OperationalError as exc:
+            if not self._cannot_write(exc):
+                raise
+            self._open_read_only(exc)
+        for notice in filter(None, [_private_path(self.home, True)] +
+                             [_private_path(os.path.join(self.home, name), False) for name in PRIVATE_FILES]):
+            log.warning("%s", notice)
+        if was_empty:
+            log.warning("coffer.db in %s was EMPTY (0 bytes): it now holds a new, empty vault. Your servers, "
+                        "choices and logs are gone unless you restore the file from a backup.", self.home)
+        self.secrets.values()  # registers the stored secrets with the redactor before anything is printed
+
+    @staticmethod
+    def _connect(path: str, uri: bool = False) -> sqlite3.Connection:
+        db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA busy_timeout=10000")
+        if not uri:
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+            except sqlite3.OperationalError:
+                pass  # another process is switching it right now (WAL is persistent), or the file is read-only
+            db.execute("PRAGMA synchronous=NORMAL")
+        return db
+
+    @staticmethod
+    def _cannot_write(exc: sqlite3.Error) -> bool:
+        text = str(exc).lower()
+        return "readonly" in text or "read-only" in text or "unable to open" in text
+
+    def _migrate(self) -> None:
+        tables = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        missing = [(t, c, d) for t, c, d in MIGRATIONS if t in tables and c not in
+                   {row["name"] for row in self.db.execute(f"PRAGMA table_info({t})")}]
+        if tables >= {"settings", "servers", "capabilities", "invocations", "audit"} and not missing:
+            return  # nothing to write: a read-only vault opens without a write
+        script = SCHEMA + "".join(f"ALTER TABLE {t} ADD COLUMN {c} {d};\n" for t, c, d in missing)
+        try:
+            self.db.executescript(f"BEGIN IMMEDIATE;\n{script}COMMIT;")
+        except sqlite3.Error:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+
+    def _open_read_only(self, cause: sqlite3.Error) -> None:
+        location = "file:" + self.path.replace("?", "%3f").replace("#", "%23")
+        last = cause
+        for suffix in ("?mode=ro", "?immutable=1"):  # immutable: a read-only directory where -shm cannot exist
+            try:
+                self.db = self._connect(location + suffix, uri=True)
+                self.db.execute("SELECT count(*) FROM servers").fetchone()
+                break
+            except sqlite3.Error as exc:
+                last = exc
+        else:
+            raise CofferError(f"cannot open the vault {self.path}: {last}") from None
+        self.read_only = True
+        log.warning("the vault %s is read-only (%s): commands that only read work, changes are refused",
+                    self.path, cause)
+
+    def transaction(self):
+        if self.read_only:
+            raise CofferError(f"the vault {self.path} is read-only: this command would change it")
+        return _Transaction(self.db)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- settings ------------------------------------------------------------------------------------------
+    def setting(self, key: str):
+        return self.settings().get(key, DEFAULTS.get(key))
+
+    def settings(self) -> dict:
+        """Every setting; a stored value that does not parse or is out of range counts as the default (warned
+        once per process), so a damaged row can never stop the gateway."""
+        current = dict(DEFAULTS)
+        for row in self.db.execute("SELECT key, value FROM settings"):
+            key = row["key"]
+            if setting_key(key) not in DEFAULTS:
+                continue  # written by a newer Coffer
+            try:
+                current[key] = _checked_setting(key, json.loads(row["value"]))
+            except (ValueError, TypeError, CofferError) as exc:
+                if key not in _reported_settings:
+                    _reported_settings.add(key)
+                    log.warning("setting %s in coffer.db is damaged (%s); using the default %r "
+                                "(fix: coffer config %s VALUE)", key, exc, DEFAULTS[setting_key(key)], key)
+        return current
+
+    def set_setting(self, key: str, raw: str) -> None:
+        """Change a setting; for a per-client one (expose.cursor), an empty value removes the override."""
+        if setting_key(key) not in DEFAULTS:
+            raise CofferError(f"unknown setting {key!r}{_did_you_mean(key, DEFAULTS)}; known: "
+                              f"{', '.join(sorted(DEFAULTS))}, expose.<client>")
+        with self.transaction() as db:
+            old = self.setting(key)
+            if key != setting_key(key) and raw == "":
+                db.execute("DELETE FROM settings WHERE key=?", (key,))
+                self._audit(db, "config", key, f"{old!r} -> (the global expose)")
+                return
+            value = _checked_setting(key, raw)
+            db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, json.dumps(value)))
+            self._audit(db, "config", key, f"{old!r} -> {value!r}")
+
+    def tool_usage(self, days: int = 90) -> dict[str, int]:
+        """Calls per exposed tool name in the last ``days`` (from the invocation log): what budgets keep."""
+        since = (datetime.now(timezone.utc) - timedelta(days=days)).isoformat().replace("+00:00", "Z")
+        return {row["capability"]: row["n"] for row in self.db.execute(
+            "SELECT capability, count(*) AS n FROM invocations WHERE kind='tool' AND ts >= ? GROUP BY capability",
+            (since,))}
+
+    # -- servers -------------------------------------------------------------------------------------------
+    def add_server(self, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
+                   timeout=None, inherit_env=None, transport=None, oauth=None, replace: bool = False) -> int:
+        """Register a server, or with ``replace`` change an existing one's definition (its capability choices
+        stay).  Returns how many earlier choices apply: those of the server being replaced, or — after `remove`
+        and `add` of the same name — the ones kept from before the removal (for the audit retention period)."""
+        with self.transaction() as db:
+            return self.put_server(db, name, command=command, url=url, env=env, headers=headers, cwd=cwd,
+                                   policy=policy, timeout=timeout, inherit_env=inherit_env, transport=transport,
+                                   oauth=oauth, replace=replace)
+
+    def put_server(self, db, name, *, command=None, url=None, env=None, headers=None, cwd=None, policy=None,
+                   timeout=None, inherit_env=None, transport=None, oauth=None, replace: bool = False,
+                   action: str | None = None, detail: str | None = None) -> int:
+        """``add_server`` inside a transaction the caller holds (an import writes many servers in one); the one
+        place a servers row is written.  Values must already be references, never literal secrets."""
+        check_server_name(name)
+        if bool(command) == bool(url):
+            raise CofferError("give either a command after '--' (stdio) or --url (Streamable HTTP)")
+        if policy not in (None, "enabled", "disabled"):
+            raise CofferError(f"bad policy {policy!r}: use 'enabled' or 'disabled'")
+        if timeout is not None and not (timeout > 0):
+            raise CofferError("--timeout must be a positive number of seconds")
+        transport = transport or ("auto" if url else "stdio")
+        if transport not in (REMOTE_TRANSPORTS if url else ("stdio",)):
+            raise CofferError(f"bad transport {transport!r} for a {'remote' if url else 'local'} server")
+        if url:
+            check_remote_url(url)
+        definition = (transport, vault_json(command) if command else None, url, vault_json(env or {}),
+                      vault_json(headers or {}), cwd, timeout, vault_json(list(inherit_env or [])),
+                      vault_json(oauth) if oauth else None)
+        target = url or " ".join(shlex.quote(part) for part in command)
+        existing = db.execute("SELECT name FROM servers WHERE lower(name)=lower(?)", (name,)).fetchone()
+        if existing and not (replace and existing["name"] == name):
+            raise CofferError(f"server {existing['name']!r} already exists; `coffer add {name} ... --replace` "
+                              f"changes its definition and keeps its choices")
+        if existing:
+            db.execute("UPDATE servers SET transport=?, command=?, url=?, env=?, headers=?, cwd=?, timeout=?,"
+                       " inherit_env=?, oauth=?, policy=coalesce(?, policy), status=NULL, status_detail=NULL,"
+                       " status_at=NULL WHERE name=?", (*definition, policy, name))
+        else:
+            position = db.execute("SELECT coalesce(max(position), 0) + 1 FROM servers").fetchone()[0]
+            db.execute(
+                "INSERT INTO servers(transport, command, url, env, headers, cwd, timeout, inherit_env, oauth, name,"
+                " policy, position, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (*definition, name, policy or "enabled", position, utcnow()))
+        self._audit(db, action or ("replace" if existing else "add"), name, detail or target)
+        return db.execute("SELECT count(*) FROM capabilities WHERE server=?", (name,)).fetchone()[0]
+
+    def remove_server(self, name: str) -> None:
+        """Unregister a server.  Its capability choices are kept (not listed, not callable) until the audit
+        retention period ends, so adding the same name again restores them."""
+        with self.transaction() as db:
+            self._require_server(db, name)
+            db.execute("DELETE FROM servers WHERE name=?", (name,))
+            db.execute("UPDATE capabilities SET present=0 WHERE server=?", (name,))
+            self._audit(db, "remove", name, None)
+
+    def servers(self) -> list[dict]:
+        """Every registered server; one whose row is damaged carries ``damaged`` (the reason) and is disabled."""
+        return [_server_row(row) for row in self.db.execute("SELECT * FROM servers ORDER BY position, name")]
+
+    def server(self, name: str) -> dict:
+        row = self.db.execute("SELECT * FROM servers WHERE name=?", (name,)).fetchone()
+        if not row:
+            raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names())}")
+        return _server_row(row)
+
+    def set_transport(self, name: str, transport: str) -> None:
+        """Remember which transport a remote server turned out to speak (transport auto)."""
+        if transport not in REMOTE_TRANSPORTS:
+            raise CofferError(f"bad transport {transport!r}")
+        with self.transaction() as db:
+            old = self._require_server(db, name)["transport"]
+            if old == transport or old == "stdio":
+                return
+            db.execute("UPDATE servers SET transport=? WHERE name=?", (transport, name))
+            self._audit(db, "transport", name, f"{old} -> {transport}")
+
+    def record_era(self, name: str, era: str | None) -> None:
+        """Which protocol era a server spoke at its last start, so the next start skips the probe (no audit row:
+        it is an observation, not a change of the user's)."""
+        with self.transaction() as db:
+            db.execute("UPDATE servers SET era=? WHERE name=?", (era, name))
+
+    def set_oauth(self, name: str, oauth: dict | None) -> None:
+        """A remote server's OAuth client settings (never a secret: a client secret is named by variable)."""
+        with self.transaction() as db:
+            self._require_server(db, name)
+            db.execute("UPDATE servers SET oauth=? WHERE name=?", (vault_json(oauth) if oauth else None, name))
+            self._audit(db, "oauth", name, "logged in" if (oauth or {}).get("login_at") else "login settings")
+
+    def set_policy(self, name: str, policy: str) -> None:
+        """enabled|disabled: what capabilities the server adds later start as; trust-updates|pin-updates: whether a
+        changed definition applies at once or waits for `coffer approve`."""
+        column, value = {"enabled": ("policy", "enabled"), "disabled": ("policy", "disabled"),
+                         "trust-updates": ("updates", "trust"), "pin-updates": ("updates", "pin")}.get(
+            policy, (None, None))
+        if column is None:
+            raise CofferError(f"bad policy {policy!r}: use enabled, disabled, trust-updates or pin-updates")
+        with self.transaction() as db:
+            old = self._require_server(db, name)[column]
+            db.execute(f"UPDATE servers SET {column}=? WHERE name=?", (value, name))
+            if value == "trust":  # what waits for approval now is trusted too
+                db.execute("UPDATE capabilities SET approved=fingerprint, approved_definition=definition"
+                           " WHERE server=? AND approved IS NOT fingerprint", (name,))
+            self._audit(db, "policy", name, f"{column}: {old} -> {value}")
+
+    def record_status(self, name: str, status: str, detail: str | None, capabilities: dict | None = None) -> None:
+        with self.transaction() as db:
+            db.execute("UPDATE servers SET status=?, status_detail=?, status_at=?,"
+                       " capabilities=coalesce(?, capabilities) WHERE name=?",
+                       (status, storable(redact(detail)) if detail else detail, utcnow(),
+                        vault_json(capabilities) if capabilities is not None else None, name))
+
+    def _require_server(self, db, name):
+        row = db.execute("SELECT * FROM servers WHERE name=?", (name,)).fetchone()
+        if not row:
+            raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names(db))}")
+        return row
+
+    # -- targets: what a CLI argument names, exactly as a client sees it ------------------------------------
+    def _all_names(self, db=None) -> list[str]:
+        db = db or self.db
+        max_length = self.setting("name_max_length")
+        names = [row["name"] for row in db.execute("SELECT name FROM servers")]
+        listed: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+        for row in db.execute("SELECT server, kind, name FROM capabilities WHERE present=1 AND server IN"
+                              " (SELECT name FROM servers)"):
+            if row["kind"] in ("tool", "prompt"):
+                listed[(row["server"], row["kind"])].append(row["name"])
+            else:
+                names.append(row["name"])
+        for (server, _), items in listed.items():
+            names.extend(exposed_names(server, items, max_length).values())
+        return names
+
+    def resolve(self, target: str, db=None) -> tuple[str, str, str]:
+        """(server, kind, upstream name) of a tool/prompt by the exact name a client sees, or of a resource or
+        template by its URI (``coffer+<server>:<uri>`` when two servers publish it).  ``tool:`` or ``prompt:``
+        in front picks the kind when a tool and a prompt share a name."""
+        db = db or self.db
+        max_length = self.setting("name_max_length")
+        kinds = ("tool", "prompt")
+        for prefix in kinds:
+            if target.startswith(prefix + ":"):
+                kinds, target = (prefix,), target[len(prefix) + 1:]
+        qualified = QUALIFIED_URI_RE.match(target)
+        if qualified:
+            rows = db.execute("SELECT server, kind, name FROM capabilities WHERE server=? AND name=? AND kind IN"
+                              " ('resource','template')", qualified.groups()).fetchall()
+            if rows:
+                return tuple(rows[0])
+        server, sep, _ = target.partition(SEPARATOR)
+        registered = db.execute("SELECT 1 FROM servers WHERE name=?", (server,)).fetchone() is not None
+        if sep and registered:
+            found = []
+            for kind in kinds:
+                rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=?",
+                                  (server, kind)).fetchall()
+                listed = exposed_names(server, [row["name"] for row in rows if row["present"]], max_length)
+                names = [name for name, exposed in listed.items() if exposed == target] or [
+                    row["name"] for row in rows if not row["present"] and f"{server}{SEPARATOR}{row['name']}" == target]
+                found += [(server, kind, name) for name in names]
+            if len(found) > 1:
+                raise CofferError(f"{target!r} is both a tool and a prompt: write tool:{target} or prompt:{target}")
+            if found:
+                return found[0]
+        rows = db.execute("SELECT server, kind, name FROM capabilities WHERE name=? AND kind IN"
+                          " ('resource','template') AND server IN (SELECT name FROM servers)", (target,)).fetchall()
+        if len(rows) == 1:
+            return tuple(rows[0])
+        if len(rows) > 1:
+            servers = ", ".join(row["server"] for row in rows)
+            raise CofferError(f"{target!r} is published by several servers ({servers}); "
+                              f"use coffer+<server>:{target}")
+        hint = _did_you_mean(target, self._all_names(db))
+        if sep and registered and not db.execute("SELECT 1 FROM capabilities WHERE server=?", (server,)).fetchone():
+            raise NotListedYet(f"unknown target {target!r}: server {server!r} does not list it{hint}")
+        raise CofferError(f"unknown target {target!r}: not a server, tool, prompt or resource Coffer knows{hint}")
+
+    # -- enable / disable / approve ------------------------------------------------------------------------
+    def set_enabled(self, target: str, enabled: bool) -> str:
+        """Enable or disable a server (by name) or one capability (by exposed name, or resource URI)."""
+        verb = "enable" if enabled else "disable"
+        with self.transaction() as db:
+            row = db.execute("SELECT name, enabled FROM servers WHERE name=?", (target,)).fetchone()
+            if row:
+                db.execute("UPDATE servers SET enabled=? WHERE name=?", (int(enabled), target))
+                self._audit(db, verb, target, "server")
+                return f"server {target}"
+            server, kind, name = self.resolve(target, db)
+            db.execute("UPDATE capabilities SET enabled=? WHERE server=? AND kind=? AND name=?",
+                       (int(enabled), server, kind, name))
+            self._audit(db, verb, target if kind in ("tool", "prompt") else f"{server}:{name}", kind)
+            return f"{kind} {target}" + (f" ({server}:{name})" if kind in ("tool", "prompt") and
+                                         target != f"{server}{SEPARATOR}{name}" else "")
+
+    def pending_approvals(self, server: str | None = None) -> list[dict]:
+        sql = ("SELECT * FROM capabilities WHERE present=1 AND approved IS NOT NULL AND approved != fingerprint"
+               + (" AND server=?" if server else "") + " ORDER BY server, kind, name")
+        return [dict(row) for row in self.db.execute(sql, (server,) if server else ())]
+
+    def approve(self, target: str) -> list[tuple[str, str]]:
+        """Accept the current definition of a quarantined capability (or of every one of a server's); returns
+        [(label, diff)] of what was approved."""
+        max_length = self.setting("name_max_length")
+        with self.transaction() as db:
+            if db.execute("SELECT 1 FROM servers WHERE name=?", (target,)).fetchone():
+                rows = db.execute("SELECT * FROM capabilities WHERE server=? AND present=1 AND approved IS NOT NULL"
+                                  " AND approved != fingerprint ORDER BY kind, name", (target,)).fetchall()
+            else:
+                server, kind, name = self.resolve(target, db)
+                rows = db.execute("SELECT * FROM capabilities WHERE server=? AND kind=? AND name=? AND approved IS"
+                                  " NOT NULL AND approved != fingerprint", (server, kind, name)).fetchall()
+            approved = []
+            for row in rows:
+                label = (exposed_names(row["server"], [row["name"]], max_length)[row["name"]]
+                         if row["kind"] in ("tool", "prompt") else row["name"])
+                approved.append((f"{row['kind']} {label}", definition_diff(row["approved_definition"],
+                                                                          row["definition"])))
+                db.execute("UPDATE capabilities SET approved=fingerprint, approved_definition=definition WHERE"
+                           " server=? AND kind=? AND name=?", (row["server"], row["kind"], row["name"]))
+                self._audit(db, "approve", f"{row['server']}:{row['name']}", row["kind"])
+            return approved
+
+    def sync_capabilities(self, server: str, kind: str, definitions: dict[str, dict],
+                          rejected: dict[str, str] | None = None) -> dict[str, CapabilityState]:
+        """Record what an upstream lists now; return {name: CapabilityState} for those names.
+
+        New names follow the server's policy and are pinned as they are; a name whose definition differs from
+        the pinned one is quarantined until `coffer approve` (or pinned again at once under trust-updates).  Names
+        that vanish keep their row (and the user's choice) with present=0, so a choice survives an upgrade that
+        drops and later restores a tool.  ``rejected`` (name -> why) are definitions dropped at the boundary.
+        """
+        now = utcnow()
+        max_length = self.setting("name_max_length")
+        with self.transaction() as db:
+            srv = db.execute("SELECT policy, updates FROM servers WHERE name=?", (server,)).fetchone()
+            default = 1 if (srv is None or srv["policy"] == "enabled") else 0
+            trusting = srv is not None and srv["updates"] == "trust"
+            known = {row["name"]: row for row in db.execute(
+                "SELECT name, enabled, present, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
+                (server, kind))}
+            labels = exposed_names(server, definitions, max_length) if kind in ("tool", "prompt") else {}
+            for name, definition in definitions.items():
+                fp, text = fingerprint(definition, kind), vault_json(definition)
+                row = known.get(name)
+                if row is None:
+                    db.execute("INSERT OR IGNORE INTO capabilities(server, kind, name, enabled, present, fingerprint,"
+                               " definition, first_seen, last_seen, approved, approved_definition)"
+                               " VALUES (?,?,?,?,1,?,?,?,?,?,?)",
+                               (server, kind, name, default, fp, text, now, now, fp, text))
+                    if srv is not None:
+                        self._audit(db, "upstream-added", f"{server}:{name}",
+                                    f"{kind}; {'enabled' if default else 'disabled'} by policy", actor="upstream")
+                    continue
+                approved = row["approved"]
+                if approved is None or trusting:
+                    approved_sql = "approved=?, approved_definition=?,"
+                    approved_args = (fp, text)
+                    if approved is not None and approved != fp:
+                        self._audit(db, "upstream-changed", f"{server}:{name}", f"{kind}; trusted (trust-updates)",
+                                    actor="upstream")
+                else:
+                    approved_sql, approved_args = "", ()
+                    if fp != row["fingerprint"] and fp != approved:
+                        label = labels.get(name, name)
+                        self._audit(db, "upstream-changed", f"{server}:{name}",
+                                    f"{kind}; quarantined until `coffer approve {label}`", actor="upstream")
+                        log.warning("[%s] %s %s changed its definition since it was approved; it is hidden until "
+                                    "you review it with `coffer approve %s`", server, kind, label, label)
+                if not row["present"]:
+                    self._audit(db, "upstream-restored", f"{server}:{name}", kind, actor="upstream")
+                db.execute(f"UPDATE capabilities SET present=1, fingerprint=?, definition=?, {approved_sql}"
+                           " last_seen=? WHERE server=? AND kind=? AND name=?",
+                           (fp, text, *approved_args, now, server, kind, name))
+            for name, row in known.items():
+                if name not in definitions and row["present"]:
+                    db.execute("UPDATE capabilities SET present=0 WHERE server=? AND kind=? AND name=?",
+                               (server, kind, name))
+                    self._audit(db, "upstream-removed", f"{server}:{name}", kind, actor="upstream")
+            for name, why in (rejected or {}).items():
+                self._audit(db, "upstream-rejected", f"{server}:{storable(name)[:200]}", f"{kind}; {why}",
+                            actor="upstream")
+            return {row["name"]: _state(row) for row in db.execute(
+                "SELECT name, enabled, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
+                (server, kind)) if row["name"] in definitions}
+
+    def remembered_lists(self) -> dict[str, dict[str, dict[str, dict]]]:
+        """server -> kind -> {name: definition}: the tools and prompts each server listed when last seen."""
+        remembered: dict = {}
+        for row in self.db.execute("SELECT server, kind, name, definition FROM capabilities WHERE present=1 AND"
+                                   " kind IN ('tool', 'prompt') AND definition IS NOT NULL ORDER BY rowid"):
+            try:
+                definition = json.loads(row["definition"])
+            except ValueError:
+                continue
+            if isinstance(definition, dict):
+                remembered.setdefault(row["server"], {}).setdefault(row["kind"], {})[row["name"]] = definition
+        return remembered
+
+    def capability_states(self) -> dict[tuple[str, str, str], CapabilityState]:
+        return {(row["server"], row["kind"], row["name"]): _state(row)
+                for row in self.db.execute("SELECT server, kind, name, enabled, fingerprint, approved"
+                                           " FROM capabilities")}
+
+    def capabilities(self, server: str | None = None) -> list[dict]:
+        sql = "SELECT * FROM capabilities" + (" WHERE server=?" if server else "") + " ORDER BY server, kind, name"
+        return [dict(row) for row in self.db.execute(sql, (server,) if server else ())]
+
+    def data_version(self) -> int:
+        """Changes whenever another connection commits: how a running gateway notices CLI edits cheaply."""
+        return self.db.execute("PRAGMA data_version").fetchone()[0]
+
+    # -- logs ----------------------------------------------------------------------------------------------
+    def _audit(self, db, action: str, target, detail, actor: str | None = None) -> None:
+        db.execute("INSERT INTO audit(ts, actor, action, target, detail) VALUES (?,?,?,?,?)",
+                   (utcnow(), actor or self.actor, action, storable(target), storable(detail)))
+
+    def invocations(self, limit: int = 50) -> list[dict]:
+        rows = self.db.execute("SELECT ts, client, server, capability, kind, duration_ms, status, error FROM"
+                               " invocations ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        return [dict(row) for row in reversed(rows)]
+
+    def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
+                   server: str | None = None) -> list[dict]:
+        """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
+        name or its prefix (``upstream`` matches upstream-added, -changed...), ``server`` a server's rows."""
+        where, args = [], []
+        if since:
+            where.append("ts >= ?")
+            args.append(since)
+        if action:
+            where.append("(action = ? OR action LIKE ?)")
+            args += [action, action.replace("%", "") + "-%"]
+        if server:
+            where.append("(target = ? OR target LIKE ? OR target LIKE ?)")
+            args += [server, f"{server}:%", f"{server}{SEPARATOR}%"]
+        sql = ("SELECT ts, actor, action, target, detail FROM audit" + (" WHERE " + " AND ".join(where) if where
+                                                                         else "") + " ORDER BY id DESC LIMIT ?")
+        rows = self.db.execute(sql, (*args, limit)).fetchall()
+        return [dict(row) for row in reversed(rows)]
+
+    def prune(self) -> tuple[int, int]:
+        """Apply retention.  Runs when ``serve`` starts, so a long-lived vault never grows without bound."""
+        settings = self.settings()
+        now = datetime.now(timezone.utc)
+        cut_inv = (now - timedelta(days=float(settings["retention_invocations_days"]))).isoformat()
+        cut_aud = (now - timedelta(days=float(settings["retention_audit_days"]))).isoformat()
+        with self.transaction() as db:
+            n_inv = db.execute("DELETE FROM invocations WHERE ts < ?", (cut_inv.replace("+00:00", "Z"),)).rowcount
+            n_aud = db.execute("DELETE FROM audit WHERE ts < ?", (cut_aud.replace("+00:00", "Z"),)).rowcount
+            db.execute("DELETE FROM capabilities WHERE last_seen < ? AND server NOT IN (SELECT name FROM servers)",
+                       (cut_aud.replace("+00:00", "Z"),))  # choices of servers removed long ago
+        return n_inv, n_aud
+
+
+def _state(row) -> CapabilityState:
+    return CapabilityState(bool(row["enabled"]), row["approved"] is not None and row["approved"] != row["fingerprint"])
+
+
+def definition_diff(before: str | None, after: str | None) -> str:
+    """A readable unified diff of two stored definitions (pretty JSON, keys sorted)."""
+    def lines(text):
+        try:
+            value = json.loads(text) if text else {}
+        except ValueError:
+            value = text
+        return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False).splitlines()
+    return "\n".join(difflib.unified_diff(lines(before), lines(after), "approved", "now listed", lineterm=""))
+
+
+def _did_you_mean(target: str, names) -> str:
+    close = difflib.get_close_matches(target, list(names), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT: take the write lock up front so a busy vault waits instead of failing late."""
+
+    def __init__(self, db):
+        self.db = db
+
+    def __enter__(self):
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if Vault._cannot_write(exc):
+                raise CofferError(f"the vault cannot be written ({exc}): this command would change it") from None
+            raise
+        return self.db
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            try:
+                self.db.execute("COMMIT")
+                return False
+            except sqlite3.Error:
+                self.db.execute("ROLLBACK")
+                raise
+        self.db.execute("ROLLBACK")
+        return False
+
+
+def _json_column(text, kind, default):
+    if text in (None, ""):
+        return default
+    value = json.loads(text)
+    if not isinstance(value, kind):
+        raise ValueError(f"expected a JSON {kind.__name__}")
+    return value
+
+
+def _server_row(row) -> dict:
+    """A servers row as a dict; a row that does not parse is kept (so `list` and `remove` can see it) but marked
+    ``damaged`` with the reason and never started."""
+    server = dict(row)
+    server.setdefault("inherit_env", "[]")
+    server.setdefault("updates", "pin")
+    server.setdefault("oauth", None)
+    server.setdefault("era", None)
+    if server["era"] not in (None, "handshake", "modern"):
+        server["era"] = None
+    try:
+        if not isinstance(server["name"], str) or not SERVER_NAME_RE.match(server["name"]) or \
+                server["name"].lower() == RESERVED_SERVER:
+            raise ValueError("its name is not a valid server name")
+        command = _json_column(server["command"], list, None)
+        if command is not None and not (command and all(isinstance(a, str) for a in command)):
+            raise ValueError("command is not a list of strings")
+        server["command"] = command
+        for key in ("env", "headers"):
+            server[key] = _json_column(server[key], dict, {})
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in server[key].items()):
+                raise ValueError(f"{key} holds a value that is not text")
+        server["inherit_env"] = [str(x) for x in _json_column(server["inherit_env"], list, [])]
+        if server["transport"] not in TRANSPORTS:
+            raise ValueError(f"unknown transport {server['transport']!r}")
+        if (server["transport"] == "stdio") != bool(command) or (server["transport"] != "stdio"
+                                                                and not isinstance(server["url"], str)):
+            raise ValueError("neither a command nor a URL to reach it")
+        if server["timeout"] is not None and not (isinstance(server["timeout"], (int, float))
+                                                  and server["timeout"] > 0):
+            raise ValueError("timeout is not a positive number")
+        server["damaged"] = None
+        server["enabled"] = bool(server["enabled"])
+    except (ValueError, TypeError) as exc:
+        server.update(damaged=str(exc)[:200], enabled=False, command=None, env={}, headers={}, inherit_env=[])
+    for key in ("capabilities", "oauth"):
+        try:
+            server[key] = _json_column(server.get(key), dict, None)
+        except (ValueError, TypeError):
+            server[key] = None  # forgotten: as if never started, or never given OAuth settings
+    return server
+
+
+EXPOSE_RE = re.compile(r"^(auto|all|search|budget:([2-9]|[1-9][0-9]{1,3}))$")
+PER_CLIENT_SETTING_RE = re.compile(r"^expose\.([a-z0-9-]{1,32})$")
+
+
+def setting_key(key: str) -> str:
+    """The DEFAULTS entry a setting name is checked against: expose.<client> is an expose setting."""
+    return "expose" if PER_CLIENT_SETTING_RE.match(key) else key
+
+
+def _checked_setting(key: str, raw):
+    """A setting's value from the CLI (text) or the vault (JSON), converted and range-checked, or CofferError."""
+    key = setting_key(key)
+    default = DEFAULTS[key]
+    kind = type(default)
+    if isinstance(raw, bool) or (not isinstance(raw, (str, int, float)) or
+                                 (kind is str and not isinstance(raw, str))):
+        raise CofferError(f"setting {key} needs a {kind.__name__}, got {raw!r}")
+    try:
+        value = kind(raw)
+    except (ValueError, OverflowError):
+        raise CofferError(f"setting {key} needs a {kind.__name__}, got {raw!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CofferError(f"setting {key} needs a finite number")
+    if key == "name_max_length" and not 34 <= value <= 64:  # 24-char server + "__" + "x_" + hash
+        raise CofferError("name_max_length must be between 34 and 64")
+    if key == "expose" and not EXPOSE_RE.match(value):
+        raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
+    if key == "embedder_api" and value not in ("openai", "ollama"):
+        raise CofferError("embedder_api must be 'openai' or 'ollama'")
+    if key in ("memory", "ask_synthesis") and value not in ("on", "off"):
+        raise CofferError(f"{key} must be on or off")
+    if key == "max_message_bytes" and value < 4096:
+        raise CofferError("max_message_bytes must be at least 4096")
+    if isinstance(value, (int, float)) and value <= 0:
+        raise CofferError(f"{key} must be positive")
+    return value
+
+
+class InvocationLog:
+    """Writes invocation rows on its own thread, in batches, so no tool call ever waits on SQLite.
+
+    If the vault is locked or read-only the rows are kept (up to a bound) and retried; a persistent failure is a
+    warning, never a failed call.  Every text is made storable first (a client name holding a lone surrogate must
+    not stop the logging of everything after it), and the thread survives any error in a batch: the batch is
+    reported and dropped, the log goes on.
+    """
+
+    FLUSH_INTERVAL = 0.2
+    MAX_BUFFER = 50_000
+
+    def __init__(self, path: str):
+        self.path = path
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name="coffer-log", daemon=True)
+        self._thread.start()
+
+    def record(self, client, server, capability, kind, started: float, status: str, error: str | None = None):
+        duration = round((time.monotonic() - started) * 1000.0, 3)
+        self.queue.put((time.time(), client, server, capability, kind, duration, status, error))  # ts: see _run
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Write everything recorded so far before returning (used first thing at shutdown)."""
+        written = threading.Event()
+        self.queue.put(written)
+        written.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.queue.put(None)
+        self._thread.join(timeout)
+
+    @staticmethod
+    def _row(item: tuple) -> tuple:
+        ts, *rest = item
+        return (iso_timestamp(ts), *(storable(redact(v))[:500] if isinstance(v, str) else v for v in rest))
+
+    def _run(self) -> None:
+        db = None
+        pending: list[tuple] = []
+        waiters: list[threading.Event] = []
+        while True:
+            try:
+                item = self.queue.get(timeout=self.FLUSH_INTERVAL if pending else None)
+                if isinstance(item, threading.Event):
+                    waiters.append(item)
+                elif item is not None:
+                    pending.append(item)
+                    # Let the rest of this burst arrive: one commit per interval, not one per call.
+                    self._stop.wait(self.FLUSH_INTERVAL)
+                while len(pending) < 10_000:
+                    item = self.queue.get_nowait()
+                    if isinstance(item, threading.Event):
+                        waiters.append(item)
+                    elif item is not None:
+                        pending.append(item)
+            except queue.Empty:
+                pass
+            if pending:
+                try:
+                    if db is None:
+                        db = Vault._connect(self.path)
+                    db.execute("BEGIN IMMEDIATE")
+                    db.executemany("INSERT INTO invocations(ts, client, server, capability, kind, duration_ms,"
+                                   " status, error) VALUES (?,?,?,?,?,?,?,?)", [self._row(row) for row in pending])
+                    db.execute("COMMIT")
+                    pending.clear()
+                except sqlite3.Error as exc:
+                    self._rollback(db)
+                    if not self._warned:
+                        log.warning("invocation log not written yet (%s); will retry", exc)
+                        self._warned = True
+                    del pending[:-self.MAX_BUFFER]
+                    if self._stop.is_set():
+                        log.warning("%d invocation rows could not be written: %s", len(pending), exc)
+                        break
+                    time.sleep(0.5)
+                except Exception:  # noqa: BLE001 - a bad row costs its batch, never the log itself
+                    self._rollback(db)
+                    log.exception("invocation log: dropped a batch of %d rows it could not write", len(pending))
+                    pending.clear()
+            if not pending:
+                for waiter in waiters:
+                    waiter.set()
+                waiters.clear()
+            if self._stop.is_set() and self.queue.empty() and not pending:
+                break
+        if db is not None:
+            db.close()
+
+    @staticmethod
+    def _rollback(db) -> None:
+        try:
+            if db is not None and db.in_transaction:
+                db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+
+
+EMBEDDING_SCHEMA = """
+CREATE TABLE IF NOT EXISTS embeddings (
+    model TEXT NOT NULL, text_hash TEXT NOT NULL, dim INTEGER NOT NULL, vector BLOB NOT NULL, created_at TEXT,
+    PRIMARY KEY (model, text_hash)
+);
+"""
+
+
+
+
+KNOWLEDGE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS knowledge_sources (
+    name TEXT PRIMARY KEY,
+    root TEXT NOT NULL,                      -- absolute path as the user gave it (memory: COFFER_HOME/memory)
+    globs TEXT NOT NULL,                     -- JSON list of glob patterns, relative to root
+    kind TEXT NOT NULL DEFAULT 'folder',     -- 'folder' or 'memory'
+    created_at TEXT NOT NULL,
+    indexed_at TEXT,
+    last_stats TEXT                          -- JSON of the last ReindexStats (counts only, never text)
+);
+CREATE TABLE IF NOT EXISTS knowledge_files (
+    id INTEGER PRIMARY KEY,
+    source TEXT NOT NULL,
+    path TEXT NOT NULL,                      -- relative to the source root, '/'-separated
+    mtime_ns INTEGER NOT NULL, size INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,                    -- '' when never read (over the size bound)
+    skipped TEXT,                            -- why it has no passages (binary, too large, unreadable), or NULL
+    indexed_at TEXT NOT NULL,
+    UNIQUE (source, path)
+);
+CREATE TABLE IF NOT EXISTS knowledge_passages (
+    id INTEGER PRIMARY KEY,
+    file_id INTEGER NOT NULL,
+    source TEXT NOT NULL, path TEXT NOT NULL,
+    heading TEXT NOT NULL,                   -- heading path, 'Title > Section > Subsection'
+    first_line INTEGER NOT NULL, last_line INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    heading_terms TEXT NOT NULL, body_terms TEXT NOT NULL, path_terms TEXT NOT NULL  -- analysed, space-joined
+);
+CREATE INDEX IF NOT EXISTS knowledge_passages_file ON knowledge_passages(file_id);
+CREATE INDEX IF NOT EXISTS knowledge_passages_source ON knowledge_passages(source);
+CREATE TABLE IF NOT EXISTS knowledge_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO knowledge_meta(key, value) VALUES ('generation', 0), ('fts_synced', 1);
+"""
+# The FTS5 table holds Coffer's analysed terms, not the raw text: FTS5's own tokenizer then only splits on the
+# spaces, and both ranking paths agree on what a term is.  rowid = knowledge_passages.id.
+KNOWLEDGE_FTS_SCHEMA = """
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts USING fts5(
+    heading, body, path, source UNINDEXED, tokenize = 'unicode61 remove_diacritics 0');
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_vocab USING fts5vocab(knowledge_fts, 'row');
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_columns USING fts5vocab(knowledge_fts, 'col');
+"""
