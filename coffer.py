@@ -12,35 +12,35 @@ the modules below are in layer order: each uses only the standard library and th
 
 Contents: the line of coffer.py where each module starts, the module, what it holds.
 
-        83  errors                Errors: the one exception root every Coffer error derives from.
-        95  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       249  jsonrpc               JSON-RPC at the boundary: protocol constants, strict JSON, bounded line reading, error replies.
-       487  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       560  modern                MCP 2026-07-28, the stateless era: the per-request envelope, result shapes, listen filters, requestState.
-      1025  names                 Names and addresses: server names, exposed <server>__<name> names, qualified URIs, remote URLs.
-      1180  secret_store          Secrets: ${VAR} references, the private secret store, literals moved out of configs, an upstream's environment.
-      1455  vault                 Vault: coffer.db, its schema, servers, capability choices and pins, settings, the invocation and audit logs.
-      2418  transport.stdio       Stdio transport: an upstream as a subprocess, its process family, and the transport interface.
-      2796  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies and SSE event streams.
-      3049  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh and revocation.
-      3824  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and probing which one a server speaks.
-      4360  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes at the boundary.
-      4493  upstream.supervisor   Upstream supervisor: one registered server's connection, requests, lists and restarts.
-      5288  search.lexicon        Search lexicon: stop words, equivalences, abbreviations and the multilingual lexicon.
-      5502  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      5983  search.entities       Search entities: typed values in a query matched against what a tool's parameters accept.
-      6080  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6456  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6749  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      6916  knowledge.documents   Knowledge documents: splitting Markdown, reStructuredText and text into passages; walking a folder.
-      7412  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and coffer__remember.
-      8257  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8419  gateway.session       Gateway session: the MCP server a client talks to.
-     10003  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10172  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10839  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11605  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11820  cli                   Command line: coffer's commands.
+        84  errors                Errors: the one exception root every Coffer error derives from.
+       104  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
+       273  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       517  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       616  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1082  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1238  secret_store          Secrets: ${VAR} references, the private secret store, an upstream's environment.
+      1514  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      2478  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      2858  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3114  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      3891  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      4428  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      4562  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
+      5358  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      5573  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6055  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6154  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6531  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6825  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      6993  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
+      7490  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8336  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8499  gateway.session       Gateway session: the MCP server a client talks to.
+     10084  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10254  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     10922  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11689  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     11905  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -88,10 +88,18 @@ __version__ = '0.1.0'
 
 
 # ============================================================================================================
-# src/coffer_src/errors.py - Errors: the one exception root every Coffer error derives from.
+# src/coffer_src/errors.py
+# Errors: the one exception root every Coffer error derives from.
 # ============================================================================================================
+# ``CofferException`` is the root: ``except CofferException`` catches whatever Coffer raises on purpose, and
+# nothing else (a bug stays a bug).  Each module keeps its own errors beside the code that raises them, all under
+# this root; the ones that several layers raise or catch live here.
 
-class CofferError(Exception):
+class CofferException(Exception):
+    """The root of every exception Coffer raises on purpose."""
+
+
+class CofferError(CofferException):
     """A problem the user can fix; the CLI prints it as one line and exits 1."""
 
 
@@ -100,14 +108,17 @@ class NotListedYet(CofferError):
 
 
 # ============================================================================================================
-# src/coffer_src/terminal.py - Terminal and logging: text safe for a terminal, secret redaction, the log's format.
+# src/coffer_src/terminal.py
+# Terminal and logging: text safe for a terminal, secret redaction, the log's format.
 # ============================================================================================================
 
 # -- what reaches a terminal or a log --------------------------------------------------------------------------
-# Every diagnostic goes to stderr through the "coffer" logger: stdout belongs to the JSON-RPC stream.  Text an
-# upstream wrote (its stderr, tool descriptions, error messages) passes through printable() before a terminal sees
-# it, and every known secret value is replaced by *** before anything is printed, logged or stored.
+# Every diagnostic goes to stderr through Python's logging (each module has its logger, named after it):
+# stdout belongs to the JSON-RPC stream.  Text an upstream wrote (its stderr, tool descriptions, error messages)
+# passes through printable() before a terminal sees it, and every known secret value is replaced by *** before
+# anything is printed, logged or stored.
 log = logging.getLogger("coffer")
+terminal_log = logging.getLogger('coffer.terminal')
 
 _UNPRINTABLE_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 
@@ -212,27 +223,39 @@ class _TerminalFormatter(logging.Formatter):
         return printable(redact(text))
 
 
+class ServerLog(logging.LoggerAdapter):
+    """A module's logger for lines about one upstream server: each reads ``[name] message``."""
+
+    def __init__(self, logger: logging.Logger, server: str):
+        super().__init__(logger, {"server": server})
+
+    def process(self, msg, kwargs):
+        return f"[{self.extra['server']}] {msg}", kwargs
+
+
 def configure_logging(default: str = "info") -> None:
     """Log to stderr at COFFER_LOG's level (debug traces every message), else at ``default``: info for
-    `serve` (whose stderr is the client's log of it), warning for commands a person reads.  Idempotent."""
-    if getattr(log, "_coffer_configured", False):
+    `serve` (whose stderr is the client's log of it), warning for commands a person reads.  Idempotent.
+
+    The handler sits on the root logger: coffer is the program here (this runs from its command line), and each
+    module's logger is named after the module, which differs between coffer.py and the development package."""
+    root = logging.getLogger()
+    if any(isinstance(handler.formatter, _TerminalFormatter) for handler in root.handlers):
         return
     level = (os.environ.get("COFFER_LOG") or default).strip().upper()
-    log.setLevel(getattr(logging, level) if level in ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO)
+    root.setLevel(getattr(logging, level) if level in ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO)
     try:
         tty = sys.stderr.isatty()
     except (AttributeError, ValueError):
         tty = False
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_TerminalFormatter(tracebacks=log.level <= logging.DEBUG or not tty))
-    log.addHandler(handler)
-    log.propagate = False
-    log._coffer_configured = True
+    handler.setFormatter(_TerminalFormatter(tracebacks=root.level <= logging.DEBUG or not tty))
+    root.addHandler(handler)
 
     def excepthook(args):  # a thread that dies says so, with its traceback, through the same redaction
         if args.exc_type is not SystemExit:
-            log.error("thread %s died", getattr(args.thread, "name", "?"),
-                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+            terminal_log.error("thread %s died", getattr(args.thread, "name", "?"),
+                               exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
     threading.excepthook = excepthook
 
@@ -254,7 +277,8 @@ def _print_table(rows: list[list], headers: list[str]) -> None:
 
 
 # ============================================================================================================
-# src/coffer_src/jsonrpc.py - JSON-RPC at the boundary: protocol constants, strict JSON, bounded line reading, error replies.
+# src/coffer_src/jsonrpc.py
+# JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
 # ============================================================================================================
 
 #: Newest first.  A client asking for one of these gets it echoed; anything else is offered the newest.
@@ -322,7 +346,7 @@ def decode_json(data):
         raise ValueError("nested too deeply") from None
 
 
-class EncodeError(ValueError):
+class EncodeError(CofferException, ValueError):
     """A message Coffer cannot write as JSON (nested too deeply to encode, or holding a non-JSON value)."""
 
 
@@ -443,8 +467,13 @@ def defer_to_burst_end(key, flush) -> bool:
     return True
 
 
-def _trace(message) -> str:
-    """A message as COFFER_LOG=debug shows it: cut to 2,000 characters (the log's formatter redacts secrets)."""
+#: The wire trace, apart from the diagnostics: every message in and out, at debug level (COFFER_LOG=debug).
+#: Callers test ``wire_log.isEnabledFor(logging.DEBUG)`` first, so a message is never rendered for nobody.
+wire_log = logging.getLogger("coffer.wire")
+
+
+def wire_text(message) -> str:
+    """A message as the wire trace shows it: cut to 2,000 characters (the log's formatter redacts secrets)."""
     if isinstance(message, OversizedLine):
         return f"(a line of {message.size} bytes)"
     if isinstance(message, (bytes, bytearray)):
@@ -464,7 +493,7 @@ def negotiate_version(requested) -> str:
     return requested if requested in PROTOCOL_VERSIONS else LATEST_PROTOCOL_VERSION
 
 
-class RpcError(Exception):
+class RpcError(CofferException):
     """A JSON-RPC error to answer a request with (its code, message and optional data)."""
 
     def __init__(self, code: int, message: str, data=None):
@@ -492,7 +521,8 @@ LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert"
 
 
 # ============================================================================================================
-# src/coffer_src/threads.py - Threads: named daemon threads that never die silently, and a small worker pool.
+# src/coffer_src/threads.py
+# Threads: named daemon threads that never die silently, and a small worker pool.
 # ============================================================================================================
 
 def start_thread(target, name: str, *args) -> threading.Thread:
@@ -564,8 +594,34 @@ class WorkerPool:
                     self._busy -= 1
 
 
+def backoff_delay(attempt: int, base: float, ceiling: float) -> float:
+    """The one backoff rule: ``base`` doubled per earlier attempt (``attempt`` 0 waits ``base``), never more than
+    ``ceiling``.  Restarts, reopened listen streams, embedding retries and retried multi-round-trip requests all
+    wait this way, each with its own base and ceiling."""
+    return min(ceiling, base * 2 ** min(attempt, 64))
+
+
+class Backoff:
+    """Consecutive failures of one thing and the wait before its next try (see ``backoff_delay``).  Owned by one
+    thread, or guarded by its owner's lock."""
+
+    def __init__(self, base: float, ceiling: float):
+        self.base, self.ceiling = base, ceiling
+        self.failures = 0
+
+    def next_delay(self) -> float:
+        """Count a failure; the wait before the next try."""
+        self.failures += 1
+        return backoff_delay(self.failures - 1, self.base, self.ceiling)
+
+    def reset(self) -> None:
+        """It worked: the next failure waits ``base`` again."""
+        self.failures = 0
+
+
 # ============================================================================================================
-# src/coffer_src/modern.py - MCP 2026-07-28, the stateless era: the per-request envelope, result shapes, listen filters, requestState.
+# src/coffer_src/modern.py
+# MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
 # ============================================================================================================
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1030,7 +1086,8 @@ class RequestStateSealer:
 
 
 # ============================================================================================================
-# src/coffer_src/names.py - Names and addresses: server names, exposed <server>__<name> names, qualified URIs, remote URLs.
+# src/coffer_src/names.py
+# Names and addresses: server names, exposed names, qualified URIs, remote URLs.
 # ============================================================================================================
 
 SEPARATOR = "__"
@@ -1185,7 +1242,8 @@ def check_remote_url(url: str) -> str:
 
 
 # ============================================================================================================
-# src/coffer_src/secret_store.py - Secrets: ${VAR} references, the private secret store, literals moved out of configs, an upstream's environment.
+# src/coffer_src/secret_store.py
+# Secrets: ${VAR} references, the private secret store, an upstream's environment.
 # ============================================================================================================
 
 # -- ${VAR} references and the secret store ------------------------------------------------------------------
@@ -1460,7 +1518,8 @@ def parse_env_assignment(text: str) -> tuple[str, str]:
 
 
 # ============================================================================================================
-# src/coffer_src/vault.py - Vault: coffer.db, its schema, servers, capability choices and pins, settings, the invocation and audit logs.
+# src/coffer_src/vault.py
+# Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
 # ============================================================================================================
 
 DEFAULTS = {
@@ -2423,10 +2482,11 @@ CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_columns USING fts5vocab(knowled
 
 
 # ============================================================================================================
-# src/coffer_src/transport/stdio.py - Stdio transport: an upstream as a subprocess, its process family, and the transport interface.
+# src/coffer_src/transport/stdio.py
+# Stdio transport: an upstream as a subprocess, and the transport interface.
 # ============================================================================================================
 
-class UpstreamFailure(Exception):
+class UpstreamFailure(CofferException):
     """An upstream could not be started, initialized or reached.
 
     ``permanent``: retrying cannot help (a command that is not installed, a URL that is not a URL, HTTP 401/403/404),
@@ -2447,8 +2507,9 @@ class Transport:
     Callbacks run on the transport's own threads: ``on_message(dict)`` for each message, ``on_close()`` once when
     the connection ends, ``on_unusable(head, why)`` for a message that cannot be used (over max_message_bytes, not
     JSON, nested too deeply) so the request it answers can fail at once, ``on_failure(request_id, text)`` for a
-    request that never got through (remote transports), and ``on_stderr(line)`` for a subprocess's diagnostics.  ``send`` returns False when the connection no longer
-    accepts input and raises EncodeError for a message that cannot be written.  ``fatal`` is set when the
+    request that never got through (remote transports), and ``on_stderr(line)`` for a subprocess's diagnostics.
+    ``send`` returns False when the connection no longer accepts input and raises EncodeError for a message that
+    cannot be written.  ``fatal`` is set when the
     connection failed in a way retrying cannot fix; ``close_reason`` says, once it ended, what ended it.
     """
 
@@ -2801,7 +2862,8 @@ class StdioTransport(Transport):
 
 
 # ============================================================================================================
-# src/coffer_src/transport/http.py - HTTP plumbing: redirect-safe requests, origins, bounded bodies and SSE event streams.
+# src/coffer_src/transport/http.py
+# HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
 # ============================================================================================================
 
 OAUTH_SECRET_PREFIX = "oauth."          # SecretStore name of a server's saved login: oauth.<server>
@@ -2857,7 +2919,9 @@ def remote_http(method: str, url: str, *, headers=None, body: bytes | None = Non
     at most MAX_REDIRECTS times; any other raises OriginRefused.
     """
     global _http_opener
-    import http.client, urllib.error, urllib.request  # noqa: E401 - lazily: ~19 MB of RSS
+    import http.client  # noqa: E401 - lazily: ~19 MB of RSS
+    import urllib.error
+    import urllib.request
     if _http_opener is None:
         class _Decline(urllib.request.HTTPRedirectHandler):
             def redirect_request(self, *args, **kwargs):
@@ -3054,7 +3118,8 @@ def _probe_initialize() -> bytes:
 
 
 # ============================================================================================================
-# src/coffer_src/oauth.py - OAuth 2.1 for remote upstreams: discovery, registration, login, refresh and revocation.
+# src/coffer_src/oauth.py
+# OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
 # ============================================================================================================
 
 def _require_secure(url, what: str) -> str:
@@ -3346,7 +3411,7 @@ def oauth_secret_name(server: str) -> str:
     return OAUTH_SECRET_PREFIX + server
 
 
-class TokenEndpointError(Exception):
+class TokenEndpointError(CofferException):
     """The token endpoint said no; ``error`` is its OAuth error code (invalid_grant, ...) when it gave one."""
 
     def __init__(self, error: str, text: str):
@@ -3583,7 +3648,8 @@ def choose_client(server: str, metadata: AuthServerMetadata, oauth: dict, store,
 
 def register_client(metadata: AuthServerMetadata, redirect_uri: str, scope: str | None) -> ClientIdentity:
     """Dynamic Client Registration (RFC 7591) as a public client: Coffer keeps no secret it does not need."""
-    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri], "grant_types": ["authorization_code", "refresh_token"],
+    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri],
+               "grant_types": ["authorization_code", "refresh_token"],
                "response_types": ["code"], "token_endpoint_auth_method": "none"}
     if scope:
         request["scope"] = scope
@@ -3829,7 +3895,8 @@ def token_request_revoke(endpoint, token, hint, client_id, client_auth, client_s
 
 
 # ============================================================================================================
-# src/coffer_src/transport/remote.py - Remote transports: Streamable HTTP, legacy HTTP+SSE, and probing which one a server speaks.
+# src/coffer_src/transport/remote.py
+# Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
 # ============================================================================================================
 
 class HttpTransport(Transport):
@@ -4365,7 +4432,8 @@ def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, 
 
 
 # ============================================================================================================
-# src/coffer_src/upstream/definitions.py - Upstream definitions: the checks every tool, prompt and resource passes at the boundary.
+# src/coffer_src/upstream/definitions.py
+# Upstream definitions: the checks every tool, prompt and resource passes.
 # ============================================================================================================
 
 # -- what an upstream may say, checked at the boundary -------------------------------------------------------
@@ -4386,7 +4454,7 @@ _ANNOTATION_HINTS = ("readOnlyHint", "destructiveHint", "idempotentHint", "openW
 _IDENTIFIER = {"tool": "name", "prompt": "name", "resource": "uri", "template": "uriTemplate"}
 
 
-class Rejected(ValueError):
+class Rejected(CofferException, ValueError):
     """A definition that cannot be repaired safely: it is dropped, with a warning and an audit row."""
 
 
@@ -4498,7 +4566,8 @@ def normalized_reply(message: dict) -> dict:
 
 
 # ============================================================================================================
-# src/coffer_src/upstream/supervisor.py - Upstream supervisor: one registered server's connection, requests, lists and restarts.
+# src/coffer_src/upstream/supervisor.py
+# Upstream supervisor: one server's connection, requests, lists and restarts.
 # ============================================================================================================
 
 class TokenBucket:
@@ -4997,8 +5066,8 @@ class Upstream:
         params = self.prepare(method, params, envelope)
         if params is not None:
             message["params"] = params
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("coffer -> %s: %s", self.name, _trace(message))
+        if wire_log.isEnabledFor(logging.DEBUG):
+            wire_log.debug("coffer -> %s: %s", self.name, wire_text(message))
         try:
             sent = transport is not None and transport.send(message)
         except EncodeError as exc:
@@ -5139,8 +5208,8 @@ class Upstream:
 
     # -- incoming ------------------------------------------------------------------------------------------
     def _on_message(self, message: dict) -> None:
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s -> coffer: %s", self.name, _trace(message))
+        if wire_log.isEnabledFor(logging.DEBUG):
+            wire_log.debug("%s -> coffer: %s", self.name, wire_text(message))
         method = message.get("method")
         if method is None:
             msg_id = message.get("id")
@@ -5293,7 +5362,8 @@ class Upstream:
 
 
 # ============================================================================================================
-# src/coffer_src/search/lexicon.py - Search lexicon: stop words, equivalences, abbreviations and the multilingual lexicon.
+# src/coffer_src/search/lexicon.py
+# Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
 # ============================================================================================================
 
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
@@ -5507,7 +5577,8 @@ KNOWLEDGE_STOP_WORDS = STOP_WORDS - {"server", "help", "tool", "tools", "mcp"}
 
 
 # ============================================================================================================
-# src/coffer_src/search/text.py - Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+# src/coffer_src/search/text.py
+# Search text analysis: tokens, stems, translations and the analysed texts of a tool.
 # ============================================================================================================
 
 SEARCH_QUERY_MAX_CHARS = 2_000
@@ -5988,7 +6059,8 @@ def _word_terms(word: str) -> tuple[str, ...]:
 
 
 # ============================================================================================================
-# src/coffer_src/search/entities.py - Search entities: typed values in a query matched against what a tool's parameters accept.
+# src/coffer_src/search/entities.py
+# Search entities: typed values in a query, matched to what parameters accept.
 # ============================================================================================================
 
 # ---- typed entities in a query, matched against what a tool's parameters accept
@@ -6038,7 +6110,8 @@ ENTITY_KINDS = (
           "timezone tz zone"),
     _kind("repo", r"(?:^|(?<=\s))[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(?=#\d|[\s,.;:!?)]|$)", "repo repository owner"),
     _kind("number_ref", r"(?:^|(?<=[\s/\w]))#\d+\b", "number issue pull pr"),
-    _kind("sql", r"\b(?:select\s.+?\sfrom|insert\s+into|update\s+\w+\s+set|delete\s+from|(?:create|alter|drop)\s+table)\b",
+    _kind("sql", r"\b(?:select\s.+?\sfrom|insert\s+into|update\s+\w+\s+set|delete\s+from"
+                 r"|(?:create|alter|drop)\s+table)\b",
           "sql query statement", flags=re.IGNORECASE | re.DOTALL),
     _kind("cron", r"(?:^|(?<=\s))(?:[\d*/,-]+\s+){4}[\d*/,-]+(?=\s|$)", "cron schedule expression"),
     _kind("date", r"\b\d{4}-\d{2}-\d{2}\b", "date day start end since until", "date date-time"),
@@ -6085,7 +6158,8 @@ _QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", 
 
 
 # ============================================================================================================
-# src/coffer_src/search/index.py - Search index: the BM25F ranker behind coffer__search_tools.
+# src/coffer_src/search/index.py
+# Search index: the BM25F ranker behind coffer__search_tools.
 # ============================================================================================================
 # Tool catalogues are small documents with a few strong fields: the name says what a tool does, the description
 # says how, parameters say on what.  BM25F scores each field with its own weight and length normalisation.  Queries
@@ -6461,7 +6535,8 @@ class SearchIndex:
 
 
 # ============================================================================================================
-# src/coffer_src/search/semantic.py - Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+# src/coffer_src/search/semantic.py
+# Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
 # ============================================================================================================
 # Lexical matching cannot connect "let the team know the deploy finished" to slack__post_message.  When the user
 # configures an embeddings endpoint (any OpenAI-compatible /embeddings, or Ollama's /api/embed), tools are embedded
@@ -6471,7 +6546,7 @@ class SearchIndex:
 HYBRID_ALPHA = 0.45  # share of the lexical score in the hybrid blend (chosen on the eval sets; see fuse)
 
 
-class EmbedderError(Exception):
+class EmbedderError(CofferException):
     """The embeddings endpoint failed, timed out, or answered with something that is not embeddings."""
 
 
@@ -6754,7 +6829,8 @@ class SemanticRanker:
 
 
 # ============================================================================================================
-# src/coffer_src/catalogue.py - Catalogue: the merged, namespaced, filtered view of every upstream.
+# src/coffer_src/catalogue.py
+# Catalogue: the merged, namespaced, filtered view of every upstream.
 # ============================================================================================================
 
 class Route(NamedTuple):
@@ -6921,7 +6997,8 @@ class Catalogue:
 
 
 # ============================================================================================================
-# src/coffer_src/knowledge/documents.py - Knowledge documents: splitting Markdown, reStructuredText and text into passages; walking a folder.
+# src/coffer_src/knowledge/documents.py
+# Knowledge documents: text split into passages along headings; walking a folder.
 # ============================================================================================================
 
 KNOWLEDGE_DEFAULT_GLOBS = ("*.md", "*.markdown", "*.txt", "*.rst")
@@ -7417,7 +7494,8 @@ def read_document(absolute: str, limits: KnowledgeLimits) -> tuple[str | None, s
 
 
 # ============================================================================================================
-# src/coffer_src/knowledge/base.py - Knowledge base: the user's documents and notes behind coffer__ask and coffer__remember.
+# src/coffer_src/knowledge/base.py
+# Knowledge base: the user's documents and notes behind coffer__ask and __remember.
 # ============================================================================================================
 # A knowledge source is a folder of Markdown / plain text / reStructuredText.  Files are split into passages along
 # headings and paragraphs (each passage knows its file, heading path and line range), stored in coffer.db
@@ -8262,7 +8340,8 @@ class KnowledgeBase:
 
 
 # ============================================================================================================
-# src/coffer_src/gateway/builtins.py - Gateway built-ins: Coffer's own tools and client-aware listing.
+# src/coffer_src/gateway/builtins.py
+# Gateway built-ins: Coffer's own tools and client-aware listing.
 # ============================================================================================================
 
 INSTRUCTIONS = (
@@ -8424,7 +8503,8 @@ class Question:
 
 
 # ============================================================================================================
-# src/coffer_src/gateway/session.py - Gateway session: the MCP server a client talks to.
+# src/coffer_src/gateway/session.py
+# Gateway session: the MCP server a client talks to.
 # ============================================================================================================
 
 @dataclass
@@ -8589,8 +8669,8 @@ class Gateway:
                 return
             log.warning("a reply could not be encoded (%s); the client gets an error instead", exc)
             data = encode_line(rpc_error(msg_id, INTERNAL_ERROR, "Internal error: the reply is not encodable JSON"))
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("coffer -> client: %s", _trace(data))
+        if wire_log.isEnabledFor(logging.DEBUG):
+            wire_log.debug("coffer -> client: %s", wire_text(data))
         with self.out_lock:
             self._unsent.append(data)
             self._unsent_bytes += len(data)
@@ -8688,8 +8768,8 @@ class Gateway:
         return changed
 
     def handle_line(self, line) -> None:
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("client -> coffer: %s", _trace(line))
+        if wire_log.isEnabledFor(logging.DEBUG):
+            wire_log.debug("client -> coffer: %s", wire_text(line))
         if isinstance(line, OversizedLine):
             limit = int(self.settings["max_message_bytes"])
             self.send(rpc_error(request_id_in(line.head), INVALID_REQUEST,
@@ -10008,7 +10088,8 @@ class Gateway:
 
 
 # ============================================================================================================
-# src/coffer_src/probe.py - Probes: starting a server once to see what it offers, from the command line.
+# src/coffer_src/probe.py
+# Probes: starting a server once to see what it offers, from the command line.
 # ============================================================================================================
 
 class GatewayClient:
@@ -10177,14 +10258,15 @@ class ServerProbe:
 
 
 # ============================================================================================================
-# src/coffer_src/clients/files.py - Client config files: JSON with comments and a TOML subset, read and edited in place.
+# src/coffer_src/clients/files.py
+# Client config files: JSON with comments and a TOML subset, read and edited in place.
 # ============================================================================================================
 
 MAX_CONFIG_BYTES = 64 << 20   # ~/.claude.json keeps per-project history and grows to tens of MB on busy machines
 MAX_CONFIG_DEPTH = 64
 
 
-class ConfigProblem(Exception):
+class ConfigProblem(CofferException):
     """A client config file that cannot be read or safely edited; the message is the per-file reason."""
 
 
@@ -10844,7 +10926,8 @@ class ClientContext:
 
 
 # ============================================================================================================
-# src/coffer_src/clients/move_in.py - Moving in: import from the MCP clients a user has, and install Coffer into them.
+# src/coffer_src/clients/move_in.py
+# Moving in: import from the MCP clients a user has, and install Coffer into them.
 # ============================================================================================================
 # Every client config is someone else's file: it is read with size and depth bounds and never trusted, and it is
 # only rewritten by a minimal text splice (comments, order and formatting survive), after a timestamped backup, and
@@ -11610,7 +11693,8 @@ def uninstall_client(vault, store, client: str, ctx: ClientContext, project: boo
 
 
 # ============================================================================================================
-# src/coffer_src/clients/doctor.py - Doctor: what is wrong with a user's setup, and the command that fixes it.
+# src/coffer_src/clients/doctor.py
+# Doctor: what is wrong with a user's setup, and the command that fixes it.
 # ============================================================================================================
 
 # -- doctor ---------------------------------------------------------------------------------------------------
@@ -11825,7 +11909,8 @@ def _command_text(server: dict) -> str:
 
 
 # ============================================================================================================
-# src/coffer_src/cli.py - Command line: coffer's commands.
+# src/coffer_src/cli.py
+# Command line: coffer's commands.
 # ============================================================================================================
 
 def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
@@ -12051,7 +12136,8 @@ def cmd_list(vault: Vault, args) -> int:
     servers = [{"name": s["name"], "transport": s["transport"], "command": _command_text(s),
                 "enabled": s["enabled"], "policy": s["policy"], "updates": s["updates"],
                 "status": "damaged" if s["damaged"] else (s["status"] or "never started"),
-                "detail": s["damaged"] or s["status_detail"], "since": s["status_at"], "tools": counts.get(s["name"], 0),
+                "detail": s["damaged"] or s["status_detail"], "since": s["status_at"],
+                "tools": counts.get(s["name"], 0),
                 "awaiting_approval": held.get(s["name"], 0)}
                for s in vault.servers()]
     if args.json:

@@ -11,10 +11,9 @@ from typing import NamedTuple
 from coffer_src.jsonrpc import dumps
 from coffer_src.modern import shape_handshake_tool
 from coffer_src.names import QUALIFIED_URI_RE, exposed_names, qualify_uri
-from coffer_src.vault import CapabilityState
-from coffer_src.upstream.supervisor import Upstream
 from coffer_src.search.index import SearchIndex
-
+from coffer_src.upstream.supervisor import Upstream
+from coffer_src.vault import CapabilityState
 
 
 class Route(NamedTuple):

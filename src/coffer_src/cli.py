@@ -14,29 +14,57 @@ import sqlite3
 import sys
 from datetime import datetime, timezone
 
-from coffer_src.errors import CofferError, NotListedYet
-from coffer_src.terminal import _print_table, configure_logging, log, printable, redact, say, say_json
 from coffer_src import __version__
-from coffer_src.jsonrpc import decode_json
-from coffer_src.names import (
-    ENV_KEY_RE, REMOTE_TRANSPORTS, SEARCH_TOOL, SEPARATOR, check_remote_url, check_server_name, exposed_names,
-    is_loopback_url, origin_text, url_origin)
-from coffer_src.secret_store import expand_vars, parse_env_assignment, plan_literals, plan_url_literals, save_secrets
-from coffer_src.vault import DEFAULTS, Vault, _did_you_mean, _state, coffer_home, setting_key, utcnow
-from coffer_src.transport.stdio import UpstreamFailure
-from coffer_src.oauth import (
-    NeedsLogin, OAuthCredentials, OAuthFailure, OAuthGrant, oauth_login, oauth_secret_name, revoke_grant)
-from coffer_src.transport.remote import probe_transport
-from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
-from coffer_src.knowledge.base import KnowledgeBase
-from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
-from coffer_src.gateway.session import Gateway
-from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
+from coffer_src.clients.doctor import _command_text, print_doctor, run_doctor, show_server
 from coffer_src.clients.files import ClientContext, ConfigProblem
 from coffer_src.clients.move_in import (
-    CLIENTS, ClientFile, EditResult, FileProblem, ImportPlan, apply_import, client_files, coffer_launch_command,
-    detect_file, install_client, plan_import, uninstall_client)
-from coffer_src.clients.doctor import _command_text, print_doctor, run_doctor, show_server
+    CLIENTS,
+    ClientFile,
+    EditResult,
+    FileProblem,
+    ImportPlan,
+    apply_import,
+    client_files,
+    coffer_launch_command,
+    detect_file,
+    install_client,
+    plan_import,
+    uninstall_client,
+)
+from coffer_src.errors import CofferError, NotListedYet
+from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
+from coffer_src.gateway.session import Gateway
+from coffer_src.jsonrpc import decode_json
+from coffer_src.knowledge.base import KnowledgeBase
+from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
+from coffer_src.names import (
+    ENV_KEY_RE,
+    REMOTE_TRANSPORTS,
+    SEARCH_TOOL,
+    SEPARATOR,
+    check_remote_url,
+    check_server_name,
+    exposed_names,
+    is_loopback_url,
+    origin_text,
+    url_origin,
+)
+from coffer_src.oauth import (
+    NeedsLogin,
+    OAuthCredentials,
+    OAuthFailure,
+    OAuthGrant,
+    oauth_login,
+    oauth_secret_name,
+    revoke_grant,
+)
+from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
+from coffer_src.secret_store import expand_vars, parse_env_assignment, plan_literals, plan_url_literals, save_secrets
+from coffer_src.terminal import _print_table, configure_logging, log, printable, redact, say, say_json
+from coffer_src.transport.remote import probe_transport
+from coffer_src.transport.stdio import UpstreamFailure
+from coffer_src.vault import DEFAULTS, Vault, _did_you_mean, _state, coffer_home, setting_key, utcnow
+
 
 def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
     home = os.path.expanduser("~")
@@ -261,7 +289,8 @@ def cmd_list(vault: Vault, args) -> int:
     servers = [{"name": s["name"], "transport": s["transport"], "command": _command_text(s),
                 "enabled": s["enabled"], "policy": s["policy"], "updates": s["updates"],
                 "status": "damaged" if s["damaged"] else (s["status"] or "never started"),
-                "detail": s["damaged"] or s["status_detail"], "since": s["status_at"], "tools": counts.get(s["name"], 0),
+                "detail": s["damaged"] or s["status_detail"], "since": s["status_at"],
+                "tools": counts.get(s["name"], 0),
                 "awaiting_approval": held.get(s["name"], 0)}
                for s in vault.servers()]
     if args.json:

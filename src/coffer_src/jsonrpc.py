@@ -1,14 +1,15 @@
-"""JSON-RPC at the boundary: protocol constants, strict JSON, bounded line reading, error replies."""
+"""JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import threading
 from typing import NamedTuple
 
-
+from coffer_src.errors import CofferException
 
 #: Newest first.  A client asking for one of these gets it echoed; anything else is offered the newest.
 PROTOCOL_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
@@ -75,7 +76,7 @@ def decode_json(data):
         raise ValueError("nested too deeply") from None
 
 
-class EncodeError(ValueError):
+class EncodeError(CofferException, ValueError):
     """A message Coffer cannot write as JSON (nested too deeply to encode, or holding a non-JSON value)."""
 
 
@@ -196,8 +197,13 @@ def defer_to_burst_end(key, flush) -> bool:
     return True
 
 
-def _trace(message) -> str:
-    """A message as COFFER_LOG=debug shows it: cut to 2,000 characters (the log's formatter redacts secrets)."""
+#: The wire trace, apart from the diagnostics: every message in and out, at debug level (COFFER_LOG=debug).
+#: Callers test ``wire_log.isEnabledFor(logging.DEBUG)`` first, so a message is never rendered for nobody.
+wire_log = logging.getLogger("coffer.wire")
+
+
+def wire_text(message) -> str:
+    """A message as the wire trace shows it: cut to 2,000 characters (the log's formatter redacts secrets)."""
     if isinstance(message, OversizedLine):
         return f"(a line of {message.size} bytes)"
     if isinstance(message, (bytes, bytearray)):
@@ -217,7 +223,7 @@ def negotiate_version(requested) -> str:
     return requested if requested in PROTOCOL_VERSIONS else LATEST_PROTOCOL_VERSION
 
 
-class RpcError(Exception):
+class RpcError(CofferException):
     """A JSON-RPC error to answer a request with (its code, message and optional data)."""
 
     def __init__(self, code: int, message: str, data=None):

@@ -1,4 +1,4 @@
-"""MCP 2026-07-28, the stateless era: the per-request envelope, result shapes, listen filters, requestState."""
+"""MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import os
 import time
 from typing import NamedTuple
 
-from coffer_src.terminal import log
 from coffer_src import __version__
 from coffer_src.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, LOG_LEVELS, PROTOCOL_VERSIONS, RpcError
+from coffer_src.terminal import log
 
 # ------------------------------------------------------------------------------------------------------------
 # 1b. MCP 2026-07-28, the stateless era: the per-request envelope, result shapes, listen filters, requestState

@@ -1,4 +1,4 @@
-"""Names and addresses: server names, exposed <server>__<name> names, qualified URIs, remote URLs."""
+"""Names and addresses: server names, exposed names, qualified URIs, remote URLs."""
 
 from __future__ import annotations
 

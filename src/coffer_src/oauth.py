@@ -1,4 +1,4 @@
-"""OAuth 2.1 for remote upstreams: discovery, registration, login, refresh and revocation."""
+"""OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation."""
 
 from __future__ import annotations
 
@@ -14,13 +14,21 @@ import time
 import urllib.parse
 from typing import NamedTuple
 
-from coffer_src.errors import CofferError
-from coffer_src.terminal import _UNPRINTABLE_RE, log, printable, redact
+from coffer_src.errors import CofferError, CofferException
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, decode_json, encode_line
 from coffer_src.names import is_loopback_url, origin_text, same_origin, url_origin
-from coffer_src.transport.stdio import UpstreamFailure
+from coffer_src.terminal import _UNPRINTABLE_RE, log, printable, redact
 from coffer_src.transport.http import (
-    HttpReply, OAUTH_SECRET_PREFIX, _METADATA_BYTES, _close_reply, _probe_initialize, _reply_text, remote_http)
+    _METADATA_BYTES,
+    OAUTH_SECRET_PREFIX,
+    HttpReply,
+    _close_reply,
+    _probe_initialize,
+    _reply_text,
+    remote_http,
+)
+from coffer_src.transport.stdio import UpstreamFailure
+
 
 def _require_secure(url, what: str) -> str:
     """An OAuth endpoint must be https (OAuth 2.1 §1.5); plain http only on this machine, for development.  It is
@@ -311,7 +319,7 @@ def oauth_secret_name(server: str) -> str:
     return OAUTH_SECRET_PREFIX + server
 
 
-class TokenEndpointError(Exception):
+class TokenEndpointError(CofferException):
     """The token endpoint said no; ``error`` is its OAuth error code (invalid_grant, ...) when it gave one."""
 
     def __init__(self, error: str, text: str):
@@ -548,7 +556,8 @@ def choose_client(server: str, metadata: AuthServerMetadata, oauth: dict, store,
 
 def register_client(metadata: AuthServerMetadata, redirect_uri: str, scope: str | None) -> ClientIdentity:
     """Dynamic Client Registration (RFC 7591) as a public client: Coffer keeps no secret it does not need."""
-    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri], "grant_types": ["authorization_code", "refresh_token"],
+    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri],
+               "grant_types": ["authorization_code", "refresh_token"],
                "response_types": ["code"], "token_endpoint_auth_method": "none"}
     if scope:
         request["scope"] = scope

@@ -10,13 +10,12 @@ import time
 from typing import NamedTuple
 
 from coffer_src.errors import CofferError
-from coffer_src.terminal import log, printable, redact
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
-from coffer_src.threads import start_thread
 from coffer_src.names import RESERVED_SERVER, exposed_names
-from coffer_src.vault import CapabilityState, Vault
+from coffer_src.terminal import log, printable, redact
+from coffer_src.threads import start_thread
 from coffer_src.upstream.supervisor import Upstream
-
+from coffer_src.vault import CapabilityState, Vault
 
 
 class GatewayClient:

@@ -1,4 +1,4 @@
-"""Secrets: ${VAR} references, the private secret store, literals moved out of configs, an upstream's environment."""
+"""Secrets: ${VAR} references, the private secret store, an upstream's environment."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import threading
 import urllib.parse
 
 from coffer_src.errors import CofferError
-from coffer_src.terminal import log, redact
 from coffer_src.jsonrpc import decode_json
 from coffer_src.names import ENV_KEY_RE
+from coffer_src.terminal import log, redact
 
 # -- ${VAR} references and the secret store ------------------------------------------------------------------
 

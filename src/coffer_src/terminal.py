@@ -10,10 +10,12 @@ import sys
 import threading
 
 # -- what reaches a terminal or a log --------------------------------------------------------------------------
-# Every diagnostic goes to stderr through the "coffer" logger: stdout belongs to the JSON-RPC stream.  Text an
-# upstream wrote (its stderr, tool descriptions, error messages) passes through printable() before a terminal sees
-# it, and every known secret value is replaced by *** before anything is printed, logged or stored.
+# Every diagnostic goes to stderr through Python's logging (each module has its logger, named after it):
+# stdout belongs to the JSON-RPC stream.  Text an upstream wrote (its stderr, tool descriptions, error messages)
+# passes through printable() before a terminal sees it, and every known secret value is replaced by *** before
+# anything is printed, logged or stored.
 log = logging.getLogger("coffer")
+terminal_log = logging.getLogger(__name__)
 
 _UNPRINTABLE_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 
@@ -118,27 +120,39 @@ class _TerminalFormatter(logging.Formatter):
         return printable(redact(text))
 
 
+class ServerLog(logging.LoggerAdapter):
+    """A module's logger for lines about one upstream server: each reads ``[name] message``."""
+
+    def __init__(self, logger: logging.Logger, server: str):
+        super().__init__(logger, {"server": server})
+
+    def process(self, msg, kwargs):
+        return f"[{self.extra['server']}] {msg}", kwargs
+
+
 def configure_logging(default: str = "info") -> None:
     """Log to stderr at COFFER_LOG's level (debug traces every message), else at ``default``: info for
-    `serve` (whose stderr is the client's log of it), warning for commands a person reads.  Idempotent."""
-    if getattr(log, "_coffer_configured", False):
+    `serve` (whose stderr is the client's log of it), warning for commands a person reads.  Idempotent.
+
+    The handler sits on the root logger: coffer is the program here (this runs from its command line), and each
+    module's logger is named after the module, which differs between coffer.py and the development package."""
+    root = logging.getLogger()
+    if any(isinstance(handler.formatter, _TerminalFormatter) for handler in root.handlers):
         return
     level = (os.environ.get("COFFER_LOG") or default).strip().upper()
-    log.setLevel(getattr(logging, level) if level in ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO)
+    root.setLevel(getattr(logging, level) if level in ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO)
     try:
         tty = sys.stderr.isatty()
     except (AttributeError, ValueError):
         tty = False
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_TerminalFormatter(tracebacks=log.level <= logging.DEBUG or not tty))
-    log.addHandler(handler)
-    log.propagate = False
-    log._coffer_configured = True
+    handler.setFormatter(_TerminalFormatter(tracebacks=root.level <= logging.DEBUG or not tty))
+    root.addHandler(handler)
 
     def excepthook(args):  # a thread that dies says so, with its traceback, through the same redaction
         if args.exc_type is not SystemExit:
-            log.error("thread %s died", getattr(args.thread, "name", "?"),
-                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+            terminal_log.error("thread %s died", getattr(args.thread, "name", "?"),
+                               exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
     threading.excepthook = excepthook
 

@@ -7,6 +7,7 @@ import threading
 
 from coffer_src.terminal import log
 
+
 def start_thread(target, name: str, *args) -> threading.Thread:
     """A daemon thread whose unexpected death is logged with its traceback instead of vanishing."""
     def run():
@@ -74,3 +75,28 @@ class WorkerPool:
             finally:
                 with self._lock:
                     self._busy -= 1
+
+
+def backoff_delay(attempt: int, base: float, ceiling: float) -> float:
+    """The one backoff rule: ``base`` doubled per earlier attempt (``attempt`` 0 waits ``base``), never more than
+    ``ceiling``.  Restarts, reopened listen streams, embedding retries and retried multi-round-trip requests all
+    wait this way, each with its own base and ceiling."""
+    return min(ceiling, base * 2 ** min(attempt, 64))
+
+
+class Backoff:
+    """Consecutive failures of one thing and the wait before its next try (see ``backoff_delay``).  Owned by one
+    thread, or guarded by its owner's lock."""
+
+    def __init__(self, base: float, ceiling: float):
+        self.base, self.ceiling = base, ceiling
+        self.failures = 0
+
+    def next_delay(self) -> float:
+        """Count a failure; the wait before the next try."""
+        self.failures += 1
+        return backoff_delay(self.failures - 1, self.base, self.ceiling)
+
+    def reset(self) -> None:
+        """It worked: the next failure waits ``base`` again."""
+        self.failures = 0

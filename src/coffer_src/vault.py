@@ -1,4 +1,4 @@
-"""Vault: coffer.db, its schema, servers, capability choices and pins, settings, the invocation and audit logs."""
+"""Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs."""
 
 from __future__ import annotations
 
@@ -19,12 +19,19 @@ from datetime import datetime, timedelta, timezone
 from typing import NamedTuple
 
 from coffer_src.errors import CofferError, NotListedYet
-from coffer_src.terminal import log, redact
 from coffer_src.names import (
     NAME_MAX_LENGTH,
-    QUALIFIED_URI_RE, REMOTE_TRANSPORTS, RESERVED_SERVER, SEPARATOR, SERVER_NAME_RE, check_remote_url,
-    check_server_name, exposed_names)
+    QUALIFIED_URI_RE,
+    REMOTE_TRANSPORTS,
+    RESERVED_SERVER,
+    SEPARATOR,
+    SERVER_NAME_RE,
+    check_remote_url,
+    check_server_name,
+    exposed_names,
+)
 from coffer_src.secret_store import SecretStore
+from coffer_src.terminal import log, redact
 
 DEFAULTS = {
     "oauth_client_metadata_url": "",  # https URL of Coffer's OAuth Client ID Metadata Document, where hosted

@@ -10,14 +10,22 @@ import stat
 import threading
 from typing import Callable
 
-from coffer_src.terminal import log, say
-from coffer_src.secret_store import _ENV_REF_RE, expand_vars
-from coffer_src.vault import PRIVATE_FILES, SCHEMA, _state
-from coffer_src.probe import ServerProbe
 from coffer_src.clients.files import ClientContext, ConfigProblem
 from coffer_src.clients.move_in import (
-    CLIENTS, CLIENT_TOOL_NAME_LIMITS, COFFER_ENTRY, GUI_CLIENTS, GUI_PATH, SECRET_SET_HINT, client_files,
-    load_client_file, registered_in_coffer)
+    CLIENT_TOOL_NAME_LIMITS,
+    CLIENTS,
+    COFFER_ENTRY,
+    GUI_CLIENTS,
+    GUI_PATH,
+    SECRET_SET_HINT,
+    client_files,
+    load_client_file,
+    registered_in_coffer,
+)
+from coffer_src.probe import ServerProbe
+from coffer_src.secret_store import _ENV_REF_RE, expand_vars
+from coffer_src.terminal import log, say
+from coffer_src.vault import PRIVATE_FILES, SCHEMA, _state
 
 # -- doctor ---------------------------------------------------------------------------------------------------
 

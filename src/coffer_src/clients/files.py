@@ -9,11 +9,13 @@ import re
 import stat
 import sys
 
+from coffer_src.errors import CofferException
+
 MAX_CONFIG_BYTES = 64 << 20   # ~/.claude.json keeps per-project history and grows to tens of MB on busy machines
 MAX_CONFIG_DEPTH = 64
 
 
-class ConfigProblem(Exception):
+class ConfigProblem(CofferException):
     """A client config file that cannot be read or safely edited; the message is the per-file reason."""
 
 

@@ -19,14 +19,22 @@ import tempfile
 import urllib.parse
 from datetime import datetime
 
+from coffer_src.clients.files import (
+    ClientContext,
+    ConfigProblem,
+    JsonDocument,
+    TomlDocument,
+    _json_type,
+    _lookup,
+    append_toml,
+    load_toml,
+    read_config_text,
+    render_toml_server,
+)
 from coffer_src.errors import CofferError
 from coffer_src.names import ENV_KEY_RE, RESERVED_SERVER
 from coffer_src.secret_store import plan_literals, plan_url_literals
 from coffer_src.vault import utcnow
-from coffer_src.clients.files import (
-    ClientContext, ConfigProblem, JsonDocument, TomlDocument, _json_type, _lookup, append_toml, load_toml,
-    read_config_text, render_toml_server)
-
 
 CLIENTS = ("claude-desktop", "claude-code", "cursor", "vscode", "windsurf", "zed", "codex", "gemini")
 

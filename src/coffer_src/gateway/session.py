@@ -13,32 +13,82 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from coffer_src.catalogue import Catalogue, Route
 from coffer_src.errors import CofferError
-from coffer_src.terminal import log, printable, redact
+from coffer_src.gateway.builtins import (
+    ASK_SAMPLING_BUDGET,
+    ASK_TOOL_DEFINITION,
+    CLIENT_SIDE_CAPABILITIES,
+    INSTRUCTIONS,
+    REMEMBER_TOOL_DEFINITION,
+    SEARCH_TOOL_DEFINITION,
+    Question,
+    _require_str,
+    budget_tools,
+    client_family,
+    expose_mode,
+)
 from coffer_src.jsonrpc import (
-    EncodeError, INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, LATEST_PROTOCOL_VERSION, LOG_LEVELS,
-    METHOD_NOT_FOUND, OversizedLine, PARSE_ERROR, REQUEST_TIMEOUT, RpcError, UPSTREAM_ERROR, _trace, decode_json,
-    defer_to_burst_end, dumps, encode_line, handle_burst, negotiate_version, read_line_bursts, request_id_in,
-    rpc_error, rpc_result, tool_error_result, valid_request_id)
-from coffer_src.threads import WorkerPool, start_thread
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    LATEST_PROTOCOL_VERSION,
+    LOG_LEVELS,
+    METHOD_NOT_FOUND,
+    PARSE_ERROR,
+    REQUEST_TIMEOUT,
+    UPSTREAM_ERROR,
+    EncodeError,
+    OversizedLine,
+    RpcError,
+    decode_json,
+    defer_to_burst_end,
+    dumps,
+    encode_line,
+    handle_burst,
+    negotiate_version,
+    read_line_bursts,
+    request_id_in,
+    rpc_error,
+    rpc_result,
+    tool_error_result,
+    valid_request_id,
+    wire_log,
+    wire_text,
+)
+from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.modern import (
-    INPUT_REQUIRED_METHODS, ListenFilter, META_CLIENT_CAPABILITIES, META_LOG_LEVEL,
-    MISSING_REQUIRED_CLIENT_CAPABILITY, MODERN_CLIENT_METHODS, MODERN_PROTOCOL_VERSIONS, RequestStateSealer,
-    UNSUPPORTED_PROTOCOL_VERSION, coffer_server_info, is_enveloped, listen_frame, missing_capability, modern_error,
-    parse_envelope, parse_input_required, parse_listen_filter, shape_handshake_result, shape_modern_result)
+    INPUT_REQUIRED_METHODS,
+    META_CLIENT_CAPABILITIES,
+    META_LOG_LEVEL,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    MODERN_CLIENT_METHODS,
+    MODERN_PROTOCOL_VERSIONS,
+    UNSUPPORTED_PROTOCOL_VERSION,
+    ListenFilter,
+    RequestStateSealer,
+    coffer_server_info,
+    is_enveloped,
+    listen_frame,
+    missing_capability,
+    modern_error,
+    parse_envelope,
+    parse_input_required,
+    parse_listen_filter,
+    shape_handshake_result,
+    shape_modern_result,
+)
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, RESERVED_SERVER, SEARCH_TOOL, SEPARATOR
+from coffer_src.search.semantic import Embedder, SemanticRanker
+from coffer_src.search.text import bounded_top_k
 from coffer_src.secret_store import resolution_digest
-from coffer_src.vault import CapabilityState, InvocationLog, Vault, setting_key
+from coffer_src.terminal import log, printable, redact
+from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.transport.stdio import StdioTransport, process_table
 from coffer_src.upstream.definitions import SERVER_REQUEST_NEEDS, normalized_reply
 from coffer_src.upstream.supervisor import Ticket, Upstream
-from coffer_src.search.text import bounded_top_k
-from coffer_src.search.semantic import Embedder, SemanticRanker
-from coffer_src.catalogue import Catalogue, Route
-from coffer_src.knowledge.base import KnowledgeBase
-from coffer_src.gateway.builtins import (
-    ASK_SAMPLING_BUDGET, ASK_TOOL_DEFINITION, CLIENT_SIDE_CAPABILITIES, INSTRUCTIONS, Question,
-    REMEMBER_TOOL_DEFINITION, SEARCH_TOOL_DEFINITION, _require_str, budget_tools, client_family, expose_mode)
+from coffer_src.vault import CapabilityState, InvocationLog, Vault, setting_key
+
 
 @dataclass
 class ForwardedCall:
@@ -202,8 +252,8 @@ class Gateway:
                 return
             log.warning("a reply could not be encoded (%s); the client gets an error instead", exc)
             data = encode_line(rpc_error(msg_id, INTERNAL_ERROR, "Internal error: the reply is not encodable JSON"))
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("coffer -> client: %s", _trace(data))
+        if wire_log.isEnabledFor(logging.DEBUG):
+            wire_log.debug("coffer -> client: %s", wire_text(data))
         with self.out_lock:
             self._unsent.append(data)
             self._unsent_bytes += len(data)
@@ -301,8 +351,8 @@ class Gateway:
         return changed
 
     def handle_line(self, line) -> None:
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("client -> coffer: %s", _trace(line))
+        if wire_log.isEnabledFor(logging.DEBUG):
+            wire_log.debug("client -> coffer: %s", wire_text(line))
         if isinstance(line, OversizedLine):
             limit = int(self.settings["max_message_bytes"])
             self.send(rpc_error(request_id_in(line.head), INVALID_REQUEST,

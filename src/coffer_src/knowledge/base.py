@@ -1,4 +1,4 @@
-"""Knowledge base: the user's documents and notes behind coffer__ask and coffer__remember.
+"""Knowledge base: the user's documents and notes behind coffer__ask and __remember.
 
 A knowledge source is a folder of Markdown / plain text / reStructuredText.  Files are split into passages along
 headings and paragraphs (each passage knows its file, heading path and line range), stored in coffer.db
@@ -29,17 +29,40 @@ import time
 from typing import NamedTuple
 
 from coffer_src.errors import CofferError
-from coffer_src.terminal import log, redact
 from coffer_src.jsonrpc import dumps
-from coffer_src.vault import (
-    EMBEDDING_SCHEMA, KNOWLEDGE_FTS_SCHEMA, KNOWLEDGE_SCHEMA, Vault, _Transaction, iso_timestamp, utcnow)
-from coffer_src.search.lexicon import TRANSLATION_WEIGHT
-from coffer_src.search.text import knowledge_terms, translations
-from coffer_src.search.semantic import Embedder, EmbedderError, SemanticIndex, fuse, text_hash
 from coffer_src.knowledge.documents import (
-    FoundFile, KNOWLEDGE_DEFAULT_GLOBS, KNOWLEDGE_SOURCE_RE, KnowledgeLimits, MEMORY_ID_RE, MEMORY_SOURCE,
-    MEMORY_TAG_RE, Passage, ROOT_UNREADABLE, _CONTROL_CHARS_RE, document_kind, glob_regex, parse_front_matter,
-    read_document, split_lines, split_passages, walk_source)
+    _CONTROL_CHARS_RE,
+    KNOWLEDGE_DEFAULT_GLOBS,
+    KNOWLEDGE_SOURCE_RE,
+    MEMORY_ID_RE,
+    MEMORY_SOURCE,
+    MEMORY_TAG_RE,
+    ROOT_UNREADABLE,
+    FoundFile,
+    KnowledgeLimits,
+    Passage,
+    document_kind,
+    glob_regex,
+    parse_front_matter,
+    read_document,
+    split_lines,
+    split_passages,
+    walk_source,
+)
+from coffer_src.search.lexicon import TRANSLATION_WEIGHT
+from coffer_src.search.semantic import Embedder, EmbedderError, SemanticIndex, fuse, text_hash
+from coffer_src.search.text import knowledge_terms, translations
+from coffer_src.terminal import log, redact
+from coffer_src.vault import (
+    EMBEDDING_SCHEMA,
+    KNOWLEDGE_FTS_SCHEMA,
+    KNOWLEDGE_SCHEMA,
+    Vault,
+    _Transaction,
+    iso_timestamp,
+    utcnow,
+)
+
 
 def _path_words(path: str) -> str:
     stem_part = path.rsplit(".", 1)[0] if "." in path.rsplit("/", 1)[-1] else path

@@ -1,4 +1,4 @@
-"""Knowledge documents: splitting Markdown, reStructuredText and text into passages; walking a folder."""
+"""Knowledge documents: text split into passages along headings; walking a folder."""
 
 from __future__ import annotations
 

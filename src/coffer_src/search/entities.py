@@ -1,4 +1,4 @@
-"""Search entities: typed values in a query matched against what a tool's parameters accept."""
+"""Search entities: typed values in a query, matched to what parameters accept."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ ENTITY_KINDS = (
           "timezone tz zone"),
     _kind("repo", r"(?:^|(?<=\s))[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(?=#\d|[\s,.;:!?)]|$)", "repo repository owner"),
     _kind("number_ref", r"(?:^|(?<=[\s/\w]))#\d+\b", "number issue pull pr"),
-    _kind("sql", r"\b(?:select\s.+?\sfrom|insert\s+into|update\s+\w+\s+set|delete\s+from|(?:create|alter|drop)\s+table)\b",
+    _kind("sql", r"\b(?:select\s.+?\sfrom|insert\s+into|update\s+\w+\s+set|delete\s+from"
+                 r"|(?:create|alter|drop)\s+table)\b",
           "sql query statement", flags=re.IGNORECASE | re.DOTALL),
     _kind("cron", r"(?:^|(?<=\s))(?:[\d*/,-]+\s+){4}[\d*/,-]+(?=\s|$)", "cron schedule expression"),
     _kind("date", r"\b\d{4}-\d{2}-\d{2}\b", "date day start end since until", "date date-time"),

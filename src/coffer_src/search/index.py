@@ -20,12 +20,31 @@ from typing import NamedTuple
 
 from coffer_src.jsonrpc import TOP_K_DEFAULT
 from coffer_src.names import SEPARATOR
+from coffer_src.search.entities import (
+    _INFO_CUES,
+    _INFO_MODIFIERS,
+    _QUESTION_STARTS,
+    _WEB_WORDS,
+    EntityKind,
+    QueryEntity,
+    query_entities,
+)
 from coffer_src.search.lexicon import EQUIVALENCE_WEIGHT, STOP_WORDS, TRANSLATION_WEIGHT
 from coffer_src.search.text import (
-    ABBREVIATIONS, EQUIVALENCES, ToolTexts, _collect_parameters, _words, analyse_texts, bounded_query, bounded_top_k,
-    singular, stem, surface_words, translations)
-from coffer_src.search.entities import (
-    EntityKind, QueryEntity, _INFO_CUES, _INFO_MODIFIERS, _QUESTION_STARTS, _WEB_WORDS, query_entities)
+    ABBREVIATIONS,
+    EQUIVALENCES,
+    ToolTexts,
+    _collect_parameters,
+    _words,
+    analyse_texts,
+    bounded_query,
+    bounded_top_k,
+    singular,
+    stem,
+    surface_words,
+    translations,
+)
+
 
 class CollectorPause:
     """Pauses Python's cyclic garbage collector around an index build.  A build allocates hundreds of thousands

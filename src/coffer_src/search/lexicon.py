@@ -1,4 +1,4 @@
-"""Search lexicon: stop words, equivalences, abbreviations and the multilingual lexicon."""
+"""Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon."""
 
 from __future__ import annotations
 

@@ -17,21 +17,21 @@ import sqlite3
 import threading
 import time
 
-from coffer_src.errors import CofferError
-from coffer_src.terminal import log, redact
+from coffer_src.errors import CofferError, CofferException
 from coffer_src.jsonrpc import EncodeError, decode_json, encode_line
 from coffer_src.names import SEPARATOR, origin_text
-from coffer_src.secret_store import SecretStore
-from coffer_src.vault import EMBEDDING_SCHEMA, Vault, _Transaction, utcnow
-from coffer_src.transport.stdio import UpstreamFailure
-from coffer_src.transport.http import remote_http
-from coffer_src.search.text import _words, bounded_query
 from coffer_src.search.index import SearchIndex
+from coffer_src.search.text import _words, bounded_query
+from coffer_src.secret_store import SecretStore
+from coffer_src.terminal import log, redact
+from coffer_src.transport.http import remote_http
+from coffer_src.transport.stdio import UpstreamFailure
+from coffer_src.vault import EMBEDDING_SCHEMA, Vault, _Transaction, utcnow
 
 HYBRID_ALPHA = 0.45  # share of the lexical score in the hybrid blend (chosen on the eval sets; see fuse)
 
 
-class EmbedderError(Exception):
+class EmbedderError(CofferException):
     """The embeddings endpoint failed, timed out, or answered with something that is not embeddings."""
 
 

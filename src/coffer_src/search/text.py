@@ -12,8 +12,20 @@ from typing import Iterable, NamedTuple
 
 from coffer_src.jsonrpc import TOP_K_DEFAULT, TOP_K_MAX
 from coffer_src.search.lexicon import (
-    KNOWLEDGE_STOP_WORDS, LEXICON, SEPARABLE_VERBS, STOP_WORDS, _ABBREVIATIONS, _CJK_RE, _EQUIVALENCES,
-    _GERMAN_PARTICLES, _GERMAN_PARTICLE_SET, _IRREGULAR, _LEXICON_CJK, _LEXICON_ENDINGS, _parse_lexicon)
+    _ABBREVIATIONS,
+    _CJK_RE,
+    _EQUIVALENCES,
+    _GERMAN_PARTICLE_SET,
+    _GERMAN_PARTICLES,
+    _IRREGULAR,
+    _LEXICON_CJK,
+    _LEXICON_ENDINGS,
+    KNOWLEDGE_STOP_WORDS,
+    LEXICON,
+    SEPARABLE_VERBS,
+    STOP_WORDS,
+    _parse_lexicon,
+)
 
 SEARCH_QUERY_MAX_CHARS = 2_000
 

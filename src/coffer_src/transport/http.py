@@ -1,14 +1,14 @@
-"""HTTP plumbing: redirect-safe requests, origins, bounded bodies and SSE event streams."""
+"""HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams."""
 
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
 
-from coffer_src.terminal import log, printable, redact
 from coffer_src import __version__
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, decode_json, encode_line
 from coffer_src.names import origin_text, same_origin, url_origin
+from coffer_src.terminal import log, printable, redact
 from coffer_src.transport.stdio import UpstreamFailure
 
 OAUTH_SECRET_PREFIX = "oauth."          # SecretStore name of a server's saved login: oauth.<server>
@@ -64,7 +64,9 @@ def remote_http(method: str, url: str, *, headers=None, body: bytes | None = Non
     at most MAX_REDIRECTS times; any other raises OriginRefused.
     """
     global _http_opener
-    import http.client, urllib.error, urllib.request  # noqa: E401 - lazily: ~19 MB of RSS
+    import http.client  # noqa: E401 - lazily: ~19 MB of RSS
+    import urllib.error
+    import urllib.request
     if _http_opener is None:
         class _Decline(urllib.request.HTTPRedirectHandler):
             def redirect_request(self, *args, **kwargs):

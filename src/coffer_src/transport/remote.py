@@ -1,4 +1,4 @@
-"""Remote transports: Streamable HTTP, legacy HTTP+SSE, and probing which one a server speaks."""
+"""Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks."""
 
 from __future__ import annotations
 
@@ -8,15 +8,30 @@ import time
 import urllib.parse
 from typing import NamedTuple
 
-from coffer_src.terminal import log, printable
 from coffer_src.jsonrpc import UPSTREAM_ERROR, encode_line, request_id_in, rpc_error
-from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.names import origin_text, same_origin, url_origin
-from coffer_src.transport.stdio import Transport, UpstreamFailure
-from coffer_src.transport.http import (
-    HttpReply, OriginRefused, SseEvent, _ERROR_BODY_BYTES, _SESSION_ID_RE, _close_reply, _content_type, _messages_of,
-    _probe_initialize, _reply_text, abort_stream, read_sse_events, remote_http, settle_stream, stream_errors)
 from coffer_src.oauth import OAuthCredentials, authorized_exchange
+from coffer_src.terminal import log, printable
+from coffer_src.threads import WorkerPool, start_thread
+from coffer_src.transport.http import (
+    _ERROR_BODY_BYTES,
+    _SESSION_ID_RE,
+    HttpReply,
+    OriginRefused,
+    SseEvent,
+    _close_reply,
+    _content_type,
+    _messages_of,
+    _probe_initialize,
+    _reply_text,
+    abort_stream,
+    read_sse_events,
+    remote_http,
+    settle_stream,
+    stream_errors,
+)
+from coffer_src.transport.stdio import Transport, UpstreamFailure
+
 
 class HttpTransport(Transport):
     """An upstream MCP server over Streamable HTTP; every exchange goes through ``authorized_exchange``.

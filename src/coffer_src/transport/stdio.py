@@ -1,4 +1,4 @@
-"""Stdio transport: an upstream as a subprocess, its process family, and the transport interface."""
+"""Stdio transport: an upstream as a subprocess, and the transport interface."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import subprocess
 import threading
 from typing import NamedTuple
 
-from coffer_src.terminal import log
+from coffer_src.errors import CofferException
 from coffer_src.jsonrpc import OversizedLine, decode_json, encode_line, handle_burst, read_line_bursts
+from coffer_src.terminal import log
 from coffer_src.threads import start_thread
 
 
-
-class UpstreamFailure(Exception):
+class UpstreamFailure(CofferException):
     """An upstream could not be started, initialized or reached.
 
     ``permanent``: retrying cannot help (a command that is not installed, a URL that is not a URL, HTTP 401/403/404),
@@ -40,8 +40,9 @@ class Transport:
     Callbacks run on the transport's own threads: ``on_message(dict)`` for each message, ``on_close()`` once when
     the connection ends, ``on_unusable(head, why)`` for a message that cannot be used (over max_message_bytes, not
     JSON, nested too deeply) so the request it answers can fail at once, ``on_failure(request_id, text)`` for a
-    request that never got through (remote transports), and ``on_stderr(line)`` for a subprocess's diagnostics.  ``send`` returns False when the connection no longer
-    accepts input and raises EncodeError for a message that cannot be written.  ``fatal`` is set when the
+    request that never got through (remote transports), and ``on_stderr(line)`` for a subprocess's diagnostics.
+    ``send`` returns False when the connection no longer accepts input and raises EncodeError for a message that
+    cannot be written.  ``fatal`` is set when the
     connection failed in a way retrying cannot fix; ``close_reason`` says, once it ended, what ended it.
     """
 

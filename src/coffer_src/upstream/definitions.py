@@ -1,12 +1,11 @@
-"""Upstream definitions: the checks every tool, prompt and resource passes at the boundary."""
+"""Upstream definitions: the checks every tool, prompt and resource passes."""
 
 from __future__ import annotations
 
-
-from coffer_src.terminal import printable
+from coffer_src.errors import CofferException
 from coffer_src.jsonrpc import UPSTREAM_ERROR, dumps, rpc_error
+from coffer_src.terminal import printable
 from coffer_src.vault import storable
-
 
 # -- what an upstream may say, checked at the boundary -------------------------------------------------------
 # An upstream is code nobody here wrote.  Its definitions are validated before they reach the catalogue (one bad
@@ -26,7 +25,7 @@ _ANNOTATION_HINTS = ("readOnlyHint", "destructiveHint", "idempotentHint", "openW
 _IDENTIFIER = {"tool": "name", "prompt": "name", "resource": "uri", "template": "uriTemplate"}
 
 
-class Rejected(ValueError):
+class Rejected(CofferException, ValueError):
     """A definition that cannot be repaired safely: it is dropped, with a warning and an audit row."""
 
 

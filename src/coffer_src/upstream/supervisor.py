@@ -1,4 +1,4 @@
-"""Upstream supervisor: one registered server's connection, requests, lists and restarts."""
+"""Upstream supervisor: one server's connection, requests, lists and restarts."""
 
 from __future__ import annotations
 
@@ -10,22 +10,47 @@ from dataclasses import dataclass
 from typing import Callable
 
 from coffer_src import __version__
-from coffer_src.terminal import log, printable, redact
 from coffer_src.jsonrpc import (
-    EncodeError, INTERNAL_ERROR, LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, _trace, request_id_in,
-    rpc_error, rpc_result, valid_request_id)
-from coffer_src.threads import start_thread
+    INTERNAL_ERROR,
+    LATEST_PROTOCOL_VERSION,
+    METHOD_NOT_FOUND,
+    EncodeError,
+    request_id_in,
+    rpc_error,
+    rpc_result,
+    valid_request_id,
+    wire_log,
+    wire_text,
+)
 from coffer_src.modern import (
-    DiscoverVerdict, ENVELOPE_KEYS, Envelope, META_SERVER_INFO, MODERN_PROTOCOL_VERSIONS,
-    UNSUPPORTED_PROTOCOL_VERSION, classify_discover_reply, stamp_envelope, strip_envelope)
+    ENVELOPE_KEYS,
+    META_SERVER_INFO,
+    MODERN_PROTOCOL_VERSIONS,
+    UNSUPPORTED_PROTOCOL_VERSION,
+    DiscoverVerdict,
+    Envelope,
+    classify_discover_reply,
+    stamp_envelope,
+    strip_envelope,
+)
 from coffer_src.names import REMOTE_TRANSPORTS
 from coffer_src.secret_store import SecretStore, expand_vars, resolution_digest, upstream_environment
-from coffer_src.vault import CAPABILITY_KINDS, storable
-from coffer_src.transport.stdio import StdioTransport, Transport, UpstreamFailure
+from coffer_src.terminal import log, printable, redact
+from coffer_src.threads import start_thread
 from coffer_src.transport.remote import make_remote_transport
+from coffer_src.transport.stdio import StdioTransport, Transport, UpstreamFailure
 from coffer_src.upstream.definitions import (
-    LIST_CHANGED, RELAYED_NOTIFICATIONS, Rejected, SERVER_REQUEST_NEEDS, _IDENTIFIER, _clean_strings,
-    check_definition, normalized_reply)
+    _IDENTIFIER,
+    LIST_CHANGED,
+    RELAYED_NOTIFICATIONS,
+    SERVER_REQUEST_NEEDS,
+    Rejected,
+    _clean_strings,
+    check_definition,
+    normalized_reply,
+)
+from coffer_src.vault import CAPABILITY_KINDS, storable
+
 
 class TokenBucket:
     """``rate`` events a second with bursts of ``burst``: how a flood from one upstream is cut to size without
@@ -523,8 +548,8 @@ class Upstream:
         params = self.prepare(method, params, envelope)
         if params is not None:
             message["params"] = params
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("coffer -> %s: %s", self.name, _trace(message))
+        if wire_log.isEnabledFor(logging.DEBUG):
+            wire_log.debug("coffer -> %s: %s", self.name, wire_text(message))
         try:
             sent = transport is not None and transport.send(message)
         except EncodeError as exc:
@@ -665,8 +690,8 @@ class Upstream:
 
     # -- incoming ------------------------------------------------------------------------------------------
     def _on_message(self, message: dict) -> None:
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s -> coffer: %s", self.name, _trace(message))
+        if wire_log.isEnabledFor(logging.DEBUG):
+            wire_log.debug("%s -> coffer: %s", self.name, wire_text(message))
         method = message.get("method")
         if method is None:
             msg_id = message.get("id")
