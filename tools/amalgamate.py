@@ -42,6 +42,7 @@ DIST_NAME = "coffer"  # logger names and banners say coffer.<module>, as users s
 # The layer order: each module may import only the standard library and modules above it in this list.
 LAYERS = (
     "errors",
+    "resources",
     "terminal",
     "jsonrpc",
     "threads",
