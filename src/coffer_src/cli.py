@@ -33,7 +33,8 @@ from coffer_src.clients.move_in import (
 )
 from coffer_src.errors import CofferError, NotListedYet
 from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
-from coffer_src.gateway.session import Gateway
+from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.session import ClientSession
 from coffer_src.jsonrpc import decode_json
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
@@ -715,13 +716,14 @@ def cmd_serve(vault: Vault, args) -> int:
     vault.actor = "gateway"
 
     def client_gone():
-        gateway.shutdown()
+        hub.shutdown()
         os._exit(0)  # the main thread is blocked reading a client that will never write again
 
-    gateway = Gateway(vault, remember=not args.live, on_client_gone=client_gone, only=args.only)
+    hub = Hub(vault, remember=not args.live, only=args.only)
+    session = ClientSession(hub, on_client_gone=client_gone)
 
     def on_signal(signum, frame):
-        if not gateway._stopping.is_set():  # a second signal must not interrupt the shutdown itself
+        if not hub.stopping:  # a second signal must not interrupt the shutdown itself
             raise SystemExit(0)
 
     for name in ("SIGTERM", "SIGHUP"):
@@ -731,11 +733,12 @@ def cmd_serve(vault: Vault, args) -> int:
         if sys.stdin.isatty() and sys.stderr.isatty():
             log.info("coffer serve speaks MCP on stdin/stdout and waits for a client; an agent starts it itself "
                      "(e.g. `claude mcp add coffer -- coffer serve`). Ctrl-C to quit.")
-        gateway.serve(sys.stdin.buffer)
+        hub.start()
+        session.serve(sys.stdin.buffer)
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
-        gateway.shutdown()
+        hub.shutdown()
     return 0
 
 
