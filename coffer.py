@@ -27,21 +27,21 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       3906  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
       4443  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
       4577  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
-      5373  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      5588  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6070  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6169  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6546  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6840  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7008  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
-      7505  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8351  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8514  gateway.session       Gateway session: the MCP server a client talks to.
-     10099  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10269  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10937  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11704  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11920  cli                   Command line: coffer's commands.
+      5376  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      5591  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6073  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6172  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6549  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6843  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7011  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
+      7508  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8354  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8517  gateway.session       Gateway session: the MCP server a client talks to.
+     10102  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10272  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     10940  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11707  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     11923  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -4669,6 +4669,7 @@ class Upstream:
                     "resource": ("resources/list", "resources", "resources"),
                     "template": ("resources/templates/list", "resourceTemplates", "resources")}
     QUICK_DEATH = 10.0  # a server that dies this soon after becoming ready counts as a failed start
+    RESTART_CEILING = 30.0  # the longest wait between two starts of a crash-looping server
 
     def __init__(self, config: dict, settings: dict, events, client_capabilities=None, protocol_version=None,
                  secrets: SecretStore | None = None, client_info: dict | None = None):
@@ -4912,8 +4913,9 @@ class Upstream:
 
     def _count_failure(self, reason: str, permanent: bool):
         """Record a failed start or a quick death: (give up?, seconds before the next attempt, backlog to fail).
-        The one place the backoff rule lives: 0.5 s doubling to 30 s, max_restarts in a row, or at once if
-        retrying cannot help.  (None, 0, []) if the upstream was stopped meanwhile."""
+        Restarts wait by the one backoff rule (threads.backoff_delay) from the hidden setting restart_backoff
+        (tests shorten it), doubling to 30 s; max_restarts in a row, or at once if retrying cannot help, mark the
+        server failed.  (None, 0, []) if the upstream was stopped meanwhile."""
         with self.lock:
             if self.state == "stopped":
                 return None, 0.0, []
@@ -4924,7 +4926,8 @@ class Upstream:
             backlog = self.backlog if give_up else []
             if give_up:
                 self.backlog = []
-            return give_up, min(30.0, 0.5 * 2 ** (self.failures - 1)), backlog
+            base = float(self.settings.get("restart_backoff", 0.5))
+            return give_up, backoff_delay(self.failures - 1, base, self.RESTART_CEILING), backlog
 
     def _after_failure(self, give_up: bool, delay: float, backlog: list[QueuedRequest]) -> None:
         if give_up:
