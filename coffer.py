@@ -27,25 +27,25 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       3911  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
       4448  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
       4582  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
-      5378  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      5593  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6075  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6174  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6551  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6845  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7018  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
-      7515  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8361  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8474  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      8784  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9208  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9540  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-      9872  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10478  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10648  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11316  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12083  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12299  cli                   Command line: coffer's commands.
+      5381  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      5596  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6078  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6177  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6554  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6848  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7021  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
+      7518  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8364  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8477  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      8787  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9211  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9543  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+      9875  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10481  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10651  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11319  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12086  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12302  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -4674,6 +4674,7 @@ class Upstream:
                     "resource": ("resources/list", "resources", "resources"),
                     "template": ("resources/templates/list", "resourceTemplates", "resources")}
     QUICK_DEATH = 10.0  # a server that dies this soon after becoming ready counts as a failed start
+    RESTART_CEILING = 30.0  # the longest wait between two starts of a crash-looping server
 
     def __init__(self, config: dict, settings: dict, events, client_capabilities=None, protocol_version=None,
                  secrets: SecretStore | None = None, client_info: dict | None = None):
@@ -4917,8 +4918,9 @@ class Upstream:
 
     def _count_failure(self, reason: str, permanent: bool):
         """Record a failed start or a quick death: (give up?, seconds before the next attempt, backlog to fail).
-        The one place the backoff rule lives: 0.5 s doubling to 30 s, max_restarts in a row, or at once if
-        retrying cannot help.  (None, 0, []) if the upstream was stopped meanwhile."""
+        Restarts wait by the one backoff rule (threads.backoff_delay) from the hidden setting restart_backoff
+        (tests shorten it), doubling to 30 s; max_restarts in a row, or at once if retrying cannot help, mark the
+        server failed.  (None, 0, []) if the upstream was stopped meanwhile."""
         with self.lock:
             if self.state == "stopped":
                 return None, 0.0, []
@@ -4929,7 +4931,8 @@ class Upstream:
             backlog = self.backlog if give_up else []
             if give_up:
                 self.backlog = []
-            return give_up, min(30.0, 0.5 * 2 ** (self.failures - 1)), backlog
+            base = float(self.settings.get("restart_backoff", 0.5))
+            return give_up, backoff_delay(self.failures - 1, base, self.RESTART_CEILING), backlog
 
     def _after_failure(self, give_up: bool, delay: float, backlog: list[QueuedRequest]) -> None:
         if give_up:
