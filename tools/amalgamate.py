@@ -70,6 +70,10 @@ LAYERS = (
     "gateway/routing",
     "gateway/bridge",
     "gateway/session",
+    "service/channel",
+    "service/relay",
+    "service/server",
+    "service/commands",
     "probe",
     "clients/files",
     "clients/move_in",
@@ -327,6 +331,14 @@ def build() -> tuple[str, list[tuple[int, str, int]]]:
         for name, names in module_froms.items():
             froms.setdefault(name, set()).update(names)
         bodies.append(rewritten_lines(module, drop))
+    bound_by: dict[str, str] = {}
+    for source, names in sorted(froms.items()):
+        for name in names:
+            bound = name.split(" as ")[-1]
+            if bound in bound_by and bound_by[bound] != source:
+                raise BuildError(f"{bound} is imported from both {bound_by[bound]} and {source}; in one namespace "
+                                 f"one would silently replace the other")
+            bound_by[bound] = source
     imported = {name.split(" as ")[-1].split(".")[0] for name in plain}
     imported |= {name.split(" as ")[-1] for names in froms.values() for name in names}
     clash = imported & set(owner)

@@ -9,7 +9,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import sqlite3
 import sys
 from datetime import datetime, timezone
@@ -33,8 +32,6 @@ from coffer_src.clients.move_in import (
 )
 from coffer_src.errors import CofferError, NotListedYet
 from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
-from coffer_src.gateway.hub import Hub
-from coffer_src.gateway.session import ClientSession
 from coffer_src.jsonrpc import decode_json
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
@@ -61,10 +58,11 @@ from coffer_src.oauth import (
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
 from coffer_src.secret_store import expand_vars, parse_env_assignment, plan_literals, plan_url_literals, save_secrets
+from coffer_src.service.commands import add_service_commands
 from coffer_src.terminal import _print_table, configure_logging, log, printable, redact, say, say_json
 from coffer_src.transport.remote import probe_transport
 from coffer_src.transport.stdio import UpstreamFailure
-from coffer_src.vault import DEFAULTS, Vault, _did_you_mean, _state, coffer_home, setting_key, utcnow
+from coffer_src.vault import DEFAULTS, SHARING_MODES, Vault, _did_you_mean, _state, coffer_home, setting_key, utcnow
 
 
 def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
@@ -399,6 +397,11 @@ def cmd_approve(vault: Vault, args) -> int:
 
 
 def cmd_policy(vault: Vault, args) -> int:
+    if args.policy in SHARING_MODES:
+        vault.set_sharing(args.server, args.policy, "the user's choice" if args.policy == "per-client" else None)
+        say(f"{args.server} runs once for every client" if args.policy == "shared" else
+            f"{args.server} runs once per client session (each with its own client's roots and identity)")
+        return 0
     vault.set_policy(args.server, args.policy)
     say({"enabled": f"new capabilities of {args.server} will be enabled",
          "disabled": f"new capabilities of {args.server} will be disabled",
@@ -712,36 +715,6 @@ def cmd_memory(vault: Vault, args) -> int:
     return 0
 
 
-def cmd_serve(vault: Vault, args) -> int:
-    vault.actor = "gateway"
-
-    def client_gone():
-        hub.shutdown()
-        os._exit(0)  # the main thread is blocked reading a client that will never write again
-
-    hub = Hub(vault, remember=not args.live, only=args.only)
-    session = ClientSession(hub, on_client_gone=client_gone)
-
-    def on_signal(signum, frame):
-        if not hub.stopping:  # a second signal must not interrupt the shutdown itself
-            raise SystemExit(0)
-
-    for name in ("SIGTERM", "SIGHUP"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), on_signal)
-    try:
-        if sys.stdin.isatty() and sys.stderr.isatty():
-            log.info("coffer serve speaks MCP on stdin/stdout and waits for a client; an agent starts it itself "
-                     "(e.g. `claude mcp add coffer -- coffer serve`). Ctrl-C to quit.")
-        hub.start()
-        session.serve(sys.stdin.buffer)
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        hub.shutdown()
-    return 0
-
-
 EPILOG = """
 examples:
   coffer add time -- uvx mcp-server-time
@@ -818,11 +791,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("approve", cmd_approve, "accept a changed tool/prompt/resource definition after reading the diff "
                                         "(a server name approves all of its changes; no target lists them)")
     p.add_argument("target", nargs="?")
-    p = command("policy", cmd_policy, "what a server's new capabilities start as (enabled|disabled), and whether "
+    p = command("policy", cmd_policy, "what a server's new capabilities start as (enabled|disabled), whether "
                                       "its changed definitions apply at once (trust-updates) or wait for `coffer "
-                                      "approve` (pin-updates, the default)")
+                                      "approve` (pin-updates, the default), and whether the service runs it once "
+                                      "for every client (shared, the default) or once per client (per-client)")
     p.add_argument("server")
-    p.add_argument("policy", choices=("enabled", "disabled", "trust-updates", "pin-updates"))
+    p.add_argument("policy", choices=("enabled", "disabled", "trust-updates", "pin-updates", *SHARING_MODES))
     p = command("secret", cmd_secret, "the secret store: set NAME (prompted, or from stdin), list, rm NAME")
     p.add_argument("action", choices=("set", "list", "rm"))
     p.add_argument("name", nargs="?")
@@ -855,11 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?")
     p.add_argument("--json", action="store_true")
-    p = command("serve", cmd_serve, "run the MCP gateway on stdio (what an agent's config runs)")
-    p.add_argument("--live", action="store_true",
-                   help="list only what started servers offer now; by default a server still starting is "
-                        "listed as it was at its last start, and a change is announced when it is up")
-    p.add_argument("--only", action="append", metavar="SERVER", help=argparse.SUPPRESS)
+    add_service_commands(command)
     add_client_commands(command)
     return parser
 

@@ -55,6 +55,9 @@ DEFAULTS = {
     "mrtr_ttl": 300.0,              # seconds a 2026-07-28 client has to answer a question an upstream asked mid-call
     "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them
     "ask_synthesis": "on",          # on: coffer__ask may ask the client's own model (sampling) for an answer
+    "serve_mode": "service",        # service: `coffer serve` relays to the user's shared service; standalone: not
+    "service_idle_exit": 600.0,     # seconds the service stays up with no client attached
+    "upstream_idle_stop": "off",    # off, or seconds a shared upstream may go without a call before it is stopped
 }
 
 
@@ -89,7 +92,9 @@ CREATE TABLE IF NOT EXISTS servers (
     updates TEXT NOT NULL DEFAULT 'pin',     -- 'pin': a changed definition waits for `coffer approve`; 'trust'
     oauth TEXT,                              -- JSON: OAuth client settings (client_id, client_secret_env, login_at);
                                              -- names and a time only: tokens live in the secret store
-    era TEXT                                 -- 'handshake' or 'modern' (MCP 2026-07-28) at its last start; NULL: probe
+    era TEXT,                                -- 'handshake' or 'modern' (MCP 2026-07-28) at its last start; NULL: probe
+    sharing TEXT NOT NULL DEFAULT 'shared',  -- the service runs one instance for every client, or 'per-client'
+    sharing_reason TEXT                      -- why it runs per client: the user's choice, or what Coffer saw
 );
 CREATE TABLE IF NOT EXISTS capabilities (
     server TEXT NOT NULL,
@@ -125,11 +130,14 @@ MIGRATIONS = (
     ("servers", "updates", "TEXT NOT NULL DEFAULT 'pin'"),
     ("servers", "oauth", "TEXT"),
     ("servers", "era", "TEXT"),
+    ("servers", "sharing", "TEXT NOT NULL DEFAULT 'shared'"),
+    ("servers", "sharing_reason", "TEXT"),
     ("capabilities", "approved", "TEXT"),
     ("capabilities", "approved_definition", "TEXT"),
 )
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+SHARING_MODES = ("shared", "per-client")
 TRANSPORTS = ("stdio", "http", "sse", "auto")
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
@@ -448,6 +456,17 @@ class Vault:
                            " WHERE server=? AND approved IS NOT fingerprint", (name,))
             self._audit(db, "policy", name, f"{column}: {old} -> {value}")
 
+    def set_sharing(self, name: str, sharing: str, reason: str | None = None) -> None:
+        """shared: the service runs one instance of the server for every client; per-client: one per client
+        session (a server whose answers depend on its client).  ``reason`` says why (shown by `coffer show`)."""
+        if sharing not in SHARING_MODES:
+            raise CofferError(f"bad sharing mode {sharing!r}: use shared or per-client")
+        with self.transaction() as db:
+            old = self._require_server(db, name)["sharing"]
+            db.execute("UPDATE servers SET sharing=?, sharing_reason=? WHERE name=?", (sharing, reason, name))
+            if old != sharing:
+                self._audit(db, "sharing", name, f"{old} -> {sharing}" + (f": {reason}" if reason else ""))
+
     def record_status(self, name: str, status: str, detail: str | None, capabilities: dict | None = None) -> None:
         with self.transaction() as db:
             db.execute("UPDATE servers SET status=?, status_detail=?, status_at=?,"
@@ -764,6 +783,9 @@ def _server_row(row) -> dict:
     server.setdefault("era", None)
     if server["era"] not in (None, "handshake", "modern"):
         server["era"] = None
+    if server.setdefault("sharing", "shared") not in SHARING_MODES:
+        server["sharing"] = "shared"
+    server.setdefault("sharing_reason", None)
     try:
         if not isinstance(server["name"], str) or not SERVER_NAME_RE.match(server["name"]) or \
                 server["name"].lower() == RESERVED_SERVER:
@@ -806,6 +828,13 @@ def setting_key(key: str) -> str:
     return "expose" if PER_CLIENT_SETTING_RE.match(key) else key
 
 
+def _positive_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text)) and float(text) > 0
+    except ValueError:
+        return False
+
+
 def _checked_setting(key: str, raw):
     """A setting's value from the CLI (text) or the vault (JSON), converted and range-checked, or CofferError."""
     key = setting_key(key)
@@ -828,6 +857,10 @@ def _checked_setting(key: str, raw):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
     if key in ("memory", "ask_synthesis") and value not in ("on", "off"):
         raise CofferError(f"{key} must be on or off")
+    if key == "serve_mode" and value not in ("service", "standalone"):
+        raise CofferError("serve_mode must be service or standalone")
+    if key == "upstream_idle_stop" and value != "off" and not _positive_number(value):
+        raise CofferError("upstream_idle_stop must be off or a number of seconds")
     if key == "max_message_bytes" and value < 4096:
         raise CofferError("max_message_bytes must be at least 4096")
     if isinstance(value, (int, float)) and value <= 0:

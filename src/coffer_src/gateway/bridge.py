@@ -100,14 +100,12 @@ class EraBridge:
         token upstream (a retry is a new request with a new token), mapped back to the token of the request
         that now stands for the call; None when nobody is to see it."""
         token = params.get("progressToken")
-        if not self.progress_calls or not isinstance(token, str):
-            return params
         with self.session.lock:
-            call = self.progress_calls.get(token)
+            call = self.progress_calls.get(token) if isinstance(token, str) else None
             meta = call.client_params.get("_meta") if call is not None and call.state is CallState.ANSWERING \
                 else None
         if call is None:
-            return params
+            return None  # not a token of this session's calls
         if not isinstance(meta, dict) or not valid_request_id(meta.get("progressToken")):
             return None  # detached while a question is out, or the current request asked for no progress
         return {**params, "progressToken": meta["progressToken"]}
@@ -115,24 +113,31 @@ class EraBridge:
     def call_finished(self, call: ForwardedCall, cancelled: bool = False) -> None:
         """Forget what the bridge kept for a call that is over (caller holds the session's lock)."""
         if cancelled:
-            self.progress_calls.pop(call.progress_token, None)
+            self._forget_progress(call)
             if call.exchange is not None:
                 self.exchanges.pop(call.exchange, None)
         elif call.progress_token is not None and not call.exchange:
-            self.progress_calls.pop(call.progress_token, None)
+            self._forget_progress(call)
 
-    # -- a 2026-07-28 client's call, before it is sent ----------------------------------------------------------
-    def before_send(self, call: ForwardedCall, params: dict) -> bool:
-        """Prepare a 2026-07-28 client's call: its progress goes through a token of Coffer's, and questions its
-        upstream asked before any call could carry them are asked first.  True when the call was parked for
-        them (it is sent once they are answered)."""
+    def _forget_progress(self, call: ForwardedCall) -> None:
+        if call.progress_token is not None:
+            self.progress_calls.pop(call.progress_token, None)
+            self.hub.forget_progress(call.progress_token)
+
+    # -- a call, before it is sent ------------------------------------------------------------------------------
+    def track_progress(self, call: ForwardedCall, params: dict, meta: dict) -> None:
+        """The call's progress goes upstream under a token of Coffer's, mapped back to the token of the client
+        request that stands for the call (a 2026-07-28 client's retry is a new request with a new token, and
+        two clients' tokens may be the same)."""
+        call.progress_token = self.hub.progress_token(self.session)
+        with self.session.lock:
+            self.progress_calls[call.progress_token] = call
+        call.upstream_params = {**params, "_meta": {**meta, "progressToken": call.progress_token}}
+
+    def carry_orphans(self, call: ForwardedCall) -> bool:
+        """A 2026-07-28 client's call asks first the questions its upstream asked before any call could carry
+        them.  True when the call was parked for them (it is sent once they are answered)."""
         session = self.session
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-        if valid_request_id(meta.get("progressToken")):
-            with session.lock:
-                call.progress_token = session.new_id("coffer-progress-")
-                self.progress_calls[call.progress_token] = call
-            call.upstream_params = {**params, "_meta": {**meta, "progressToken": call.progress_token}}
         with session.lock:
             orphans = self.orphan_questions.pop(call.upstream.name, [])
             if orphans:  # the upstream asked before any call could carry the question: this one carries it first
@@ -283,11 +288,11 @@ class EraBridge:
                 arguments, started, params, {"claims": claims, "responses": responses}))
             return None
         if "s" in claims:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says now
-            upstream = self.hub.upstreams.get(claims["s"])
+            upstream = session.upstream_named(claims["s"])
             catalogue = self.hub.catalogue
             route = (catalogue.tool_routes if method == "tools/call" else catalogue.prompt_routes).get(
                 params.get("name")) if method != "resources/read" else catalogue.route_resource(params["uri"])
-            if upstream is None or route is None or route.upstream is not upstream:
+            if upstream is None or route is None or route.upstream.name != upstream.name:
                 raise RpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
             key = "uri" if method == "resources/read" else "name"
             upstream_params = {k: v for k, v in params.items() if k != "requestState"}
@@ -340,7 +345,7 @@ class EraBridge:
             stale = [call for call in self.exchanges.values() if call.parked_until <= now]
             for call in stale:
                 del self.exchanges[call.exchange]
-                self.progress_calls.pop(call.progress_token, None)
+                self._forget_progress(call)
         for call in stale:
             for question in call.questions.values():
                 call.upstream.respond(rpc_error(question.upstream_id, INTERNAL_ERROR, "the client never answered"))
