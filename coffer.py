@@ -28,20 +28,20 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       4443  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
       4577  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
       5373  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      5588  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6070  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6169  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6546  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6840  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7008  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
-      7505  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8351  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8514  gateway.session       Gateway session: the MCP server a client talks to.
-     10099  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10269  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10937  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11704  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11920  cli                   Command line: coffer's commands.
+      5447  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      5929  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6028  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6405  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6699  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      6867  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
+      7364  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8210  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8373  gateway.session       Gateway session: the MCP server a client talks to.
+      9958  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10128  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     10796  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11563  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     11779  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5380,204 +5380,67 @@ class Upstream:
 # src/coffer_src/search/lexicon.py
 # Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
 # ============================================================================================================
+# The word lists are data files in search/words/ (each says its format at its top; tests/test_lexicon_data.py
+# checks them), read here once at import.  In coffer.py their text is inlined by the generator.
 
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
 
 
-STOP_WORDS = frozenset("""
-a about above after again all also am an and any are as at be been before being below between both but by can
-could did do does doing down during each few for from further had has have having he her here hers him his how i
-if in into is it its itself just let me more most my no nor not now of off on once only or other our ours out
-over own please same she should so some such than that the their theirs them then there these they this those
-through to too under until up very was we were what when where which while who whom why will with would you
-your yours want need like using use via tool tools mcp server help could kindly
-s t d m ll re ve don doesn didn isn aren wasn weren haven hasn hadn couldn shouldn wouldn
-""".split())  # the last line: what is left of "what's", "don't", "I'd", "we've" once the apostrophe splits them
-
-_IRREGULAR = {"children": "child", "people": "person", "men": "man", "women": "woman", "data": "data",
-              "analyses": "analysis", "indices": "index", "media": "media", "news": "news", "status": "status",
-              "bus": "bus", "gas": "gas", "alias": "alias", "canvas": "canvas", "https": "http"}
+def word_file_entries(text: str) -> list[tuple[int, str]]:
+    """(line number, text) of each entry of a word file: every line that is neither blank nor a comment."""
+    return [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1)
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
-_EQUIVALENCES = """
-create new add make generate insert build compose
-delete remove drop erase destroy trash purge
-list enumerate show browse all
-search find query lookup look locate discover seek
-send post notify message publish tell dm announce
-fetch get read retrieve load obtain open view
-update edit modify change patch set rename alter
-screenshot capture snapshot screen
-run execute exec invoke launch start trigger
-stop kill terminate halt cancel abort
-write save store put persist
-upload attach
-download save
-file document doc
-directory folder dir
-issue ticket bug task
-pull merge pr
-email mail gmail inbox
-chat conversation channel slack
-web internet online website site page url link
-image picture photo img
-translate translation language
-weather forecast temperature
-time timezone clock date
-calendar event meeting schedule appointment
-repo repository project
-user person member people account profile
-navigate go visit browse
-click press tap
-remember memory recall note knowledge
-sql database db table
-convert transform export
-summarize summary tldr digest
-price cost quote
-stock share ticker market
-map location place address geocode direction route
-video youtube movie
-song music track playlist
-deploy release ship
-error exception crash failure
-comment reply review
-dialog popup modal
-coordinates latitude longitude
-elevation altitude height
-"""
+def word_file_words(text: str) -> list[str]:
+    """The words of a one-word-a-line file, in order."""
+    return [entry for _, entry in word_file_entries(text)]
+
+
+def word_file_table(text: str) -> dict[str, tuple[str, ...]]:
+    """A ``KEY = WORD [WORD ...]`` file as {key: words}, in file order; keys NFKC-normalised and lowercased as the
+    analyser's words are (the validator requires the file to say them so already)."""
+    table = {}
+    for _, entry in word_file_entries(text):
+        key, _, words = entry.partition("=")
+        table[unicodedata.normalize("NFKC", key.strip()).lower()] = tuple(words.split())
+    return table
+
+
+STOP_WORDS = frozenset(word_file_words('# Stop words of tool search: the words of a request that say nothing about which tool it wants ("please",\n# "using", "tool", "server", ...).  They are dropped from queries and from tool texts alike (search/text.py).\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a line, written as\n# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with \'#\' are comments;\n# blank lines are ignored; no word is listed twice.\na\nabout\nabove\nafter\nagain\nall\nalso\nam\nan\nand\nany\nare\nas\nat\nbe\nbeen\nbefore\nbeing\nbelow\nbetween\nboth\nbut\nby\ncan\ncould\ndid\ndo\ndoes\ndoing\ndown\nduring\neach\nfew\nfor\nfrom\nfurther\nhad\nhas\nhave\nhaving\nhe\nher\nhere\nhers\nhim\nhis\nhow\ni\nif\nin\ninto\nis\nit\nits\nitself\njust\nlet\nme\nmore\nmost\nmy\nno\nnor\nnot\nnow\nof\noff\non\nonce\nonly\nor\nother\nour\nours\nout\nover\nown\nplease\nsame\nshe\nshould\nso\nsome\nsuch\nthan\nthat\nthe\ntheir\ntheirs\nthem\nthen\nthere\nthese\nthey\nthis\nthose\nthrough\nto\ntoo\nunder\nuntil\nup\nvery\nwas\nwe\nwere\nwhat\nwhen\nwhere\nwhich\nwhile\nwho\nwhom\nwhy\nwill\nwith\nwould\nyou\nyour\nyours\nwant\nneed\nlike\nusing\nuse\nvia\ntool\ntools\nmcp\nserver\nhelp\nkindly\n# What is left of "what\'s", "don\'t", "I\'d", "we\'ve" once the apostrophe splits them:\ns\nt\nd\nm\nll\nre\nve\ndon\ndoesn\ndidn\nisn\naren\nwasn\nweren\nhaven\nhasn\nhadn\ncouldn\nshouldn\nwouldn\n'))
+# Tool-search stop words minus the words that carry meaning in documentation ("development server", "--help").
+KNOWLEDGE_STOP_WORDS = STOP_WORDS - frozenset(word_file_words('# Stop words of tool search that the knowledge base keeps: in documentation they carry meaning ("development\n# server", "--help", "MCP tools").  Every word here must be in stop_words.txt.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a line, written as\n# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with \'#\' are comments;\n# blank lines are ignored; no word is listed twice.\nserver\nhelp\ntool\ntools\nmcp\n'))
+
+_IRREGULAR = {word: terms[0] for word, terms in word_file_table('# Irregular forms: words the suffix stripper (search/text.py: stem, singular) would get wrong, and the index\n# term each stands for.  A word mapped to itself is kept from stripping ("news" is not the plural of "new").\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     WORD = TERM\n# WORD lowercase letters, longer than three (stem() leaves shorter words alone and never looks them up); TERM is\n# used as the word\'s index term as it is, so it is its own stem.  Lines starting with \'#\' are comments; blank\n# lines are ignored; no word is listed twice.\nchildren = child\npeople = person\nmen = man\nwomen = woman\ndata = data\nanalyses = analysis\nindices = index\nmedia = media\nnews = news\nstatus = status\nbus = bus\ngas = gas\nalias = alias\ncanvas = canvas\nhttps = http\n').items()}
+_EQUIVALENCE_GROUPS = [tuple(entry.split())
+                       for _, entry in word_file_entries('# Equivalences of tool search: groups of words an agent uses for one another ("delete" / "remove" / "drop").  A\n# query word also counts as the other words of its group, at EQUIVALENCE_WEIGHT (search/lexicon.py).  A word may\n# be in several groups ("save": write, download); it then stands for the words of each.\n#\n# Format (read by search/lexicon.py, checked by tests/test_lexicon_data.py): UTF-8 text, one group a line, its\n# words separated by spaces, each one an index term (a word the analyser keeps as one term of its own, not a stop\n# word), none twice in a group.  A line whose first non-blank character is \'#\' is a comment; blank lines are\n# ignored.\ncreate new add make generate insert build compose\ndelete remove drop erase destroy trash purge\nlist enumerate show browse all\nsearch find query lookup look locate discover seek\nsend post notify message publish tell dm announce\nfetch get read retrieve load obtain open view\nupdate edit modify change patch set rename alter\nscreenshot capture snapshot screen\nrun execute exec invoke launch start trigger\nstop kill terminate halt cancel abort\nwrite save store put persist\nupload attach\ndownload save\nfile document doc\ndirectory folder dir\nissue ticket bug task\npull merge pr\nemail mail gmail inbox\nchat conversation channel slack\nweb internet online website site page url link\nimage picture photo img\ntranslate translation language\nweather forecast temperature\ntime timezone clock date\ncalendar event meeting schedule appointment\nrepo repository project\nuser person member people account profile\nnavigate go visit browse\nclick press tap\nremember memory recall note knowledge\nsql database db table\nconvert transform export\nsummarize summary tldr digest\nprice cost quote\nstock share ticker market\nmap location place address geocode direction route\nvideo youtube movie\nsong music track playlist\ndeploy release ship\nerror exception crash failure\ncomment reply review\ndialog popup modal\ncoordinates latitude longitude\nelevation altitude height\n')]
 # Shorthand an agent writes for words a tool's description spells out ("open a PR" = pull request): in a query
 # they also count as the full words, at TRANSLATION_WEIGHT.
-_ABBREVIATIONS = """
-pr=pull_request prs=pull_request mr=merge_request mrs=merge_request k8s=kubernetes gh=github
-repo=repository repos=repository env=environment envs=environment config=configuration configs=configuration
-cfg=configuration msg=message msgs=message db=database dbs=database dir=directory dirs=directory
-docs=documentation auth=authentication info=information dm=direct_message dms=direct_message org=organization
-orgs=organization pkg=package pkgs=package deps=dependency img=image imgs=image pic=picture pics=picture
-vid=video vids=video addr=address stats=statistics tz=timezone calc=calculate txn=transaction
-txns=transaction perf=performance prod=production dev=development
-"""
+_ABBREVIATION_WORDS = word_file_table('# Shorthand an agent writes for words a tool\'s description spells out ("open a PR" = pull request): in a query\n# a key also counts as its words, at TRANSLATION_WEIGHT (search/lexicon.py).  Tool search only.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with \'#\' are comments; blank lines are ignored; no\n# key is listed twice.\npr = pull request\nprs = pull request\nmr = merge request\nmrs = merge request\nk8s = kubernetes\ngh = github\nrepo = repository\nrepos = repository\nenv = environment\nenvs = environment\nconfig = configuration\nconfigs = configuration\ncfg = configuration\nmsg = message\nmsgs = message\ndb = database\ndbs = database\ndir = directory\ndirs = directory\ndocs = documentation\nauth = authentication\ninfo = information\ndm = direct message\ndms = direct message\norg = organization\norgs = organization\npkg = package\npkgs = package\ndeps = dependency\nimg = image\nimgs = image\npic = picture\npics = picture\nvid = video\nvids = video\naddr = address\nstats = statistics\ntz = timezone\ncalc = calculate\ntxn = transaction\ntxns = transaction\nperf = performance\nprod = production\ndev = development\n')
 
 EQUIVALENCE_WEIGHT = 0.35
 TRANSLATION_WEIGHT = 0.8
 
-# Common tool-domain words in other languages, mapped to English index terms.  CJK keys match as substrings.
-_LEXICON = """
-搜索=search 查找=find 查询=query 检索=search 天气=weather 文件=file 读取=read 创建=create 新建=create
-删除=delete 发送=send 消息=message 邮件=email 翻译=translate 图片=image 图像=image 截图=screenshot
-网页=web_page 网站=website 日历=calendar 时间=time 时区=timezone 股票=stock 股价=stock_price 价格=price
-地图=map 地址=address 位置=location 问题=issue 仓库=repository 数据库=database 列出=list 列表=list
-下载=download 上传=upload 运行=run 执行=execute 视频=video 音乐=music 笔记=note 任务=task 会议=meeting
-提交=commit 代码=code 目录=directory 文件夹=folder 用户=user 评论=comment 合并=merge 分支=branch
-总结=summarize 摘要=summary 转换=convert 生成=generate 图表=chart 新闻=news 热搜=trending 热门=trending
-记忆=memory 浏览器=browser 点击=click 导航=navigate 链接=link 表格=table 文档=document 写入=write
-保存=save 编辑=edit 修改=update 更新=update 获取=get 汇率=exchange_rate 货币=currency 航班=flight
-酒店=hotel 天=day 排行=rank 论文=paper 数学=math 计算=calculate 音频=audio 语音=speech 识别=recognize
-検索=search 天気=weather ファイル=file 作成=create 削除=delete 送信=send メッセージ=message メール=email
-翻訳=translate 画像=image 写真=photo スクリーンショット=screenshot 予定=event カレンダー=calendar
-時刻=time 時間=time 株価=stock_price 地図=map 一覧=list リポジトリ=repository データベース=database
-読み込=read 読む=read 書き込=write 保存=save 更新=update 取得=get 課題=issue イシュー=issue 会議=meeting
-ブラウザ=browser クリック=click ページ=page ニュース=news 動画=video 音楽=music 要約=summarize 変換=convert
-buscar=search busca=search crear=create crea=create borrar=delete eliminar=delete elimina=delete enviar=send
-envía=send envia=send mensaje=message correo=email archivo=file archivos=file fichero=file clima=weather
-tiempo=weather traducir=translate traduce=translate imagen=image captura=screenshot calendario=calendar
-evento=event reunión=meeting leer=read lee=read escribir=write escribe=write listar=list lista=list
-precio=price acciones=stock carpeta=folder página=page pagina=page noticias=news tarea=task hora=time
-suchen=search suche=search erstellen=create erstelle=create löschen=delete lösche=delete senden=send
-sende=send nachricht=message datei=file dateien=file wetter=weather übersetzen=translate übersetze=translate
-bild=image bildschirmfoto=screenshot kalender=calendar termin=event lesen=read lies=read schreiben=write
-liste=list auflisten=list preis=price aktie=stock aktienkurs=stock_price ordner=folder seite=page
-nachrichten=news aufgabe=task uhrzeit=time zeit=time besprechung=meeting
-rechercher=search chercher=search cherche=search créer=create crée=create supprimer=delete supprime=delete
-envoyer=send envoie=send fichier=file fichiers=file météo=weather traduire=translate traduis=translate
-calendrier=calendar événement=event lire=read écrire=write lister=list prix=price dossier=folder
-actualités=news tâche=task heure=time réunion=meeting courriel=email
-ファイル一覧=file_list 現在=current 时刻=time 時刻=time 几点=time 现在=current 当前=current 最新=latest
-最近=recent 状态=status 状態=status 差异=diff 差分=diff 分支=branch ブランチ=branch 扩容=scale 副本=replica
-配当=dividend 分红=dividend 股息=dividend 详细=detail 详情=detail 詳細=detail 频道=channel チャンネル=channel
-打开=open 開いて=open 开=open 按钮=button ボタン=button 页面=page 内容=content 表=table 提交记录=commit_log
-日志=log ログ=log 作成して=create 読んで=read 表示=show 显示=show 查看=view 一覧を=list 取得して=get
-数据=data 节点=node 命名空间=namespace 部署=deploy 容器=container 镜像=image 端口=port 转发=forward
-aktuell=current aktuelle=current aktuellen=current aktueller=current jetzt=current gerade=current spät=time
-uhr=time verzeichnis=directory verzeichnisse=directory baum=tree aktien=stock kurs=price kurse=price
-informationen=information bildschirm=screen foto=photo
-routen=route routenplanung=directions planung=plan dividende=dividend dividenden=dividend
-historie=history verlauf=history anmelde=login anmeldung=login knopf=button schaltfläche=button
-protokoll=log protokolle=log kanal=channel kanäle=channel adresse=address koordinaten=coordinates
-projekt=project änderung=change änderungen=change zweig=branch
-letzte=last letzten=latest neueste=latest neuigkeiten=news schlagzeilen=headlines neu=new neuen=new neuer=new
-neues=new tabelle=table zeile=row spalte=column benutzer=user nutzer=user konto=account passwort=password
-rechnung=invoice zahlung=payment bestellung=order kunde=customer kunden=customer kommentar=comment
-kommentare=comment antwort=reply antworte=reply größe=size grösse=size inhalt=content inhalte=content
-wiederherstellen=restore speichere=save speichern=save öffne=open öffnen=open verschiebe=move verschieben=move
-umbenennen=rename benenne=rename kopiere=copy kopieren=copy vergleiche=compare vergleichen=compare
-zusammenfassung=summary fasse=summarize erkläre=explain übersicht=overview abhängigkeiten=dependencies
-datenbank=database abfrage=query tabellen=table zeitzone=timezone stadt=city wo=location entfernung=distance
-höhe=elevation ort=place orte=place
-アップロード=upload ダウンロード=download ディレクトリ=directory フォルダ=folder フォルダー=folder ツリー=tree
-スケール=scale レプリカ=replica デプロイ=deploy コンテナ=container イメージ=image ポッド=pod ノード=node
-ユーザー=user ユーザ=user アカウント=account パスワード=password プロジェクト=project タスク=task チケット=ticket
-コメント=comment プルリクエスト=pull_request マージ=merge コミット=commit タグ=tag リリース=release ビルド=build
-エラー=error バグ=bug ドキュメント=document テーブル=table クエリ=query スキーマ=schema レコード=record
-スプレッドシート=spreadsheet シート=sheet グラフ=chart チャート=chart レポート=report リンク=link ウェブ=web
-サイト=website タブ=tab フォーム=form テキスト=text ノート=note メモ=note メモリ=memory スレッド=thread イベント=event
-スケジュール=schedule リマインダー=reminder タイムゾーン=timezone コード=code スクリプト=script コマンド=command
-ターミナル=terminal プロセス=process サーバー=server サーバ=server ポート=port キャッシュ=cache
-バックアップ=backup インストール=install パッケージ=package バージョン=version ステータス=status
-ログイン=login トークン=token インボイス=invoice カスタマー=customer 天気予報=weather_forecast 価格=price
-株式=stock 編集=edit 実行=run 返信=reply 移動=move 複製=copy コピー=copy 名前変更=rename
-比較=compare 説明=explain 開く=open 追加=add 支払い=payment 請求書=invoice 顧客=customer 注文=order
-파일=file 폴더=folder 디렉토리=directory 디렉터리=directory 트리=tree 검색=search 찾기=find 찾아=find
-생성=create 만들=create 만드=create 삭제=delete 지워=delete 지우=delete 전송=send 보내=send 메시지=message 메일=email
-번역=translate 이미지=image 사진=photo 스크린샷=screenshot 웹=web 페이지=page 캘린더=calendar 일정=event
-시간=time 날씨=weather 주가=stock_price 주식=stock 가격=price 지도=map 주소=address 위치=location 이슈=issue
-저장소=repository 리포지토리=repository 데이터베이스=database 목록=list 다운로드=download 업로드=upload
-실행=run 동영상=video 음악=music 노트=note 메모=note 메모리=memory 작업=task 회의=meeting 커밋=commit 코드=code
-사용자=user 댓글=comment 병합=merge 브랜치=branch 요약=summarize 변환=convert 차트=chart 뉴스=news
-브라우저=browser 클릭=click 링크=link 테이블=table 문서=document 저장=save 편집=edit 수정=update
-업데이트=update 조회=view 열어=open 열기=open 읽어=read 읽기=read 로그=log 채널=channel 버튼=button
-배포=deploy 컨테이너=container 노드=node 포트=port 상태=status 현재=current 최신=latest 최근=recent
-환율=exchange_rate 항공편=flight 호텔=hotel 결제=payment 청구서=invoice 고객=customer 주문=order
-스케일=scale 복제본=replica 레플리카=replica
-arquivo=file arquivos=file criar=create excluir=delete apagar=delete pesquisar=search procurar=search
-previsão=forecast mensagem=message mensagens=message usuário=user repositório=repository baixar=download
-tarefa=task tarefas=task reunião=meeting comentário=comment traduzir=translate imagem=image
-endereço=address localização=location notícias=news preço=price planilha=spreadsheet resumir=summarize
-cartella=folder cercare=search creare=create eliminare=delete
-inviare=send invia=send messaggio=message messaggi=message utente=user immagine=image indirizzo=address
-notizie=news prezzo=price riunione=meeting commento=comment tradurre=translate traduci=translate
-scaricare=download scarica=download caricare=upload carica=upload riassumere=summarize riassumi=summarize
-meteo=weather previsioni=forecast
-"""
-
-
-def _parse_lexicon(text: str) -> dict[str, tuple[str, ...]]:
-    table = {}
-    for pair in text.split():
-        key, _, value = pair.partition("=")
-        table[unicodedata.normalize("NFKC", key).lower()] = tuple(value.split("_"))
-    return table
-
-
+# Common tool-domain words in other languages, mapped to English index terms: one table, one file a language.
+# CJK keys match as substrings.
+LEXICON = {
+    **word_file_table("# Chinese (zh) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Chinese in a request or a document meets English words.\n# Han words Japanese writes alike (保存, 更新, 最新, 最近, 内容, ...) are listed here, once for both languages.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n搜索 = search\n查找 = find\n查询 = query\n检索 = search\n天气 = weather\n文件 = file\n读取 = read\n创建 = create\n新建 = create\n删除 = delete\n发送 = send\n消息 = message\n邮件 = email\n翻译 = translate\n图片 = image\n图像 = image\n截图 = screenshot\n网页 = web page\n网站 = website\n日历 = calendar\n时间 = time\n时区 = timezone\n股票 = stock\n股价 = stock price\n价格 = price\n地图 = map\n地址 = address\n位置 = location\n问题 = issue\n仓库 = repository\n数据库 = database\n列出 = list\n列表 = list\n下载 = download\n上传 = upload\n运行 = run\n执行 = execute\n视频 = video\n音乐 = music\n笔记 = note\n任务 = task\n会议 = meeting\n提交 = commit\n代码 = code\n目录 = directory\n文件夹 = folder\n用户 = user\n评论 = comment\n合并 = merge\n分支 = branch\n总结 = summarize\n摘要 = summary\n转换 = convert\n生成 = generate\n图表 = chart\n新闻 = news\n热搜 = trending\n热门 = trending\n记忆 = memory\n浏览器 = browser\n点击 = click\n导航 = navigate\n链接 = link\n表格 = table\n文档 = document\n写入 = write\n保存 = save\n编辑 = edit\n修改 = update\n更新 = update\n获取 = get\n汇率 = exchange rate\n货币 = currency\n航班 = flight\n酒店 = hotel\n天 = day\n排行 = rank\n论文 = paper\n数学 = math\n计算 = calculate\n音频 = audio\n语音 = speech\n识别 = recognize\n时刻 = time\n几点 = time\n现在 = current\n当前 = current\n最新 = latest\n最近 = recent\n状态 = status\n差异 = diff\n扩容 = scale\n副本 = replica\n分红 = dividend\n股息 = dividend\n详细 = detail\n详情 = detail\n频道 = channel\n打开 = open\n开 = open\n按钮 = button\n页面 = page\n内容 = content\n表 = table\n提交记录 = commit log\n日志 = log\n显示 = show\n查看 = view\n数据 = data\n节点 = node\n命名空间 = namespace\n部署 = deploy\n容器 = container\n镜像 = image\n端口 = port\n转发 = forward\n"),
+    **word_file_table("# Japanese (ja) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Japanese in a request or a document meets English words.\n# Han words Chinese writes alike (保存, 更新, 最新, 最近, 内容, ...) are in lexicon_zh.txt, once for both.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n検索 = search\n天気 = weather\nファイル = file\n作成 = create\n削除 = delete\n送信 = send\nメッセージ = message\nメール = email\n翻訳 = translate\n画像 = image\n写真 = photo\nスクリーンショット = screenshot\n予定 = event\nカレンダー = calendar\n時刻 = time\n時間 = time\n株価 = stock price\n地図 = map\n一覧 = list\nリポジトリ = repository\nデータベース = database\n読み込 = read\n読む = read\n書き込 = write\n取得 = get\n課題 = issue\nイシュー = issue\n会議 = meeting\nブラウザ = browser\nクリック = click\nページ = page\nニュース = news\n動画 = video\n音楽 = music\n要約 = summarize\n変換 = convert\nファイル一覧 = file list\n現在 = current\n状態 = status\n差分 = diff\nブランチ = branch\n配当 = dividend\n詳細 = detail\nチャンネル = channel\n開いて = open\nボタン = button\nログ = log\n作成して = create\n読んで = read\n表示 = show\n一覧を = list\n取得して = get\nアップロード = upload\nダウンロード = download\nディレクトリ = directory\nフォルダ = folder\nフォルダー = folder\nツリー = tree\nスケール = scale\nレプリカ = replica\nデプロイ = deploy\nコンテナ = container\nイメージ = image\nポッド = pod\nノード = node\nユーザー = user\nユーザ = user\nアカウント = account\nパスワード = password\nプロジェクト = project\nタスク = task\nチケット = ticket\nコメント = comment\nプルリクエスト = pull request\nマージ = merge\nコミット = commit\nタグ = tag\nリリース = release\nビルド = build\nエラー = error\nバグ = bug\nドキュメント = document\nテーブル = table\nクエリ = query\nスキーマ = schema\nレコード = record\nスプレッドシート = spreadsheet\nシート = sheet\nグラフ = chart\nチャート = chart\nレポート = report\nリンク = link\nウェブ = web\nサイト = website\nタブ = tab\nフォーム = form\nテキスト = text\nノート = note\nメモ = note\nメモリ = memory\nスレッド = thread\nイベント = event\nスケジュール = schedule\nリマインダー = reminder\nタイムゾーン = timezone\nコード = code\nスクリプト = script\nコマンド = command\nターミナル = terminal\nプロセス = process\nサーバー = server\nサーバ = server\nポート = port\nキャッシュ = cache\nバックアップ = backup\nインストール = install\nパッケージ = package\nバージョン = version\nステータス = status\nログイン = login\nトークン = token\nインボイス = invoice\nカスタマー = customer\n天気予報 = weather forecast\n価格 = price\n株式 = stock\n編集 = edit\n実行 = run\n返信 = reply\n移動 = move\n複製 = copy\nコピー = copy\n名前変更 = rename\n比較 = compare\n説明 = explain\n開く = open\n追加 = add\n支払い = payment\n請求書 = invoice\n顧客 = customer\n注文 = order\n"),
+    **word_file_table("# Korean (ko) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Korean in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n파일 = file\n폴더 = folder\n디렉토리 = directory\n디렉터리 = directory\n트리 = tree\n검색 = search\n찾기 = find\n찾아 = find\n생성 = create\n만들 = create\n만드 = create\n삭제 = delete\n지워 = delete\n지우 = delete\n전송 = send\n보내 = send\n메시지 = message\n메일 = email\n번역 = translate\n이미지 = image\n사진 = photo\n스크린샷 = screenshot\n웹 = web\n페이지 = page\n캘린더 = calendar\n일정 = event\n시간 = time\n날씨 = weather\n주가 = stock price\n주식 = stock\n가격 = price\n지도 = map\n주소 = address\n위치 = location\n이슈 = issue\n저장소 = repository\n리포지토리 = repository\n데이터베이스 = database\n목록 = list\n다운로드 = download\n업로드 = upload\n실행 = run\n동영상 = video\n음악 = music\n노트 = note\n메모 = note\n메모리 = memory\n작업 = task\n회의 = meeting\n커밋 = commit\n코드 = code\n사용자 = user\n댓글 = comment\n병합 = merge\n브랜치 = branch\n요약 = summarize\n변환 = convert\n차트 = chart\n뉴스 = news\n브라우저 = browser\n클릭 = click\n링크 = link\n테이블 = table\n문서 = document\n저장 = save\n편집 = edit\n수정 = update\n업데이트 = update\n조회 = view\n열어 = open\n열기 = open\n읽어 = read\n읽기 = read\n로그 = log\n채널 = channel\n버튼 = button\n배포 = deploy\n컨테이너 = container\n노드 = node\n포트 = port\n상태 = status\n현재 = current\n최신 = latest\n최근 = recent\n환율 = exchange rate\n항공편 = flight\n호텔 = hotel\n결제 = payment\n청구서 = invoice\n고객 = customer\n주문 = order\n스케일 = scale\n복제본 = replica\n레플리카 = replica\n"),
+    **word_file_table("# Spanish (es) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Spanish in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\nbuscar = search\nbusca = search\ncrear = create\ncrea = create\nborrar = delete\neliminar = delete\nelimina = delete\nenviar = send\nenvía = send\nenvia = send\nmensaje = message\ncorreo = email\narchivo = file\narchivos = file\nfichero = file\nclima = weather\ntiempo = weather\ntraducir = translate\ntraduce = translate\nimagen = image\ncaptura = screenshot\ncalendario = calendar\nevento = event\nreunión = meeting\nleer = read\nlee = read\nescribir = write\nescribe = write\nlistar = list\nlista = list\nprecio = price\nacciones = stock\ncarpeta = folder\npágina = page\npagina = page\nnoticias = news\ntarea = task\nhora = time\n"),
+    **word_file_table('# German (de) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which German in a request or a document meets English words.\n# Verbs split over a clause ("lade ... hoch") are in german_separable_verbs.txt; a compound of two words listed\n# here ("Verzeichnisbaum" = directory tree) is understood without being listed.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with \'#\' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\nsuchen = search\nsuche = search\nerstellen = create\nerstelle = create\nlöschen = delete\nlösche = delete\nsenden = send\nsende = send\nnachricht = message\ndatei = file\ndateien = file\nwetter = weather\nübersetzen = translate\nübersetze = translate\nbild = image\nbildschirmfoto = screenshot\nkalender = calendar\ntermin = event\nlesen = read\nlies = read\nschreiben = write\nliste = list\nauflisten = list\npreis = price\naktie = stock\naktienkurs = stock price\nordner = folder\nseite = page\nnachrichten = news\naufgabe = task\nuhrzeit = time\nzeit = time\nbesprechung = meeting\naktuell = current\naktuelle = current\naktuellen = current\naktueller = current\njetzt = current\ngerade = current\nspät = time\nuhr = time\nverzeichnis = directory\nverzeichnisse = directory\nbaum = tree\naktien = stock\nkurs = price\nkurse = price\ninformationen = information\nbildschirm = screen\nfoto = photo\nrouten = route\nroutenplanung = directions\nplanung = plan\ndividende = dividend\ndividenden = dividend\nhistorie = history\nverlauf = history\nanmelde = login\nanmeldung = login\nknopf = button\nschaltfläche = button\nprotokoll = log\nprotokolle = log\nkanal = channel\nkanäle = channel\nadresse = address\nkoordinaten = coordinates\nprojekt = project\nänderung = change\nänderungen = change\nzweig = branch\nletzte = last\nletzten = latest\nneueste = latest\nneuigkeiten = news\nschlagzeilen = headlines\nneu = new\nneuen = new\nneuer = new\nneues = new\ntabelle = table\nzeile = row\nspalte = column\nbenutzer = user\nnutzer = user\nkonto = account\npasswort = password\nrechnung = invoice\nzahlung = payment\nbestellung = order\nkunde = customer\nkunden = customer\nkommentar = comment\nkommentare = comment\nantwort = reply\nantworte = reply\ngröße = size\ngrösse = size\ninhalt = content\ninhalte = content\nwiederherstellen = restore\nspeichere = save\nspeichern = save\nöffne = open\nöffnen = open\nverschiebe = move\nverschieben = move\numbenennen = rename\nbenenne = rename\nkopiere = copy\nkopieren = copy\nvergleiche = compare\nvergleichen = compare\nzusammenfassung = summary\nfasse = summarize\nerkläre = explain\nübersicht = overview\nabhängigkeiten = dependencies\ndatenbank = database\nabfrage = query\ntabellen = table\nzeitzone = timezone\nstadt = city\nwo = location\nentfernung = distance\nhöhe = elevation\nort = place\norte = place\n'),
+    **word_file_table("# French (fr) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which French in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\nrechercher = search\nchercher = search\ncherche = search\ncréer = create\ncrée = create\nsupprimer = delete\nsupprime = delete\nenvoyer = send\nenvoie = send\nfichier = file\nfichiers = file\nmétéo = weather\ntraduire = translate\ntraduis = translate\ncalendrier = calendar\névénement = event\nlire = read\nécrire = write\nlister = list\nprix = price\ndossier = folder\nactualités = news\ntâche = task\nheure = time\nréunion = meeting\ncourriel = email\n"),
+    **word_file_table("# Portuguese (pt) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Portuguese in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\narquivo = file\narquivos = file\ncriar = create\nexcluir = delete\napagar = delete\npesquisar = search\nprocurar = search\nprevisão = forecast\nmensagem = message\nmensagens = message\nusuário = user\nrepositório = repository\nbaixar = download\ntarefa = task\ntarefas = task\nreunião = meeting\ncomentário = comment\ntraduzir = translate\nimagem = image\nendereço = address\nlocalização = location\nnotícias = news\npreço = price\nplanilha = spreadsheet\nresumir = summarize\n"),
+    **word_file_table("# Italian (it) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Italian in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\ncartella = folder\ncercare = search\ncreare = create\neliminare = delete\ninviare = send\ninvia = send\nmessaggio = message\nmessaggi = message\nutente = user\nimmagine = image\nindirizzo = address\nnotizie = news\nprezzo = price\nriunione = meeting\ncommento = comment\ntradurre = translate\ntraduci = translate\nscaricare = download\nscarica = download\ncaricare = upload\ncarica = upload\nriassumere = summarize\nriassumi = summarize\nmeteo = weather\nprevisioni = forecast\n"),
+}
+_LEXICON_ENDINGS = frozenset(key[-3:] for key in LEXICON if len(key) >= 3)  # a compound ends in a lexicon word
 
 # German separable verbs: "Lade die Datei hoch" is hochladen (upload) with the particle at the clause's end.
 # Listed as infinitives; translations() rejoins a particle with an inflected verb form anywhere in the query.
-_SEPARABLE_VERBS = """
-hochladen=upload herunterladen=download runterladen=download anlegen=create hinzufügen=add anzeigen=show
-ansehen=view anschauen=view abrufen=fetch aufrufen=open umrechnen=convert umwandeln=convert auflisten=list
-ausführen=run einfügen=insert eintragen=add zurücksetzen=reset einloggen=login anmelden=login abmelden=logout
-aufnehmen=record abschicken=send absenden=send weiterleiten=forward zusammenfassen=summarize
-nachschlagen=lookup nachsehen=check herausfinden=find zusammenführen=merge festlegen=set einstellen=set
-abbrechen=cancel anhalten=stop ausschalten=disable einschalten=enable abspielen=play aufzeichnen=record
-hochskalieren=scale_up herunterfahren=shutdown neustarten=restart zurückrollen=rollback zurückgehen=back
-ausfüllen=fill auswählen=select anklicken=click weiterschicken=forward umbenennen=rename
-"""
-_GERMAN_PARTICLES = ("hoch", "herunter", "runter", "an", "ab", "auf", "aus", "ein", "hinzu", "um", "zu",
-                     "zurück", "weiter", "nach", "heraus", "zusammen", "fest", "neu")
+SEPARABLE_VERBS = word_file_table('# German separable verbs, as infinitives: "Lade die Datei hoch" is hochladen (upload) with its particle at the\n# clause\'s end.  translations() (search/text.py) rejoins a particle of german_particles.txt with an inflected verb\n# form anywhere in the text, so every verb here starts with one of those particles.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with \'#\' are comments; blank lines are ignored; no\n# key is listed twice.\nhochladen = upload\nherunterladen = download\nrunterladen = download\nanlegen = create\nhinzufügen = add\nanzeigen = show\nansehen = view\nanschauen = view\nabrufen = fetch\naufrufen = open\numrechnen = convert\numwandeln = convert\nauflisten = list\nausführen = run\neinfügen = insert\neintragen = add\nzurücksetzen = reset\neinloggen = login\nanmelden = login\nabmelden = logout\naufnehmen = record\nabschicken = send\nabsenden = send\nweiterleiten = forward\nzusammenfassen = summarize\nnachschlagen = lookup\nnachsehen = check\nherausfinden = find\nzusammenführen = merge\nfestlegen = set\neinstellen = set\nabbrechen = cancel\nanhalten = stop\nausschalten = disable\neinschalten = enable\nabspielen = play\naufzeichnen = record\nhochskalieren = scale up\nherunterfahren = shutdown\nneustarten = restart\nzurückrollen = rollback\nzurückgehen = back\nausfüllen = fill\nauswählen = select\nanklicken = click\nweiterschicken = forward\numbenennen = rename\n')
+_GERMAN_PARTICLES = tuple(word_file_words('# The particles German separable verbs split off ("hoch" of hochladen), in the order they are tried.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a line, written as\n# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with \'#\' are comments;\n# blank lines are ignored; no word is listed twice.\nhoch\nherunter\nrunter\nan\nab\nauf\naus\nein\nhinzu\num\nzu\nzurück\nweiter\nnach\nheraus\nzusammen\nfest\nneu\n'))
 _GERMAN_PARTICLE_SET = frozenset(_GERMAN_PARTICLES)
 
-LEXICON = _parse_lexicon(_LEXICON)
-_LEXICON_ENDINGS = frozenset(key[-3:] for key in LEXICON if len(key) >= 3)  # a compound ends in a lexicon word
-SEPARABLE_VERBS = _parse_lexicon(_SEPARABLE_VERBS)
 # The CJK keys of the lexicon by their first two characters (a one-character key by its one): a text's CJK runs
 # need testing only against the keys that start with one of their characters or character pairs.
 _LEXICON_CJK: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
@@ -5585,10 +5448,6 @@ for _key, _english in LEXICON.items():
     if _CJK_RE.search(_key):
         _LEXICON_CJK.setdefault(_key[:2], []).append((_key, _english))
 del _key, _english
-
-
-# Tool-search stop words minus the words that carry meaning in documentation ("development server", "--help").
-KNOWLEDGE_STOP_WORDS = STOP_WORDS - {"server", "help", "tool", "tools", "mcp"}
 
 
 # ============================================================================================================
@@ -5995,15 +5854,15 @@ def _translated(normal: str, german: bool = True) -> list[str]:
 
 def _build_equivalences() -> dict[str, tuple[str, ...]]:
     table: dict[str, set[str]] = collections.defaultdict(set)
-    for line in _EQUIVALENCES.strip().splitlines():
-        group = {stem(word) for word in line.split()}
+    for words in _EQUIVALENCE_GROUPS:
+        group = {stem(word) for word in words}
         for term in group:
             table[term] |= group - {term}
     return {term: tuple(sorted(others)) for term, others in table.items()}
 
 
 EQUIVALENCES = _build_equivalences()
-ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _parse_lexicon(_ABBREVIATIONS).items()}
+ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _ABBREVIATION_WORDS.items()}
 
 
 class ToolTexts(NamedTuple):

@@ -12,9 +12,9 @@ from typing import Iterable, NamedTuple
 
 from coffer_src.jsonrpc import TOP_K_DEFAULT, TOP_K_MAX
 from coffer_src.search.lexicon import (
-    _ABBREVIATIONS,
+    _ABBREVIATION_WORDS,
     _CJK_RE,
-    _EQUIVALENCES,
+    _EQUIVALENCE_GROUPS,
     _GERMAN_PARTICLE_SET,
     _GERMAN_PARTICLES,
     _IRREGULAR,
@@ -24,7 +24,6 @@ from coffer_src.search.lexicon import (
     LEXICON,
     SEPARABLE_VERBS,
     STOP_WORDS,
-    _parse_lexicon,
 )
 
 SEARCH_QUERY_MAX_CHARS = 2_000
@@ -426,15 +425,15 @@ def _translated(normal: str, german: bool = True) -> list[str]:
 
 def _build_equivalences() -> dict[str, tuple[str, ...]]:
     table: dict[str, set[str]] = collections.defaultdict(set)
-    for line in _EQUIVALENCES.strip().splitlines():
-        group = {stem(word) for word in line.split()}
+    for words in _EQUIVALENCE_GROUPS:
+        group = {stem(word) for word in words}
         for term in group:
             table[term] |= group - {term}
     return {term: tuple(sorted(others)) for term, others in table.items()}
 
 
 EQUIVALENCES = _build_equivalences()
-ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _parse_lexicon(_ABBREVIATIONS).items()}
+ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _ABBREVIATION_WORDS.items()}
 
 
 class ToolTexts(NamedTuple):
