@@ -31,17 +31,17 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5447  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       5929  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       6028  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6405  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6699  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      6867  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
-      7364  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8210  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8373  gateway.session       Gateway session: the MCP server a client talks to.
-      9958  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10128  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10796  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11563  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11779  cli                   Command line: coffer's commands.
+      6413  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6712  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      6880  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
+      7377  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8218  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8381  gateway.session       Gateway session: the MCP server a client talks to.
+      9966  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10136  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     10804  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11571  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     11787  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -6042,6 +6042,18 @@ _QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", 
 # matches at reduced weight, and a small cross-lingual lexicon lets common Chinese, Japanese, Spanish, German and
 # French words reach English tools.
 
+# BM25's term-frequency saturation: one constant for tool search and the knowledge base.
+BM25_K1 = 1.2
+
+
+def bm25_idf(documents: int, holders: float) -> float:
+    """The one BM25 idf, in the form that is never negative: log(1 + (N - df + 0.5) / (df + 0.5)) for a term
+    held by ``holders`` of ``documents`` documents; 0.0 for an empty collection."""
+    if not documents:
+        return 0.0
+    return math.log(1.0 + (documents - holders + 0.5) / (holders + 0.5))
+
+
 class CollectorPause:
     """Pauses Python's cyclic garbage collector around an index build.  A build allocates hundreds of thousands
     of small objects, none of them in cycles, and every collection those allocations trigger walks every live
@@ -6098,7 +6110,6 @@ class SearchIndex:
     # field: (weight, length-normalisation b)
     FIELDS = {"name": (3.0, 0.5), "server": (1.5, 0.3), "title": (2.0, 0.5), "description": (0.8, 0.75),
               "params": (0.5, 0.5), "param_text": (0.5, 0.75), "examples": (0.3, 0.75), "translated": (0.8, 0.75)}
-    K1 = 1.2
     # A tool whose server also holds the best match for the query is likelier to be wanted too (tasks span
     # several tools of one server): each tool gains this share of its server's best score.
     SERVER_BOOST = 0.2
@@ -6173,8 +6184,7 @@ class SearchIndex:
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
         self._web_tools_found: list[int] | None = None
         self._partners: dict[str, str | None] = {}
-        self._stem_cap = math.log(1.0 + (n - max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)
-                                  / (max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)) if n else 0.0
+        self._stem_cap = bm25_idf(n, max(1.0, self.STEM_ONLY_IDF_CAP * n))
 
     @staticmethod
     def _tool_texts(tool: dict) -> ToolTexts:
@@ -6246,8 +6256,7 @@ class SearchIndex:
                 return []
             holders = list(itertools.compress(range(len(self._doc_sets)),
                                               map(operator.contains, self._doc_sets, itertools.repeat(term))))
-            n, k1 = len(self._doc_sets), self.K1
-            idf = math.log(1.0 + (n - len(holders) + 0.5) / (len(holders) + 0.5))
+            idf, k1 = bm25_idf(len(self._doc_sets), len(holders)), BM25_K1
             # Field-weighted, length-normalised term frequency, a field at a time: the term is counted in every
             # holder's field in C, and Python arithmetic runs only where it occurs.
             fields = list(map(self._doc_fields.__getitem__, holders))
@@ -6282,8 +6291,7 @@ class SearchIndex:
     def _virtual_idf(self, holders: int) -> float:
         """The idf a query term would have if exactly ``holders`` tools held it: an entity kind or the
         general-information need is scored like one more query word, so it weighs less in a long request."""
-        n = len(self.tools)
-        return math.log(1.0 + (n - holders + 0.5) / (holders + 0.5)) if n else 0.0
+        return bm25_idf(len(self.tools), holders)
 
     def entity_tools(self, kind: EntityKind) -> list[tuple[int, float]]:
         """(doc id, strength) of the tools whose parameters take ``kind``: 1.0 by a parameter name or format,
@@ -6417,7 +6425,12 @@ class SearchIndex:
 # once, off the request path, and cached in coffer.db by model and text hash; a query is embedded under a short time
 # budget and the semantic ranking is fused with BM25.  Any failure answers with BM25 alone.
 
-HYBRID_ALPHA = 0.45  # share of the lexical score in the hybrid blend (chosen on the eval sets; see fuse)
+# The lexical share of the hybrid blend (see fuse), one for each kind of search.  Tool search: chosen on the
+# tool-search eval sets (evals.run --embedder).  Documentation passages are long and a question's exact words
+# matter, so the knowledge base gives the lexical ranking more weight: chosen on evals/ask.py, where tool search's
+# share made the hybrid worse than lexical alone (evals.ask --embedder prints both).
+HYBRID_ALPHA = 0.45
+KNOWLEDGE_HYBRID_ALPHA = 0.75
 
 
 class EmbedderError(CofferException):
@@ -7397,7 +7410,6 @@ class PassageIndex:
     """
 
     FIELDS = (("heading", 2.0, 0.5), ("body", 1.0, 0.75), ("path", 0.7, 0.3))
-    K1 = 1.2
 
     def __init__(self, rows):
         """``rows``: (passage id, source, heading terms, body terms, path terms), terms space-joined."""
@@ -7426,9 +7438,9 @@ class PassageIndex:
                     posting = raw[term] = (array.array("i"), array.array("f"))
                 posting[0].append(doc_id)
                 posting[1].append(value)
-        k1 = self.K1
+        k1 = BM25_K1
         for term, (docs, values) in raw.items():
-            idf = math.log(1.0 + (n - len(docs) + 0.5) / (len(docs) + 0.5))
+            idf = bm25_idf(n, len(docs))
             for k, value in enumerate(values):
                 values[k] = idf * value / (k1 + value)
         self.postings = raw
@@ -7550,10 +7562,6 @@ class KnowledgeBase:
     FTS_COMMON_SHARE = 0.2     # terms in more than this share of passages do not pick candidates (see _lexical)
     CANDIDATES = 50            # lexical and semantic candidates fused in hybrid mode
     EMBED_CHUNK = 256          # passages embedded (and saved) per embedder call
-    # Lexical share of the hybrid blend.  Documentation passages are long and the question's exact words matter;
-    # on evals/ask.py with all-MiniLM-L6-v2, 0.7-0.8 was a plateau (nDCG@10 0.860 against 0.838 lexical) while
-    # tool search's 0.45 made the hybrid worse than lexical alone (0.821).
-    HYBRID_ALPHA = 0.75
     MEMORY_MAX_CHARS = 16_000
     QUESTION_MAX_CHARS = 2_000
 
@@ -7908,7 +7916,7 @@ class KnowledgeBase:
         # re-scores them exactly as PassageIndex would, so both engines rank alike.
         total = sum(snapshot.counts.values())
         frequencies = self._document_frequencies(snapshot, [term for term in weights if term])
-        idf = {t: math.log(1.0 + (total - df + 0.5) / (df + 0.5)) for t, df in frequencies.items() if df}
+        idf = {t: bm25_idf(total, df) for t, df in frequencies.items() if df}
         if not idf:
             return []
         # Candidates come from the terms that discriminate: a term in more than a tenth of the passages makes FTS5
@@ -7936,7 +7944,7 @@ class KnowledgeBase:
         fields = [(weight, b, average) for (_, weight, b), average in zip(PassageIndex.FIELDS, snapshot.averages)]
         needles = [(" " + term + " ", query_weight * idf[term]) for term, query_weight in weights.items()
                    if term in idf]
-        k1 = PassageIndex.K1
+        k1 = BM25_K1
         scored = []
         for row in rows:
             # Terms are space-joined; with every space doubled, non-overlapping matches of " term " count every
@@ -8052,7 +8060,7 @@ class KnowledgeBase:
                 f" ({','.join('?' * len(semantic))})", [*sorted(wanted), *(doc for doc, _ in semantic)])}
             semantic = [(doc, score) for doc, score in semantic if doc in allowed]
         semantic = semantic[:self.CANDIDATES]
-        return fuse(lexical, semantic, top_k, self.HYBRID_ALPHA, full_spread=0), self.engine + "+hybrid", None
+        return fuse(lexical, semantic, top_k, KNOWLEDGE_HYBRID_ALPHA, full_spread=0), self.engine + "+hybrid", None
 
     def _ensure_embedding_table(self) -> None:
         try:

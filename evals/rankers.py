@@ -240,7 +240,7 @@ def load_draft(path: str | Path, overrides: list[str] = ()) -> types.ModuleType:
 
     The draft is pasted-in code for coffer.py (e.g. a new section 6): executing it in a copy of coffer's
     globals lets it use every helper coffer has, and the names it defines (SearchIndex, fuse, ...) shadow
-    coffer's in this copy only.  An override is ``DOTTED.NAME=PYTHON_LITERAL`` (e.g. ``SearchIndex.K1=1.5``),
+    coffer's in this copy only.  An override is ``DOTTED.NAME=PYTHON_LITERAL`` (e.g. ``SearchIndex.SERVER_BOOST=0.0``),
     so one draft can be measured with one idea switched off at a time.
     """
     import coffer

@@ -457,7 +457,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", metavar="PATH", help="add ranker 'draft': PATH exec'd on top of coffer's namespace "
                    "(a drop-in section for coffer.py); with --embedder also 'draft-hybrid'")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDE[;OVERRIDE]",
-                   help="add ranker NAME: the draft with overrides such as SearchIndex.K1=1.5 (repeatable)")
+                   help="add ranker NAME: the draft with overrides such as SearchIndex.SERVER_BOOST=0.0 (repeatable)")
     p.add_argument("--compare", metavar="BASE", help="print every ranker's per-set nDCG@10/R@5 delta to BASE")
     p.add_argument("--holdout", action="append", default=[], metavar="SET",
                    help="mark SET as held out (not tuned on): --compare reports tuned and held-out means apart")

@@ -19,7 +19,6 @@ import array
 import collections
 import heapq
 import json
-import math
 import os
 import re
 import secrets
@@ -49,8 +48,16 @@ from coffer_src.knowledge.documents import (
     split_passages,
     walk_source,
 )
+from coffer_src.search.index import BM25_K1, bm25_idf
 from coffer_src.search.lexicon import TRANSLATION_WEIGHT
-from coffer_src.search.semantic import Embedder, EmbedderError, SemanticIndex, fuse, text_hash
+from coffer_src.search.semantic import (
+    KNOWLEDGE_HYBRID_ALPHA,
+    Embedder,
+    EmbedderError,
+    SemanticIndex,
+    fuse,
+    text_hash,
+)
 from coffer_src.search.text import knowledge_terms, translations
 from coffer_src.terminal import log, redact
 from coffer_src.vault import (
@@ -77,7 +84,6 @@ class PassageIndex:
     """
 
     FIELDS = (("heading", 2.0, 0.5), ("body", 1.0, 0.75), ("path", 0.7, 0.3))
-    K1 = 1.2
 
     def __init__(self, rows):
         """``rows``: (passage id, source, heading terms, body terms, path terms), terms space-joined."""
@@ -106,9 +112,9 @@ class PassageIndex:
                     posting = raw[term] = (array.array("i"), array.array("f"))
                 posting[0].append(doc_id)
                 posting[1].append(value)
-        k1 = self.K1
+        k1 = BM25_K1
         for term, (docs, values) in raw.items():
-            idf = math.log(1.0 + (n - len(docs) + 0.5) / (len(docs) + 0.5))
+            idf = bm25_idf(n, len(docs))
             for k, value in enumerate(values):
                 values[k] = idf * value / (k1 + value)
         self.postings = raw
@@ -230,10 +236,6 @@ class KnowledgeBase:
     FTS_COMMON_SHARE = 0.2     # terms in more than this share of passages do not pick candidates (see _lexical)
     CANDIDATES = 50            # lexical and semantic candidates fused in hybrid mode
     EMBED_CHUNK = 256          # passages embedded (and saved) per embedder call
-    # Lexical share of the hybrid blend.  Documentation passages are long and the question's exact words matter;
-    # on evals/ask.py with all-MiniLM-L6-v2, 0.7-0.8 was a plateau (nDCG@10 0.860 against 0.838 lexical) while
-    # tool search's 0.45 made the hybrid worse than lexical alone (0.821).
-    HYBRID_ALPHA = 0.75
     MEMORY_MAX_CHARS = 16_000
     QUESTION_MAX_CHARS = 2_000
 
@@ -588,7 +590,7 @@ class KnowledgeBase:
         # re-scores them exactly as PassageIndex would, so both engines rank alike.
         total = sum(snapshot.counts.values())
         frequencies = self._document_frequencies(snapshot, [term for term in weights if term])
-        idf = {t: math.log(1.0 + (total - df + 0.5) / (df + 0.5)) for t, df in frequencies.items() if df}
+        idf = {t: bm25_idf(total, df) for t, df in frequencies.items() if df}
         if not idf:
             return []
         # Candidates come from the terms that discriminate: a term in more than a tenth of the passages makes FTS5
@@ -616,7 +618,7 @@ class KnowledgeBase:
         fields = [(weight, b, average) for (_, weight, b), average in zip(PassageIndex.FIELDS, snapshot.averages)]
         needles = [(" " + term + " ", query_weight * idf[term]) for term, query_weight in weights.items()
                    if term in idf]
-        k1 = PassageIndex.K1
+        k1 = BM25_K1
         scored = []
         for row in rows:
             # Terms are space-joined; with every space doubled, non-overlapping matches of " term " count every
@@ -732,7 +734,7 @@ class KnowledgeBase:
                 f" ({','.join('?' * len(semantic))})", [*sorted(wanted), *(doc for doc, _ in semantic)])}
             semantic = [(doc, score) for doc, score in semantic if doc in allowed]
         semantic = semantic[:self.CANDIDATES]
-        return fuse(lexical, semantic, top_k, self.HYBRID_ALPHA, full_spread=0), self.engine + "+hybrid", None
+        return fuse(lexical, semantic, top_k, KNOWLEDGE_HYBRID_ALPHA, full_spread=0), self.engine + "+hybrid", None
 
     def _ensure_embedding_table(self) -> None:
         try:

@@ -28,7 +28,12 @@ from coffer_src.transport.http import remote_http
 from coffer_src.transport.stdio import UpstreamFailure
 from coffer_src.vault import EMBEDDING_SCHEMA, Vault, _Transaction, utcnow
 
-HYBRID_ALPHA = 0.45  # share of the lexical score in the hybrid blend (chosen on the eval sets; see fuse)
+# The lexical share of the hybrid blend (see fuse), one for each kind of search.  Tool search: chosen on the
+# tool-search eval sets (evals.run --embedder).  Documentation passages are long and a question's exact words
+# matter, so the knowledge base gives the lexical ranking more weight: chosen on evals/ask.py, where tool search's
+# share made the hybrid worse than lexical alone (evals.ask --embedder prints both).
+HYBRID_ALPHA = 0.45
+KNOWLEDGE_HYBRID_ALPHA = 0.75
 
 
 class EmbedderError(CofferException):
