@@ -1,5 +1,6 @@
-"""The background threads of search: the semantic ranker's embedder ends when the ranker is closed, also while
-it waits out a retry backoff; a failed embedding round is retried and then published.
+"""The background threads of search and knowledge: the semantic ranker's embedder, the knowledge base's embedder
+and watcher.  Each ends when its owner is closed, also while it waits out a retry backoff; a failed embedding
+round is retried and then published.
 
 The retry backoff is made an hour long where a test closes a thread during it: a close that did not cut the wait
 short would leave the thread alive when close() gives up waiting, so the test fails instead of merely taking
@@ -9,6 +10,8 @@ import threading
 
 import pytest
 
+from coffer_src.errors import CofferError
+from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.search import semantic
 from coffer_src.search.index import SearchIndex
 from coffer_src.search.semantic import EmbedderError, SemanticRanker
@@ -76,3 +79,31 @@ def test_a_failed_embedding_round_is_retried_and_its_vectors_then_serve_hybrid_s
     hits, ranker_name, note = ranker.search(index, "read a file", 2)
     assert (ranker_name, note) == ("hybrid", None)
     assert {tool["name"] for tool, _ in hits} == {tool["name"] for tool in TOOLS}
+
+
+def test_closing_the_knowledge_base_ends_its_embedder_and_its_watcher(tmp_path, long_backoff):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "guide.md").write_text("# Install\n\nRun the installer.\n", encoding="utf-8")
+    home = tmp_path / "home"
+    home.mkdir()
+    before = set(threading.enumerate())
+    embedder = FakeEmbedder(failures=1_000)
+    kb = KnowledgeBase(str(home / "coffer.db"), str(home), engine="bm25f", embedder=embedder)
+    kb.add_source(str(docs), name="docs")        # new passages: the embedder's next round fails, then waits
+    kb.start_watcher(interval=3600.0)
+    threads = new_threads(before)
+    assert sorted(thread.name for thread in threads) == ["coffer-knowledge-embedder", "coffer-knowledge-watcher"]
+    assert embedder.called.wait(30), "the embedder thread never tried"
+    assert kb.search("installer")[0].path == "guide.md"   # answered lexically meanwhile
+    assert kb.close(timeout=30)
+    assert [thread.name for thread in threads if thread.is_alive()] == []
+
+
+def test_a_closed_knowledge_base_refuses_to_write(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    kb = KnowledgeBase(str(home / "coffer.db"), str(home), engine="bm25f")
+    assert kb.close()
+    with pytest.raises(CofferError, match="closed"):
+        kb.remember("the build needs Python 3.11")
