@@ -32,17 +32,17 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5930  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       6029  search.index          Search index: the BM25F ranker behind coffer__search_tools.
       6414  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6773  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      6941  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7525  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      7932  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8397  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8560  gateway.session       Gateway session: the MCP server a client talks to.
-     10145  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10315  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10983  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11750  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11966  cli                   Command line: coffer's commands.
+      6772  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      6940  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7524  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      7931  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8396  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8559  gateway.session       Gateway session: the MCP server a client talks to.
+     10144  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10314  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     10982  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11749  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     11965  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5490,7 +5490,7 @@ _CJK_WORD_RE = re.compile(r"[\u3041-\u3096\u309d-\u309f\u30a1-\u30fa\u30fc-\u30f
                           r"\uac00-\ud7a3\uf900-\ufaff]+")
 
 
-@functools.lru_cache(maxsize=1 << 17)  # catalogues repeat words heavily: 350k calls, ~20k distinct at 10k tools
+@functools.lru_cache(maxsize=1 << 17)  # catalogues repeat words heavily: many calls, few distinct words
 def stem(word: str) -> str:
     """A light suffix stripper: plurals, -ing, -ed, -ation, final -e.  Consistency matters more than linguistics:
     the index and the query go through the same function."""
@@ -5537,7 +5537,7 @@ def singular(word: str) -> str:
 
 
 # ASCII letters and digits kept, every other byte a space: bytes.translate + split is how an ASCII text (nearly
-# every tool text) is cut into tokens, several times faster than a Unicode regex over the same characters.
+# every tool text) is cut into tokens, one pass in C, cheaper than a Unicode regex over the same characters.
 _ASCII_TOKENS = bytes(c if c < 128 and chr(c).isalnum() else 32 for c in range(256))
 
 
@@ -5681,7 +5681,7 @@ def analyse_texts(texts: Iterable[str]) -> dict[str, TextTerms]:
 
 
 # Texts per batch: the batch's temporary strings then fit in memory the allocator has already touched (one
-# batch of a whole 10k-tool catalogue page-faults its way through ~30 MB).
+# batch of a whole large catalogue would page-fault its way through fresh memory).
 _BATCH_TEXTS = 1024
 # _ASCII_TOKENS, except that the batch separator stays itself.
 _ASCII_BATCH_TOKENS = _ASCII_TOKENS[:1] + _BATCH_SEPARATOR.encode("ascii") + _ASCII_TOKENS[2:]
@@ -5922,8 +5922,8 @@ def _collect_parameters(node, depth: int, names: list, texts: list, examples: li
 def knowledge_terms(text: str) -> tuple[str, ...]:
     """Index/query terms of a passage or question: Coffer's word splitting and stemmer, documentation stop words."""
     if text.isascii():
-        # _words treats each ASCII word on its own, so a cache per distinct word gives the same terms ~4x faster
-        # (documents repeat their words; indexing 10k passages is mostly this function).
+        # _words treats each ASCII word on its own, so a cache per distinct word gives the same terms for less
+        # work (documents repeat their words, and indexing a source is mostly this function).
         return tuple(itertools.chain.from_iterable(map(_word_terms, _WORD_RE.findall(text))))
     return tuple(stem(word) for word in _words(text) if word not in KNOWLEDGE_STOP_WORDS)
 
@@ -6058,8 +6058,8 @@ def bm25_idf(documents: int, holders: float) -> float:
 class CollectorPause:
     """Pauses Python's cyclic garbage collector around an index build.  A build allocates hundreds of thousands
     of small objects, none of them in cycles, and every collection those allocations trigger walks every live
-    object, the catalogue included: nearly half of a 10k-tool build.  Reference counting still frees what the
-    build drops.  Builds on several threads share one pause; the collector runs again when the last ends, and
+    object, the catalogue included: in a big build, a large share of the time.  Reference counting still frees
+    what the build drops.  Builds on several threads share one pause; the collector runs again when the last ends, and
     only if it was running when the first began (an application that disabled it keeps it disabled).  Its lock
     is a leaf: nothing else is taken while it is held."""
 
@@ -6584,8 +6584,8 @@ class SemanticIndex:
 # How far apart (in cosine) the semantic ranker's best and last candidates must be for it to get its full
 # share.  A query the embedding model does not understand (a German or Chinese request to an English-only
 # model, a domain it never saw) gives flat cosines; its vote then shrinks instead of dragging a correct
-# lexical answer down.  Chosen on the dev sets: median spreads there are 0.24-0.37 for English queries and
-# 0.13-0.16 for the non-English ones an English-only model misreads.
+# lexical answer down.  Chosen on the dev sets, where English queries spread wider than the non-English ones an
+# English-only model misreads (evals.run --embedder prints each set's median spread by query style).
 SEMANTIC_FULL_SPREAD = 0.3
 
 
@@ -6595,9 +6595,8 @@ def fuse(lexical: list[tuple[int, float]], semantic: list[tuple[int, float]], to
 
     BM25 is scaled by its best score and the cosine min-max scaled over its candidates, as before; the semantic
     share (1 - alpha) is then multiplied by min(1, cosine spread / full_spread); ``full_spread=0`` turns that
-    off (the fixed blend measured before; knowledge search was tuned with it).  On the six dev sets
-    this beat the fixed blend on five of six dev sets (nDCG@10 +0.006 to +0.022; metatool-dev -0.007) and
-    keeps non-English queries near their lexical ranking instead of 0.03-0.14 below it.
+    off (the fixed blend; knowledge search was tuned with it).  Chosen over the fixed blend on the dev sets
+    (evals.run --embedder): it keeps non-English queries near their lexical ranking instead of below it.
     """
     scores: dict[int, float] = collections.defaultdict(float)
     if lexical:

@@ -60,8 +60,8 @@ def bm25_idf(documents: int, holders: float) -> float:
 class CollectorPause:
     """Pauses Python's cyclic garbage collector around an index build.  A build allocates hundreds of thousands
     of small objects, none of them in cycles, and every collection those allocations trigger walks every live
-    object, the catalogue included: nearly half of a 10k-tool build.  Reference counting still frees what the
-    build drops.  Builds on several threads share one pause; the collector runs again when the last ends, and
+    object, the catalogue included: in a big build, a large share of the time.  Reference counting still frees
+    what the build drops.  Builds on several threads share one pause; the collector runs again when the last ends, and
     only if it was running when the first began (an application that disabled it keeps it disabled).  Its lock
     is a leaf: nothing else is taken while it is held."""
 

@@ -188,8 +188,8 @@ class SemanticIndex:
 # How far apart (in cosine) the semantic ranker's best and last candidates must be for it to get its full
 # share.  A query the embedding model does not understand (a German or Chinese request to an English-only
 # model, a domain it never saw) gives flat cosines; its vote then shrinks instead of dragging a correct
-# lexical answer down.  Chosen on the dev sets: median spreads there are 0.24-0.37 for English queries and
-# 0.13-0.16 for the non-English ones an English-only model misreads.
+# lexical answer down.  Chosen on the dev sets, where English queries spread wider than the non-English ones an
+# English-only model misreads (evals.run --embedder prints each set's median spread by query style).
 SEMANTIC_FULL_SPREAD = 0.3
 
 
@@ -199,9 +199,8 @@ def fuse(lexical: list[tuple[int, float]], semantic: list[tuple[int, float]], to
 
     BM25 is scaled by its best score and the cosine min-max scaled over its candidates, as before; the semantic
     share (1 - alpha) is then multiplied by min(1, cosine spread / full_spread); ``full_spread=0`` turns that
-    off (the fixed blend measured before; knowledge search was tuned with it).  On the six dev sets
-    this beat the fixed blend on five of six dev sets (nDCG@10 +0.006 to +0.022; metatool-dev -0.007) and
-    keeps non-English queries near their lexical ranking instead of 0.03-0.14 below it.
+    off (the fixed blend; knowledge search was tuned with it).  Chosen over the fixed blend on the dev sets
+    (evals.run --embedder): it keeps non-English queries near their lexical ranking instead of below it.
     """
     scores: dict[int, float] = collections.defaultdict(float)
     if lexical:
