@@ -28,21 +28,21 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       4444  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
       4578  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
       5374  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      5448  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      5930  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6029  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6414  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6772  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      6940  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7524  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      7931  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8396  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8559  gateway.session       Gateway session: the MCP server a client talks to.
-     10144  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10314  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10982  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11749  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11965  cli                   Command line: coffer's commands.
+      5449  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      5936  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6035  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6428  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6786  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      6954  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7538  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      7945  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8410  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8573  gateway.session       Gateway session: the MCP server a client talks to.
+     10158  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10328  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     10996  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11763  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     11979  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5382,7 +5382,8 @@ class Upstream:
 # Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
 # ============================================================================================================
 # The word lists are data files in search/words/ (each says its format at its top; tests/test_lexicon_data.py
-# checks them), read here once at import.  In coffer.py their text is inlined by the generator.
+# checks them), read here once at import.  In coffer.py their text is inlined by the generator.  The tables never
+# change after import, so any thread reads them.
 
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
 
@@ -5455,6 +5456,11 @@ del _key, _english
 # src/coffer_src/search/text.py
 # Search text analysis: tokens, stems, translations and the analysed texts of a tool.
 # ============================================================================================================
+# Threads: the analysis runs on any thread at once (a catalogue's index build, the knowledge base's indexing, the
+# queries of worker threads) and takes no lock.  Its memos are the functools caches (thread-safe) and two dicts,
+# _TOKEN_STEMS and _ANALYSED_TEXTS, whose every entry is a pure function of its key and which are filled and
+# emptied by single dict operations: a race computes an entry twice, or empties the dict under another thread,
+# which then recomputes what it looks up.
 
 SEARCH_QUERY_MAX_CHARS = 2_000
 
@@ -6040,8 +6046,16 @@ _QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", 
 # says how, parameters say on what.  BM25F scores each field with its own weight and length normalisation.  Queries
 # are phrased by an agent mid-task, so the tokenizer splits identifiers (createIssue, create_issue, create-issue), a
 # light stemmer folds morphology, a small vocabulary of tool-domain equivalences (create/add/new, delete/remove, ...)
-# matches at reduced weight, and a small cross-lingual lexicon lets common Chinese, Japanese, Spanish, German and
-# French words reach English tools.
+# matches at reduced weight, and a small cross-lingual lexicon (search/words/) lets common words of eight languages
+# reach English tools.
+#
+# Threads and locks: a SearchIndex is built on one thread and then searched from many at once, without a lock.
+# What it fills in lazily (postings and idf, exact-word sets, surface words, entity tools, phrase partners, the
+# web-search tools) is a pure function of the immutable build, written by single dict or list stores, so two
+# threads filling one entry store the same value; ``postings`` stores a term's idf before its postings, so a
+# thread that finds the postings finds the idf.  CollectorPause's lock is a leaf: nothing is taken while it is held
+# (a caller may hold its own lock around a build, as the catalogue does).  The text analysis underneath is
+# lock-free (search/text.py).
 
 # BM25's term-frequency saturation: one constant for tool search and the knowledge base.
 BM25_K1 = 1.2

@@ -4,8 +4,16 @@ Tool catalogues are small documents with a few strong fields: the name says what
 says how, parameters say on what.  BM25F scores each field with its own weight and length normalisation.  Queries
 are phrased by an agent mid-task, so the tokenizer splits identifiers (createIssue, create_issue, create-issue), a
 light stemmer folds morphology, a small vocabulary of tool-domain equivalences (create/add/new, delete/remove, ...)
-matches at reduced weight, and a small cross-lingual lexicon lets common Chinese, Japanese, Spanish, German and
-French words reach English tools."""
+matches at reduced weight, and a small cross-lingual lexicon (search/words/) lets common words of eight languages
+reach English tools.
+
+Threads and locks: a SearchIndex is built on one thread and then searched from many at once, without a lock.
+What it fills in lazily (postings and idf, exact-word sets, surface words, entity tools, phrase partners, the
+web-search tools) is a pure function of the immutable build, written by single dict or list stores, so two
+threads filling one entry store the same value; ``postings`` stores a term's idf before its postings, so a
+thread that finds the postings finds the idf.  CollectorPause's lock is a leaf: nothing is taken while it is held
+(a caller may hold its own lock around a build, as the catalogue does).  The text analysis underneath is
+lock-free (search/text.py)."""
 
 from __future__ import annotations
 

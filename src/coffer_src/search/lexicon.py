@@ -1,7 +1,8 @@
 """Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
 
 The word lists are data files in search/words/ (each says its format at its top; tests/test_lexicon_data.py
-checks them), read here once at import.  In coffer.py their text is inlined by the generator."""
+checks them), read here once at import.  In coffer.py their text is inlined by the generator.  The tables never
+change after import, so any thread reads them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""Search text analysis: tokens, stems, translations and the analysed texts of a tool."""
+"""Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+
+Threads: the analysis runs on any thread at once (a catalogue's index build, the knowledge base's indexing, the
+queries of worker threads) and takes no lock.  Its memos are the functools caches (thread-safe) and two dicts,
+_TOKEN_STEMS and _ANALYSED_TEXTS, whose every entry is a pure function of its key and which are filled and
+emptied by single dict operations: a race computes an entry twice, or empties the dict under another thread,
+which then recomputes what it looks up."""
 
 from __future__ import annotations
 
