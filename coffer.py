@@ -32,17 +32,17 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5936  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       6035  search.index          Search index: the BM25F ranker behind coffer__search_tools.
       6428  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6786  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      6954  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7538  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      7945  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8410  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8573  gateway.session       Gateway session: the MCP server a client talks to.
-     10158  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10328  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10996  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11763  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11979  cli                   Command line: coffer's commands.
+      6787  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      6955  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7539  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      7946  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8411  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8574  gateway.session       Gateway session: the MCP server a client talks to.
+     10159  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10329  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     10997  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11764  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     11980  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -6645,10 +6645,11 @@ class EmbeddingWorker:
         """Run the job (again) soon."""
         self._wanted.set()
 
-    def close(self, timeout: float = 5.0) -> bool:
+    def close(self, timeout: float = 1.0) -> bool:
         """End the thread: a wait for the next round or retry ends at once; a round under way ends at its job's
         next check of ``stopping`` (an embedder request already sent is not cut short: it ends by its own
-        timeout).  Waits up to ``timeout`` seconds; True when the thread has ended."""
+        timeout).  Waits up to ``timeout`` seconds; True when the thread has ended.  A thread still busy then is
+        a daemon that ends by itself once its work returns."""
         self.stopping.set()
         self._wanted.set()
         if threading.current_thread() is not self._thread:
@@ -6702,7 +6703,7 @@ class SemanticRanker:
                                        "embedder: tool vectors unavailable (%s); search uses BM25 until they are",
                                        semantic_log)
 
-    def close(self, timeout: float = 5.0) -> bool:
+    def close(self, timeout: float = 1.0) -> bool:
         """End the embedding thread (see EmbeddingWorker.close); searches still answer, by BM25 once the tools
         change.  True when the thread has ended."""
         return self._worker.close(timeout)
@@ -7862,7 +7863,7 @@ class PassageVectors:
         """Passages changed: embed the new ones on the worker's thread."""
         self._worker.wake()
 
-    def close(self, timeout: float = 5.0) -> bool:
+    def close(self, timeout: float = 1.0) -> bool:
         """End the worker's thread (see EmbeddingWorker.close); True when it has ended."""
         return self._worker.close(timeout)
 
@@ -8059,7 +8060,7 @@ class KnowledgeBase:
                 self._readers.append(db)
         return db
 
-    def close(self, timeout: float = 5.0) -> bool:
+    def close(self, timeout: float = 1.0) -> bool:
         """End the watcher and the embedder's thread (waiting up to ``timeout`` seconds for each), then close every
         connection.  A reindex under way on the watcher stops at its next batch of files.  True when both threads
         have ended."""

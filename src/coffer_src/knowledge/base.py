@@ -146,7 +146,7 @@ class KnowledgeBase:
                 self._readers.append(db)
         return db
 
-    def close(self, timeout: float = 5.0) -> bool:
+    def close(self, timeout: float = 1.0) -> bool:
         """End the watcher and the embedder's thread (waiting up to ``timeout`` seconds for each), then close every
         connection.  A reindex under way on the watcher stops at its next batch of files.  True when both threads
         have ended."""

@@ -341,7 +341,7 @@ class PassageVectors:
         """Passages changed: embed the new ones on the worker's thread."""
         self._worker.wake()
 
-    def close(self, timeout: float = 5.0) -> bool:
+    def close(self, timeout: float = 1.0) -> bool:
         """End the worker's thread (see EmbeddingWorker.close); True when it has ended."""
         return self._worker.close(timeout)
 

@@ -235,10 +235,11 @@ class EmbeddingWorker:
         """Run the job (again) soon."""
         self._wanted.set()
 
-    def close(self, timeout: float = 5.0) -> bool:
+    def close(self, timeout: float = 1.0) -> bool:
         """End the thread: a wait for the next round or retry ends at once; a round under way ends at its job's
         next check of ``stopping`` (an embedder request already sent is not cut short: it ends by its own
-        timeout).  Waits up to ``timeout`` seconds; True when the thread has ended."""
+        timeout).  Waits up to ``timeout`` seconds; True when the thread has ended.  A thread still busy then is
+        a daemon that ends by itself once its work returns."""
         self.stopping.set()
         self._wanted.set()
         if threading.current_thread() is not self._thread:
@@ -292,7 +293,7 @@ class SemanticRanker:
                                        "embedder: tool vectors unavailable (%s); search uses BM25 until they are",
                                        semantic_log)
 
-    def close(self, timeout: float = 5.0) -> bool:
+    def close(self, timeout: float = 1.0) -> bool:
         """End the embedding thread (see EmbeddingWorker.close); searches still answer, by BM25 once the tools
         change.  True when the thread has ended."""
         return self._worker.close(timeout)
