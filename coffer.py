@@ -39,14 +39,14 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       8424  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
       8537  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
       8847  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9271  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9603  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-      9935  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10541  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10711  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11379  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12146  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12362  cli                   Command line: coffer's commands.
+      9273  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9605  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+      9937  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10543  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10713  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11381  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12148  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12364  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -8976,6 +8976,8 @@ class Hub:
             for thread in threads:
                 thread.join(6.0)
             self.workers.close()
+            if self.semantic is not None:
+                self.semantic.close()
             if self.knowledge is not None:
                 self.knowledge.close()
             self.log.close()
