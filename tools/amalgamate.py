@@ -63,6 +63,7 @@ LAYERS = (
     "search/semantic",
     "catalogue",
     "knowledge/documents",
+    "knowledge/ranking",
     "knowledge/base",
     "gateway/calls",
     "gateway/builtins",

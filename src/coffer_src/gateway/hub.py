@@ -193,6 +193,8 @@ class Hub:
             for thread in threads:
                 thread.join(6.0)
             self.workers.close()
+            if self.semantic is not None:
+                self.semantic.close()
             if self.knowledge is not None:
                 self.knowledge.close()
             self.log.close()
