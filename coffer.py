@@ -39,18 +39,18 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       8479  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
       8592  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
       8902  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9458  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9807  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10144  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10848  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     11165  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     11510  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     11868  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12029  probe                 Probes: starting a server once to see what it offers, from the command line.
-     12199  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     12867  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     13634  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     13850  cli                   Command line: coffer's commands.
+      9463  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9812  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10149  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10871  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     11188  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     11533  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     11891  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12052  probe                 Probes: starting a server once to see what it offers, from the command line.
+     12222  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     12890  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     13657  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     13874  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -9396,8 +9396,13 @@ class Hub:
             config = self.configs[name] = {**config, "sharing": "per-client", "sharing_reason": reason}
             self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
             lists = {kind: items for kind, items in upstream.lists.items() if kind in ("tool", "prompt") and items}
-            self.per_client = {**self.per_client, name: PerClientServer(config, lists or upstream.remembered)}
+            placeholder = PerClientServer(config, lists or upstream.remembered)
+            self.per_client = {**self.per_client, name: placeholder}
         ServerLog(hub_log, name).info("runs once per client from now on: %s", reason)
+        if not placeholder.remembered:  # nothing known of it yet: each client's own instance will say what it offers
+            for session in self.sessions:
+                if session.initialized:
+                    session.instance_of(placeholder)
         try:
             with self.vault_lock:
                 self.vault.set_sharing(name, "per-client", reason)
@@ -9625,11 +9630,11 @@ class CallRouter:
     def _unknown(self, msg_id, name: str, kind: str, started: float, retry):
         """An unknown name: wait out discovery if its server is still starting, else a readable error."""
         server = name.partition(SEPARATOR)[0]
-        discovering = self.hub.discovering()
+        discovering = self.session.discovering()
         if retry is not None and server in discovering:
             # A call names its server: it waits for that server's start (bounded like the start itself), not
             # just the lists' discovery budget; answering "unknown tool" for a tool that is on its way is wrong.
-            upstream = self.hub.upstreams.get(server)
+            upstream = self.session.upstream_named(server)
             deadline = started + (upstream.call_timeout if upstream else float(self.hub.settings["call_timeout"]))
             if time.monotonic() < deadline:
                 method = "tools/call" if kind == "tool" else "prompts/get"
@@ -10256,6 +10261,7 @@ class ClientSession:
         self._ids = itertools.count(1)
         self.since = time.time()
         self.private: dict[str, Upstream] = {}   # shared mode: this client's own instances of per-client servers
+        self._private_listed: frozenset[str] = frozenset()   # those whose lists are in the catalogue
         self.calls = CallRouter(self)
         self.bridge = EraBridge(self)
         self.tools = BuiltinTools(self)
@@ -10478,6 +10484,19 @@ class ClientSession:
             instance.start()
         return instance
 
+    def discovering(self, kind: str | None = None) -> list[str]:
+        """Servers this session still waits for: the hub's starting upstreams, and this session's own instances
+        of per-client servers until what they list is in the catalogue."""
+        own = [name for name, instance in self.private.items()
+               if instance.state not in ("failed", "stopped") and name not in self._private_listed
+               and not (kind and kind in instance.remembered)]
+        return self.hub.discovering(kind) + own
+
+    def private_listed(self, upstream: Upstream) -> None:
+        """This session's own instance of a per-client server is up and its lists are in the catalogue."""
+        self._private_listed = self._private_listed | {upstream.name}
+        self.release_waiting()
+
     def upstream_named(self, name: str):
         return self.private.get(name) or self.hub.upstreams.get(name)
 
@@ -10580,7 +10599,7 @@ class ClientSession:
         the client's other requests are never held up behind a slow server.  ``background`` work (a search that
         may take a while) always goes to the pool, off the client's reader thread.
         """
-        if not self.hub.discovering(kind) or time.monotonic() >= self.discovery_deadline:
+        if not self.discovering(kind) or time.monotonic() >= self.discovery_deadline:
             if not background:
                 return work()
             self.hub.workers.submit(self.answer, msg_id, method, work)
@@ -10600,7 +10619,7 @@ class ClientSession:
             return
         now = time.monotonic()
         expired = now >= self.discovery_deadline
-        discovering = self.hub.discovering
+        discovering = self.discovering
         with self.lock:
             done, still = [], []
             for waiting in self._waiting:
@@ -10828,11 +10847,15 @@ class PrivateEvents:
     def on_ready(self, upstream: Upstream) -> None:
         self.hub.record_status(upstream, "ready", "running once per client", upstream.capabilities)
         self.session.upstream_ready(upstream)
-        self._learn(upstream)
+        try:
+            self._learn(upstream)
+        finally:
+            self.session.private_listed(upstream)
 
     def on_down(self, upstream: Upstream) -> None:
         self.session.upstream_down(upstream)
         self.hub.record_status(upstream, upstream.state, upstream.last_error or "")
+        self.session.release_waiting()
 
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         self.hub.on_list_changed(upstream, kind, items, False)
@@ -13842,7 +13865,8 @@ def show_server(vault, name: str) -> dict:
             "headers": {k: _shown(v) for k, v in (server.get("headers") or {}).items()},
             "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
             "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
-            "status_at": server.get("status_at"), "capabilities": capabilities}
+            "status_at": server.get("status_at"), "sharing": server.get("sharing", "shared"),
+            "sharing_reason": server.get("sharing_reason"), "capabilities": capabilities}
 
 
 def _command_text(server: dict) -> str:
@@ -13985,6 +14009,9 @@ def cmd_show(vault, args) -> int:
     detail = f" ({shown['status_detail']})" if shown["status_detail"] else ""
     since = f" since {shown['status_at']}" if shown["status_at"] else ""
     say(f"  status: {shown['status']}{since}{detail}")
+    reason = f" ({shown['sharing_reason']})" if shown.get("sharing_reason") else ""
+    say(f"  sharing: {shown['sharing']}{reason}" + (" -- one instance per client session"
+                                                    if shown["sharing"] == "per-client" else ""))
     if shown["capabilities"]:
         say()
         _print_table([[c["kind"], c["name"], c["state"]] for c in shown["capabilities"]], ["KIND", "NAME", "STATE"])

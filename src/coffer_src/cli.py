@@ -192,6 +192,9 @@ def cmd_show(vault, args) -> int:
     detail = f" ({shown['status_detail']})" if shown["status_detail"] else ""
     since = f" since {shown['status_at']}" if shown["status_at"] else ""
     say(f"  status: {shown['status']}{since}{detail}")
+    reason = f" ({shown['sharing_reason']})" if shown.get("sharing_reason") else ""
+    say(f"  sharing: {shown['sharing']}{reason}" + (" -- one instance per client session"
+                                                    if shown["sharing"] == "per-client" else ""))
     if shown["capabilities"]:
         say()
         _print_table([[c["kind"], c["name"], c["state"]] for c in shown["capabilities"]], ["KIND", "NAME", "STATE"])

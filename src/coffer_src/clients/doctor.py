@@ -227,7 +227,8 @@ def show_server(vault, name: str) -> dict:
             "headers": {k: _shown(v) for k, v in (server.get("headers") or {}).items()},
             "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
             "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
-            "status_at": server.get("status_at"), "capabilities": capabilities}
+            "status_at": server.get("status_at"), "sharing": server.get("sharing", "shared"),
+            "sharing_reason": server.get("sharing_reason"), "capabilities": capabilities}
 
 
 def _command_text(server: dict) -> str:

@@ -514,8 +514,13 @@ class Hub:
             config = self.configs[name] = {**config, "sharing": "per-client", "sharing_reason": reason}
             self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
             lists = {kind: items for kind, items in upstream.lists.items() if kind in ("tool", "prompt") and items}
-            self.per_client = {**self.per_client, name: PerClientServer(config, lists or upstream.remembered)}
+            placeholder = PerClientServer(config, lists or upstream.remembered)
+            self.per_client = {**self.per_client, name: placeholder}
         ServerLog(hub_log, name).info("runs once per client from now on: %s", reason)
+        if not placeholder.remembered:  # nothing known of it yet: each client's own instance will say what it offers
+            for session in self.sessions:
+                if session.initialized:
+                    session.instance_of(placeholder)
         try:
             with self.vault_lock:
                 self.vault.set_sharing(name, "per-client", reason)

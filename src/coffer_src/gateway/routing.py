@@ -183,11 +183,11 @@ class CallRouter:
     def _unknown(self, msg_id, name: str, kind: str, started: float, retry):
         """An unknown name: wait out discovery if its server is still starting, else a readable error."""
         server = name.partition(SEPARATOR)[0]
-        discovering = self.hub.discovering()
+        discovering = self.session.discovering()
         if retry is not None and server in discovering:
             # A call names its server: it waits for that server's start (bounded like the start itself), not
             # just the lists' discovery budget; answering "unknown tool" for a tool that is on its way is wrong.
-            upstream = self.hub.upstreams.get(server)
+            upstream = self.session.upstream_named(server)
             deadline = started + (upstream.call_timeout if upstream else float(self.hub.settings["call_timeout"]))
             if time.monotonic() < deadline:
                 method = "tools/call" if kind == "tool" else "prompts/get"

@@ -170,6 +170,7 @@ class ClientSession:
         self._ids = itertools.count(1)
         self.since = time.time()
         self.private: dict[str, Upstream] = {}   # shared mode: this client's own instances of per-client servers
+        self._private_listed: frozenset[str] = frozenset()   # those whose lists are in the catalogue
         self.calls = CallRouter(self)
         self.bridge = EraBridge(self)
         self.tools = BuiltinTools(self)
@@ -392,6 +393,19 @@ class ClientSession:
             instance.start()
         return instance
 
+    def discovering(self, kind: str | None = None) -> list[str]:
+        """Servers this session still waits for: the hub's starting upstreams, and this session's own instances
+        of per-client servers until what they list is in the catalogue."""
+        own = [name for name, instance in self.private.items()
+               if instance.state not in ("failed", "stopped") and name not in self._private_listed
+               and not (kind and kind in instance.remembered)]
+        return self.hub.discovering(kind) + own
+
+    def private_listed(self, upstream: Upstream) -> None:
+        """This session's own instance of a per-client server is up and its lists are in the catalogue."""
+        self._private_listed = self._private_listed | {upstream.name}
+        self.release_waiting()
+
     def upstream_named(self, name: str):
         return self.private.get(name) or self.hub.upstreams.get(name)
 
@@ -494,7 +508,7 @@ class ClientSession:
         the client's other requests are never held up behind a slow server.  ``background`` work (a search that
         may take a while) always goes to the pool, off the client's reader thread.
         """
-        if not self.hub.discovering(kind) or time.monotonic() >= self.discovery_deadline:
+        if not self.discovering(kind) or time.monotonic() >= self.discovery_deadline:
             if not background:
                 return work()
             self.hub.workers.submit(self.answer, msg_id, method, work)
@@ -514,7 +528,7 @@ class ClientSession:
             return
         now = time.monotonic()
         expired = now >= self.discovery_deadline
-        discovering = self.hub.discovering
+        discovering = self.discovering
         with self.lock:
             done, still = [], []
             for waiting in self._waiting:
@@ -742,11 +756,15 @@ class PrivateEvents:
     def on_ready(self, upstream: Upstream) -> None:
         self.hub.record_status(upstream, "ready", "running once per client", upstream.capabilities)
         self.session.upstream_ready(upstream)
-        self._learn(upstream)
+        try:
+            self._learn(upstream)
+        finally:
+            self.session.private_listed(upstream)
 
     def on_down(self, upstream: Upstream) -> None:
         self.session.upstream_down(upstream)
         self.hub.record_status(upstream, upstream.state, upstream.last_error or "")
+        self.session.release_waiting()
 
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         self.hub.on_list_changed(upstream, kind, items, False)
