@@ -42,15 +42,15 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       9463  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
       9812  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
      10149  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10871  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     11188  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     11533  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     11891  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12052  probe                 Probes: starting a server once to see what it offers, from the command line.
-     12222  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     12890  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     13657  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     13874  cli                   Command line: coffer's commands.
+     10875  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     11192  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     11537  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     11895  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12056  probe                 Probes: starting a server once to see what it offers, from the command line.
+     12226  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     12894  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     13661  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     13878  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -10241,9 +10241,13 @@ class ClientSession:
 
     MAX_BATCH = 10_000     # messages in one JSON-RPC batch line (each costs ~100x its bytes once parsed)
 
-    def __init__(self, hub: Hub, out=None, on_client_gone=None):
+    def __init__(self, hub: Hub, out=None, on_client_gone=None, stream=None):
+        """``out``: where the client's bytes go (stdout, a socket); or ``stream``: an object with ClientStream's
+        surface (send(message), flush(), gone) that takes the messages themselves, such as an HTTP transport
+        that answers each request on its own response."""
         self.hub = hub
-        self.stream = ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
+        self.stream = stream if stream is not None else \
+            ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
         self.on_client_gone = on_client_gone
         self.lock = threading.RLock()
         self.initialized = False

@@ -150,9 +150,13 @@ class ClientSession:
 
     MAX_BATCH = 10_000     # messages in one JSON-RPC batch line (each costs ~100x its bytes once parsed)
 
-    def __init__(self, hub: Hub, out=None, on_client_gone=None):
+    def __init__(self, hub: Hub, out=None, on_client_gone=None, stream=None):
+        """``out``: where the client's bytes go (stdout, a socket); or ``stream``: an object with ClientStream's
+        surface (send(message), flush(), gone) that takes the messages themselves, such as an HTTP transport
+        that answers each request on its own response."""
         self.hub = hub
-        self.stream = ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
+        self.stream = stream if stream is not None else \
+            ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
         self.on_client_gone = on_client_gone
         self.lock = threading.RLock()
         self.initialized = False
