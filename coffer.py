@@ -15,33 +15,33 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
         86  errors                Errors: the one exception root every Coffer error derives from.
        106  resources             Package data: the word lists and web assets that ship inside coffer.py.
        119  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       288  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       532  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       631  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1097  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1253  secret_store          Secrets: ${VAR} references, the private secret store, an upstream's environment.
-      1529  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      2493  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      2873  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3129  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      3906  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      4443  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      4577  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
-      5373  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      5588  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6070  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6169  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6546  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6840  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7008  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
-      7505  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8351  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8514  gateway.session       Gateway session: the MCP server a client talks to.
-     10099  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10269  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10937  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11704  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11920  cli                   Command line: coffer's commands.
+       301  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       545  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       647  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1113  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1288  secret_store          Secrets: ${VAR} references, the private secret store, an upstream's environment.
+      1564  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      2528  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      2908  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3164  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      3941  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      4478  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      4612  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
+      5408  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      5623  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6105  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6204  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6581  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6875  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7043  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
+      7540  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8386  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8549  gateway.session       Gateway session: the MCP server a client talks to.
+     10134  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10304  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     10972  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11739  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     11955  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def package_data(name: str) -> str:
 # stdout belongs to the JSON-RPC stream.  Text an upstream wrote (its stderr, tool descriptions, error messages)
 # passes through printable() before a terminal sees it, and every known secret value is replaced by *** before
 # anything is printed, logged or stored.
-log = logging.getLogger("coffer")
+log = logging.getLogger("coffer")  # the old shared logger, for modules not yet on their own: new code never uses it
 terminal_log = logging.getLogger('coffer.terminal')
 
 _UNPRINTABLE_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -151,6 +151,19 @@ def printable(text) -> str:
 
 
 _JSON_UNSAFE_RE = re.compile("[\x7f-\x9f\ud800-\udfff\u2028\u2029]")
+
+
+ELLIPSIS = "..."  # ASCII: a cut line must print on any console encoding, like the text it stands for
+
+
+def clip(text, limit: int) -> str:
+    """``text`` cut for display to at most ``limit`` characters, ending in "..." when something was cut (so a
+    reader knows there is more).  Only for what a person reads: stored values and protocol fields are bounded
+    by plain slices, since an ellipsis there would be taken for content."""
+    text = str(text)
+    if len(text) <= limit or limit <= len(ELLIPSIS):
+        return text[:max(0, limit)]
+    return text[:limit - len(ELLIPSIS)] + ELLIPSIS
 
 
 def terminal_json(value) -> str:
@@ -310,7 +323,7 @@ REQUEST_TIMEOUT = -32001
 
 
 # -- JSON at the boundary ------------------------------------------------------------------------------------
-# One encoder for every message: json.dumps with non-default options builds a new one per call (~2 us a hop).
+# One encoder for every message: json.dumps with non-default options builds a new one per call.
 # allow_nan=False: NaN and Infinity are not JSON, and a client that cannot parse a line never sees its answer.
 dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
@@ -540,13 +553,16 @@ LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert"
 # Threads: named daemon threads that never die silently, and a small worker pool.
 # ============================================================================================================
 
+threads_log = logging.getLogger('coffer.threads')
+
+
 def start_thread(target, name: str, *args) -> threading.Thread:
     """A daemon thread whose unexpected death is logged with its traceback instead of vanishing."""
     def run():
         try:
             target(*args)
         except Exception:  # noqa: BLE001 - the thread is lost, the reason must not be
-            log.exception("internal error in thread %s", name)
+            threads_log.exception("internal error in thread %s", name)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
@@ -603,7 +619,7 @@ class WorkerPool:
             try:
                 job(*args)
             except Exception:  # noqa: BLE001 - one job's failure must not take the worker with it
-                log.exception("internal error in %s", self.name)
+                threads_log.exception("internal error in %s", self.name)
             finally:
                 with self._lock:
                     self._busy -= 1
@@ -1110,17 +1126,28 @@ RESERVED_SERVER = "coffer"
 SEARCH_TOOL = "coffer__search_tools"
 ASK_TOOL = "coffer__ask"
 REMEMBER_TOOL = "coffer__remember"
-SERVER_NAME_RE = re.compile(r"^[a-zA-Z0-9-]{1,24}$")
+# A server name is the prefix of every name a client sees (<server>__<tool>), so it is short and holds no '_':
+# then no two servers' prefixes can collide.  These three say it once for every check, message and help text.
+SERVER_NAME_MAX = 24
+SERVER_NAME_RULE = f"1-{SERVER_NAME_MAX} letters, digits or '-'"
+_SERVER_NAME_PATTERN = f"[a-zA-Z0-9-]{{1,{SERVER_NAME_MAX}}}"
+SERVER_NAME_RE = re.compile(f"^{_SERVER_NAME_PATTERN}$")
 EXPOSED_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-QUALIFIED_URI_RE = re.compile(r"^coffer\+([a-zA-Z0-9-]{1,24}):(.+)$", re.S)
+#: An environment variable's (and a ${NAME} reference's) name; secret_store builds the reference syntax from it.
+ENV_NAME_PATTERN = "[A-Za-z_][A-Za-z0-9_]*"
+ENV_KEY_RE = re.compile(f"^{ENV_NAME_PATTERN}$")
+QUALIFIED_URI_RE = re.compile(rf"^coffer\+({_SERVER_NAME_PATTERN}):(.+)$", re.S)
 
 
+def did_you_mean(target: str, names) -> str:
+    """"; did you mean a or b?" naming the known names closest to a mistyped one, or "" when none is close."""
+    close = difflib.get_close_matches(target, list(names), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def check_server_name(name: str) -> str:
     if not isinstance(name, str) or not SERVER_NAME_RE.match(name):
-        raise CofferError(f"invalid server name {name!r}: use 1-24 letters, digits or '-'")
+        raise CofferError(f"invalid server name {name!r}: use {SERVER_NAME_RULE}")
     if name.lower() == RESERVED_SERVER:
         raise CofferError(f"server name {name!r} is reserved for Coffer's own tools")
     return name
@@ -1129,6 +1156,8 @@ def check_server_name(name: str) -> str:
 #: The default longest exposed name: room for a client prefix such as mcp__<key>__ within 64.
 NAME_MAX_LENGTH = 48
 _DIGEST_WIDTHS = (6, 8, 10, 12, 16, 24, 32, 64)
+#: The shortest name_max_length: a longest server name, "__", one character, "_" and the shortest hash.
+NAME_MAX_LENGTH_MIN = SERVER_NAME_MAX + len(SEPARATOR) + 2 + _DIGEST_WIDTHS[0]
 
 
 def _natural_name(server: str, name: str, max_length: int) -> str | None:
@@ -1204,6 +1233,12 @@ def qualify_uri(server: str, uri: str) -> str:
 REMOTE_TRANSPORTS = ("auto", "http", "sse")
 
 
+def is_success(status: int) -> bool:
+    """Whether an HTTP status is a 2xx: the one test of an exchange that worked (here rather than in
+    transport/http, so every layer that reads an HttpReply, OAuth included, can use it)."""
+    return 200 <= status < 300
+
+
 def url_origin(url) -> tuple[str, str, int] | None:
     """(scheme, host, port) of an absolute http(s) URL, default port filled in; None for anything else."""
     if not isinstance(url, str) or len(url) > 8192:
@@ -1252,7 +1287,7 @@ def check_remote_url(url: str) -> str:
     if "${" in url:
         return url
     if url_origin(url) is None or any(c.isspace() for c in url):
-        raise CofferError(f"invalid URL {printable(url)[:200]!r}: use http:// or https:// and a host name")
+        raise CofferError(f"invalid URL {clip(printable(url), 200)!r}: use http:// or https:// and a host name")
     return url
 
 
