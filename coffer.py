@@ -18,30 +18,30 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        301  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
        545  threads               Threads: named daemon threads that never die silently, and a small worker pool.
        647  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1113  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1288  secret_store          Secrets: ${VAR} references, the private secret store, an upstream's environment.
-      1564  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      2528  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      2908  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3164  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      3941  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      4478  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      4612  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
-      5408  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      5623  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6105  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6204  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6581  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6875  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7043  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
-      7540  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8386  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8549  gateway.session       Gateway session: the MCP server a client talks to.
-     10134  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10304  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10972  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11739  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11955  cli                   Command line: coffer's commands.
+      1189  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1364  secret_store          Secrets: ${VAR} references, the private secret store, an upstream's environment.
+      1640  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      2604  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      2984  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3240  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4017  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      4554  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      4688  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
+      5484  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      5699  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6181  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6280  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6657  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6951  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7119  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
+      7616  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8462  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8625  gateway.session       Gateway session: the MCP server a client talks to.
+     10210  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10380  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11048  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11815  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12031  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -655,6 +655,8 @@ class Backoff:
 # MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
 # ============================================================================================================
 
+modern_log = logging.getLogger('coffer.modern')
+
 # ------------------------------------------------------------------------------------------------------------
 # 1b. MCP 2026-07-28, the stateless era: the per-request envelope, result shapes, listen filters, requestState
 #
@@ -687,7 +689,7 @@ HANDSHAKE_ONLY_METHODS = frozenset({"initialize", "ping", "logging/setLevel", "r
 INPUT_REQUEST_METHODS = frozenset({"sampling/createMessage", "elicitation/create", "roots/list"})
 
 MAX_TTL_MS = 24 * 60 * 60 * 1000        # the SDK client caps any ttlMs at a day; so do we
-MAX_REQUEST_STATE = 256 * 1024          # an upstream's sealed state rides inside ours; the SDK's are ~0.5 kB
+MAX_REQUEST_STATE = 256 * 1024          # an upstream's sealed state rides inside ours: far above what SDKs seal
 MAX_INPUT_REQUESTS = 32
 MAX_LISTEN_URIS = 256
 MAX_URI_LENGTH = 2048
@@ -876,7 +878,7 @@ def _repoint_refs(schema):
     try:
         return walk(schema, 0)
     except OverflowError:
-        log.warning("an outputSchema was too large to re-point its $refs; wrapped it unchanged")
+        modern_log.warning("an outputSchema was too large to re-point its $refs; wrapped it unchanged")
         return schema
 
 
@@ -1051,6 +1053,72 @@ def modern_error(message: dict) -> dict:
                                  "data": {"coffer": meaning, **({"detail": data} if data is not None else {})}}}
 
 
+class RequestClaims(NamedTuple):
+    """What Coffer seals into its own requestState, field by field.  Three kinds of round use it:
+
+    - a 2026-07-28 upstream's own round: ``upstream`` (its name) and ``upstream_state`` (its requestState, handed
+      back byte for byte; None when it sent none);
+    - a parked exchange (a handshake-era upstream asked the client something mid-call): ``exchange``;
+    - coffer__ask's rounds with the client's model: ``ask_stage`` (1 the rewrite, 2 the answer), ``queries`` and
+      ``first_asked`` (epoch seconds of the first round, for the sampling budget).
+
+    A handshake-era client's ask has its second step in process (``ask_stage`` 0, with ``deadline``, a monotonic
+    time): that record is passed along, never sealed.  On the wire each field has a short key (``WIRE_KEYS``);
+    ``to_wire``/``from_wire`` are the only places those keys are written or read, and the encoding is the one the
+    gateway's dicts had, so a state sealed before this record existed unseals the same.
+    """
+    upstream: str | None = None
+    upstream_state: str | None = None
+    exchange: str | None = None
+    ask_stage: int | None = None
+    queries: tuple = ()
+    first_asked: int | None = None
+    deadline: float | None = None
+
+    WIRE_KEYS = {"upstream": "s", "upstream_state": "u", "exchange": "x", "ask_stage": "ask", "queries": "q",
+                 "first_asked": "t0", "deadline": "sync"}
+
+    @property
+    def is_upstream_round(self) -> bool:
+        return self.upstream is not None
+
+    @property
+    def is_ask_round(self) -> bool:
+        return self.ask_stage is not None
+
+    def to_wire(self) -> dict:
+        """The claims object as sealed: an upstream round carries "s" and "u" (null when the upstream sent no
+        state), an ask round "ask", "q" and "t0", an exchange "x"; ``deadline`` never."""
+        keys = self.WIRE_KEYS
+        wire: dict = {}
+        if self.upstream is not None:
+            wire[keys["upstream"]] = self.upstream
+            wire[keys["upstream_state"]] = self.upstream_state
+        if self.exchange is not None:
+            wire[keys["exchange"]] = self.exchange
+        if self.ask_stage is not None:
+            wire[keys["ask_stage"]] = self.ask_stage
+            wire[keys["queries"]] = list(self.queries)
+            wire[keys["first_asked"]] = self.first_asked
+        return wire
+
+    @classmethod
+    def from_wire(cls, claims: dict) -> RequestClaims:
+        """The record of an unsealed claims object (what unseal returns); a field of the wrong type reads as
+        absent, as the gateway has always treated it."""
+        keys = cls.WIRE_KEYS
+
+        def field(name, kinds):
+            value = claims.get(keys[name])
+            return value if isinstance(value, kinds) and not isinstance(value, bool) else None
+
+        queries = claims.get(keys["queries"])
+        return cls(upstream=field("upstream", str), upstream_state=field("upstream_state", str),
+                   exchange=field("exchange", str), ask_stage=field("ask_stage", int),
+                   queries=tuple(queries) if isinstance(queries, list) else (),
+                   first_asked=field("first_asked", (int, float)), deadline=field("deadline", (int, float)))
+
+
 class RequestStateSealer:
     """Coffer's own requestState: a claims object, HMAC-SHA256 under a key that lives only in this process.
 
@@ -1080,7 +1148,11 @@ class RequestStateSealer:
         canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return str(target)[:1024], _b64u(hashlib.sha256(canonical.encode("ascii")).digest()[:16])
 
-    def seal(self, method: str, params, claims: dict) -> str:
+    def seal(self, method: str, params, claims: RequestClaims | dict) -> str:
+        """A requestState for ``claims`` bound to this request (a plain dict is sealed as it is: the gateway's
+        call sites until they build RequestClaims)."""
+        if isinstance(claims, RequestClaims):
+            claims = claims.to_wire()
         target, digest = self.binding(method, params)
         payload = {**claims, "v": 1, "m": method, "t": target, "a": digest, "exp": int(self._clock() + self.ttl)}
         body = json.dumps(payload, separators=(",", ":"), ensure_ascii=True).encode("ascii")
@@ -1111,9 +1183,13 @@ class RequestStateSealer:
         except (ValueError, UnicodeDecodeError) as exc:  # json errors are ValueErrors too
             reason = str(exc) or "malformed"
         if reason is not None:
-            log.warning("requestState refused on %s: %s", method, reason)
+            modern_log.warning("requestState refused on %s: %s", method, reason)
             raise RpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
         return claims
+
+    def unseal_claims(self, token, method: str, params) -> RequestClaims:
+        """``unseal``, read into a RequestClaims."""
+        return RequestClaims.from_wire(self.unseal(token, method, params))
 
 
 # ============================================================================================================
