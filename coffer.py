@@ -12,36 +12,36 @@ the modules below are in layer order: each uses only the standard library and th
 
 Contents: the line of coffer.py where each module starts, the module, what it holds.
 
-        86  errors                Errors: the one exception root every Coffer error derives from.
-       106  resources             Package data: the word lists and web assets that ship inside coffer.py.
-       119  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       301  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       545  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       647  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1189  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1364  secret_store          Secrets: ${VAR} references, the private secret store, an upstream's environment.
-      1640  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      2604  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      2984  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3240  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4017  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      4554  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      4688  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
-      5484  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      5699  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6181  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6280  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6657  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6951  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7119  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
-      7616  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8462  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8625  gateway.session       Gateway session: the MCP server a client talks to.
-     10210  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10380  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11048  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11815  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12031  cli                   Command line: coffer's commands.
+        85  errors                Errors: the one exception root every Coffer error derives from.
+       105  resources             Package data: the word lists and web assets that ship inside coffer.py.
+       118  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
+       300  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       544  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       646  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1188  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1363  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1686  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      2650  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3030  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3286  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4063  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      4600  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      4734  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
+      5530  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      5745  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6227  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6326  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6703  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6997  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7165  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
+      7662  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8508  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8671  gateway.session       Gateway session: the MCP server a client talks to.
+     10256  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10426  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11094  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11839  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12048  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ import argparse
 import array
 import base64
 import collections
-import contextlib
 import dataclasses
 import difflib
 import errno
@@ -1369,13 +1368,72 @@ def check_remote_url(url: str) -> str:
 
 # ============================================================================================================
 # src/coffer_src/secret_store.py
-# Secrets: ${VAR} references, the private secret store, an upstream's environment.
+# Secrets: ${VAR} references, the secret store, private files, upstream environments.
 # ============================================================================================================
+
+secret_store_log = logging.getLogger('coffer.secret_store')
+
+# -- private files ----------------------------------------------------------------------------------------------
+
+
+def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` atomically and durably: a reader sees the old file or the new one, never
+    half of either, and after a crash the new one is there whole or not at all.
+
+    The data goes to a temporary file beside ``path`` (created 0600, so it is never readable by others, even for
+    a moment), is flushed to disk, gets ``mode``, and is renamed over ``path``; then the directory is flushed
+    too, so the rename itself survives a power cut (POSIX; Windows has no directory handle to flush).  OSError
+    on failure, with the temporary file removed.  The one way Coffer writes a file it owns or a client config.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".coffer-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.name != "nt":
+            os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    if os.name != "nt":
+        try:
+            directory_fd = os.open(directory, os.O_RDONLY)
+        except OSError:
+            return  # the file is in place; only its durability across a power cut is not confirmed
+        try:
+            os.fsync(directory_fd)
+        except OSError:
+            pass  # some filesystems cannot flush a directory; the rename is still atomic
+        finally:
+            os.close(directory_fd)
+
 
 # -- ${VAR} references and the secret store ------------------------------------------------------------------
 
-_ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+#: ``${NAME}`` or ``${NAME:-default}``: the one reference syntax (group 1 the name, group 2 the default or None).
+ENV_REF_RE = re.compile(rf"\$\{{({ENV_NAME_PATTERN})(?::-([^}}]*))?\}}")
 SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$")
+SECRET_MAX_CHARS = 64 << 10  # a secret value's longest text (`coffer secret set` reads no more)
+
+
+def whole_reference(value: str) -> str | None:
+    """NAME when ``value`` is exactly one ``${NAME}`` (no default, nothing around it), else None."""
+    match = ENV_REF_RE.fullmatch(value) if isinstance(value, str) else None
+    return match.group(1) if match and match.group(2) is None else None
+
+
+def references(config: dict) -> list[tuple[str, bool]]:
+    """(NAME, has a default) for every ${NAME} in what Coffer expands when it starts a server: its URL, working
+    directory, command, env and header values."""
+    texts = [config.get("url") or "", config.get("cwd") or "", *(config.get("command") or ()),
+             *(config.get("env") or {}).values(), *(config.get("headers") or {}).values()]
+    return [(match.group(1), match.group(2) is not None) for text in texts for match in ENV_REF_RE.finditer(text)]
 
 
 def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | None = None,
@@ -1401,7 +1459,7 @@ def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | N
             substituted.append((name, current))
         return current
 
-    return _ENV_REF_RE.sub(replace, value)
+    return ENV_REF_RE.sub(replace, value)
 
 
 class SecretStore:
@@ -1465,7 +1523,7 @@ class SecretStore:
         except CofferError as exc:
             if self._problem != getattr(self, "_reported", None):
                 self._reported = self._problem
-                log.warning("%s", exc)
+                secret_store_log.warning("%s", exc)
             return None
 
     def names(self) -> list[str]:
@@ -1480,8 +1538,8 @@ class SecretStore:
     def set(self, name: str, value: str) -> None:
         if not SECRET_NAME_RE.match(name or ""):
             raise CofferError(f"invalid secret name {name!r}: use letters, digits and _ (start with a letter)")
-        if not isinstance(value, str) or "\x00" in value or len(value) > 64 << 10:
-            raise CofferError("a secret value must be text without NUL bytes, at most 64 KiB")
+        if not isinstance(value, str) or "\x00" in value or len(value) > SECRET_MAX_CHARS:
+            raise CofferError(f"a secret value must be text without NUL bytes, at most {SECRET_MAX_CHARS >> 10} KiB")
         values = dict(self._read())
         values[name] = value
         self._write(values)
@@ -1494,19 +1552,9 @@ class SecretStore:
         return True
 
     def _write(self, values: dict[str, str]) -> None:
-        temporary = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(json.dumps(values, indent=1, sort_keys=True).encode("utf-8"))
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, self.path)
+            write_private_file(self.path, json.dumps(values, indent=1, sort_keys=True).encode("utf-8"))
         except OSError as exc:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
             raise CofferError(f"cannot write the secret store {self.path}: {exc.strerror or exc}") from None
         redact.add_named(values.items())
         with self._lock:
@@ -1540,7 +1588,7 @@ def plan_literals(server: str, values: dict[str, str], secrets: SecretStore, hea
     planned = {} if planned is None else planned
     result, mine = {}, {}
     for key, value in values.items():
-        if value == "" or _ENV_REF_RE.search(value):
+        if value == "" or ENV_REF_RE.search(value):
             result[key] = value
             continue
         scheme, credential = "", value
@@ -1598,9 +1646,7 @@ def save_secrets(secrets: SecretStore, values: dict[str, str]) -> None:
 def resolution_digest(config: dict, secrets: SecretStore | None) -> str:
     """A digest of what a server's ${NAME} references resolve to now: when `coffer secret set` changes one, a
     running gateway restarts that server with the new value (and only that server)."""
-    texts = [config.get("url") or "", config.get("cwd") or "", *(config.get("command") or ()),
-             *(config.get("env") or {}).values(), *(config.get("headers") or {}).values()]
-    names = sorted({match.group(1) for text in texts for match in _ENV_REF_RE.finditer(text)})
+    names = sorted({name for name, _ in references(config)})
     values = [f"{name}={os.environ[name] if name in os.environ else (secrets.get(name) if secrets else None)}"
               for name in names]
     return hashlib.sha256("\0".join(values).encode("utf-8", "surrogatepass")).hexdigest()
@@ -11272,9 +11318,11 @@ def load_client_file(file: ClientFile, text: str | None = None):
 
 # -- one client entry -> ImportedServer -----------------------------------------------------------------------
 
+# Clients' reference syntaxes: ${env:X} and ${input:X} (VS Code), editor built-ins, Coffer's own ${NAME[:-default]},
+# any other ${...}, and Gemini CLI's bare $NAME.
 _CLIENT_REF_RE = re.compile(r"\$\{(env|input):([^}]*)\}|\$\{(userHome|workspaceFolder|workspaceFolderBasename|"
-                            r"pathSeparator|/)\}|\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}|\$\{([^}]*)\}|"
-                            r"\$([A-Za-z_][A-Za-z0-9_]*)")
+                            rf"pathSeparator|/)\}}|\$\{{({ENV_NAME_PATTERN})(:-[^}}]*)?\}}|\$\{{([^}}]*)\}}|"
+                            rf"\$({ENV_NAME_PATTERN})")
 _REMOTE_TYPES = {"http": "http", "streamable-http": "http", "streamable_http": "http", "streamablehttp": "http",
                  "sse": "sse"}
 
@@ -11412,15 +11460,14 @@ def entry_to_server(client: str, name: str, raw, file: ClientFile, ctx: ClientCo
 
 # -- import: plan, then apply ---------------------------------------------------------------------------------
 
-_WHOLE_REF_RE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 SECRET_SET_HINT = "coffer secret set {name}"   # the command that stores one secret (issue 15's CLI)
 
 
 def _resolve_whole_reference(value: str, store) -> str:
     """A value that is exactly one ${NAME} kept in the secret store, as the value it stands for."""
-    match = _WHOLE_REF_RE.match(value)
-    if match:
-        stored = store.get(match.group(1))
+    name = whole_reference(value)
+    if name is not None:
+        stored = store.get(name)
         if stored is not None:
             return stored
     return value
@@ -11446,19 +11493,19 @@ def same_definition(server: dict, imported: ImportedServer, store) -> bool:
 def legal_server_name(raw: str) -> tuple[str, str | None]:
     """(a name Coffer accepts, why it differs from ``raw`` or None)."""
     name = re.sub(r"[^A-Za-z0-9-]+", "-", str(raw)).strip("-") or "server"
-    name = name[:24].rstrip("-")
+    name = name[:SERVER_NAME_MAX].rstrip("-")
     if name.lower() == RESERVED_SERVER:
         name = f"{name}-server"
     if name == raw:
         return name, None
     why = ("'coffer' is reserved for Coffer's own tools" if str(raw).lower() == RESERVED_SERVER else
-           "Coffer names are 1-24 letters, digits or '-'")
+           f"Coffer names are {SERVER_NAME_RULE}")
     return name, f"renamed from {raw!r}: {why}"
 
 
 def _numbered(name: str, n: int) -> str:
     suffix = f"-{n}"
-    return name[:24 - len(suffix)].rstrip("-") + suffix
+    return name[:SERVER_NAME_MAX - len(suffix)].rstrip("-") + suffix
 
 
 def _move_secrets(planned: PlannedServer, store, planned_secrets: dict) -> None:
@@ -11622,17 +11669,7 @@ def _write_private(path: str, data: str) -> None:
     os.makedirs(directory, mode=0o700, exist_ok=True)
     if os.name != "nt":
         os.chmod(directory, 0o700)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".coffer-")
-    try:
-        if os.name != "nt":
-            os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_private_file(path, data.encode("utf-8"))
 
 
 def write_config_file(path: str, text: str) -> str | None:
@@ -11648,21 +11685,8 @@ def write_config_file(path: str, text: str) -> str | None:
             n += 1
             backup = f"{path}.coffer-backup-{stamp}-{n}"
         shutil.copy2(target, backup)
-    directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".coffer-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if os.name != "nt":
-            os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    write_private_file(target, text.encode("utf-8"), mode)
     return backup
 
 
@@ -11825,13 +11849,6 @@ def uninstall_client(vault, store, client: str, ctx: ClientContext, project: boo
 
 # -- doctor ---------------------------------------------------------------------------------------------------
 
-def _references(server: dict) -> list[tuple[str, bool]]:
-    """(NAME, has a default) for every ${NAME} in what Coffer expands when it starts the server."""
-    texts = list(server.get("command") or []) + [server.get("url") or "", server.get("cwd") or ""]
-    texts += list((server.get("env") or {}).values()) + list((server.get("headers") or {}).values())
-    return [(m.group(1), m.group(2) is not None) for text in texts for m in _ENV_REF_RE.finditer(text or "")]
-
-
 def _problem(problem: str, fix: str, severity: str = "error") -> dict:
     return {"problem": problem, "fix": fix, "severity": severity}
 
@@ -11875,7 +11892,7 @@ def server_report(vault, store, server: dict, installed_clients: set, probe, set
             f"coffer remove {name}, then add or import it again")]}
     if not server.get("enabled", True):
         return {"name": name, "ok": True, "enabled": False, "problems": [], "tools": 0}
-    missing = sorted({ref for ref, has_default in _references(server)
+    missing = sorted({ref for ref, has_default in references(server)
                       if not has_default and ref not in os.environ and store.get(ref) is None})
     for ref in missing:
         problems.append(_problem(f"${{{ref}}} is not set (neither in the environment nor in the secret store)",
@@ -12007,7 +12024,7 @@ def print_doctor(report: dict) -> None:
 
 def _shown(value: str) -> str:
     """A stored env/header value as ``coffer show`` prints it: references as written, literals never."""
-    return value if (not value or _ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
+    return value if (not value or ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
 
 
 def show_server(vault, name: str) -> dict:
@@ -12400,7 +12417,7 @@ def cmd_secret(vault: Vault, args) -> int:
         import getpass
         value = getpass.getpass(f"value for {args.name} (not shown): ")
     else:
-        value = sys.stdin.read((64 << 10) + 1).rstrip("\r\n")
+        value = sys.stdin.read(SECRET_MAX_CHARS + 1).rstrip("\r\n")
     if not value:
         raise CofferError("empty value: nothing stored")
     store.set(args.name, value)

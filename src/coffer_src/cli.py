@@ -59,7 +59,14 @@ from coffer_src.oauth import (
     revoke_grant,
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
-from coffer_src.secret_store import expand_vars, parse_env_assignment, plan_literals, plan_url_literals, save_secrets
+from coffer_src.secret_store import (
+    SECRET_MAX_CHARS,
+    expand_vars,
+    parse_env_assignment,
+    plan_literals,
+    plan_url_literals,
+    save_secrets,
+)
 from coffer_src.terminal import _print_table, configure_logging, log, printable, redact, say, say_json
 from coffer_src.transport.remote import probe_transport
 from coffer_src.transport.stdio import UpstreamFailure
@@ -427,7 +434,7 @@ def cmd_secret(vault: Vault, args) -> int:
         import getpass
         value = getpass.getpass(f"value for {args.name} (not shown): ")
     else:
-        value = sys.stdin.read((64 << 10) + 1).rstrip("\r\n")
+        value = sys.stdin.read(SECRET_MAX_CHARS + 1).rstrip("\r\n")
     if not value:
         raise CofferError("empty value: nothing stored")
     store.set(args.name, value)

@@ -23,18 +23,11 @@ from coffer_src.clients.move_in import (
     registered_in_coffer,
 )
 from coffer_src.probe import ServerProbe
-from coffer_src.secret_store import _ENV_REF_RE, expand_vars
+from coffer_src.secret_store import ENV_REF_RE, expand_vars, references
 from coffer_src.terminal import log, say
 from coffer_src.vault import PRIVATE_FILES, SCHEMA, _state
 
 # -- doctor ---------------------------------------------------------------------------------------------------
-
-def _references(server: dict) -> list[tuple[str, bool]]:
-    """(NAME, has a default) for every ${NAME} in what Coffer expands when it starts the server."""
-    texts = list(server.get("command") or []) + [server.get("url") or "", server.get("cwd") or ""]
-    texts += list((server.get("env") or {}).values()) + list((server.get("headers") or {}).values())
-    return [(m.group(1), m.group(2) is not None) for text in texts for m in _ENV_REF_RE.finditer(text or "")]
-
 
 def _problem(problem: str, fix: str, severity: str = "error") -> dict:
     return {"problem": problem, "fix": fix, "severity": severity}
@@ -79,7 +72,7 @@ def server_report(vault, store, server: dict, installed_clients: set, probe, set
             f"coffer remove {name}, then add or import it again")]}
     if not server.get("enabled", True):
         return {"name": name, "ok": True, "enabled": False, "problems": [], "tools": 0}
-    missing = sorted({ref for ref, has_default in _references(server)
+    missing = sorted({ref for ref, has_default in references(server)
                       if not has_default and ref not in os.environ and store.get(ref) is None})
     for ref in missing:
         problems.append(_problem(f"${{{ref}}} is not set (neither in the environment nor in the secret store)",
@@ -211,7 +204,7 @@ def print_doctor(report: dict) -> None:
 
 def _shown(value: str) -> str:
     """A stored env/header value as ``coffer show`` prints it: references as written, literals never."""
-    return value if (not value or _ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
+    return value if (not value or ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
 
 
 def show_server(vault, name: str) -> dict:
