@@ -12247,7 +12247,7 @@ def run_doctor(vault, store, ctx: ClientContext, probe=None) -> dict:
         try:
             reports[index] = server_report(vault, store, server, installed, probe, settings)
         except Exception as exc:  # noqa: BLE001 - one server's odd state must not hide the others' report
-            doctor_log.exception("doctor: checking %s failed", server["name"])
+            ServerLog(doctor_log, server["name"]).exception("doctor could not check it")
             reports[index] = {"name": server["name"], "ok": False, "enabled": server.get("enabled", True),
                               "tools": 0, "problems": [_problem(f"could not be checked: {exc}", "coffer list")]}
 

@@ -29,7 +29,7 @@ from coffer_src.errors import CofferError
 from coffer_src.names import NAME_MAX_LENGTH_MIN
 from coffer_src.probe import ServerProbe
 from coffer_src.secret_store import ENV_REF_RE, expand_vars, references
-from coffer_src.terminal import say
+from coffer_src.terminal import ServerLog, say
 from coffer_src.vault import MIGRATIONS, PRIVATE_FILES, SCHEMA_PARTS, _state
 
 doctor_log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def run_doctor(vault, store, ctx: ClientContext, probe=None) -> dict:
         try:
             reports[index] = server_report(vault, store, server, installed, probe, settings)
         except Exception as exc:  # noqa: BLE001 - one server's odd state must not hide the others' report
-            doctor_log.exception("doctor: checking %s failed", server["name"])
+            ServerLog(doctor_log, server["name"]).exception("doctor could not check it")
             reports[index] = {"name": server["name"], "ok": False, "enabled": server.get("enabled", True),
                               "tools": 0, "problems": [_problem(f"could not be checked: {exc}", "coffer list")]}
 
