@@ -49,6 +49,8 @@ LAYERS = (
     "modern",
     "names",
     "secret_store",
+    "settings",
+    "vault_rows",
     "vault",
     "transport/stdio",
     "transport/http",

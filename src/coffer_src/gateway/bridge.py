@@ -17,6 +17,7 @@ from coffer_src.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND,
 from coffer_src.modern import (
     MISSING_REQUIRED_CLIENT_CAPABILITY,
     ListenFilter,
+    RequestClaims,
     RequestStateSealer,
     listen_frame,
     missing_capability,
@@ -162,7 +163,7 @@ class EraBridge:
             return
         if session.client_era == "modern":
             sealed = self.sealer.seal(call.method, call.client_params,
-                                      {"s": call.upstream.name, "u": round_.request_state})
+                                      RequestClaims(upstream=call.upstream.name, upstream_state=round_.request_state))
             session.respond(msg_id, call.method, {**result, "requestState": sealed})
             return
         call.rounds += 1
@@ -267,7 +268,7 @@ class EraBridge:
             call.parked_until = time.monotonic() + float(self.hub.settings["mrtr_ttl"])
         if call.sent:
             call.upstream.hold(call.ticket)
-        state = self.sealer.seal(call.method, call.client_params, {"x": call.exchange})
+        state = self.sealer.seal(call.method, call.client_params, RequestClaims(exchange=call.exchange))
         session.respond(msg_id, call.method, {
             "resultType": "input_required", "requestState": state,
             "inputRequests": {key: {"method": q.method, **({"params": q.params} if q.params or q.method != "roots/list"
@@ -277,18 +278,18 @@ class EraBridge:
         """A 2026-07-28 client's retry carrying a requestState Coffer sealed: answers for a parked exchange, or
         an upstream's own state to hand back to it, byte for byte."""
         session, calls = self.session, self.session.calls
-        claims = self.sealer.unseal(params.get("requestState"), method, params)
+        claims = self.sealer.unseal_claims(params.get("requestState"), method, params)
         responses = params.get("inputResponses")
         if responses is not None and not isinstance(responses, dict):
             raise RpcError(INVALID_PARAMS, "'inputResponses' must be an object")
         responses = responses or {}
-        if "ask" in claims and self.hub.knowledge is not None:  # coffer__ask's own rounds with the client's model
+        if claims.is_ask_round and self.hub.knowledge is not None:  # coffer__ask's rounds with the client's model
             arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
             self.hub.workers.submit(session.answer, msg_id, method, lambda: session.tools.ask(
-                arguments, started, params, {"claims": claims, "responses": responses}))
+                arguments, started, params, claims, responses))
             return None
-        if "s" in claims:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says now
-            upstream = session.upstream_named(claims["s"])
+        if claims.is_upstream_round:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says
+            upstream = session.upstream_named(claims.upstream)
             catalogue = self.hub.catalogue
             route = (catalogue.tool_routes if method == "tools/call" else catalogue.prompt_routes).get(
                 params.get("name")) if method != "resources/read" else catalogue.route_resource(params["uri"])
@@ -297,13 +298,13 @@ class EraBridge:
             key = "uri" if method == "resources/read" else "name"
             upstream_params = {k: v for k, v in params.items() if k != "requestState"}
             upstream_params[key] = route.name
-            if claims.get("u") is not None:
-                upstream_params["requestState"] = claims["u"]
+            if claims.upstream_state is not None:
+                upstream_params["requestState"] = claims.upstream_state
             calls.forward(msg_id, upstream, method, upstream_params, params.get(key), "tool" if method == "tools/call"
                           else "prompt" if method == "prompts/get" else "resource", started, params)
             return None
         with session.lock:
-            call = self.exchanges.get(claims.get("x"))
+            call = self.exchanges.get(claims.exchange)
             if call is None or call.state is not CallState.PARKED:
                 call = None
             else:

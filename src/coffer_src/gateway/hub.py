@@ -129,7 +129,7 @@ class Hub:
         """Read what to serve from the vault and start the ticker (upstreams start with the first session)."""
         try:
             self.vault.prune()
-        except (sqlite3.Error, CofferError) as exc:  # a busy or read-only vault must not stop the session
+        except CofferError as exc:  # a busy or read-only vault must not stop the session
             hub_log.warning("retention pruning skipped: %s", exc)
         self.configs = self._serving(self.vault.servers(), report=True)
         self.remembered = self.vault.remembered_lists() if self.remember else {}
@@ -175,7 +175,7 @@ class Hub:
         try:
             with self.vault_lock:
                 self.usage = self.vault.tool_usage()
-        except sqlite3.Error as exc:
+        except CofferError as exc:
             hub_log.warning("tool usage unavailable (%s); a budgeted list falls back to catalogue order", exc)
 
     def shutdown(self) -> None:
@@ -225,10 +225,10 @@ class Hub:
         memory = self.settings["memory"] == "on"
         try:
             with self.vault_lock:
-                row = self.vault.db.execute("SELECT count(*) FROM knowledge_sources WHERE kind='folder'").fetchone()
-            has_sources = bool(row and row[0])
-        except sqlite3.Error:
-            has_sources = False  # no knowledge table yet: nothing was ever added
+                has_sources = self.vault.has_knowledge_sources()
+        except CofferError as exc:
+            hub_log.warning("knowledge sources unavailable: %s", exc)
+            has_sources = False
         if (has_sources or memory) and self.knowledge is None:
             try:
                 self.knowledge = KnowledgeBase(self.vault.path, self.vault.home,
@@ -383,7 +383,7 @@ class Hub:
                 states = self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
                 self.states = {**self.states, **{(upstream.name, kind, name): state
                                                  for name, state in states.items()}}
-        except (sqlite3.Error, CofferError) as exc:
+        except CofferError as exc:
             ServerLog(hub_log, upstream.name).warning("could not record its %ss in the vault: %s", kind, exc)
             if upstream.config.get("policy") == "disabled":  # fail closed: unrecorded means not allowed
                 with self.vault_lock:
@@ -399,7 +399,7 @@ class Hub:
                 with self.vault_lock:
                     self.vault.record_era(upstream.name, upstream.era)
                 upstream.config["era"] = upstream.era
-            except (sqlite3.Error, CofferError) as exc:
+            except CofferError as exc:
                 ServerLog(hub_log, upstream.name).debug("could not remember its protocol era: %s", exc)
         counts = {kind: len(items) for kind, items in upstream.lists.items() if items}
         info = upstream.server_info
@@ -430,7 +430,7 @@ class Hub:
                 config["transport"] = detected
             try:
                 self.vault.set_transport(upstream.name, detected)
-            except (sqlite3.Error, CofferError) as exc:
+            except CofferError as exc:
                 ServerLog(hub_log, upstream.name).warning("could not remember its transport: %s", exc)
 
     def on_down(self, upstream: Upstream) -> None:
@@ -446,7 +446,7 @@ class Hub:
         try:
             with self.vault_lock:
                 self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
-        except (sqlite3.Error, CofferError) as exc:
+        except CofferError as exc:
             ServerLog(hub_log, upstream.name).warning("could not record status: %s", exc)
 
     def on_notification(self, upstream: Upstream, message: dict) -> None:
@@ -524,7 +524,7 @@ class Hub:
         try:
             with self.vault_lock:
                 self.vault.set_sharing(name, "per-client", reason)
-        except (sqlite3.Error, CofferError) as exc:
+        except CofferError as exc:
             ServerLog(hub_log, name).warning("could not record that it runs per client: %s", exc)
         start_thread(self._retire, f"coffer-{name}-retire", upstream)
         self.rebuild()
