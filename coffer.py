@@ -22,26 +22,26 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       1253  secret_store          Secrets: ${VAR} references, the private secret store, an upstream's environment.
       1529  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
       2493  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      2873  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3129  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      3906  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      4443  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      4577  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
-      5376  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      5591  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6073  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6172  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6549  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6843  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7011  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
-      7508  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8354  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
-      8517  gateway.session       Gateway session: the MCP server a client talks to.
-     10102  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10272  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     10940  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     11707  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     11923  cli                   Command line: coffer's commands.
+      2886  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3173  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      3953  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      4515  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      4649  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
+      5448  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      5663  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6145  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6244  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6621  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6915  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7083  knowledge.documents   Knowledge documents: text split into passages along headings; walking a folder.
+      7580  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8426  gateway.builtins      Gateway built-ins: Coffer's own tools and client-aware listing.
+      8589  gateway.session       Gateway session: the MCP server a client talks to.
+     10174  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10344  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11012  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     11779  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     11995  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -2501,6 +2501,9 @@ CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_columns USING fts5vocab(knowled
 # Stdio transport: an upstream as a subprocess, and the transport interface.
 # ============================================================================================================
 
+stdio_log = logging.getLogger('coffer.transport.stdio')
+
+
 class UpstreamFailure(CofferException):
     """An upstream could not be started, initialized or reached.
 
@@ -2617,8 +2620,16 @@ class StdioTransport(Transport):
 
     The child gets its own process group (POSIX) so shutdown can reach the whole tree (``npx`` and ``uvx`` start
     grandchildren), and shutdown also ends descendants that left the group (a ``setsid`` daemon).  If Coffer is
-    killed outright, the children see stdin close and exit by themselves.  Threads: one reader each for stdout and
-    stderr, one that notices the exit, one writer for what ``send`` could not write at once.
+    killed outright, the children see stdin close and exit by themselves.
+
+    Threads: one reader each for stdout (it runs ``on_message`` and ``on_unusable``) and stderr (``on_stderr``),
+    one that notices the exit, one writer for what ``send`` could not write at once; ``send`` and ``close`` run on
+    any thread.  Two locks, both leaves: ``_send_lock`` guards ``_queued`` and the order of what goes to stdin (a
+    direct write only when nothing is queued ahead; ``close``'s end marker after every message ``send`` accepted,
+    since ``send`` checks ``_closed`` again under it); ``_close_lock`` makes ``close`` and ``on_close`` happen
+    once.  ``_family`` is updated by the start thread and the gateway's ticker and read by ``close`` through a
+    copy (``dict()`` of a dict is atomic under the GIL); a descendant missed by that race is found by ``close``'s
+    own look at the process table.
     """
 
     def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_unusable=None, max_line=0):
@@ -2626,6 +2637,7 @@ class StdioTransport(Transport):
         self.on_message, self.on_close, self.on_stderr = on_message, on_close, on_stderr
         self.on_unusable = on_unusable or (lambda head, why: None)
         self.max_line = max_line
+        self.log = ServerLog(stdio_log, name)
         self.proc: subprocess.Popen | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._send_lock = threading.Lock()
@@ -2759,6 +2771,8 @@ class StdioTransport(Transport):
             return False
         data = encode_line(message)
         with self._send_lock:
+            if self._closed:  # close's end marker may be queued already: what follows it is never written
+                return False
             if self._queued == 0 and self._stdin_fd is not None:
                 # The common case: the pipe has room and nothing is queued ahead, so write it here and spare
                 # the writer thread a wake-up; whatever does not fit is queued behind, in order.
@@ -2791,8 +2805,7 @@ class StdioTransport(Transport):
             except ValueError as exc:  # invalid UTF-8, NaN, nested too deeply...: skipped like any junk
                 skipped += 1
                 if skipped <= 20 or skipped % 1000 == 0:
-                    log.warning("[%s] skipped a non-JSON line on stdout (%d bytes; %d so far)",
-                                self.name, len(line), skipped)
+                    self.log.warning("skipped a non-JSON line on stdout (%d bytes; %d so far)", len(line), skipped)
                 self.on_unusable(line[:4096], f"a reply Coffer cannot read ({exc})")
                 return
             for item in (message if isinstance(message, list) else [message]):
@@ -2800,7 +2813,7 @@ class StdioTransport(Transport):
                     try:
                         self.on_message(item)
                     except Exception:  # noqa: BLE001 - a bug in routing costs one message, not the reader
-                        log.exception("[%s] internal error handling a message", self.name)
+                        self.log.exception("internal error handling a message")
 
         try:
             for lines in read_line_bursts(self.proc.stdout.read, max_line=self.max_line):
@@ -2808,7 +2821,7 @@ class StdioTransport(Transport):
         except (OSError, ValueError):
             pass
         except Exception:  # noqa: BLE001 - the connection is lost either way; say why, then restart it
-            log.exception("[%s] internal error reading stdout", self.name)
+            self.log.exception("internal error reading stdout")
         finally:
             self._signal_close()
 
@@ -2821,7 +2834,7 @@ class StdioTransport(Transport):
         except (OSError, ValueError):
             pass  # the pipe closed under us at shutdown
         except Exception:  # noqa: BLE001
-            log.exception("[%s] internal error reading stderr", self.name)
+            self.log.exception("internal error reading stderr")
 
     def close(self, grace: float = 2.0) -> None:
         """Close stdin, give the server ``grace`` seconds to exit, then terminate and kill its process group and
@@ -2836,7 +2849,7 @@ class StdioTransport(Transport):
         family: dict[int, str] = {}
         if os.name == "posix":
             table = process_table()
-            family = {pid: started for pid, started in self._family.items()  # still the same processes
+            family = {pid: started for pid, started in dict(self._family).items()  # still the same processes
                       if table.get(pid) is not None and table[pid].started == started}
             if proc.poll() is None:
                 family.update(_descendants(proc.pid, table))
@@ -2898,6 +2911,11 @@ class HttpReply(NamedTuple):
     url: str                # where the answer came from, after same-origin redirects
     stream: object = None
 
+    @property
+    def ok(self) -> bool:
+        """A 2xx: the one test of success for an MCP endpoint (the OAuth endpoints name their exact codes)."""
+        return 200 <= self.status < 300
+
 
 class OriginRefused(UpstreamFailure):
     """A redirect or an SSE endpoint that would carry credentials to another origin.  Permanent: retrying would
@@ -2934,7 +2952,7 @@ def remote_http(method: str, url: str, *, headers=None, body: bytes | None = Non
     at most MAX_REDIRECTS times; any other raises OriginRefused.
     """
     global _http_opener
-    import http.client  # noqa: E401 - lazily: ~19 MB of RSS
+    import http.client  # noqa: E401 - lazily: a gateway of stdio servers never pays for the HTTP stack
     import urllib.error
     import urllib.request
     if _http_opener is None:
@@ -3028,12 +3046,17 @@ def abort_stream(response) -> None:
         pass
 
 
-def _close_reply(reply: HttpReply) -> None:
-    if reply.stream is not None:
+def close_stream(stream) -> None:
+    """Close a streamed response, whatever state its connection is in."""
+    if stream is not None:
         try:
-            reply.stream.close()
+            stream.close()
         except (OSError, ValueError):
             pass
+
+
+def _close_reply(reply: HttpReply) -> None:
+    close_stream(reply.stream)
 
 
 def _content_type(reply: HttpReply) -> str:
@@ -3099,8 +3122,8 @@ def read_sse_events(readline, max_event_bytes: int):
         if colon and value.startswith(b" "):
             value = value[1:]
         if name == b"data":
-            # Each line costs ~100 bytes of bookkeeping, whatever it holds: an event of a million empty data
-            # lines must hit the limit long before it holds a gigabyte.
+            # Each line costs bookkeeping whatever it holds, so each counts for more than its data: an event of a
+            # million empty data lines must hit the limit long before it holds a gigabyte.
             size += (length if length > max_event_bytes else len(value)) + 128
             if size > max_event_bytes:
                 head = head or (b"\n".join(data) + b"\n" + value)[:4096]
@@ -3112,18 +3135,24 @@ def read_sse_events(readline, max_event_bytes: int):
         # id and retry serve resumption, which the 2024-11-05 transport does not define: a drop is a new session.
 
 
-def _messages_of(data: bytes, name: str, on_unusable=None) -> list[dict]:
-    """The JSON-RPC messages in one event or body (a message or a batch); junk is skipped with a warning, and
-    ``on_unusable`` hears of it, so a request it answered fails at once instead of waiting for its timeout."""
+def _messages_of(data: bytes, server_log, on_unusable=None) -> list[dict]:
+    """The JSON-RPC messages in one event or body (a message or a batch); junk is skipped with a warning (to
+    ``server_log``, the transport's ServerLog), and ``on_unusable`` hears of it, so a request it answered fails at
+    once instead of waiting for its timeout."""
     try:
         payload = decode_json(data)
     except ValueError as exc:
-        log.warning("[%s] skipped an SSE event that is not JSON (%d bytes: %s)", name, len(data), exc)
+        server_log.warning("skipped an SSE event that is not JSON (%d bytes: %s)", len(data), exc)
         if on_unusable is not None:
             on_unusable(data[:4096], f"a reply Coffer cannot read ({exc})")
         return []
     items = payload if isinstance(payload, list) else [payload]
     return [item for item in items if isinstance(item, dict)]
+
+
+# -- which transport a server speaks ------------------------------------------------------------------------
+
+FALLBACK_TO_GET = (400, 404, 405)   # what an HTTP+SSE server answers a Streamable HTTP POST (MCP 2025-11-25)
 
 
 def _probe_initialize() -> bytes:
@@ -3132,10 +3161,28 @@ def _probe_initialize() -> bytes:
         "clientInfo": {"name": "coffer", "version": __version__}}})
 
 
+def initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> tuple[HttpReply, HttpReply | None]:
+    """The spec's backwards-compatibility probe, in one place: POST an initialize (Streamable HTTP); when that
+    answers 400, 404 or 405, GET an event stream (HTTP+SSE).  ``exchange`` is remote_http or a function with its
+    signature (one that adds the server's OAuth token).  Returns the POST's reply (closed) and the GET's (None when
+    the POST's answer settled it), whose stream is open: the caller reads it and closes it."""
+    posted = exchange("POST", url, body=_probe_initialize(), timeout=timeout, stream=True,
+                      headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+                               **headers})
+    _close_reply(posted)
+    if posted.status not in FALLBACK_TO_GET:
+        return posted, None
+    return posted, exchange("GET", url, timeout=timeout, stream=True, headers={"Accept": "text/event-stream",
+                                                                               **headers})
+
+
 # ============================================================================================================
 # src/coffer_src/oauth.py
 # OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
 # ============================================================================================================
+
+oauth_log = logging.getLogger('coffer.oauth')
+
 
 def _require_secure(url, what: str) -> str:
     """An OAuth endpoint must be https (OAuth 2.1 §1.5); plain http only on this machine, for development.  It is
@@ -3286,11 +3333,16 @@ class AuthServerMetadata(NamedTuple):
     iss_parameter: bool = False
 
 
-def _metadata_get(url: str) -> HttpReply | None:
-    """GET one metadata document; None when it is not there (so the next well-known URL is tried)."""
-    reply = remote_http("GET", url, timeout=15.0, headers={"Accept": "application/json",
-                                                           "MCP-Protocol-Version": LATEST_PROTOCOL_VERSION})
-    return reply if reply.status == 200 else None
+def _first_metadata(urls: list[str], what: str) -> tuple[str, dict] | None:
+    """The first of ``urls`` that serves a metadata document, as (its URL, the JSON object); None when none does.
+    A URL that does not answer 200 is not there, so the next well-known URL is tried; one that does must hold a
+    JSON object (``what`` names it in the error)."""
+    for url in urls:
+        reply = remote_http("GET", url, timeout=15.0, headers={"Accept": "application/json",
+                                                               "MCP-Protocol-Version": LATEST_PROTOCOL_VERSION})
+        if reply.status == 200:
+            return url, _json_object(reply, f"{what} at {url}")
+    return None
 
 
 def discover_resource_metadata(server_url: str, bearer: dict) -> ResourceMetadata | None:
@@ -3305,20 +3357,19 @@ def discover_resource_metadata(server_url: str, bearer: dict) -> ResourceMetadat
     for url in candidates:
         if url_origin(url) is None:
             raise OAuthFailure(f"the server's 401 names resource metadata at a non-http URL: {printable(url)[:200]}")
-        reply = _metadata_get(url)
-        if reply is None:
-            continue
-        document = _json_object(reply, f"the protected resource metadata at {url}")
-        resource = document.get("resource")
-        if not resource_matches(server_url, resource):
-            raise OAuthFailure(f"the protected resource metadata at {url} is for "
-                               f"{printable(str(resource))[:200]!r}, not for {server_url}: refused (RFC 9728 §3.3); "
-                               "a token obtained through it could be meant for another server")
-        servers = _str_list(document.get("authorization_servers")) or []
-        if not servers:
-            raise OAuthFailure(f"the protected resource metadata at {url} names no authorization server")
-        return ResourceMetadata(resource, servers, _str_list(document.get("scopes_supported")), url)
-    return None
+    found = _first_metadata(candidates, "the protected resource metadata")
+    if found is None:
+        return None
+    url, document = found
+    resource = document.get("resource")
+    if not resource_matches(server_url, resource):
+        raise OAuthFailure(f"the protected resource metadata at {url} is for "
+                           f"{printable(str(resource))[:200]!r}, not for {server_url}: refused (RFC 9728 §3.3); "
+                           "a token obtained through it could be meant for another server")
+    servers = _str_list(document.get("authorization_servers")) or []
+    if not servers:
+        raise OAuthFailure(f"the protected resource metadata at {url} names no authorization server")
+    return ResourceMetadata(resource, servers, _str_list(document.get("scopes_supported")), url)
 
 
 def authorization_server_metadata_urls(issuer: str) -> list[str]:
@@ -3340,30 +3391,29 @@ def _issuers_match(a: str, b: str) -> bool:
 
 def discover_authorization_server(issuer: str) -> AuthServerMetadata:
     _require_secure(issuer, "the authorization server")
-    for url in authorization_server_metadata_urls(issuer):
-        reply = _metadata_get(url)
-        if reply is None:
-            continue
-        document = _json_object(reply, f"the authorization server metadata at {url}")
-        if not isinstance(document.get("issuer"), str) or not _issuers_match(document["issuer"], issuer):
-            raise OAuthFailure(f"the metadata at {url} is for issuer {printable(str(document.get('issuer')))[:200]!r}"
-                               f", not {issuer}: refused (RFC 8414 §3.3)")
-        methods = _str_list(document.get("code_challenge_methods_supported")) or []
-        if "S256" not in methods:
-            raise OAuthFailure(f"the authorization server {issuer} does not offer PKCE with S256: refused "
-                               "(MCP requires it to protect the authorization code)")
-        endpoints = {}
-        for key in ("authorization_endpoint", "token_endpoint", "registration_endpoint", "revocation_endpoint"):
-            value = document.get(key)
-            if value is not None:
-                endpoints[key] = _require_secure(value, f"the {key.replace('_', ' ')}")
-        if "authorization_endpoint" not in endpoints or "token_endpoint" not in endpoints:
-            raise OAuthFailure(f"the metadata at {url} lacks an authorization or token endpoint")
-        return AuthServerMetadata(
-            issuer=issuer, token_auth_methods=_str_list(document.get("token_endpoint_auth_methods_supported")),
-            client_id_metadata_documents=document.get("client_id_metadata_document_supported") is True,
-            iss_parameter=document.get("authorization_response_iss_parameter_supported") is True, **endpoints)
-    raise OAuthFailure(f"no authorization server metadata at {' or '.join(authorization_server_metadata_urls(issuer))}")
+    urls = authorization_server_metadata_urls(issuer)
+    found = _first_metadata(urls, "the authorization server metadata")
+    if found is None:
+        raise OAuthFailure(f"no authorization server metadata at {' or '.join(urls)}")
+    url, document = found
+    if not isinstance(document.get("issuer"), str) or not _issuers_match(document["issuer"], issuer):
+        raise OAuthFailure(f"the metadata at {url} is for issuer {printable(str(document.get('issuer')))[:200]!r}"
+                           f", not {issuer}: refused (RFC 8414 §3.3)")
+    methods = _str_list(document.get("code_challenge_methods_supported")) or []
+    if "S256" not in methods:
+        raise OAuthFailure(f"the authorization server {issuer} does not offer PKCE with S256: refused "
+                           "(MCP requires it to protect the authorization code)")
+    endpoints = {}
+    for key in ("authorization_endpoint", "token_endpoint", "registration_endpoint", "revocation_endpoint"):
+        value = document.get(key)
+        if value is not None:
+            endpoints[key] = _require_secure(value, f"the {key.replace('_', ' ')}")
+    if "authorization_endpoint" not in endpoints or "token_endpoint" not in endpoints:
+        raise OAuthFailure(f"the metadata at {url} lacks an authorization or token endpoint")
+    return AuthServerMetadata(
+        issuer=issuer, token_auth_methods=_str_list(document.get("token_endpoint_auth_methods_supported")),
+        client_id_metadata_documents=document.get("client_id_metadata_document_supported") is True,
+        iss_parameter=document.get("authorization_response_iss_parameter_supported") is True, **endpoints)
 
 
 # -- OAuth: the saved login ------------------------------------------------------------------------------------
@@ -3504,14 +3554,18 @@ class OAuthCredentials:
     and when the server answers 401, forgotten when the authorization server says invalid_grant.  Never opens a
     browser: whatever needs a person raises NeedsLogin.  The token goes only to the server's own origin.
 
-    Threads: any HTTP worker thread of the upstream.  One lock serialises the refresh, so requests that find the
-    token due together cause one refresh.  Other processes (a second `coffer serve`, `coffer auth`) share the
-    store: before refreshing, and before giving up on invalid_grant, the store is read again in case one of them
-    already refreshed (refresh tokens may be single-use).
+    Threads: any HTTP worker thread of the upstream.  One lock (``_lock``) serialises reading the saved login and
+    refreshing it, so requests that find the token due together cause one refresh; it is held across the token
+    request on purpose (the others wait for its result instead of spending a single-use refresh token again).
+    Inside it only the SecretStore's and the Redactor's own locks are taken; ``_warned`` is written under it.
+    Other processes (a second `coffer serve`, `coffer auth`) share the store: before refreshing, and before giving
+    up on invalid_grant, the store is read again in case one of them already refreshed (refresh tokens may be
+    single-use).
     """
 
     def __init__(self, server: str, url: str, store):
         self.server, self.url, self.store = server, url, store
+        self.log = ServerLog(oauth_log, server)
         self._lock = threading.Lock()
         self._warned: str | None = None
 
@@ -3534,7 +3588,7 @@ class OAuthCredentials:
     def _warn_once(self, text: str) -> None:
         if self._warned != text:
             self._warned = text
-            log.warning("[%s] %s", self.server, text)
+            self.log.warning("%s", text)
 
     def headers_for(self, url: str) -> dict:
         """The Authorization header for a request to ``url``: none for another origin, none before a login."""
@@ -3550,7 +3604,7 @@ class OAuthCredentials:
                 except UpstreamFailure as exc:
                     if isinstance(exc, NeedsLogin) or time.time() >= (grant.expires_at or 0):
                         raise
-                    log.warning("[%s] could not refresh the login yet: %s", self.server, exc)
+                    self.log.warning("could not refresh the login yet: %s", exc)
         return {"Authorization": f"Bearer {grant.access_token}"}
 
     def unauthorized(self, bearer: dict, sent_authorization: str | None) -> None:
@@ -3582,14 +3636,13 @@ class OAuthCredentials:
                 if latest is not None and latest.refresh_token != grant.refresh_token:
                     return latest  # rotated by another process between our read and our request
                 self.store.delete(oauth_secret_name(self.server))
-                log.warning("[%s] the authorization server refused the saved login (%s); it was forgotten",
-                            self.server, exc.error)
+                self.log.warning("the authorization server refused the saved login (%s); it was forgotten", exc.error)
                 raise NeedsLogin(self.server, f"the authorization server refused its saved login ({exc.error})") \
                     from None
             raise UpstreamFailure(f"could not refresh the login of '{self.server}': {exc}") from None
         grant = _apply_tokens(grant, tokens, time.time())
         self.store.set(oauth_secret_name(self.server), grant.to_text())
-        log.info("[%s] refreshed its OAuth token", self.server)
+        self.log.info("refreshed its OAuth token")
         return grant
 
 
@@ -3689,7 +3742,8 @@ def register_client(metadata: AuthServerMetadata, redirect_uri: str, scope: str 
 class LoopbackReceiver:
     """Receives the authorization response on http://127.0.0.1:<port>/callback (RFC 8252 §7.3), once.
 
-    Threads: the listener thread coffer-oauth-callback serves requests; ``wait`` runs on the CLI's thread.  A
+    Threads: the listener thread coffer-oauth-callback serves requests; coffer-oauth-paste may deliver a pasted
+    address; ``wait`` runs on the CLI's thread.  ``_lock`` (a leaf) makes the first answer the one kept.  A
     request that is not the callback gets a 404; the page the browser shows repeats nothing from the request.
     """
 
@@ -3724,14 +3778,16 @@ class LoopbackReceiver:
         self._server = http.server.HTTPServer(("127.0.0.1", port), Handler)
         self.redirect_uri = f"http://127.0.0.1:{self._server.server_address[1]}/callback"
         self._result: dict | None = None
+        self._lock = threading.Lock()
         self._done = threading.Event()
         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                          name="coffer-oauth-callback", daemon=True).start()
 
     def deliver(self, params: dict) -> None:
-        if self._result is None:
-            self._result = params
-            self._done.set()
+        with self._lock:
+            if self._result is None:
+                self._result = params
+                self._done.set()
 
     def wait(self, timeout: float) -> dict | None:
         self._done.wait(timeout)
@@ -3754,8 +3810,6 @@ def _open_receiver(previous: OAuthGrant | None) -> LoopbackReceiver:
 
 
 def _pkce_pair() -> tuple[str, str]:
-    import base64
-
     verifier = secrets.token_urlsafe(64)  # 86 characters of the unreserved set (RFC 7636 §4.1)
     challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode("ascii")).digest()).rstrip(b"=")
     return verifier, challenge.decode("ascii")
@@ -3777,17 +3831,12 @@ def _read_pasted_callback(receiver: LoopbackReceiver, stdin) -> None:
 def login_challenge(name: str, url: str, headers: dict) -> dict[str, dict[str, str]]:
     """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  POST initialize first
     (Streamable HTTP); on 400/404/405 a GET (HTTP+SSE).  Raises OAuthFailure when it wants no login."""
-    reply = remote_http("POST", url, body=_probe_initialize(), timeout=15.0, stream=True,
-                        headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
-                                 **headers})
+    posted, stream = initialize_or_stream(remote_http, url, headers, 15.0)
+    reply = stream or posted
     _close_reply(reply)
-    if reply.status in (400, 404, 405):
-        reply = remote_http("GET", url, timeout=15.0, stream=True, headers={"Accept": "text/event-stream",
-                                                                           **headers})
-        _close_reply(reply)
     if reply.status in (401, 403):
         return parse_www_authenticate(reply.headers.get("www-authenticate"))
-    if 200 <= reply.status < 300:
+    if reply.ok:
         raise OAuthFailure(f"'{name}' answered without asking for a login: nothing to do")
     raise OAuthFailure(f"'{name}' answered HTTP {reply.status} instead of asking for a login: {_reply_text(reply)}")
 
@@ -3799,8 +3848,6 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
     ``out`` gets what the user must read (the URL to open, never a token); ``open_browser(url)`` defaults to
     webbrowser.open; ``stdin``, when given, is read for a pasted callback address (headless use).
     """
-    import secrets
-
     challenges = login_challenge(name, url, headers)
     if challenges and "bearer" not in challenges:
         raise OAuthFailure(f"'{name}' asks for {', '.join(sorted(challenges))[:100]} credentials, not an OAuth "
@@ -3848,7 +3895,7 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
         try:
             open_browser(address)
         except Exception as exc:  # noqa: BLE001 - no browser here is fine: the address is printed
-            log.debug("could not open a browser: %r", exc)
+            oauth_log.debug("could not open a browser: %r", exc)
         answer = receiver.wait(timeout)
     finally:
         receiver.close()
@@ -3914,6 +3961,19 @@ def token_request_revoke(endpoint, token, hint, client_id, client_auth, client_s
 # Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
 # ============================================================================================================
 
+remote_log = logging.getLogger('coffer.transport.remote')
+
+
+def _end_http_session(url: str, headers: dict, auth, timeout: float) -> None:
+    """DELETE a Streamable HTTP session (``headers`` carry its Mcp-Session-Id), as the spec asks of a client that
+    is done with one.  Best effort: a server that cannot be told forgets the session on its own."""
+    try:
+        remote_http("DELETE", url, headers={**headers, **(auth.headers_for(url) if auth else {})}, timeout=timeout,
+                    max_bytes=_ERROR_BODY_BYTES)
+    except UpstreamFailure:
+        pass
+
+
 class HttpTransport(Transport):
     """An upstream MCP server over Streamable HTTP; every exchange goes through ``authorized_exchange``.
 
@@ -3923,6 +3983,16 @@ class HttpTransport(Transport):
     notifications/initialized arrives before the first list request), and one whose reply holds no answer fails at
     once.  With ``auth`` (OAuthCredentials) each request carries the server's bearer token, refreshed and retried
     once on 401.  ``close`` ends the server's own stream and the pool's workers.
+
+    Threads: ``send`` runs on any thread; each POST and the handling of its reply on a worker of the pool (so
+    ``on_message`` runs on many threads at once); notifications on a pool of one, in order; the server's own GET
+    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended`` and ``_released``: ``send``
+    queues a message only while the transport is open, so nothing is queued on a closed pool (where it would wait
+    for its timeout); ``on_close`` and the release of the pools happen once each, also when the server ended the
+    connection first; and a notification keeps its place in line (the newest one's ``_delivered`` is the one a
+    later request waits for).  ``session_id`` and ``protocol_version`` are written once, by the initialize reply,
+    before any other request is sent (the Upstream waits for that reply); ``_listening`` only by that reply's
+    worker.
     """
 
     POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)
@@ -3937,7 +4007,11 @@ class HttpTransport(Transport):
         self.timeout, self.max_body, self.auth = timeout, max_body, auth
         self.session_id: str | None = None
         self.protocol_version: str | None = None
-        self._closed = False
+        self.log = ServerLog(remote_log, name)
+        self._lock = threading.Lock()
+        self._closed = False        # no more messages: closed, or ended by the server
+        self._ended = False         # ended by the server (its session expired, a login is needed): no DELETE
+        self._released = False      # the pools and the stream are let go
         self._listening = False
         self._stream = None                      # the server's own GET stream, while open
         self._delivered: threading.Event | None = None   # the last notification's POST is done
@@ -3952,12 +4026,25 @@ class HttpTransport(Transport):
         if self._closed:
             return False
         body = encode_line(message)
-        if "id" in message:
-            self._pool.submit(self._post, message, body, self._delivered, None)
-        else:
-            delivered = self._delivered = threading.Event()
-            self._notices.submit(self._post, message, body, None, delivered)
+        with self._lock:
+            if self._closed:
+                return False
+            if "id" in message:
+                self._pool.submit(self._post, message, body, self._delivered, None)
+            else:  # the notification queued last is the one whose delivery later requests wait for
+                delivered = self._delivered = threading.Event()
+                self._notices.submit(self._post, message, body, None, delivered)
         return True
+
+    def _end(self, reason: str) -> None:
+        """The connection is over from the server's side: ``on_close`` once, with ``close_reason`` set (the
+        Upstream then closes this transport, which lets its pools go)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._ended = True
+            self.close_reason = reason
+        self.on_close()
 
     def _request_headers(self) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
@@ -3990,12 +4077,10 @@ class HttpTransport(Transport):
             return
         if reply.status == 404 and self.session_id:
             _close_reply(reply)
-            log.warning("[%s] HTTP session expired", self.name)
-            self._closed = True
-            self.close_reason = "expired its HTTP session"
-            self.on_close()
+            self.log.warning("HTTP session expired")
+            self._end("expired its HTTP session")
             return
-        if not 200 <= reply.status < 300:
+        if not reply.ok:
             text = f"HTTP {reply.status}: {_reply_text(reply)}".rstrip(": ")
             if initializing and reply.status in (401, 403, 404, 405):
                 hints = {401: " (it wants credentials: check --header)", 403: " (the credentials were refused)",
@@ -4033,10 +4118,8 @@ class HttpTransport(Transport):
         reports it at once; once running, the connection ends so the server's status says so too (its restart
         then fails at once, for the same reason)."""
         self.fatal = exc
-        if message.get("method") != "initialize" and not self._closed:
-            self._closed = True
-            self.close_reason = str(exc)
-            self.on_close()
+        if message.get("method") != "initialize":
+            self._end(str(exc))
 
     def _consume(self, reply: HttpReply, request_id=None) -> bool:
         """Deliver what a reply holds; True when it held the answer to ``request_id``."""
@@ -4047,7 +4130,7 @@ class HttpTransport(Transport):
             if len(data) > self.max_body:
                 raise UpstreamFailure(f"a reply larger than max_message_bytes ({self.max_body} bytes)")
             if data.strip():
-                for item in _messages_of(data, self.name, self.on_unusable):
+                for item in _messages_of(data, self.log, self.on_unusable):
                     answered = self._deliver(item, request_id) or answered
         elif kind == "text/event-stream":
             for event in read_sse_events(reply.stream.readline, self.max_body):
@@ -4056,7 +4139,7 @@ class HttpTransport(Transport):
                                                  f"max_message_bytes ({self.max_body})")
                     answered = answered or request_id_in(event.data) == request_id
                 elif event.kind == "message":
-                    for item in _messages_of(event.data, self.name, self.on_unusable):
+                    for item in _messages_of(event.data, self.log, self.on_unusable):
                         answered = self._deliver(item, request_id) or answered
         return answered
 
@@ -4083,7 +4166,7 @@ class HttpTransport(Transport):
             try:
                 reply = authorized_exchange(self.name, self.auth, "GET", self.url, headers=headers,
                                             timeout=self.timeout, stream=True)
-                if 200 <= reply.status < 300 and reply.stream is not None:
+                if reply.ok and reply.stream is not None:
                     self._stream = reply.stream
                     settle_stream(reply.stream)
                     try:
@@ -4095,25 +4178,23 @@ class HttpTransport(Transport):
                 else:
                     _close_reply(reply)
             except (UpstreamFailure, *stream_errors()) as exc:
-                log.debug("[%s] no server stream: %s", self.name, exc)  # 405: this server has none
+                self.log.debug("no server stream: %s", exc)  # 405: this server has none
 
         start_thread(listen, f"coffer-{self.name}-sse")
 
     def close(self, grace: float = 2.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._released:
+                return
+            self._released = self._closed = True
+            ended = self._ended
         stream = self._stream
         if stream is not None:
             abort_stream(stream)
         self._pool.close()
         self._notices.close()
-        if self.session_id:
-            try:
-                headers = {**self._request_headers(), **(self.auth.headers_for(self.url) if self.auth else {})}
-                remote_http("DELETE", self.url, headers=headers, timeout=grace, max_bytes=_ERROR_BODY_BYTES)
-            except UpstreamFailure:
-                pass
+        if self.session_id and not ended:  # a session the server ended needs no DELETE
+            _end_http_session(self.url, self._request_headers(), self.auth, grace)
 
 
 # -- legacy HTTP+SSE --------------------------------------------------------------------------------------------
@@ -4144,7 +4225,9 @@ class SseTransport(Transport):
     order ``send`` (any thread) queued them, so initialize, its notification and what follows keep their order.
     The transport defines no resumption: when the stream drops, the session is gone.  The transport then calls
     ``on_close`` once with ``close_reason`` set; the Upstream fails what was in flight (not retried: a tool call
-    may have run) and starts a new session, and requests that arrive meanwhile wait for it.
+    may have run) and starts a new session, and requests that arrive meanwhile wait for it.  ``_lock`` (a leaf)
+    guards ``_closed`` and ``_close_signalled`` and orders ``send`` against ``close`` (nothing is queued behind the
+    writer's end marker); ``endpoint`` moves only on the reader thread, and the writer reads whichever is current.
     """
 
     def __init__(self, name, url, headers, on_message, on_close, timeout, auth=None,
@@ -4161,6 +4244,7 @@ class SseTransport(Transport):
         self.close_reason: str | None = None
         self.fatal: UpstreamFailure | None = None  # a permanent failure met (a needed login, a refused origin)
         self.pid = None
+        self.log = ServerLog(remote_log, name)
         self._stream = self._stream_url = None
         self._events = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -4174,7 +4258,7 @@ class SseTransport(Transport):
         reply = authorized_exchange(self.name, self.auth, "GET", self.url, timeout=self.timeout, stream=True,
                                     headers={"Accept": "text/event-stream", "Cache-Control": "no-cache",
                                              **self.headers})
-        if not 200 <= reply.status < 300:
+        if not reply.ok:
             _close_reply(reply)
             raise UpstreamFailure(f"GET {origin_text(self.url)} answered HTTP {reply.status}: {_reply_text(reply)}")
         if _content_type(reply) != "text/event-stream":
@@ -4190,7 +4274,7 @@ class SseTransport(Transport):
                 if event.kind == "endpoint":
                     self.endpoint = self._checked_endpoint(event, reply.url)
                     break
-                log.warning("[%s] ignored a %r event that came before the endpoint", self.name, event.kind)
+                self.log.warning("ignored a %r event that came before the endpoint", event.kind)
         except UpstreamFailure:
             _close_reply(reply)
             raise
@@ -4227,7 +4311,7 @@ class SseTransport(Transport):
             try:
                 self._post(message)
             except Exception:  # noqa: BLE001 - one message is lost, not the writer
-                log.exception("[%s] error sending a message", self.name)
+                self.log.exception("error sending a message")
                 self._fail(message, "internal error while sending it")
 
     def _post(self, message: dict) -> None:
@@ -4249,7 +4333,7 @@ class SseTransport(Transport):
                 self.fatal = exc
                 self._lost(str(exc), in_flight_note=False)
             return
-        if 200 <= reply.status < 300:
+        if reply.ok:
             return
         if reply.status in (404, 410):  # the server no longer knows this session (it restarted, or timed it out)
             self._fail(message, "the server forgot the SSE session")
@@ -4264,11 +4348,11 @@ class SseTransport(Transport):
                 if event.oversized:
                     self._oversized(event)
                 elif event.kind == "message":
-                    for item in _messages_of(event.data, self.name, self.on_unusable):
+                    for item in _messages_of(event.data, self.log, self.on_unusable):
                         try:
                             self.on_message(item)
                         except Exception:  # noqa: BLE001 - a routing bug must not end the stream
-                            log.exception("[%s] error handling a message", self.name)
+                            self.log.exception("error handling a message")
                 elif event.kind == "endpoint":
                     self.endpoint = self._checked_endpoint(event, self._stream_url)  # moves within the origin only
         except UpstreamFailure as exc:
@@ -4276,10 +4360,7 @@ class SseTransport(Transport):
         except stream_errors() as exc:
             reason = f"dropped its SSE stream ({exc.__class__.__name__})"
         finally:
-            try:
-                self._stream.close()
-            except (OSError, ValueError):
-                pass
+            close_stream(self._stream)
         self._lost(reason)
 
     def _oversized(self, event: SseEvent) -> None:
@@ -4297,7 +4378,7 @@ class SseTransport(Transport):
         self._outbox.put(None)
         if self._stream is not None:
             abort_stream(self._stream)
-        log.warning("[%s] %s", self.name, reason)
+        self.log.warning("%s", reason)
         self.on_close()
 
     def close(self, grace: float = 2.0) -> None:
@@ -4341,33 +4422,23 @@ def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: floa
     ``endpoint`` event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
     if url_origin(url) is None:
         raise UpstreamFailure(f"unsupported URL {url!r}")
-    reply = authorized_exchange(name, auth, "POST", url, body=_probe_initialize(), timeout=timeout, stream=True,
-                                headers={"Content-Type": "application/json",
-                                         "Accept": "application/json, text/event-stream", **headers})
-    _close_reply(reply)
-    if 200 <= reply.status < 300:
+    reply, stream = initialize_or_stream(functools.partial(authorized_exchange, name, auth), url, headers, timeout)
+    if reply.ok:
         if _content_type(reply) not in ("application/json", "text/event-stream"):
             raise UpstreamFailure(f"{url} answered an MCP initialize with {printable(_content_type(reply))[:60]}"
                                   " content: not an MCP endpoint")
         session = reply.headers.get("mcp-session-id")
         if session and len(session) < 1024:  # the probe's session is not the one the transport will use
-            try:
-                remote_http("DELETE", url, timeout=min(timeout, 5.0), max_bytes=_ERROR_BODY_BYTES,
-                            headers={**headers, **(auth.headers_for(url) if auth else {}),
-                                     "Mcp-Session-Id": session})
-            except UpstreamFailure:
-                pass
+            _end_http_session(url, {**headers, "Mcp-Session-Id": session}, auth, min(timeout, 5.0))
         return TransportProbe("http", "Streamable HTTP")
-    if reply.status not in (400, 404, 405):
+    if stream is None:
         hint = {401: " (it wants credentials: check --header, or `coffer auth`)",
                 403: " (the credentials were refused)"}.get(reply.status, "")
         raise UpstreamFailure(f"{url} answered an MCP initialize with HTTP {reply.status}: {_reply_text(reply)}"
                               f"{hint}", permanent=reply.status in (401, 403))
     post_status = reply.status
-    stream = authorized_exchange(name, auth, "GET", url, timeout=timeout, stream=True,
-                                 headers={"Accept": "text/event-stream", **headers})
     try:
-        if 200 <= stream.status < 300 and _content_type(stream) == "text/event-stream":
+        if stream.ok and _content_type(stream) == "text/event-stream":
             for event in read_sse_events(until_endpoint(stream.stream.readline, lambda: False, timeout, url),
                                          64 << 10):
                 if event.kind == "endpoint":
@@ -4390,6 +4461,7 @@ class AutoTransport(Transport):
 
     def __init__(self, name, url, headers, auth, timeout, make):
         self.name, self.url, self.headers, self.auth, self.timeout = name, url, headers, auth, timeout
+        self.log = ServerLog(remote_log, name)
         self._make = make       # kind -> HttpTransport or SseTransport, with the upstream's callbacks
         self.detected: str | None = None
         self.inner = None
@@ -4401,7 +4473,7 @@ class AutoTransport(Transport):
         if self._closed:
             raise UpstreamFailure("stopped while starting")
         self.detected = probe.kind
-        log.info("[%s] speaks %s", self.name, probe.detail)
+        self.log.info("speaks %s", probe.detail)
         self.inner = self._make(probe.kind)
         self.inner.start()
         if self._closed:  # stopped while the probe ran: do not leave the session open
