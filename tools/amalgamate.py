@@ -55,6 +55,8 @@ LAYERS = (
     "oauth",
     "transport/remote",
     "upstream/definitions",
+    "upstream/requests",
+    "upstream/listing",
     "upstream/supervisor",
     "search/lexicon",
     "search/text",
