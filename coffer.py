@@ -28,7 +28,7 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       4517  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
       4651  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
       4923  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5104  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
+      5104  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
       5704  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       5919  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       6401  search.entities       Search entities: typed values in a query, matched to what parameters accept.
@@ -5109,7 +5109,7 @@ class UpstreamLists:
 
 # ============================================================================================================
 # src/coffer_src/upstream/supervisor.py
-# Upstream supervisor: one server's connection, requests, lists and restarts.
+# Upstream supervisor: one server's connection and restarts; what others call on it.
 # ============================================================================================================
 
 supervisor_log = logging.getLogger('coffer.upstream.supervisor')

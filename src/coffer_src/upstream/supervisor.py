@@ -1,4 +1,4 @@
-"""Upstream supervisor: one server's connection, requests, lists and restarts."""
+"""Upstream supervisor: one server's connection and restarts; what others call on it."""
 
 from __future__ import annotations
 
