@@ -57,6 +57,8 @@ LAYERS = (
     "oauth",
     "transport/remote",
     "upstream/definitions",
+    "upstream/requests",
+    "upstream/listing",
     "upstream/supervisor",
     "search/lexicon",
     "search/text",
