@@ -31,30 +31,30 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5061  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
       5333  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
       5514  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6114  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6189  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6676  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6775  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7168  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7527  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7700  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8284  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8691  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9156  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9269  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9581  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10142  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10491  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10828  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11554  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     11871  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12216  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12574  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12735  probe                 Probes: starting a server once to see what it offers, from the command line.
-     12903  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13571  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14316  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14596  cli                   Command line: coffer's commands.
+      6115  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6190  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6677  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6776  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7169  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7528  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7701  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8285  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8692  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9157  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9270  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9582  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10136  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10485  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10822  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11548  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     11865  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12210  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12568  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12729  probe                 Probes: starting a server once to see what it offers, from the command line.
+     12897  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13565  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14310  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14590  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5574,10 +5574,11 @@ class UpstreamEvents(Protocol):
     """What an Upstream tells its owner.  Each call comes from one of the upstream's own threads (see Upstream),
     never under its lock, and must not block for long: it may be the reader of the server's replies.
 
-    Three implement it: the gateway (gateway/session.py: relays to the client, keeps the catalogue and the
-    vault), probe.ServerProbe (starts servers for the CLI and records what they offer) and probe.GatewayClient
-    (the CLI's connection to a `coffer serve` it runs as an upstream).  Status goes to the vault through
-    record_upstream_status, whoever the owner is.
+    Its implementers: the gateway's hub (gateway/hub.py: keeps the catalogue and the vault, passes each client
+    session what concerns it) and gateway/session.PrivateEvents (a client session's own instance of a server that
+    runs once per client), probe.ServerProbe (starts servers for the CLI and records what they offer) and
+    probe.GatewayClient (the CLI's connection to a `coffer serve` it runs as an upstream).  Status goes to the
+    vault through record_upstream_status, whoever the owner is.
     """
 
     def on_ready(self, upstream: Upstream) -> None:
@@ -9630,7 +9631,8 @@ class PerClientServer:
 
 
 class Hub:
-    """The upstreams, catalogue and indexes every client session of this process shares.
+    """The upstreams, catalogue and indexes every client session of this process shares; the events of its
+    upstreams come here (it implements upstream.supervisor.UpstreamEvents).
 
     Threads and what they own:
       - each upstream's reader delivers that upstream's events here (``on_ready``, ``on_down``, ``on_list_changed``
@@ -9962,12 +9964,7 @@ class Hub:
                 upstream.config["era"] = upstream.era
             except CofferError as exc:
                 ServerLog(hub_log, upstream.name).debug("could not remember its protocol era: %s", exc)
-        counts = {kind: len(items) for kind, items in upstream.lists.items() if items}
-        info = upstream.server_info
-        who = f"{info.get('name', '?')} {info.get('version', '')}".strip() + ": " if info else ""
-        self.record_status(upstream, "ready",
-                           who + (", ".join(f"{n} {k}s" for k, n in counts.items()) or "no capabilities"),
-                           upstream.capabilities)
+        self.record_status(upstream, "ready")
         for session in self.sessions:
             session.upstream_ready(upstream)
         try:
@@ -9997,18 +9994,15 @@ class Hub:
     def on_down(self, upstream: Upstream) -> None:
         for session in self.sessions:
             session.upstream_down(upstream)
-        self.record_status(upstream, upstream.state, upstream.last_error or "")
+        self.record_status(upstream, upstream.state)
         if upstream.state == "failed":
             self.rebuild()
         for session in self.sessions:
             session.release_waiting()
 
-    def record_status(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
-        try:
-            with self.vault_lock:
-                self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
-        except CofferError as exc:
-            ServerLog(hub_log, upstream.name).warning("could not record status: %s", exc)
+    def record_status(self, upstream: Upstream, status: str, detail: str | None = None) -> None:
+        """What an upstream's start or end tells `coffer list`, `show` and the agent's instructions."""
+        record_upstream_status(self.vault, self.vault_lock, upstream, status, detail)
 
     def on_notification(self, upstream: Upstream, message: dict) -> None:
         """A notification an upstream may send (see RELAYED_NOTIFICATIONS) goes where it belongs: progress to the
@@ -11528,7 +11522,7 @@ class PrivateEvents:
         self.hub = session.hub
 
     def on_ready(self, upstream: Upstream) -> None:
-        self.hub.record_status(upstream, "ready", "running once per client", upstream.capabilities)
+        self.hub.record_status(upstream, "ready")
         self.session.upstream_ready(upstream)
         try:
             self._learn(upstream)
@@ -11537,7 +11531,7 @@ class PrivateEvents:
 
     def on_down(self, upstream: Upstream) -> None:
         self.session.upstream_down(upstream)
-        self.hub.record_status(upstream, upstream.state, upstream.last_error or "")
+        self.hub.record_status(upstream, upstream.state)
         self.session.release_waiting()
 
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:

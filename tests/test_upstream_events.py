@@ -15,7 +15,9 @@ import types
 import pytest
 from conftest import FAKE
 
-from coffer_src.gateway.session import Gateway
+from coffer_src.errors import VaultError
+from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.session import PrivateEvents
 from coffer_src.probe import GatewayClient, ServerProbe
 from coffer_src.terminal import ServerLog
 from coffer_src.transport.http import HttpReply, initialize_or_stream
@@ -63,7 +65,7 @@ def test_the_events_protocol_names_what_an_upstream_sends():
     assert declared == set(EVENTS)
 
 
-@pytest.mark.parametrize("implementer", [Gateway, ServerProbe, GatewayClient], ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("implementer", [Hub, PrivateEvents, ServerProbe, GatewayClient], ids=lambda cls: cls.__name__)
 def test_every_owner_of_upstreams_implements_every_event_with_its_parameters(implementer):
     for name in EVENTS:
         expected = list(inspect.signature(getattr(UpstreamEvents, name)).parameters)
@@ -106,10 +108,10 @@ def test_a_down_status_says_the_last_error_and_keeps_the_capabilities():
 
 
 def test_a_vault_that_cannot_be_written_costs_a_warning_not_the_caller(caplog):
-    vault = FakeVault(sqlite3.OperationalError("database is locked"))
+    vault = FakeVault(VaultError.wrap(sqlite3.OperationalError("database is locked"), "/home/u/.coffer/coffer.db"))
     with caplog.at_level(logging.WARNING):
         record_upstream_status(vault, threading.Lock(), fake_upstream(), "ready")
-    assert "[srv] could not record status: database is locked" in caplog.text
+    assert "[srv] could not record status: the vault /home/u/.coffer/coffer.db: database is locked" in caplog.text
 
 
 # -- the restart backoff ---------------------------------------------------------------------------------------

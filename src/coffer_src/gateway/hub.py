@@ -29,7 +29,7 @@ from coffer_src.secret_store import resolution_digest
 from coffer_src.terminal import ServerLog
 from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.transport.stdio import StdioTransport, process_table
-from coffer_src.upstream.supervisor import Upstream
+from coffer_src.upstream.supervisor import Upstream, record_upstream_status
 from coffer_src.vault import CapabilityState, InvocationLog, Vault, setting_key
 
 hub_log = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ class PerClientServer:
 
 
 class Hub:
-    """The upstreams, catalogue and indexes every client session of this process shares.
+    """The upstreams, catalogue and indexes every client session of this process shares; the events of its
+    upstreams come here (it implements upstream.supervisor.UpstreamEvents).
 
     Threads and what they own:
       - each upstream's reader delivers that upstream's events here (``on_ready``, ``on_down``, ``on_list_changed``
@@ -401,12 +402,7 @@ class Hub:
                 upstream.config["era"] = upstream.era
             except CofferError as exc:
                 ServerLog(hub_log, upstream.name).debug("could not remember its protocol era: %s", exc)
-        counts = {kind: len(items) for kind, items in upstream.lists.items() if items}
-        info = upstream.server_info
-        who = f"{info.get('name', '?')} {info.get('version', '')}".strip() + ": " if info else ""
-        self.record_status(upstream, "ready",
-                           who + (", ".join(f"{n} {k}s" for k, n in counts.items()) or "no capabilities"),
-                           upstream.capabilities)
+        self.record_status(upstream, "ready")
         for session in self.sessions:
             session.upstream_ready(upstream)
         try:
@@ -436,18 +432,15 @@ class Hub:
     def on_down(self, upstream: Upstream) -> None:
         for session in self.sessions:
             session.upstream_down(upstream)
-        self.record_status(upstream, upstream.state, upstream.last_error or "")
+        self.record_status(upstream, upstream.state)
         if upstream.state == "failed":
             self.rebuild()
         for session in self.sessions:
             session.release_waiting()
 
-    def record_status(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
-        try:
-            with self.vault_lock:
-                self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
-        except CofferError as exc:
-            ServerLog(hub_log, upstream.name).warning("could not record status: %s", exc)
+    def record_status(self, upstream: Upstream, status: str, detail: str | None = None) -> None:
+        """What an upstream's start or end tells `coffer list`, `show` and the agent's instructions."""
+        record_upstream_status(self.vault, self.vault_lock, upstream, status, detail)
 
     def on_notification(self, upstream: Upstream, message: dict) -> None:
         """A notification an upstream may send (see RELAYED_NOTIFICATIONS) goes where it belongs: progress to the

@@ -758,7 +758,7 @@ class PrivateEvents:
         self.hub = session.hub
 
     def on_ready(self, upstream: Upstream) -> None:
-        self.hub.record_status(upstream, "ready", "running once per client", upstream.capabilities)
+        self.hub.record_status(upstream, "ready")
         self.session.upstream_ready(upstream)
         try:
             self._learn(upstream)
@@ -767,7 +767,7 @@ class PrivateEvents:
 
     def on_down(self, upstream: Upstream) -> None:
         self.session.upstream_down(upstream)
-        self.hub.record_status(upstream, upstream.state, upstream.last_error or "")
+        self.hub.record_status(upstream, upstream.state)
         self.session.release_waiting()
 
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:

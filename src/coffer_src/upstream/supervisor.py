@@ -101,10 +101,11 @@ class UpstreamEvents(Protocol):
     """What an Upstream tells its owner.  Each call comes from one of the upstream's own threads (see Upstream),
     never under its lock, and must not block for long: it may be the reader of the server's replies.
 
-    Three implement it: the gateway (gateway/session.py: relays to the client, keeps the catalogue and the
-    vault), probe.ServerProbe (starts servers for the CLI and records what they offer) and probe.GatewayClient
-    (the CLI's connection to a `coffer serve` it runs as an upstream).  Status goes to the vault through
-    record_upstream_status, whoever the owner is.
+    Its implementers: the gateway's hub (gateway/hub.py: keeps the catalogue and the vault, passes each client
+    session what concerns it) and gateway/session.PrivateEvents (a client session's own instance of a server that
+    runs once per client), probe.ServerProbe (starts servers for the CLI and records what they offer) and
+    probe.GatewayClient (the CLI's connection to a `coffer serve` it runs as an upstream).  Status goes to the
+    vault through record_upstream_status, whoever the owner is.
     """
 
     def on_ready(self, upstream: Upstream) -> None:
