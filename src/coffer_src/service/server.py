@@ -331,11 +331,12 @@ class Service:
                 users[name] += 1
         for upstream in self.hub.upstreams.values():
             users[upstream.name] = sum(1 for s in sessions if s.calls.used(upstream))
-        for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items()]:
+        for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items(), *self.hub.dormant.items()]:
             transport = getattr(upstream, "transport", None)
             pid = transport.pid if isinstance(transport, StdioTransport) else None
             last = getattr(upstream, "last_call", None)
-            upstreams.append({"name": name, "state": upstream.state, "pid": pid, "rss_mb": rss_mb(pid),
+            state = "stopped (idle)" if getattr(upstream, "dormant", False) else upstream.state
+            upstreams.append({"name": name, "state": state, "pid": pid, "rss_mb": rss_mb(pid),
                               "sharing": "per-client" if getattr(upstream, "per_client", False) else "shared",
                               "sessions": users.get(name, 0), "last_call": iso_timestamp(last) if last else None})
         return {"service": {"pid": os.getpid(), "version": __version__, "uptime_s": round(time.time() -
