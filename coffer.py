@@ -49,12 +49,12 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      11615  service.channel       Service channel: the private local link between `coffer serve` and the service.
      11932  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
      12277  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12636  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12797  probe                 Probes: starting a server once to see what it offers, from the command line.
-     12965  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13633  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14378  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14658  cli                   Command line: coffer's commands.
+     12657  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12876  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13044  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13712  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14457  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14746  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -12553,6 +12553,8 @@ class Service:
         op = request.get("op")
         if op == "status":
             return {"status": self.status()}
+        if op == "tools":
+            return {"tools": self.tools()}
         if op == "stop":
             self.stopping.set()
             return {"ok": True}
@@ -12573,6 +12575,25 @@ class Service:
         service_log.info("handing over to a newer Coffer; %d sessions move", len(sessions))
         for session in sessions:
             session.stream.send({"coffer": "handover"})
+
+    def tools(self) -> dict:
+        """Every usable tool of the catalogue by server, as a client can call it, and each server's state: what
+        `coffer tools`, `call` and `doctor` read from a running service instead of starting servers themselves."""
+        catalogue = self.hub.catalogue
+        by_server: dict[str, list] = {}
+        for tool in catalogue.tools:
+            route = catalogue.tool_routes.get(tool["name"])
+            if route is not None:
+                by_server.setdefault(route.upstream.name, []).append(tool)
+        servers = {}
+        for name, config in self.hub.configs.items():
+            upstream = self.hub.upstreams.get(name) or self.hub.per_client.get(name) or self.hub.dormant.get(name)
+            state = getattr(upstream, "state", None) or config.get("status") or "not started"
+            if getattr(upstream, "per_client", False) or getattr(upstream, "dormant", False):
+                state = "ready"  # listed from its last start; a call starts an instance
+            servers[name] = {"state": state, "error": getattr(upstream, "last_error", None) or "",
+                             "tools": by_server.get(name, [])}
+        return servers
 
     def status(self) -> dict:
         with self.lock:
@@ -12709,6 +12730,64 @@ def spawn_service(home: str) -> None:
     subprocess.Popen(own_command("service", "run"), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, cwd=home, env={**os.environ, "COFFER_HOME": home}, close_fds=True,
                      **detached_popen_options())
+
+
+class ServiceSession:
+    """The CLI as one more client of a running service (`coffer call`): no server is started for it."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.reader = conn.makefile("rb")
+        self.next_id = 0
+
+    def request(self, method: str, params: dict, timeout: float | None = None) -> dict:
+        """Send a request and wait for its answer; a request of the service meanwhile is refused, a notification
+        skipped.  Returns the JSON-RPC answer."""
+        self.next_id += 1
+        msg_id = self.next_id
+        self.conn.settimeout(timeout)
+        self.conn.sendall(encode_line({"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params}))
+        while True:
+            line = self.reader.readline(MAX_CLI_ANSWER)
+            if not line:
+                raise CofferError("the Coffer service closed the connection")
+            message = decode_json(line)
+            if not isinstance(message, dict):
+                continue
+            if message.get("id") == msg_id and "method" not in message:
+                return message
+            if "method" in message and "id" in message:
+                self.conn.sendall(encode_line(rpc_error(message["id"], METHOD_NOT_FOUND,
+                                                        "the coffer CLI cannot answer this")))
+
+    def close(self) -> None:
+        self.reader.close()
+        self.conn.close()
+
+
+#: The largest answer the CLI reads from the service in one line.
+MAX_CLI_ANSWER = 256 << 20
+
+
+def open_service_session(home: str) -> ServiceSession | None:
+    """A session with the running service, initialized, or None when no service runs."""
+    connected = connect(home, {"coffer": 1, "kind": "session", "version": __version__, "pid": os.getpid()})
+    if connected is None:
+        return None
+    session = ServiceSession(connected[0])
+    answer = session.request("initialize", {"protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+                                            "clientInfo": {"name": "coffer-cli", "version": __version__}}, 30)
+    if "result" not in answer:
+        session.close()
+        return None
+    session.conn.sendall(encode_line({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+    return session
+
+
+def service_tools(home: str) -> dict | None:
+    """server -> {state, error, tools} from the running service, or None when none runs."""
+    answer = control(home, {"op": "tools"}, timeout=30)
+    return answer.get("tools") if answer and isinstance(answer.get("tools"), dict) else None
 
 
 def service_running(home: str) -> dict | None:
@@ -14562,7 +14641,16 @@ def schema_problems(tables: dict[str, set[str]], path: str, read_only: bool) -> 
 
 
 def probe_all(vault) -> Callable:
-    """probe(server) -> (ok, exposed tool names, error), from one ServerProbe that starts every server at once."""
+    """probe(server) -> (ok, exposed tool names, error): what the running service sees, or else what one
+    ServerProbe that starts every server at once finds."""
+    running = service_tools(vault.home)
+    if running is not None:
+        def probe_live(server):
+            live = running.get(server["name"])
+            if live is None:
+                return False, [], "not started (disabled or damaged)"
+            return live["state"] == "ready", [tool["name"] for tool in live["tools"]], live["error"] or live["state"]
+        return probe_live
     results = {result.name: result for result in ServerProbe(vault).run()}
 
     def probe(server):
@@ -14900,6 +14988,10 @@ def cmd_list(vault: Vault, args) -> int:
                 "tools": counts.get(s["name"], 0),
                 "awaiting_approval": held.get(s["name"], 0)}
                for s in vault.servers()]
+    live = {u["name"]: u for u in (service_running(vault.home) or {}).get("upstreams", [])}
+    for server in servers:  # what the running service sees now, over what was recorded last
+        if server["name"] in live and server["status"] != "damaged":
+            server["status"] = live[server["name"]]["state"]
     if args.json:
         say_json({"servers": servers})
     elif not servers:
@@ -14944,8 +15036,13 @@ def cmd_tools(vault: Vault, args) -> int:
     """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
     server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
     failed = []
+    running = None if args.cached else service_tools(vault.home)
     if args.cached:
         tools = cached_tools(vault)
+    elif running is not None:  # the running service's catalogue: no server is started for this
+        tools = [tool for server in running.values() for tool in server["tools"]]
+        failed = [ProbeResult(name, server["state"], server["error"], [], 0.0) for name, server in running.items()
+                  if server["state"] == "failed"]
     else:
         interactive = sys.stderr.isatty()
 
@@ -15064,11 +15161,22 @@ def cmd_call(vault: Vault, args) -> int:
     if not isinstance(arguments, dict):
         raise CofferError("arguments must be a JSON object, e.g. '{\"timezone\": \"UTC\"}'")
     server = args.tool.partition(SEPARATOR)[0]
-    with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
+    session = open_service_session(vault.home)
+    if session is not None:  # the running service: its servers are warm, nothing starts for this call
         try:
-            result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
-        except UpstreamFailure as exc:
-            raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
+            answer = session.request("tools/call", {"name": args.tool, "arguments": arguments},
+                                     float(vault.settings()["call_timeout"]) + 10)
+        finally:
+            session.close()
+        if "error" in answer:
+            raise CofferError(printable(str(answer["error"].get("message") or answer["error"])))
+        result = answer.get("result")
+    else:
+        with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
+            try:
+                result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
+            except UpstreamFailure as exc:
+                raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
     say_json(result)
     return 1 if isinstance(result, dict) and result.get("isError") else 0
 

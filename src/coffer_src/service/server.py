@@ -300,6 +300,8 @@ class Service:
         op = request.get("op")
         if op == "status":
             return {"status": self.status()}
+        if op == "tools":
+            return {"tools": self.tools()}
         if op == "stop":
             self.stopping.set()
             return {"ok": True}
@@ -320,6 +322,25 @@ class Service:
         service_log.info("handing over to a newer Coffer; %d sessions move", len(sessions))
         for session in sessions:
             session.stream.send({"coffer": "handover"})
+
+    def tools(self) -> dict:
+        """Every usable tool of the catalogue by server, as a client can call it, and each server's state: what
+        `coffer tools`, `call` and `doctor` read from a running service instead of starting servers themselves."""
+        catalogue = self.hub.catalogue
+        by_server: dict[str, list] = {}
+        for tool in catalogue.tools:
+            route = catalogue.tool_routes.get(tool["name"])
+            if route is not None:
+                by_server.setdefault(route.upstream.name, []).append(tool)
+        servers = {}
+        for name, config in self.hub.configs.items():
+            upstream = self.hub.upstreams.get(name) or self.hub.per_client.get(name) or self.hub.dormant.get(name)
+            state = getattr(upstream, "state", None) or config.get("status") or "not started"
+            if getattr(upstream, "per_client", False) or getattr(upstream, "dormant", False):
+                state = "ready"  # listed from its last start; a call starts an instance
+            servers[name] = {"state": state, "error": getattr(upstream, "last_error", None) or "",
+                             "tools": by_server.get(name, [])}
+        return servers
 
     def status(self) -> dict:
         with self.lock:
