@@ -43,18 +43,18 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       9157  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
       9270  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
       9582  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10201  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10550  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10887  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11615  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     11932  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12277  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12657  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12876  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13044  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13712  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14457  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14746  cli                   Command line: coffer's commands.
+     10216  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10565  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10902  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11630  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     11947  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12294  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12682  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12901  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13069  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13737  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14482  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14771  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -10003,6 +10003,17 @@ class Hub:
         return self.upstreams.get(name)
 
     # -- events from upstreams (see upstream.supervisor: the upstream events interface) -----------------------
+    def _retired(self, upstream: Upstream) -> bool:
+        """A shared instance switched to per-client, still finishing its calls: what it lists now is what every
+        client's own instance will list, so the catalogue learns it from here (no client has to start one
+        just to find out); nothing else it does concerns the hub any more."""
+        placeholder = self.per_client.get(upstream.name)
+        if placeholder is None or self.upstreams.get(upstream.name) is upstream:
+            return False
+        if upstream.ready_at and placeholder.learn(upstream.lists):
+            self.rebuild()
+        return True
+
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
             with self.vault_lock:
@@ -10015,10 +10026,12 @@ class Hub:
                 with self.vault_lock:
                     self.states = {**{(upstream.name, kind, name): CapabilityState(False) for name in items},
                                    **self.states}
-        if notify:
+        if notify and not self._retired(upstream):
             self.rebuild()
 
     def on_ready(self, upstream: Upstream) -> None:
+        if self._retired(upstream):
+            return
         if getattr(upstream, "last_call", None) is None:
             upstream.last_call = time.time()  # idle since it came up (see _stop_idle)
         self._remember_transport(upstream)
@@ -10057,6 +10070,8 @@ class Hub:
                 ServerLog(hub_log, upstream.name).warning("could not remember its transport: %s", exc)
 
     def on_down(self, upstream: Upstream) -> None:
+        if self.per_client.get(upstream.name) is not None and self.upstreams.get(upstream.name) is not upstream:
+            return  # a retired shared instance (see _retired) ending: its clients have their own
         for session in self.sessions:
             session.upstream_down(upstream)
         self.record_status(upstream, upstream.state)
@@ -12110,8 +12125,10 @@ class Relay:
             if msg_id is not None and self.current is not None:
                 self.current.pending[_id_key(msg_id)] = msg_id
             return
+        if b'"method"' not in line:
+            return  # an answer to a request of the service's: nothing to keep
         try:
-            message = decode_json(line)
+            message = json.loads(line)
         except ValueError:
             return  # the service answers it with a parse error
         for item in message if isinstance(message, list) else [message]:
@@ -12295,6 +12312,7 @@ service_log = logging.getLogger('coffer.service.server')
 #: re-attaches): a client that stops reading costs the service this much memory, never a stuck upstream.
 MAX_UNREAD_BYTES = 64 << 20
 MAX_CONNECTIONS = 256
+DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 LOG_BYTES, LOG_BACKUPS = 2 << 20, 3
 
 
@@ -12332,10 +12350,7 @@ class SocketOutput:
                 raise BrokenPipeError("the session's connection is closed")
             if not self.queue:
                 try:
-                    _, writable, _ = select.select([], [self.conn], [], 0)
-                    if writable:
-                        sent = self.conn.send(data)
-                        data = data[sent:]
+                    data = data[self._send_now(data):]
                 except OSError:
                     self.closed = True
                     raise
@@ -12351,6 +12366,16 @@ class SocketOutput:
 
     def flush(self) -> None:
         pass
+
+    def _send_now(self, data: bytes) -> int:
+        """Send what the socket takes without waiting: MSG_DONTWAIT where there is one, else after select()."""
+        if DONTWAIT:
+            try:
+                return self.conn.send(data, DONTWAIT)
+            except BlockingIOError:
+                return 0
+        _, writable, _ = select.select([], [self.conn], [], 0)
+        return self.conn.send(data) if writable else 0
 
     def _drain(self) -> None:
         while True:

@@ -441,6 +441,17 @@ class Hub:
         return self.upstreams.get(name)
 
     # -- events from upstreams (see upstream.supervisor: the upstream events interface) -----------------------
+    def _retired(self, upstream: Upstream) -> bool:
+        """A shared instance switched to per-client, still finishing its calls: what it lists now is what every
+        client's own instance will list, so the catalogue learns it from here (no client has to start one
+        just to find out); nothing else it does concerns the hub any more."""
+        placeholder = self.per_client.get(upstream.name)
+        if placeholder is None or self.upstreams.get(upstream.name) is upstream:
+            return False
+        if upstream.ready_at and placeholder.learn(upstream.lists):
+            self.rebuild()
+        return True
+
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
             with self.vault_lock:
@@ -453,10 +464,12 @@ class Hub:
                 with self.vault_lock:
                     self.states = {**{(upstream.name, kind, name): CapabilityState(False) for name in items},
                                    **self.states}
-        if notify:
+        if notify and not self._retired(upstream):
             self.rebuild()
 
     def on_ready(self, upstream: Upstream) -> None:
+        if self._retired(upstream):
+            return
         if getattr(upstream, "last_call", None) is None:
             upstream.last_call = time.time()  # idle since it came up (see _stop_idle)
         self._remember_transport(upstream)
@@ -495,6 +508,8 @@ class Hub:
                 ServerLog(hub_log, upstream.name).warning("could not remember its transport: %s", exc)
 
     def on_down(self, upstream: Upstream) -> None:
+        if self.per_client.get(upstream.name) is not None and self.upstreams.get(upstream.name) is not upstream:
+            return  # a retired shared instance (see _retired) ending: its clients have their own
         for session in self.sessions:
             session.upstream_down(upstream)
         self.record_status(upstream, upstream.state)

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable
 
-from coffer_src.jsonrpc import INTERNAL_ERROR, decode_json, encode_line, request_id_in, rpc_error, valid_request_id
+from coffer_src.jsonrpc import INTERNAL_ERROR, encode_line, request_id_in, rpc_error, valid_request_id
 from coffer_src.service.channel import ChannelError, StartLock, connect, control
 
 relay_log = logging.getLogger(__name__)
@@ -186,8 +186,10 @@ class Relay:
             if msg_id is not None and self.current is not None:
                 self.current.pending[_id_key(msg_id)] = msg_id
             return
+        if b'"method"' not in line:
+            return  # an answer to a request of the service's: nothing to keep
         try:
-            message = decode_json(line)
+            message = json.loads(line)
         except ValueError:
             return  # the service answers it with a parse error
         for item in message if isinstance(message, list) else [message]:

@@ -42,6 +42,7 @@ service_log = logging.getLogger(__name__)
 #: re-attaches): a client that stops reading costs the service this much memory, never a stuck upstream.
 MAX_UNREAD_BYTES = 64 << 20
 MAX_CONNECTIONS = 256
+DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 LOG_BYTES, LOG_BACKUPS = 2 << 20, 3
 
 
@@ -79,10 +80,7 @@ class SocketOutput:
                 raise BrokenPipeError("the session's connection is closed")
             if not self.queue:
                 try:
-                    _, writable, _ = select.select([], [self.conn], [], 0)
-                    if writable:
-                        sent = self.conn.send(data)
-                        data = data[sent:]
+                    data = data[self._send_now(data):]
                 except OSError:
                     self.closed = True
                     raise
@@ -98,6 +96,16 @@ class SocketOutput:
 
     def flush(self) -> None:
         pass
+
+    def _send_now(self, data: bytes) -> int:
+        """Send what the socket takes without waiting: MSG_DONTWAIT where there is one, else after select()."""
+        if DONTWAIT:
+            try:
+                return self.conn.send(data, DONTWAIT)
+            except BlockingIOError:
+                return 0
+        _, writable, _ = select.select([], [self.conn], [], 0)
+        return self.conn.send(data) if writable else 0
 
     def _drain(self) -> None:
         while True:
