@@ -23,38 +23,38 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       1764  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
       1857  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
       1949  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      2921  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3314  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3601  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4381  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      4943  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5077  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5349  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5530  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6131  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      7344  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      7831  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      7930  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      8323  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      8682  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      8855  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      9439  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      9846  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     10311  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     10424  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     10736  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     11370  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     11719  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     12056  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     12784  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     13101  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     13456  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     13848  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     14079  probe                 Probes: starting a server once to see what it offers, from the command line.
-     14247  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     14915  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     15660  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15949  cli                   Command line: coffer's commands.
+      2925  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3318  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3605  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4385  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      4947  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5081  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5353  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5534  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6135  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      7348  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      7835  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7934  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      8327  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      8686  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      8859  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      9443  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      9850  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     10315  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     10428  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     10740  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     11395  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     11744  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     12081  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     12809  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     13126  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     13481  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13873  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     14106  probe                 Probes: starting a server once to see what it offers, from the command line.
+     14274  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     14942  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     15687  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15976  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -2120,6 +2120,7 @@ SCHEMA_PARTS = (
 )
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+VAULT_CACHE_KIB = 512  # SQLite page cache per vault connection (SQLite's default is 2 MB)
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
 
@@ -2238,6 +2239,9 @@ class Vault:
         db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA busy_timeout=10000")
+        # The vault's rows are few and read in full: a small page cache is enough, and a long-running service
+        # holds several connections for hours.
+        db.execute(f"PRAGMA cache_size=-{VAULT_CACHE_KIB}")
         if not uri:
             try:
                 db.execute("PRAGMA journal_mode=WAL")
@@ -10758,6 +10762,25 @@ RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout
 SHARED_CLIENT_CAPABILITIES = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
 
 
+_LIBC_TRIM = None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap a catalogue build freed back to the operating system (glibc keeps it, by default, for the
+    process's next allocation; the service lives for hours between builds).  Elsewhere a no-op."""
+    global _LIBC_TRIM
+    if _LIBC_TRIM is None:
+        _LIBC_TRIM = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+                _LIBC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                pass
+    if _LIBC_TRIM:
+        _LIBC_TRIM(0)
+
+
 class RememberedServer:
     """A server with no instance running in the hub: what the catalogue lists for it, from its lists remembered
     at its last start, until an instance is asked for."""
@@ -11354,6 +11377,8 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
+        if self.shared:
+            return_freed_memory()
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream
@@ -13929,9 +13954,11 @@ def serve_standalone(vault: Vault, args) -> int:
 def spawn_service(home: str) -> None:
     """Start the service in the background: detached from the caller's terminal and process group, its output
     in its own log (COFFER_HOME/logs/service.log), nothing of the caller's stdin or stdout."""
+    # glibc gives every thread that allocates an arena of its own; a service with a thread per upstream and per
+    # client would keep many half-empty ones resident.  Two suffice (other C libraries ignore the variable).
+    env = {**os.environ, "COFFER_HOME": home, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
     subprocess.Popen(own_command("service", "run"), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, cwd=home, env={**os.environ, "COFFER_HOME": home}, close_fds=True,
-                     **detached_popen_options())
+                     stderr=subprocess.DEVNULL, cwd=home, env=env, close_fds=True, **detached_popen_options())
 
 
 class ServiceSession:

@@ -104,9 +104,11 @@ def serve_standalone(vault: Vault, args) -> int:
 def spawn_service(home: str) -> None:
     """Start the service in the background: detached from the caller's terminal and process group, its output
     in its own log (COFFER_HOME/logs/service.log), nothing of the caller's stdin or stdout."""
+    # glibc gives every thread that allocates an arena of its own; a service with a thread per upstream and per
+    # client would keep many half-empty ones resident.  Two suffice (other C libraries ignore the variable).
+    env = {**os.environ, "COFFER_HOME": home, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
     subprocess.Popen(own_command("service", "run"), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, cwd=home, env={**os.environ, "COFFER_HOME": home}, close_fds=True,
-                     **detached_popen_options())
+                     stderr=subprocess.DEVNULL, cwd=home, env=env, close_fds=True, **detached_popen_options())
 
 
 class ServiceSession:
