@@ -43,6 +43,7 @@ DIST_NAME = "coffer"  # logger names and banners say coffer.<module>, as users s
 LAYERS = (
     "errors",
     "resources",
+    "digests",
     "terminal",
     "jsonrpc",
     "threads",

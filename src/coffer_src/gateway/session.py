@@ -222,6 +222,7 @@ class ClientSession:
                 if self.stream.gone:
                     break
                 handle_burst(lines, self.handle_line)
+                del lines  # not kept while the next read waits (see read_line_bursts)
         finally:
             self.close()
 
