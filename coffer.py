@@ -44,18 +44,18 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      10385  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
      10498  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
      10810  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     11465  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     11814  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     12151  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     12880  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     13197  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     13552  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     13944  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     14177  probe                 Probes: starting a server once to see what it offers, from the command line.
-     14345  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     15013  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     15758  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     16047  cli                   Command line: coffer's commands.
+     11469  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     11818  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     12155  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     12884  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     13201  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     13556  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13949  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     14182  probe                 Probes: starting a server once to see what it offers, from the command line.
+     14350  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     15018  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     15763  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     16052  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -10942,6 +10942,7 @@ class Hub:
         self.knowledge_tools: list[dict] = []
         self._upstream_client: tuple[dict, dict | None, str] | None = None  # what upstreams are started with
         self._reported_missing = False
+        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see rebuild)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
@@ -11145,6 +11146,9 @@ class Hub:
                             transport.remember_family(table)
                     except Exception:  # noqa: BLE001 - bookkeeping for shutdown; never the ticker's death
                         hub_log.exception("could not read the process table")
+            if self._trim_at is not None and now >= self._trim_at:
+                self._trim_at = None
+                return_freed_memory()
             if now - last_reload >= 1.0:
                 last_reload = now
                 try:
@@ -11220,8 +11224,8 @@ class Hub:
             return
         now = time.time()
         for name, upstream in self.upstreams.items():
-            last = getattr(upstream, "last_call", None)
-            if last is None or upstream.state != "ready" or now - last < float(limit) or \
+            last = max(getattr(upstream, "last_call", None) or 0.0, getattr(upstream, "idle_since", None) or now)
+            if upstream.state != "ready" or now - last < float(limit) or \
                     not upstream.requests.idle():
                 continue
             with self.lock:
@@ -11279,8 +11283,8 @@ class Hub:
     def on_ready(self, upstream: Upstream) -> None:
         if self._retired(upstream):
             return
-        if getattr(upstream, "last_call", None) is None:
-            upstream.last_call = time.time()  # idle since it came up (see _stop_idle)
+        if getattr(upstream, "idle_since", None) is None:
+            upstream.idle_since = time.time()  # see _stop_idle
         self._remember_transport(upstream)
         if upstream.era != upstream.config.get("era"):
             try:
@@ -11447,8 +11451,8 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
-        if self.shared:
-            return_freed_memory()
+        if self.shared:  # what the build and the listing it came from leave freed, once they are gone (ticker)
+            self._trim_at = time.monotonic() + 1.0
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream
@@ -13729,6 +13733,7 @@ class Service:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), lambda *_: self.stopping.set())
         self.hub.start()
+        return_freed_memory()  # what loading Coffer itself left behind (compiling coffer.py, when it had no bytecode)
         self.listener.settimeout(0.5)
         try:
             while not self.stopping.is_set():

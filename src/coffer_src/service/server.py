@@ -18,7 +18,7 @@ import threading
 import time
 
 from coffer_src import __version__
-from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.hub import Hub, return_freed_memory
 from coffer_src.gateway.session import ClientSession
 from coffer_src.service.channel import (
     ChannelError,
@@ -200,6 +200,7 @@ class Service:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), lambda *_: self.stopping.set())
         self.hub.start()
+        return_freed_memory()  # what loading Coffer itself left behind (compiling coffer.py, when it had no bytecode)
         self.listener.settimeout(0.5)
         try:
             while not self.stopping.is_set():
