@@ -23,6 +23,7 @@ from coffer_src.gateway.builtins import (
     CLIENT_SIDE_CAPABILITIES,
     REMEMBER_TOOL_DEFINITION,
 )
+from coffer_src.invocations import InvocationLog
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.search.semantic import Embedder, SemanticRanker
@@ -31,7 +32,7 @@ from coffer_src.terminal import ServerLog
 from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.transport.stdio import StdioTransport, process_table
 from coffer_src.upstream.supervisor import Upstream, record_upstream_status
-from coffer_src.vault import CapabilityState, InvocationLog, Vault, setting_key
+from coffer_src.vault import CapabilityState, Vault, setting_key
 
 hub_log = logging.getLogger(__name__)
 
@@ -411,7 +412,7 @@ class Hub:
                 with self.lock:
                     self.per_client = {key: p for key, p in self.per_client.items() if key != name}
                 for session in self.sessions:
-                    session.drop_private(name)
+                    session.instances.drop(name)
                 changed = True
         for name, placeholder in self.dormant.items():
             old, new = self.configs.get(name), configs.get(name)

@@ -360,7 +360,7 @@ class Service:
         upstreams = []
         users: dict[str, int] = collections.Counter()
         for session in sessions:
-            for name in session.private:
+            for name in session.instances.running:
                 users[name] += 1
         for upstream in self.hub.upstreams.values():
             users[upstream.name] = sum(1 for s in sessions if s.calls.used(upstream))
