@@ -65,6 +65,7 @@ LAYERS = (
     "search/entities",
     "search/index",
     "search/semantic",
+    "search/explain",
     "catalogue",
     "knowledge/documents",
     "knowledge/ranking",
@@ -83,6 +84,9 @@ LAYERS = (
     "clients/files",
     "clients/move_in",
     "clients/doctor",
+    "service/web_activity",
+    "service/web_views",
+    "service/web",
     "cli",
 )
 NOT_AMALGAMATED = {"__main__"}  # `python -m coffer_src` for development; coffer.py has its own __main__ block
