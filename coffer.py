@@ -57,8 +57,8 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      14740  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
      15029  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
      15220  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     15738  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     16143  cli                   Command line: coffer's commands.
+     15744  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     16149  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -15366,6 +15366,12 @@ class WebViews:
         return (tuple(caps[0]) if caps else (), tuple(servers[0]) if servers else (),
                 self.vault.setting("name_max_length"))
 
+    def _capability_rows(self) -> list[tuple]:
+        """(server, kind, name, enabled, present, quarantined, definition text) of every capability: only the
+        columns the list needs (not the approved definitions the Changed view reads)."""
+        return self._rows("SELECT server, kind, name, enabled, present, approved IS NOT NULL AND approved !="
+                          " fingerprint, definition FROM capabilities ORDER BY server, kind, rowid")
+
     def catalogue_rows(self) -> tuple[list[dict], list[dict]]:
         """Every capability of every registered server as the page lists it, and the servers in their order;
         rebuilt only when the vault's capabilities or servers changed."""
@@ -15374,33 +15380,32 @@ class WebViews:
             if self._catalogue is not None and self._catalogue[0] == signature:
                 return self._catalogue[1], self._catalogue[2]
             servers = self.vault.servers()
-            capabilities = self.vault.capabilities()
+            capabilities = self._capability_rows()
             max_length = self.vault.setting("name_max_length")
         order = {server["name"]: position for position, server in enumerate(servers)}
         enabled = {server["name"]: server["enabled"] for server in servers}
-        by_key: dict[tuple[str, str], list[dict]] = {}
+        by_key: dict[tuple[str, str], list[tuple]] = {}
         for row in capabilities:
-            if row["server"] in order:
-                by_key.setdefault((row["server"], row["kind"]), []).append(row)
+            if row[0] in order:
+                by_key.setdefault((row[0], row[1]), []).append(row)
         rows = []
         for (server, kind), items in sorted(by_key.items(), key=lambda item: (order[item[0][0]], item[0][1])):
-            exposed = exposed_names(server, [r["name"] for r in items if r["present"]], max_length) \
+            exposed = exposed_names(server, [r[2] for r in items if r[4]], max_length) \
                 if kind in ("tool", "prompt") else {}
-            for row in items:
-                definition = _loads(row["definition"])
+            for _, _, upstream, on, present, quarantined, text in items:
+                definition = _loads(text)
                 definition = definition if isinstance(definition, dict) else {}
                 if kind in ("tool", "prompt"):
-                    name = exposed.get(row["name"]) or f"{server}{SEPARATOR}{row['name']}"
+                    name = exposed.get(upstream) or f"{server}{SEPARATOR}{upstream}"
                 else:
-                    name = row["name"]
-                quarantined = row["approved"] is not None and row["approved"] != row["fingerprint"]
-                state = ("gone" if not row["present"] else "server off" if not enabled[server] else
-                         "changed" if quarantined else "enabled" if row["enabled"] else "disabled")
-                rows.append({"server": server, "kind": kind, "name": name, "upstream": row["name"],
+                    name = upstream
+                state = ("gone" if not present else "server off" if not enabled[server] else
+                         "changed" if quarantined else "enabled" if on else "disabled")
+                rows.append({"server": server, "kind": kind, "name": name, "upstream": upstream,
                              "title": _first_line(definition.get("title"), 120),
                              "description": _first_line(definition.get("description")), "state": state,
-                             "enabled": bool(row["enabled"]), "target": name if kind in ("tool", "prompt")
-                             else qualify_uri(server, row["name"])})
+                             "enabled": bool(on), "target": name if kind in ("tool", "prompt")
+                             else qualify_uri(server, upstream)})
         names = {}
         for row in rows:
             if row["kind"] in ("tool", "prompt"):
@@ -15486,7 +15491,8 @@ class WebViews:
             report = server_report(self.vault, self.vault.secrets, config, set(),
                                    lambda _s: (state != "failed", [], error or state), settings)
             problems = [p for p in report["problems"] if state == "failed" or "did not start" not in p["problem"]]
-            problems = error_fixes(name, error) + problems if state == "failed" else problems
+            if state == "failed" and not any(p["severity"] == "error" for p in problems):
+                problems = error_fixes(name, error) + problems   # what the error itself points to
             result.append({
                 "name": name, "transport": config["transport"], "command": _command_text(config),
                 "enabled": config["enabled"], "state": state, "pid": pid, "rss_mb": rss_mb(pid),
