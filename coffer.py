@@ -58,7 +58,7 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      15029  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
      15220  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
      15744  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     16149  cli                   Command line: coffer's commands.
+     16151  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -15905,15 +15905,15 @@ class WebServer:
     def __init__(self, service):
         self.service = service
         self.access = WebAccess()
-        self.activity = ActivityLog(service.vault.path)
-        self.views = WebViews(service, self.activity)
-        self.lock = threading.Lock()   # guards httpd (starting it once); a leaf
+        self.activity: ActivityLog | None = None   # made with the listener: a service nobody opens pays nothing
+        self.views: WebViews | None = None
+        self.lock = threading.Lock()   # guards httpd, views and activity (made once); a leaf
         self.httpd: ThreadingHTTPServer | None = None
         self.last_used = 0.0
         self.reads: dict[str, Callable[[dict], dict]] = {
             "overview": lambda q: self.views.overview(),
             "servers": lambda q: self.views.servers(),
-            "catalogue": self.views.catalogue,
+            "catalogue": lambda q: self.views.catalogue(q),
             "changes": lambda q: self.views.changes(),
             "activity": lambda q: {**self.activity.report(q.get("range") or "day", q.get("group") or "server",
                                                           q.get("only") or None),
@@ -15938,6 +15938,8 @@ class WebServer:
         """The `web` control op: a one-time login link (the listener starts now if it has not yet)."""
         with self.lock:
             if self.httpd is None:
+                self.activity = ActivityLog(self.service.vault.path)
+                self.views = WebViews(self.service, self.activity)
                 self.httpd = _WebHTTPServer(("127.0.0.1", 0), _WebHandler)
                 self.httpd.web = self
                 start_thread(self.httpd.serve_forever, "coffer-web", 0.25)
@@ -15960,8 +15962,8 @@ class WebServer:
         if httpd is not None:
             httpd.shutdown()
             httpd.server_close()
-        self.activity.close()
-        self.views.close()
+            self.activity.close()
+            self.views.close()
 
     # -- requests --------------------------------------------------------------------------------------------
     def respond(self, handler: BaseHTTPRequestHandler, method: str) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import urllib.parse
 
 import pytest
@@ -60,6 +61,15 @@ def test_only_a_login_link_opens_the_page_and_only_once(web_home, tmp_path):
     # `coffer open` with a browser opens that browser at a fresh link, and prints none
     proc = cli("open", env=env, timeout=60)
     assert proc.stdout == "" and opened.read_text().startswith(f"{page.origin}/login?t=")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="elsewhere Python always finds the desktop's browser")
+def test_with_no_browser_found_the_address_is_printed(web_home):
+    env = {k: v for k, v in os.environ.items() if k not in ("BROWSER", "DISPLAY", "WAYLAND_DISPLAY")}
+    proc = subprocess.run([PY, COFFER, "open"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and re.fullmatch(r"http://127\.0\.0\.1:\d+/login\?t=\S+\n", proc.stdout), proc
+    assert "no browser found" in proc.stderr
+    assert Page(proc.stdout.strip()).login().get("overview")[0] == 200
 
 
 def test_changes_need_the_key_the_origin_and_the_cookie(web_home):

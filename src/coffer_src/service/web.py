@@ -177,15 +177,15 @@ class WebServer:
     def __init__(self, service):
         self.service = service
         self.access = WebAccess()
-        self.activity = ActivityLog(service.vault.path)
-        self.views = WebViews(service, self.activity)
-        self.lock = threading.Lock()   # guards httpd (starting it once); a leaf
+        self.activity: ActivityLog | None = None   # made with the listener: a service nobody opens pays nothing
+        self.views: WebViews | None = None
+        self.lock = threading.Lock()   # guards httpd, views and activity (made once); a leaf
         self.httpd: ThreadingHTTPServer | None = None
         self.last_used = 0.0
         self.reads: dict[str, Callable[[dict], dict]] = {
             "overview": lambda q: self.views.overview(),
             "servers": lambda q: self.views.servers(),
-            "catalogue": self.views.catalogue,
+            "catalogue": lambda q: self.views.catalogue(q),
             "changes": lambda q: self.views.changes(),
             "activity": lambda q: {**self.activity.report(q.get("range") or "day", q.get("group") or "server",
                                                           q.get("only") or None),
@@ -210,6 +210,8 @@ class WebServer:
         """The `web` control op: a one-time login link (the listener starts now if it has not yet)."""
         with self.lock:
             if self.httpd is None:
+                self.activity = ActivityLog(self.service.vault.path)
+                self.views = WebViews(self.service, self.activity)
                 self.httpd = _WebHTTPServer(("127.0.0.1", 0), _WebHandler)
                 self.httpd.web = self
                 start_thread(self.httpd.serve_forever, "coffer-web", 0.25)
@@ -232,8 +234,8 @@ class WebServer:
         if httpd is not None:
             httpd.shutdown()
             httpd.server_close()
-        self.activity.close()
-        self.views.close()
+            self.activity.close()
+            self.views.close()
 
     # -- requests --------------------------------------------------------------------------------------------
     def respond(self, handler: BaseHTTPRequestHandler, method: str) -> None:
