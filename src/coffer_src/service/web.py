@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
-from coffer_src.errors import CofferError
+from coffer_src.errors import CofferError, CofferException
 from coffer_src.resources import package_data
 from coffer_src.service.web_activity import ActivityLog
 from coffer_src.service.web_views import WebViews
@@ -163,7 +163,7 @@ class WebAccess:
             return session
 
 
-class WebRefusal(Exception):
+class WebRefusal(CofferException):
     """A request refused before it reached a view: its status, the text the page shows, and a short code."""
 
     def __init__(self, status: int, text: str, code: str):
@@ -241,7 +241,12 @@ class WebServer:
     def respond(self, handler: BaseHTTPRequestHandler, method: str) -> None:
         try:
             status, kind, body, headers = self._route(handler, method)
+        except (OSError, ValueError):  # the browser went away mid-request, or sent a broken one
+            handler.close_connection = True
+            return
         except WebRefusal as refusal:
+            if method != "GET":   # its body (if any) was not read: the connection cannot carry another request
+                handler.close_connection = True
             if urlsplit(handler.path).path.startswith("/api/"):
                 status, kind, body, headers = refusal.status, "application/json", {"error": refusal.text,
                                                                                    "code": refusal.code}, ()

@@ -102,7 +102,7 @@
 
   // A change from the page: the button shows it is busy, the answer (or the error) comes as a toast, and the view
   // reloads at once so the page shows what the service now does.
-  C.act = async function (button, name, body, confirmText) {
+  C.act = async function (button, name, body) {
     if (button && button.classList.contains("busy")) return null;
     if (button) { button.classList.add("busy"); button.disabled = true; }
     try {
