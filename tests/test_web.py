@@ -94,6 +94,21 @@ def shown(selector):
     return lambda d: css(d, selector)
 
 
+def click(browser, selector, what=None):
+    """Click what ``selector`` finds, again if a refresh of the page replaced it in between."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    def attempt(driver):
+        try:
+            driver.find_element(By.CSS_SELECTOR, selector).click()
+            return True
+        except (NoSuchElementException, StaleElementReferenceException):
+            return False
+
+    wait(browser, attempt, what or selector)
+
+
 def console_errors(browser):
     return [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
 
@@ -188,7 +203,7 @@ def test_every_view_loads_without_a_console_error(web_home, browser, tmp_path):
 
             restart = "tr[data-server=tracker] button[title^='Start it again']"
             wait(browser, shown(restart), "the servers")
-            browser.find_element(By.CSS_SELECTOR, restart).click()
+            click(browser, restart)
             wait(browser, lambda d: d.find_element(By.ID, "badge-changes").text == "1", "the changed definition")
 
         await anyio.to_thread.run_sync(restart_tracker)
@@ -205,20 +220,20 @@ def test_every_view_loads_without_a_console_error(web_home, browser, tmp_path):
                      "sessions": "#sessions-table td"}
             for view in VIEWS:
                 if view == "knowledge":
-                    browser.find_element(By.CSS_SELECTOR, "#nav a[data-view=knowledge]").click()
+                    click(browser, "#nav a[data-view=knowledge]")
                     wait(browser, shown("#knowledge-add"), "the knowledge form")
                     browser.find_element(By.CSS_SELECTOR, "input[name=path]").send_keys(str(notes))
                     browser.find_element(By.ID, "knowledge-add").click()
                 elif view == "search":
-                    browser.find_element(By.CSS_SELECTOR, "#nav a[data-view=search]").click()
+                    click(browser, "#nav a[data-view=search]")
                     box = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "main input[type=search]"),
                                "the search box")
                     box.send_keys("send the text back to me")
                 else:
-                    browser.find_element(By.CSS_SELECTOR, f"#nav a[data-view={view}]").click()
+                    click(browser, f"#nav a[data-view={view}]")
                 if view == "servers":
                     wait(browser, shown("#servers-table tr[data-server=broken]"), "the servers")
-                    browser.find_element(By.CSS_SELECTOR, "#servers-table tr[data-server=broken]").click()
+                    click(browser, "#servers-table tr[data-server=broken]")
                 wait(browser, shown(marks[view]), f"the {view} view's data")
                 time.sleep(0.3)  # let the last frame settle before the picture
                 screenshot(browser, tmp_path, view)
@@ -252,16 +267,16 @@ def test_a_tool_disabled_on_the_page_reaches_a_connected_agent(web_home, browser
         assert "a__echo" in tool_names(await client.list_tools())
         since = len(notices)
 
-        def click():
+        def flip():
             from selenium.webdriver.common.by import By
 
-            switch = wait(browser, lambda d: d.find_element(
-                By.CSS_SELECTOR, "#catalogue-table tr[data-name=a__echo] button.switch"), "a__echo's switch")
-            assert switch.get_attribute("aria-checked") == "true"
+            switch = "#catalogue-table tr[data-name=a__echo] button.switch"
+            wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, switch).get_attribute("aria-checked") == "true",
+                 "a__echo's switch, on")
             timing["clicked"] = time.monotonic()
-            switch.click()
+            click(browser, switch)
 
-        await anyio.to_thread.run_sync(click)
+        await anyio.to_thread.run_sync(flip)
         timing["told"] = await wait_notice(notices, types.ToolListChangedNotification, since)
         assert "a__echo" not in tool_names(await client.list_tools())
         assert "a__fail" in tool_names(await client.list_tools())
@@ -273,6 +288,11 @@ def test_a_tool_disabled_on_the_page_reaches_a_connected_agent(web_home, browser
             wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, f"{row} button.switch").get_attribute(
                 "aria-checked") == "false" and "disabled" in d.find_element(By.CSS_SELECTOR, row).text,
                 "the row to show the tool disabled")
+            click(browser, f"{row} .cap-name")   # a row expands to its definition
+            details = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#catalogue-table tr.details"),
+                           "the tool's definition")
+            assert "Echo the given text back" in details.text and "Parameters" in details.text, details.text
+            assert details.find_element(By.CSS_SELECTOR, "td.mono").text == "text"
             return console_errors(browser)
 
         assert not await anyio.to_thread.run_sync(settled)
@@ -300,9 +320,9 @@ def test_a_changed_definition_is_shown_with_its_diff_and_approved(web_home, brow
             from selenium.webdriver.common.by import By
 
             wait(browser, shown("#servers-table tr[data-server=a]"), "server a")
-            browser.find_element(By.CSS_SELECTOR, "tr[data-server=a] button[title^='Start it again']").click()
+            click(browser, "tr[data-server=a] button[title^='Start it again']")
             wait(browser, lambda d: d.find_element(By.ID, "badge-changes").text == "1", "the changed-count badge")
-            browser.find_element(By.CSS_SELECTOR, "#nav a[data-view=changes]").click()
+            click(browser, "#nav a[data-view=changes]")
             card = wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, ".change[data-target=a__echo]"),
                         "the changed definition")
             added = [e.text for e in card.find_elements(By.CSS_SELECTOR, ".words ins")]
@@ -318,7 +338,7 @@ def test_a_changed_definition_is_shown_with_its_diff_and_approved(web_home, brow
         def approve():
             from selenium.webdriver.common.by import By
 
-            browser.find_element(By.CSS_SELECTOR, ".change[data-target=a__echo] button.approve").click()
+            click(browser, ".change[data-target=a__echo] button.approve")
             wait(browser, lambda d: "Nothing is waiting" in d.find_element(By.ID, "main").text, "the empty list")
             return console_errors(browser)
 
@@ -370,7 +390,7 @@ def test_the_activity_charts_show_the_log(web_home, browser, tmp_path):
         assert dots == [durations[-1]]
     row = browser.find_element(By.CSS_SELECTOR, "#activity-table tbody tr").text.split()
     assert row[:3] == ["a", "6", "2"], row
-    browser.find_element(By.CSS_SELECTOR, "button[data-range=week]").click()
+    click(browser, "button[data-range=week]")
     wait(browser, lambda d: len(css(d, "svg[data-chart=calls] rect.hit")) == 168, "the week's 168 hours")
     assert not console_errors(browser)
 
@@ -434,12 +454,24 @@ def test_a_knowledge_folder_is_added_reindexed_and_removed(web_home, browser, tm
                "the new source")
     assert row.text.split()[:1] == ["handbook"] and str(notes) in row.text
     (notes / "b.md").write_text("# Contacts\n\nAsk the platform team.\n")
-    row.find_element(By.XPATH, ".//button[text()='Reindex']").click()
+    click(browser, "#knowledge-table tr[data-source=handbook] td:last-child button:first-child")
     wait(browser, lambda d: "1 added" in d.find_element(By.ID, "toasts").text, "the reindex report")
-    remove = browser.find_element(By.CSS_SELECTOR, "#knowledge-table tr[data-source=handbook] button.danger")
-    remove.click()
-    assert remove.text == "Remove handbook?", "a removal asks once more"
-    remove.click()
+    asked = []
+
+    def remove(driver):   # the first click only arms the button: a removal asks once more
+        from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+        try:
+            button = driver.find_element(By.CSS_SELECTOR, "#knowledge-table tr[data-source=handbook] button.danger")
+            armed = button.text == "Remove handbook?"
+            button.click()
+            asked.append(armed)
+            return armed
+        except (NoSuchElementException, StaleElementReferenceException):
+            return False
+
+    wait(browser, remove, "the removal, confirmed")
+    assert asked[0] is False and asked[-1] is True
     wait(browser, lambda d: not css(d, "#knowledge-table tr[data-source=handbook]"), "the source to go")
     assert not console_errors(browser)
     rows = [(r["actor"], r["action"], r["target"]) for r in audit_rows() if r["action"].startswith("knowledge")]

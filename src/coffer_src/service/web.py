@@ -186,6 +186,7 @@ class WebServer:
             "overview": lambda q: self.views.overview(),
             "servers": lambda q: self.views.servers(),
             "catalogue": lambda q: self.views.catalogue(q),
+            "capability": lambda q: self.views.capability(q),
             "changes": lambda q: self.views.changes(),
             "activity": lambda q: {**self.activity.report(q.get("range") or "day", q.get("group") or "server",
                                                           q.get("only") or None),

@@ -248,6 +248,21 @@ class WebViews:
                          for row in matched[offset:offset + limit]],
                 "servers": [{**s, "counts": counts[s["name"]]} for s in servers]}
 
+    def capability(self, query: dict) -> dict:
+        """One capability's whole definition as its server lists it now (what a row of the catalogue expands to),
+        and when Coffer first and last saw it."""
+        server, kind, name = query.get("server"), query.get("kind"), query.get("name")
+        if not all(isinstance(v, str) and v for v in (server, kind, name)):
+            raise CofferError("say which capability: server, kind and name")
+        with self.lock:
+            rows = self._rows("SELECT definition, first_seen, last_seen FROM capabilities WHERE server=? AND kind=?"
+                              " AND name=?", (server, kind, name))
+        if not rows:
+            raise CofferError(f"{server} lists no {kind} {name!r}")
+        definition = _loads(rows[0][0])
+        return {"server": server, "kind": kind, "name": name, "first_seen": rows[0][1], "last_seen": rows[0][2],
+                "definition": definition if isinstance(definition, dict) else {}}
+
     # -- servers -------------------------------------------------------------------------------------------
     def _live(self, name: str):
         hub = self.hub

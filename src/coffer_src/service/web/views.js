@@ -27,6 +27,8 @@
     mount(root) {
       this.open = this.open || {};
       this.seen = {};
+      this.rows = new Map();
+      this.tbody = null;
       this.summary = h("p", {class: "muted"});
       this.body = h("div", {class: "panel table-wrap"}, h("p", {class: "muted pad", text: "Loading…"}));
       root.append(head("Servers", this.summary), this.body);
@@ -38,23 +40,40 @@
       const ready = servers.filter((s) => s.state === "ready").length, failed = servers.filter((s) => s.state === "failed").length;
       this.summary.textContent = servers.length + " registered · " + ready + " running" + (failed ? " · " + failed + " failed" : "");
       if (!servers.length) {
+        this.tbody = null;
         C.replace(this.body, empty("No servers yet. Add one in a terminal: coffer add NAME -- COMMAND, or coffer import."));
         return;
       }
-      const rows = [];
-      for (const server of servers) rows.push(...this.row(server));
-      C.replace(this.body, h("table", {id: "servers-table"},
-        h("thead", {}, h("tr", {}, ["Server", "State", "PID", "Memory", "Sharing", "Sessions", "Capabilities", "Last call", ""]
-          .map((text) => h("th", {text: text})))),
-        h("tbody", {}, rows)));
+      if (!this.tbody) {
+        this.tbody = h("tbody");
+        this.rows = new Map();
+        C.replace(this.body, h("table", {id: "servers-table"},
+          h("thead", {}, h("tr", {}, ["Server", "State", "PID", "Memory", "Sharing", "Sessions", "Capabilities", "Last call", ""]
+            .map((text) => h("th", {text: text})))), this.tbody));
+      }
+      // A row is rebuilt only when what it shows changed beyond its live numbers (memory, process, sessions, last
+      // call), which are updated in place: a button under the pointer is never swapped out by a refresh.
+      const next = new Map(), ordered = [];
+      for (const server of servers) {
+        const open = !!this.open[server.name];
+        const stable = open ? JSON.stringify(server) + "+" :
+          JSON.stringify(Object.assign({}, server, {pid: 0, rss_mb: 0, sessions: 0, last_call: 0, instances: 0}));
+        let entry = this.rows.get(server.name);
+        if (!entry || entry.stable !== stable) entry = Object.assign(this.row(server, open), {stable: stable});
+        else entry.update(server);
+        next.set(server.name, entry);
+        ordered.push(...entry.nodes);
+      }
+      ordered.forEach((node, i) => { if (this.tbody.children[i] !== node) this.tbody.insertBefore(node, this.tbody.children[i] || null); });
+      while (this.tbody.children.length > ordered.length) this.tbody.lastChild.remove();
+      this.rows = next;
     },
-    row(server) {
+    row(server, open) {
       const view = this, counts = server.counts || {};
-      const open = !!this.open[server.name];
       const caps = [];
       if (counts.tools) caps.push(C.n(counts.tools) + " tools");
-      if (counts.prompts) caps.push(counts.prompts + " prompts");
-      if (counts.resources) caps.push(counts.resources + " resources");
+      if (counts.prompts) caps.push(C.n(counts.prompts) + " prompts");
+      if (counts.resources) caps.push(C.n(counts.resources) + " resources");
       const notes = [];
       if (counts.disabled) notes.push(h("span", {class: "pill", text: counts.disabled + " off"}));
       if (counts.changed) notes.push(h("a", {class: "pill warn", href: "#/changes", text: counts.changed + " changed"}));
@@ -64,22 +83,32 @@
         title: "Start it again from scratch (its calls in flight fail)",
         disabled: !server.enabled || !!server.damaged,
         on: {click: (e) => { e.stopPropagation(); C.act(e.target, "restart", {server: server.name}); }}});
+      const live = {pid: h("td", {class: "num"}), memory: h("td", {class: "num"}), sessions: h("td", {class: "num"}),
+        last: h("td", {class: "nowrap"})};
+      const update = function (s) {
+        live.pid.textContent = s.pid || "–";
+        live.memory.textContent = C.mb(s.rss_mb);
+        live.sessions.textContent = s.sessions;
+        live.last.textContent = s.last_call ? C.when(s.last_call) : "–";
+        live.last.title = C.local(s.last_call);
+      };
+      update(server);
       const main = h("tr", {class: "clickable", data: {server: server.name},
-        on: {click: () => { view.open[server.name] = !open; view.seen = {}; view.load(); }}},
+        on: {click: (e) => { if (e.target.closest("a, button")) return; view.open[server.name] = !open; view.seen = {}; view.load(); }}},
         h("td", {},
           h("b", {text: server.name}), " ", h("span", {class: "pill", text: server.transport}),
           h("span", {class: "sub mono", text: server.command, title: server.command}),
           server.error ? h("div", {class: "error-line", text: server.error.split("\n")[0].slice(0, 240)}) : null),
         h("td", {}, h("span", {class: stateClass(server.state), text: server.state})),
-        h("td", {class: "num", text: server.pid || "–"}),
-        h("td", {class: "num", text: C.mb(server.rss_mb)}),
+        live.pid, live.memory,
         h("td", {}, server.sharing, server.sharing_reason ? h("span", {class: "sub", text: server.sharing_reason}) : null),
-        h("td", {class: "num", text: server.sessions}),
-        h("td", {}, caps.join(" · ") || h("span", {class: "muted", text: "none seen yet"}), " ", notes),
-        h("td", {class: "nowrap", title: C.local(server.last_call), text: server.last_call ? C.when(server.last_call) : "–"}),
+        live.sessions,
+        h("td", {}, caps.length ? h("a", {href: "#/catalogue?server=" + encodeURIComponent(server.name), text: caps.join(" · "),
+          title: "Show them in the catalogue"}) : h("span", {class: "muted", text: "none seen yet"}), " ", notes),
+        live.last,
         h("td", {class: "nowrap"}, toggle, " ", restart));
-      if (!open) return [main];
-      return [main, h("tr", {class: "details"}, h("td", {colspan: 9}, this.details(server)))];
+      const nodes = open ? [main, h("tr", {class: "details"}, h("td", {colspan: 9}, this.details(server)))] : [main];
+      return {nodes: nodes, update: update};
     },
     details(server) {
       const fixes = (server.problems || []).map((p) => h("div", {class: "fix"},
@@ -181,12 +210,38 @@
         }}});
       const state = row.state === "changed" ? h("a", {href: "#/changes", class: "pill warn", text: "changed: review"}) :
         h("span", {class: stateClass(row.state === "server off" ? "off" : row.state), text: row.state});
-      return h("tr", {data: {name: row.name, server: row.server}},
+      const view = this, key = row.server + " " + row.kind + " " + row.upstream;
+      const main = h("tr", {class: "clickable", data: {name: row.name, server: row.server}, title: "Show its definition",
+        on: {click: (e) => { if (!e.target.closest("button, a")) view.expand(key, row); }}},
         h("td", {}, toggle),
         h("td", {}, h("span", {class: "cap-name", text: row.name}), row.title ? h("span", {class: "sub", text: row.title}) : null),
         h("td", {}, h("span", {class: "pill", text: row.kind})),
         h("td", {}, h("span", {class: "desc", text: row.description, title: row.description})),
         h("td", {}, state));
+      const shownDetails = this.expanded && this.expanded.key === key ? this.expanded.details : null;
+      return shownDetails ? [main, h("tr", {class: "details"}, h("td", {colspan: 5}, shownDetails))] : main;
+    },
+    // A row expands to the whole definition: every parameter with its type and description, and when it was seen.
+    async expand(key, row) {
+      if (this.expanded && this.expanded.key === key) { this.expanded = null; this.seen = {}; this.load(); return; }
+      let data;
+      try {
+        data = await C.get("capability", {server: row.server, kind: row.kind, name: row.upstream});
+      } catch (error) { C.toast(error.message, "bad"); return; }
+      const d = data.definition, schema = d.inputSchema || d.arguments || {};
+      const properties = Array.isArray(schema) ? schema.map((a) => [a.name, a]) : Object.entries(schema.properties || {});
+      const required = new Set(Array.isArray(schema) ? schema.filter((a) => a.required).map((a) => a.name) : schema.required || []);
+      this.expanded = {key: key, details: h("div", {class: "details-grid"},
+        h("div", {}, h("h3", {text: "Description"}), h("pre", {class: "definition", text: d.description || "(none)"}),
+          h("p", {class: "muted", text: "first seen " + C.local(data.first_seen) + " · listed " + C.when(data.last_seen)})),
+        h("div", {}, h("h3", {text: properties.length ? "Parameters" : (d.uri || d.uriTemplate ? "Resource" : "No parameters")}),
+          properties.length ? h("table", {class: "explain"}, h("tbody", {}, properties.map(([name, p]) => h("tr", {},
+            h("td", {class: "mono", text: name + (required.has(name) ? " *" : "")}),
+            h("td", {class: "muted", text: (p && (p.type || (p.enum ? "enum" : ""))) || ""}),
+            h("td", {text: (p && p.description) || ""}))))) :
+            (d.uri || d.uriTemplate ? h("p", {class: "mono", text: (d.uri || d.uriTemplate) + (d.mimeType ? " (" + d.mimeType + ")" : "")}) : null)))};
+      this.seen = {};
+      this.load();
     },
     drawServers(data) {
       const view = this, f = this.filter;
