@@ -67,6 +67,7 @@ LAYERS = (
     "search/entities",
     "search/index",
     "search/semantic",
+    "search/explain",
     "catalogue",
     "knowledge/documents",
     "knowledge/ranking",
@@ -86,6 +87,9 @@ LAYERS = (
     "clients/files",
     "clients/move_in",
     "clients/doctor",
+    "service/web_activity",
+    "service/web_views",
+    "service/web",
     "cli",
 )
 NOT_AMALGAMATED = {"__main__"}

@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from typing import Callable
 
 from coffer_src import __version__
 from coffer_src.gateway.hub import Hub, return_freed_memory
@@ -184,6 +185,12 @@ class Service:
         self.address = None
         self.idle_since = time.monotonic()
         self.hub = Hub(vault, shared=True)
+        # What a later layer adds (the web page, service/web.py): more control ops by name (each called with the
+        # request, on that connection's thread, returning the reply), what else keeps the service from exiting
+        # idle, and what to close when it stops.
+        self.controls: dict[str, Callable[[dict], dict]] = {}
+        self.busy_checks: list[Callable[[], bool]] = []
+        self.closers: list[Callable[[], None]] = []
 
     # -- life ------------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -223,6 +230,8 @@ class Service:
         finally:
             self._close_listener()
             remove_service_file(self.home, os.getpid())
+            for close in self.closers:
+                close()
             self.hub.shutdown()
             service_log.info("Coffer service stopped")
         return 0
@@ -230,7 +239,7 @@ class Service:
     def _check_idle(self) -> None:
         with self.lock:
             busy = bool(self.sessions) or self.connections
-        if busy:
+        if busy or any(check() for check in self.busy_checks):
             self.idle_since = time.monotonic()
             return
         limit = float(self.hub.settings.get("service_idle_exit", 600.0))
@@ -320,6 +329,8 @@ class Service:
         if op == "handover":
             self.handover()
             return {"ok": True}
+        if op in self.controls:
+            return self.controls[op](request)
         return {"error": f"unknown control request {printable(str(op))[:40]!r}"}
 
     def handover(self) -> None:
@@ -409,11 +420,15 @@ def rss_mb(pid: int | None) -> float | None:
     return None
 
 
-def run_service(home: str) -> int:
-    """`coffer service run`: the service in this process, until it is stopped, idle or handed over."""
+def run_service(home: str, extend: Callable[[Service], None] | None = None) -> int:
+    """`coffer service run`: the service in this process, until it is stopped, idle or handed over; ``extend``
+    adds what a later layer brings (cli passes the web page's attach_web)."""
     log_to_file(home)
     vault = Vault(home, actor="service")
     try:
-        return Service(vault).run()
+        service = Service(vault)
+        if extend is not None:
+            extend(service)
+        return service.run()
     finally:
         vault.close()
