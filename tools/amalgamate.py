@@ -74,6 +74,7 @@ LAYERS = (
     "knowledge/base",
     "gateway/calls",
     "gateway/builtins",
+    "gateway/sharing",
     "gateway/hub",
     "gateway/routing",
     "gateway/bridge",

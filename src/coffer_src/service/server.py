@@ -19,8 +19,9 @@ import time
 from typing import Callable
 
 from coffer_src import __version__
-from coffer_src.gateway.hub import Hub, return_freed_memory
+from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
+from coffer_src.gateway.sharing import return_freed_memory
 from coffer_src.service.channel import (
     ChannelError,
     listen,

@@ -36,7 +36,6 @@ from coffer_src.search.text import bounded_top_k
 from coffer_src.secret_store import references
 from coffer_src.service.server import rss_mb
 from coffer_src.service.web_activity import ActivityLog
-from coffer_src.threads import start_thread
 from coffer_src.transport.stdio import StdioTransport
 from coffer_src.vault import Vault
 from coffer_src.vault_rows import definition_diff
@@ -331,7 +330,7 @@ class WebViews:
         users: dict[str, int] = {}
         sessions = self._sessions()
         for session in sessions:
-            for name in session.private:
+            for name in session.instances.running:
                 users[name] = users.get(name, 0) + 1
         for upstream in self.hub.upstreams.values():
             users[upstream.name] = sum(1 for s in sessions if s.calls.used(upstream))
@@ -341,7 +340,7 @@ class WebViews:
         """A per-client server's instances, one per session running it: their state, process and memory."""
         found = []
         for session in self._sessions():
-            instance = session.private.get(name)
+            instance = session.instances.running.get(name)
             if instance is not None:
                 transport = instance.transport
                 pid = transport.pid if isinstance(transport, StdioTransport) and instance.state == "ready" else None
@@ -432,7 +431,7 @@ class WebViews:
             outcome = f"started {name}"
         elif name in hub.per_client:
             for session in list(hub.sessions):
-                session.drop_private(name)
+                session.instances.drop(name)
             outcome = f"stopped every client's instance of {name}; each client's next call starts a new one"
         else:
             self._replace_upstream(name, config)
@@ -442,20 +441,7 @@ class WebViews:
         return outcome
 
     def _replace_upstream(self, name: str, config: dict) -> None:
-        """What the hub does for a changed config (Hub._reload_if_vault_changed), for an unchanged one: the old
-        instance leaves the pool and stops, a new one starts with the old one's lists remembered (so a client's
-        list stays complete meanwhile), and the catalogue is rebuilt."""
-        hub = self.hub
-        with hub.lock:
-            old = hub.upstreams.get(name)
-            if old is not None:
-                hub.upstreams = {key: up for key, up in hub.upstreams.items() if key != name}
-                lists = {kind: items for kind, items in old.lists.items() if kind in ("tool", "prompt") and items}
-                hub.remembered[name] = lists or old.remembered
-        if old is not None:
-            start_thread(old.stop, f"coffer-{name}-stop")
-        hub._add_upstream(config)
-        hub.rebuild()
+        self.hub.restart(name, config)
 
     # -- search --------------------------------------------------------------------------------------------
     def search(self, query: str, top_k) -> dict:
@@ -557,7 +543,8 @@ class WebViews:
         """The connected clients (what `coffer status` lists, with the servers each has used) and the profiles."""
         found = []
         for session in self._sessions():
-            used = {up.name for up in self.hub.upstreams.values() if session.calls.used(up)} | set(session.private)
+            used = {up.name for up in self.hub.upstreams.values() if session.calls.used(up)}
+            used |= set(session.instances.running)
             found.append({**session.status(), "servers": sorted(used),
-                          "own_instances": sorted(session.private)})
+                          "own_instances": sorted(session.instances.running)})
         return {"sessions": found, "profiles": profiles_view(self.hub)}
