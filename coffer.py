@@ -24,37 +24,37 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       1841  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
       1933  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
       2905  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3298  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3585  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4365  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      4927  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5061  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5333  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5514  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6115  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6190  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6677  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6776  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7169  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7528  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7701  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8285  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8692  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9157  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9270  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9582  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10136  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10485  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10822  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11548  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     11865  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12210  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12568  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12729  probe                 Probes: starting a server once to see what it offers, from the command line.
-     12897  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13565  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14310  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14590  cli                   Command line: coffer's commands.
+      3301  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3742  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4522  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5200  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5362  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5634  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5815  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6426  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6501  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6988  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7087  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7480  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7839  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      8012  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8596  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      9003  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9468  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9581  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9893  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10447  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10796  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11133  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11859  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12176  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12521  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12879  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13040  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13208  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13876  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14621  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14901  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -2946,6 +2946,7 @@ class Transport:
     pid = None
     fatal: UpstreamFailure | None = None
     close_reason: str | None = None
+    speaks_discover = False     # a 2026-07-28 server may be behind it: ask server/discover before initialize
 
     def start(self) -> None:
         raise NotImplementedError
@@ -3043,6 +3044,8 @@ class StdioTransport(Transport):
     copy (``dict()`` of a dict is atomic under the GIL); a descendant missed by that race is found by ``close``'s
     own look at the process table.
     """
+
+    speaks_discover = True
 
     def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_unusable=None, max_line=0):
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
@@ -3491,6 +3494,18 @@ class SseEvent(NamedTuple):
     oversized: int = 0
 
 
+class SseCursor:
+    """Where a stream stands for resuming it (WHATWG HTML §9.2 "last event ID" and "reconnection time"): the id of
+    the last event dispatched, even one with no data (a server's priming event), and the ``retry`` it asked for,
+    in seconds.  Owned by the thread reading the stream."""
+
+    __slots__ = ("last_id", "retry")
+
+    def __init__(self):
+        self.last_id: str | None = None
+        self.retry: float | None = None
+
+
 def _bounded_lines(readline, limit: int):
     """(line, length) per line of a stream; a line longer than ``limit`` keeps only its first pieces."""
     while True:
@@ -3513,15 +3528,19 @@ def _bounded_lines(readline, limit: int):
             return
 
 
-def read_sse_events(readline, max_event_bytes: int):
+def read_sse_events(readline, max_event_bytes: int, cursor: SseCursor | None = None):
     """Parse a text/event-stream (WHATWG HTML §9.2) from ``readline(limit)``.  Memory stays under about
     ``max_event_bytes`` whatever the server sends; an unfinished last event is dropped, as the standard says.
-    Lines end with LF or CRLF (a lone CR is not treated as a line end)."""
+    Lines end with LF or CRLF (a lone CR is not treated as a line end).  With ``cursor``, the event ids and the
+    ``retry`` the server sends are kept there, for resuming the stream."""
     kind, data, size, head = "", [], 0, b""
+    event_id = cursor.last_id if cursor is not None else None
     for raw, length in _bounded_lines(readline, max_event_bytes):
         line = raw[:-1] if raw.endswith(b"\n") else raw
         line = line[:-1] if line.endswith(b"\r") else line
         if not line:
+            if cursor is not None:
+                cursor.last_id = event_id  # set at every dispatch, an event without data included
             if head:
                 yield SseEvent(kind or "message", head, size)
             elif data and (data[0] or len(data) > 1):  # an event with empty data is not dispatched
@@ -3544,7 +3563,11 @@ def read_sse_events(readline, max_event_bytes: int):
                 data.append(value)
         elif name == b"event":
             kind = value[:64].decode("utf-8", "replace")
-        # id and retry serve resumption, which the 2024-11-05 transport does not define: a drop is a new session.
+        elif name == b"id" and cursor is not None and b"\0" not in value and len(value) <= 1024:
+            event_id = value.decode("utf-8", "replace")
+        elif name == b"retry" and cursor is not None and value.isdigit() and len(value) <= 9:
+            cursor.retry = int(value) / 1000.0
+        # (The 2024-11-05 transport defines no resumption: for it, a drop is a new session.)
 
 
 def _messages_of(data: bytes, server_log, on_unusable=None) -> list[dict]:
@@ -3565,12 +3588,75 @@ def _messages_of(data: bytes, server_log, on_unusable=None) -> list[dict]:
 # -- which transport a server speaks ------------------------------------------------------------------------
 
 FALLBACK_TO_GET = (400, 404, 405)   # what an HTTP+SSE server answers a Streamable HTTP POST (MCP 2025-11-25)
+_TOKEN_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")   # an HTTP field name (RFC 9110 §5.1)
+NAMED_METHODS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 
 
 def _probe_initialize() -> bytes:
     return encode_line({"jsonrpc": "2.0", "id": "coffer-probe", "method": "initialize", "params": {
         "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
         "clientInfo": {"name": "coffer", "version": __version__}}})
+
+
+def probe_discover_message() -> dict:
+    """The server/discover Coffer asks first (2026-07-28), carrying the envelope a stateless server requires."""
+    envelope = Envelope(MODERN_PROTOCOL_VERSIONS[-1], {}, {"name": "coffer", "version": __version__}, None)
+    return {"jsonrpc": "2.0", "id": "coffer-probe", "method": "server/discover",
+            "params": stamp_envelope({}, envelope)}
+
+
+def message_version(message: dict) -> str | None:
+    """The 2026-07-28 protocol version a message's envelope names, or None (a handshake-era message)."""
+    params = message.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    version = meta.get(META_PROTOCOL_VERSION) if isinstance(meta, dict) else None
+    return version if isinstance(version, str) and version in MODERN_PROTOCOL_VERSIONS else None
+
+
+def header_value(value) -> str | None:
+    """A JSON value as a 2026-07-28 header value (basic/transports "Value Encoding"): a string as it is when it is
+    visible ASCII with inner spaces only, else ``=?base64?<UTF-8, base64>?=``; numbers and booleans as JSON writes
+    them; None for anything a header cannot carry (null, objects, arrays)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        text = encode_line(value).decode("ascii").strip()
+    elif isinstance(value, str):
+        text = value
+    else:
+        return None
+    if text == text.strip(" ") and all(0x20 <= ord(c) <= 0x7e for c in text):
+        return text
+    return "=?base64?" + base64.b64encode(text.encode("utf-8")).decode("ascii") + "?="
+
+
+def valid_header_name(name) -> bool:
+    """Whether an ``x-mcp-header`` annotation can name a header: a non-empty HTTP token."""
+    return isinstance(name, str) and bool(_TOKEN_RE.match(name)) and len(name) <= 100
+
+
+def standard_headers(message: dict, version: str | None, param_names: dict | None = None) -> dict:
+    """The headers a 2026-07-28 client sends with a POST (basic/transports, "Standard MCP Request Headers"):
+    MCP-Protocol-Version, Mcp-Method mirroring the method, Mcp-Name mirroring the name or URI a request acts on,
+    and Mcp-Param-<Name> for each tool argument its definition marks with ``x-mcp-header`` (``param_names``:
+    argument -> header name).  Empty for a handshake-era message (``version`` None)."""
+    if version is None:
+        return {}
+    headers = {"MCP-Protocol-Version": version}
+    method = message.get("method")
+    if not isinstance(method, str):
+        return headers
+    headers["Mcp-Method"] = method if method.isascii() and method.isprintable() else header_value(method)
+    params = message.get("params") if isinstance(message.get("params"), dict) else {}
+    key = NAMED_METHODS.get(method)
+    if key is not None and isinstance(params.get(key), str):
+        headers["Mcp-Name"] = header_value(params[key])
+    arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
+    for argument, name in (param_names or {}).items():
+        value = header_value(arguments.get(argument))
+        if value is not None:
+            headers[f"Mcp-Param-{name}"] = value
+    return headers
 
 
 def initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> tuple[HttpReply, HttpReply | None]:
@@ -3586,6 +3672,77 @@ def initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> t
         return posted, None
     return posted, exchange("GET", url, timeout=timeout, stream=True, headers={"Accept": "text/event-stream",
                                                                                **headers})
+
+
+def discover_answer(reply: HttpReply, max_bytes: int = _METADATA_BYTES) -> dict | None:
+    """The result of a server/discover probe's streamed 2xx reply when it names a 2026-07-28 version Coffer
+    speaks, else None.  Reads the JSON body, or the SSE stream until the answer; closes the reply."""
+    try:
+        kind = _content_type(reply)
+        if kind == "application/json":
+            items = [decode_json(reply.stream.read(max_bytes))]
+        elif kind == "text/event-stream":
+            items = []
+            for event in read_sse_events(reply.stream.readline, max_bytes):
+                if event.kind == "message" and not event.oversized:
+                    items.append(decode_json(event.data))
+                    if isinstance(items[-1], dict) and items[-1].get("id") == "coffer-probe":
+                        break
+        else:
+            return None
+    except (ValueError, *stream_errors()):
+        return None
+    finally:
+        _close_reply(reply)
+    for item in items:
+        result = item.get("result") if isinstance(item, dict) and item.get("id") == "coffer-probe" else None
+        versions = result.get("supportedVersions") if isinstance(result, dict) else None
+        if isinstance(versions, list) and any(v in MODERN_PROTOCOL_VERSIONS for v in versions):
+            return result
+    return None
+
+
+def _names_modern_version(reply: HttpReply) -> bool:
+    """Whether an error reply is a -32022 whose ``supported`` versions include one Coffer speaks."""
+    try:
+        error = decode_json(reply.body).get("error") if reply.body.strip() else None
+    except (ValueError, AttributeError):
+        return False
+    data = error.get("data") if isinstance(error, dict) and error.get("code") == -32022 else None
+    supported = data.get("supported") if isinstance(data, dict) else None
+    return isinstance(supported, list) and any(v in MODERN_PROTOCOL_VERSIONS for v in supported)
+
+
+class ProbeReplies(NamedTuple):
+    """What the transport probe got: ``discovered`` (a 2026-07-28 server's DiscoverResult) settles it; else the
+    replies of server/discover, then initialize, then the GET (each None when an earlier answer settled it)."""
+    discovered: dict | None
+    discover: HttpReply
+    initialize: HttpReply | None = None
+    stream: HttpReply | None = None
+
+
+def discover_initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> ProbeReplies:
+    """The probe for a remote server, 2026-07-28 first as for a stdio one: POST server/discover with the headers
+    that revision requires; a DiscoverResult naming a version Coffer speaks means a 2026-07-28 Streamable HTTP
+    server, a 401 or 403 a login to ask for; anything else falls back to the 2025-11-25 procedure
+    (initialize_or_stream).  The GET's stream, when there is one, is open: the caller reads and closes it."""
+    message = probe_discover_message()
+    for _ in range(2):  # once more when a -32022 names the version asked (a server may refuse the first try)
+        discover = exchange("POST", url, body=encode_line(message), timeout=timeout, stream=True, headers={
+            "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+            **standard_headers(message, message_version(message)), **headers})
+        if discover.ok:
+            result = discover_answer(discover)
+            if result is not None:
+                return ProbeReplies(result, discover)
+        _close_reply(discover)
+        if discover.status in (401, 403):
+            return ProbeReplies(None, discover)
+        if not _names_modern_version(discover):
+            break
+    posted, stream = initialize_or_stream(exchange, url, headers, timeout)
+    return ProbeReplies(None, discover, posted, stream)
 
 
 # ============================================================================================================
@@ -4393,32 +4550,48 @@ class HttpTransport(Transport):
     that may carry the server's own requests and notifications before the response.  Bodies and events are bounded
     by max_message_bytes.  A request waits until the notifications sent before it have been delivered (so
     notifications/initialized arrives before the first list request), and one whose reply holds no answer fails at
-    once.  With ``auth`` (OAuthCredentials) each request carries the server's bearer token, refreshed and retried
-    once on 401.  ``close`` ends the server's own stream and the pool's workers.
+    once -- unless the server closed an SSE stream that named event ids: that stream is resumed as the spec says
+    (wait its ``retry``, GET with Last-Event-ID), a few times at most.  An error status whose JSON body answers the
+    request is that request's answer (a 2026-07-28 server says -32022 or -32601 with a 400 or 404).  With ``auth``
+    (OAuthCredentials) each request carries the server's bearer token, refreshed and retried once on 401.
+    ``close`` ends the server's own stream, the streams of requests still waiting, and the pools' workers.
+
+    Both eras: a message whose envelope names 2026-07-28 (and everything after the first one) goes with that
+    revision's headers -- MCP-Protocol-Version, Mcp-Method, Mcp-Name, and Mcp-Param-<Name> for the tool arguments
+    ``param_names(tool)`` (argument -> header name, from the tool's definition) marks -- and no session; a
+    handshake-era message carries the session and the version its initialize agreed.
 
     Threads: ``send`` runs on any thread; each POST and the handling of its reply on a worker of the pool (so
     ``on_message`` runs on many threads at once); notifications on a pool of one, in order; the server's own GET
-    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended`` and ``_released``: ``send``
-    queues a message only while the transport is open, so nothing is queued on a closed pool (where it would wait
-    for its timeout); ``on_close`` and the release of the pools happen once each, also when the server ended the
-    connection first; and a notification keeps its place in line (the newest one's ``_delivered`` is the one a
-    later request waits for).  ``session_id`` and ``protocol_version`` are written once, by the initialize reply,
-    before any other request is sent (the Upstream waits for that reply); ``_listening`` only by that reply's
-    worker.
+    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended``, ``_released`` and
+    ``_streams``: ``send`` queues a message only while the transport is open, so nothing is queued on a closed
+    pool (where it would wait for its timeout); ``on_close`` and the release of the pools happen once each, also
+    when the server ended the connection first; a notification keeps its place in line (the newest one's
+    ``_delivered`` is the one a later request waits for); and every open reply stream is known, so ``close`` can
+    end it.  ``session_id`` and ``protocol_version`` are written once, by the initialize reply, before any other
+    request is sent (the Upstream waits for that reply); ``modern_version`` by ``send`` before the POST of the first
+    2026-07-28 message (the start thread sends it and waits for its answer); ``_listening`` only by the initialize
+    reply's worker.
     """
 
     POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)
+    RESUME_ATTEMPTS = 5  # reconnections of one request's closed SSE stream before it fails
+    RESUME_DELAY = 1.0   # seconds before one, when the server named no retry
+
+    speaks_discover = True
 
     def __init__(self, name, url, headers, on_message, on_close, timeout, on_unusable=None, max_body=64 << 20,
-                 auth=None, on_failure=None):
+                 auth=None, on_failure=None, param_names=None):
         self.name, self.url, self.headers = name, url, headers
         self.on_message, self.on_close = on_message, on_close
         self.on_failure = on_failure or (lambda request_id, text: on_message(rpc_error(request_id, UPSTREAM_ERROR,
                                                                                       text)))
         self.on_unusable = on_unusable or (lambda head, why: None)
+        self.param_names = param_names or (lambda tool: None)
         self.timeout, self.max_body, self.auth = timeout, max_body, auth
         self.session_id: str | None = None
         self.protocol_version: str | None = None
+        self.modern_version: str | None = None
         self.log = ServerLog(remote_log, name)
         self._lock = threading.Lock()
         self._closed = False        # no more messages: closed, or ended by the server
@@ -4426,7 +4599,9 @@ class HttpTransport(Transport):
         self._released = False      # the pools and the stream are let go
         self._listening = False
         self._stream = None                      # the server's own GET stream, while open
+        self._streams: set = set()               # the reply streams of requests, while read
         self._delivered: threading.Event | None = None   # the last notification's POST is done
+        self._stopped = threading.Event()        # set by close: a resumption waiting its retry gives up
         self._pool = WorkerPool(f"coffer-{name}-http", self.POOL_SIZE)
         self._notices = WorkerPool(f"coffer-{name}-notify", 1)  # in order, never behind slow calls
 
@@ -4438,9 +4613,12 @@ class HttpTransport(Transport):
         if self._closed:
             return False
         body = encode_line(message)
+        version = message_version(message)
         with self._lock:
             if self._closed:
                 return False
+            if version is not None:
+                self.modern_version = version
             if "id" in message:
                 self._pool.submit(self._post, message, body, self._delivered, None)
             else:  # the notification queued last is the one whose delivery later requests wait for
@@ -4458,9 +4636,16 @@ class HttpTransport(Transport):
             self.close_reason = reason
         self.on_close()
 
-    def _request_headers(self) -> dict:
+    def _request_headers(self, message: dict | None = None) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         headers.update(self.headers)
+        version = (message_version(message) if message is not None else None) or self.modern_version
+        if version is not None:  # 2026-07-28: stateless, every POST says what it is
+            params = message.get("params") if message is not None else None
+            tool = params.get("name") if message is not None and message.get("method") == "tools/call" and \
+                isinstance(params, dict) else None
+            headers.update(standard_headers(message or {}, version, self.param_names(tool) if tool else None))
+            return headers
         if self.session_id:
             headers["Mcp-Session-Id"] = self.session_id
         if self.protocol_version:
@@ -4479,8 +4664,9 @@ class HttpTransport(Transport):
 
     def _exchange(self, message: dict, body: bytes) -> None:
         initializing = message.get("method") == "initialize"
+        probing = initializing or message.get("method") == "server/discover"
         try:
-            reply = authorized_exchange(self.name, self.auth, "POST", self.url, headers=self._request_headers(),
+            reply = authorized_exchange(self.name, self.auth, "POST", self.url, headers=self._request_headers(message),
                                         body=body, timeout=self.timeout, stream=True)
         except UpstreamFailure as exc:
             self._fail(message, str(exc))
@@ -4493,6 +4679,8 @@ class HttpTransport(Transport):
             self._end("expired its HTTP session")
             return
         if not reply.ok:
+            if self._error_answer(reply, message.get("id")):
+                return
             text = f"HTTP {reply.status}: {_reply_text(reply)}".rstrip(": ")
             if initializing and reply.status in (401, 403, 404, 405):
                 hints = {401: " (it wants credentials: check --header)", 403: " (the credentials were refused)",
@@ -4503,6 +4691,11 @@ class HttpTransport(Transport):
             self._fail(message, text)
             return
         answered = "id" not in message
+        cursor = SseCursor()
+        if not self._track(reply.stream):
+            _close_reply(reply)
+            self._fail(message, "the connection was closed")
+            return
         try:
             session = reply.headers.get("mcp-session-id")
             if session and initializing:
@@ -4511,7 +4704,13 @@ class HttpTransport(Transport):
                     self._fail(message, str(self.fatal))
                     return
                 self.session_id = session
-            answered = self._consume(reply, message.get("id")) or answered
+            try:
+                answered = self._consume(reply, message.get("id"), cursor) or answered
+            except stream_errors():
+                if cursor.last_id is None or probing:
+                    raise
+            if not answered and cursor.last_id is not None and not probing:
+                answered = self._resume(message, cursor)
             if not answered:
                 kind = _content_type(reply) or "no content type"
                 text = f"the server's reply ({printable(kind)[:60]}) held no answer"
@@ -4523,17 +4722,46 @@ class HttpTransport(Transport):
         except stream_errors() as exc:
             self._fail(message, f"{self.name} broke off its reply: {exc.__class__.__name__}")
         finally:
+            self._untrack(reply.stream)
             _close_reply(reply)
+
+    def _track(self, stream) -> bool:
+        with self._lock:
+            if self._released:
+                return False
+            self._streams.add(stream)
+        return True
+
+    def _untrack(self, stream) -> None:
+        with self._lock:
+            self._streams.discard(stream)
+
+    def _error_answer(self, reply: HttpReply, request_id) -> bool:
+        """An error status whose JSON body is the JSON-RPC error answering ``request_id``: delivered as the answer
+        (a 2026-07-28 server answers an unsupported version, a missing envelope or an unknown method this way)."""
+        if request_id is None or _content_type(reply) != "application/json" or not reply.body.strip():
+            return False
+        try:
+            payload = decode_json(reply.body)
+        except ValueError:
+            return False
+        items = payload if isinstance(payload, list) else [payload]
+        answer = next((item for item in items if isinstance(item, dict) and item.get("id") == request_id
+                       and "method" not in item and isinstance(item.get("error"), dict)), None)
+        if answer is None:
+            return False
+        self.on_message(answer)
+        return True
 
     def _fatal(self, exc: UpstreamFailure, message: dict) -> None:
         """Retrying cannot fix this (a login only a person can give, an origin refused).  At start the Upstream
         reports it at once; once running, the connection ends so the server's status says so too (its restart
         then fails at once, for the same reason)."""
         self.fatal = exc
-        if message.get("method") != "initialize":
+        if message.get("method") not in ("initialize", "server/discover"):
             self._end(str(exc))
 
-    def _consume(self, reply: HttpReply, request_id=None) -> bool:
+    def _consume(self, reply: HttpReply, request_id=None, cursor: SseCursor | None = None) -> bool:
         """Deliver what a reply holds; True when it held the answer to ``request_id``."""
         answered = False
         kind = _content_type(reply)
@@ -4545,7 +4773,7 @@ class HttpTransport(Transport):
                 for item in _messages_of(data, self.log, self.on_unusable):
                     answered = self._deliver(item, request_id) or answered
         elif kind == "text/event-stream":
-            for event in read_sse_events(reply.stream.readline, self.max_body):
+            for event in read_sse_events(reply.stream.readline, self.max_body, cursor):
                 if event.oversized:
                     self.on_unusable(event.data, f"an event of {event.oversized} bytes, more than "
                                                  f"max_message_bytes ({self.max_body})")
@@ -4553,12 +4781,43 @@ class HttpTransport(Transport):
                 elif event.kind == "message":
                     for item in _messages_of(event.data, self.log, self.on_unusable):
                         answered = self._deliver(item, request_id) or answered
+                if answered and request_id is not None:
+                    break  # the answer ends the request's stream (a resumed GET stays open otherwise)
         return answered
+
+    def _resume(self, message: dict, cursor: SseCursor) -> bool:
+        """The server closed the request's SSE stream before the answer, having named event ids: reconnect the
+        way the transport spec says -- wait the ``retry`` it last asked for, then GET with Last-Event-ID --
+        until the answer arrives, at most RESUME_ATTEMPTS times.  True when it did."""
+        request_id = message.get("id")
+        for _ in range(self.RESUME_ATTEMPTS):
+            if self._stopped.wait(self.RESUME_DELAY if cursor.retry is None else min(cursor.retry, self.timeout)):
+                return False
+            headers = self._request_headers()
+            headers["Accept"] = "text/event-stream"
+            headers.pop("Content-Type", None)
+            headers["Last-Event-ID"] = cursor.last_id
+            self.log.debug("resuming the stream of request %s after event %s", request_id, cursor.last_id)
+            reply = authorized_exchange(self.name, self.auth, "GET", self.url, headers=headers, timeout=self.timeout,
+                                        stream=True)
+            if not reply.ok or _content_type(reply) != "text/event-stream" or not self._track(reply.stream):
+                _close_reply(reply)
+                raise UpstreamFailure(f"its stream closed before the answer and could not be resumed (GET answered "
+                                      f"HTTP {reply.status})")
+            try:
+                if self._consume(reply, request_id, cursor):
+                    return True
+            except stream_errors():
+                pass  # a broken resumed stream is resumed again, as a closed one is
+            finally:
+                self._untrack(reply.stream)
+                _close_reply(reply)
+        return False
 
     def _deliver(self, item: dict, request_id=None) -> bool:
         is_answer = request_id is not None and item.get("id") == request_id and "method" not in item
         if is_answer and isinstance(item.get("result"), dict) and self.protocol_version is None and \
-                isinstance(item["result"].get("protocolVersion"), str):
+                self.modern_version is None and isinstance(item["result"].get("protocolVersion"), str):
             self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
             self._start_listening()
         self.on_message(item)
@@ -4600,9 +4859,11 @@ class HttpTransport(Transport):
                 return
             self._released = self._closed = True
             ended = self._ended
-        stream = self._stream
-        if stream is not None:
-            abort_stream(stream)
+            streams, self._streams = list(self._streams), set()
+        self._stopped.set()
+        for stream in [self._stream, *streams]:
+            if stream is not None:
+                abort_stream(stream)
         self._pool.close()
         self._notices.close()
         if self.session_id and not ended:  # a session the server ended needs no DELETE
@@ -4829,12 +5090,17 @@ class TransportProbe(NamedTuple):
 
 
 def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: float = 10.0) -> TransportProbe:
-    """Which transport ``url`` speaks (MCP 2025-11-25 transports, backwards compatibility): POST an initialize;
-    a 2xx means Streamable HTTP; a 400, 404 or 405 means try GET, and an SSE stream that opens with an
-    ``endpoint`` event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
+    """Which transport ``url`` speaks: first a 2026-07-28 server/discover, whose DiscoverResult means Streamable
+    HTTP in that revision; else the MCP 2025-11-25 backwards-compatibility procedure: POST an initialize; a 2xx
+    means Streamable HTTP; a 400, 404 or 405 means try GET, and an SSE stream that opens with an ``endpoint``
+    event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
     if url_origin(url) is None:
         raise UpstreamFailure(f"unsupported URL {url!r}")
-    reply, stream = initialize_or_stream(functools.partial(authorized_exchange, name, auth), url, headers, timeout)
+    probed = discover_initialize_or_stream(functools.partial(authorized_exchange, name, auth), url, headers,
+                                           timeout)
+    if probed.discovered is not None:
+        return TransportProbe("http", "Streamable HTTP (MCP 2026-07-28)")
+    reply, stream = probed.initialize or probed.discover, probed.stream
     if reply.ok:
         if _content_type(reply) not in ("application/json", "text/event-stream"):
             raise UpstreamFailure(f"{url} answered an MCP initialize with {printable(_content_type(reply))[:60]}"
@@ -4895,6 +5161,10 @@ class AutoTransport(Transport):
         return self.inner is not None and self.inner.send(message)
 
     @property
+    def speaks_discover(self) -> bool:
+        return getattr(self.inner, "speaks_discover", False)
+
+    @property
     def close_reason(self):
         return getattr(self.inner, "close_reason", None)
 
@@ -4909,8 +5179,11 @@ class AutoTransport(Transport):
 
 
 def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, on_message, on_close,
-                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_unusable=None):
-    """The transport for a remote server (``kind`` is the vault's transport: auto, http or sse).
+                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_unusable=None,
+                          param_names=None):
+    """The transport for a remote server (``kind`` is the vault's transport: auto, http or sse); ``param_names``
+    (tool name -> {argument: header name}) is how a 2026-07-28 Streamable HTTP request finds the arguments its
+    tool's definition mirrors into headers.
 
     OAuth applies unless the server is configured with its own Authorization header: that header is the user's
     choice of credentials and is sent as is (a 401 then reports that it was refused).
@@ -4923,7 +5196,7 @@ def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, 
             return SseTransport(name, url, headers, on_message, on_close, timeout, auth, max_message_bytes,
                                 on_failure, on_unusable)
         return HttpTransport(name, url, headers, on_message, on_close, timeout, on_unusable, max_message_bytes,
-                             auth=auth, on_failure=on_failure)
+                             auth=auth, on_failure=on_failure, param_names=param_names)
 
     if kind == "auto":
         return AutoTransport(name, url, headers, auth, min(timeout, 30.0), make)
@@ -4968,6 +5241,33 @@ def _clean_strings(value, depth: int = 0):
     if isinstance(value, list):
         return [_clean_strings(v, depth + 1) for v in value]
     return value
+
+
+HEADER_TYPES = ("string", "integer", "boolean")   # what an x-mcp-header may mark (a value with one spelling)
+
+
+def header_parameters(tool: dict) -> dict[str, str]:
+    """{argument: header name} of a tool's top-level arguments marked ``x-mcp-header`` (MCP 2026-07-28: a client
+    mirrors their values into Mcp-Param-<Name> headers).  Rejected when a mark is invalid -- empty, not an HTTP
+    token, used twice (case-insensitively), or on an argument that is not a string, integer or boolean -- since
+    the spec has a client exclude such a tool rather than guess."""
+    schema = tool.get("inputSchema")
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    found: dict[str, str] = {}
+    seen: set[str] = set()
+    for argument, prop in (properties.items() if isinstance(properties, dict) else ()):
+        if not isinstance(prop, dict) or "x-mcp-header" not in prop:
+            continue
+        name = prop["x-mcp-header"]
+        if not valid_header_name(name):
+            raise Rejected(f"its argument {printable(str(argument))[:60]!r} has an invalid x-mcp-header")
+        if name.lower() in seen:
+            raise Rejected(f"two of its arguments name the x-mcp-header {name!r}")
+        if prop.get("type") not in HEADER_TYPES:
+            raise Rejected(f"its x-mcp-header {name!r} marks an argument that is not a string, integer or boolean")
+        seen.add(name.lower())
+        found[argument] = name
+    return found
 
 
 def check_definition(kind: str, item) -> dict:
@@ -5015,6 +5315,7 @@ def check_definition(kind: str, item) -> dict:
                                              all(isinstance(r, str) for r in schema["required"])):
                 schema = {k: v for k, v in schema.items() if k != "required"}
             item["inputSchema"] = schema if "type" in schema else {"type": "object", **schema}
+            header_parameters(item)  # an invalid x-mcp-header mark is refused (2026-07-28 server/tools)
         if "outputSchema" in item and not isinstance(item["outputSchema"], (dict, bool)):
             del item["outputSchema"]  # not a JSON Schema at all (2026-07-28 allows any schema; the catalogue wraps
             # a non-object one for a handshake-era client)
@@ -5733,7 +6034,8 @@ class Upstream:
             transport = make_remote_transport(self.name, cfg["transport"], expand(cfg["url"]), headers, self.secrets,
                                               on_message, on_close,
                                               max(float(self.settings["init_timeout"]), self.call_timeout), limit,
-                                              on_failure=self._fail_request, on_unusable=self._on_unusable)
+                                              on_failure=self._fail_request, on_unusable=self._on_unusable,
+                                              param_names=self._param_headers)
         else:
             own = {k: expand(v) for k, v in cfg["env"].items()}
             env = upstream_environment(own, cfg.get("inherit_env") or ())
@@ -5756,7 +6058,7 @@ class Upstream:
                 self.transport = transport
                 self.generation += 1
             transport.start()
-            self._open_session(isinstance(transport, StdioTransport))
+            self._open_session(transport)
             for kind in CAPABILITY_KINDS:
                 self.listing.refresh(kind, notify=False)
             if self._closed_generation == self.generation:
@@ -5784,16 +6086,19 @@ class Upstream:
         self.events.on_ready(self)
         self.requests.run_backlog(backlog)
 
-    def _open_session(self, stdio: bool) -> None:
-        """Begin the session the way the spec's stdio compatibility rule says: server/discover first (unless the
-        vault remembers a handshake-era server); a DiscoverResult or a recognised modern error means 2026-07-28,
-        anything else -- another error, silence, junk -- means initialize.  A remote server speaks the handshake era
-        here.  Sets era, capabilities and server_info, or raises UpstreamFailure."""
-        if stdio and self.era != "handshake":
+    def _open_session(self, transport: Transport) -> None:
+        """Begin the session the way the spec's compatibility rule says: server/discover first (unless the vault
+        remembers a handshake-era server, or the transport is the 2024-11-05 HTTP+SSE one, which predates it); a
+        DiscoverResult or a recognised modern error means 2026-07-28, anything else -- another error, silence,
+        junk -- means initialize.  Sets era, capabilities and server_info, or raises UpstreamFailure."""
+        probe = transport.speaks_discover
+        if probe and self.era != "handshake":
             verdict = self._discover()
             if verdict.era == "modern":
                 self._adopt_modern(verdict.result)
                 return
+            if transport.fatal is not None:
+                raise transport.fatal  # a login only a person can give: initialize would meet the same
             if self._closed_generation == self.generation:
                 self.era = "handshake"  # it died on server/discover: its next start goes straight to initialize
                 raise UpstreamFailure("exited when asked server/discover")
@@ -5804,7 +6109,7 @@ class Upstream:
         error = response.get("error")
         if error is not None:
             data = error.get("data") if isinstance(error.get("data"), dict) else {}
-            if stdio and error["code"] == UNSUPPORTED_PROTOCOL_VERSION and any(
+            if probe and error["code"] == UNSUPPORTED_PROTOCOL_VERSION and any(
                     v in MODERN_PROTOCOL_VERSIONS for v in (data.get("supported") or []) if isinstance(v, str)):
                 verdict = self._discover()  # a server that speaks only 2026-07-28 (or was locked so by our probe)
                 if verdict.era == "modern":
@@ -5839,6 +6144,12 @@ class Upstream:
         meta = result.get("_meta") if isinstance(result.get("_meta"), dict) else {}
         info = meta.get(META_SERVER_INFO)
         self.server_info = _clean_strings(info) if isinstance(info, dict) else {}
+
+    def _param_headers(self, tool) -> dict | None:
+        """{argument: header name} of the arguments a tool's definition mirrors into Mcp-Param-<Name> headers
+        (2026-07-28 ``x-mcp-header``; definitions.check_definition has refused a tool whose marks are invalid)."""
+        definition = self.lists.get("tool", {}).get(tool) if isinstance(tool, str) else None
+        return header_parameters(definition) if definition is not None else None
 
     def _start_failed(self, transport: Transport | None, exc: Exception) -> None:
         if not isinstance(exc, (UpstreamFailure, OSError, ValueError)):
