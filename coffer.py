@@ -26,35 +26,35 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       2905  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
       3301  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
       3742  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4522  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5200  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5362  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5634  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5815  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6426  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6501  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6988  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      7087  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7480  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7839  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      8012  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8596  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      9003  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9468  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9581  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9893  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10447  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10796  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11133  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11859  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12176  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12521  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12879  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13040  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13208  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13876  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14621  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14901  cli                   Command line: coffer's commands.
+      4623  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5305  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5467  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5739  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5920  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6531  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6606  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      7093  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7192  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7585  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7944  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      8117  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8701  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      9108  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9573  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9686  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9998  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10552  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10901  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11238  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11964  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12281  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12626  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12984  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13145  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13313  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13981  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14726  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15006  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -3786,8 +3786,8 @@ def authorized_exchange(name: str, auth, method: str, url: str, *, headers: dict
         if reply.status == 403:
             if bearer is not None and bearer.get("error") == "insufficient_scope":
                 scope = printable(bearer.get("scope", ""))[:200]
-                raise NeedsLogin(name, f"it asks for more permissions{f' (scope {scope})' if scope else ''}; "
-                                       f"add --scope to `coffer auth {name}`")
+                auth.insufficient_scope(scope)  # the next `coffer auth` asks for it, with what was granted
+                raise NeedsLogin(name, f"it asks for more permissions{f' (scope {scope})' if scope else ''}")
             return reply
         if challenges and bearer is None:
             schemes = ", ".join(sorted(challenges))[:100]
@@ -3900,6 +3900,7 @@ class AuthServerMetadata(NamedTuple):
     token_auth_methods: list[str] | None = None
     client_id_metadata_documents: bool = False
     iss_parameter: bool = False
+    metadata_issuer: str = ""           # the issuer as the metadata document spells it (RFC 9207 compares to it)
 
 
 def _first_metadata(urls: list[str], what: str) -> tuple[str, dict] | None:
@@ -3982,7 +3983,8 @@ def discover_authorization_server(issuer: str) -> AuthServerMetadata:
     return AuthServerMetadata(
         issuer=issuer, token_auth_methods=_str_list(document.get("token_endpoint_auth_methods_supported")),
         client_id_metadata_documents=document.get("client_id_metadata_document_supported") is True,
-        iss_parameter=document.get("authorization_response_iss_parameter_supported") is True, **endpoints)
+        iss_parameter=document.get("authorization_response_iss_parameter_supported") is True,
+        metadata_issuer=document["issuer"], **endpoints)
 
 
 # -- OAuth: the saved login ------------------------------------------------------------------------------------
@@ -4005,6 +4007,7 @@ class OAuthGrant(NamedTuple):
     redirect_uri: str | None = None
     revocation_endpoint: str | None = None
     scope: str | None = None
+    wanted_scope: str | None = None         # what the server asked for more of (403 insufficient_scope)
     expires_at: float | None = None
     lifetime: float | None = None
     obtained_at: float = 0.0
@@ -4187,6 +4190,17 @@ class OAuthCredentials:
                 return  # another thread or process has refreshed meanwhile
             self._refresh(grant)
 
+    def insufficient_scope(self, scope: str) -> None:
+        """The server refused the token for want of ``scope`` (a step-up): remember it in the saved login, so
+        the next `coffer auth` asks for it along with what was granted."""
+        with self._lock:
+            grant = self._load()
+            if grant is None or not scope:
+                return
+            wanted = _scope_union(grant.wanted_scope, scope)
+            if wanted != grant.wanted_scope:
+                self.store.set(oauth_secret_name(self.server), grant._replace(wanted_scope=wanted).to_text())
+
     def _refresh(self, grant: OAuthGrant) -> OAuthGrant:
         latest = self._load()
         if latest is not None and latest.access_token != grant.access_token and not latest.refresh_due(time.time()):
@@ -4285,7 +4299,9 @@ def choose_client(server: str, metadata: AuthServerMetadata, oauth: dict, store,
 
 def register_client(metadata: AuthServerMetadata, redirect_uri: str, scope: str | None) -> ClientIdentity:
     """Dynamic Client Registration (RFC 7591) as a public client: Coffer keeps no secret it does not need."""
-    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri],
+    # application_type "native" (OpenID Connect Registration, required by MCP's SEP-837): a program on the user's
+    # machine with a loopback redirect URI, which an authorization server defaulting to "web" would refuse.
+    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri], "application_type": "native",
                "grant_types": ["authorization_code", "refresh_token"],
                "response_types": ["code"], "token_endpoint_auth_method": "none"}
     if scope:
@@ -4398,16 +4414,98 @@ def _read_pasted_callback(receiver: LoopbackReceiver, stdin) -> None:
 
 
 def login_challenge(name: str, url: str, headers: dict) -> dict[str, dict[str, str]]:
-    """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  POST initialize first
-    (Streamable HTTP); on 400/404/405 a GET (HTTP+SSE).  Raises OAuthFailure when it wants no login."""
-    posted, stream = initialize_or_stream(remote_http, url, headers, 15.0)
-    reply = stream or posted
+    """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  The probe Coffer starts a
+    server with (server/discover, then initialize, then a GET for HTTP+SSE); a server that lets the session begin
+    unauthenticated is asked what a session asks next -- its lists -- since many ask for the login only there.
+    Raises OAuthFailure when nothing asks for a login."""
+    probed = discover_initialize_or_stream(remote_http, url, headers, 15.0)
+    reply = probed.stream or probed.initialize or probed.discover
     _close_reply(reply)
+    if reply.ok and probed.stream is None:
+        reply = _later_refusal(url, headers, probed.discovered) or reply
     if reply.status in (401, 403):
         return parse_www_authenticate(reply.headers.get("www-authenticate"))
     if reply.ok:
         raise OAuthFailure(f"'{name}' answered without asking for a login: nothing to do")
     raise OAuthFailure(f"'{name}' answered HTTP {reply.status} instead of asking for a login: {_reply_text(reply)}")
+
+
+def _rpc_post(url: str, headers: dict, message: dict) -> tuple[HttpReply, dict | None]:
+    """One JSON-RPC POST of the login probe: the reply (closed) and the answer to ``message`` it held, if any."""
+    reply = remote_http("POST", url, body=encode_line(message), timeout=15.0, stream=True, headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+        **standard_headers(message, message_version(message)), **headers})
+    answer = None
+    try:
+        if reply.ok and reply.stream is not None:
+            kind = reply.headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind == "application/json":
+                items = [decode_json(reply.stream.read(_METADATA_BYTES))]
+            elif kind == "text/event-stream":
+                items = [decode_json(event.data) for event in read_sse_events(reply.stream.readline, _METADATA_BYTES)
+                         if event.kind == "message" and not event.oversized]
+            else:
+                items = []
+            answer = next((item for item in items if isinstance(item, dict) and "id" in message
+                           and item.get("id") == message["id"]), None)
+    except (ValueError, OSError):
+        answer = None
+    finally:
+        _close_reply(reply)
+    return reply, answer
+
+
+def _later_refusal(url: str, headers: dict, discovered: dict | None) -> HttpReply | None:
+    """The first 401 or 403 of the requests a session makes after it began (the lists of what the server
+    announces), or None when every one was let through.  ``discovered``: a 2026-07-28 server's DiscoverResult;
+    None for a handshake-era one, whose session is begun (and ended) here."""
+    envelope = Envelope(MODERN_PROTOCOL_VERSIONS[-1], {}, {"name": "coffer", "version": __version__}, None)
+    session_headers = dict(headers)
+    if discovered is not None:
+        capabilities = discovered.get("capabilities")
+    else:
+        reply, answer = _rpc_post(url, headers, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+            "clientInfo": {"name": "coffer", "version": __version__}}})
+        if not reply.ok:
+            return reply if reply.status in (401, 403) else None
+        result = answer.get("result") if isinstance(answer, dict) else None
+        if not isinstance(result, dict):
+            return None
+        capabilities = result.get("capabilities")
+        session = reply.headers.get("mcp-session-id")
+        if session and len(session) < 1024:
+            session_headers["Mcp-Session-Id"] = session
+        version = result.get("protocolVersion")
+        session_headers["MCP-Protocol-Version"] = version if isinstance(version, str) else LATEST_PROTOCOL_VERSION
+        reply, _ = _rpc_post(url, session_headers, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        if reply.status in (401, 403):
+            return reply
+    capabilities = capabilities if isinstance(capabilities, dict) else {}
+    try:
+        for number, (method, capability) in enumerate((("tools/list", "tools"), ("resources/list", "resources"),
+                                                       ("prompts/list", "prompts")), start=2):
+            if capability not in capabilities:
+                continue
+            params = stamp_envelope({}, envelope) if discovered is not None else {}
+            reply, _ = _rpc_post(url, session_headers, {"jsonrpc": "2.0", "id": number, "method": method,
+                                                        "params": params})
+            if reply.status in (401, 403):
+                return reply
+        return None
+    finally:
+        if "Mcp-Session-Id" in session_headers:
+            try:
+                remote_http("DELETE", url, headers=session_headers, timeout=5.0)
+            except UpstreamFailure:
+                pass
+
+
+def _scope_union(*scopes: str | None) -> str | None:
+    """Space-separated scopes, each once, in the order first met (SEP-2350: a new login keeps what was asked
+    before and adds what the server now asks for)."""
+    merged = list(dict.fromkeys(word for scope in scopes if scope for word in scope.split()))
+    return " ".join(merged) or None
 
 
 def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings: dict, *, out,
@@ -4429,15 +4527,17 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
     else:  # MCP 2025-03-26 servers: the authorization server is the MCP server's origin
         issuer, resource = origin_text(url), canonical_resource(url)
     metadata = discover_authorization_server(issuer)
-    if scope is None:
-        scope = bearer.get("scope") or (" ".join(resource_metadata.scopes_supported)
-                                         if resource_metadata and resource_metadata.scopes_supported else None)
     key = oauth_secret_name(name)
     try:
         text = store.get(key)
         previous = OAuthGrant.from_text(text) if text else None
     except (ValueError, TypeError):
         previous = None
+    if scope is None:
+        scope = bearer.get("scope") or (" ".join(resource_metadata.scopes_supported)
+                                         if resource_metadata and resource_metadata.scopes_supported else None)
+        if previous is not None and previous.server_url == url:  # a new login for more: keep what was granted
+            scope = _scope_union(previous.scope, scope, previous.wanted_scope)
     receiver = _open_receiver(previous)
     try:
         client = choose_client(name, metadata, oauth, store, settings, receiver.redirect_uri, scope, previous)
@@ -4478,8 +4578,9 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
         raise OAuthFailure(f"the authorization server refused: {printable(answer['error'])[:60]}"
                            + (f": {detail}" if detail else ""))
     if "iss" in answer or metadata.iss_parameter:  # RFC 9207: the answer must come from the server we asked
-        if not _issuers_match(str(answer.get("iss", "")), metadata.issuer):
-            raise OAuthFailure("the authorization answer names another issuer than the server asked: refused")
+        if answer.get("iss") != (metadata.metadata_issuer or metadata.issuer):  # exactly: no normalising (§2.4)
+            raise OAuthFailure("the authorization answer names another issuer than the server asked, or none: "
+                               "refused")
     code = answer.get("code")
     if not isinstance(code, str) or not 0 < len(code) <= 4096:
         raise OAuthFailure("the authorization server sent no code")
@@ -4569,9 +4670,9 @@ class HttpTransport(Transport):
     when the server ended the connection first; a notification keeps its place in line (the newest one's
     ``_delivered`` is the one a later request waits for); and every open reply stream is known, so ``close`` can
     end it.  ``session_id`` and ``protocol_version`` are written once, by the initialize reply, before any other
-    request is sent (the Upstream waits for that reply); ``modern_version`` by ``send`` before the POST of the first
-    2026-07-28 message (the start thread sends it and waits for its answer); ``_listening`` only by the initialize
-    reply's worker.
+    request is sent (the Upstream waits for that reply); ``modern_version`` by the reply to the first
+    2026-07-28 request the server answered (the start thread's server/discover, before any other request);
+    ``_listening`` only by the initialize reply's worker.
     """
 
     POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)
@@ -4613,12 +4714,9 @@ class HttpTransport(Transport):
         if self._closed:
             return False
         body = encode_line(message)
-        version = message_version(message)
         with self._lock:
             if self._closed:
                 return False
-            if version is not None:
-                self.modern_version = version
             if "id" in message:
                 self._pool.submit(self._post, message, body, self._delivered, None)
             else:  # the notification queued last is the one whose delivery later requests wait for
@@ -4639,7 +4737,9 @@ class HttpTransport(Transport):
     def _request_headers(self, message: dict | None = None) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         headers.update(self.headers)
-        version = (message_version(message) if message is not None else None) or self.modern_version
+        version = message_version(message) if message is not None else None
+        if version is None and self.protocol_version is None:
+            version = self.modern_version
         if version is not None:  # 2026-07-28: stateless, every POST says what it is
             params = message.get("params") if message is not None else None
             tool = params.get("name") if message is not None and message.get("method") == "tools/call" and \
@@ -4705,7 +4805,7 @@ class HttpTransport(Transport):
                     return
                 self.session_id = session
             try:
-                answered = self._consume(reply, message.get("id"), cursor) or answered
+                answered = self._consume(reply, message.get("id"), cursor, message_version(message)) or answered
             except stream_errors():
                 if cursor.last_id is None or probing:
                     raise
@@ -4761,8 +4861,10 @@ class HttpTransport(Transport):
         if message.get("method") not in ("initialize", "server/discover"):
             self._end(str(exc))
 
-    def _consume(self, reply: HttpReply, request_id=None, cursor: SseCursor | None = None) -> bool:
-        """Deliver what a reply holds; True when it held the answer to ``request_id``."""
+    def _consume(self, reply: HttpReply, request_id=None, cursor: SseCursor | None = None,
+                 version: str | None = None) -> bool:
+        """Deliver what a reply holds; True when it held the answer to ``request_id`` (a request in the
+        2026-07-28 ``version``, when it names one)."""
         answered = False
         kind = _content_type(reply)
         if kind == "application/json":
@@ -4771,7 +4873,7 @@ class HttpTransport(Transport):
                 raise UpstreamFailure(f"a reply larger than max_message_bytes ({self.max_body} bytes)")
             if data.strip():
                 for item in _messages_of(data, self.log, self.on_unusable):
-                    answered = self._deliver(item, request_id) or answered
+                    answered = self._deliver(item, request_id, version) or answered
         elif kind == "text/event-stream":
             for event in read_sse_events(reply.stream.readline, self.max_body, cursor):
                 if event.oversized:
@@ -4780,7 +4882,7 @@ class HttpTransport(Transport):
                     answered = answered or request_id_in(event.data) == request_id
                 elif event.kind == "message":
                     for item in _messages_of(event.data, self.log, self.on_unusable):
-                        answered = self._deliver(item, request_id) or answered
+                        answered = self._deliver(item, request_id, version) or answered
                 if answered and request_id is not None:
                     break  # the answer ends the request's stream (a resumed GET stays open otherwise)
         return answered
@@ -4805,7 +4907,7 @@ class HttpTransport(Transport):
                 raise UpstreamFailure(f"its stream closed before the answer and could not be resumed (GET answered "
                                       f"HTTP {reply.status})")
             try:
-                if self._consume(reply, request_id, cursor):
+                if self._consume(reply, request_id, cursor, message_version(message)):
                     return True
             except stream_errors():
                 pass  # a broken resumed stream is resumed again, as a closed one is
@@ -4814,12 +4916,15 @@ class HttpTransport(Transport):
                 _close_reply(reply)
         return False
 
-    def _deliver(self, item: dict, request_id=None) -> bool:
+    def _deliver(self, item: dict, request_id=None, version: str | None = None) -> bool:
         is_answer = request_id is not None and item.get("id") == request_id and "method" not in item
         if is_answer and isinstance(item.get("result"), dict) and self.protocol_version is None and \
-                self.modern_version is None and isinstance(item["result"].get("protocolVersion"), str):
-            self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
-            self._start_listening()
+                self.modern_version is None:
+            if version is not None:
+                self.modern_version = version  # the server answered a 2026-07-28 request: that is its era
+            elif isinstance(item["result"].get("protocolVersion"), str):
+                self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
+                self._start_listening()
         self.on_message(item)
         return is_answer
 

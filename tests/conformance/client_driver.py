@@ -222,6 +222,9 @@ def run(url: str, scenario: str, version: str, context: dict, home: Path) -> int
             env["CONF_CLIENT_SECRET"] = context["client_secret"]
             os.environ["CONF_CLIENT_SECRET"] = context["client_secret"]
     coffer(home, "config", "oauth_client_metadata_url", CIMD_URL)
+    # The first tools/list waits for the server's start (a busy machine may take more than the default 5 s);
+    # a server that fails, or needs a login, is answered for at once.
+    coffer(home, "config", "discovery_timeout", "20")
     coffer(home, "add", *add[1:], env=env)
     if scenario.startswith("auth/"):
         status = coffer(home, "list", "--json")
@@ -235,7 +238,8 @@ def run(url: str, scenario: str, version: str, context: dict, home: Path) -> int
         if scenario in ("json-schema-ref-no-deref",):
             return 0
         if context.get("toolCalls"):  # the calls a scenario asks for, with its own arguments
-            replies = [gateway.call(PREFIX + call["name"], call.get("arguments") or {}) for call in context["toolCalls"]]
+            replies = [gateway.call(PREFIX + call["name"], call.get("arguments") or {})
+                       for call in context["toolCalls"]]
             return 0 if all("result" in reply for reply in replies) else 1
         if scenario == "sep-2322-client-request-state":  # a call between a round and its retry must stay apart
             unrelated = lambda: gateway.call(PREFIX + "test_mrtr_unrelated", {})  # noqa: E731

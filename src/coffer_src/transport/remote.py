@@ -77,9 +77,9 @@ class HttpTransport(Transport):
     when the server ended the connection first; a notification keeps its place in line (the newest one's
     ``_delivered`` is the one a later request waits for); and every open reply stream is known, so ``close`` can
     end it.  ``session_id`` and ``protocol_version`` are written once, by the initialize reply, before any other
-    request is sent (the Upstream waits for that reply); ``modern_version`` by ``send`` before the POST of the first
-    2026-07-28 message (the start thread sends it and waits for its answer); ``_listening`` only by the initialize
-    reply's worker.
+    request is sent (the Upstream waits for that reply); ``modern_version`` by the reply to the first
+    2026-07-28 request the server answered (the start thread's server/discover, before any other request);
+    ``_listening`` only by the initialize reply's worker.
     """
 
     POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)
@@ -121,12 +121,9 @@ class HttpTransport(Transport):
         if self._closed:
             return False
         body = encode_line(message)
-        version = message_version(message)
         with self._lock:
             if self._closed:
                 return False
-            if version is not None:
-                self.modern_version = version
             if "id" in message:
                 self._pool.submit(self._post, message, body, self._delivered, None)
             else:  # the notification queued last is the one whose delivery later requests wait for
@@ -147,7 +144,9 @@ class HttpTransport(Transport):
     def _request_headers(self, message: dict | None = None) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         headers.update(self.headers)
-        version = (message_version(message) if message is not None else None) or self.modern_version
+        version = message_version(message) if message is not None else None
+        if version is None and self.protocol_version is None:
+            version = self.modern_version
         if version is not None:  # 2026-07-28: stateless, every POST says what it is
             params = message.get("params") if message is not None else None
             tool = params.get("name") if message is not None and message.get("method") == "tools/call" and \
@@ -213,7 +212,7 @@ class HttpTransport(Transport):
                     return
                 self.session_id = session
             try:
-                answered = self._consume(reply, message.get("id"), cursor) or answered
+                answered = self._consume(reply, message.get("id"), cursor, message_version(message)) or answered
             except stream_errors():
                 if cursor.last_id is None or probing:
                     raise
@@ -269,8 +268,10 @@ class HttpTransport(Transport):
         if message.get("method") not in ("initialize", "server/discover"):
             self._end(str(exc))
 
-    def _consume(self, reply: HttpReply, request_id=None, cursor: SseCursor | None = None) -> bool:
-        """Deliver what a reply holds; True when it held the answer to ``request_id``."""
+    def _consume(self, reply: HttpReply, request_id=None, cursor: SseCursor | None = None,
+                 version: str | None = None) -> bool:
+        """Deliver what a reply holds; True when it held the answer to ``request_id`` (a request in the
+        2026-07-28 ``version``, when it names one)."""
         answered = False
         kind = _content_type(reply)
         if kind == "application/json":
@@ -279,7 +280,7 @@ class HttpTransport(Transport):
                 raise UpstreamFailure(f"a reply larger than max_message_bytes ({self.max_body} bytes)")
             if data.strip():
                 for item in _messages_of(data, self.log, self.on_unusable):
-                    answered = self._deliver(item, request_id) or answered
+                    answered = self._deliver(item, request_id, version) or answered
         elif kind == "text/event-stream":
             for event in read_sse_events(reply.stream.readline, self.max_body, cursor):
                 if event.oversized:
@@ -288,7 +289,7 @@ class HttpTransport(Transport):
                     answered = answered or request_id_in(event.data) == request_id
                 elif event.kind == "message":
                     for item in _messages_of(event.data, self.log, self.on_unusable):
-                        answered = self._deliver(item, request_id) or answered
+                        answered = self._deliver(item, request_id, version) or answered
                 if answered and request_id is not None:
                     break  # the answer ends the request's stream (a resumed GET stays open otherwise)
         return answered
@@ -313,7 +314,7 @@ class HttpTransport(Transport):
                 raise UpstreamFailure(f"its stream closed before the answer and could not be resumed (GET answered "
                                       f"HTTP {reply.status})")
             try:
-                if self._consume(reply, request_id, cursor):
+                if self._consume(reply, request_id, cursor, message_version(message)):
                     return True
             except stream_errors():
                 pass  # a broken resumed stream is resumed again, as a closed one is
@@ -322,12 +323,15 @@ class HttpTransport(Transport):
                 _close_reply(reply)
         return False
 
-    def _deliver(self, item: dict, request_id=None) -> bool:
+    def _deliver(self, item: dict, request_id=None, version: str | None = None) -> bool:
         is_answer = request_id is not None and item.get("id") == request_id and "method" not in item
         if is_answer and isinstance(item.get("result"), dict) and self.protocol_version is None and \
-                self.modern_version is None and isinstance(item["result"].get("protocolVersion"), str):
-            self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
-            self._start_listening()
+                self.modern_version is None:
+            if version is not None:
+                self.modern_version = version  # the server answered a 2026-07-28 request: that is its era
+            elif isinstance(item["result"].get("protocolVersion"), str):
+                self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
+                self._start_listening()
         self.on_message(item)
         return is_answer
 
