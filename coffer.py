@@ -44,17 +44,17 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       9686  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
       9998  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
      10552  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10901  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11238  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11964  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12281  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12626  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12984  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13145  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13313  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13981  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14726  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15006  cli                   Command line: coffer's commands.
+     10912  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11249  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11972  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12289  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12634  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12992  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13153  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13321  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13989  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14734  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15014  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -10646,7 +10646,7 @@ class CallRouter:
                 self._deny(blocked, "resource", started)
             if log_kind:
                 self.record("", uri, log_kind, started, "error", "unknown resource")
-            raise RpcError(INVALID_PARAMS, f"Unknown resource: {uri}")
+            raise RpcError(INVALID_PARAMS, f"Unknown resource: {uri}", {"uri": uri})
         return route
 
     def resources_read(self, msg_id, params):
@@ -10669,40 +10669,51 @@ class CallRouter:
     def subscription(self, method: str):
         def handler(msg_id, params):
             uri = require_str(params, "uri")
-            upstream, original = self.resource_route(uri, time.monotonic(), None)
-            with self.session.lock:  # remembered so a restarted upstream is subscribed again
-                subscribed = self.subscriptions.setdefault(upstream.name, set())
-                subscribed.add(original) if method == "resources/subscribe" else subscribed.discard(original)
-            if upstream.era == "modern":
-                return {}  # a 2026-07-28 server has no resources/subscribe (updates need a listen stream of its own)
-            if method == "resources/unsubscribe" and self.hub.subscribed_elsewhere(self.session, upstream, original):
-                return {}  # another client still wants its updates
-            self.forward(msg_id, upstream, method, {**params, "uri": original}, uri, None, time.monotonic())
+
+            def work():  # once the upstream that may own the URI has started, as resources/read waits
+                upstream, original = self.resource_route(uri, time.monotonic(), None)
+                with self.session.lock:  # remembered so a restarted upstream is subscribed again
+                    subscribed = self.subscriptions.setdefault(upstream.name, set())
+                    subscribed.add(original) if method == "resources/subscribe" else subscribed.discard(original)
+                if upstream.era == "modern":
+                    return {}  # a 2026-07-28 server has no resources/subscribe (updates need a listen stream)
+                if method == "resources/unsubscribe" and self.hub.subscribed_elsewhere(self.session, upstream,
+                                                                                       original):
+                    return {}  # another client still wants its updates
+                self.forward(msg_id, upstream, method, {**params, "uri": original}, uri, None, time.monotonic())
+                return None
+
+            return self.session.after_discovery(msg_id, work, method=method)
         return handler
 
     def complete(self, msg_id, params):
         ref = params.get("ref")
         if not isinstance(ref, dict):
             raise RpcError(INVALID_PARAMS, "'ref' must be an object")
-        catalogue = self.hub.catalogue
         if ref.get("type") not in ("ref/prompt", "ref/resource"):
             raise RpcError(INVALID_PARAMS, "ref.type must be 'ref/prompt' or 'ref/resource'")
         key = "name" if ref["type"] == "ref/prompt" else "uri"
         target = ref.get(key)
         if not isinstance(target, str):
             raise RpcError(INVALID_PARAMS, f"ref.{key} must be a string")
-        if key == "name":
-            route = catalogue.prompt_routes.get(target)
-        else:
-            route = catalogue.template_by_text.get(target) or catalogue.route_resource(target)
-        if route is None:
-            raise RpcError(INVALID_PARAMS, f"Unknown completion target: {ref.get(key)}")
-        upstream, original = route
-        if "completions" not in upstream.capabilities:
-            return {"completion": {"values": [], "hasMore": False}}
-        self.forward(msg_id, upstream, "completion/complete", {**params, "ref": {**ref, key: original}},
-                     str(ref.get(key)), None, time.monotonic())
-        return None
+
+        def work():  # once the upstream that may own the target has started
+            catalogue = self.hub.catalogue
+            if key == "name":
+                route = catalogue.prompt_routes.get(target)
+            else:
+                route = catalogue.template_by_text.get(target) or catalogue.route_resource(target)
+            if route is None:
+                raise RpcError(INVALID_PARAMS, f"Unknown completion target: {target}")
+            upstream, original = route
+            if "completions" not in upstream.capabilities:
+                return {"completion": {"values": [], "hasMore": False}}
+            self.forward(msg_id, upstream, "completion/complete", {**params, "ref": {**ref, key: original}},
+                         target, None, time.monotonic())
+            return None
+
+        return self.session.after_discovery(msg_id, work, kind="prompt" if key == "name" else None,
+                                            method="completion/complete")
 
     def _deny(self, capability: str, kind: str, started: float):
         """A disabled or quarantined capability: logged as denied, and an error that says what the user can do."""
@@ -11635,12 +11646,9 @@ class ClientSession:
     def _dispatch_modern(self, msg_id, method: str, params: dict) -> None:
         """One request of a 2026-07-28 client: the envelope checked in the spec's order, the session started by
         the first request, then the same handlers as the handshake era; results get their 2026 shape in send."""
-        if method == "initialize":
-            version = params.get("protocolVersion")
-            self.send(rpc_error(msg_id, UNSUPPORTED_PROTOCOL_VERSION, "this connection serves the 2026-07-28 protocol;"
-                                " the initialize handshake is not accepted", {
-                                    "supported": list(MODERN_PROTOCOL_VERSIONS),
-                                    "requested": version[:100] if isinstance(version, str) else ""}))
+        if method == "initialize":  # removed in 2026-07-28: "method not found", as for any method it lacks
+            self.send(rpc_error(msg_id, METHOD_NOT_FOUND, "Method not found: initialize (this connection serves the "
+                                "2026-07-28 protocol, which has no initialize handshake)"))
             return
         try:
             envelope = parse_envelope(params)
