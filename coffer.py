@@ -27,34 +27,34 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       3301  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
       3742  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
       4623  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5305  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5467  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5739  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5920  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6531  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6606  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      7093  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      7192  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7585  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7944  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      8117  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8701  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      9108  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9573  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9686  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9998  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10552  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10912  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11249  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11972  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12289  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12634  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12992  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13153  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13321  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13989  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14734  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15014  cli                   Command line: coffer's commands.
+      5307  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5469  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5741  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5922  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6533  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6608  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      7095  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7194  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7587  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7946  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      8119  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8703  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      9110  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9575  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9688  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     10000  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10554  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10914  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11251  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11974  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12291  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12636  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12994  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13155  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13323  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13991  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14736  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15016  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -4920,8 +4920,10 @@ class HttpTransport(Transport):
         is_answer = request_id is not None and item.get("id") == request_id and "method" not in item
         if is_answer and isinstance(item.get("result"), dict) and self.protocol_version is None and \
                 self.modern_version is None:
+            versions = item["result"].get("supportedVersions")
             if version is not None:
-                self.modern_version = version  # the server answered a 2026-07-28 request: that is its era
+                if isinstance(versions, list) and version in versions:
+                    self.modern_version = version  # a DiscoverResult naming it: the server's era
             elif isinstance(item["result"].get("protocolVersion"), str):
                 self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
                 self._start_listening()

@@ -327,8 +327,10 @@ class HttpTransport(Transport):
         is_answer = request_id is not None and item.get("id") == request_id and "method" not in item
         if is_answer and isinstance(item.get("result"), dict) and self.protocol_version is None and \
                 self.modern_version is None:
+            versions = item["result"].get("supportedVersions")
             if version is not None:
-                self.modern_version = version  # the server answered a 2026-07-28 request: that is its era
+                if isinstance(versions, list) and version in versions:
+                    self.modern_version = version  # a DiscoverResult naming it: the server's era
             elif isinstance(item["result"].get("protocolVersion"), str):
                 self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
                 self._start_listening()

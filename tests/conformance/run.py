@@ -1,0 +1,203 @@
+"""Runs the official MCP conformance suite against Coffer, in both roles, for each requirement set, and judges it.
+
+    python tests/conformance/run.py --node NODE --cli PATH/TO/@modelcontextprotocol/conformance/dist/index.js
+        [--role client|server|both] [--requirements 2025-11-25,2026-07-28] [--server-url URL] [--out DIR]
+
+Client scenarios: Coffer is the client (tests/conformance/client_driver.py registers each scenario's mock server
+as a Coffer upstream and speaks to ``coffer serve``).  Server scenarios: Coffer is the server -- the suite speaks
+to Coffer's Streamable HTTP endpoint (``--server-url``; without it, tests/conformance/server_bridge.py starts one:
+``coffer serve --standalone`` behind a small HTTP bridge, with tests/conformance/upstream_server.py, the suite's
+reference behaviour, registered as the upstream ``conf``).
+
+Each scenario runs on its own (the suite would start every client scenario at once, and a timing check such as
+sse-retry's cannot be judged on a machine running thirty clients), at the revision's wire version, as
+``--requirements`` would.  The verdict: every scored scenario passes, except the failures listed in
+tests/conformance/expected-failures.txt, each with its reason; a listed failure that no longer happens is an error
+too (the list, and the README's results, must stay true).  Scenarios a revision runs without scoring (extensions,
+later additions, pending ones) are reported, never judged.  Exit status 1 on anything unexpected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+DRIVER = HERE / "client_driver.py"
+EXPECTED = HERE / "expected-failures.txt"
+REVISIONS = ("2025-11-25", "2026-07-28")
+
+
+def requirement_set(node: str, cli: str, revision: str) -> dict:
+    """{"server": [...], "client": [...], "unscored": {(role, scenario): reason}} from `conformance list`."""
+    text = subprocess.run([node, cli, "list", "--requirements", revision], capture_output=True, text=True,
+                          check=True).stdout
+    found: dict = {"server": [], "client": [], "unscored": {}}
+    section, reason = None, None
+    for line in text.splitlines():
+        if line.startswith("Server scenarios"):
+            section = "server"
+        elif line.startswith("Client scenarios"):
+            section = "client"
+        elif line.startswith("Run and reported"):
+            section = "unscored"
+        elif section in ("server", "client") and line.startswith("  - "):
+            found[section].append(line[4:].strip())
+        elif section == "unscored" and re.match(r"^  \S.*\(\d+\):$", line):
+            reason = line.strip().split(" (")[0]
+        elif section == "unscored" and (match := re.match(r"^    - (\S+) \[(client|server)\]$", line)):
+            found["unscored"][(match.group(2), match.group(1))] = reason
+    if not found["server"] and not found["client"]:
+        raise SystemExit(f"could not read the {revision} requirement set:\n{text}")
+    return found
+
+
+def load_expected() -> dict:
+    """(role, revision, scenario) -> {check id or "*": reason} from expected-failures.txt."""
+    expected: dict = {}
+    for number, line in enumerate(EXPECTED.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        parts = line.split(None, 3)
+        if len(parts) < 4 or parts[0] not in ("client", "server"):
+            raise SystemExit(f"{EXPECTED.name}:{number}: expected 'role revision scenario[:check] reason'")
+        role, revision, target, reason = parts
+        scenario, _, check = target.partition(":")
+        for rev in (REVISIONS if revision == "*" else (revision,)):
+            expected.setdefault((role, rev, scenario), {})[check or "*"] = reason
+    return expected
+
+
+def run_scenario(node: str, cli: str, role: str, revision: str, scenario: str, out: Path, server_url: str | None,
+                 timeout_ms: int) -> list[dict]:
+    """Run one scenario; its checks (a failure to run is one FAILURE check)."""
+    where = out / role / revision / scenario.replace("/", "_")
+    where.mkdir(parents=True, exist_ok=True)
+    if role == "client":
+        command = ["client", "--command", f"{sys.executable} {DRIVER}", "--timeout", str(timeout_ms)]
+    else:
+        command = ["server", "--url", server_url]
+    argv = [node, cli, *command, "--scenario", scenario, "--spec-version", revision, "--force", "-o", str(where)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_ms / 1000 + 120)
+    (where / "runner-output.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    results = sorted(where.rglob("checks.json"), key=lambda p: p.stat().st_mtime)
+    if not results:
+        return [{"id": scenario, "status": "FAILURE", "errorMessage": f"the suite wrote no result "
+                                                                    f"(exit {proc.returncode}): {proc.stderr[-500:]}"}]
+    return json.loads(results[-1].read_text())
+
+
+def judge(checks: list[dict], expected: dict | None) -> tuple[str, list[str], list[str]]:
+    """("pass" | "expected" | "FAIL", unexpected failures, stale expectations) of one scenario's checks."""
+    failing = {}
+    for check in checks:
+        if check.get("status") == "FAILURE":
+            failing.setdefault(check["id"], check.get("errorMessage") or check.get("description") or "")
+    expected = expected or {}
+    if "*" in expected:
+        return ("expected", [], []) if failing else ("FAIL", [], ["the whole scenario is listed, and it passes"])
+    unexpected = [f"{cid}: {text[:300]}" for cid, text in failing.items() if cid not in expected]
+    stale = [f"{cid} is listed, and passes" for cid in expected if cid not in failing]
+    if unexpected or stale:
+        return "FAIL", unexpected, stale
+    return ("expected" if failing else "pass"), [], []
+
+
+def start_bridge(upstream_home: Path) -> tuple[subprocess.Popen, str]:
+    """The test bridge: `coffer serve --standalone` behind HTTP, until Coffer's own endpoint is on main."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "server_bridge.py"), "--home", str(upstream_home)],
+                            stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+    line = proc.stdout.readline().strip()
+    if not line.startswith("http"):
+        proc.kill()
+        raise SystemExit(f"the server bridge did not start: {line!r}")
+    return proc, line
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--node", default=shutil.which("node") or "node")
+    parser.add_argument("--cli", required=True, help="the suite's dist/index.js")
+    parser.add_argument("--role", choices=("client", "server", "both"), default="both")
+    parser.add_argument("--requirements", default=",".join(REVISIONS))
+    parser.add_argument("--server-url", help="Coffer's Streamable HTTP endpoint (default: start the test bridge)")
+    parser.add_argument("--scenario", action="append", help="only these scenarios (repeatable)")
+    parser.add_argument("--out", help="where the suite's results go (default: a temporary folder, removed)")
+    parser.add_argument("--timeout", type=int, default=90_000, help="ms a client scenario may take")
+    args = parser.parse_args()
+    started = time.monotonic()
+    expected = load_expected()
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="coffer-conformance-"))
+    roles = ("client", "server") if args.role == "both" else (args.role,)
+    bridge = None
+    server_url = args.server_url
+    rows, problems, used = [], [], set()
+    try:
+        if "server" in roles and not server_url:
+            bridge, server_url = start_bridge(out / "bridge-home")
+        for revision in args.requirements.split(","):
+            wanted = requirement_set(args.node, args.cli, revision)
+            for role in roles:
+                unscored = [s for (r, s) in wanted["unscored"] if r == role]
+                for scenario in wanted[role] + unscored:
+                    if args.scenario and scenario not in args.scenario:
+                        continue
+                    began = time.monotonic()
+                    checks = run_scenario(args.node, args.cli, role, revision, scenario, out, server_url,
+                                          args.timeout)
+                    key = (role, revision, scenario)
+                    scored = scenario in wanted[role]
+                    verdict, unexpected, stale = judge(checks, expected.get(key) if scored else None)
+                    if scored:
+                        used.add(key)
+                    elif verdict == "FAIL":
+                        verdict = "unscored-fail"  # reported, never judged
+                    warnings = sorted({c["id"] for c in checks if c.get("status") == "WARNING"})
+                    rows.append((role, revision, scenario, scored, verdict, time.monotonic() - began, warnings))
+                    note = f" (warnings: {', '.join(warnings)})" if warnings else ""
+                    why = ""
+                    if verdict == "expected":
+                        why = " -- " + "; ".join(sorted(set(expected[key].values())))
+                    label = "" if scored else f" [not scored: {wanted['unscored'][(role, scenario)]}]"
+                    print(f"{verdict:>13}  {role} {revision} {scenario}{label}{why}{note}  "
+                          f"({time.monotonic() - began:.1f} s)", flush=True)
+                    if scored and verdict == "FAIL":
+                        for text in unexpected + stale:
+                            print(f"{'':>15}{text}", flush=True)
+                            problems.append(f"{role} {revision} {scenario}: {text}")
+    finally:
+        if bridge is not None:
+            bridge.terminate()
+            try:
+                bridge.wait(10)
+            except subprocess.TimeoutExpired:
+                bridge.kill()
+        if not args.out:
+            shutil.rmtree(out, ignore_errors=True)
+    if not args.scenario:
+        for key in sorted(set(expected) - used):
+            if key[0] in roles and key[1] in args.requirements.split(","):
+                problems.append(f"{' '.join(key)}: listed in {EXPECTED.name} but not a scored scenario that ran")
+    scored_rows = [row for row in rows if row[3]]
+    passed = sum(1 for row in scored_rows if row[4] == "pass")
+    listed = sum(1 for row in scored_rows if row[4] == "expected")
+    print(f"\nconformance: {len(scored_rows)} scored scenarios: {passed} passed, {listed} failed only for the "
+          f"documented reasons, {len(problems)} problems; {len(rows) - len(scored_rows)} unscored run; "
+          f"{time.monotonic() - started:.0f} s")
+    for problem in problems:
+        print(f"  {problem}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
