@@ -112,15 +112,29 @@ def judge(checks: list[dict], expected: dict | None) -> tuple[str, list[str], li
     return ("expected" if failing else "pass"), [], []
 
 
-def start_bridge(upstream_home: Path) -> tuple[subprocess.Popen, str]:
-    """The test bridge: `coffer serve --standalone` behind HTTP, until Coffer's own endpoint is on main."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "server_bridge.py"), "--home", str(upstream_home)],
-                            stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+def start_bridge(home: Path, revision: str, unprefixed: bool = False) -> tuple[subprocess.Popen, str]:
+    """The test bridge: `coffer serve --standalone` behind HTTP, with the upstream in the revision's era."""
+    shutil.rmtree(home, ignore_errors=True)  # a fresh Coffer for every run
+    home.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, str(HERE / "server_bridge.py"), "--home", str(home),
+            "--era", "modern" if revision == "2026-07-28" else "handshake"]
+    log = open(home.parent / f"{home.name}.log", "w")  # noqa: SIM115 - the bridge writes to it while it runs
+    proc = subprocess.Popen(argv + (["--unprefixed"] if unprefixed else []), stdout=subprocess.PIPE,
+                            stderr=log, text=True)
     line = proc.stdout.readline().strip()
     if not line.startswith("http"):
         proc.kill()
         raise SystemExit(f"the server bridge did not start: {line!r}")
     return proc, line
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def main() -> int:
@@ -138,15 +152,16 @@ def main() -> int:
     expected = load_expected()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="coffer-conformance-"))
     roles = ("client", "server") if args.role == "both" else (args.role,)
-    bridge = None
-    server_url = args.server_url
     rows, problems, used = [], [], set()
+    bridge = None
     try:
-        if "server" in roles and not server_url:
-            bridge, server_url = start_bridge(out / "bridge-home")
         for revision in args.requirements.split(","):
             wanted = requirement_set(args.node, args.cli, revision)
             for role in roles:
+                server_url = args.server_url
+                if role == "server" and not server_url:
+                    bridge, server_url = start_bridge(out / f"bridge-{revision}", revision)
+                prefixed = []
                 unscored = [s for (r, s) in wanted["unscored"] if r == role]
                 for scenario in wanted[role] + unscored:
                     if args.scenario and scenario not in args.scenario:
@@ -159,28 +174,40 @@ def main() -> int:
                     verdict, unexpected, stale = judge(checks, expected.get(key) if scored else None)
                     if scored:
                         used.add(key)
+                        if verdict == "expected" and any(why.startswith("prefix")
+                                                         for why in expected[key].values()):
+                            prefixed.append(scenario)
                     elif verdict == "FAIL":
                         verdict = "unscored-fail"  # reported, never judged
                     warnings = sorted({c["id"] for c in checks if c.get("status") == "WARNING"})
                     rows.append((role, revision, scenario, scored, verdict, time.monotonic() - began, warnings))
-                    note = f" (warnings: {', '.join(warnings)})" if warnings else ""
-                    why = ""
-                    if verdict == "expected":
-                        why = " -- " + "; ".join(sorted(set(expected[key].values())))
                     label = "" if scored else f" [not scored: {wanted['unscored'][(role, scenario)]}]"
+                    why = " -- " + "; ".join(sorted(set(expected[key].values()))) if verdict == "expected" else ""
+                    note = f" (warnings: {', '.join(warnings)})" if warnings else ""
                     print(f"{verdict:>13}  {role} {revision} {scenario}{label}{why}{note}  "
                           f"({time.monotonic() - began:.1f} s)", flush=True)
                     if scored and verdict == "FAIL":
                         for text in unexpected + stale:
                             print(f"{'':>15}{text}", flush=True)
                             problems.append(f"{role} {revision} {scenario}: {text}")
+                stop(bridge)
+                bridge = None
+                if prefixed:  # each "prefix" failure must pass once the prefix is taken away
+                    bridge, plain_url = start_bridge(out / f"bridge-{revision}-unprefixed", revision, True)
+                    for scenario in prefixed:
+                        checks = run_scenario(args.node, args.cli, "server", f"{revision}", scenario,
+                                              out / "unprefixed", plain_url, args.timeout)
+                        verdict, unexpected, _ = judge(checks, None)
+                        print(f"{'unprefixed ' + verdict:>17}  server {revision} {scenario}", flush=True)
+                        if verdict != "pass":
+                            for text in unexpected:
+                                print(f"{'':>19}{text}", flush=True)
+                            problems.append(f"server {revision} {scenario}: listed as failing only because of "
+                                            f"the prefix, but fails without it too ({'; '.join(unexpected)[:300]})")
+                    stop(bridge)
+                    bridge = None
     finally:
-        if bridge is not None:
-            bridge.terminate()
-            try:
-                bridge.wait(10)
-            except subprocess.TimeoutExpired:
-                bridge.kill()
+        stop(bridge)
         if not args.out:
             shutil.rmtree(out, ignore_errors=True)
     if not args.scenario:
