@@ -25,36 +25,36 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       1933  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
       2905  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
       3301  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3742  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4623  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5307  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5469  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5741  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5922  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6533  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6608  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      7095  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      7194  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7587  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7946  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      8119  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8703  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      9110  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9575  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9688  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     10000  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10554  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10914  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11251  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11974  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12291  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12636  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12994  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13155  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13323  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13991  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14736  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15016  cli                   Command line: coffer's commands.
+      3741  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4622  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5306  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5468  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5740  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5921  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6532  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6607  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      7094  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7193  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7586  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7945  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      8118  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8702  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      9109  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9574  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9687  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9999  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10553  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10913  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11250  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11973  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12290  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12635  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12993  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13154  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13322  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13990  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14735  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15015  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -3725,8 +3725,9 @@ class ProbeReplies(NamedTuple):
 def discover_initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> ProbeReplies:
     """The probe for a remote server, 2026-07-28 first as for a stdio one: POST server/discover with the headers
     that revision requires; a DiscoverResult naming a version Coffer speaks means a 2026-07-28 Streamable HTTP
-    server, a 401 or 403 a login to ask for; anything else falls back to the 2025-11-25 procedure
-    (initialize_or_stream).  The GET's stream, when there is one, is open: the caller reads and closes it."""
+    server; anything else -- a refusal included, which initialize then meets in its own words -- falls back to the
+    2025-11-25 procedure (initialize_or_stream).  The GET's stream, when there is one, is open: the caller reads
+    and closes it."""
     message = probe_discover_message()
     for _ in range(2):  # once more when a -32022 names the version asked (a server may refuse the first try)
         discover = exchange("POST", url, body=encode_line(message), timeout=timeout, stream=True, headers={
@@ -3737,8 +3738,6 @@ def discover_initialize_or_stream(exchange, url: str, headers: dict, timeout: fl
             if result is not None:
                 return ProbeReplies(result, discover)
         _close_reply(discover)
-        if discover.status in (401, 403):
-            return ProbeReplies(None, discover)
         if not _names_modern_version(discover):
             break
     posted, stream = initialize_or_stream(exchange, url, headers, timeout)

@@ -66,11 +66,18 @@ TOOLS = {
 SCHEMAS = {
     "test_sampling": {"type": "object", "properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
     "test_elicitation": {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]},
+    # The JSON Schema 2020-12 vocabulary SEP-1613 and SEP-2106 ask a server to keep: $schema, $defs with an
+    # $anchor, composition, conditionals, additionalProperties.
     "json_schema_2020_12_tool": {
         "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
-        "$defs": {"address": {"type": "object", "properties": {"street": {"type": "string"},
-                                                              "city": {"type": "string"}}}},
-        "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/address"}},
+        "$defs": {"address": {"$anchor": "addressDef", "type": "object",
+                              "properties": {"street": {"type": "string"}, "city": {"type": "string"}}}},
+        "properties": {"name": {"type": "string"}, "address": {"$ref": "#/$defs/address"},
+                       "contactMethod": {"type": "string", "enum": ["phone", "email"]},
+                       "phone": {"type": "string"}, "email": {"type": "string"}},
+        "allOf": [{"anyOf": [{"required": ["phone"]}, {"required": ["email"]}]}],
+        "if": {"properties": {"contactMethod": {"const": "phone"}}, "required": ["contactMethod"]},
+        "then": {"required": ["phone"]}, "else": {"required": ["email"]},
         "additionalProperties": False},
 }
 SEP1034_SCHEMA = {"type": "object", "required": [], "properties": {

@@ -429,8 +429,9 @@ class ProbeReplies(NamedTuple):
 def discover_initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> ProbeReplies:
     """The probe for a remote server, 2026-07-28 first as for a stdio one: POST server/discover with the headers
     that revision requires; a DiscoverResult naming a version Coffer speaks means a 2026-07-28 Streamable HTTP
-    server, a 401 or 403 a login to ask for; anything else falls back to the 2025-11-25 procedure
-    (initialize_or_stream).  The GET's stream, when there is one, is open: the caller reads and closes it."""
+    server; anything else -- a refusal included, which initialize then meets in its own words -- falls back to the
+    2025-11-25 procedure (initialize_or_stream).  The GET's stream, when there is one, is open: the caller reads
+    and closes it."""
     message = probe_discover_message()
     for _ in range(2):  # once more when a -32022 names the version asked (a server may refuse the first try)
         discover = exchange("POST", url, body=encode_line(message), timeout=timeout, stream=True, headers={
@@ -441,8 +442,6 @@ def discover_initialize_or_stream(exchange, url: str, headers: dict, timeout: fl
             if result is not None:
                 return ProbeReplies(result, discover)
         _close_reply(discover)
-        if discover.status in (401, 403):
-            return ProbeReplies(None, discover)
         if not _names_modern_version(discover):
             break
     posted, stream = initialize_or_stream(exchange, url, headers, timeout)
