@@ -26,35 +26,35 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       2905  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
       3301  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
       3741  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4622  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5306  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5468  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5740  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5921  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6532  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6607  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      7094  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      7193  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7586  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7945  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      8118  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8702  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      9109  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9574  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9687  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9999  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10553  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10913  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11250  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11973  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12290  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12635  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12993  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13154  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13322  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13990  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14735  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15015  cli                   Command line: coffer's commands.
+      4624  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5312  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5474  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5746  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5927  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6538  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6613  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      7100  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7199  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7592  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7951  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      8124  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8708  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      9115  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9580  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9693  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     10005  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10559  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10919  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11256  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11979  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12296  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12641  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12999  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13160  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13328  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13996  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14741  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15021  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -4420,7 +4420,9 @@ def login_challenge(name: str, url: str, headers: dict) -> dict[str, dict[str, s
     probed = discover_initialize_or_stream(remote_http, url, headers, 15.0)
     reply = probed.stream or probed.initialize or probed.discover
     _close_reply(reply)
-    if reply.ok and probed.stream is None:
+    if probed.discover.status in (401, 403):
+        reply = probed.discover  # asked for a login at once (initialize may be let through, or unknown)
+    elif reply.ok and probed.stream is None:
         reply = _later_refusal(url, headers, probed.discovered) or reply
     if reply.status in (401, 403):
         return parse_www_authenticate(reply.headers.get("www-authenticate"))
@@ -5207,6 +5209,10 @@ def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: floa
     if probed.discovered is not None:
         return TransportProbe("http", "Streamable HTTP (MCP 2026-07-28)")
     reply, stream = probed.initialize or probed.discover, probed.stream
+    if not reply.ok and probed.discover.status in (401, 403) and (stream is None or not stream.ok):
+        if stream is not None:  # refused, and nothing else answered: the refusal is the answer (2026-07-28)
+            _close_reply(stream)
+        reply, stream = probed.discover, None
     if reply.ok:
         if _content_type(reply) not in ("application/json", "text/event-stream"):
             raise UpstreamFailure(f"{url} answered an MCP initialize with {printable(_content_type(reply))[:60]}"

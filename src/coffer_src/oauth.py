@@ -706,7 +706,9 @@ def login_challenge(name: str, url: str, headers: dict) -> dict[str, dict[str, s
     probed = discover_initialize_or_stream(remote_http, url, headers, 15.0)
     reply = probed.stream or probed.initialize or probed.discover
     _close_reply(reply)
-    if reply.ok and probed.stream is None:
+    if probed.discover.status in (401, 403):
+        reply = probed.discover  # asked for a login at once (initialize may be let through, or unknown)
+    elif reply.ok and probed.stream is None:
         reply = _later_refusal(url, headers, probed.discovered) or reply
     if reply.status in (401, 403):
         return parse_www_authenticate(reply.headers.get("www-authenticate"))

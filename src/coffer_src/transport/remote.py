@@ -615,6 +615,10 @@ def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: floa
     if probed.discovered is not None:
         return TransportProbe("http", "Streamable HTTP (MCP 2026-07-28)")
     reply, stream = probed.initialize or probed.discover, probed.stream
+    if not reply.ok and probed.discover.status in (401, 403) and (stream is None or not stream.ok):
+        if stream is not None:  # refused, and nothing else answered: the refusal is the answer (2026-07-28)
+            _close_reply(stream)
+        reply, stream = probed.discover, None
     if reply.ok:
         if _content_type(reply) not in ("application/json", "text/event-stream"):
             raise UpstreamFailure(f"{url} answered an MCP initialize with {printable(_content_type(reply))[:60]}"
