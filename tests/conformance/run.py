@@ -4,10 +4,11 @@
         [--role client|server|both] [--requirements 2025-11-25,2026-07-28] [--server-url URL] [--out DIR]
 
 Client scenarios: Coffer is the client (tests/conformance/client_driver.py registers each scenario's mock server
-as a Coffer upstream and speaks to ``coffer serve``).  Server scenarios: Coffer is the server -- the suite speaks
-to Coffer's Streamable HTTP endpoint (``--server-url``; without it, tests/conformance/server_bridge.py starts one:
-``coffer serve --standalone`` behind a small HTTP bridge, with tests/conformance/upstream_server.py, the suite's
-reference behaviour, registered as the upstream ``conf``).
+as a Coffer upstream and speaks to ``coffer serve``).  Server scenarios: Coffer is the server, with
+tests/conformance/upstream_server.py (the behaviour the suite expects of a server) registered as its upstream
+``conf``; the suite speaks Streamable HTTP to Coffer's own endpoint -- the shared service's /mcp, with a token,
+reached through server_bridge.py's token-adding forwarder -- when this Coffer has one (``--endpoint auto``), else
+to server_bridge.py's test bridge (``coffer serve --standalone`` behind HTTP), or to ``--server-url``.
 
 Each scenario runs on its own (the suite would start every client scenario at once, and a timing check such as
 sse-retry's cannot be judged on a machine running thirty clients), at the revision's wire version, as
@@ -128,6 +129,54 @@ def start_bridge(home: Path, revision: str, unprefixed: bool = False) -> tuple[s
     return proc, line
 
 
+def coffer_has_endpoint() -> bool:
+    """Whether this checkout's Coffer serves Streamable HTTP itself (the shared service's /mcp, with tokens)."""
+    return subprocess.run([sys.executable, str(ROOT / "coffer.py"), "token", "--help"], capture_output=True,
+                          env={**os.environ, "COFFER_HOME": tempfile.gettempdir() + "/coffer-none"}).returncode == 0
+
+
+class ServiceEndpoint:
+    """Coffer's own endpoint: a shared service with Streamable HTTP on a free loopback port, the upstream
+    registered, a token for the suite, and the token-adding forwarder of server_bridge.py in front (the suite
+    cannot send an Authorization header).  ``url`` is the forwarder's."""
+
+    def __init__(self, home: Path, revision: str):
+        import socket
+
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir(parents=True)
+        self.env = {**os.environ, "COFFER_HOME": str(home), "COFFER_SERVE_MODE": "service"}
+        era = "modern" if revision == "2026-07-28" else "handshake"
+        self.coffer("add", "conf", "--", sys.executable, str(HERE / "upstream_server.py"), "--era", era)
+        self.coffer("config", "discovery_timeout", "30")
+        token = self.coffer("token", "add", "conformance").stdout.split()[0]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.coffer("service", "start", "--http", f"127.0.0.1:{port}")
+        log = open(home.parent / f"{home.name}-forward.log", "w")  # noqa: SIM115 - written while it runs
+        self.forwarder = subprocess.Popen(
+            [sys.executable, str(HERE / "server_bridge.py"), "--forward", f"http://127.0.0.1:{port}/mcp",
+             "--token-env", "CONFORMANCE_TOKEN"], stdout=subprocess.PIPE, stderr=log, text=True,
+            env={**self.env, "CONFORMANCE_TOKEN": token})
+        self.url = self.forwarder.stdout.readline().strip()
+
+    def coffer(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(ROOT / "coffer.py"), *args], env=self.env, check=True,
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+
+    def terminate(self) -> None:
+        stop(self.forwarder)
+        subprocess.run([sys.executable, str(ROOT / "coffer.py"), "service", "stop"], env=self.env,
+                       capture_output=True, timeout=60)
+
+    def wait(self, timeout=None) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
 def stop(proc: subprocess.Popen | None) -> None:
     if proc is not None:
         proc.terminate()
@@ -150,7 +199,13 @@ def main() -> int:
     parser.add_argument("--extensions", action="store_true",
                         help="also run the unscored extension scenarios (client credentials, DPoP, tasks...)")
     parser.add_argument("--quiet", action="store_true", help="print only what did not pass, and the summary")
+    parser.add_argument("--endpoint", choices=("auto", "service", "bridge"), default="auto",
+                        help="server scenarios: Coffer's own HTTP endpoint (service), the test bridge, or the "
+                             "endpoint when this Coffer has one (auto)")
     args = parser.parse_args()
+    endpoint = args.endpoint
+    if endpoint == "auto":
+        endpoint = "service" if "server" in (args.role, "both") and coffer_has_endpoint() else "bridge"
     started = time.monotonic()
     expected = load_expected()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="coffer-conformance-"))
@@ -162,7 +217,10 @@ def main() -> int:
             wanted = requirement_set(args.node, args.cli, revision)
             for role in roles:
                 server_url = args.server_url
-                if role == "server" and not server_url:
+                if role == "server" and not server_url and endpoint == "service":
+                    bridge = ServiceEndpoint(out / f"service-{revision}", revision)
+                    server_url = bridge.url
+                elif role == "server" and not server_url:
                     bridge, server_url = start_bridge(out / f"bridge-{revision}", revision)
                 prefixed = []
                 unscored = [s for (r, s), why in wanted["unscored"].items()

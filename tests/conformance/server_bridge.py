@@ -2,6 +2,7 @@
 the shared service's own HTTP endpoint is on main.  Test tooling only: not part of Coffer.
 
     server_bridge.py --home DIR [--era handshake|modern] [--unprefixed] [--port N]
+    server_bridge.py --forward URL --token-env VAR [--port N]
 
 It registers tests/conformance/upstream_server.py (in ``--era``) as Coffer's upstream ``conf`` in the COFFER_HOME
 ``--home``, listens on 127.0.0.1 and prints its URL (``http://127.0.0.1:PORT/mcp``) as its first line.
@@ -13,6 +14,9 @@ its own SSE stream, which carries what Coffer says meanwhile (progress, log mess
 before the answer; notifications and responses are accepted with 202; GET opens a session's stream for what
 belongs to no request; DELETE ends a session; a Host or Origin that is not this machine is refused (DNS
 rebinding).  Ids are renumbered per session, so two clients' ids never meet in one process.
+
+``--forward`` is for Coffer's own endpoint instead (the service's ``/mcp``): it only adds the bearer token the
+suite cannot send (see make_forwarder).
 
 ``--unprefixed`` is the diagnostic run: tool and prompt names lose Coffer's ``conf__`` prefix on the way out and
 get it back on the way in, so a scenario that fails only because of the prefix passes through it.
@@ -324,13 +328,87 @@ def make_handler(bridge: Bridge, port: int):
     return Handler
 
 
+def make_forwarder(target: str, token: str, port: int):
+    """A Streamable HTTP endpoint that needs a bearer token (Coffer's own, `coffer token add`), reached by a
+    suite that cannot send one: each request goes on with ``Authorization`` added and this address's Host and
+    Origin spelled as the endpoint's (any other Host or Origin goes on as it came, for the endpoint to judge);
+    each response comes back as it streams."""
+    import http.client
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(target)
+    ours = {f"127.0.0.1:{port}", f"localhost:{port}"}
+
+    class Forward(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def relay(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            headers = {k: v for k, v in self.headers.items()
+                       if k.lower() not in ("host", "origin", "connection", "content-length", "authorization")}
+            host = self.headers.get("Host", "")
+            headers["Host"] = parts.netloc if host in ours else host
+            origin = self.headers.get("Origin")
+            if origin is not None:
+                headers["Origin"] = f"{parts.scheme}://{parts.netloc}" if origin.split("://", 1)[-1] in ours \
+                    else origin
+            headers["Authorization"] = f"Bearer {token}"
+            connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+            try:
+                connection.request(self.command, parts.path or "/", body=body or None, headers=headers)
+                reply = connection.getresponse()
+                self.send_response(reply.status)
+                for name, value in reply.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(name, value)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                while True:
+                    piece = reply.read1(65536)
+                    if not piece:
+                        break
+                    self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+            except OSError:
+                self.close_connection = True
+            finally:
+                connection.close()
+
+        do_GET = do_POST = do_DELETE = relay  # noqa: N815
+
+    return Forward
+
+
+def forward_main(args) -> int:
+    token = os.environ.get(args.token_env or "", "")
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), None)
+    server.RequestHandlerClass = make_forwarder(args.forward, token, server.server_address[1])
+    server.daemon_threads = True
+    print(f"http://127.0.0.1:{server.server_address[1]}/mcp", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--home", required=True)
+    parser.add_argument("--home")
     parser.add_argument("--era", choices=("handshake", "modern"), default="handshake")
     parser.add_argument("--unprefixed", action="store_true")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--forward", metavar="URL", help="instead: forward to Coffer's own endpoint at URL")
+    parser.add_argument("--token-env", metavar="VAR", help="with --forward: the variable holding its token")
     args = parser.parse_args()
+    if args.forward:
+        return forward_main(args)
     home = Path(args.home)
     env = {**os.environ, "COFFER_HOME": str(home)}
     for command in (["add", "conf", "--", sys.executable, str(HERE / "upstream_server.py"), "--era", args.era],
