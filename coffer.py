@@ -26,35 +26,35 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       2905  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
       3301  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
       3741  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4624  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5312  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5474  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5746  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5927  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6538  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6613  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      7100  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      7199  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7592  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7951  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      8124  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8708  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      9115  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9580  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9693  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     10005  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10559  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10919  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11256  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11979  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12296  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12641  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12999  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13160  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13328  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13996  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14741  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15021  cli                   Command line: coffer's commands.
+      4625  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5313  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5475  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5747  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5928  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6539  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6614  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      7101  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7200  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7593  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7952  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      8125  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8709  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      9116  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9581  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9694  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     10006  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10560  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10920  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11257  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11980  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12297  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12642  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13000  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13161  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13329  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13997  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14742  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15022  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -4126,8 +4126,9 @@ class OAuthCredentials:
     browser: whatever needs a person raises NeedsLogin.  The token goes only to the server's own origin.
 
     Threads: any HTTP worker thread of the upstream.  One lock (``_lock``) serialises reading the saved login and
-    refreshing it, so requests that find the token due together cause one refresh; it is held across the token
-    request on purpose (the others wait for its result instead of spending a single-use refresh token again).
+    writing it back (a refresh, a step-up's wanted scope), so requests that find the token due together cause one
+    refresh; it is held across the token request on purpose (the others wait for its result instead of spending a
+    single-use refresh token again).
     Inside it only the SecretStore's and the Redactor's own locks are taken; ``_warned`` is written under it.
     Other processes (a second `coffer serve`, `coffer auth`) share the store: before refreshing, and before giving
     up on invalid_grant, the store is read again in case one of them already refreshed (refresh tokens may be

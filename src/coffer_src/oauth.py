@@ -412,8 +412,9 @@ class OAuthCredentials:
     browser: whatever needs a person raises NeedsLogin.  The token goes only to the server's own origin.
 
     Threads: any HTTP worker thread of the upstream.  One lock (``_lock``) serialises reading the saved login and
-    refreshing it, so requests that find the token due together cause one refresh; it is held across the token
-    request on purpose (the others wait for its result instead of spending a single-use refresh token again).
+    writing it back (a refresh, a step-up's wanted scope), so requests that find the token due together cause one
+    refresh; it is held across the token request on purpose (the others wait for its result instead of spending a
+    single-use refresh token again).
     Inside it only the SecretStore's and the Redactor's own locks are taken; ``_warned`` is written under it.
     Other processes (a second `coffer serve`, `coffer auth`) share the store: before refreshing, and before giving
     up on invalid_grant, the store is read again in case one of them already refreshed (refresh tokens may be
