@@ -26,43 +26,43 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       2032  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
       2898  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
       3018  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3412  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3699  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4479  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5041  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5175  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5447  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5628  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6229  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      7442  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      7929  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      8028  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      8421  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      8780  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-      8963  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      9136  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      9720  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     10127  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     10592  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     10705  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     11017  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     11181  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     11721  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     12070  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     12407  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     12515  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     13168  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     13485  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     13840  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     14247  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     14533  probe                 Probes: starting a server once to see what it offers, from the command line.
-     14701  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     15369  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     16114  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     16403  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     16594  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     17121  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     19044  cli                   Command line: coffer's commands.
+      3415  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3855  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4739  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5427  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5589  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5861  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      6042  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6653  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      7866  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      8353  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      8452  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      8845  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      9204  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+      9387  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      9560  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     10144  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     10551  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     11016  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     11129  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     11441  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     11605  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12145  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     12505  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     12842  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     12950  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     13600  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     13917  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14272  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     14679  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     14965  probe                 Probes: starting a server once to see what it offers, from the command line.
+     15133  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     15801  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     16546  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     16835  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     17026  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     17553  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     19476  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -3059,6 +3059,7 @@ class Transport:
     pid = None
     fatal: UpstreamFailure | None = None
     close_reason: str | None = None
+    speaks_discover = False     # a 2026-07-28 server may be behind it: ask server/discover before initialize
 
     def start(self) -> None:
         raise NotImplementedError
@@ -3156,6 +3157,8 @@ class StdioTransport(Transport):
     copy (``dict()`` of a dict is atomic under the GIL); a descendant missed by that race is found by ``close``'s
     own look at the process table.
     """
+
+    speaks_discover = True
 
     def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_unusable=None, max_line=0):
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
@@ -3605,6 +3608,18 @@ class SseEvent(NamedTuple):
     oversized: int = 0
 
 
+class SseCursor:
+    """Where a stream stands for resuming it (WHATWG HTML §9.2 "last event ID" and "reconnection time"): the id of
+    the last event dispatched, even one with no data (a server's priming event), and the ``retry`` it asked for,
+    in seconds.  Owned by the thread reading the stream."""
+
+    __slots__ = ("last_id", "retry")
+
+    def __init__(self):
+        self.last_id: str | None = None
+        self.retry: float | None = None
+
+
 def _bounded_lines(readline, limit: int):
     """(line, length) per line of a stream; a line longer than ``limit`` keeps only its first pieces."""
     while True:
@@ -3627,15 +3642,19 @@ def _bounded_lines(readline, limit: int):
             return
 
 
-def read_sse_events(readline, max_event_bytes: int):
+def read_sse_events(readline, max_event_bytes: int, cursor: SseCursor | None = None):
     """Parse a text/event-stream (WHATWG HTML §9.2) from ``readline(limit)``.  Memory stays under about
     ``max_event_bytes`` whatever the server sends; an unfinished last event is dropped, as the standard says.
-    Lines end with LF or CRLF (a lone CR is not treated as a line end)."""
+    Lines end with LF or CRLF (a lone CR is not treated as a line end).  With ``cursor``, the event ids and the
+    ``retry`` the server sends are kept there, for resuming the stream."""
     kind, data, size, head = "", [], 0, b""
+    event_id = cursor.last_id if cursor is not None else None
     for raw, length in _bounded_lines(readline, max_event_bytes):
         line = raw[:-1] if raw.endswith(b"\n") else raw
         line = line[:-1] if line.endswith(b"\r") else line
         if not line:
+            if cursor is not None:
+                cursor.last_id = event_id  # set at every dispatch, an event without data included
             if head:
                 yield SseEvent(kind or "message", head, size)
             elif data and (data[0] or len(data) > 1):  # an event with empty data is not dispatched
@@ -3658,7 +3677,11 @@ def read_sse_events(readline, max_event_bytes: int):
                 data.append(value)
         elif name == b"event":
             kind = value[:64].decode("utf-8", "replace")
-        # id and retry serve resumption, which the 2024-11-05 transport does not define: a drop is a new session.
+        elif name == b"id" and cursor is not None and b"\0" not in value and len(value) <= 1024:
+            event_id = value.decode("utf-8", "replace")
+        elif name == b"retry" and cursor is not None and value.isdigit() and len(value) <= 9:
+            cursor.retry = int(value) / 1000.0
+        # (The 2024-11-05 transport defines no resumption: for it, a drop is a new session.)
 
 
 def _messages_of(data: bytes, server_log, on_unusable=None) -> list[dict]:
@@ -3679,12 +3702,75 @@ def _messages_of(data: bytes, server_log, on_unusable=None) -> list[dict]:
 # -- which transport a server speaks ------------------------------------------------------------------------
 
 FALLBACK_TO_GET = (400, 404, 405)   # what an HTTP+SSE server answers a Streamable HTTP POST (MCP 2025-11-25)
+_TOKEN_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")   # an HTTP field name (RFC 9110 §5.1)
+NAMED_METHODS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 
 
 def _probe_initialize() -> bytes:
     return encode_line({"jsonrpc": "2.0", "id": "coffer-probe", "method": "initialize", "params": {
         "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
         "clientInfo": {"name": "coffer", "version": __version__}}})
+
+
+def probe_discover_message() -> dict:
+    """The server/discover Coffer asks first (2026-07-28), carrying the envelope a stateless server requires."""
+    envelope = Envelope(MODERN_PROTOCOL_VERSIONS[-1], {}, {"name": "coffer", "version": __version__}, None)
+    return {"jsonrpc": "2.0", "id": "coffer-probe", "method": "server/discover",
+            "params": stamp_envelope({}, envelope)}
+
+
+def message_version(message: dict) -> str | None:
+    """The 2026-07-28 protocol version a message's envelope names, or None (a handshake-era message)."""
+    params = message.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    version = meta.get(META_PROTOCOL_VERSION) if isinstance(meta, dict) else None
+    return version if isinstance(version, str) and version in MODERN_PROTOCOL_VERSIONS else None
+
+
+def header_value(value) -> str | None:
+    """A JSON value as a 2026-07-28 header value (basic/transports "Value Encoding"): a string as it is when it is
+    visible ASCII with inner spaces only, else ``=?base64?<UTF-8, base64>?=``; numbers and booleans as JSON writes
+    them; None for anything a header cannot carry (null, objects, arrays)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        text = encode_line(value).decode("ascii").strip()
+    elif isinstance(value, str):
+        text = value
+    else:
+        return None
+    if text == text.strip(" ") and all(0x20 <= ord(c) <= 0x7e for c in text):
+        return text
+    return "=?base64?" + base64.b64encode(text.encode("utf-8")).decode("ascii") + "?="
+
+
+def valid_header_name(name) -> bool:
+    """Whether an ``x-mcp-header`` annotation can name a header: a non-empty HTTP token."""
+    return isinstance(name, str) and bool(_TOKEN_RE.match(name)) and len(name) <= 100
+
+
+def standard_headers(message: dict, version: str | None, param_names: dict | None = None) -> dict:
+    """The headers a 2026-07-28 client sends with a POST (basic/transports, "Standard MCP Request Headers"):
+    MCP-Protocol-Version, Mcp-Method mirroring the method, Mcp-Name mirroring the name or URI a request acts on,
+    and Mcp-Param-<Name> for each tool argument its definition marks with ``x-mcp-header`` (``param_names``:
+    argument -> header name).  Empty for a handshake-era message (``version`` None)."""
+    if version is None:
+        return {}
+    headers = {"MCP-Protocol-Version": version}
+    method = message.get("method")
+    if not isinstance(method, str):
+        return headers
+    headers["Mcp-Method"] = method if method.isascii() and method.isprintable() else header_value(method)
+    params = message.get("params") if isinstance(message.get("params"), dict) else {}
+    key = NAMED_METHODS.get(method)
+    if key is not None and isinstance(params.get(key), str):
+        headers["Mcp-Name"] = header_value(params[key])
+    arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
+    for argument, name in (param_names or {}).items():
+        value = header_value(arguments.get(argument))
+        if value is not None:
+            headers[f"Mcp-Param-{name}"] = value
+    return headers
 
 
 def initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> tuple[HttpReply, HttpReply | None]:
@@ -3700,6 +3786,76 @@ def initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> t
         return posted, None
     return posted, exchange("GET", url, timeout=timeout, stream=True, headers={"Accept": "text/event-stream",
                                                                                **headers})
+
+
+def discover_answer(reply: HttpReply, max_bytes: int = _METADATA_BYTES) -> dict | None:
+    """The result of a server/discover probe's streamed 2xx reply when it names a 2026-07-28 version Coffer
+    speaks, else None.  Reads the JSON body, or the SSE stream until the answer; closes the reply."""
+    try:
+        kind = _content_type(reply)
+        if kind == "application/json":
+            items = [decode_json(reply.stream.read(max_bytes))]
+        elif kind == "text/event-stream":
+            items = []
+            for event in read_sse_events(reply.stream.readline, max_bytes):
+                if event.kind == "message" and not event.oversized:
+                    items.append(decode_json(event.data))
+                    if isinstance(items[-1], dict) and items[-1].get("id") == "coffer-probe":
+                        break
+        else:
+            return None
+    except (ValueError, *stream_errors()):
+        return None
+    finally:
+        _close_reply(reply)
+    for item in items:
+        result = item.get("result") if isinstance(item, dict) and item.get("id") == "coffer-probe" else None
+        versions = result.get("supportedVersions") if isinstance(result, dict) else None
+        if isinstance(versions, list) and any(v in MODERN_PROTOCOL_VERSIONS for v in versions):
+            return result
+    return None
+
+
+def _names_modern_version(reply: HttpReply) -> bool:
+    """Whether an error reply is a -32022 whose ``supported`` versions include one Coffer speaks."""
+    try:
+        error = decode_json(reply.body).get("error") if reply.body.strip() else None
+    except (ValueError, AttributeError):
+        return False
+    data = error.get("data") if isinstance(error, dict) and error.get("code") == -32022 else None
+    supported = data.get("supported") if isinstance(data, dict) else None
+    return isinstance(supported, list) and any(v in MODERN_PROTOCOL_VERSIONS for v in supported)
+
+
+class ProbeReplies(NamedTuple):
+    """What the transport probe got: ``discovered`` (a 2026-07-28 server's DiscoverResult) settles it; else the
+    replies of server/discover, then initialize, then the GET (each None when an earlier answer settled it)."""
+    discovered: dict | None
+    discover: HttpReply
+    initialize: HttpReply | None = None
+    stream: HttpReply | None = None
+
+
+def discover_initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> ProbeReplies:
+    """The probe for a remote server, 2026-07-28 first as for a stdio one: POST server/discover with the headers
+    that revision requires; a DiscoverResult naming a version Coffer speaks means a 2026-07-28 Streamable HTTP
+    server; anything else -- a refusal included, which initialize then meets in its own words -- falls back to the
+    2025-11-25 procedure (initialize_or_stream).  The GET's stream, when there is one, is open: the caller reads
+    and closes it."""
+    message = probe_discover_message()
+    for _ in range(2):  # once more when a -32022 names the version asked (a server may refuse the first try)
+        discover = exchange("POST", url, body=encode_line(message), timeout=timeout, stream=True, headers={
+            "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+            **standard_headers(message, message_version(message)), **headers})
+        if discover.ok:
+            result = discover_answer(discover)
+            if result is not None:
+                return ProbeReplies(result, discover)
+        _close_reply(discover)
+        if not _names_modern_version(discover):
+            break
+    posted, stream = initialize_or_stream(exchange, url, headers, timeout)
+    return ProbeReplies(None, discover, posted, stream)
 
 
 # ============================================================================================================
@@ -3743,8 +3899,8 @@ def authorized_exchange(name: str, auth, method: str, url: str, *, headers: dict
         if reply.status == 403:
             if bearer is not None and bearer.get("error") == "insufficient_scope":
                 scope = printable(bearer.get("scope", ""))[:200]
-                raise NeedsLogin(name, f"it asks for more permissions{f' (scope {scope})' if scope else ''}; "
-                                       f"add --scope to `coffer auth {name}`")
+                auth.insufficient_scope(scope)  # the next `coffer auth` asks for it, with what was granted
+                raise NeedsLogin(name, f"it asks for more permissions{f' (scope {scope})' if scope else ''}")
             return reply
         if challenges and bearer is None:
             schemes = ", ".join(sorted(challenges))[:100]
@@ -3857,6 +4013,7 @@ class AuthServerMetadata(NamedTuple):
     token_auth_methods: list[str] | None = None
     client_id_metadata_documents: bool = False
     iss_parameter: bool = False
+    metadata_issuer: str = ""           # the issuer as the metadata document spells it (RFC 9207 compares to it)
 
 
 def _first_metadata(urls: list[str], what: str) -> tuple[str, dict] | None:
@@ -3939,7 +4096,8 @@ def discover_authorization_server(issuer: str) -> AuthServerMetadata:
     return AuthServerMetadata(
         issuer=issuer, token_auth_methods=_str_list(document.get("token_endpoint_auth_methods_supported")),
         client_id_metadata_documents=document.get("client_id_metadata_document_supported") is True,
-        iss_parameter=document.get("authorization_response_iss_parameter_supported") is True, **endpoints)
+        iss_parameter=document.get("authorization_response_iss_parameter_supported") is True,
+        metadata_issuer=document["issuer"], **endpoints)
 
 
 # -- OAuth: the saved login ------------------------------------------------------------------------------------
@@ -3962,6 +4120,7 @@ class OAuthGrant(NamedTuple):
     redirect_uri: str | None = None
     revocation_endpoint: str | None = None
     scope: str | None = None
+    wanted_scope: str | None = None         # what the server asked for more of (403 insufficient_scope)
     expires_at: float | None = None
     lifetime: float | None = None
     obtained_at: float = 0.0
@@ -4081,8 +4240,9 @@ class OAuthCredentials:
     browser: whatever needs a person raises NeedsLogin.  The token goes only to the server's own origin.
 
     Threads: any HTTP worker thread of the upstream.  One lock (``_lock``) serialises reading the saved login and
-    refreshing it, so requests that find the token due together cause one refresh; it is held across the token
-    request on purpose (the others wait for its result instead of spending a single-use refresh token again).
+    writing it back (a refresh, a step-up's wanted scope), so requests that find the token due together cause one
+    refresh; it is held across the token request on purpose (the others wait for its result instead of spending a
+    single-use refresh token again).
     Inside it only the SecretStore's and the Redactor's own locks are taken; ``_warned`` is written under it.
     Other processes (a second `coffer serve`, `coffer auth`) share the store: before refreshing, and before giving
     up on invalid_grant, the store is read again in case one of them already refreshed (refresh tokens may be
@@ -4143,6 +4303,17 @@ class OAuthCredentials:
             if sent_authorization != f"Bearer {grant.access_token}":
                 return  # another thread or process has refreshed meanwhile
             self._refresh(grant)
+
+    def insufficient_scope(self, scope: str) -> None:
+        """The server refused the token for want of ``scope`` (a step-up): remember it in the saved login, so
+        the next `coffer auth` asks for it along with what was granted."""
+        with self._lock:
+            grant = self._load()
+            if grant is None or not scope:
+                return
+            wanted = _scope_union(grant.wanted_scope, scope)
+            if wanted != grant.wanted_scope:
+                self.store.set(oauth_secret_name(self.server), grant._replace(wanted_scope=wanted).to_text())
 
     def _refresh(self, grant: OAuthGrant) -> OAuthGrant:
         latest = self._load()
@@ -4242,7 +4413,9 @@ def choose_client(server: str, metadata: AuthServerMetadata, oauth: dict, store,
 
 def register_client(metadata: AuthServerMetadata, redirect_uri: str, scope: str | None) -> ClientIdentity:
     """Dynamic Client Registration (RFC 7591) as a public client: Coffer keeps no secret it does not need."""
-    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri],
+    # application_type "native" (OpenID Connect Registration, required by MCP's SEP-837): a program on the user's
+    # machine with a loopback redirect URI, which an authorization server defaulting to "web" would refuse.
+    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri], "application_type": "native",
                "grant_types": ["authorization_code", "refresh_token"],
                "response_types": ["code"], "token_endpoint_auth_method": "none"}
     if scope:
@@ -4355,16 +4528,100 @@ def _read_pasted_callback(receiver: LoopbackReceiver, stdin) -> None:
 
 
 def login_challenge(name: str, url: str, headers: dict) -> dict[str, dict[str, str]]:
-    """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  POST initialize first
-    (Streamable HTTP); on 400/404/405 a GET (HTTP+SSE).  Raises OAuthFailure when it wants no login."""
-    posted, stream = initialize_or_stream(remote_http, url, headers, 15.0)
-    reply = stream or posted
+    """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  The probe Coffer starts a
+    server with (server/discover, then initialize, then a GET for HTTP+SSE); a server that lets the session begin
+    unauthenticated is asked what a session asks next -- its lists -- since many ask for the login only there.
+    Raises OAuthFailure when nothing asks for a login."""
+    probed = discover_initialize_or_stream(remote_http, url, headers, 15.0)
+    reply = probed.stream or probed.initialize or probed.discover
     _close_reply(reply)
+    if probed.discover.status in (401, 403):
+        reply = probed.discover  # asked for a login at once (initialize may be let through, or unknown)
+    elif reply.ok and probed.stream is None:
+        reply = _later_refusal(url, headers, probed.discovered) or reply
     if reply.status in (401, 403):
         return parse_www_authenticate(reply.headers.get("www-authenticate"))
     if reply.ok:
         raise OAuthFailure(f"'{name}' answered without asking for a login: nothing to do")
     raise OAuthFailure(f"'{name}' answered HTTP {reply.status} instead of asking for a login: {_reply_text(reply)}")
+
+
+def _rpc_post(url: str, headers: dict, message: dict) -> tuple[HttpReply, dict | None]:
+    """One JSON-RPC POST of the login probe: the reply (closed) and the answer to ``message`` it held, if any."""
+    reply = remote_http("POST", url, body=encode_line(message), timeout=15.0, stream=True, headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+        **standard_headers(message, message_version(message)), **headers})
+    answer = None
+    try:
+        if reply.ok and reply.stream is not None:
+            kind = reply.headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind == "application/json":
+                items = [decode_json(reply.stream.read(_METADATA_BYTES))]
+            elif kind == "text/event-stream":
+                items = [decode_json(event.data) for event in read_sse_events(reply.stream.readline, _METADATA_BYTES)
+                         if event.kind == "message" and not event.oversized]
+            else:
+                items = []
+            answer = next((item for item in items if isinstance(item, dict) and "id" in message
+                           and item.get("id") == message["id"]), None)
+    except (ValueError, OSError):
+        answer = None
+    finally:
+        _close_reply(reply)
+    return reply, answer
+
+
+def _later_refusal(url: str, headers: dict, discovered: dict | None) -> HttpReply | None:
+    """The first 401 or 403 of the requests a session makes after it began (the lists of what the server
+    announces), or None when every one was let through.  ``discovered``: a 2026-07-28 server's DiscoverResult;
+    None for a handshake-era one, whose session is begun (and ended) here."""
+    envelope = Envelope(MODERN_PROTOCOL_VERSIONS[-1], {}, {"name": "coffer", "version": __version__}, None)
+    session_headers = dict(headers)
+    if discovered is not None:
+        capabilities = discovered.get("capabilities")
+    else:
+        reply, answer = _rpc_post(url, headers, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+            "clientInfo": {"name": "coffer", "version": __version__}}})
+        if not reply.ok:
+            return reply if reply.status in (401, 403) else None
+        result = answer.get("result") if isinstance(answer, dict) else None
+        if not isinstance(result, dict):
+            return None
+        capabilities = result.get("capabilities")
+        session = reply.headers.get("mcp-session-id")
+        if session and len(session) < 1024:
+            session_headers["Mcp-Session-Id"] = session
+        version = result.get("protocolVersion")
+        session_headers["MCP-Protocol-Version"] = version if isinstance(version, str) else LATEST_PROTOCOL_VERSION
+        reply, _ = _rpc_post(url, session_headers, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        if reply.status in (401, 403):
+            return reply
+    capabilities = capabilities if isinstance(capabilities, dict) else {}
+    try:
+        for number, (method, capability) in enumerate((("tools/list", "tools"), ("resources/list", "resources"),
+                                                       ("prompts/list", "prompts")), start=2):
+            if capability not in capabilities:
+                continue
+            params = stamp_envelope({}, envelope) if discovered is not None else {}
+            reply, _ = _rpc_post(url, session_headers, {"jsonrpc": "2.0", "id": number, "method": method,
+                                                        "params": params})
+            if reply.status in (401, 403):
+                return reply
+        return None
+    finally:
+        if "Mcp-Session-Id" in session_headers:
+            try:
+                remote_http("DELETE", url, headers=session_headers, timeout=5.0)
+            except UpstreamFailure:
+                pass
+
+
+def _scope_union(*scopes: str | None) -> str | None:
+    """Space-separated scopes, each once, in the order first met (SEP-2350: a new login keeps what was asked
+    before and adds what the server now asks for)."""
+    merged = list(dict.fromkeys(word for scope in scopes if scope for word in scope.split()))
+    return " ".join(merged) or None
 
 
 def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings: dict, *, out,
@@ -4386,15 +4643,17 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
     else:  # MCP 2025-03-26 servers: the authorization server is the MCP server's origin
         issuer, resource = origin_text(url), canonical_resource(url)
     metadata = discover_authorization_server(issuer)
-    if scope is None:
-        scope = bearer.get("scope") or (" ".join(resource_metadata.scopes_supported)
-                                         if resource_metadata and resource_metadata.scopes_supported else None)
     key = oauth_secret_name(name)
     try:
         text = store.get(key)
         previous = OAuthGrant.from_text(text) if text else None
     except (ValueError, TypeError):
         previous = None
+    if scope is None:
+        scope = bearer.get("scope") or (" ".join(resource_metadata.scopes_supported)
+                                         if resource_metadata and resource_metadata.scopes_supported else None)
+        if previous is not None and previous.server_url == url:  # a new login for more: keep what was granted
+            scope = _scope_union(previous.scope, scope, previous.wanted_scope)
     receiver = _open_receiver(previous)
     try:
         client = choose_client(name, metadata, oauth, store, settings, receiver.redirect_uri, scope, previous)
@@ -4435,8 +4694,9 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
         raise OAuthFailure(f"the authorization server refused: {printable(answer['error'])[:60]}"
                            + (f": {detail}" if detail else ""))
     if "iss" in answer or metadata.iss_parameter:  # RFC 9207: the answer must come from the server we asked
-        if not _issuers_match(str(answer.get("iss", "")), metadata.issuer):
-            raise OAuthFailure("the authorization answer names another issuer than the server asked: refused")
+        if answer.get("iss") != (metadata.metadata_issuer or metadata.issuer):  # exactly: no normalising (§2.4)
+            raise OAuthFailure("the authorization answer names another issuer than the server asked, or none: "
+                               "refused")
     code = answer.get("code")
     if not isinstance(code, str) or not 0 < len(code) <= 4096:
         raise OAuthFailure("the authorization server sent no code")
@@ -4507,32 +4767,48 @@ class HttpTransport(Transport):
     that may carry the server's own requests and notifications before the response.  Bodies and events are bounded
     by max_message_bytes.  A request waits until the notifications sent before it have been delivered (so
     notifications/initialized arrives before the first list request), and one whose reply holds no answer fails at
-    once.  With ``auth`` (OAuthCredentials) each request carries the server's bearer token, refreshed and retried
-    once on 401.  ``close`` ends the server's own stream and the pool's workers.
+    once -- unless the server closed an SSE stream that named event ids: that stream is resumed as the spec says
+    (wait its ``retry``, GET with Last-Event-ID), a few times at most.  An error status whose JSON body answers the
+    request is that request's answer (a 2026-07-28 server says -32022 or -32601 with a 400 or 404).  With ``auth``
+    (OAuthCredentials) each request carries the server's bearer token, refreshed and retried once on 401.
+    ``close`` ends the server's own stream, the streams of requests still waiting, and the pools' workers.
+
+    Both eras: a message whose envelope names 2026-07-28 (and everything after the first one) goes with that
+    revision's headers -- MCP-Protocol-Version, Mcp-Method, Mcp-Name, and Mcp-Param-<Name> for the tool arguments
+    ``param_names(tool)`` (argument -> header name, from the tool's definition) marks -- and no session; a
+    handshake-era message carries the session and the version its initialize agreed.
 
     Threads: ``send`` runs on any thread; each POST and the handling of its reply on a worker of the pool (so
     ``on_message`` runs on many threads at once); notifications on a pool of one, in order; the server's own GET
-    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended`` and ``_released``: ``send``
-    queues a message only while the transport is open, so nothing is queued on a closed pool (where it would wait
-    for its timeout); ``on_close`` and the release of the pools happen once each, also when the server ended the
-    connection first; and a notification keeps its place in line (the newest one's ``_delivered`` is the one a
-    later request waits for).  ``session_id`` and ``protocol_version`` are written once, by the initialize reply,
-    before any other request is sent (the Upstream waits for that reply); ``_listening`` only by that reply's
-    worker.
+    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended``, ``_released`` and
+    ``_streams``: ``send`` queues a message only while the transport is open, so nothing is queued on a closed
+    pool (where it would wait for its timeout); ``on_close`` and the release of the pools happen once each, also
+    when the server ended the connection first; a notification keeps its place in line (the newest one's
+    ``_delivered`` is the one a later request waits for); and every open reply stream is known, so ``close`` can
+    end it.  ``session_id`` and ``protocol_version`` are written once, by the initialize reply, before any other
+    request is sent (the Upstream waits for that reply); ``modern_version`` by the reply to the first
+    2026-07-28 request the server answered (the start thread's server/discover, before any other request);
+    ``_listening`` only by the initialize reply's worker.
     """
 
     POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)
+    RESUME_ATTEMPTS = 5  # reconnections of one request's closed SSE stream before it fails
+    RESUME_DELAY = 1.0   # seconds before one, when the server named no retry
+
+    speaks_discover = True
 
     def __init__(self, name, url, headers, on_message, on_close, timeout, on_unusable=None, max_body=64 << 20,
-                 auth=None, on_failure=None):
+                 auth=None, on_failure=None, param_names=None):
         self.name, self.url, self.headers = name, url, headers
         self.on_message, self.on_close = on_message, on_close
         self.on_failure = on_failure or (lambda request_id, text: on_message(rpc_error(request_id, UPSTREAM_ERROR,
                                                                                       text)))
         self.on_unusable = on_unusable or (lambda head, why: None)
+        self.param_names = param_names or (lambda tool: None)
         self.timeout, self.max_body, self.auth = timeout, max_body, auth
         self.session_id: str | None = None
         self.protocol_version: str | None = None
+        self.modern_version: str | None = None
         self.log = ServerLog(remote_log, name)
         self._lock = threading.Lock()
         self._closed = False        # no more messages: closed, or ended by the server
@@ -4540,7 +4816,9 @@ class HttpTransport(Transport):
         self._released = False      # the pools and the stream are let go
         self._listening = False
         self._stream = None                      # the server's own GET stream, while open
+        self._streams: set = set()               # the reply streams of requests, while read
         self._delivered: threading.Event | None = None   # the last notification's POST is done
+        self._stopped = threading.Event()        # set by close: a resumption waiting its retry gives up
         self._pool = WorkerPool(f"coffer-{name}-http", self.POOL_SIZE)
         self._notices = WorkerPool(f"coffer-{name}-notify", 1)  # in order, never behind slow calls
 
@@ -4572,9 +4850,18 @@ class HttpTransport(Transport):
             self.close_reason = reason
         self.on_close()
 
-    def _request_headers(self) -> dict:
+    def _request_headers(self, message: dict | None = None) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         headers.update(self.headers)
+        version = message_version(message) if message is not None else None
+        if version is None and self.protocol_version is None:
+            version = self.modern_version
+        if version is not None:  # 2026-07-28: stateless, every POST says what it is
+            params = message.get("params") if message is not None else None
+            tool = params.get("name") if message is not None and message.get("method") == "tools/call" and \
+                isinstance(params, dict) else None
+            headers.update(standard_headers(message or {}, version, self.param_names(tool) if tool else None))
+            return headers
         if self.session_id:
             headers["Mcp-Session-Id"] = self.session_id
         if self.protocol_version:
@@ -4593,8 +4880,9 @@ class HttpTransport(Transport):
 
     def _exchange(self, message: dict, body: bytes) -> None:
         initializing = message.get("method") == "initialize"
+        probing = initializing or message.get("method") == "server/discover"
         try:
-            reply = authorized_exchange(self.name, self.auth, "POST", self.url, headers=self._request_headers(),
+            reply = authorized_exchange(self.name, self.auth, "POST", self.url, headers=self._request_headers(message),
                                         body=body, timeout=self.timeout, stream=True)
         except UpstreamFailure as exc:
             self._fail(message, str(exc))
@@ -4607,6 +4895,8 @@ class HttpTransport(Transport):
             self._end("expired its HTTP session")
             return
         if not reply.ok:
+            if self._error_answer(reply, message.get("id")):
+                return
             text = f"HTTP {reply.status}: {_reply_text(reply)}".rstrip(": ")
             if initializing and reply.status in (401, 403, 404, 405):
                 hints = {401: " (it wants credentials: check --header)", 403: " (the credentials were refused)",
@@ -4617,6 +4907,11 @@ class HttpTransport(Transport):
             self._fail(message, text)
             return
         answered = "id" not in message
+        cursor = SseCursor()
+        if not self._track(reply.stream):
+            _close_reply(reply)
+            self._fail(message, "the connection was closed")
+            return
         try:
             session = reply.headers.get("mcp-session-id")
             if session and initializing:
@@ -4625,7 +4920,13 @@ class HttpTransport(Transport):
                     self._fail(message, str(self.fatal))
                     return
                 self.session_id = session
-            answered = self._consume(reply, message.get("id")) or answered
+            try:
+                answered = self._consume(reply, message.get("id"), cursor, message_version(message)) or answered
+            except stream_errors():
+                if cursor.last_id is None or probing:
+                    raise
+            if not answered and cursor.last_id is not None and not probing:
+                answered = self._resume(message, cursor)
             if not answered:
                 kind = _content_type(reply) or "no content type"
                 text = f"the server's reply ({printable(kind)[:60]}) held no answer"
@@ -4637,18 +4938,49 @@ class HttpTransport(Transport):
         except stream_errors() as exc:
             self._fail(message, f"{self.name} broke off its reply: {exc.__class__.__name__}")
         finally:
+            self._untrack(reply.stream)
             _close_reply(reply)
+
+    def _track(self, stream) -> bool:
+        with self._lock:
+            if self._released:
+                return False
+            self._streams.add(stream)
+        return True
+
+    def _untrack(self, stream) -> None:
+        with self._lock:
+            self._streams.discard(stream)
+
+    def _error_answer(self, reply: HttpReply, request_id) -> bool:
+        """An error status whose JSON body is the JSON-RPC error answering ``request_id``: delivered as the answer
+        (a 2026-07-28 server answers an unsupported version, a missing envelope or an unknown method this way)."""
+        if request_id is None or _content_type(reply) != "application/json" or not reply.body.strip():
+            return False
+        try:
+            payload = decode_json(reply.body)
+        except ValueError:
+            return False
+        items = payload if isinstance(payload, list) else [payload]
+        answer = next((item for item in items if isinstance(item, dict) and item.get("id") == request_id
+                       and "method" not in item and isinstance(item.get("error"), dict)), None)
+        if answer is None:
+            return False
+        self.on_message(answer)
+        return True
 
     def _fatal(self, exc: UpstreamFailure, message: dict) -> None:
         """Retrying cannot fix this (a login only a person can give, an origin refused).  At start the Upstream
         reports it at once; once running, the connection ends so the server's status says so too (its restart
         then fails at once, for the same reason)."""
         self.fatal = exc
-        if message.get("method") != "initialize":
+        if message.get("method") not in ("initialize", "server/discover"):
             self._end(str(exc))
 
-    def _consume(self, reply: HttpReply, request_id=None) -> bool:
-        """Deliver what a reply holds; True when it held the answer to ``request_id``."""
+    def _consume(self, reply: HttpReply, request_id=None, cursor: SseCursor | None = None,
+                 version: str | None = None) -> bool:
+        """Deliver what a reply holds; True when it held the answer to ``request_id`` (a request in the
+        2026-07-28 ``version``, when it names one)."""
         answered = False
         kind = _content_type(reply)
         if kind == "application/json":
@@ -4657,24 +4989,60 @@ class HttpTransport(Transport):
                 raise UpstreamFailure(f"a reply larger than max_message_bytes ({self.max_body} bytes)")
             if data.strip():
                 for item in _messages_of(data, self.log, self.on_unusable):
-                    answered = self._deliver(item, request_id) or answered
+                    answered = self._deliver(item, request_id, version) or answered
         elif kind == "text/event-stream":
-            for event in read_sse_events(reply.stream.readline, self.max_body):
+            for event in read_sse_events(reply.stream.readline, self.max_body, cursor):
                 if event.oversized:
                     self.on_unusable(event.data, f"an event of {event.oversized} bytes, more than "
                                                  f"max_message_bytes ({self.max_body})")
                     answered = answered or request_id_in(event.data) == request_id
                 elif event.kind == "message":
                     for item in _messages_of(event.data, self.log, self.on_unusable):
-                        answered = self._deliver(item, request_id) or answered
+                        answered = self._deliver(item, request_id, version) or answered
+                if answered and request_id is not None:
+                    break  # the answer ends the request's stream (a resumed GET stays open otherwise)
         return answered
 
-    def _deliver(self, item: dict, request_id=None) -> bool:
+    def _resume(self, message: dict, cursor: SseCursor) -> bool:
+        """The server closed the request's SSE stream before the answer, having named event ids: reconnect the
+        way the transport spec says -- wait the ``retry`` it last asked for, then GET with Last-Event-ID --
+        until the answer arrives, at most RESUME_ATTEMPTS times.  True when it did."""
+        request_id = message.get("id")
+        for _ in range(self.RESUME_ATTEMPTS):
+            if self._stopped.wait(self.RESUME_DELAY if cursor.retry is None else min(cursor.retry, self.timeout)):
+                return False
+            headers = self._request_headers()
+            headers["Accept"] = "text/event-stream"
+            headers.pop("Content-Type", None)
+            headers["Last-Event-ID"] = cursor.last_id
+            self.log.debug("resuming the stream of request %s after event %s", request_id, cursor.last_id)
+            reply = authorized_exchange(self.name, self.auth, "GET", self.url, headers=headers, timeout=self.timeout,
+                                        stream=True)
+            if not reply.ok or _content_type(reply) != "text/event-stream" or not self._track(reply.stream):
+                _close_reply(reply)
+                raise UpstreamFailure(f"its stream closed before the answer and could not be resumed (GET answered "
+                                      f"HTTP {reply.status})")
+            try:
+                if self._consume(reply, request_id, cursor, message_version(message)):
+                    return True
+            except stream_errors():
+                pass  # a broken resumed stream is resumed again, as a closed one is
+            finally:
+                self._untrack(reply.stream)
+                _close_reply(reply)
+        return False
+
+    def _deliver(self, item: dict, request_id=None, version: str | None = None) -> bool:
         is_answer = request_id is not None and item.get("id") == request_id and "method" not in item
         if is_answer and isinstance(item.get("result"), dict) and self.protocol_version is None and \
-                isinstance(item["result"].get("protocolVersion"), str):
-            self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
-            self._start_listening()
+                self.modern_version is None:
+            versions = item["result"].get("supportedVersions")
+            if version is not None:
+                if isinstance(versions, list) and version in versions:
+                    self.modern_version = version  # a DiscoverResult naming it: the server's era
+            elif isinstance(item["result"].get("protocolVersion"), str):
+                self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
+                self._start_listening()
         self.on_message(item)
         return is_answer
 
@@ -4714,9 +5082,11 @@ class HttpTransport(Transport):
                 return
             self._released = self._closed = True
             ended = self._ended
-        stream = self._stream
-        if stream is not None:
-            abort_stream(stream)
+            streams, self._streams = list(self._streams), set()
+        self._stopped.set()
+        for stream in [self._stream, *streams]:
+            if stream is not None:
+                abort_stream(stream)
         self._pool.close()
         self._notices.close()
         if self.session_id and not ended:  # a session the server ended needs no DELETE
@@ -4943,12 +5313,21 @@ class TransportProbe(NamedTuple):
 
 
 def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: float = 10.0) -> TransportProbe:
-    """Which transport ``url`` speaks (MCP 2025-11-25 transports, backwards compatibility): POST an initialize;
-    a 2xx means Streamable HTTP; a 400, 404 or 405 means try GET, and an SSE stream that opens with an
-    ``endpoint`` event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
+    """Which transport ``url`` speaks: first a 2026-07-28 server/discover, whose DiscoverResult means Streamable
+    HTTP in that revision; else the MCP 2025-11-25 backwards-compatibility procedure: POST an initialize; a 2xx
+    means Streamable HTTP; a 400, 404 or 405 means try GET, and an SSE stream that opens with an ``endpoint``
+    event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
     if url_origin(url) is None:
         raise UpstreamFailure(f"unsupported URL {url!r}")
-    reply, stream = initialize_or_stream(functools.partial(authorized_exchange, name, auth), url, headers, timeout)
+    probed = discover_initialize_or_stream(functools.partial(authorized_exchange, name, auth), url, headers,
+                                           timeout)
+    if probed.discovered is not None:
+        return TransportProbe("http", "Streamable HTTP (MCP 2026-07-28)")
+    reply, stream = probed.initialize or probed.discover, probed.stream
+    if not reply.ok and probed.discover.status in (401, 403) and (stream is None or not stream.ok):
+        if stream is not None:  # refused, and nothing else answered: the refusal is the answer (2026-07-28)
+            _close_reply(stream)
+        reply, stream = probed.discover, None
     if reply.ok:
         if _content_type(reply) not in ("application/json", "text/event-stream"):
             raise UpstreamFailure(f"{url} answered an MCP initialize with {printable(_content_type(reply))[:60]}"
@@ -5009,6 +5388,10 @@ class AutoTransport(Transport):
         return self.inner is not None and self.inner.send(message)
 
     @property
+    def speaks_discover(self) -> bool:
+        return getattr(self.inner, "speaks_discover", False)
+
+    @property
     def close_reason(self):
         return getattr(self.inner, "close_reason", None)
 
@@ -5023,8 +5406,11 @@ class AutoTransport(Transport):
 
 
 def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, on_message, on_close,
-                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_unusable=None):
-    """The transport for a remote server (``kind`` is the vault's transport: auto, http or sse).
+                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_unusable=None,
+                          param_names=None):
+    """The transport for a remote server (``kind`` is the vault's transport: auto, http or sse); ``param_names``
+    (tool name -> {argument: header name}) is how a 2026-07-28 Streamable HTTP request finds the arguments its
+    tool's definition mirrors into headers.
 
     OAuth applies unless the server is configured with its own Authorization header: that header is the user's
     choice of credentials and is sent as is (a 401 then reports that it was refused).
@@ -5037,7 +5423,7 @@ def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, 
             return SseTransport(name, url, headers, on_message, on_close, timeout, auth, max_message_bytes,
                                 on_failure, on_unusable)
         return HttpTransport(name, url, headers, on_message, on_close, timeout, on_unusable, max_message_bytes,
-                             auth=auth, on_failure=on_failure)
+                             auth=auth, on_failure=on_failure, param_names=param_names)
 
     if kind == "auto":
         return AutoTransport(name, url, headers, auth, min(timeout, 30.0), make)
@@ -5082,6 +5468,33 @@ def _clean_strings(value, depth: int = 0):
     if isinstance(value, list):
         return [_clean_strings(v, depth + 1) for v in value]
     return value
+
+
+HEADER_TYPES = ("string", "integer", "boolean")   # what an x-mcp-header may mark (a value with one spelling)
+
+
+def header_parameters(tool: dict) -> dict[str, str]:
+    """{argument: header name} of a tool's top-level arguments marked ``x-mcp-header`` (MCP 2026-07-28: a client
+    mirrors their values into Mcp-Param-<Name> headers).  Rejected when a mark is invalid -- empty, not an HTTP
+    token, used twice (case-insensitively), or on an argument that is not a string, integer or boolean -- since
+    the spec has a client exclude such a tool rather than guess."""
+    schema = tool.get("inputSchema")
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    found: dict[str, str] = {}
+    seen: set[str] = set()
+    for argument, prop in (properties.items() if isinstance(properties, dict) else ()):
+        if not isinstance(prop, dict) or "x-mcp-header" not in prop:
+            continue
+        name = prop["x-mcp-header"]
+        if not valid_header_name(name):
+            raise Rejected(f"its argument {printable(str(argument))[:60]!r} has an invalid x-mcp-header")
+        if name.lower() in seen:
+            raise Rejected(f"two of its arguments name the x-mcp-header {name!r}")
+        if prop.get("type") not in HEADER_TYPES:
+            raise Rejected(f"its x-mcp-header {name!r} marks an argument that is not a string, integer or boolean")
+        seen.add(name.lower())
+        found[argument] = name
+    return found
 
 
 def check_definition(kind: str, item) -> dict:
@@ -5129,6 +5542,7 @@ def check_definition(kind: str, item) -> dict:
                                              all(isinstance(r, str) for r in schema["required"])):
                 schema = {k: v for k, v in schema.items() if k != "required"}
             item["inputSchema"] = schema if "type" in schema else {"type": "object", **schema}
+            header_parameters(item)  # an invalid x-mcp-header mark is refused (2026-07-28 server/tools)
         if "outputSchema" in item and not isinstance(item["outputSchema"], (dict, bool)):
             del item["outputSchema"]  # not a JSON Schema at all (2026-07-28 allows any schema; the catalogue wraps
             # a non-object one for a handshake-era client)
@@ -5847,7 +6261,8 @@ class Upstream:
             transport = make_remote_transport(self.name, cfg["transport"], expand(cfg["url"]), headers, self.secrets,
                                               on_message, on_close,
                                               max(float(self.settings["init_timeout"]), self.call_timeout), limit,
-                                              on_failure=self._fail_request, on_unusable=self._on_unusable)
+                                              on_failure=self._fail_request, on_unusable=self._on_unusable,
+                                              param_names=self._param_headers)
         else:
             own = {k: expand(v) for k, v in cfg["env"].items()}
             env = upstream_environment(own, cfg.get("inherit_env") or ())
@@ -5870,7 +6285,7 @@ class Upstream:
                 self.transport = transport
                 self.generation += 1
             transport.start()
-            self._open_session(isinstance(transport, StdioTransport))
+            self._open_session(transport)
             for kind in CAPABILITY_KINDS:
                 self.listing.refresh(kind, notify=False)
             if self._closed_generation == self.generation:
@@ -5898,16 +6313,19 @@ class Upstream:
         self.events.on_ready(self)
         self.requests.run_backlog(backlog)
 
-    def _open_session(self, stdio: bool) -> None:
-        """Begin the session the way the spec's stdio compatibility rule says: server/discover first (unless the
-        vault remembers a handshake-era server); a DiscoverResult or a recognised modern error means 2026-07-28,
-        anything else -- another error, silence, junk -- means initialize.  A remote server speaks the handshake era
-        here.  Sets era, capabilities and server_info, or raises UpstreamFailure."""
-        if stdio and self.era != "handshake":
+    def _open_session(self, transport: Transport) -> None:
+        """Begin the session the way the spec's compatibility rule says: server/discover first (unless the vault
+        remembers a handshake-era server, or the transport is the 2024-11-05 HTTP+SSE one, which predates it); a
+        DiscoverResult or a recognised modern error means 2026-07-28, anything else -- another error, silence,
+        junk -- means initialize.  Sets era, capabilities and server_info, or raises UpstreamFailure."""
+        probe = transport.speaks_discover
+        if probe and self.era != "handshake":
             verdict = self._discover()
             if verdict.era == "modern":
                 self._adopt_modern(verdict.result)
                 return
+            if transport.fatal is not None:
+                raise transport.fatal  # a login only a person can give: initialize would meet the same
             if self._closed_generation == self.generation:
                 self.era = "handshake"  # it died on server/discover: its next start goes straight to initialize
                 raise UpstreamFailure("exited when asked server/discover")
@@ -5918,7 +6336,7 @@ class Upstream:
         error = response.get("error")
         if error is not None:
             data = error.get("data") if isinstance(error.get("data"), dict) else {}
-            if stdio and error["code"] == UNSUPPORTED_PROTOCOL_VERSION and any(
+            if probe and error["code"] == UNSUPPORTED_PROTOCOL_VERSION and any(
                     v in MODERN_PROTOCOL_VERSIONS for v in (data.get("supported") or []) if isinstance(v, str)):
                 verdict = self._discover()  # a server that speaks only 2026-07-28 (or was locked so by our probe)
                 if verdict.era == "modern":
@@ -5953,6 +6371,12 @@ class Upstream:
         meta = result.get("_meta") if isinstance(result.get("_meta"), dict) else {}
         info = meta.get(META_SERVER_INFO)
         self.server_info = _clean_strings(info) if isinstance(info, dict) else {}
+
+    def _param_headers(self, tool) -> dict | None:
+        """{argument: header name} of the arguments a tool's definition mirrors into Mcp-Param-<Name> headers
+        (2026-07-28 ``x-mcp-header``; definitions.check_definition has refused a tool whose marks are invalid)."""
+        definition = self.lists.get("tool", {}).get(tool) if isinstance(tool, str) else None
+        return header_parameters(definition) if definition is not None else None
 
     def _start_failed(self, transport: Transport | None, exc: Exception) -> None:
         if not isinstance(exc, (UpstreamFailure, OSError, ValueError)):
@@ -11815,7 +12239,7 @@ class CallRouter:
                 self._deny(blocked, "resource", started)
             if log_kind:
                 self.record("", uri, log_kind, started, "error", "unknown resource")
-            raise RpcError(INVALID_PARAMS, f"Unknown resource: {uri}")
+            raise RpcError(INVALID_PARAMS, f"Unknown resource: {uri}", {"uri": uri})
         return route
 
     def resources_read(self, msg_id, params):
@@ -11838,40 +12262,51 @@ class CallRouter:
     def subscription(self, method: str):
         def handler(msg_id, params):
             uri = require_str(params, "uri")
-            upstream, original = self.resource_route(uri, time.monotonic(), None)
-            with self.session.lock:  # remembered so a restarted upstream is subscribed again
-                subscribed = self.subscriptions.setdefault(upstream.name, set())
-                subscribed.add(original) if method == "resources/subscribe" else subscribed.discard(original)
-            if upstream.era == "modern":
-                return {}  # a 2026-07-28 server has no resources/subscribe (updates need a listen stream of its own)
-            if method == "resources/unsubscribe" and self.hub.subscribed_elsewhere(self.session, upstream, original):
-                return {}  # another client still wants its updates
-            self.forward(msg_id, upstream, method, {**params, "uri": original}, uri, None, time.monotonic())
+
+            def work():  # once the upstream that may own the URI has started, as resources/read waits
+                upstream, original = self.resource_route(uri, time.monotonic(), None)
+                with self.session.lock:  # remembered so a restarted upstream is subscribed again
+                    subscribed = self.subscriptions.setdefault(upstream.name, set())
+                    subscribed.add(original) if method == "resources/subscribe" else subscribed.discard(original)
+                if upstream.era == "modern":
+                    return {}  # a 2026-07-28 server has no resources/subscribe (updates need a listen stream)
+                if method == "resources/unsubscribe" and self.hub.subscribed_elsewhere(self.session, upstream,
+                                                                                       original):
+                    return {}  # another client still wants its updates
+                self.forward(msg_id, upstream, method, {**params, "uri": original}, uri, None, time.monotonic())
+                return None
+
+            return self.session.after_discovery(msg_id, work, method=method)
         return handler
 
     def complete(self, msg_id, params):
         ref = params.get("ref")
         if not isinstance(ref, dict):
             raise RpcError(INVALID_PARAMS, "'ref' must be an object")
-        catalogue = self.hub.catalogue
         if ref.get("type") not in ("ref/prompt", "ref/resource"):
             raise RpcError(INVALID_PARAMS, "ref.type must be 'ref/prompt' or 'ref/resource'")
         key = "name" if ref["type"] == "ref/prompt" else "uri"
         target = ref.get(key)
         if not isinstance(target, str):
             raise RpcError(INVALID_PARAMS, f"ref.{key} must be a string")
-        if key == "name":
-            route = catalogue.prompt_routes.get(target)
-        else:
-            route = catalogue.template_by_text.get(target) or catalogue.route_resource(target)
-        if route is None:
-            raise RpcError(INVALID_PARAMS, f"Unknown completion target: {ref.get(key)}")
-        upstream, original = route
-        if "completions" not in upstream.capabilities:
-            return {"completion": {"values": [], "hasMore": False}}
-        self.forward(msg_id, upstream, "completion/complete", {**params, "ref": {**ref, key: original}},
-                     str(ref.get(key)), None, time.monotonic())
-        return None
+
+        def work():  # once the upstream that may own the target has started
+            catalogue = self.hub.catalogue
+            if key == "name":
+                route = catalogue.prompt_routes.get(target)
+            else:
+                route = catalogue.template_by_text.get(target) or catalogue.route_resource(target)
+            if route is None:
+                raise RpcError(INVALID_PARAMS, f"Unknown completion target: {target}")
+            upstream, original = route
+            if "completions" not in upstream.capabilities:
+                return {"completion": {"values": [], "hasMore": False}}
+            self.forward(msg_id, upstream, "completion/complete", {**params, "ref": {**ref, key: original}},
+                         target, None, time.monotonic())
+            return None
+
+        return self.session.after_discovery(msg_id, work, kind="prompt" if key == "name" else None,
+                                            method="completion/complete")
 
     def _deny(self, capability: str, kind: str, started: float):
         """A disabled or quarantined capability: logged as denied, and an error that says what the user can do."""
@@ -12877,12 +13312,9 @@ class ClientSession:
     def _dispatch_modern(self, msg_id, method: str, params: dict) -> None:
         """One request of a 2026-07-28 client: the envelope checked in the spec's order, the session started by
         the first request, then the same handlers as the handshake era; results get their 2026 shape in send."""
-        if method == "initialize":
-            version = params.get("protocolVersion")
-            self.send(rpc_error(msg_id, UNSUPPORTED_PROTOCOL_VERSION, "this connection serves the 2026-07-28 protocol;"
-                                " the initialize handshake is not accepted", {
-                                    "supported": list(MODERN_PROTOCOL_VERSIONS),
-                                    "requested": version[:100] if isinstance(version, str) else ""}))
+        if method == "initialize":  # removed in 2026-07-28: "method not found", as for any method it lacks
+            self.send(rpc_error(msg_id, METHOD_NOT_FOUND, "Method not found: initialize (this connection serves the "
+                                "2026-07-28 protocol, which has no initialize handshake)"))
             return
         try:
             envelope = parse_envelope(params)

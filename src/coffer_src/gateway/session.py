@@ -58,7 +58,6 @@ from coffer_src.modern import (
     META_CLIENT_INFO,
     MODERN_CLIENT_METHODS,
     MODERN_PROTOCOL_VERSIONS,
-    UNSUPPORTED_PROTOCOL_VERSION,
     Envelope,
     coffer_server_info,
     is_enveloped,
@@ -421,12 +420,9 @@ class ClientSession:
     def _dispatch_modern(self, msg_id, method: str, params: dict) -> None:
         """One request of a 2026-07-28 client: the envelope checked in the spec's order, the session started by
         the first request, then the same handlers as the handshake era; results get their 2026 shape in send."""
-        if method == "initialize":
-            version = params.get("protocolVersion")
-            self.send(rpc_error(msg_id, UNSUPPORTED_PROTOCOL_VERSION, "this connection serves the 2026-07-28 protocol;"
-                                " the initialize handshake is not accepted", {
-                                    "supported": list(MODERN_PROTOCOL_VERSIONS),
-                                    "requested": version[:100] if isinstance(version, str) else ""}))
+        if method == "initialize":  # removed in 2026-07-28: "method not found", as for any method it lacks
+            self.send(rpc_error(msg_id, METHOD_NOT_FOUND, "Method not found: initialize (this connection serves the "
+                                "2026-07-28 protocol, which has no initialize handshake)"))
             return
         try:
             envelope = parse_envelope(params)

@@ -52,6 +52,7 @@ class Transport:
     pid = None
     fatal: UpstreamFailure | None = None
     close_reason: str | None = None
+    speaks_discover = False     # a 2026-07-28 server may be behind it: ask server/discover before initialize
 
     def start(self) -> None:
         raise NotImplementedError
@@ -149,6 +150,8 @@ class StdioTransport(Transport):
     copy (``dict()`` of a dict is atomic under the GIL); a descendant missed by that race is found by ``close``'s
     own look at the process table.
     """
+
+    speaks_discover = True
 
     def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_unusable=None, max_line=0):
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
