@@ -10,22 +10,12 @@ from pathlib import Path
 import anyio
 import mcp_types as types
 import pytest
-from mcp import Client
-from mcp.client.stdio import StdioServerParameters
 
-from conftest import COFFER, FAKE, PY, cli
-
-
-def gateway():
-    return StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
+from conftest import FAKE, cli, sdk_session
 
 
 def run(body, name="ask-agent", **client_kwargs):
-    async def main():
-        async with Client(gateway(), client_info=types.Implementation(name=name, version="1"),
-                          **client_kwargs) as client:
-            return await body(client)
-    return anyio.run(main)
+    return sdk_session(body, name=name, **client_kwargs)
 
 
 def structured(result):
@@ -73,7 +63,7 @@ def test_a_folder_is_searched_and_an_edit_is_seen_without_a_restart(home, tmp_pa
                                                                       "top_k": 1}))
             if "coffer-revert" in again["passages"][0]["text"] or time.monotonic() > deadline:
                 return first, again
-            await anyio.sleep(0.5)
+            await anyio.sleep(0.1)
 
     first, again = run(body)
     top = first["passages"][0]

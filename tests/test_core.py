@@ -7,61 +7,66 @@ import sqlite3
 
 import pytest
 
-import coffer
+from coffer_src.errors import CofferError
+from coffer_src.jsonrpc import defer_to_burst_end, handle_burst, negotiate_version, read_line_bursts
+from coffer_src.names import check_server_name, expose_name
+from coffer_src.secret_store import expand_vars, parse_env_assignment
+from coffer_src.vault import SCHEMA, Vault
+
 from conftest import FAKE, cli
 
 
 # -- naming ------------------------------------------------------------------------------------------------
 def test_short_names_are_server_double_underscore_name():
-    assert coffer.expose_name("time", "get_current_time") == "time__get_current_time"
+    assert expose_name("time", "get_current_time") == "time__get_current_time"
 
 
 def test_long_or_illegal_names_are_shortened_stably_readably_and_distinctly():
     long_name = "list_all_repository_collaborators_with_permissions_and_teams"
-    exposed = coffer.expose_name("github", long_name)
+    exposed = expose_name("github", long_name)
     assert len(exposed) <= 48 and re.fullmatch(r"[a-zA-Z0-9_-]+", exposed)
     assert exposed.startswith("github__list_all_repository")
-    assert exposed == coffer.expose_name("github", long_name)  # stable across runs
-    other = coffer.expose_name("github", long_name + "_v2")
+    assert exposed == expose_name("github", long_name)  # stable across runs
+    other = expose_name("github", long_name + "_v2")
     assert other != exposed
-    dotted = coffer.expose_name("aws", "s3.get_object")
+    dotted = expose_name("aws", "s3.get_object")
     assert re.fullmatch(r"aws__s3_get_object_[0-9a-f]{6}", dotted)
-    assert coffer.expose_name("aws", "s3_get_object") != dotted  # a legal twin keeps its plain name
-    assert len(coffer.expose_name("x" * 24, "y" * 64, 34)) <= 34
+    assert expose_name("aws", "s3_get_object") != dotted  # a legal twin keeps its plain name
+    assert len(expose_name("x" * 24, "y" * 64, 34)) <= 34
 
 
 @pytest.mark.parametrize("name", ["", "has space", "a__b", "x" * 25, "coffer", "COFFER", "tool/slash"])
 def test_bad_server_names_are_refused(name):
-    with pytest.raises(coffer.CofferError):
-        coffer.check_server_name(name)
+    with pytest.raises(CofferError):
+        check_server_name(name)
 
 
 # -- protocol versions -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("requested", ["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"])
 def test_supported_versions_are_echoed(requested):
-    assert coffer.negotiate_version(requested) == requested
+    assert negotiate_version(requested) == requested
 
 
 @pytest.mark.parametrize("requested", ["2023-01-01", "2026-07-28", None, 5])
 def test_unknown_versions_get_the_latest(requested):
-    assert coffer.negotiate_version(requested) == "2025-11-25"
+    assert negotiate_version(requested) == "2025-11-25"
 
 
 # -- ${VAR} expansion ---------------------------------------------------------------------------------------
 def test_expansion_reads_the_environment_at_spawn_time():
     env = {"TOKEN": "s3cret", "EMPTY": ""}
-    assert coffer.expand_vars("Bearer ${TOKEN}", env) == "Bearer s3cret"
-    assert coffer.expand_vars("${MISSING:-fallback}/${EMPTY:-dflt}", env) == "fallback/dflt"
+    assert expand_vars("Bearer ${TOKEN}", env) == "Bearer s3cret"
+    assert expand_vars("${MISSING:-fallback}/${EMPTY:-dflt}", env) == "fallback/dflt"
     missing = []
-    assert coffer.expand_vars("a${NOPE}b", env, missing) == "ab" and missing == ["NOPE"]
-    assert coffer.expand_vars("$TOKEN stays literal", env) == "$TOKEN stays literal"
+    assert expand_vars("a${NOPE}b", env, missing) == "ab" and missing == ["NOPE"]
+    assert expand_vars("$TOKEN stays literal", env) == "$TOKEN stays literal"
 
 
 def test_env_assignments_are_validated():
-    assert coffer.parse_env_assignment("A=b=c") == ("A", "b=c")
+    assert parse_env_assignment("A=b=c") == ("A", "b=c")
     for bad in ("NOEQUALS", "=x", "1A=x", "A-B=x"):
-        with pytest.raises(coffer.CofferError):
-            coffer.parse_env_assignment(bad)
+        with pytest.raises(CofferError):
+            parse_env_assignment(bad)
 
 
 # -- the vault ---------------------------------------------------------------------------------------------
@@ -88,7 +93,7 @@ def test_vault_file_is_sqlite_in_wal_mode_under_coffer_home(home):
 
 
 def test_capability_choices_survive_disappearance_and_follow_policy(home):
-    vault = coffer.Vault(str(home))
+    vault = Vault(str(home))
     vault.add_server("s", command=["x"])
     tool = {"name": "a", "inputSchema": {"type": "object"}}
     def enabled(states):
@@ -189,14 +194,15 @@ def test_server_to_client_requests_are_relayed_under_coffers_own_ids(home, raw_g
 def test_a_vault_from_before_the_capabilities_column_is_upgraded_in_place(home):
     home.mkdir(parents=True)
     old = sqlite3.connect(home / "coffer.db")
-    old.executescript(coffer.SCHEMA.replace(",\n    capabilities TEXT", "").split("CREATE TABLE IF NOT EXISTS capabilities")[0])
+    without_column = SCHEMA.replace(",\n    capabilities TEXT", "")
+    old.executescript(without_column.split("CREATE TABLE IF NOT EXISTS capabilities")[0])
     old.execute("INSERT INTO servers(name, transport, command, position, created_at) "
                 "VALUES ('t', 'stdio', '[\"x\"]', 1, 'then')")
     old.commit()
     old.close()
     servers = json.loads(cli("list", "--json").stdout)["servers"]
     assert [s["name"] for s in servers] == ["t"]
-    vault = coffer.Vault(str(home))
+    vault = Vault(str(home))
     vault.record_status("t", "ready", "ok", {"tools": {}})
     assert vault.server("t")["capabilities"] == {"tools": {}}
 
@@ -212,10 +218,10 @@ def test_line_bursts_rebuild_every_line_whatever_the_read_boundaries():
         cuts = sorted(rng.sample(range(1, len(stream)), 40))
         chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
         reads = iter(chunks + [b""])
-        got = [line for burst in coffer.read_line_bursts(lambda size: next(reads)) for line in burst]
+        got = [line for burst in read_line_bursts(lambda size: next(reads)) for line in burst]
         assert got == lines
     reads = iter([b'{"a":1}\n{"b":2}\n{"c"', b':3}\n', b""])
-    assert list(coffer.read_line_bursts(lambda size: next(reads))) == [[b'{"a":1}', b'{"b":2}'], [b'{"c":3}']]
+    assert list(read_line_bursts(lambda size: next(reads))) == [[b'{"a":1}', b'{"b":2}'], [b'{"c":3}']]
 
 
 def test_output_held_during_a_burst_is_written_once_at_its_end_even_on_error():
@@ -224,10 +230,10 @@ def test_output_held_during_a_burst_is_written_once_at_its_end_even_on_error():
     def handle(line):
         if line == b"boom":
             raise RuntimeError("a handler failed mid-burst")
-        assert coffer.defer_to_burst_end("client", lambda: written.append("flush"))
+        assert defer_to_burst_end("client", lambda: written.append("flush"))
         written.append(line)
 
     with pytest.raises(RuntimeError):
-        coffer.handle_burst([b"1", b"2", b"boom"], handle)
+        handle_burst([b"1", b"2", b"boom"], handle)
     assert written == [b"1", b"2", "flush"]  # one flush, after the burst, despite the error
-    assert coffer.defer_to_burst_end("client", lambda: None) is False  # outside a burst: write at once
+    assert defer_to_burst_end("client", lambda: None) is False  # outside a burst: write at once

@@ -3,12 +3,13 @@ changing servers, and how many tools each kind of client is shown."""
 
 import json
 import os
+import subprocess
+import time
 
-from conftest import FAKE, PY, cli
+from coffer_src.probe import ServerProbe
+from coffer_src.vault import Vault
 
-
-def tool_names(response):
-    return [t["name"] for t in response["result"]["tools"]]
+from conftest import FAKE, cli, coffer_cmd, posix_only, tool_names
 
 
 def test_tools_waits_for_every_server_and_says_in_plain_words_which_failed(home):
@@ -163,14 +164,10 @@ def test_audit_filters_and_the_log_names_the_server(home):
     assert settings["call_timeout"] == 120.0
 
 
+@posix_only
 def test_serve_by_hand_says_what_it_is(home):
-    import subprocess
-    if not hasattr(os, "openpty"):
-        return
     controller, terminal = os.openpty()
-    proc = subprocess.Popen([PY, "-c", "import sys, coffer; sys.exit(coffer.main(['serve']))"],
-                            stdin=terminal, stdout=subprocess.PIPE, stderr=terminal,
-                            cwd=os.path.dirname(FAKE[1]) + "/../..")
+    proc = subprocess.Popen(coffer_cmd("serve"), stdin=terminal, stdout=subprocess.PIPE, stderr=terminal)
     try:
         seen = b""
         while b"speaks MCP" not in seen:
@@ -188,20 +185,17 @@ def test_serve_by_hand_says_what_it_is(home):
 def test_a_probe_finishes_only_after_it_has_recorded_what_it_saw(home, monkeypatch):
     # The status write is what `coffer list` reads later. Slow it down so a probe that returned as soon as the
     # server looked ready would leave the vault saying "never started".
-    import time
-
-    import coffer
     cli("add", "good", "--", *FAKE, "--tools", "echo")
     cli("add", "crashy", "--", *FAKE, "--exit-at-start")
-    record = coffer.Vault.record_status
+    record = Vault.record_status
 
     def slow_record(self, *args, **kwargs):
         time.sleep(0.4)
         return record(self, *args, **kwargs)
 
-    monkeypatch.setattr(coffer.Vault, "record_status", slow_record)
-    vault = coffer.Vault(str(home))
-    results = {r.name: r.state for r in coffer.ServerProbe(vault).run(timeout=30)}
+    monkeypatch.setattr(Vault, "record_status", slow_record)
+    vault = Vault(str(home))
+    results = {r.name: r.state for r in ServerProbe(vault).run(timeout=30)}
     assert results == {"good": "ready", "crashy": "failed"}
     statuses = {s["name"]: s["status"] for s in vault.servers()}
     assert statuses == {"good": "ready", "crashy": "failed"}

@@ -1,14 +1,18 @@
 """Gateway behaviour a user notices beyond the happy path: colliding resource URIs, paginated upstreams,
 retention, and a busy vault that must never slow or fail a call."""
 
+import io
 import json
 import sqlite3
 import textwrap
 import threading
 import time
 
-import coffer
-from conftest import FAKE, PY, cli, everything_cmd, needs_node
+from coffer_src.gateway.session import Gateway
+from coffer_src.modern import META_CLIENT_CAPABILITIES
+from coffer_src.vault import InvocationLog, Vault
+
+from conftest import FAKE, PY, cli, everything_cmd, list_changed_count, needs_node, received, text_of, tool_names
 
 
 @needs_node
@@ -88,7 +92,9 @@ def test_a_locked_vault_never_holds_up_or_fails_a_call_and_nothing_is_lost(home,
             reply = gw.request("tools/call", {"name": "fx__echo", "arguments": {"text": f"t{i}"}}, timeout=5)
             assert reply["result"]["content"][0]["text"] == f"t{i}"
     finally:
-        time.sleep(0.5)
+        # The lock is held a while longer than the calls took: the invocation log's writer (which batches for
+        # FLUSH_INTERVAL after a call) meets it too, and must keep its rows rather than lose them.
+        time.sleep(2 * InvocationLog.FLUSH_INTERVAL)
         locker.execute("ROLLBACK")
         locker.close()
     gw.close()
@@ -135,8 +141,9 @@ def test_an_upstream_that_stops_reading_stalls_only_itself(home, raw_gateway):
         for msg_id in (100, 101):
             gw.send({"jsonrpc": "2.0", "id": msg_id, "method": "tools/call",
                      "params": {"name": "stuck__echo", "arguments": {"text": big}}})
-    threading.Thread(target=flood, daemon=True).start()
-    time.sleep(0.5)
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    flooder.join(20)  # the gateway read both calls (a gateway blocked on the stuck upstream never does)
     answers = {}
 
     def probe():
@@ -159,15 +166,11 @@ def test_a_server_that_crashes_past_max_restarts_is_reported_failed_and_removed(
     cli("add", "fragile", "--", *FAKE, "--tools", "echo,crash")
     gw = raw_gateway()
     gw.initialize()
-    assert "fragile__crash" in [t["name"] for t in gw.request("tools/list")["result"]["tools"]]
-
-    def changes(g):
-        return sum(n["method"] == "notifications/tools/list_changed" for n in g.notifications)
-
-    before = changes(gw)
+    assert "fragile__crash" in tool_names(gw.request("tools/list"))
+    before = list_changed_count(gw)
     crashed = gw.request("tools/call", {"name": "fragile__crash", "arguments": {}}, timeout=10)["result"]
     assert crashed["isError"]
-    gw.wait_for(lambda g: changes(g) > before)
+    gw.wait_for(lambda g: list_changed_count(g) > before)
     assert [t["name"] for t in gw.request("tools/list")["result"]["tools"]] == ["coffer__search_tools"]
     after = gw.request("tools/call", {"name": "fragile__echo", "arguments": {"text": "x"}}, timeout=10)
     assert "error" in after
@@ -186,19 +189,17 @@ def test_a_response_is_never_answered_even_with_a_null_id(home, raw_gateway):
 
 
 def _tool_names(reply):
-    return {t["name"] for t in reply["result"]["tools"]}
+    return set(tool_names(reply))
 
 
-def _list_changes(gw):
-    return sum(n["method"] == "notifications/tools/list_changed" for n in gw.notifications)
-
-
-def test_a_call_to_a_server_that_is_still_starting_waits_for_it_not_just_for_the_list_budget(home, raw_gateway):
+def test_a_call_to_a_server_that_is_still_starting_waits_for_it_not_just_for_the_list_budget(home, raw_gateway,
+                                                                                              tmp_path):
     """Nothing remembered yet and a server slower than discovery_timeout: the list answers without it, but a
     call naming its tool waits for that server (up to its own timeout) instead of calling the tool unknown;
     a server that never finishes starting is reported as such."""
+    gate = tmp_path / "slow.gate"
     cli("config", "discovery_timeout", "0.5")
-    cli("add", "slow", "--", *FAKE, "--start-delay", "3", "--tools", "echo")
+    cli("add", "slow", "--", *FAKE, "--start-gate", str(gate), "--tools", "echo")
     cli("add", "stuck", "--timeout", "2", "--", *FAKE, "--hang-initialize")
     gw = raw_gateway()
     gw.initialize()
@@ -210,6 +211,8 @@ def test_a_call_to_a_server_that_is_still_starting_waits_for_it_not_just_for_the
     never = gw.wait_response("never", timeout=15)
     assert "result" not in never, never
     assert "not ready" in never["error"]["message"] and "Unknown" not in never["error"]["message"], never
+    assert not gw.responses.get('"now"'), "answered before its server could start"
+    gate.touch()  # the slow server finishes starting
     reply = gw.wait_response("now", timeout=30)
     assert reply["result"]["content"][0]["text"] == "worth the wait", reply
     gw.send({"jsonrpc": "2.0", "id": "typo", "method": "tools/call", "params": {"name": "slow__ecko", "arguments": {}}})
@@ -233,7 +236,7 @@ def test_a_slow_server_is_listed_at_once_from_its_last_start_and_corrected_if_it
     gw.close()
 
     started.unlink()
-    args.write_text("--start-delay 4 --tools echo")
+    args.write_text(f"--start-gate {tmp_path / 'gate-2'} --tools echo")
     gw = raw_gateway()
     gw.initialize()
     listed = _tool_names(gw.request("tools/list"))
@@ -242,16 +245,22 @@ def test_a_slow_server_is_listed_at_once_from_its_last_start_and_corrected_if_it
     hits = json.loads(gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {
         "query": "echo text"}})["result"]["content"][0]["text"])["tools"]
     assert hits and hits[0]["name"] == "slow__echo"
-    reply = gw.request("tools/call", {"name": "slow__echo", "arguments": {"text": "waited"}})
-    assert started.exists() and reply["result"]["content"][0]["text"] == "waited"
-    assert _list_changes(gw) == 0  # it listed what was remembered: nothing to announce
+    gw.send({"jsonrpc": "2.0", "id": "wait", "method": "tools/call",
+             "params": {"name": "slow__echo", "arguments": {"text": "waited"}}})
+    assert not started.exists()
+    (tmp_path / "gate-2").touch()  # the server finishes starting; the call was waiting for it
+    reply = gw.wait_response("wait")
+    assert started.exists() and text_of(reply) == "waited"
+    assert list_changed_count(gw) == 0  # it listed what was remembered: nothing to announce
     gw.close()
 
-    args.write_text("--start-delay 2 --tools echo,fail")  # an upgrade while Coffer was not running
+    # an upgrade while Coffer was not running
+    args.write_text(f"--start-gate {tmp_path / 'gate-3'} --tools echo,fail")
     gw = raw_gateway()
     gw.initialize()
     assert "slow__echo" in _tool_names(gw.request("tools/list"))
-    gw.wait_for(_list_changes)
+    (tmp_path / "gate-3").touch()
+    gw.wait_for(list_changed_count)
     assert {"slow__echo", "slow__fail"} <= _tool_names(gw.request("tools/list"))
     gw.close()
 
@@ -259,7 +268,7 @@ def test_a_slow_server_is_listed_at_once_from_its_last_start_and_corrected_if_it
     gw = raw_gateway()
     gw.initialize()
     gw.request("tools/list")
-    gw.wait_for(_list_changes)
+    gw.wait_for(list_changed_count)
     assert not any(name.startswith("slow__") for name in _tool_names(gw.request("tools/list")))
     gw.close()
 
@@ -279,16 +288,16 @@ def test_coffer_tools_shows_what_servers_list_now_not_what_was_remembered(home, 
 def test_a_call_cancelled_while_its_server_starts_is_never_sent(home, raw_gateway, tmp_path):
     """With the catalogue remembered, a call can wait behind a starting server; if the client cancels it
     meanwhile, the server must never run it, and the client gets no answer for it."""
-    args, received = tmp_path / "up.args", tmp_path / "received.jsonl"
+    args, recv_log, gate = tmp_path / "up.args", tmp_path / "received.jsonl", tmp_path / "up.gate"
     args.write_text("--tools echo")
-    cli("add", "up", "--", *FAKE, "--args-file", str(args), "--recv-log", str(received))
+    cli("add", "up", "--", *FAKE, "--args-file", str(args), "--recv-log", str(recv_log))
     gw = raw_gateway()
     gw.initialize()
     gw.request("tools/list")
     gw.close()
 
-    received.unlink()
-    args.write_text("--tools echo --start-delay 3")
+    recv_log.unlink()
+    args.write_text(f"--tools echo --start-gate {gate}")
     gw = raw_gateway()
     gw.initialize()
     assert "up__echo" in _tool_names(gw.request("tools/list"))
@@ -296,11 +305,13 @@ def test_a_call_cancelled_while_its_server_starts_is_never_sent(home, raw_gatewa
         gw.send({"jsonrpc": "2.0", "id": msg_id, "method": "tools/call",
                  "params": {"name": "up__echo", "arguments": {"text": text}}})
     gw.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "doomed"}})
-    assert gw.wait_response("kept")["result"]["content"][0]["text"] == "runs"
+    assert gw.request("ping")["result"] == {}  # read after the cancellation: the gateway has seen it
+    gate.touch()  # only now does the server finish starting
+    assert text_of(gw.wait_response("kept")) == "runs"
     gw.request("ping")
     assert not gw.responses.get(json.dumps("doomed"))
-    calls = [json.loads(line) for line in received.read_text().splitlines()]
-    assert [m["params"]["arguments"]["text"] for m in calls if m.get("method") == "tools/call"] == ["runs"]
+    calls = [m for m in received(recv_log) if m.get("method") == "tools/call"]
+    assert [m["params"]["arguments"]["text"] for m in calls] == ["runs"]
     gw.close()
     rows = json.loads(cli("log", "--json", "--limit", "10").stdout)["invocations"]
     assert any(r["capability"] == "up__echo" and r["status"] == "cancelled" for r in rows)
@@ -329,14 +340,13 @@ class _AsksAtOnce:
 
 
 def test_a_question_asked_the_instant_a_call_arrives_reaches_a_2026_client(home):
-    import io
     out = io.BytesIO()
-    gateway = coffer.Gateway(coffer.Vault(str(home)), out=out)
+    gateway = Gateway(Vault(str(home)), out=out)
     gateway.client_era = "modern"
     upstream = _AsksAtOnce()
     upstream.gateway = gateway
     params = {"name": "ask", "arguments": {},
-              "_meta": {coffer.META_CLIENT_CAPABILITIES: {"sampling": {}}}}
+              "_meta": {META_CLIENT_CAPABILITIES: {"sampling": {}}}}
     gateway._forward(41, upstream, "tools/call", dict(params), "asker__ask", "tool", time.monotonic(), params)
     gateway._write_unsent()
     replies = [json.loads(line) for line in out.getvalue().splitlines()]

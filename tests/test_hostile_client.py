@@ -10,10 +10,7 @@ import time
 
 import pytest
 
-from conftest import COFFER, FAKE, PY, cli, proc_status
-
-LINUX = os.path.exists("/proc/self/status")
-linux_only = pytest.mark.skipif(not LINUX, reason="reads /proc")
+from conftest import FAKE, alive, cli, coffer_cmd, healthy, linux_only, pids_in, proc_status, received, wait_until
 
 
 def total_responses(gw):
@@ -31,17 +28,8 @@ def wait_any_response(gw, before, timeout=20):
     assert total_responses(gw) > before, "no answer"
 
 
-def assert_still_serving(gw, tool="up__echo"):
-    assert gw.proc.poll() is None, f"the gateway exited ({gw.proc.returncode}): {gw.stderr_text()[-2000:]}"
-    assert gw.request("ping", timeout=20)["result"] == {}
-    if tool:
-        reply = gw.request("tools/call", {"name": tool, "arguments": {"text": "still here"}}, timeout=30)
-        assert reply["result"]["content"][0]["text"] == "still here", reply
-    assert "Traceback" not in gw.stderr_text(), gw.stderr_text()[-3000:]
-
-
-def started(watched_gateway, capabilities=None, name="hostile-client", **kwargs):
-    cli("add", "up", "--", *FAKE)
+def started(watched_gateway, capabilities=None, name="hostile-client", recv_log=None, **kwargs):
+    cli("add", "up", "--", *FAKE, *(("--recv-log", str(recv_log)) if recv_log else ()))
     gw = watched_gateway(**kwargs)
     gw.initialize(capabilities=capabilities, name=name)
     gw.request("tools/list")
@@ -61,7 +49,7 @@ def test_a_deeply_nested_line_is_answered_and_the_gateway_keeps_serving(home, wa
     else:
         gw.send_raw((nest + "\n").encode())
     wait_any_response(gw, before)
-    assert_still_serving(gw)
+    healthy(gw, "up__echo")
 
 
 # Each line holds a lone surrogate escape: legal JSON that Python decodes but cannot encode as UTF-8.
@@ -81,7 +69,7 @@ def test_a_lone_surrogate_in_a_request_is_answered_and_the_gateway_keeps_serving
     gw.send_raw((SURROGATE_REQUESTS[where] + "\n").encode())
     wait_any_response(gw, before)
     assert not gw.bad_lines, gw.bad_lines
-    assert_still_serving(gw)
+    healthy(gw, "up__echo")
 
 
 @pytest.mark.parametrize("where", ["progress_token", "arguments"])
@@ -97,17 +85,20 @@ def test_a_lone_surrogate_in_what_is_forwarded_still_reaches_the_upstream(home, 
     gw.send_raw((line + "\n").encode())
     reply = gw.wait_response("c", timeout=30)
     assert "result" in reply and reply["result"]["content"][0]["text"] == "served", reply
-    assert_still_serving(gw)
+    healthy(gw, "up__echo")
 
 
-def test_a_lone_surrogate_in_a_cancellation_reason_does_not_kill_the_gateway(home, watched_gateway):
-    gw = started(watched_gateway)
+def test_a_lone_surrogate_in_a_cancellation_reason_does_not_kill_the_gateway(home, watched_gateway, tmp_path):
+    recv_log = tmp_path / "up.recv"
+    gw = started(watched_gateway, recv_log=recv_log)
     gw.send({"jsonrpc": "2.0", "id": "slow", "method": "tools/call",
              "params": {"name": "up__slow", "arguments": {"seconds": 20}}})
-    time.sleep(0.5)  # let the call reach the upstream: the cancellation is then forwarded with the reason
+    # once the call is running upstream, the cancellation is forwarded with its reason
+    wait_until(lambda: any(m.get("method") == "tools/call" for m in received(recv_log)),
+               what="the call to reach the upstream")
     gw.send_raw(b'{"jsonrpc":"2.0","method":"notifications/cancelled",'
                 b'"params":{"requestId":"slow","reason":"stop \\ud800 now"}}\n')
-    assert_still_serving(gw)
+    healthy(gw, "up__echo")
 
 
 def test_a_lone_surrogate_in_the_clients_answer_to_a_server_request_is_relayed(home, watched_gateway):
@@ -121,7 +112,7 @@ def test_a_lone_surrogate_in_the_clients_answer_to_a_server_request_is_relayed(h
     reply = gw.wait_response("s", timeout=30)
     text = reply["result"]["content"][0]["text"]
     assert text.startswith("model ") and text.endswith(" says"), reply
-    assert_still_serving(gw)
+    healthy(gw, "up__echo")
 
 
 def test_a_lone_surrogate_in_the_client_name_does_not_stop_the_invocation_log(home, watched_gateway):
@@ -150,7 +141,7 @@ def test_every_request_in_a_large_batch_is_answered(home, watched_gateway, size)
     for i in (0, 999, 1000, size - 1):
         response = gw.responses[json.dumps(f"b{i}")][0]
         assert "result" in response or "error" in response
-    assert_still_serving(gw)
+    healthy(gw, "up__echo")
 
 
 # -- class 13: a client's oversized line costs one error, not the gateway's memory ------------------------------
@@ -193,15 +184,17 @@ def test_an_oversized_client_line_fails_alone_and_memory_stays_bounded(home, wat
     # a message under the limit still works, and so does everything else
     reply = gw.request("tools/call", {"name": "up__echo", "arguments": {"text": "y" * 500_000}}, timeout=30)
     assert reply["result"]["content"][0]["text"] == "y" * 500_000
-    assert_still_serving(gw)
+    healthy(gw, "up__echo")
 
 
 # -- class 14: waiting requests must not cost a thread each -----------------------------------------------------
 
 @linux_only
-def test_thousands_of_requests_waiting_for_a_starting_server_do_not_cost_a_thread_each(home, watched_gateway):
+def test_thousands_of_requests_waiting_for_a_starting_server_do_not_cost_a_thread_each(home, watched_gateway,
+                                                                                         tmp_path):
+    gate = tmp_path / "slowstart.gate"
     cli("config", "discovery_timeout", "4")
-    cli("add", "slowstart", "--", *FAKE, "--start-delay", "8")
+    cli("add", "slowstart", "--", *FAKE, "--start-gate", str(gate))
     gw = watched_gateway()
     gw.initialize()
     lines = []
@@ -218,15 +211,21 @@ def test_thousands_of_requests_waiting_for_a_starting_server_do_not_cost_a_threa
             count = proc_status(gw.proc.pid, "Threads")
             if count:
                 threads.append(count)
-            time.sleep(0.02)
+            time.sleep(0.02)  # a sampling period while the requests wait
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     gw.send_raw("".join(lines).encode())
+    # A ping read after the 5,000 lines is answered at once: by then every one of them is waiting for slowstart.
+    assert gw.request("ping", timeout=60)["result"] == {}
+    waiting = proc_status(gw.proc.pid, "Threads")
+    assert not any(gw.responses.get(json.dumps(f"w{i}")) for i in range(4, 5_000, 5)), "a call did not wait"
+    gate.touch()  # slowstart finishes starting: everything waiting is answered
     gw.wait_for(lambda g: all(g.responses.get(json.dumps(f"w{i}")) for i in range(5_000)), timeout=120)
     sampling.set()
     sampler.join(5)
-    assert threads and max(threads) < 200, f"{max(threads)} threads while 5,000 requests waited"
+    threads.append(waiting)
+    assert max(threads) < 200, f"{max(threads)} threads while 5,000 requests waited"
     assert gw.request("ping")["result"] == {}
     assert "Traceback" not in gw.stderr_text()
 
@@ -236,7 +235,7 @@ def test_thousands_of_requests_waiting_for_a_starting_server_do_not_cost_a_threa
 def test_a_client_that_closes_its_read_end_ends_the_session_cleanly(home, tmp_path):
     spawns = tmp_path / "spawns"
     cli("add", "up", "--", *FAKE, "--spawn-log", str(spawns))
-    proc = subprocess.Popen([PY, COFFER, "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(coffer_cmd("serve"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=dict(os.environ))
     try:
         def send(obj):
@@ -260,9 +259,13 @@ def test_a_client_that_closes_its_read_end_ends_the_session_cleanly(home, tmp_pa
               "params": {"name": "up__slow", "arguments": {"seconds": 120}}})
         proc.stdout.close()  # the client stops reading; its stdin (our writes) stays open
         try:
-            for i in range(20):
+            for i in range(20):  # pings whose answers cannot be delivered, until the gateway notices
                 send({"jsonrpc": "2.0", "id": 100 + i, "method": "ping"})
-                time.sleep(0.05)
+                try:
+                    proc.wait(0.05)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
         except BrokenPipeError:
             pass  # already gone: that is the point
         try:
@@ -271,25 +274,10 @@ def test_a_client_that_closes_its_read_end_ends_the_session_cleanly(home, tmp_pa
             pytest.fail("the gateway kept running after its client closed the read end of its stdout")
         stderr = proc.stderr.read().decode("utf-8", "replace")
         assert "Traceback" not in stderr, stderr[-3000:]
-        pids = [int(p) for p in spawns.read_text().split()]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and _running(p) for p in pids):
-            time.sleep(0.1)
-        assert not any(_running(p) for p in pids), "the upstream outlived the gateway"
+        pids = pids_in(spawns)
+        wait_until(lambda: not any(alive(p) for p in pids), timeout=10, what="the upstream to end with the gateway")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
-
-def _running(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            state = next(line for line in f if line.startswith("State:"))
-        return "Z" not in state.split()[1]
-    except (OSError, StopIteration):
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return not LINUX

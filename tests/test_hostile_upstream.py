@@ -7,20 +7,27 @@ import json
 import os
 import signal
 import stat
-import sys
-import time
 
 import anyio
 import pytest
-from mcp import Client
-from mcp.client.stdio import StdioServerParameters
-import mcp_types as types
 
-from conftest import COFFER, FAKE, HOSTILE, PY, cli, proc_status
+from conftest import (
+    FAKE,
+    HOSTILE,
+    alive,
+    cli,
+    healthy,
+    linux_only,
+    posix_only,
+    proc_status,
+    sdk_session,
+    servers,
+    text_of,
+    tool_names,
+    wait_for_status,
+    wait_until,
+)
 
-LINUX = os.path.exists("/proc/self/status")
-linux_only = pytest.mark.skipif(not LINUX, reason="reads /proc")
-posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX process sessions")
 CONTROL = ("\x1b", "\x07", "\x9b", "\x9d")
 
 
@@ -28,39 +35,8 @@ def add_hostile(name, *modes, opts=(), extra=()):
     cli("add", name, *opts, "--", *HOSTILE, "--mode", ",".join(modes) or "none", "--name", name, *extra)
 
 
-def tool_names(response):
-    return [tool["name"] for tool in response["result"]["tools"]]
-
-
-def text_of(response):
-    return response["result"]["content"][0]["text"]
-
-
 def call(gw, name, arguments=None, timeout=30):
     return gw.request("tools/call", {"name": name, "arguments": arguments or {}}, timeout=timeout)
-
-
-def server_status(name):
-    return next(s for s in json.loads(cli("list", "--json").stdout)["servers"] if s["name"] == name)
-
-
-def wait_until(predicate, timeout=15.0, interval=0.1, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
-
-
-def healthy(gw, name="good__echo"):
-    """The gateway is alive, answers, still routes to a healthy server and never printed a traceback."""
-    assert gw.proc.poll() is None, f"the gateway exited: {gw.stderr_text()[-2000:]}"
-    reply = call(gw, name, {"text": "neighbour ok"})
-    assert text_of(reply) == "neighbour ok", reply
-    assert "Traceback" not in gw.stderr_text(), gw.stderr_text()[-3000:]
 
 
 def session(watched_gateway, capabilities=None, **kwargs):
@@ -69,19 +45,6 @@ def session(watched_gateway, capabilities=None, **kwargs):
     gw.request("tools/list")
     return gw
 
-
-def running(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "Z" not in next(line for line in f if line.startswith("State:")).split()[1]
-    except (OSError, StopIteration):
-        if LINUX:
-            return False
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return True
 
 
 # -- class 2: every upstream inheriting Coffer's whole environment ----------------------------------------------
@@ -231,15 +194,19 @@ def test_a_quarantined_tool_stays_hidden_while_its_server_starts_again(home, tmp
     gw = session(watched_gateway)
     call(gw, "d__env")
     gw.close()
-    flags.write_text("--start-delay 4")
+    gate = tmp_path / "d.gate"
+    flags.write_text(f"--start-gate {gate}")
     gw = watched_gateway()
     gw.initialize()
-    early = gw.request("tools/list")  # answered from the vault: d is still sleeping
+    early = gw.request("tools/list")  # answered from the vault: d is still starting
     assert "d__env" in tool_names(early), "the remembered list was not used (test assumption)"
     assert "d__echo" not in tool_names(early) and EVIL not in json.dumps(early), early
     early_prompts = gw.request("prompts/list")
     assert EVIL not in json.dumps(early_prompts), early_prompts
-    refused = call(gw, "d__echo", {"text": "x"})
+    gw.send({"jsonrpc": "2.0", "id": "early-call", "method": "tools/call",
+             "params": {"name": "d__echo", "arguments": {"text": "x"}}})
+    gate.touch()  # refused from the vault at once, or once d has started: refused either way
+    refused = gw.wait_response("early-call")
     assert "error" in refused and "coffer approve d__echo" in refused["error"]["message"], refused
 
 
@@ -288,7 +255,7 @@ def test_audit_log_and_list_output_carry_no_escape_sequences(home, watched_gatew
     gw = session(watched_gateway)
     call(gw, "p__echo", {"text": "x"})
     call(gw, "p__\x1b]52;c;cHduZWQ=\x07")
-    wait_until(lambda: server_status("x")["status"] == "failed", what="x to fail")
+    wait_for_status("x", "failed")
     gw.close()
     audit = cli("audit", "--limit", "1000")
     assert "evil" in audit.stdout  # the tool with an escape in its name was recorded...
@@ -351,18 +318,13 @@ def test_a_lone_surrogate_in_a_definition_does_not_stop_the_server(home, watched
         assert "h__weird" in names
     assert not gw.bad_lines, gw.bad_lines
     healthy(gw)
-    assert wait_until(lambda: server_status("h")["status"] == "ready", what="h to be recorded ready")
+    wait_for_status("h", "ready")
 
 
 # -- class 8: definitions that are not what the spec says ---------------------------------------------------------
 
 def sdk_run(body, timeout=60):
-    async def main():
-        params = StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
-        with anyio.fail_after(timeout):
-            async with Client(params, client_info=types.Implementation(name="sdk-agent", version="1")) as client:
-                return await body(client)
-    return anyio.run(main)
+    return sdk_session(body, timeout=timeout)
 
 
 def test_malformed_definitions_never_break_the_catalogue_for_an_sdk_client(home):
@@ -511,8 +473,7 @@ def test_a_flood_of_server_requests_is_bounded(home, watched_gateway):
     add_hostile("good")
     gw = session(watched_gateway, capabilities={"sampling": {}})
     assert text_of(call(gw, "h__ask_many", {"method": "sampling/createMessage", "count": 5000})) == "asked 5000"
-    healthy(gw)
-    time.sleep(1.0)
+    healthy(gw)  # later replies: every request the upstream sent before its answer has been relayed or refused
     relayed = sum(1 for r in gw.requests if r["method"] == "sampling/createMessage")
     assert relayed <= 1000, f"{relayed} of 5,000 sampling requests were relayed to the client at once"
 
@@ -544,7 +505,7 @@ def test_progress_is_relayed_only_from_the_upstream_that_owns_the_token(home, wa
     gw.send({"jsonrpc": "2.0", "id": "victim-call", "method": "tools/call", "params": {
         "name": "victim__slow", "arguments": {"seconds": 2, "progress_every": 0.3},
         "_meta": {"progressToken": "victim-token"}}})
-    time.sleep(0.5)
+    gw.wait_for(lambda g: any(n["method"] == "notifications/progress" for n in g.notifications))  # it is running
     for token in ("victim-token", "nobody-token", 1):
         notify(gw, "h", "notifications/progress", 20, {"progressToken": token, "progress": 999,
                                                         "message": "forged"})
@@ -566,7 +527,7 @@ def test_the_clients_log_level_is_respected(home, watched_gateway):
     notify(gw, "h", "notifications/message", 10, {"level": "info", "logger": "t", "data": "chatter"})
     notify(gw, "h", "notifications/message", 1, {"level": "critical", "logger": "t", "data": "it broke"})
     gw.wait_for(lambda g: any(n["method"] == "notifications/message" for n in g.notifications), timeout=10)
-    time.sleep(0.3)
+    assert gw.request("ping")["result"] == {}  # a later reply: whatever h sent before has been relayed by now
     logged = [n["params"]["data"] for n in gw.notifications if n["method"] == "notifications/message"
               and n["params"].get("data") in ("chatter", "it broke")]
     assert logged == ["it broke"], logged
@@ -724,7 +685,7 @@ def test_endless_pagination_stops_at_the_page_limit(home, tmp_path, watched_gate
     add_hostile("good")
     gw = session(watched_gateway)
     healthy(gw)
-    wait_until(lambda: server_status("p")["status"] in ("ready", "failed"), what="p to settle")
+    wait_for_status("p", "ready", "failed")
     requested = len(pages.read_text().splitlines())
     assert requested <= 11, f"{requested} pages fetched with max_list_pages=10"
     p_tools = [n for n in tool_names(gw.request("tools/list")) if n.startswith("p__")]
@@ -777,14 +738,14 @@ def test_an_upstreams_setsid_child_does_not_outlive_the_gateway(home, tmp_path, 
     gw = session(watched_gateway)
     assert text_of(call(gw, "s__echo", {"text": "up"})) == "up"
     child = int(wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), what="the child pid"))
-    assert running(child)
+    assert alive(child)
     try:
         if how == "sigterm":
             gw.proc.send_signal(signal.SIGTERM)
         gw.close()
-        wait_until(lambda: not running(child), timeout=15, what=f"the setsid child {child} to be ended")
+        wait_until(lambda: not alive(child), timeout=15, what=f"the setsid child {child} to be ended")
     finally:
-        if running(child):
+        if alive(child):
             os.kill(child, signal.SIGKILL)
 
 
@@ -803,11 +764,11 @@ def test_the_setsid_child_of_an_upstream_that_crashed_does_not_outlive_the_gatew
                                            pid_file.read_text().split(), what="two children")]
     try:
         gw.close()
-        wait_until(lambda: not any(running(pid) for pid in children), timeout=15,
+        wait_until(lambda: not any(alive(pid) for pid in children), timeout=15,
                    what=f"the setsid children {children} to be ended")
     finally:
         for pid in children:
-            if running(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -823,8 +784,7 @@ def test_a_command_that_cannot_start_fails_at_once_with_the_real_reason(home, tm
     add_hostile("good")
     gw = session(watched_gateway)
     healthy(gw)
-    status = wait_until(lambda: (s := server_status("nf"))["status"] == "failed" and s, timeout=30,
-                        what="nf to be marked failed")
+    status = wait_for_status("nf", "failed")
     reason = "No such file" if problem == "missing" else "ermission denied"
     assert reason in (status["detail"] or "") or (problem == "missing" and "not found" in status["detail"]), status
     attempts = sum(str(command) in line for line in gw.stderr_lines)
@@ -838,8 +798,7 @@ def test_an_upstream_that_exits_at_once_is_reported_with_its_exit_code_and_stder
     add_hostile("good")
     gw = session(watched_gateway)
     healthy(gw)
-    status = wait_until(lambda: (s := server_status("quick"))["status"] == "failed" and s, timeout=30,
-                        what="quick to be marked failed")
+    status = wait_for_status("quick", "failed")
     detail = status["detail"] or ""
     assert "3" in detail and "boom" in detail, detail
     assert "not accepting input" not in detail, detail
@@ -855,10 +814,9 @@ def test_every_upstream_that_exits_at_once_reports_its_stderr(home, watched_gate
     add_hostile("good")
     gw = session(watched_gateway)
     healthy(gw)
-    servers = wait_until(lambda: (rows := {s["name"]: s for s in json.loads(cli("list", "--json").stdout)["servers"]})
-                         and all(rows[f"quick{i}"]["status"] == "failed" for i in range(8)) and rows,
-                         timeout=30, what="every quick server to fail")
-    missing = {name: row["detail"] for name, row in servers.items()
+    rows = wait_until(lambda: (rows := servers()) and all(rows[f"quick{i}"]["status"] == "failed" for i in range(8))
+                      and rows, timeout=30, what="every quick server to fail")
+    missing = {name: row["detail"] for name, row in rows.items()
                if name.startswith("quick") and (f"boom {name[5:]}" not in (row["detail"] or "")
                                                 or "not accepting input" in row["detail"])}
     assert not missing, f"status without the server's stderr: {missing}"
@@ -872,7 +830,7 @@ def test_an_upstream_that_exits_after_a_burst_of_stderr_prints_no_traceback(home
     gw = session(watched_gateway)
     healthy(gw)
     for i in range(4):
-        wait_until(lambda: server_status(f"loud{i}")["status"] == "failed", timeout=60, what=f"loud{i} to fail")
+        wait_for_status(f"loud{i}", "failed", timeout=60)
     gw.close()
     assert "Traceback" not in gw.stderr_text(), gw.stderr_text()[-3000:]
     assert "boom" in gw.stderr_text()

@@ -3,20 +3,28 @@ servers (tests/fixtures/hostile_http.py) that redirect, misbehave and record eve
 which credentials reached which origin."""
 
 import json
-import os
 import sys
-import time
-from pathlib import Path
+import threading
 
 import pytest
 
-from conftest import FAKE, ROOT, cli, proc_status
+from conftest import (
+    FAKE,
+    ROOT,
+    cli,
+    healthy,
+    linux_only,
+    proc_status,
+    server_status,
+    servers,
+    wait_for_status,
+    wait_until,
+)
 
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 import hostile_http  # noqa: E402
 from hostile_http import HostileHttp, embeddings, mcp, redirect, status  # noqa: E402
 
-LINUX = os.path.exists("/proc/self/status")
 TOKEN, API_KEY = "tok-5ecret-aa11", "key-5ecret-bb22"
 SECRET_ENV = {"REMOTE_TOKEN": TOKEN, "REMOTE_KEY": API_KEY}
 CREDENTIAL_HEADERS = ("--header", "Authorization=Bearer ${REMOTE_TOKEN}", "--header", "X-Api-Key=${REMOTE_KEY}")
@@ -61,23 +69,8 @@ def leaks(server):
     return found
 
 
-def server_status(name):
-    return next(s for s in json.loads(cli("list", "--json").stdout)["servers"] if s["name"] == name)
-
-
-def wait_until(predicate, timeout=20.0, interval=0.1, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
-
-
 def started(watched_gateway, env=None, **kwargs):
-    if "good" not in [s["name"] for s in json.loads(cli("list", "--json").stdout)["servers"]]:
+    if "good" not in servers():
         cli("add", "good", "--", *FAKE)
     gw = watched_gateway(env={**SECRET_ENV, **(env or {})}, **kwargs)
     gw.initialize()
@@ -86,19 +79,21 @@ def started(watched_gateway, env=None, **kwargs):
     return gw
 
 
-def healthy(gw):
-    assert gw.proc.poll() is None, f"the gateway exited: {gw.stderr_text()[-2000:]}"
-    reply = gw.request("tools/call", {"name": "good__echo", "arguments": {"text": "neighbour ok"}}, timeout=30)
-    assert reply["result"]["content"][0]["text"] == "neighbour ok", reply
-    assert "Traceback" not in gw.stderr_text(), gw.stderr_text()[-3000:]
-
-
 def settled_with_a_redirect_error(name):
-    """The upstream is reported failed (max_restarts is small in these tests) and says it was a redirect."""
-    status_row = wait_until(lambda: (s := server_status(name))["status"] == "failed" and s, timeout=30,
-                            what=f"{name} to be marked failed")
+    """The upstream is reported failed (a refused redirect is not retried) and says it was a redirect: from then on
+    nothing more is sent on its behalf."""
+    status_row = wait_for_status(name, "failed")
     assert "redirect" in (status_row["detail"] or "").lower(), status_row
     return status_row
+
+
+def wait_logged(gw, text, what):
+    """Wait until the gateway's stderr says ``text``: the proof that what it logs about has happened."""
+    try:
+        gw.wait_for(lambda g: text in g.stderr_text() or g.proc.poll() is not None, timeout=30)
+    except TimeoutError:
+        pass
+    assert text in gw.stderr_text(), f"the gateway never logged {what}: {gw.stderr_text()[-2000:]}"
 
 
 # -- class 1: redirects never carry credentials to another origin -------------------------------------------------
@@ -120,10 +115,9 @@ def test_a_cross_origin_redirect_of_a_post_never_carries_credentials(home, origi
     for code in (301, 302, 303, 307, 308):
         assert any(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in here.seen(path=f"/r{code}"))
     healthy(gw)
-    time.sleep(1.0)
-    assert not leaks(elsewhere), f"credentials reached another origin: {leaks(elsewhere)}"
-    for name in ("r302", "r307", "later"):
+    for name in ("r301", "r302", "r303", "r307", "r308", "later"):  # every redirect met and refused
         settled_with_a_redirect_error(name)
+    assert not leaks(elsewhere), f"credentials reached another origin: {leaks(elsewhere)}"
 
 
 def test_a_redirect_of_the_sse_stream_never_carries_credentials(home, origins, watched_gateway):
@@ -133,10 +127,12 @@ def test_a_redirect_of_the_sse_stream_never_carries_credentials(home, origins, w
     for code in (307, 308):
         here.routes[f"/s{code}"] = mcp("here", sse_get=redirect(code, elsewhere.url("/mcp")))
         cli("add", f"s{code}", "--url", here.url(f"/s{code}"), *CREDENTIAL_HEADERS)
-    gw = started(watched_gateway)
+    gw = started(watched_gateway, env={"COFFER_LOG": "debug"})  # the refused stream is a debug line
     wait_until(lambda: all(here.seen("GET", f"/s{code}") for code in (307, 308)), what="the SSE GETs")
+    for name in ("s307", "s308"):  # each stream's redirect met and refused
+        gw.wait_for(lambda g, name=name: any(f"[{name}]" in line and "redirected to" in line
+                                             for line in g.stderr_lines))
     healthy(gw)
-    time.sleep(1.0)
     assert not leaks(elsewhere), f"the SSE stream's credentials reached another origin: {leaks(elsewhere)}"
     reply = gw.request("tools/call", {"name": "s307__echo", "arguments": {"text": "posts still work"}})
     assert reply["result"]["content"][0]["text"] == "here: posts still work"
@@ -156,9 +152,8 @@ def test_an_https_to_http_redirect_is_refused(home, origins, watched_gateway, ce
     assert reply["result"]["content"][0]["text"] == "secure: over tls", "the HTTPS upstream itself must work"
     wait_until(lambda: secure.seen("POST", "/mcp"), what="the redirecting upstream to be tried")
     healthy(gw)
-    time.sleep(1.0)
+    settled_with_a_redirect_error("down")  # the downgrade met and refused
     assert not cleartext.seen(), f"a downgrade was followed: {[(r.method, r.path) for r in cleartext.seen()]}"
-    settled_with_a_redirect_error("down")
 
 
 def test_a_same_origin_redirect_is_followed_and_a_loop_is_not(home, origins, watched_gateway):
@@ -192,8 +187,8 @@ def test_the_embedder_never_sends_its_key_to_another_origin(home, origins, watch
     assert "result" in reply
     wait_until(lambda: here.seen("POST", "/v1/embeddings"), what="the embedder to be used")
     assert any(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in here.seen("POST", "/v1/embeddings"))
+    wait_logged(gw, "redirected to", "the embedder's refused redirect")
     healthy(gw)
-    time.sleep(1.0)
     assert not leaks(elsewhere), f"the embedder's key reached another origin: {leaks(elsewhere)}"
 
 
@@ -209,7 +204,7 @@ def test_adding_credentials_over_plain_http_to_a_remote_host_warns_once(home):
     assert cli("list").stderr.strip() == "", "the warning belongs to `add`, once"
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@linux_only
 def test_slow_http_calls_cost_no_thread_each_and_never_hold_up_a_quick_call_or_a_cancellation(home, origins,
                                                                                               watched_gateway):
     """Bounding the threads that talk to one HTTP upstream (64 requests in flight; more wait their turn) must not
@@ -248,11 +243,11 @@ def test_a_call_to_a_remembered_tool_of_a_remote_that_hangs_at_initialize_meets_
                                                                                               watched_gateway):
     here = origins()
     serve = mcp("here")
-    hanging = {"on": False}
+    hanging, test_over = {"on": False}, threading.Event()
 
     def route(request):
         if hanging["on"] and b'"initialize"' in request.body:
-            time.sleep(90)  # accepts the connection, never answers in time
+            test_over.wait(90)  # accepts the connection, never answers in time
         return serve(request)
 
     here.routes["/mcp"] = route
@@ -269,13 +264,15 @@ def test_a_call_to_a_remembered_tool_of_a_remote_that_hangs_at_initialize_meets_
         reply = gw.wait_response("call", timeout=25)  # init_timeout is 60 s and there are 5 attempts
     except TimeoutError:
         pytest.fail("a call to a remote that hangs at initialize was not answered within call_timeout")
+    finally:
+        test_over.set()
     assert reply["result"].get("isError") is True, reply
     healthy(gw)
 
 
 # -- class 13: an HTTP body or SSE event over the limit ------------------------------------------------------------
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@linux_only
 @pytest.mark.parametrize("kind", ["json", "sse-event", "sse-lines"])
 def test_an_oversized_http_reply_fails_that_upstream_and_memory_stays_bounded(home, origins, watched_gateway, kind):
     cli("config", "max_message_bytes", "1000000")
@@ -285,11 +282,8 @@ def test_an_oversized_http_reply_fails_that_upstream_and_memory_stays_bounded(ho
     cli("add", "huge", "--url", here.url("/mcp"))
     gw = started(watched_gateway, rss_ceiling_mb=250)
     baseline = proc_status(gw.proc.pid, "VmHWM")
-    try:
-        wait_until(lambda: gw.proc.poll() is not None or server_status("huge")["status"] in ("failed", "backoff"),
-                   timeout=120, what="the oversized list to be refused")
-    except AssertionError:
-        pass
+    wait_until(lambda: gw.proc.poll() is not None or server_status("huge")["status"] in ("failed", "backoff"),
+               timeout=120, interval=0.2, what="the oversized list to be refused (or the gateway killed)")
     if gw.over_ceiling:
         pytest.fail(f"a 400 MiB HTTP reply ({kind}) took the gateway's RSS to {gw.over_ceiling // 1024} MB")
     healthy(gw)
@@ -298,7 +292,7 @@ def test_an_oversized_http_reply_fails_that_upstream_and_memory_stays_bounded(ho
     assert any(word in said.lower() for word in ("max_message_bytes", "too large", "limit", "exceed")), said[-1000:]
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@linux_only
 def test_an_oversized_embedder_reply_is_bounded(home, origins, watched_gateway):
     cli("config", "max_message_bytes", "1000000")
     here = origins()
@@ -308,13 +302,12 @@ def test_an_oversized_embedder_reply_is_bounded(home, origins, watched_gateway):
     gw = started(watched_gateway, rss_ceiling_mb=250)
     reply = gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {"query": "echo text"}})
     assert "result" in reply
-    try:
-        wait_until(lambda: gw.proc.poll() is not None or len(here.seen("POST")) >= 2, timeout=60,
-                   what="the embedder to be asked twice")
-    except AssertionError:
-        pass
+    # The tool vectors are embedded in the background: wait until the gateway has read (and refused) the huge
+    # reply, or has been killed for its RSS.
+    gw.wait_for(lambda g: g.proc.poll() is not None or "tool vectors unavailable" in g.stderr_text(), timeout=60)
     if gw.over_ceiling:
         pytest.fail(f"a 400 MiB embeddings reply took the gateway's RSS to {gw.over_ceiling // 1024} MB")
+    assert "larger than" in gw.stderr_text(), gw.stderr_text()[-2000:]
     healthy(gw)
 
 
@@ -333,8 +326,7 @@ def test_a_permanent_http_status_fails_at_once_with_the_status(home, origins, wa
     cli("add", "flaky", "--url", here.url("/flaky"))
     probed = len(initialize_posts(here, "/mcp"))  # `coffer add` may have tried it once already
     gw = started(watched_gateway)
-    failed = wait_until(lambda: (s := server_status("denied"))["status"] == "failed" and s, timeout=30,
-                        what="the denied upstream to be marked failed")
+    failed = wait_for_status("denied", "failed")
     assert str(code) in (failed["detail"] or ""), failed
     wait_until(lambda: len(initialize_posts(here, "/flaky")) >= 2, what="a 503 to be retried")
     assert len(initialize_posts(here, "/mcp")) - probed == 1, f"HTTP {code} was retried by the gateway"
@@ -351,7 +343,7 @@ def test_an_invalid_url_is_refused_at_add_or_fails_at_once(home, watched_gateway
         assert added.stderr.strip().count("\n") == 0 and "bad" not in cli("list").stdout
         return
     gw = started(watched_gateway)
-    wait_until(lambda: server_status("bad")["status"] == "failed", timeout=30, what="bad to be marked failed")
+    wait_for_status("bad", "failed")
     healthy(gw)
     attempts = sum(1 for line in gw.stderr_lines if "[bad]" in line and "fail" in line.lower())
     assert attempts <= 2, f"an invalid URL was retried ({attempts} failure lines)"

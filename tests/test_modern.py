@@ -23,8 +23,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from mcp.client.subscriptions import ResourcesListChanged, ToolsListChanged  # n
 from mcp.shared.exceptions import MCPError  # noqa: E402
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS  # noqa: E402
 
-from conftest import COFFER, PY, ROOT, cli, everything_cmd, needs_node  # noqa: E402
+from conftest import PY, ROOT, cli, everything_cmd, gateway_params, needs_node, text_of  # noqa: E402
 
 try:
     BaseExceptionGroup
@@ -190,7 +189,7 @@ def through_coffer(home, tmp_path):
         # A Python SDK server takes seconds to import on a loaded machine: let the first list wait for it rather
         # than answer without its tools (the default budget is 5 s).
         cli("config", "discovery_timeout", "60")
-        params = StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
+        params = gateway_params()
         return Target("coffer", params, f"{upstream.key}__", tmp_path / "coffer-stderr.log", state, True)
     return make
 
@@ -235,10 +234,6 @@ class Session:
     async def call(self, call: Call, **kwargs) -> types.CallToolResult:
         self.step(f"calling {self.target.name(call.tool)}({json.dumps(call.arguments)})")
         return await self.client.call_tool(self.target.name(call.tool), call.arguments, **kwargs)
-
-
-def text_of(result) -> str:
-    return "".join(block.text for block in result.content if getattr(block, "type", "") == "text")
 
 
 def _leaf(exc: BaseException) -> BaseException:

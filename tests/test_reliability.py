@@ -10,74 +10,26 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
-from conftest import FAKE, RawGateway, cli, rss_kb
-
-POSIX = os.name == "posix"
-posix_only = pytest.mark.skipif(not POSIX, reason="POSIX signals and process checks")
-
+from conftest import (
+    FAKE,
+    RawGateway,
+    alive,
+    call_msg,
+    cli,
+    is_tool_error,
+    list_changed_count,
+    log_rows,
+    pids_in,
+    posix_only,
+    received,
+    rss_kb,
+    server_status,
+    text_of,
+    tool_names,
+    wait_until,
+)
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-
-def call_msg(msg_id, tool, arguments=None, meta=None):
-    params = {"name": tool, "arguments": arguments or {}}
-    if meta is not None:
-        params["_meta"] = meta
-    return {"jsonrpc": "2.0", "id": msg_id, "method": "tools/call", "params": params}
-
-
-def tool_names(response):
-    return [tool["name"] for tool in response["result"]["tools"]]
-
-
-def text_of(response):
-    return response["result"]["content"][0]["text"]
-
-
-def is_tool_error(response):
-    return "result" in response and response["result"].get("isError") is True
-
-
-def pids_in(path: Path) -> list[int]:
-    if not path.exists():
-        return []
-    return [int(line) for line in path.read_text().split()]
-
-
-def alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    status = Path(f"/proc/{pid}/status")
-    if Path("/proc/self/status").exists():
-        try:
-            state = next(line for line in status.read_text().splitlines() if line.startswith("State:"))
-        except (FileNotFoundError, ProcessLookupError, StopIteration):
-            return False
-        return "Z" not in state.split()[1]
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-
-def log_rows():
-    return json.loads(cli("log", "--json", "--limit", "100000").stdout)["invocations"]
-
-
-def wait_until(predicate, timeout=10.0, interval=0.1, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
-
 
 def wait_log(predicate, timeout=10.0):
     holder = {}
@@ -91,20 +43,6 @@ def wait_log(predicate, timeout=10.0):
     except AssertionError:
         raise AssertionError(f"log never matched; rows: {json.dumps(holder.get('rows'), indent=1)[-3000:]}")
     return holder["rows"]
-
-
-def list_changed_count(gw):
-    with gw.cond:
-        return sum(1 for n in gw.notifications if n["method"] == "notifications/tools/list_changed")
-
-
-def server_status(name):
-    servers = json.loads(cli("list", "--json").stdout)["servers"]
-    return next(s for s in servers if s["name"] == name)
-
-
-def stderr_text(gw):
-    return "".join(gw.stderr_lines)
 
 
 # -- 1. crash mid-call -----------------------------------------------------------------------------------------
@@ -265,34 +203,30 @@ def test_progress_keeps_a_long_call_alive(home, raw_gateway):
 # -- 5. cancellation -------------------------------------------------------------------------------------------
 
 def test_cancellation_reaches_upstream_with_its_id_and_late_reply_is_dropped(home, raw_gateway, tmp_path):
-    received = tmp_path / "received.jsonl"
-    cli("add", "up", "--", *FAKE, "--recv-log", str(received))
+    recv_log, sent_log = tmp_path / "received.jsonl", tmp_path / "sent.jsonl"
+    cli("add", "up", "--", *FAKE, "--recv-log", str(recv_log), "--sent-log", str(sent_log))
     gw = raw_gateway()
     gw.initialize()
     gw.request("tools/list")
 
-    def upstream_messages():
-        return [json.loads(line) for line in received.read_text().splitlines()] if received.exists() else []
-
     client_id = "client-cancel-7"
     gw.send(call_msg(client_id, "up__slow", {"seconds": 1.5}))
-    sent = time.monotonic()
-    call = wait_until(lambda: next((m for m in upstream_messages() if m.get("method") == "tools/call"), None),
+    call = wait_until(lambda: next((m for m in received(recv_log) if m.get("method") == "tools/call"), None),
                       what="the call to reach the upstream")
     their_id = call["id"]
     assert their_id != client_id
     gw.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
              "params": {"requestId": client_id, "reason": "user pressed stop"}})
-    cancel = wait_until(lambda: next((m for m in upstream_messages()
+    cancel = wait_until(lambda: next((m for m in received(recv_log)
                                       if m.get("method") == "notifications/cancelled"), None),
                         what="notifications/cancelled at the upstream")
     assert cancel["params"]["requestId"] == their_id
 
-    # the fixture still answers at 1.5 s; a later call on the same pipe proves that reply was read and dropped
-    time.sleep(max(0.0, 2.2 - (time.monotonic() - sent)))
+    # The fixture still answers the cancelled call when its 1.5 s are up.  Once that reply is out, a later call
+    # on the same pipe is answered after it: by then the gateway has read the late reply and dropped it.
+    wait_until(lambda: any(m.get("id") == their_id for m in received(sent_log)), what="the late reply")
     after = gw.request("tools/call", {"name": "up__echo", "arguments": {"text": "after"}})
     assert text_of(after) == "after"
-    time.sleep(0.3)
     with gw.cond:
         assert not gw.responses.get(json.dumps(client_id)), "a cancelled request got a response"
     rows = wait_log(lambda rows: any(r["status"] == "cancelled" for r in rows))
@@ -313,7 +247,7 @@ def test_garbage_lines_are_skipped_and_big_results_route(home, raw_gateway):
     big = gw.wait_response("big", timeout=120)
     assert text_of(small) == "héllo" and not is_tool_error(small)
     assert not is_tool_error(big) and len(text_of(big)) == 10 * 1024 * 1024
-    assert "skipped a non-JSON line" in stderr_text(gw)
+    assert "skipped a non-JSON line" in gw.stderr_text()
     assert gw.request("ping")["result"] == {}
 
 
@@ -363,15 +297,18 @@ def test_two_gateways_and_cli_share_the_vault(home, raw_gateway):
 
     stop = threading.Event()
     cli_failures = []
-    cli_runs = []
+    cli_runs = [0]
+    churned = threading.Condition()
 
     def churn(commands):
         i = 0
         while not stop.is_set():
             proc = cli(*commands[i % len(commands)], check=False)
-            cli_runs.append(proc.returncode)
             if proc.returncode != 0:
                 cli_failures.append(proc.stderr)
+            with churned:
+                cli_runs[0] += 1
+                churned.notify_all()
             i += 1
 
     churners = [threading.Thread(target=churn, args=(commands,), daemon=True) for commands in (
@@ -382,24 +319,31 @@ def test_two_gateways_and_cli_share_the_vault(home, raw_gateway):
         churner.start()
     per_client = 200
     replies = {name: [] for name in gateways}
+    rounds_without_cli = []
 
     def drive(name, gw):
         for round_ in range(per_client // 10):
+            with churned:
+                before = cli_runs[0]
             ids = [f"{name}-{round_}-{k}" for k in range(10)]
             gw.send_raw(b"".join((json.dumps(call_msg(i, "a__echo", {"text": i})) + "\n").encode() for i in ids))
             for i in ids:
                 replies[name].append((i, gw.wait_response(i, timeout=30)))
-            time.sleep(0.15)
+            # The next round starts only once another CLI command has finished writing the vault, so the calls
+            # and the CLI's writes interleave however fast or busy the machine is.
+            with churned:
+                if not churned.wait_for(lambda: cli_runs[0] > before, timeout=60):
+                    rounds_without_cli.append((name, round_))
 
     drivers = [threading.Thread(target=drive, args=item) for item in gateways.items()]
     for thread in drivers:
         thread.start()
     for thread in drivers:
-        thread.join(120)
+        thread.join(300)
     stop.set()
     for churner in churners:
         churner.join(60)
-    assert len(cli_runs) >= 10, "the CLI barely ran concurrently with the calls"
+    assert not rounds_without_cli, f"no CLI command finished during these rounds of calls: {rounds_without_cli}"
 
     for name, gw in gateways.items():
         assert len(replies[name]) == per_client
@@ -422,9 +366,9 @@ def test_two_gateways_and_cli_share_the_vault(home, raw_gateway):
 # -- 10. no orphans --------------------------------------------------------------------------------------------
 
 def _start_with_upstreams(tmp_path, tag):
-    logs = [tmp_path / f"{tag}-{i}.pids" for i in range(3)]
+    logs, recv_log = [tmp_path / f"{tag}-{i}.pids" for i in range(3)], tmp_path / f"{tag}-a.recv"
     cli("config", "discovery_timeout", "1")
-    cli("add", f"{tag}-a", "--", *FAKE, "--spawn-log", str(logs[0]))
+    cli("add", f"{tag}-a", "--", *FAKE, "--spawn-log", str(logs[0]), "--recv-log", str(recv_log))
     cli("add", f"{tag}-b", "--", *FAKE, "--spawn-log", str(logs[1]))
     cli("add", f"{tag}-c", "--", *FAKE, "--spawn-log", str(logs[2]), "--hang-initialize")
     gw = RawGateway()
@@ -433,7 +377,8 @@ def _start_with_upstreams(tmp_path, tag):
     gw.send(call_msg("busy", f"{tag}-a__slow", {"seconds": 30}))  # one call in flight
     pids = wait_until(lambda: len(p := [pid for log in logs for pid in pids_in(log)]) == 3 and p,
                       what="three upstream pids")
-    time.sleep(0.3)
+    wait_until(lambda: any(m.get("method") == "tools/call" for m in received(recv_log)),
+               what="the call to be running upstream")
     assert all(alive(pid) for pid in pids)
     return gw, pids
 
@@ -519,7 +464,7 @@ def test_no_secret_or_call_data_reaches_the_disk(home, raw_gateway):
     assert secret not in detail and "TOKEN=***" in detail, detail  # the leak was redacted, not just absent
     gw.close()
     assert scan() == [], "after shutdown"
-    assert secret not in stderr_text(gw), "the gateway's stderr shows an upstream's secret unredacted"
+    assert secret not in gw.stderr_text(), "the gateway's stderr shows an upstream's secret unredacted"
 
 
 # -- 12. upgrades ----------------------------------------------------------------------------------------------
@@ -598,17 +543,16 @@ def test_a_request_bigger_than_the_pipe_and_the_calls_behind_it_arrive_whole_and
 
 
 def test_a_burst_of_list_changed_costs_a_couple_of_refreshes_and_the_last_list_wins(home, raw_gateway, tmp_path):
-    received = tmp_path / "received.jsonl"
-    cli("add", "chatty", "--", *FAKE, "--tools", "echo,churn", "--recv-log", str(received))
+    recv_log = tmp_path / "received.jsonl"
+    cli("add", "chatty", "--", *FAKE, "--tools", "echo,churn", "--recv-log", str(recv_log))
     gw = raw_gateway()
     gw.initialize()
     assert "chatty__extra" not in tool_names(gw.request("tools/list"))
     gw.request("tools/call", {"name": "chatty__churn", "arguments": {"count": 200}})
-    deadline = time.monotonic() + 30
-    while "chatty__extra" not in tool_names(gw.request("tools/list")):
-        assert time.monotonic() < deadline, "the added tool never showed up"
-        time.sleep(0.05)
-    time.sleep(1.0)  # let any straggling refresh finish before counting
-    lists = [line for line in received.read_text().splitlines() if '"tools/list"' in line]
-    assert len(lists) <= 1 + 10, f"{len(lists) - 1} refreshes for 200 notifications"
+    wait_until(lambda: "chatty__extra" in tool_names(gw.request("tools/list")), timeout=30,
+               what="the added tool to show up")
     assert "chatty__extra" in tool_names(gw.request("tools/list"))
+    gw.close()  # every refresh this session would ever make has been made once the gateway has exited
+    assert gw.proc.returncode == 0
+    lists = [m for m in received(recv_log) if m.get("method") == "tools/list"]
+    assert len(lists) <= 1 + 10, f"{len(lists) - 1} refreshes for 200 notifications"

@@ -11,7 +11,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import stat
 import subprocess
 import threading
@@ -22,38 +21,32 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import anyio
-import mcp_types as types
 import pytest
-from mcp import Client
-from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 
-import coffer
-from conftest import COFFER, EVERYTHING_JS, PY, ROOT, TIME_SERVER, cli, needs_node
+from coffer_src.jsonrpc import request_id_in
+from coffer_src.oauth import authorization_server_metadata_urls, parse_www_authenticate, resource_matches
+from coffer_src.transport.http import read_sse_events
+
+from conftest import (
+    EVERYTHING_JS,
+    PY,
+    ROOT,
+    TIME_SERVER,
+    cli,
+    free_port,
+    needs_node,
+    sdk_session,
+    server_status,
+    text_of,
+    wait_listening,
+)
 
 OAUTH_SERVER = ROOT / "tests" / "fixtures" / "oauth_server.py"
 FAKE_BROWSER = ROOT / "tests" / "fixtures" / "fake_browser.py"
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_listening(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
 
 class Everything:
     """server-everything over HTTP (mode 'sse' or 'streamableHttp') on a fixed loopback port."""
@@ -69,7 +62,8 @@ class Everything:
         return f"http://127.0.0.1:{self.port}{self.path}"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(["node", str(EVERYTHING_JS), self.mode], env={**os.environ, "PORT": str(self.port)},
+        self.proc = subprocess.Popen(["node", str(EVERYTHING_JS), self.mode],
+                                     env={**os.environ, "PORT": str(self.port)},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_listening(self.port)
 
@@ -139,18 +133,8 @@ def browser_env(tmp_path, mode: str = "follow") -> dict:
 def through_gateway(tmp_path, body, **client_kwargs):
     """Run ``body(client)`` with the official SDK client connected to `coffer serve`; the gateway's stderr goes
     to a file under tmp_path (scanned for tokens)."""
-    async def main():
-        with open(tmp_path / f"serve-{uuid.uuid4().hex[:6]}.log", "w") as errlog:
-            params = StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
-            async with Client(stdio_client(params, errlog=errlog),
-                              client_info=types.Implementation(name="remote-test", version="1"),
-                              **client_kwargs) as client:
-                return await body(client)
-    return anyio.run(main)
-
-
-def text_of(result) -> str:
-    return "".join(block.text for block in result.content if getattr(block, "type", "") == "text")
+    with open(tmp_path / f"serve-{uuid.uuid4().hex[:6]}.log", "w") as errlog:
+        return sdk_session(body, name="remote-test", errlog=errlog, **client_kwargs)
 
 
 async def call_until_ok(client, name, arguments, timeout=30.0):
@@ -174,11 +158,10 @@ def server_row(name: str, status: str | None = None, timeout: float = 15.0) -> d
     """The server as `coffer list --json` shows it; with ``status``, once it has that status (or at timeout)."""
     deadline = time.monotonic() + timeout
     while True:
-        rows = json.loads(cli("list", "--json").stdout)["servers"]
-        row = next(row for row in rows if row["name"] == name)
+        row = server_status(name)
         if status is None or row["status"] == status or time.monotonic() > deadline:
             return row
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def secrets_file(home: Path) -> dict:
@@ -190,7 +173,8 @@ def assert_nothing_leaks(home: Path, tmp_path: Path, transcript: Transcript, val
     """No token, code or client secret in any byte Coffer wrote outside its secret store, or printed."""
     values = [v.encode() for v in values if len(v) >= 8]
     assert values
-    places = [(str(p), p.read_bytes()) for p in home.rglob("*") if p.is_file() and not p.name.startswith("secrets.json")]
+    places = [(str(p), p.read_bytes()) for p in home.rglob("*")
+              if p.is_file() and not p.name.startswith("secrets.json")]
     places += [(str(p), p.read_bytes()) for p in tmp_path.glob("serve-*.log")]
     places += [(f"cli output {i}", text.encode()) for i, text in enumerate(transcript.texts)]
     assert any(name.endswith("coffer.db") for name, _ in places)
@@ -202,16 +186,16 @@ def assert_nothing_leaks(home: Path, tmp_path: Path, transcript: Transcript, val
 # -- the parts a user never sees, on hostile and edge input ---------------------------------------------------
 
 def test_www_authenticate_parsing_finds_the_bearer_challenge_among_others():
-    parsed = coffer.parse_www_authenticate(
+    parsed = parse_www_authenticate(
         'Basic realm="x", Bearer error="invalid_token", resource_metadata="https://a.example/.well-known/'
         'oauth-protected-resource/mcp", scope="files:read files:write", error_description="a \\"quoted\\" word"')
     assert parsed["basic"] == {"realm": "x"}
     assert parsed["bearer"]["resource_metadata"] == "https://a.example/.well-known/oauth-protected-resource/mcp"
     assert parsed["bearer"]["scope"] == "files:read files:write"
     assert parsed["bearer"]["error_description"] == 'a "quoted" word'
-    assert coffer.parse_www_authenticate("Bearer") == {"bearer": {}}
-    assert coffer.parse_www_authenticate(None) == {}
-    assert coffer.parse_www_authenticate('Bearer scope="' + "x" * 100_000) is not None  # bounded, no crash
+    assert parse_www_authenticate("Bearer") == {"bearer": {}}
+    assert parse_www_authenticate(None) == {}
+    assert parse_www_authenticate('Bearer scope="' + "x" * 100_000) is not None  # bounded, no crash
 
 
 @pytest.mark.parametrize("resource, matches", [
@@ -227,15 +211,15 @@ def test_www_authenticate_parsing_finds_the_bearer_challenge_among_others():
     (None, False),
 ])
 def test_protected_resource_metadata_must_name_this_server(resource, matches):
-    assert coffer.resource_matches("https://mcp.example.com/mcp", resource) is matches
+    assert resource_matches("https://mcp.example.com/mcp", resource) is matches
 
 
 def test_authorization_server_metadata_is_looked_for_in_the_order_the_spec_gives():
-    assert coffer.authorization_server_metadata_urls("https://auth.example.com/tenant1") == [
+    assert authorization_server_metadata_urls("https://auth.example.com/tenant1") == [
         "https://auth.example.com/.well-known/oauth-authorization-server/tenant1",
         "https://auth.example.com/.well-known/openid-configuration/tenant1",
         "https://auth.example.com/tenant1/.well-known/openid-configuration"]
-    assert coffer.authorization_server_metadata_urls("https://auth.example.com") == [
+    assert authorization_server_metadata_urls("https://auth.example.com") == [
         "https://auth.example.com/.well-known/oauth-authorization-server",
         "https://auth.example.com/.well-known/openid-configuration"]
 
@@ -245,11 +229,11 @@ def test_sse_reader_keeps_memory_bounded_and_reports_oversized_events():
     many_lines = b"".join(b"data: " + b"b" * 1000 + b"\n" for _ in range(500)) + b"\n"
     stream = io.BytesIO(b": keepalive\n\nevent: endpoint\ndata: /message?s=1\r\n\r\n" + huge_line + many_lines
                         + b'data: {"jsonrpc":"2.0","method":"ok"}\n\n' + b"data: unfinished")
-    events = list(coffer.read_sse_events(stream.readline, 10_000))
+    events = list(read_sse_events(stream.readline, 10_000))
     assert [e.kind for e in events] == ["endpoint", "message", "message", "message"]
     assert events[0].data == b"/message?s=1"
     assert events[1].oversized > 300_000 and len(events[1].data) <= 4096
-    assert coffer.request_id_in(events[1].data) == 7  # the oversized answer can still be failed by id
+    assert request_id_in(events[1].data) == 7  # the oversized answer can still be failed by id
     assert events[2].oversized > 10_000 and len(events[2].data) <= 4096
     assert json.loads(events[3].data) == {"jsonrpc": "2.0", "method": "ok"}  # and the stream goes on
 

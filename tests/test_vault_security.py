@@ -11,19 +11,16 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import COFFER, FAKE, HOSTILE, PY, ROOT, cli
+from conftest import COFFER, FAKE, HOSTILE, POSIX, ROOT, cli, coffer_cmd, posix_only, servers, wait_until
 
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 from hostile_http import HostileHttp, mcp  # noqa: E402
 
-POSIX = os.name == "posix"
-posix_only = pytest.mark.skipif(not POSIX, reason="POSIX permission bits")
 AS_ROOT = POSIX and os.geteuid() == 0
 NOBODY = 65534
 PERMISSION_NOTICE = re.compile(r"perm|chmod|0o?600|0o?700|readable|private", re.I)
@@ -35,15 +32,12 @@ def mode(path) -> int:
 
 def cli_with_umask(umask, *args, stdin=None, env=None):
     """The CLI started under a given umask (a careless shell profile), optionally fed on stdin."""
-    return subprocess.run([PY, COFFER, *args], input=stdin, capture_output=True, text=True, timeout=120,
+    return subprocess.run(coffer_cmd(*args), input=stdin, capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})}, preexec_fn=lambda: os.umask(umask))
 
 
 def secret_set(name, value, env=None):
-    proc = subprocess.run([PY, COFFER, "secret", "set", name], input=value + "\n", capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, f"coffer secret set failed ({proc.returncode}): {proc.stderr}"
-    return proc
+    return cli("secret", "set", name, input=value + "\n", env=env)
 
 
 def vault_bytes(home) -> dict:
@@ -113,7 +107,7 @@ def test_a_second_local_user_cannot_read_the_vault_or_the_secrets(monkeypatch):
         secret_set("OTHER_TOKEN", "other-" + uuid.uuid4().hex)
 
         def as_nobody(*argv):
-            return subprocess.run(argv, capture_output=True, text=True, timeout=30,
+            return subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=base,
                                   preexec_fn=lambda: (os.setgroups([]), os.setgid(NOBODY), os.setuid(NOBODY)))
 
         for target in (home / "coffer.db", home / "secrets.json"):
@@ -264,22 +258,14 @@ def test_store_secrets_are_redacted_from_status_stderr_and_the_vault(home, watch
     gw.request("tools/list")
     reply = gw.request("tools/call", {"name": "good__echo", "arguments": {"text": "fine"}})
     assert reply["result"]["content"][0]["text"] == "fine"
-    servers = {}
-
-    def both_failed():
-        servers.update({s["name"]: s for s in json.loads(cli("list", "--json").stdout)["servers"]})
-        return servers["leaky"]["status"] == "failed" and servers["snoop"]["status"] == "failed"
-
-    deadline = time.monotonic() + 30
-    while not both_failed():
-        assert time.monotonic() < deadline, servers
-        time.sleep(0.2)
+    rows = wait_until(lambda: (rows := servers())["leaky"]["status"] == rows["snoop"]["status"] == "failed" and rows,
+                      timeout=30, interval=0.1, what="leaky and snoop to fail")
     gw.close()
-    assert "TOKEN=***" in servers["leaky"]["detail"], servers["leaky"]
-    assert "***" in servers["snoop"]["detail"] and "lying around" in servers["snoop"]["detail"], servers["snoop"]
+    assert "TOKEN=***" in rows["leaky"]["detail"], rows["leaky"]
+    assert "***" in rows["snoop"]["detail"] and "lying around" in rows["snoop"]["detail"], rows["snoop"]
     shown = cli("list")
     for value in (referenced, unrelated):
-        assert value not in json.dumps(servers) and value not in shown.stdout + shown.stderr
+        assert value not in json.dumps(rows) and value not in shown.stdout + shown.stderr
         assert value not in gw.stderr_text(), "the gateway's stderr shows a secret"
         assert not holding(home, value), "a secret reached the vault"
 
@@ -445,7 +431,7 @@ def _python_for_nobody():
             continue
         try:
             probe = subprocess.run([candidate, "-c", "import sqlite3, sys; assert sys.version_info >= (3, 10)"],
-                                   capture_output=True, timeout=30,
+                                   capture_output=True, timeout=30, cwd="/",
                                    preexec_fn=lambda: (os.setgroups([]), os.setgid(NOBODY), os.setuid(NOBODY)))
         except OSError:
             continue  # e.g. an interpreter under /root
@@ -472,10 +458,14 @@ def test_a_read_only_vault_still_serves_read_only_commands(watched_gateway, monk
         for path in [home, *home.iterdir()]:
             os.chown(path, NOBODY, NOBODY)
             os.chmod(path, 0o500 if path.is_dir() else 0o400)
+        # The checkout may sit where nobody cannot read (a private temporary folder): nobody runs a vendored copy.
+        vendored = base / "coffer.py"
+        shutil.copyfile(COFFER, vendored)
+        os.chmod(vendored, 0o644)
 
         def as_nobody(*args):
-            return subprocess.run([python, COFFER, *args], capture_output=True, text=True, timeout=60,
-                                  env={**os.environ, "COFFER_HOME": str(home), "HOME": str(base)},
+            return subprocess.run([python, str(vendored), *args], capture_output=True, text=True, timeout=60,
+                                  env={**os.environ, "COFFER_HOME": str(home), "HOME": str(base)}, cwd=base,
                                   preexec_fn=lambda: (os.setgroups([]), os.setgid(NOBODY), os.setuid(NOBODY)))
 
         listed = as_nobody("list")
