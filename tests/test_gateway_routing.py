@@ -188,10 +188,6 @@ def test_a_response_is_never_answered_even_with_a_null_id(home, raw_gateway):
     assert json.dumps(None) not in gw.responses or not gw.responses[json.dumps(None)]
 
 
-def _tool_names(reply):
-    return set(tool_names(reply))
-
-
 def test_a_call_to_a_server_that_is_still_starting_waits_for_it_not_just_for_the_list_budget(home, raw_gateway,
                                                                                               tmp_path):
     """Nothing remembered yet and a server slower than discovery_timeout: the list answers without it, but a
@@ -207,7 +203,7 @@ def test_a_call_to_a_server_that_is_still_starting_waits_for_it_not_just_for_the
              "params": {"name": "slow__echo", "arguments": {"text": "worth the wait"}}})
     gw.send({"jsonrpc": "2.0", "id": "never", "method": "tools/call",
              "params": {"name": "stuck__echo", "arguments": {"text": "x"}}})
-    assert "slow__echo" not in _tool_names(gw.request("tools/list")), "the list should not wait past its budget"
+    assert "slow__echo" not in set(tool_names(gw.request("tools/list"))), "the list should not wait past its budget"
     never = gw.wait_response("never", timeout=15)
     assert "result" not in never, never
     assert "not ready" in never["error"]["message"] and "Unknown" not in never["error"]["message"], never
@@ -232,14 +228,14 @@ def test_a_slow_server_is_listed_at_once_from_its_last_start_and_corrected_if_it
 
     gw = raw_gateway()  # first session: nothing remembered, the list waits for the server
     gw.initialize()
-    assert "slow__echo" in _tool_names(gw.request("tools/list"))
+    assert "slow__echo" in set(tool_names(gw.request("tools/list")))
     gw.close()
 
     started.unlink()
     args.write_text(f"--start-gate {tmp_path / 'gate-2'} --tools echo")
     gw = raw_gateway()
     gw.initialize()
-    listed = _tool_names(gw.request("tools/list"))
+    listed = set(tool_names(gw.request("tools/list")))
     assert not started.exists(), "the list should not have waited for the server"
     assert "slow__echo" in listed
     hits = json.loads(gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {
@@ -258,10 +254,10 @@ def test_a_slow_server_is_listed_at_once_from_its_last_start_and_corrected_if_it
     args.write_text(f"--start-gate {tmp_path / 'gate-3'} --tools echo,fail")
     gw = raw_gateway()
     gw.initialize()
-    assert "slow__echo" in _tool_names(gw.request("tools/list"))
+    assert "slow__echo" in set(tool_names(gw.request("tools/list")))
     (tmp_path / "gate-3").touch()
     gw.wait_for(list_changed_count)
-    assert {"slow__echo", "slow__fail"} <= _tool_names(gw.request("tools/list"))
+    assert {"slow__echo", "slow__fail"} <= set(tool_names(gw.request("tools/list")))
     gw.close()
 
     args.write_text("--exit-at-start")  # remembered tools of a server that no longer starts are withdrawn
@@ -269,7 +265,7 @@ def test_a_slow_server_is_listed_at_once_from_its_last_start_and_corrected_if_it
     gw.initialize()
     gw.request("tools/list")
     gw.wait_for(list_changed_count)
-    assert not any(name.startswith("slow__") for name in _tool_names(gw.request("tools/list")))
+    assert not any(name.startswith("slow__") for name in set(tool_names(gw.request("tools/list"))))
     gw.close()
 
 
@@ -300,7 +296,7 @@ def test_a_call_cancelled_while_its_server_starts_is_never_sent(home, raw_gatewa
     args.write_text(f"--tools echo --start-gate {gate}")
     gw = raw_gateway()
     gw.initialize()
-    assert "up__echo" in _tool_names(gw.request("tools/list"))
+    assert "up__echo" in set(tool_names(gw.request("tools/list")))
     for msg_id, text in (("doomed", "must not run"), ("kept", "runs")):
         gw.send({"jsonrpc": "2.0", "id": msg_id, "method": "tools/call",
                  "params": {"name": "up__echo", "arguments": {"text": text}}})

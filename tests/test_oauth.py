@@ -39,6 +39,7 @@ from conftest import (
     sdk_session,
     server_status,
     text_of,
+    wait_for_status,
     wait_listening,
 )
 
@@ -152,16 +153,6 @@ async def call_until_ok(client, name, arguments, timeout=30.0):
         if time.monotonic() > deadline:
             return result
         await anyio.sleep(0.3)
-
-
-def server_row(name: str, status: str | None = None, timeout: float = 15.0) -> dict:
-    """The server as `coffer list --json` shows it; with ``status``, once it has that status (or at timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        row = server_status(name)
-        if status is None or row["status"] == status or time.monotonic() > deadline:
-            return row
-        time.sleep(0.1)
 
 
 def secrets_file(home: Path) -> dict:
@@ -312,7 +303,7 @@ def test_a_dropped_sse_stream_fails_the_call_in_flight_clearly_and_reconnects(ho
     assert long.is_error and 0 < len(progress) < 30
     assert "SSE stream" in text_of(long) and "not retried" in text_of(long)
     assert text_of(after) == "Echo: after" and not after.is_error
-    assert server_row("evsse", "ready")["status"] == "ready"
+    assert wait_for_status("evsse", "ready")
 
 
 class _HostileSse(BaseHTTPRequestHandler):
@@ -362,7 +353,7 @@ def test_an_sse_endpoint_on_another_origin_is_refused_and_gets_no_credentials(ho
         transcript.cli("add", "evil2", "--url", url, "--transport", "sse", "--header", "X-Api-Key=${EVIL_KEY}",
                        env=env)
         listed = transcript.cli("tools", env=env, check=False)
-        row = server_row("evil2")
+        row = server_status("evil2")
     finally:
         hostile.shutdown()
         elsewhere.shutdown()
@@ -407,7 +398,7 @@ def test_a_redirect_to_another_origin_is_refused_and_the_credentials_stay_home(h
         transcript.cli("add", "redir2", "--url", url, "--transport", "http", "--header",
                        "Authorization=Bearer ${REDIR_KEY}", env=env)
         listed = transcript.cli("tools", env=env, check=False)
-        row = server_row("redir2")
+        row = server_status("redir2")
     finally:
         redirecting.shutdown()
         elsewhere.shutdown()
@@ -425,7 +416,7 @@ def test_oauth_login_then_calls_refresh_before_expiry_and_on_401_and_no_token_le
         added = transcript.cli("add", "prot", "--url", info["mcp"])
         assert "prot needs a login: run `coffer auth prot`" in added.stdout
 
-        assert "run `coffer auth prot`" in server_row("prot")["detail"]  # `list` says so from the start
+        assert "run `coffer auth prot`" in server_status("prot")["detail"]  # `list` says so from the start
 
         async def before_login(client):
             return client.instructions, {t.name for t in (await client.list_tools()).tools}
@@ -433,7 +424,7 @@ def test_oauth_login_then_calls_refresh_before_expiry_and_on_401_and_no_token_le
         instructions, tools = through_gateway(tmp_path, before_login)
         assert "coffer auth NAME): prot." in instructions
         assert not any(name.startswith("prot__") for name in tools)
-        row = server_row("prot")
+        row = server_status("prot")
         assert row["status"] == "failed" and "run `coffer auth prot`" in row["detail"]
         serve_log = "".join(p.read_text() for p in tmp_path.glob("serve-*.log"))
         assert serve_log.count("start failed") == 1  # a login is not retried: retrying cannot fix it
@@ -486,7 +477,7 @@ def test_a_refused_refresh_asks_for_coffer_auth_and_a_new_login_brings_the_serve
             control(info, "/expire-access-tokens", {})
             refused = await client.call_tool("prot__echo", {"message": "two"})
             forgotten = "oauth.prot" not in secrets_file(home)
-            row = await anyio.to_thread.run_sync(server_row, "prot", "failed")
+            row = await anyio.to_thread.run_sync(wait_for_status, "prot", "failed")
             control(info, "/config", {"refuse_refresh": False})
             await anyio.to_thread.run_sync(lambda: transcript.cli("auth", "prot", env=browser_env(tmp_path)))
             back = await call_until_ok(client, "prot__echo", {"message": "three"})
@@ -565,7 +556,7 @@ def test_oauth_over_the_legacy_sse_transport(home, tmp_path, transcript):
     with oauth_server(tmp_path, "--transport", "sse") as info:
         added = transcript.cli("add", "osse", "--url", info["mcp"])
         transcript.cli("auth", "osse", env=browser_env(tmp_path))
-        transport = server_row("osse")
+        transport = server_status("osse")
 
         async def body(client):
             return await client.call_tool("osse__echo", {"message": "over sse"})

@@ -67,7 +67,7 @@ def start_upstream(config, **settings):
     return upstream, Ticker(upstream)
 
 
-def call(upstream, name, arguments=None):
+def call_upstream(upstream, name, arguments=None):
     """Start a tools/call; returns (box, done) — box gets response/failure/text when it is answered."""
     box, done = {}, threading.Event()
 
@@ -196,8 +196,8 @@ def test_a_slow_call_to_an_http_upstream_does_not_hold_up_the_next_call(http_stu
     """A user-visible regression from 983013a (one thread per POST): calls to one HTTP server run one at a time."""
     upstream, ticker = start_upstream(http_config("stub", http_stub.url), call_timeout=30.0, init_timeout=10.0)
     try:
-        slow, slow_done = call(upstream, "slow")
-        echo, echo_done = call(upstream, "echo")
+        slow, slow_done = call_upstream(upstream, "slow")
+        echo, echo_done = call_upstream(upstream, "echo")
         assert slow_done.wait(20) and echo_done.wait(20)
         assert text_of(slow["response"]) == "echo arrived meanwhile: True"
     finally:
@@ -239,7 +239,7 @@ def test_a_server_that_dies_just_after_discovery_is_restarted_not_left_ready_and
         deadline = time.monotonic() + 20
         answer = {}
         while time.monotonic() < deadline:  # calls get a real answer once the server is back
-            box, done = call(upstream, "echo", {"text": "still there?"})
+            box, done = call_upstream(upstream, "echo", {"text": "still there?"})
             assert done.wait(15)
             answer = box
             if box["response"] is not None:
@@ -318,7 +318,7 @@ def test_an_http_reply_that_cannot_hold_the_answer_fails_the_call_at_once(http_s
     there will be no answer, yet the call waits for call_timeout (here 300 s; the test waits 20)."""
     upstream, ticker = start_upstream(http_config("stub", http_stub.url), call_timeout=300.0, init_timeout=10.0)
     try:
-        box, done = call(upstream, tool)
+        box, done = call_upstream(upstream, tool)
         assert done.wait(20), "no answer: the call waits for call_timeout"
         assert box["response"] is None and box["failure"] == "error"
     finally:
@@ -380,7 +380,7 @@ def test_a_reply_too_deep_to_decode_fails_its_call_at_once(tmp_path):
     upstream, ticker = start_upstream(stdio_config("deep", [PY, str(script)]), call_timeout=300.0,
                                       init_timeout=10.0)
     try:
-        box, done = call(upstream, "deep")
+        box, done = call_upstream(upstream, "deep")
         assert done.wait(20), "no answer: the call waits for call_timeout"
         assert box["response"] is None
     finally:

@@ -35,11 +35,11 @@ def add_hostile(name, *modes, opts=(), extra=()):
     cli("add", name, *opts, "--", *HOSTILE, "--mode", ",".join(modes) or "none", "--name", name, *extra)
 
 
-def call(gw, name, arguments=None, timeout=30):
+def call_tool(gw, name, arguments=None, timeout=30):
     return gw.request("tools/call", {"name": name, "arguments": arguments or {}}, timeout=timeout)
 
 
-def session(watched_gateway, capabilities=None, **kwargs):
+def open_session(watched_gateway, capabilities=None, **kwargs):
     gw = watched_gateway(**kwargs)
     gw.initialize(capabilities=capabilities)
     gw.request("tools/list")
@@ -64,13 +64,13 @@ PASSED_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER", "L
 
 
 def env_of(gw, server):
-    return json.loads(text_of(call(gw, f"{server}__env")))
+    return json.loads(text_of(call_tool(gw, f"{server}__env")))
 
 
 def test_each_upstream_gets_a_minimal_environment_plus_its_own(home, watched_gateway):
     add_hostile("a", opts=("--env", "A_TOKEN=${A_SECRET}"))
     add_hostile("b")
-    gw = session(watched_gateway, env=GATEWAY_ENV)
+    gw = open_session(watched_gateway, env=GATEWAY_ENV)
     a_env, b_env = env_of(gw, "a"), env_of(gw, "b")
     assert a_env.get("A_TOKEN") == "a-only-31337"
     for env in (a_env, b_env):
@@ -92,7 +92,7 @@ def test_inherit_env_passes_named_variables_or_everything(home, watched_gateway)
     add_hostile("named", opts=("--inherit-env", "GITHUB_TOKEN"))
     add_hostile("everything", opts=("--inherit-env", "*"))
     add_hostile("plain")
-    gw = session(watched_gateway, env=GATEWAY_ENV)
+    gw = open_session(watched_gateway, env=GATEWAY_ENV)
     named, everything, plain = env_of(gw, "named"), env_of(gw, "everything"), env_of(gw, "plain")
     assert named.get("GITHUB_TOKEN") == "ghp_gatewaytoken42" and "AWS_SECRET_ACCESS_KEY" not in named
     assert everything.get("GITHUB_TOKEN") == "ghp_gatewaytoken42"
@@ -109,15 +109,15 @@ def start_then_drift(tmp_path, watched_gateway, drift, policy=None):
     drift_file = tmp_path / "drift.json"
     add_hostile("d", "prompts", extra=("--drift-file", str(drift_file)))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     assert {"d__echo", "d__env"} <= set(tool_names(gw.request("tools/list")))
     assert "d__greet" in [p["name"] for p in gw.request("prompts/list")["result"]["prompts"]]
     gw.close()
     if policy:
         cli("policy", "d", policy)
     drift_file.write_text(json.dumps(drift))
-    gw = session(watched_gateway)
-    call(gw, "d__env")  # answered once d has started and listed its changed definitions
+    gw = open_session(watched_gateway)
+    call_tool(gw, "d__env")  # answered once d has started and listed its changed definitions
     return gw
 
 
@@ -130,7 +130,7 @@ def test_a_changed_tool_is_quarantined_until_approved(home, tmp_path, watched_ga
     listing = gw.request("tools/list")
     assert "d__echo" not in tool_names(listing) and "d__env" in tool_names(listing)
     assert EVIL not in json.dumps(listing) and "exfiltrate_to" not in json.dumps(listing)
-    refused = call(gw, "d__echo", {"text": "x"})
+    refused = call_tool(gw, "d__echo", {"text": "x"})
     assert "error" in refused, refused
     assert "coffer approve d__echo" in refused["error"]["message"]
     healthy(gw)
@@ -140,10 +140,10 @@ def test_a_changed_tool_is_quarantined_until_approved(home, tmp_path, watched_ga
     changed = EVIL if "description" in drift else "exfiltrate_to"
     assert changed in approved.stdout, "approve must show what changed"
     assert "Traceback" not in approved.stderr
-    gw = session(watched_gateway)
-    call(gw, "d__env")
+    gw = open_session(watched_gateway)
+    call_tool(gw, "d__env")
     assert "d__echo" in tool_names(gw.request("tools/list"))
-    assert text_of(call(gw, "d__echo", {"text": "approved"})) == "approved"
+    assert text_of(call_tool(gw, "d__echo", {"text": "approved"})) == "approved"
 
 
 def test_a_changed_prompt_is_quarantined_too(home, tmp_path, watched_gateway):
@@ -157,11 +157,11 @@ def test_a_changed_prompt_is_quarantined_too(home, tmp_path, watched_gateway):
 def test_a_definition_changed_in_the_middle_of_a_session_is_quarantined(home, watched_gateway):
     add_hostile("d", "mutate", "prompts")
     add_hostile("good")
-    gw = session(watched_gateway)
-    assert text_of(call(gw, "d__echo", {"text": "before"})) == "before"
-    call(gw, "d__mutate", {"drift": {"description": EVIL}})
+    gw = open_session(watched_gateway)
+    assert text_of(call_tool(gw, "d__echo", {"text": "before"})) == "before"
+    call_tool(gw, "d__mutate", {"drift": {"description": EVIL}})
     wait_until(lambda: "d__echo" not in tool_names(gw.request("tools/list")), what="d__echo to be quarantined")
-    refused = call(gw, "d__echo", {"text": "after"})
+    refused = call_tool(gw, "d__echo", {"text": "after"})
     assert "error" in refused and "coffer approve d__echo" in refused["error"]["message"], refused
     assert EVIL not in json.dumps(gw.request("tools/list"))
     assert any(n["method"] == "notifications/tools/list_changed" for n in gw.notifications)
@@ -172,12 +172,12 @@ def test_trust_updates_lets_changes_through_and_pin_updates_restores_the_pin(hom
     gw = start_then_drift(tmp_path, watched_gateway, {"description": EVIL}, policy="trust-updates")
     tools = {t["name"]: t for t in gw.request("tools/list")["result"]["tools"]}
     assert tools["d__echo"]["description"] == EVIL
-    assert text_of(call(gw, "d__echo", {"text": "trusted"})) == "trusted"
+    assert text_of(call_tool(gw, "d__echo", {"text": "trusted"})) == "trusted"
     gw.close()
     cli("policy", "d", "pin-updates")
     (tmp_path / "drift.json").write_text(json.dumps({"description": "yet another change"}))
-    gw = session(watched_gateway)
-    call(gw, "d__env")
+    gw = open_session(watched_gateway)
+    call_tool(gw, "d__env")
     assert "d__echo" not in tool_names(gw.request("tools/list"))
 
 
@@ -188,11 +188,11 @@ def test_a_quarantined_tool_stays_hidden_while_its_server_starts_again(home, tmp
     flags.write_text("")
     drift_file = tmp_path / "drift.json"
     add_hostile("d", "prompts", extra=("--drift-file", str(drift_file), "--args-file", str(flags)))
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     gw.close()
     drift_file.write_text(json.dumps({"description": EVIL}))
-    gw = session(watched_gateway)
-    call(gw, "d__env")
+    gw = open_session(watched_gateway)
+    call_tool(gw, "d__env")
     gw.close()
     gate = tmp_path / "d.gate"
     flags.write_text(f"--start-gate {gate}")
@@ -214,13 +214,13 @@ def test_a_changed_resource_template_is_quarantined_too(home, tmp_path, watched_
     drift_file = tmp_path / "drift.json"
     add_hostile("t", "templates", extra=("--templates", "notes://{id}", "--drift-file", str(drift_file)))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     assert "notes://{id}" in json.dumps(gw.request("resources/templates/list"))
     assert "t read notes://1" in json.dumps(gw.request("resources/read", {"uri": "notes://1"}))
     gw.close()
     drift_file.write_text(json.dumps({"description": EVIL}))
-    gw = session(watched_gateway)
-    call(gw, "t__env")
+    gw = open_session(watched_gateway)
+    call_tool(gw, "t__env")
     templates = gw.request("resources/templates/list")
     assert "notes://{id}" not in json.dumps(templates) and EVIL not in json.dumps(templates), templates
     refused = gw.request("resources/read", {"uri": "notes://1"})
@@ -237,7 +237,7 @@ def assert_no_control(text, where):
 
 def test_tool_listings_on_a_terminal_carry_no_escape_sequences(home, watched_gateway):
     add_hostile("p", "ansi")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     gw.close()
     cached = cli("tools", "--cached")
     live = cli("tools")
@@ -252,9 +252,9 @@ def test_audit_log_and_list_output_carry_no_escape_sequences(home, watched_gatew
     add_hostile("p", "ansi")
     add_hostile("x", "ansi", "exit")
     add_hostile("good")
-    gw = session(watched_gateway)
-    call(gw, "p__echo", {"text": "x"})
-    call(gw, "p__\x1b]52;c;cHduZWQ=\x07")
+    gw = open_session(watched_gateway)
+    call_tool(gw, "p__echo", {"text": "x"})
+    call_tool(gw, "p__\x1b]52;c;cHduZWQ=\x07")
     wait_for_status("x", "failed")
     gw.close()
     audit = cli("audit", "--limit", "1000")
@@ -270,8 +270,8 @@ def test_audit_log_and_list_output_carry_no_escape_sequences(home, watched_gatew
 
 def test_relayed_upstream_stderr_carries_no_escape_sequences(home, watched_gateway):
     add_hostile("p", "ansi")
-    gw = session(watched_gateway)
-    call(gw, "p__echo", {"text": "x"})
+    gw = open_session(watched_gateway)
+    call_tool(gw, "p__echo", {"text": "x"})
     gw.close()
     assert "starting" in gw.stderr_text() and "done" in gw.stderr_text()
     assert_no_control(gw.stderr_text(), "the gateway's stderr")
@@ -283,13 +283,13 @@ def test_relayed_upstream_stderr_carries_no_escape_sequences(home, watched_gatew
 def test_a_deeply_nested_upstream_line_does_not_silence_that_upstream(home, watched_gateway, where):
     add_hostile("h", "deep", opts=("--timeout", "5"))
     add_hostile("good")
-    gw = session(watched_gateway)
-    reply = call(gw, "h__deep", {"where": where}, timeout=30)
+    gw = open_session(watched_gateway)
+    reply = call_tool(gw, "h__deep", {"where": where}, timeout=30)
     if where == "before":
         assert text_of(reply) == "after the deep line", reply
     else:
         assert "error" in reply or reply["result"].get("isError"), reply
-    reply = call(gw, "h__echo", {"text": "still alive"}, timeout=30)
+    reply = call_tool(gw, "h__echo", {"text": "still alive"}, timeout=30)
     assert text_of(reply) == "still alive", reply
     healthy(gw)
 
@@ -297,10 +297,10 @@ def test_a_deeply_nested_upstream_line_does_not_silence_that_upstream(home, watc
 def test_a_lone_surrogate_in_a_tool_result_or_error_is_answered(home, watched_gateway):
     add_hostile("h", "sur-result", opts=("--timeout", "60"))
     add_hostile("good")
-    gw = session(watched_gateway)
-    reply = call(gw, "h__lone", timeout=20)
+    gw = open_session(watched_gateway)
+    reply = call_tool(gw, "h__lone", timeout=20)
     assert text_of(reply).startswith("lone ") and text_of(reply).endswith(" surrogate"), reply
-    reply = call(gw, "h__lone_error", timeout=20)
+    reply = call_tool(gw, "h__lone_error", timeout=20)
     assert "error" in reply or reply["result"].get("isError"), reply
     assert not gw.bad_lines, gw.bad_lines
     healthy(gw)
@@ -310,8 +310,8 @@ def test_a_lone_surrogate_in_a_tool_result_or_error_is_answered(home, watched_ga
 def test_a_lone_surrogate_in_a_definition_does_not_stop_the_server(home, watched_gateway, mode):
     add_hostile("h", mode)
     add_hostile("good")
-    gw = session(watched_gateway)
-    assert text_of(call(gw, "h__echo", {"text": "served"})) == "served"
+    gw = open_session(watched_gateway)
+    assert text_of(call_tool(gw, "h__echo", {"text": "served"})) == "served"
     names = tool_names(gw.request("tools/list"))
     assert "h__echo" in names and "h__env" in names
     if mode == "sur-desc":
@@ -322,10 +322,6 @@ def test_a_lone_surrogate_in_a_definition_does_not_stop_the_server(home, watched
 
 
 # -- class 8: definitions that are not what the spec says ---------------------------------------------------------
-
-def sdk_run(body, timeout=60):
-    return sdk_session(body, timeout=timeout)
-
 
 def test_malformed_definitions_never_break_the_catalogue_for_an_sdk_client(home):
     add_hostile("bad", "schemas")
@@ -340,7 +336,7 @@ def test_malformed_definitions_never_break_the_catalogue_for_an_sdk_client(home)
         bad_echo = await client.call_tool("bad__echo", {"text": "also fine"})
         return tools, prompts, resources, templates, good, bad_echo
 
-    tools, prompts, resources, templates, good, bad_echo = sdk_run(body)
+    tools, prompts, resources, templates, good, bad_echo = sdk_session(body, timeout=60)
     names = {t.name for t in tools}
     assert {"good__echo", "bad__echo", "bad__env"} <= names
     assert all(isinstance(t.input_schema, dict) and t.input_schema.get("type") == "object" for t in tools)
@@ -358,7 +354,7 @@ def test_malformed_definitions_never_break_the_catalogue_for_an_sdk_client(home)
 def test_a_malformed_tool_list_entry_is_repaired_or_dropped_on_the_raw_wire(home, watched_gateway):
     add_hostile("bad", "schemas")
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     healthy(gw)
     for tool in gw.request("tools/list")["result"]["tools"]:
         assert isinstance(tool.get("name"), str) and tool["name"], tool
@@ -399,7 +395,7 @@ def test_a_result_nested_deeper_than_a_client_can_parse_still_gets_the_client_an
         good = await client.call_tool("good__echo", {"text": "fine"})
         return outcome, good
 
-    outcome, good = sdk_run(body, timeout=120)
+    outcome, good = sdk_session(body, timeout=120)
     assert outcome != "hung", "the SDK client never got an answer it could parse"
     assert good.content[0].text == "fine"
 
@@ -413,10 +409,10 @@ MALFORMED = ["err_string", "no_jsonrpc", "both", "err_code_string", "err_no_mess
 def test_malformed_upstream_replies_reach_the_client_well_formed(home, watched_gateway):
     add_hostile("m", "malformed", opts=("--timeout", "10"))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     problems = []
     for name in MALFORMED:
-        reply = call(gw, f"m__{name}", timeout=30)
+        reply = call_tool(gw, f"m__{name}", timeout=30)
         ok = reply.get("jsonrpc") == "2.0" and (("result" in reply) != ("error" in reply))
         if ok and "error" in reply:
             error = reply["error"]
@@ -448,7 +444,7 @@ def test_an_sdk_client_gets_an_answer_for_every_malformed_reply(home):
         good = await client.call_tool("good__echo", {"text": "fine"})
         return outcomes, good
 
-    outcomes, good = sdk_run(body, timeout=300)
+    outcomes, good = sdk_session(body, timeout=300)
     assert "hung" not in outcomes.values(), outcomes
     assert good.content[0].text == "fine"
 
@@ -459,8 +455,8 @@ def test_an_sdk_client_gets_an_answer_for_every_malformed_reply(home):
 def test_undefined_server_requests_are_refused_not_relayed(home, watched_gateway, method):
     add_hostile("h", "ask")
     add_hostile("good")
-    gw = session(watched_gateway, capabilities={"sampling": {}, "roots": {}, "elicitation": {}})
-    reply = call(gw, "h__ask", {"method": method})
+    gw = open_session(watched_gateway, capabilities={"sampling": {}, "roots": {}, "elicitation": {}})
+    reply = call_tool(gw, "h__ask", {"method": method})
     assert text_of(reply).startswith("error"), reply
     assert not [r for r in gw.requests if r["method"] == method], "the upstream's request reached the client"
     healthy(gw)
@@ -471,21 +467,21 @@ def test_a_flood_of_server_requests_is_bounded(home, watched_gateway):
     thousands of them on the client (nor grow the gateway's table of open requests without bound)."""
     add_hostile("h", "ask")
     add_hostile("good")
-    gw = session(watched_gateway, capabilities={"sampling": {}})
-    assert text_of(call(gw, "h__ask_many", {"method": "sampling/createMessage", "count": 5000})) == "asked 5000"
+    gw = open_session(watched_gateway, capabilities={"sampling": {}})
+    assert text_of(call_tool(gw, "h__ask_many", {"method": "sampling/createMessage", "count": 5000})) == "asked 5000"
     healthy(gw)  # later replies: every request the upstream sent before its answer has been relayed or refused
     relayed = sum(1 for r in gw.requests if r["method"] == "sampling/createMessage")
     assert relayed <= 1000, f"{relayed} of 5,000 sampling requests were relayed to the client at once"
 
 
 def notify(gw, server, method, count=1, params=None):
-    return call(gw, f"{server}__notify", {"method": method, "count": count, "params": params or {}})
+    return call_tool(gw, f"{server}__notify", {"method": method, "count": count, "params": params or {}})
 
 
 def test_only_protocol_notifications_are_relayed(home, watched_gateway):
     add_hostile("h", "notify")
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     gw.request("logging/setLevel", {"level": "debug"})
     notify(gw, "h", "notifications/evil", 3, {"x": 1})
     notify(gw, "h", "x-vendor/surprise", 3)
@@ -501,7 +497,7 @@ def test_progress_is_relayed_only_from_the_upstream_that_owns_the_token(home, wa
     cli("add", "victim", "--", *FAKE)
     add_hostile("h", "notify")
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     gw.send({"jsonrpc": "2.0", "id": "victim-call", "method": "tools/call", "params": {
         "name": "victim__slow", "arguments": {"seconds": 2, "progress_every": 0.3},
         "_meta": {"progressToken": "victim-token"}}})
@@ -521,7 +517,7 @@ def test_progress_is_relayed_only_from_the_upstream_that_owns_the_token(home, wa
 def test_the_clients_log_level_is_respected(home, watched_gateway):
     add_hostile("h", "notify")
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     assert gw.request("logging/setLevel", {"level": "error"})["result"] == {}
     notify(gw, "h", "notifications/message", 10, {"level": "debug", "logger": "t", "data": "chatter"})
     notify(gw, "h", "notifications/message", 10, {"level": "info", "logger": "t", "data": "chatter"})
@@ -538,7 +534,7 @@ def test_the_clients_log_level_is_respected(home, watched_gateway):
 def test_a_log_flood_is_rate_limited_and_other_servers_keep_answering(home, watched_gateway):
     add_hostile("h", "notify")
     add_hostile("good")
-    gw = session(watched_gateway, rss_ceiling_mb=400)
+    gw = open_session(watched_gateway, rss_ceiling_mb=400)
     gw.request("logging/setLevel", {"level": "debug"})
     gw.send({"jsonrpc": "2.0", "id": "flood", "method": "tools/call",
              "params": {"name": "h__flood", "arguments": {"count": 200_000, "level": "info"}}})
@@ -555,7 +551,7 @@ def test_a_catch_all_template_does_not_hijack_a_more_specific_one(home, watched_
     add_hostile("catchall", "templates", extra=("--templates", "{anything},file:///{path}"))
     add_hostile("weather", "templates", extra=("--templates", "weather://{city}/forecast,file:///etc/{name}"))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     gw.request("resources/templates/list")
 
     def reader(uri):
@@ -590,11 +586,11 @@ def colliding_long_names():
 def called_names(gw, server="h"):
     """exposed name -> the upstream tool it reaches (the fixture answers "called <name>"), from the server's live
     list: the echo call waits until it has started, so the remembered list of its last start is replaced."""
-    assert text_of(call(gw, f"{server}__echo", {"text": "up"})) == "up"
+    assert text_of(call_tool(gw, f"{server}__echo", {"text": "up"})) == "up"
     mapping = {}
     for name in tool_names(gw.request("tools/list")):
         if name.startswith(f"{server}__") and name not in (f"{server}__echo", f"{server}__env", f"{server}__crash"):
-            reply = call(gw, name)
+            reply = call_tool(gw, name)
             mapping[name] = text_of(reply).removeprefix("called ") if "result" in reply else None
     return mapping
 
@@ -607,7 +603,7 @@ def test_shortened_names_never_collide_and_every_cli_target_is_what_the_client_s
     names_file.write_text(json.dumps(pair + [third]))
     add_hostile("h", "collide", extra=("--names-file", str(names_file)))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     seen = called_names(gw)
     assert sorted(seen.values()) == sorted(pair + [third]), seen
     shortened_third = next(exposed for exposed, original in seen.items() if original == third)
@@ -616,7 +612,7 @@ def test_shortened_names_never_collide_and_every_cli_target_is_what_the_client_s
     # an upstream tool literally named like another's shortened form must not hide it either
     literal = shortened_third.removeprefix("h__")
     names_file.write_text(json.dumps(pair + [third, literal]))
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     seen = called_names(gw)
     assert sorted(seen.values()) == sorted(pair + [third, literal]), seen
     assert len(seen) == 4
@@ -625,10 +621,10 @@ def test_shortened_names_never_collide_and_every_cli_target_is_what_the_client_s
     # `coffer disable X` disables exactly the tool the client sees as X
     victim = next(exposed for exposed, original in seen.items() if original == literal)
     cli("disable", victim)
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     after = called_names(gw)
     assert sorted(after.values()) == sorted(pair + [third]), after
-    refused = call(gw, victim)
+    refused = call_tool(gw, victim)
     assert "error" in refused and "disabled" in refused["error"]["message"], refused
 
 
@@ -641,12 +637,12 @@ def test_a_new_tool_never_takes_over_an_exposed_name_already_given_to_another(ho
     third = "another_extremely_long_tool_name_that_will_surely_be_shortened_too"
     names_file.write_text(json.dumps([third]))
     add_hostile("h", "collide", extra=("--names-file", str(names_file)))
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     established = next(exposed for exposed, original in called_names(gw).items() if original == third)
     gw.close()
     names_file.write_text(json.dumps([third, established.removeprefix("h__")]))
-    gw = session(watched_gateway)
-    reply = call(gw, established)  # routed once h has started and listed the newcomer
+    gw = open_session(watched_gateway)
+    reply = call_tool(gw, established)  # routed once h has started and listed the newcomer
     assert text_of(reply) == f"called {third}", f"{established} now reaches another tool: {reply}"
     seen = called_names(gw)
     assert sorted(seen.values()) == sorted([third, established.removeprefix("h__")]), seen  # neither is hidden
@@ -661,7 +657,7 @@ def test_an_oversized_upstream_line_fails_alone_and_memory_stays_bounded(home, w
     cli("config", "max_message_bytes", "1000000")
     add_hostile("h", "huge", opts=("--timeout", "30"))
     add_hostile("good")
-    gw = session(watched_gateway, rss_ceiling_mb=250)
+    gw = open_session(watched_gateway, rss_ceiling_mb=250)
     baseline = proc_status(gw.proc.pid, "VmHWM")
     gw.send({"jsonrpc": "2.0", "id": "huge", "method": "tools/call",
              "params": {"name": f"h__{tool}", "arguments": {"mb": 400}}})
@@ -683,7 +679,7 @@ def test_endless_pagination_stops_at_the_page_limit(home, tmp_path, watched_gate
     pages = tmp_path / "pages.log"
     add_hostile("p", "pages", extra=("--count-file", str(pages), "--page-size", "20", "--page-cap", "1000"))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     healthy(gw)
     wait_for_status("p", "ready", "failed")
     requested = len(pages.read_text().splitlines())
@@ -696,7 +692,7 @@ def test_a_huge_tool_list_is_capped_per_server(home, watched_gateway):
     cli("config", "max_list_items", "1000")
     add_hostile("m", "many", extra=("--count", "5000"))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     healthy(gw)
     names = tool_names(gw.request("tools/list"))
     assert 0 < sum(n.startswith("m__") for n in names) <= 1000
@@ -713,11 +709,11 @@ def test_a_call_to_a_remembered_tool_of_a_server_that_hangs_at_initialize_meets_
     version.write_text("")
     add_hostile("r", "prompts", extra=("--args-file", str(version)))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     assert "r__echo" in tool_names(gw.request("tools/list"))
     gw.close()
     version.write_text("--mode hang-init")  # init_timeout stays 60 s, max_restarts 5: 5 minutes of waiting
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     gw.send({"jsonrpc": "2.0", "id": "call", "method": "tools/call",
              "params": {"name": "r__echo", "arguments": {"text": "x"}}})
     gw.send({"jsonrpc": "2.0", "id": "prompt", "method": "prompts/get", "params": {"name": "r__greet"}})
@@ -735,8 +731,8 @@ def test_a_call_to_a_remembered_tool_of_a_server_that_hangs_at_initialize_meets_
 def test_an_upstreams_setsid_child_does_not_outlive_the_gateway(home, tmp_path, watched_gateway, how):
     pid_file = tmp_path / "child.pid"
     add_hostile("s", "setsid-child", extra=("--pid-file", str(pid_file)))
-    gw = session(watched_gateway)
-    assert text_of(call(gw, "s__echo", {"text": "up"})) == "up"
+    gw = open_session(watched_gateway)
+    assert text_of(call_tool(gw, "s__echo", {"text": "up"})) == "up"
     child = int(wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), what="the child pid"))
     assert alive(child)
     try:
@@ -756,10 +752,10 @@ def test_the_setsid_child_of_an_upstream_that_crashed_does_not_outlive_the_gatew
     so finding it at shutdown needs Coffer to have kept track of it (e.g. as a child subreaper on Linux)."""
     pid_file = tmp_path / "children.pid"
     add_hostile("s", "setsid-child", extra=("--pid-file", str(pid_file)))
-    gw = session(watched_gateway)
-    assert text_of(call(gw, "s__echo", {"text": "first"})) == "first"
-    call(gw, "s__crash")
-    assert text_of(call(gw, "s__echo", {"text": "second"}, timeout=60)) == "second"
+    gw = open_session(watched_gateway)
+    assert text_of(call_tool(gw, "s__echo", {"text": "first"})) == "first"
+    call_tool(gw, "s__crash")
+    assert text_of(call_tool(gw, "s__echo", {"text": "second"}, timeout=60)) == "second"
     children = [int(p) for p in wait_until(lambda: len(pid_file.read_text().split()) >= 2 and
                                            pid_file.read_text().split(), what="two children")]
     try:
@@ -782,7 +778,7 @@ def test_a_command_that_cannot_start_fails_at_once_with_the_real_reason(home, tm
         command.chmod(stat.S_IRUSR | stat.S_IWUSR)
     cli("add", "nf", "--", str(command))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     healthy(gw)
     status = wait_for_status("nf", "failed")
     reason = "No such file" if problem == "missing" else "ermission denied"
@@ -796,7 +792,7 @@ def test_an_upstream_that_exits_at_once_is_reported_with_its_exit_code_and_stder
     cli("config", "max_restarts", "2")
     cli("add", "quick", "--", "/bin/sh", "-c", "echo 'fatal: boom' >&2; exit 3")
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     healthy(gw)
     status = wait_for_status("quick", "failed")
     detail = status["detail"] or ""
@@ -812,7 +808,7 @@ def test_every_upstream_that_exits_at_once_reports_its_stderr(home, watched_gate
     for i in range(8):
         cli("add", f"quick{i}", "--", "/bin/sh", "-c", f"echo 'fatal: boom {i}' >&2; exit 3")
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     healthy(gw)
     rows = wait_until(lambda: (rows := servers()) and all(rows[f"quick{i}"]["status"] == "failed" for i in range(8))
                       and rows, timeout=30, what="every quick server to fail")
@@ -827,7 +823,7 @@ def test_an_upstream_that_exits_after_a_burst_of_stderr_prints_no_traceback(home
     for i in range(4):
         add_hostile(f"loud{i}", "exit", extra=("--stderr-kb", "256"))
     add_hostile("good")
-    gw = session(watched_gateway)
+    gw = open_session(watched_gateway)
     healthy(gw)
     for i in range(4):
         wait_for_status(f"loud{i}", "failed", timeout=60)
