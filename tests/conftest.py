@@ -17,14 +17,19 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 import coffer_src
+from coffer_src.jsonrpc import METHOD_NOT_FOUND, rpc_error
+from coffer_src.upstream.supervisor import Upstream
+from coffer_src.vault import DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
+sys.path.insert(0, str(ROOT / "tests" / "fixtures"))  # hostile_http: HTTP servers the tests run in-process
 COFFER = str(ROOT / "coffer.py")
 PY = sys.executable
 FAKE = [PY, str(ROOT / "tests" / "fixtures" / "fake_server.py")]
@@ -464,3 +469,164 @@ def watched_gateway(home):
     for gateway in gateways:
         gateway.close()
 
+
+# -- hostile_server.py upstreams ---------------------------------------------------------------------------------------
+
+def add_hostile(name, *modes, opts=(), extra=()):
+    cli("add", name, *opts, "--", *HOSTILE, "--mode", ",".join(modes) or "none", "--name", name, *extra)
+
+
+def call_tool(gw, name, arguments=None, timeout=30):
+    return gw.request("tools/call", {"name": name, "arguments": arguments or {}}, timeout=timeout)
+
+
+def open_session(watched_gateway, capabilities=None, **kwargs):
+    gw = watched_gateway(**kwargs)
+    gw.initialize(capabilities=capabilities)
+    gw.request("tools/list")
+    return gw
+
+
+CONTROL = ("\x1b", "\x07", "\x9b", "\x9d")
+
+
+def assert_no_control(text, where):
+    found = [c for c in CONTROL if c in text]
+    assert not found, f"{where} carries terminal control characters {found!r}: {text[-500:]!r}"
+
+
+# -- an Upstream run in-process, as the gateway runs it ----------------------------------------------------------------
+
+class Events:
+    """The gateway side of an in-process Upstream: records readiness, nothing else."""
+
+    def __init__(self):
+        self.ready = threading.Event()
+
+    def on_ready(self, upstream):
+        self.ready.set()
+
+    def on_down(self, upstream):
+        pass
+
+    def on_list_changed(self, upstream, kind, items, notify):
+        pass
+
+    def on_notification(self, upstream, message):
+        pass
+
+    def on_request(self, upstream, message):
+        upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "no client"))
+
+
+class Ticker:
+    """What the gateway's ticker does for an Upstream: expire requests whose deadline passed."""
+
+    def __init__(self, upstream):
+        self.upstream, self.stop = upstream, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while not self.stop.wait(0.05):
+            self.upstream.expire(time.monotonic())
+
+
+def start_upstream(config, **settings):
+    events = Events()
+    upstream = Upstream(config, dict(DEFAULTS, **settings), events)
+    upstream.start()
+    assert events.ready.wait(20), f"upstream did not start: {upstream.last_error}"
+    return upstream, Ticker(upstream)
+
+
+def call_upstream(upstream, name, arguments=None):
+    """Start a tools/call; returns (box, done) — box gets response/failure/text when it is answered."""
+    box, done = {}, threading.Event()
+
+    def on_reply(response, failure, text):
+        box.update(response=response, failure=failure, text=text)
+        done.set()
+
+    upstream.request("tools/call", {"name": name, "arguments": arguments or {}}, on_reply)
+    return box, done
+
+
+def stdio_config(name, argv):
+    return {"name": name, "transport": "stdio", "command": argv, "env": {}, "headers": {}, "cwd": None,
+            "inherit_env": ["*"]}
+
+
+def http_config(name, url):
+    return {"name": name, "transport": "http", "url": url, "env": {}, "headers": {}, "cwd": None, "inherit_env": []}
+
+
+# -- the invocation log, secrets and the vault as a test inspects them -------------------------------------------------
+
+def wait_log(predicate, timeout=10.0):
+    holder = {}
+
+    def check():
+        holder["rows"] = log_rows()
+        return predicate(holder["rows"])
+
+    try:
+        wait_until(check, timeout, 0.2, "invocation log rows")
+    except AssertionError:
+        raise AssertionError(f"log never matched; rows: {json.dumps(holder.get('rows'), indent=1)[-3000:]}")
+    return holder["rows"]
+
+
+def secret_set(name, value, env=None):
+    return cli("secret", "set", name, input=value + "\n", env=env)
+
+
+def no_traceback(*procs):
+    for proc in procs:
+        text = proc if isinstance(proc, str) else proc.stdout + proc.stderr
+        assert "Traceback" not in text, text[-3000:]
+
+
+# -- remote servers through the official SDK client --------------------------------------------------------------------
+
+class Transcript:
+    """Every byte the CLI printed in a test, for the token scan."""
+
+    def __init__(self):
+        self.texts: list[str] = []
+
+    def cli(self, *args, check=True, env=None, timeout=120):
+        proc = cli(*args, check=check, env=env, timeout=timeout)
+        self.texts += [proc.stdout, proc.stderr]
+        return proc
+
+
+@pytest.fixture
+def transcript():
+    return Transcript()
+
+
+def through_gateway(tmp_path, body, **client_kwargs):
+    """Run ``body(client)`` with the official SDK client connected to `coffer serve`; the gateway's stderr goes
+    to a file under tmp_path (scanned for tokens)."""
+    with open(tmp_path / f"serve-{uuid.uuid4().hex[:6]}.log", "w") as errlog:
+        return sdk_session(body, name="remote-test", errlog=errlog, **client_kwargs)
+
+
+async def call_until_ok(client, name, arguments, timeout=30.0):
+    """Call a tool until it succeeds: a server that reconnects, or restarts after a login, answers errors (or is
+    briefly not listed) until it is back.  Returns the successful result; the last failure after ``timeout``."""
+    import anyio
+    from mcp.shared.exceptions import MCPError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = await client.call_tool(name, arguments)
+            if not result.is_error:
+                return result
+        except MCPError:
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            return result
+        await anyio.sleep(0.3)

@@ -569,8 +569,6 @@ def test_each_client_is_looked_up_where_it_lives_on_each_os():
                                                         ("project", ("mcpServers",))]
 
 
-
-
 def test_a_huge_config_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "MAX_CONFIG_BYTES", 1024)
     big = tmp_path / "mcp.json"

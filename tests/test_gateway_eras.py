@@ -19,6 +19,7 @@ fixtures and the scenarios are right, so a failure through Coffer is Coffer's.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -38,6 +39,10 @@ from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 from mcp.client.subscriptions import ResourcesListChanged, ToolsListChanged  # noqa: E402
 from mcp.shared.exceptions import MCPError  # noqa: E402
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS  # noqa: E402
+
+from coffer_src.gateway.session import Gateway
+from coffer_src.modern import META_CLIENT_CAPABILITIES
+from coffer_src.vault import Vault
 
 from conftest import PY, ROOT, cli, everything_cmd, gateway_params, needs_node, text_of  # noqa: E402
 
@@ -586,3 +591,47 @@ def test_direct_to_the_fixture(tmp_path, upstream_key, mode):
             await scenario_array_structured_content(s)
 
     run_case(target, upstream, mode, everything)
+
+
+# -- the bridge, in-process --------------------------------------------------------------------------------------------
+
+class _AsksAtOnce:
+    """An upstream that asks the client for a sampling the instant it reads a call, before the gateway's
+    send has even returned: the ordering a fast server and a busy gateway thread produce."""
+
+    name, generation = "asker", 1
+
+    def __init__(self):
+        self.gateway = None
+        self.answers = []
+
+    def request(self, method, params, on_reply, timeout=None, ticket=None, **_):
+        self.gateway.on_request(self, {"jsonrpc": "2.0", "id": 7, "method": "sampling/createMessage",
+                                       "params": {"messages": [], "maxTokens": 5}})
+        return ticket
+
+    def hold(self, ticket):
+        pass
+
+    def respond(self, message):
+        self.answers.append(message)
+
+
+def test_a_question_asked_the_instant_a_call_arrives_reaches_a_2026_client(home):
+    out = io.BytesIO()
+    gateway = Gateway(Vault(str(home)), out=out)
+    gateway.client_era = "modern"
+    upstream = _AsksAtOnce()
+    upstream.gateway = gateway
+    params = {"name": "ask", "arguments": {},
+              "_meta": {META_CLIENT_CAPABILITIES: {"sampling": {}}}}
+    gateway._forward(41, upstream, "tools/call", dict(params), "asker__ask", "tool", time.monotonic(), params)
+    gateway._write_unsent()
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    # Not parked as an orphan waiting for some later call (the upstream would time out after 60 s):
+    # the call itself answers input_required with the upstream's question.
+    assert [r.get("id") for r in replies] == [41], replies
+    result = replies[0]["result"]
+    assert result["resultType"] == "input_required"
+    assert [q["method"] for q in result["inputRequests"].values()] == ["sampling/createMessage"]
+    assert upstream.answers == []  # nothing refused on the client's behalf

@@ -1,105 +1,93 @@
-"""Gateway behaviour a user notices beyond the happy path: colliding resource URIs, paginated upstreams,
-retention, and a busy vault that must never slow or fail a call."""
+"""Routing between clients and upstreams: ids that never mix, server-to-client requests under Coffer's own ids,
+resources and templates of several servers, roots and capabilities passed up, calls that wait for a starting
+server, and what an upstream may (and may not) send to the client."""
 
-import io
 import json
-import sqlite3
-import textwrap
+import sys
 import threading
 import time
+import uuid
 
-from coffer_src.gateway.session import Gateway
-from coffer_src.modern import META_CLIENT_CAPABILITIES
-from coffer_src.vault import InvocationLog, Vault
+import pytest
 
-from conftest import FAKE, PY, cli, everything_cmd, list_changed_count, needs_node, received, text_of, tool_names
+from conftest import (
+    FAKE,
+    add_hostile,
+    call_msg,
+    call_tool,
+    cli,
+    everything_cmd,
+    healthy,
+    is_tool_error,
+    linux_only,
+    needs_node,
+    open_session,
+    proc_status,
+    received,
+    rss_kb,
+    text_of,
+    tool_names,
+)
 
 
-@needs_node
-def test_two_servers_publishing_the_same_uri_stay_separately_readable(home, raw_gateway):
-    cli("add", "e1", "--", *everything_cmd())
-    cli("add", "e2", "--", *everything_cmd())
+def test_ids_from_upstreams_and_client_never_mix(home, raw_gateway):
+    """Two upstreams each number their requests from 1; the client uses string and integer ids."""
+    cli("add", "a", "--", *FAKE, "--tools", "echo")
+    cli("add", "b", "--", *FAKE, "--tools", "echo")
     gw = raw_gateway()
     gw.initialize()
-    uris = [r["uri"] for r in gw.request("resources/list")["result"]["resources"]]
-    doc = "demo://resource/static/document/features.md"
-    assert f"coffer+e1:{doc}" in uris and f"coffer+e2:{doc}" in uris and doc not in uris
-    for uri in (f"coffer+e1:{doc}", f"coffer+e2:{doc}", doc):   # the bare URI (as embedded in results) works too
-        contents = gw.request("resources/read", {"uri": uri})["result"]["contents"]
-        assert contents and contents[0]["uri"] == doc
-    templates = [t["uriTemplate"] for t in gw.request("resources/templates/list")["result"]["resourceTemplates"]]
-    assert any(t.startswith("coffer+e2:demo://resource/dynamic/text/") for t in templates)
-    read = gw.request("resources/read", {"uri": "coffer+e2:demo://resource/dynamic/text/3"})
-    assert "result" in read
-    assert gw.request("resources/read", {"uri": "nowhere://x"})["error"]["code"] == -32602
+    ids = ["x", 7, "7", 8]
+    for i, msg_id in enumerate(ids):
+        gw.send({"jsonrpc": "2.0", "id": msg_id, "method": "tools/call",
+                 "params": {"name": f"{'ab'[i % 2]}__echo", "arguments": {"text": f"reply-{i}"}}})
+    for i, msg_id in enumerate(ids):
+        result = gw.wait_response(msg_id)["result"]
+        assert result["content"][0]["text"] == f"reply-{i}"
 
 
-PAGED_SERVER = textwrap.dedent('''
-    import json, sys
-    pages = {None: ("p2", ["a", "b"]), "p2": ("p3", ["c"]), "p3": ("p2", ["d"])}   # p3 points back: a loop
-    for line in sys.stdin:
-        msg = json.loads(line)
-        if "id" not in msg:
-            continue
-        if msg["method"] == "initialize":
-            result = {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}, "serverInfo": {"name": "p"}}
-        elif msg["method"] == "tools/list":
-            cursor = (msg.get("params") or {}).get("cursor")
-            nxt, names = pages[cursor]
-            result = {"tools": [{"name": n, "inputSchema": {"type": "object"}} for n in names], "nextCursor": nxt}
-        else:
-            result = {}
-        print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}), flush=True)
-''')
-
-
-def test_every_upstream_page_is_followed_and_a_repeated_cursor_stops(home, tmp_path, raw_gateway):
-    script = tmp_path / "paged.py"
-    script.write_text(PAGED_SERVER)
-    cli("add", "paged", "--", PY, str(script))
+def test_load_concurrent_calls_match_and_memory_stays_flat(home, raw_gateway):
+    for name in ("s1", "s2", "s3"):
+        cli("add", name, "--", *FAKE)
     gw = raw_gateway()
     gw.initialize()
-    names = [t["name"] for t in gw.request("tools/list")["result"]["tools"]]
-    assert names == ["coffer__search_tools", "paged__a", "paged__b", "paged__c", "paged__d"]
-    assert any("repeated cursor" in line for line in gw.stderr_lines)
+    tools = tool_names(gw.request("tools/list"))
+    assert {"s1__echo", "s2__echo", "s3__echo"} <= set(tools)
+
+    run = uuid.uuid4().hex[:8]
+    expected = {f"load-{i}": f"payload {i} {run} to s{i % 3 + 1}" for i in range(1000)}
+    batch = b"".join((json.dumps(call_msg(msg_id, f"s{i % 3 + 1}__echo", {"text": text})) + "\n").encode()
+                     for i, (msg_id, text) in enumerate(expected.items()))
+    gw.send_raw(batch)
+    for msg_id, text in expected.items():
+        reply = gw.wait_response(msg_id, timeout=60)
+        assert not is_tool_error(reply) and text_of(reply) == text, (msg_id, reply)
+    with gw.cond:
+        extra = {k: v for k, v in gw.responses.items() if v}
+    assert not extra, f"unexpected extra responses: {list(extra)[:5]}"
+
+    pid = gw.proc.pid
+    rss_at = {}
+    for i in range(10_000):
+        reply = gw.request("tools/call", {"name": f"s{i % 3 + 1}__echo", "arguments": {"text": f"seq {i}"}})
+        assert text_of(reply) == f"seq {i}", reply
+        if i + 1 in (2_000, 10_000):
+            rss_at[i + 1] = rss_kb(pid)
+    if sys.platform.startswith("linux") and rss_at[2_000] is not None:
+        growth_mb = (rss_at[10_000] - rss_at[2_000]) / 1024
+        assert growth_mb < 30, f"RSS grew {growth_mb:.1f} MB between call 2,000 and 10,000"
 
 
-def test_old_rows_are_pruned_when_serve_starts(home, raw_gateway):
-    cli("add", "fx", "--", *FAKE, "--tools", "echo")
-    cli("config", "retention_invocations_days", "1")
-    db = sqlite3.connect(home / "coffer.db")
-    with db:
-        db.execute("INSERT INTO invocations(ts, client, server, capability, kind, duration_ms, status) "
-                   "VALUES ('2020-01-01T00:00:00.000Z', 'old', 'fx', 'fx__echo', 'tool', 1, 'ok')")
-        db.execute("INSERT INTO audit(ts, actor, action) VALUES ('2020-01-01T00:00:00.000Z', 'cli', 'ancient')")
+def test_server_to_client_requests_are_relayed_under_coffers_own_ids(home, raw_gateway):
+    cli("add", "s", "--", *FAKE, "--tools", "sample")
     gw = raw_gateway()
-    gw.initialize()
-    gw.close()
-    assert db.execute("SELECT count(*) FROM invocations WHERE client='old'").fetchone()[0] == 0
-    assert db.execute("SELECT count(*) FROM audit WHERE action='ancient'").fetchone()[0] == 0
-    assert db.execute("SELECT count(*) FROM audit WHERE action='add'").fetchone()[0] == 1
-
-
-def test_a_locked_vault_never_holds_up_or_fails_a_call_and_nothing_is_lost(home, raw_gateway):
-    cli("add", "fx", "--", *FAKE, "--tools", "echo")
-    gw = raw_gateway()
-    gw.initialize()
-    assert gw.request("tools/list")["result"]["tools"]
-    locker = sqlite3.connect(home / "coffer.db", isolation_level=None)
-    locker.execute("BEGIN EXCLUSIVE")       # another process holds the write lock for a while
-    try:
-        for i in range(20):
-            reply = gw.request("tools/call", {"name": "fx__echo", "arguments": {"text": f"t{i}"}}, timeout=5)
-            assert reply["result"]["content"][0]["text"] == f"t{i}"
-    finally:
-        # The lock is held a while longer than the calls took: the invocation log's writer (which batches for
-        # FLUSH_INTERVAL after a call) meets it too, and must keep its rows rather than lose them.
-        time.sleep(2 * InvocationLog.FLUSH_INTERVAL)
-        locker.execute("ROLLBACK")
-        locker.close()
-    gw.close()
-    rows = json.loads(cli("log", "--json", "--limit", "100").stdout)["invocations"]
-    assert sum(1 for r in rows if r["capability"] == "fx__echo" and r["status"] == "ok") == 20
+    gw.initialize(capabilities={"sampling": {}})
+    gw.send({"jsonrpc": "2.0", "id": 50, "method": "tools/call",
+             "params": {"name": "s__sample", "arguments": {"prompt": "hi"}}})
+    request = gw.wait_for(lambda g: g.requests and g.requests[0])
+    assert request["method"] == "sampling/createMessage" and str(request["id"]).startswith("coffer-")
+    gw.send({"jsonrpc": "2.0", "id": request["id"], "result": {
+        "role": "assistant", "model": "m", "content": {"type": "text", "text": "the model says hi"}}})
+    assert gw.wait_response(50)["result"]["content"][0]["text"] == "the model says hi"
 
 
 def test_client_roots_changes_and_capabilities_reach_every_upstream(home, tmp_path, raw_gateway):
@@ -130,63 +118,59 @@ def test_advertised_capabilities_are_the_union_of_what_upstreams_offered(home, r
     assert second.initialize()["result"]["capabilities"] == {"tools": {"listChanged": True}}
 
 
-def test_an_upstream_that_stops_reading_stalls_only_itself(home, raw_gateway):
-    cli("add", "stuck", "--timeout", "2", "--", *FAKE, "--tools", "echo", "--stop-reading")
-    cli("add", "ok", "--", *FAKE, "--tools", "echo")
+def test_a_disabled_servers_tool_gets_an_actionable_error(home, raw_gateway):
+    cli("add", "s", "--", *FAKE, "--tools", "echo")
+    cli("tools")
+    cli("disable", "s")
     gw = raw_gateway()
     gw.initialize()
-    assert len(gw.request("tools/list")["result"]["tools"]) == 3
-    big = "x" * (2 * 1024 * 1024)                      # far more than a pipe buffer holds
-    def flood():  # on a thread: if the gateway regressed to blocking, this write blocks, not the test
-        for msg_id in (100, 101):
-            gw.send({"jsonrpc": "2.0", "id": msg_id, "method": "tools/call",
-                     "params": {"name": "stuck__echo", "arguments": {"text": big}}})
-    flooder = threading.Thread(target=flood, daemon=True)
-    flooder.start()
-    flooder.join(20)  # the gateway read both calls (a gateway blocked on the stuck upstream never does)
-    answers = {}
-
-    def probe():
-        answers["ok"] = gw.request("tools/call", {"name": "ok__echo", "arguments": {"text": "still here"}})
-        answers["ping"] = gw.request("ping")
-
-    prober = threading.Thread(target=probe, daemon=True)
-    prober.start()
-    prober.join(20)
-    if prober.is_alive():
-        gw.proc.kill()  # a regression: the gateway stopped reading its client
-    assert answers.get("ping", {}).get("result") == {}, "the gateway stalled behind the stuck upstream"
-    assert answers["ok"]["result"]["content"][0]["text"] == "still here"
-    timed_out = gw.wait_response(100, timeout=15)["result"]   # and the timeout still fires for the stuck one
-    assert timed_out["isError"] and "did not answer" in timed_out["content"][0]["text"]
+    reply = gw.request("tools/call", {"name": "s__echo", "arguments": {"text": "x"}})
+    assert reply["error"]["code"] == -32602 and "coffer enable s" in reply["error"]["message"]
 
 
-def test_a_server_that_crashes_past_max_restarts_is_reported_failed_and_removed(home, raw_gateway):
-    cli("config", "max_restarts", "1")
-    cli("add", "fragile", "--", *FAKE, "--tools", "echo,crash")
+# -- resources and templates -------------------------------------------------------------------------------------------
+
+@needs_node
+def test_two_servers_publishing_the_same_uri_stay_separately_readable(home, raw_gateway):
+    cli("add", "e1", "--", *everything_cmd())
+    cli("add", "e2", "--", *everything_cmd())
     gw = raw_gateway()
     gw.initialize()
-    assert "fragile__crash" in tool_names(gw.request("tools/list"))
-    before = list_changed_count(gw)
-    crashed = gw.request("tools/call", {"name": "fragile__crash", "arguments": {}}, timeout=10)["result"]
-    assert crashed["isError"]
-    gw.wait_for(lambda g: list_changed_count(g) > before)
-    assert [t["name"] for t in gw.request("tools/list")["result"]["tools"]] == ["coffer__search_tools"]
-    after = gw.request("tools/call", {"name": "fragile__echo", "arguments": {"text": "x"}}, timeout=10)
-    assert "error" in after
-    gw.close()
-    status = json.loads(cli("list", "--json").stdout)["servers"][0]
-    assert status["status"] == "failed" and "exited" in status["detail"]
+    uris = [r["uri"] for r in gw.request("resources/list")["result"]["resources"]]
+    doc = "demo://resource/static/document/features.md"
+    assert f"coffer+e1:{doc}" in uris and f"coffer+e2:{doc}" in uris and doc not in uris
+    for uri in (f"coffer+e1:{doc}", f"coffer+e2:{doc}", doc):   # the bare URI (as embedded in results) works too
+        contents = gw.request("resources/read", {"uri": uri})["result"]["contents"]
+        assert contents and contents[0]["uri"] == doc
+    templates = [t["uriTemplate"] for t in gw.request("resources/templates/list")["result"]["resourceTemplates"]]
+    assert any(t.startswith("coffer+e2:demo://resource/dynamic/text/") for t in templates)
+    read = gw.request("resources/read", {"uri": "coffer+e2:demo://resource/dynamic/text/3"})
+    assert "result" in read
+    assert gw.request("resources/read", {"uri": "nowhere://x"})["error"]["code"] == -32602
 
 
-def test_a_response_is_never_answered_even_with_a_null_id(home, raw_gateway):
-    gw = raw_gateway()
-    gw.initialize()
-    gw.send({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "your parse error"}})
-    gw.send({"jsonrpc": "2.0", "id": "never-asked", "result": {}})
-    assert gw.request("ping")["result"] == {}
-    assert json.dumps(None) not in gw.responses or not gw.responses[json.dumps(None)]
+def test_a_catch_all_template_does_not_hijack_a_more_specific_one(home, watched_gateway):
+    add_hostile("catchall", "templates", extra=("--templates", "{anything},file:///{path}"))
+    add_hostile("weather", "templates", extra=("--templates", "weather://{city}/forecast,file:///etc/{name}"))
+    add_hostile("good")
+    gw = open_session(watched_gateway)
+    gw.request("resources/templates/list")
 
+    def reader(uri):
+        reply = gw.request("resources/read", {"uri": uri})
+        assert "result" in reply, reply
+        return reply["result"]["contents"][0]["text"].split(" read ")[0]
+
+    assert reader("weather://paris/forecast") == "weather"
+    assert reader("file:///etc/hosts") == "weather"
+    assert reader("file:///home/ada/notes.txt") == "catchall"
+    assert reader("something-else") == "catchall"
+    subscribed = gw.request("resources/subscribe", {"uri": "weather://oslo/forecast"})
+    assert subscribed["result"].get("_meta", {}).get("server") == "weather", subscribed
+    healthy(gw)
+
+
+# -- calls to a server that is still starting --------------------------------------------------------------------------
 
 def test_a_call_to_a_server_that_is_still_starting_waits_for_it_not_just_for_the_list_budget(home, raw_gateway,
                                                                                               tmp_path):
@@ -214,71 +198,6 @@ def test_a_call_to_a_server_that_is_still_starting_waits_for_it_not_just_for_the
     gw.send({"jsonrpc": "2.0", "id": "typo", "method": "tools/call", "params": {"name": "slow__ecko", "arguments": {}}})
     typo = gw.wait_response("typo", timeout=10)
     assert "Unknown tool: slow__ecko" in typo["error"]["message"], typo
-
-
-def test_a_slow_server_is_listed_at_once_from_its_last_start_and_corrected_if_it_changed(home, raw_gateway,
-                                                                                         tmp_path):
-    """The first session waits for discovery; later ones answer tools/list from what the vault remembers
-    (the server is still starting), a call waits for the server, and a changed or failed server is announced."""
-    args, started = tmp_path / "slow.args", tmp_path / "slow.started"
-    args.write_text("--tools echo")
-    cli("add", "slow", "--", *FAKE, "--args-file", str(args), "--spawn-log", str(started))
-    cli("config", "discovery_timeout", "30")
-    cli("config", "max_restarts", "1")
-
-    gw = raw_gateway()  # first session: nothing remembered, the list waits for the server
-    gw.initialize()
-    assert "slow__echo" in set(tool_names(gw.request("tools/list")))
-    gw.close()
-
-    started.unlink()
-    args.write_text(f"--start-gate {tmp_path / 'gate-2'} --tools echo")
-    gw = raw_gateway()
-    gw.initialize()
-    listed = set(tool_names(gw.request("tools/list")))
-    assert not started.exists(), "the list should not have waited for the server"
-    assert "slow__echo" in listed
-    hits = json.loads(gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {
-        "query": "echo text"}})["result"]["content"][0]["text"])["tools"]
-    assert hits and hits[0]["name"] == "slow__echo"
-    gw.send({"jsonrpc": "2.0", "id": "wait", "method": "tools/call",
-             "params": {"name": "slow__echo", "arguments": {"text": "waited"}}})
-    assert not started.exists()
-    (tmp_path / "gate-2").touch()  # the server finishes starting; the call was waiting for it
-    reply = gw.wait_response("wait")
-    assert started.exists() and text_of(reply) == "waited"
-    assert list_changed_count(gw) == 0  # it listed what was remembered: nothing to announce
-    gw.close()
-
-    # an upgrade while Coffer was not running
-    args.write_text(f"--start-gate {tmp_path / 'gate-3'} --tools echo,fail")
-    gw = raw_gateway()
-    gw.initialize()
-    assert "slow__echo" in set(tool_names(gw.request("tools/list")))
-    (tmp_path / "gate-3").touch()
-    gw.wait_for(list_changed_count)
-    assert {"slow__echo", "slow__fail"} <= set(tool_names(gw.request("tools/list")))
-    gw.close()
-
-    args.write_text("--exit-at-start")  # remembered tools of a server that no longer starts are withdrawn
-    gw = raw_gateway()
-    gw.initialize()
-    gw.request("tools/list")
-    gw.wait_for(list_changed_count)
-    assert not any(name.startswith("slow__") for name in set(tool_names(gw.request("tools/list"))))
-    gw.close()
-
-
-def test_coffer_tools_shows_what_servers_list_now_not_what_was_remembered(home, tmp_path):
-    args = tmp_path / "up.args"
-    args.write_text("--tools echo")
-    cli("add", "up", "--", *FAKE, "--args-file", str(args))
-    first = {t["name"] for t in json.loads(cli("tools", "--json").stdout)["tools"]}
-    args.write_text("--tools echo,fail")
-    cached = {t["name"] for t in json.loads(cli("tools", "--json", "--cached").stdout)["tools"]}
-    live = {t["name"] for t in json.loads(cli("tools", "--json").stdout)["tools"]}
-    assert "up__fail" not in first and "up__fail" not in cached
-    assert {"up__echo", "up__fail"} <= live
 
 
 def test_a_call_cancelled_while_its_server_starts_is_never_sent(home, raw_gateway, tmp_path):
@@ -313,43 +232,138 @@ def test_a_call_cancelled_while_its_server_starts_is_never_sent(home, raw_gatewa
     assert any(r["capability"] == "up__echo" and r["status"] == "cancelled" for r in rows)
 
 
-class _AsksAtOnce:
-    """An upstream that asks the client for a sampling the instant it reads a call, before the gateway's
-    send has even returned: the ordering a fast server and a busy gateway thread produce."""
+@linux_only
+def test_thousands_of_requests_waiting_for_a_starting_server_do_not_cost_a_thread_each(home, watched_gateway,
+                                                                                         tmp_path):
+    gate = tmp_path / "slowstart.gate"
+    cli("config", "discovery_timeout", "4")
+    cli("add", "slowstart", "--", *FAKE, "--start-gate", str(gate))
+    gw = watched_gateway()
+    gw.initialize()
+    lines = []
+    for i in range(5_000):
+        method, params = [("tools/list", {}), ("resources/list", {}), ("prompts/list", {}),
+                          ("resources/templates/list", {}),
+                          ("tools/call", {"name": "slowstart__nothing", "arguments": {}})][i % 5]
+        lines.append(json.dumps({"jsonrpc": "2.0", "id": f"w{i}", "method": method, "params": params}) + "\n")
+    threads = []
+    sampling = threading.Event()
 
-    name, generation = "asker", 1
+    def sample():
+        while not sampling.is_set():
+            count = proc_status(gw.proc.pid, "Threads")
+            if count:
+                threads.append(count)
+            time.sleep(0.02)  # a sampling period while the requests wait
 
-    def __init__(self):
-        self.gateway = None
-        self.answers = []
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    gw.send_raw("".join(lines).encode())
+    # A ping read after the 5,000 lines is answered at once: by then every one of them is waiting for slowstart.
+    assert gw.request("ping", timeout=60)["result"] == {}
+    waiting = proc_status(gw.proc.pid, "Threads")
+    assert not any(gw.responses.get(json.dumps(f"w{i}")) for i in range(4, 5_000, 5)), "a call did not wait"
+    gate.touch()  # slowstart finishes starting: everything waiting is answered
+    gw.wait_for(lambda g: all(g.responses.get(json.dumps(f"w{i}")) for i in range(5_000)), timeout=120)
+    sampling.set()
+    sampler.join(5)
+    threads.append(waiting)
+    assert max(threads) < 200, f"{max(threads)} threads while 5,000 requests waited"
+    assert gw.request("ping")["result"] == {}
+    assert "Traceback" not in gw.stderr_text()
 
-    def request(self, method, params, on_reply, timeout=None, ticket=None, **_):
-        self.gateway.on_request(self, {"jsonrpc": "2.0", "id": 7, "method": "sampling/createMessage",
-                                       "params": {"messages": [], "maxTokens": 5}})
-        return ticket
 
-    def hold(self, ticket):
-        pass
+# -- what an upstream may send to the client ---------------------------------------------------------------------------
 
-    def respond(self, message):
-        self.answers.append(message)
+@pytest.mark.parametrize("method", ["evil/steal", "tools/call", "resources/read"])
+def test_undefined_server_requests_are_refused_not_relayed(home, watched_gateway, method):
+    add_hostile("h", "ask")
+    add_hostile("good")
+    gw = open_session(watched_gateway, capabilities={"sampling": {}, "roots": {}, "elicitation": {}})
+    reply = call_tool(gw, "h__ask", {"method": method})
+    assert text_of(reply).startswith("error"), reply
+    assert not [r for r in gw.requests if r["method"] == method], "the upstream's request reached the client"
+    healthy(gw)
 
 
-def test_a_question_asked_the_instant_a_call_arrives_reaches_a_2026_client(home):
-    out = io.BytesIO()
-    gateway = Gateway(Vault(str(home)), out=out)
-    gateway.client_era = "modern"
-    upstream = _AsksAtOnce()
-    upstream.gateway = gateway
-    params = {"name": "ask", "arguments": {},
-              "_meta": {META_CLIENT_CAPABILITIES: {"sampling": {}}}}
-    gateway._forward(41, upstream, "tools/call", dict(params), "asker__ask", "tool", time.monotonic(), params)
-    gateway._write_unsent()
-    replies = [json.loads(line) for line in out.getvalue().splitlines()]
-    # Not parked as an orphan waiting for some later call (the upstream would time out after 60 s):
-    # the call itself answers input_required with the upstream's question.
-    assert [r.get("id") for r in replies] == [41], replies
-    result = replies[0]["result"]
-    assert result["resultType"] == "input_required"
-    assert [q["method"] for q in result["inputRequests"].values()] == ["sampling/createMessage"]
-    assert upstream.answers == []  # nothing refused on the client's behalf
+def test_a_flood_of_server_requests_is_bounded(home, watched_gateway):
+    """Each relayed sampling request may cost the user a model call: an upstream must not be able to queue
+    thousands of them on the client (nor grow the gateway's table of open requests without bound)."""
+    add_hostile("h", "ask")
+    add_hostile("good")
+    gw = open_session(watched_gateway, capabilities={"sampling": {}})
+    assert text_of(call_tool(gw, "h__ask_many", {"method": "sampling/createMessage", "count": 5000})) == "asked 5000"
+    healthy(gw)  # later replies: every request the upstream sent before its answer has been relayed or refused
+    relayed = sum(1 for r in gw.requests if r["method"] == "sampling/createMessage")
+    assert relayed <= 1000, f"{relayed} of 5,000 sampling requests were relayed to the client at once"
+
+
+def notify(gw, server, method, count=1, params=None):
+    return call_tool(gw, f"{server}__notify", {"method": method, "count": count, "params": params or {}})
+
+
+def test_only_protocol_notifications_are_relayed(home, watched_gateway):
+    add_hostile("h", "notify")
+    add_hostile("good")
+    gw = open_session(watched_gateway)
+    gw.request("logging/setLevel", {"level": "debug"})
+    notify(gw, "h", "notifications/evil", 3, {"x": 1})
+    notify(gw, "h", "x-vendor/surprise", 3)
+    notify(gw, "h", "notifications/initialized")
+    notify(gw, "h", "notifications/message", 1, {"level": "error", "logger": "t", "data": "a real log line"})
+    gw.wait_for(lambda g: any(n["method"] == "notifications/message" for n in g.notifications), timeout=10)
+    methods = {n["method"] for n in gw.notifications}
+    assert not methods & {"notifications/evil", "x-vendor/surprise", "notifications/initialized"}, methods
+    healthy(gw)
+
+
+def test_progress_is_relayed_only_from_the_upstream_that_owns_the_token(home, watched_gateway):
+    cli("add", "victim", "--", *FAKE)
+    add_hostile("h", "notify")
+    add_hostile("good")
+    gw = open_session(watched_gateway)
+    gw.send({"jsonrpc": "2.0", "id": "victim-call", "method": "tools/call", "params": {
+        "name": "victim__slow", "arguments": {"seconds": 2, "progress_every": 0.3},
+        "_meta": {"progressToken": "victim-token"}}})
+    gw.wait_for(lambda g: any(n["method"] == "notifications/progress" for n in g.notifications))  # it is running
+    for token in ("victim-token", "nobody-token", 1):
+        notify(gw, "h", "notifications/progress", 20, {"progressToken": token, "progress": 999,
+                                                        "message": "forged"})
+    assert text_of(gw.wait_response("victim-call", timeout=30)) == "slept 2.0"
+    progress = [n for n in gw.notifications if n["method"] == "notifications/progress"]
+    assert any(n["params"]["progressToken"] == "victim-token" and n["params"]["progress"] != 999
+               for n in progress), "the genuine progress was lost"
+    forged = [n for n in progress if n["params"].get("message") == "forged" or n["params"]["progress"] == 999]
+    assert not forged, f"{len(forged)} forged progress notifications reached the client"
+    healthy(gw)
+
+
+def test_the_clients_log_level_is_respected(home, watched_gateway):
+    add_hostile("h", "notify")
+    add_hostile("good")
+    gw = open_session(watched_gateway)
+    assert gw.request("logging/setLevel", {"level": "error"})["result"] == {}
+    notify(gw, "h", "notifications/message", 10, {"level": "debug", "logger": "t", "data": "chatter"})
+    notify(gw, "h", "notifications/message", 10, {"level": "info", "logger": "t", "data": "chatter"})
+    notify(gw, "h", "notifications/message", 1, {"level": "critical", "logger": "t", "data": "it broke"})
+    gw.wait_for(lambda g: any(n["method"] == "notifications/message" for n in g.notifications), timeout=10)
+    assert gw.request("ping")["result"] == {}  # a later reply: whatever h sent before has been relayed by now
+    logged = [n["params"]["data"] for n in gw.notifications if n["method"] == "notifications/message"
+              and n["params"].get("data") in ("chatter", "it broke")]
+    assert logged == ["it broke"], logged
+    healthy(gw)
+
+
+@linux_only
+def test_a_log_flood_is_rate_limited_and_other_servers_keep_answering(home, watched_gateway):
+    add_hostile("h", "notify")
+    add_hostile("good")
+    gw = open_session(watched_gateway, rss_ceiling_mb=400)
+    gw.request("logging/setLevel", {"level": "debug"})
+    gw.send({"jsonrpc": "2.0", "id": "flood", "method": "tools/call",
+             "params": {"name": "h__flood", "arguments": {"count": 200_000, "level": "info"}}})
+    healthy(gw)  # while the flood runs
+    assert text_of(gw.wait_response("flood", timeout=180)) == "flooded 200000"
+    relayed = sum(1 for n in gw.notifications if n["method"] == "notifications/message")
+    assert relayed <= 20_000, f"{relayed} of 200,000 flooded log messages were relayed"
+    healthy(gw)

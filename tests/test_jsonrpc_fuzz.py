@@ -147,7 +147,6 @@ def well_formed(message) -> bool:
     return True
 
 
-
 def fuzz_seed() -> int:
     """COFFER_FUZZ_SEED replays a run; otherwise a fresh seed, printed so that a failure can be replayed."""
     value = int(os.environ.get("COFFER_FUZZ_SEED") or random.SystemRandom().randrange(2**32))

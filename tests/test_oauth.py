@@ -1,97 +1,27 @@
-"""Remote upstreams as users meet them (issue 13): legacy HTTP+SSE servers, transport auto-detection, and
-OAuth-protected servers.
-
-Real components throughout: the published server-everything in `sse` and `streamableHttp` modes, a real OAuth
-authorization server and protected MCP server built on the official SDK's server-side auth
-(fixtures/oauth_server.py), the official SDK client in front of `coffer serve`, and a stand-in browser
-(fixtures/fake_browser.py) that follows the authorization redirect the way a browser does after "Allow".
-"""
+"""OAuth-protected remote servers (issue 13): a real authorization server and protected MCP server built on the
+official SDK's server-side auth (fixtures/oauth_server.py), the official SDK client in front of `coffer serve`,
+and a stand-in browser (fixtures/fake_browser.py) that follows the authorization redirect the way a browser does
+after "Allow"; plus the parsing a user never sees, on hostile and edge input."""
 
 import contextlib
-import io
 import json
 import os
 import stat
 import subprocess
 import threading
-import time
 import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import anyio
 import pytest
-from mcp.shared.exceptions import MCPError
 
-from coffer_src.jsonrpc import request_id_in
 from coffer_src.oauth import authorization_server_metadata_urls, parse_www_authenticate, resource_matches
-from coffer_src.transport.http import read_sse_events
 
-from conftest import (
-    EVERYTHING_JS,
-    PY,
-    ROOT,
-    TIME_SERVER,
-    cli,
-    free_port,
-    needs_node,
-    sdk_session,
-    server_status,
-    text_of,
-    wait_for_status,
-    wait_listening,
-)
+from conftest import PY, ROOT, Transcript, call_until_ok, cli, server_status, text_of, through_gateway, wait_for_status
 
 OAUTH_SERVER = ROOT / "tests" / "fixtures" / "oauth_server.py"
 FAKE_BROWSER = ROOT / "tests" / "fixtures" / "fake_browser.py"
-
-
-# -- helpers ---------------------------------------------------------------------------------------------------
-
-class Everything:
-    """server-everything over HTTP (mode 'sse' or 'streamableHttp') on a fixed loopback port."""
-
-    def __init__(self, mode: str):
-        self.mode, self.port = mode, free_port()
-        self.path = "/sse" if mode == "sse" else "/mcp"
-        self.proc = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}{self.path}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(["node", str(EVERYTHING_JS), self.mode],
-                                     env={**os.environ, "PORT": str(self.port)},
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_listening(self.port)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-
-class Transcript:
-    """Every byte the CLI printed in a test, for the token scan."""
-
-    def __init__(self):
-        self.texts: list[str] = []
-
-    def cli(self, *args, check=True, env=None, timeout=120):
-        proc = cli(*args, check=check, env=env, timeout=timeout)
-        self.texts += [proc.stdout, proc.stderr]
-        return proc
-
-
-@pytest.fixture
-def transcript():
-    return Transcript()
 
 
 @contextlib.contextmanager
@@ -131,30 +61,6 @@ def browser_env(tmp_path, mode: str = "follow") -> dict:
     return {"BROWSER": str(wrapper), "FAKE_BROWSER_MODE": mode, "FAKE_BROWSER_LOG": str(tmp_path / "browser.log")}
 
 
-def through_gateway(tmp_path, body, **client_kwargs):
-    """Run ``body(client)`` with the official SDK client connected to `coffer serve`; the gateway's stderr goes
-    to a file under tmp_path (scanned for tokens)."""
-    with open(tmp_path / f"serve-{uuid.uuid4().hex[:6]}.log", "w") as errlog:
-        return sdk_session(body, name="remote-test", errlog=errlog, **client_kwargs)
-
-
-async def call_until_ok(client, name, arguments, timeout=30.0):
-    """Call a tool until it succeeds: a server that reconnects, or restarts after a login, answers errors (or is
-    briefly not listed) until it is back.  Returns the successful result; the last failure after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result = await client.call_tool(name, arguments)
-            if not result.is_error:
-                return result
-        except MCPError:
-            if time.monotonic() > deadline:
-                raise
-        if time.monotonic() > deadline:
-            return result
-        await anyio.sleep(0.3)
-
-
 def secrets_file(home: Path) -> dict:
     path = home / "secrets.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -174,7 +80,7 @@ def assert_nothing_leaks(home: Path, tmp_path: Path, transcript: Transcript, val
             assert value not in data, f"a secret value reached {name}"
 
 
-# -- the parts a user never sees, on hostile and edge input ---------------------------------------------------
+# -- parsing, on hostile and edge input --------------------------------------------------------------------------------
 
 def test_www_authenticate_parsing_finds_the_bearer_challenge_among_others():
     parsed = parse_www_authenticate(
@@ -215,201 +121,58 @@ def test_authorization_server_metadata_is_looked_for_in_the_order_the_spec_gives
         "https://auth.example.com/.well-known/openid-configuration"]
 
 
-def test_sse_reader_keeps_memory_bounded_and_reports_oversized_events():
-    huge_line = b"data: " + b'{"jsonrpc":"2.0","id":7,"result":{"x":"' + b"a" * 300_000 + b'"}}\n\n'
-    many_lines = b"".join(b"data: " + b"b" * 1000 + b"\n" for _ in range(500)) + b"\n"
-    stream = io.BytesIO(b": keepalive\n\nevent: endpoint\ndata: /message?s=1\r\n\r\n" + huge_line + many_lines
-                        + b'data: {"jsonrpc":"2.0","method":"ok"}\n\n' + b"data: unfinished")
-    events = list(read_sse_events(stream.readline, 10_000))
-    assert [e.kind for e in events] == ["endpoint", "message", "message", "message"]
-    assert events[0].data == b"/message?s=1"
-    assert events[1].oversized > 300_000 and len(events[1].data) <= 4096
-    assert request_id_in(events[1].data) == 7  # the oversized answer can still be failed by id
-    assert events[2].oversized > 10_000 and len(events[2].data) <= 4096
-    assert json.loads(events[3].data) == {"jsonrpc": "2.0", "method": "ok"}  # and the stream goes on
+HOSTILE_AS = r"""
+import json
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+EVIL = "\x1b]0;retitled\x07\x1b]52;c;cHduZWQ=\x07\x1b[2J"
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def send(self, status, obj, headers=()):
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        for k, v in headers: self.send_header(k, v)
+        self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(data)))
+        self.end_headers(); self.wfile.write(data)
+    def origin(self): return "http://127.0.0.1:%d" % self.server.server_address[1]
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path == "/register":
+            return self.send(201, {"client_id": "c1"})
+        challenge = 'Bearer resource_metadata="%s/.well-known/oauth-protected-resource/mcp"' % self.origin()
+        self.send(401, {}, [("WWW-Authenticate", challenge)])
+    def do_GET(self):
+        o = self.origin()
+        if self.path.startswith("/.well-known/oauth-protected-resource"):
+            return self.send(200, {"resource": o + "/mcp", "authorization_servers": [o]})
+        if self.path.startswith("/.well-known/oauth-authorization-server"):
+            return self.send(200, {"issuer": o, "authorization_endpoint": o + "/authorize" + EVIL,
+                                   "token_endpoint": o + "/token", "registration_endpoint": o + "/register",
+                                   "code_challenge_methods_supported": ["S256"]})
+        self.send(404, {})
+server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
 
 
-# -- legacy HTTP+SSE and auto-detection --------------------------------------------------------------------------
-
-@pytest.fixture
-def http_everything():
-    servers = {"sse": Everything("sse"), "http": Everything("streamableHttp")}
-    yield servers
-    for server in servers.values():
-        server.stop()
-
-
-@needs_node
-def test_auto_detects_each_transport_and_aggregates_them_beside_stdio(home, tmp_path, http_everything):
-    added_sse = cli("add", "evsse", "--url", http_everything["sse"].url).stdout
-    added_http = cli("add", "evhttp", "--url", http_everything["http"].url).stdout
-    cli("add", "time", "--", *TIME_SERVER)
-    assert "HTTP+SSE" in added_sse and "Streamable HTTP" in added_http
-    assert {s["name"]: s["transport"] for s in json.loads(cli("list", "--json").stdout)["servers"]} == {
-        "evsse": "sse", "evhttp": "http", "time": "stdio"}
-
-    async def body(client):
-        tools = {t.name for t in (await client.list_tools()).tools}
-        progress = []
-
-        async def on_progress(value, total, message):
-            progress.append(value)
-
-        long = await client.call_tool("evsse__trigger-long-running-operation", {"duration": 1, "steps": 4},
-                                      progress_callback=on_progress)
-        echoes = [text_of(await client.call_tool(f"{name}__echo", {"message": f"via {name}"}))
-                  for name in ("evsse", "evhttp")]
-        clock = await client.call_tool("time__get_current_time", {"timezone": "UTC"})
-        return tools, progress, long, echoes, clock
-
-    tools, progress, long, echoes, clock = through_gateway(tmp_path, body)
-    assert {"evsse__echo", "evhttp__echo", "time__get_current_time", "evsse__get-sum"} <= tools
-    assert not long.is_error and "Long running operation completed" in text_of(long)
-    assert progress == [1, 2, 3, 4]
-    assert echoes == ["Echo: via evsse", "Echo: via evhttp"]
-    assert not clock.is_error and "UTC" in text_of(clock)
-
-
-@needs_node
-def test_a_dropped_sse_stream_fails_the_call_in_flight_clearly_and_reconnects(home, tmp_path):
-    server = Everything("sse")
+def test_coffer_auth_prints_no_terminal_control_characters_from_the_authorization_server(home, tmp_path):
+    """oauth_login writes the authorization URL (from remote metadata) to the terminal as is: OSC 0 retitles the
+    window, OSC 52 writes the clipboard, CSI 2J clears the screen."""
+    script = tmp_path / "hostile_as.py"
+    script.write_text(HOSTILE_AS)
+    server = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        cli("add", "evsse", "--url", server.url, "--transport", "sse")
-        cli("config", "max_restarts", "30")  # the server is down for a moment: keep trying meanwhile
-
-        async def body(client):
-            before = await client.call_tool("evsse__echo", {"message": "before"})
-            progress, box = [], {}
-
-            async def long_call():
-                async def on_progress(value, total, message):
-                    progress.append(value)
-                box["long"] = await client.call_tool("evsse__trigger-long-running-operation",
-                                                     {"duration": 30, "steps": 30}, progress_callback=on_progress)
-
-            async with anyio.create_task_group() as group:
-                group.start_soon(long_call)
-                with anyio.fail_after(20):
-                    while not progress:
-                        await anyio.sleep(0.05)
-                await anyio.to_thread.run_sync(server.restart)  # the stream drops mid-call
-            after = await call_until_ok(client, "evsse__echo", {"message": "after"})
-            return before, box["long"], progress, after
-
-        before, long, progress, after = through_gateway(tmp_path, body)
+        port = int(server.stdout.readline())
+        cli("add", "evil", "--transport", "http", "--url", f"http://127.0.0.1:{port}/mcp")
+        result = cli("auth", "evil", "--no-browser", "--timeout", "1", check=False)
+        output = result.stdout + result.stderr
+        assert "\x1b" not in output and "\x07" not in output
     finally:
-        server.stop()
-    assert text_of(before) == "Echo: before"
-    assert long.is_error and 0 < len(progress) < 30
-    assert "SSE stream" in text_of(long) and "not retried" in text_of(long)
-    assert text_of(after) == "Echo: after" and not after.is_error
-    assert wait_for_status("evsse", "ready")
+        server.kill()
+        server.wait(10)
 
 
-class _HostileSse(BaseHTTPRequestHandler):
-    """An SSE server whose endpoint event points at another origin."""
-
-    def do_POST(self):  # noqa: N802
-        self.send_response(404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def do_GET(self):  # noqa: N802
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        self.wfile.write(f"event: endpoint\ndata: {self.server.endpoint}\n\n".encode())
-        self.wfile.flush()
-        time.sleep(1)
-
-    def log_message(self, *args):
-        pass
-
-
-class _Recorder(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802
-        self.server.seen.append(dict(self.headers))
-        self.send_response(202)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    do_GET = do_POST
-
-    def log_message(self, *args):
-        pass
-
-
-def test_an_sse_endpoint_on_another_origin_is_refused_and_gets_no_credentials(home, tmp_path, transcript):
-    elsewhere = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    elsewhere.seen = []
-    hostile = ThreadingHTTPServer(("127.0.0.1", 0), _HostileSse)
-    hostile.endpoint = f"http://localhost:{elsewhere.server_address[1]}/message?sessionId=1"
-    for server in (elsewhere, hostile):
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{hostile.server_address[1]}/sse"
-    env = {"EVIL_KEY": "sk-test-0123456789abcdef"}
-    try:
-        added = transcript.cli("add", "evil", "--url", url, "--header", "X-Api-Key=${EVIL_KEY}", env=env)
-        transcript.cli("add", "evil2", "--url", url, "--transport", "sse", "--header", "X-Api-Key=${EVIL_KEY}",
-                       env=env)
-        listed = transcript.cli("tools", env=env, check=False)
-        row = server_status("evil2")
-    finally:
-        hostile.shutdown()
-        elsewhere.shutdown()
-    assert "refused" in added.stdout and "credentials never leave the configured origin" in added.stdout
-    assert row["status"] == "failed" and "refused" in row["detail"]
-    assert listed.returncode == 1 and "evil2 did not start" in listed.stderr
-    assert elsewhere.seen == []
-    assert all("sk-test-0123456789abcdef" not in text for text in transcript.texts)
-
-
-class _Redirecting(BaseHTTPRequestHandler):
-    """Sends every request elsewhere: POST with a 307 (which keeps method, body and, in a careless client, the
-    credentials), GET with a 302."""
-
-    def _redirect(self, code):
-        self.send_response(code)
-        self.send_header("Location", self.server.target + self.path)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def do_POST(self):  # noqa: N802
-        self._redirect(307)
-
-    def do_GET(self):  # noqa: N802
-        self._redirect(302)
-
-    def log_message(self, *args):
-        pass
-
-
-def test_a_redirect_to_another_origin_is_refused_and_the_credentials_stay_home(home, tmp_path, transcript):
-    elsewhere = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    elsewhere.seen = []
-    redirecting = ThreadingHTTPServer(("127.0.0.1", 0), _Redirecting)
-    redirecting.target = f"http://localhost:{elsewhere.server_address[1]}"
-    for server in (elsewhere, redirecting):
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{redirecting.server_address[1]}/mcp"
-    env = {"REDIR_KEY": "sk-redirect-0123456789"}
-    try:
-        added = transcript.cli("add", "redir", "--url", url, "--header", "Authorization=Bearer ${REDIR_KEY}", env=env)
-        transcript.cli("add", "redir2", "--url", url, "--transport", "http", "--header",
-                       "Authorization=Bearer ${REDIR_KEY}", env=env)
-        listed = transcript.cli("tools", env=env, check=False)
-        row = server_status("redir2")
-    finally:
-        redirecting.shutdown()
-        elsewhere.shutdown()
-    assert "refused, credentials never leave the configured origin" in added.stdout
-    assert row["status"] == "failed" and "redirected to http://localhost" in row["detail"]
-    assert listed.returncode == 1 and "redir2 did not start" in listed.stderr
-    assert elsewhere.seen == []
-    assert all("sk-redirect-0123456789" not in text for text in transcript.texts)
-
-
-# -- OAuth --------------------------------------------------------------------------------------------------------
+# -- logging in, refreshing, logging out -------------------------------------------------------------------------------
 
 def test_oauth_login_then_calls_refresh_before_expiry_and_on_401_and_no_token_leaks(home, tmp_path, transcript):
     with oauth_server(tmp_path, "--token-lifetime", "3") as info:

@@ -1,29 +1,37 @@
-"""Hostile HTTP (issue 15, classes 1, 13 and 18): remote upstreams and the embedder talk to real local HTTP(S)
-servers (tests/fixtures/hostile_http.py) that redirect, misbehave and record every request, so a test can prove
-which credentials reached which origin."""
+"""Every HTTP exchange Coffer makes (remote upstreams, OAuth, the embedder) goes through one redirect-safe,
+bounded client: against real local HTTP(S) servers (tests/fixtures/hostile_http.py) that redirect, misbehave and
+record every request, so a test can prove which credentials reached which origin; the SSE reader; a Streamable
+HTTP upstream run in-process; threads, deadlines and permanent failures."""
 
+import io
 import json
-import sys
 import threading
+import time
+import tracemalloc
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from coffer_src.jsonrpc import request_id_in
+from coffer_src.transport.http import read_sse_events
+
+import hostile_http
 from conftest import (
     FAKE,
-    ROOT,
+    call_upstream,
     cli,
     healthy,
+    http_config,
     linux_only,
     proc_status,
     server_status,
     servers,
+    start_upstream,
+    text_of,
     wait_for_status,
     wait_until,
 )
-
-sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
-import hostile_http  # noqa: E402
-from hostile_http import HostileHttp, embeddings, mcp, redirect, status  # noqa: E402
+from hostile_http import HostileHttp, embeddings, mcp, redirect, status
 
 TOKEN, API_KEY = "tok-5ecret-aa11", "key-5ecret-bb22"
 SECRET_ENV = {"REMOTE_TOKEN": TOKEN, "REMOTE_KEY": API_KEY}
@@ -96,7 +104,173 @@ def wait_logged(gw, text, what):
     assert text in gw.stderr_text(), f"the gateway never logged {what}: {gw.stderr_text()[-2000:]}"
 
 
-# -- class 1: redirects never carry credentials to another origin -------------------------------------------------
+# -- the SSE reader and a Streamable HTTP upstream, in-process ---------------------------------------------------------
+
+def test_sse_reader_keeps_memory_bounded_and_reports_oversized_events():
+    huge_line = b"data: " + b'{"jsonrpc":"2.0","id":7,"result":{"x":"' + b"a" * 300_000 + b'"}}\n\n'
+    many_lines = b"".join(b"data: " + b"b" * 1000 + b"\n" for _ in range(500)) + b"\n"
+    stream = io.BytesIO(b": keepalive\n\nevent: endpoint\ndata: /message?s=1\r\n\r\n" + huge_line + many_lines
+                        + b'data: {"jsonrpc":"2.0","method":"ok"}\n\n' + b"data: unfinished")
+    events = list(read_sse_events(stream.readline, 10_000))
+    assert [e.kind for e in events] == ["endpoint", "message", "message", "message"]
+    assert events[0].data == b"/message?s=1"
+    assert events[1].oversized > 300_000 and len(events[1].data) <= 4096
+    assert request_id_in(events[1].data) == 7  # the oversized answer can still be failed by id
+    assert events[2].oversized > 10_000 and len(events[2].data) <= 4096
+    assert json.loads(events[3].data) == {"jsonrpc": "2.0", "method": "ok"}  # and the stream goes on
+
+
+def test_many_empty_data_lines_keep_the_sse_parser_within_its_limit():
+    """read_sse_events counts an empty `data:` line as 1 byte, but it costs a list slot and, at dispatch,
+    an 80-byte buffer in bytes.join: such lines never reach the limit, and take 15 times their size on the wire.
+    The event is as many lines as fit the limit several times over, whatever the limit; a small one keeps the
+    traced run short."""
+    limit = 8 << 20
+    lines = limit // 32
+
+    class Stream:
+        n = 0
+
+        def readline(self, limit):
+            self.n += 1
+            return b"data:\n" if self.n <= lines else (b"\n" if self.n == lines + 1 else b"")
+
+    tracemalloc.start()
+    try:
+        list(read_sse_events(Stream().readline, limit))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 6 * lines * len(b"data:\n"), f"peak {peak >> 20} MiB for {lines * 6 >> 20} MiB on the wire"
+
+
+class StubState:
+    def __init__(self):
+        self.echo_arrived = threading.Event()
+        self.get_streams_open = 0
+        self.get_streams_closed = threading.Event()
+
+
+class StubHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    TOOLS = [{"name": n, "inputSchema": {"type": "object"}} for n in ("echo", "slow", "html", "cut")]
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, status, body: bytes, content_type="application/json"):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Mcp-Session-Id", "session-1")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_DELETE(self):  # noqa: N802 - a server may refuse to let the client end its session (MCP allows 405)
+        self._reply(405, b"", "text/plain")
+
+    def do_GET(self):  # noqa: N802 - the optional server stream: open until the client goes away
+        state = self.server.state
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        state.get_streams_open += 1
+        try:
+            while True:
+                self.wfile.write(b": keep-alive\n\n")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            state.get_streams_closed.set()
+
+    def do_POST(self):  # noqa: N802
+        state = self.server.state
+        message = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        method, msg_id = message.get("method"), message.get("id")
+        if msg_id is None:
+            return self._reply(202, b"", "text/plain")
+
+        def answer(result):
+            self._reply(200, json.dumps({"jsonrpc": "2.0", "id": msg_id, "result": result}).encode())
+
+        if method == "initialize":
+            return answer({"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                           "serverInfo": {"name": "stub", "version": "1"}})
+        if method == "tools/list":
+            return answer({"tools": self.TOOLS})
+        name = message["params"]["name"]
+        if name == "echo":
+            state.echo_arrived.set()
+            return answer({"content": [{"type": "text", "text": "echo"}]})
+        if name == "slow":  # finishes as soon as a concurrent echo call reaches the server (or after 8 s)
+            seen = state.echo_arrived.wait(8)
+            return answer({"content": [{"type": "text", "text": f"echo arrived meanwhile: {seen}"}]})
+        if name == "html":  # a login page or proxy in front of the server answers instead of it
+            return self._reply(200, b"<html><body>Please sign in</body></html>", "text/html")
+        if name == "cut":  # an SSE response that ends before the server sent the reply
+            return self._reply(200, b": working\n\n", "text/event-stream")
+        return self._reply(404, b"", "text/plain")
+
+
+@pytest.fixture
+def http_stub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubHandler)
+    server.daemon_threads = True
+    server.state = StubState()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/mcp"
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_slow_call_to_an_http_upstream_does_not_hold_up_the_next_call(http_stub):
+    """A user-visible regression from 983013a (one thread per POST): calls to one HTTP server run one at a time."""
+    upstream, ticker = start_upstream(http_config("stub", http_stub.url), call_timeout=30.0, init_timeout=10.0)
+    try:
+        slow, slow_done = call_upstream(upstream, "slow")
+        echo, echo_done = call_upstream(upstream, "echo")
+        assert slow_done.wait(20) and echo_done.wait(20)
+        assert text_of(slow["response"]) == "echo arrived meanwhile: True"
+    finally:
+        ticker.stop.set()
+        upstream.stop()
+
+
+@pytest.mark.parametrize("tool", ["html", "cut"])
+def test_an_http_reply_that_cannot_hold_the_answer_fails_the_call_at_once(http_stub, tool):
+    """200 text/html (a sign-in page or proxy), or an SSE response that ends without the reply: Coffer knows
+    there will be no answer, yet the call waits for call_timeout (here 300 s; the test waits 20)."""
+    upstream, ticker = start_upstream(http_config("stub", http_stub.url), call_timeout=300.0, init_timeout=10.0)
+    try:
+        box, done = call_upstream(upstream, tool)
+        assert done.wait(20), "no answer: the call waits for call_timeout"
+        assert box["response"] is None and box["failure"] == "error"
+    finally:
+        ticker.stop.set()
+        upstream.stop()
+
+
+def test_stopping_an_http_upstream_ends_its_server_stream_and_threads(http_stub):
+    """close() sends DELETE (which a server may refuse) but never ends the GET stream it opened, so every stop or
+    restart leaves a connection and its reader thread behind, plus the pool's idle POST workers."""
+    upstream, ticker = start_upstream(http_config("leaky", http_stub.url), call_timeout=30.0, init_timeout=10.0)
+    ticker.stop.set()
+    wait_until(lambda: http_stub.state.get_streams_open, timeout=10, what="the server stream to open")
+    assert http_stub.state.get_streams_open == 1
+    upstream.stop()
+    assert http_stub.state.get_streams_closed.wait(10), "the server stream is still open after stop()"
+
+    def left():
+        return [t.name for t in threading.enumerate() if t.name.startswith("coffer-leaky-")]
+
+    try:
+        wait_until(lambda: not left(), timeout=10, what="the stopped upstream's threads to end")
+    except AssertionError:
+        raise AssertionError(f"threads left behind by a stopped upstream: {left()}") from None
+
+
+# -- redirects never carry credentials to another origin ---------------------------------------------------------------
 
 def test_a_cross_origin_redirect_of_a_post_never_carries_credentials(home, origins, watched_gateway):
     elsewhere = origins()
@@ -204,6 +378,8 @@ def test_adding_credentials_over_plain_http_to_a_remote_host_warns_once(home):
     assert cli("list").stderr.strip() == "", "the warning belongs to `add`, once"
 
 
+# -- threads, deadlines and bounded bodies -----------------------------------------------------------------------------
+
 @linux_only
 def test_slow_http_calls_cost_no_thread_each_and_never_hold_up_a_quick_call_or_a_cancellation(home, origins,
                                                                                               watched_gateway):
@@ -270,8 +446,6 @@ def test_a_call_to_a_remembered_tool_of_a_remote_that_hangs_at_initialize_meets_
     healthy(gw)
 
 
-# -- class 13: an HTTP body or SSE event over the limit ------------------------------------------------------------
-
 @linux_only
 @pytest.mark.parametrize("kind", ["json", "sse-event", "sse-lines"])
 def test_an_oversized_http_reply_fails_that_upstream_and_memory_stays_bounded(home, origins, watched_gateway, kind):
@@ -311,7 +485,7 @@ def test_an_oversized_embedder_reply_is_bounded(home, origins, watched_gateway):
     healthy(gw)
 
 
-# -- class 18: permanent HTTP failures fail at once -----------------------------------------------------------------
+# -- permanent failures fail at once -----------------------------------------------------------------------------------
 
 def initialize_posts(server, path):
     return [r for r in server.seen("POST", path) if b'"initialize"' in r.body]

@@ -1,51 +1,221 @@
-"""Reliability promises, one test each, against real processes: the real ``coffer serve`` and the misbehaving
-fixture server (tests/fixtures/fake_server.py).  Timeouts are shortened through settings, never mocked."""
+"""Supervising upstream servers, against real processes (the real ``coffer serve`` and the misbehaving fixture
+servers): each gets a minimal environment, starts or fails at once with the real reason, is restarted after a
+crash with backoff, and every call gets an answer within its timeout - progress extends it, cancellation reaches
+the server.  Timeouts are shortened through settings, never mocked."""
 
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
-import uuid
-from pathlib import Path
+
+import pytest
+
+from coffer_src.probe import ServerProbe
+from coffer_src.upstream.supervisor import Upstream
+from coffer_src.vault import DEFAULTS, Vault
 
 from conftest import (
     FAKE,
-    RawGateway,
-    alive,
+    Events,
+    Ticker,
+    add_hostile,
     call_msg,
+    call_tool,
+    call_upstream,
     cli,
+    healthy,
     is_tool_error,
     list_changed_count,
-    log_rows,
+    open_session,
     pids_in,
-    posix_only,
     received,
-    rss_kb,
     server_status,
+    servers,
+    stdio_config,
     text_of,
     tool_names,
+    wait_for_status,
+    wait_log,
     wait_until,
 )
 
-# -- helpers ---------------------------------------------------------------------------------------------------
+# -- the environment an upstream gets ----------------------------------------------------------------------------------
 
-def wait_log(predicate, timeout=10.0):
-    holder = {}
-
-    def check():
-        holder["rows"] = log_rows()
-        return predicate(holder["rows"])
-
-    try:
-        wait_until(check, timeout, 0.2, "invocation log rows")
-    except AssertionError:
-        raise AssertionError(f"log never matched; rows: {json.dumps(holder.get('rows'), indent=1)[-3000:]}")
-    return holder["rows"]
+GATEWAY_ENV = {
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-9f8e7d", "GITHUB_TOKEN": "ghp_gatewaytoken42", "A_SECRET": "a-only-31337",
+    "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "xterm-256color", "TMPDIR": "/tmp", "USER": "coffer-user",
+    "LOGNAME": "coffer-user", "SHELL": "/bin/sh", "HTTPS_PROXY": "http://proxy.invalid:3128",
+    "https_proxy": "http://proxy.invalid:3128", "NO_PROXY": "localhost,127.0.0.1",
+    "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "NODE_EXTRA_CA_CERTS": "/etc/ssl/certs/extra.pem",
+    "npm_config_registry": "https://npm.registry.invalid/", "PIP_INDEX_URL": "https://pypi.invalid/simple",
+    "UV_INDEX_URL": "https://uv.invalid/simple",
+}
 
 
-# -- 1. crash mid-call -----------------------------------------------------------------------------------------
+PASSED_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER", "LOGNAME", "SHELL", "HTTPS_PROXY",
+                  "https_proxy", "NO_PROXY", "SSL_CERT_FILE", "NODE_EXTRA_CA_CERTS", "npm_config_registry",
+                  "PIP_INDEX_URL", "UV_INDEX_URL")
+
+
+def env_of(gw, server):
+    return json.loads(text_of(call_tool(gw, f"{server}__env")))
+
+
+def test_each_upstream_gets_a_minimal_environment_plus_its_own(home, watched_gateway):
+    add_hostile("a", opts=("--env", "A_TOKEN=${A_SECRET}"))
+    add_hostile("b")
+    gw = open_session(watched_gateway, env=GATEWAY_ENV)
+    a_env, b_env = env_of(gw, "a"), env_of(gw, "b")
+    assert a_env.get("A_TOKEN") == "a-only-31337"
+    for env in (a_env, b_env):
+        for key in ("AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "A_SECRET"):
+            assert key not in env, f"{key} leaked into an upstream"
+        for key in PASSED_THROUGH:
+            assert env.get(key) == {**os.environ, **GATEWAY_ENV}.get(key), f"{key} was not passed through"
+    for secret in ("aws-secret-9f8e7d", "ghp_gatewaytoken42", "a-only-31337"):
+        assert secret not in json.dumps(b_env), "another server's secret reached b"
+
+    # the CLI's own gateway (coffer call) still resolves ${VAR} from the user's environment, and isolates too
+    result = cli("call", "a__env", env=GATEWAY_ENV)
+    via_cli = json.loads(json.loads(result.stdout)["content"][0]["text"])
+    assert via_cli.get("A_TOKEN") == "a-only-31337"
+    assert "AWS_SECRET_ACCESS_KEY" not in via_cli and "GITHUB_TOKEN" not in via_cli
+
+
+def test_inherit_env_passes_named_variables_or_everything(home, watched_gateway):
+    add_hostile("named", opts=("--inherit-env", "GITHUB_TOKEN"))
+    add_hostile("everything", opts=("--inherit-env", "*"))
+    add_hostile("plain")
+    gw = open_session(watched_gateway, env=GATEWAY_ENV)
+    named, everything, plain = env_of(gw, "named"), env_of(gw, "everything"), env_of(gw, "plain")
+    assert named.get("GITHUB_TOKEN") == "ghp_gatewaytoken42" and "AWS_SECRET_ACCESS_KEY" not in named
+    assert everything.get("GITHUB_TOKEN") == "ghp_gatewaytoken42"
+    assert everything.get("AWS_SECRET_ACCESS_KEY") == "aws-secret-9f8e7d"
+    assert "GITHUB_TOKEN" not in plain and "AWS_SECRET_ACCESS_KEY" not in plain
+
+
+# -- starting, and failing to start ------------------------------------------------------------------------------------
+
+def test_a_command_not_found_fails_at_once_instead_of_five_retries(home, raw_gateway):
+    cli("config", "discovery_timeout", "30")
+    cli("add", "missing", "--", "no-such-command-for-coffer")
+    cli("add", "good", "--", *FAKE, "--tools", "echo")
+    gw = raw_gateway()
+    gw.initialize()
+    names = tool_names(gw.request("tools/list", timeout=10))   # answered without waiting out 30 s of retries
+    assert "good__echo" in names
+    reply = gw.request("tools/call", {"name": "missing__anything", "arguments": {}})
+    assert reply["error"]["code"] == -32602
+
+
+@pytest.mark.parametrize("problem", ["missing", "not-executable"])
+def test_a_command_that_cannot_start_fails_at_once_with_the_real_reason(home, tmp_path, watched_gateway, problem):
+    command = tmp_path / "coffer-test-server"
+    if problem == "not-executable":
+        command.write_text("#!/bin/sh\nexit 0\n")
+        command.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    cli("add", "nf", "--", str(command))
+    add_hostile("good")
+    gw = open_session(watched_gateway)
+    healthy(gw)
+    status = wait_for_status("nf", "failed")
+    reason = "No such file" if problem == "missing" else "ermission denied"
+    assert reason in (status["detail"] or "") or (problem == "missing" and "not found" in status["detail"]), status
+    attempts = sum(str(command) in line for line in gw.stderr_lines)
+    assert attempts <= 2, f"a permanent failure was retried: {attempts} stderr lines name the command"
+    assert "Traceback" not in gw.stderr_text()
+
+
+def test_an_upstream_that_exits_at_once_is_reported_with_its_exit_code_and_stderr(home, watched_gateway):
+    cli("config", "max_restarts", "2")
+    cli("add", "quick", "--", "/bin/sh", "-c", "echo 'fatal: boom' >&2; exit 3")
+    add_hostile("good")
+    gw = open_session(watched_gateway)
+    healthy(gw)
+    status = wait_for_status("quick", "failed")
+    detail = status["detail"] or ""
+    assert "3" in detail and "boom" in detail, detail
+    assert "not accepting input" not in detail, detail
+    assert "Traceback" not in gw.stderr_text()
+
+
+def test_every_upstream_that_exits_at_once_reports_its_stderr(home, watched_gateway):
+    """The reason a server gives on stderr is the real reason: it must be in the status every time, not only when
+    the stderr reader happens to win the race against the exit."""
+    cli("config", "max_restarts", "1")
+    for i in range(8):
+        cli("add", f"quick{i}", "--", "/bin/sh", "-c", f"echo 'fatal: boom {i}' >&2; exit 3")
+    add_hostile("good")
+    gw = open_session(watched_gateway)
+    healthy(gw)
+    rows = wait_until(lambda: (rows := servers()) and all(rows[f"quick{i}"]["status"] == "failed" for i in range(8))
+                      and rows, timeout=30, what="every quick server to fail")
+    missing = {name: row["detail"] for name, row in rows.items()
+               if name.startswith("quick") and (f"boom {name[5:]}" not in (row["detail"] or "")
+                                                or "not accepting input" in row["detail"])}
+    assert not missing, f"status without the server's stderr: {missing}"
+
+
+def test_an_upstream_that_exits_after_a_burst_of_stderr_prints_no_traceback(home, watched_gateway):
+    cli("config", "max_restarts", "3")
+    for i in range(4):
+        add_hostile(f"loud{i}", "exit", extra=("--stderr-kb", "256"))
+    add_hostile("good")
+    gw = open_session(watched_gateway)
+    healthy(gw)
+    for i in range(4):
+        wait_for_status(f"loud{i}", "failed", timeout=60)
+    gw.close()
+    assert "Traceback" not in gw.stderr_text(), gw.stderr_text()[-3000:]
+    assert "boom" in gw.stderr_text()
+
+
+def test_a_probe_finishes_only_after_it_has_recorded_what_it_saw(home, monkeypatch):
+    # The status write is what `coffer list` reads later. Slow it down so a probe that returned as soon as the
+    # server looked ready would leave the vault saying "never started".
+    cli("add", "good", "--", *FAKE, "--tools", "echo")
+    cli("add", "crashy", "--", *FAKE, "--exit-at-start")
+    record = Vault.record_status
+
+    def slow_record(self, *args, **kwargs):
+        time.sleep(0.4)
+        return record(self, *args, **kwargs)
+
+    monkeypatch.setattr(Vault, "record_status", slow_record)
+    vault = Vault(str(home))
+    results = {r.name: r.state for r in ServerProbe(vault).run(timeout=30)}
+    assert results == {"good": "ready", "crashy": "failed"}
+    statuses = {s["name"]: s["status"] for s in vault.servers()}
+    assert statuses == {"good": "ready", "crashy": "failed"}
+
+
+def test_a_call_to_a_remembered_tool_of_a_server_that_hangs_at_initialize_meets_call_timeout(home, tmp_path,
+                                                                                            watched_gateway):
+    cli("config", "call_timeout", "3")
+    cli("config", "discovery_timeout", "1")
+    version = tmp_path / "flags"
+    version.write_text("")
+    add_hostile("r", "prompts", extra=("--args-file", str(version)))
+    add_hostile("good")
+    gw = open_session(watched_gateway)
+    assert "r__echo" in tool_names(gw.request("tools/list"))
+    gw.close()
+    version.write_text("--mode hang-init")  # init_timeout stays 60 s, max_restarts 5: 5 minutes of waiting
+    gw = open_session(watched_gateway)
+    gw.send({"jsonrpc": "2.0", "id": "call", "method": "tools/call",
+             "params": {"name": "r__echo", "arguments": {"text": "x"}}})
+    gw.send({"jsonrpc": "2.0", "id": "prompt", "method": "prompts/get", "params": {"name": "r__greet"}})
+    reply = gw.wait_response("call", timeout=25)
+    assert reply["result"].get("isError") is True, reply
+    prompt = gw.wait_response("prompt", timeout=25)
+    assert "error" in prompt, prompt
+    healthy(gw)
+
+
+# -- crashes and restarts ----------------------------------------------------------------------------------------------
 
 def test_crash_mid_call_fails_inflight_calls_then_respawns(home, raw_gateway, tmp_path):
     spawns = tmp_path / "spawns"
@@ -94,8 +264,6 @@ def test_crash_is_noticed_even_if_a_grandchild_keeps_stdout_open(home, raw_gatew
     assert is_tool_error(reply) and "exited" in text_of(reply), reply
     assert elapsed < 0.2 + 1.0 + 1.0, f"the in-flight call failed only {elapsed:.1f}s after the upstream exited"
 
-
-# -- 2. crash loop -------------------------------------------------------------------------------------------
 
 def test_crash_loop_is_bounded_with_backoff_and_reported(home, raw_gateway, tmp_path):
     spawns = tmp_path / "spawns"
@@ -146,7 +314,71 @@ def test_crash_loop_is_bounded_with_backoff_and_reported(home, raw_gateway, tmp_
     assert "error" in reply and reply["error"]["code"] == -32602
 
 
-# -- 3. hang -------------------------------------------------------------------------------------------------
+def test_a_server_that_crashes_past_max_restarts_is_reported_failed_and_removed(home, raw_gateway):
+    cli("config", "max_restarts", "1")
+    cli("add", "fragile", "--", *FAKE, "--tools", "echo,crash")
+    gw = raw_gateway()
+    gw.initialize()
+    assert "fragile__crash" in tool_names(gw.request("tools/list"))
+    before = list_changed_count(gw)
+    crashed = gw.request("tools/call", {"name": "fragile__crash", "arguments": {}}, timeout=10)["result"]
+    assert crashed["isError"]
+    gw.wait_for(lambda g: list_changed_count(g) > before)
+    assert [t["name"] for t in gw.request("tools/list")["result"]["tools"]] == ["coffer__search_tools"]
+    after = gw.request("tools/call", {"name": "fragile__echo", "arguments": {"text": "x"}}, timeout=10)
+    assert "error" in after
+    gw.close()
+    status = json.loads(cli("list", "--json").stdout)["servers"][0]
+    assert status["status"] == "failed" and "exited" in status["detail"]
+
+
+class DiesRightAfterDiscovery:
+    """Upstream.lock, except that the server is killed between the end of discovery (its closed-generation check)
+    and the moment `_start` takes the lock to mark it ready: the window in which a crash is never noticed."""
+
+    def __init__(self, upstream):
+        self.inner, self.upstream, self.start_entries = threading.RLock(), upstream, 0
+
+    def __enter__(self):
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "_start":
+            self.start_entries += 1
+            if self.start_entries == 2:  # the second `with self.lock` in _start sets state = "ready"
+                up = self.upstream
+                os.kill(up.transport.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while up._closed_generation != up.generation and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+def test_a_server_that_dies_just_after_discovery_is_restarted_not_left_ready_and_dead():
+    events = Events()
+    upstream = Upstream(stdio_config("fragile", FAKE), dict(DEFAULTS, call_timeout=5.0, init_timeout=10.0), events)
+    upstream.lock = DiesRightAfterDiscovery(upstream)
+    upstream.start()
+    ticker = Ticker(upstream)
+    try:
+        assert events.ready.wait(20)
+        deadline = time.monotonic() + 20
+        answer = {}
+        while time.monotonic() < deadline:  # calls get a real answer once the server is back
+            box, done = call_upstream(upstream, "echo", {"text": "still there?"})
+            assert done.wait(15)
+            answer = box
+            if box["response"] is not None:
+                break
+        assert answer.get("response") is not None, f"every call fails, nothing restarts it: {answer.get('text')}"
+        assert text_of(answer["response"]) == "still there?"
+    finally:
+        ticker.stop.set()
+        upstream.stop()
+
+
+# -- timeouts, progress and cancellation -------------------------------------------------------------------------------
 
 def test_hung_call_times_out_without_blocking_others(home, raw_gateway):
     cli("config", "discovery_timeout", "1")
@@ -178,8 +410,6 @@ def test_hung_call_times_out_without_blocking_others(home, raw_gateway):
     assert [r["capability"] for r in rows if r["status"] == "timeout"] == ["hang__slow"]
 
 
-# -- 4. progress resets the timeout ------------------------------------------------------------------------------
-
 def test_progress_keeps_a_long_call_alive(home, raw_gateway):
     cli("add", "prog", "--timeout", "1", "--", *FAKE)
     gw = raw_gateway()
@@ -199,8 +429,6 @@ def test_progress_keeps_a_long_call_alive(home, raw_gateway):
     reply = gw.request("tools/call", {"name": "prog__slow", "arguments": {"seconds": 3}}, timeout=20)
     assert is_tool_error(reply) and "within 1s" in text_of(reply)
 
-
-# -- 5. cancellation -------------------------------------------------------------------------------------------
 
 def test_cancellation_reaches_upstream_with_its_id_and_late_reply_is_dropped(home, raw_gateway, tmp_path):
     recv_log, sent_log = tmp_path / "received.jsonl", tmp_path / "sent.jsonl"
@@ -231,328 +459,3 @@ def test_cancellation_reaches_upstream_with_its_id_and_late_reply_is_dropped(hom
         assert not gw.responses.get(json.dumps(client_id)), "a cancelled request got a response"
     rows = wait_log(lambda rows: any(r["status"] == "cancelled" for r in rows))
     assert [r["capability"] for r in rows if r["status"] == "cancelled"] == ["up__slow"]
-
-
-# -- 6. garbage on stdout ----------------------------------------------------------------------------------------
-
-def test_garbage_lines_are_skipped_and_big_results_route(home, raw_gateway):
-    cli("add", "junk", "--", *FAKE, "--garbage")
-    gw = raw_gateway()
-    gw.initialize()
-    assert "junk__big" in tool_names(gw.request("tools/list"))
-
-    gw.send(call_msg("big", "junk__big", {"mb": 10}))
-    gw.send(call_msg("small", "junk__echo", {"text": "héllo"}))
-    small = gw.wait_response("small", timeout=60)
-    big = gw.wait_response("big", timeout=120)
-    assert text_of(small) == "héllo" and not is_tool_error(small)
-    assert not is_tool_error(big) and len(text_of(big)) == 10 * 1024 * 1024
-    assert "skipped a non-JSON line" in gw.stderr_text()
-    assert gw.request("ping")["result"] == {}
-
-
-# -- 8. load -------------------------------------------------------------------------------------------------
-
-def test_load_concurrent_calls_match_and_memory_stays_flat(home, raw_gateway):
-    for name in ("s1", "s2", "s3"):
-        cli("add", name, "--", *FAKE)
-    gw = raw_gateway()
-    gw.initialize()
-    tools = tool_names(gw.request("tools/list"))
-    assert {"s1__echo", "s2__echo", "s3__echo"} <= set(tools)
-
-    run = uuid.uuid4().hex[:8]
-    expected = {f"load-{i}": f"payload {i} {run} to s{i % 3 + 1}" for i in range(1000)}
-    batch = b"".join((json.dumps(call_msg(msg_id, f"s{i % 3 + 1}__echo", {"text": text})) + "\n").encode()
-                     for i, (msg_id, text) in enumerate(expected.items()))
-    gw.send_raw(batch)
-    for msg_id, text in expected.items():
-        reply = gw.wait_response(msg_id, timeout=60)
-        assert not is_tool_error(reply) and text_of(reply) == text, (msg_id, reply)
-    with gw.cond:
-        extra = {k: v for k, v in gw.responses.items() if v}
-    assert not extra, f"unexpected extra responses: {list(extra)[:5]}"
-
-    pid = gw.proc.pid
-    rss_at = {}
-    for i in range(10_000):
-        reply = gw.request("tools/call", {"name": f"s{i % 3 + 1}__echo", "arguments": {"text": f"seq {i}"}})
-        assert text_of(reply) == f"seq {i}", reply
-        if i + 1 in (2_000, 10_000):
-            rss_at[i + 1] = rss_kb(pid)
-    if sys.platform.startswith("linux") and rss_at[2_000] is not None:
-        growth_mb = (rss_at[10_000] - rss_at[2_000]) / 1024
-        assert growth_mb < 30, f"RSS grew {growth_mb:.1f} MB between call 2,000 and 10,000"
-
-
-# -- 9. two gateways, one vault ----------------------------------------------------------------------------------
-
-def test_two_gateways_and_cli_share_the_vault(home, raw_gateway):
-    cli("add", "a", "--", *FAKE)
-    cli("add", "c", "--", *FAKE)
-    gateways = {"client-one": raw_gateway(), "client-two": raw_gateway()}
-    for name, gw in gateways.items():
-        gw.initialize(name=name)
-        assert "a__echo" in tool_names(gw.request("tools/list"))
-
-    stop = threading.Event()
-    cli_failures = []
-    cli_runs = [0]
-    churned = threading.Condition()
-
-    def churn(commands):
-        i = 0
-        while not stop.is_set():
-            proc = cli(*commands[i % len(commands)], check=False)
-            if proc.returncode != 0:
-                cli_failures.append(proc.stderr)
-            with churned:
-                cli_runs[0] += 1
-                churned.notify_all()
-            i += 1
-
-    churners = [threading.Thread(target=churn, args=(commands,), daemon=True) for commands in (
-        [("disable", "c"), ("config", "call_timeout", "100"), ("enable", "c"), ("config", "call_timeout", "120")],
-        [("disable", "a__fail"), ("config", "discovery_timeout", "4"), ("enable", "a__fail"),
-         ("config", "discovery_timeout", "5")])]
-    for churner in churners:
-        churner.start()
-    per_client = 200
-    replies = {name: [] for name in gateways}
-    rounds_without_cli = []
-
-    def drive(name, gw):
-        for round_ in range(per_client // 10):
-            with churned:
-                before = cli_runs[0]
-            ids = [f"{name}-{round_}-{k}" for k in range(10)]
-            gw.send_raw(b"".join((json.dumps(call_msg(i, "a__echo", {"text": i})) + "\n").encode() for i in ids))
-            for i in ids:
-                replies[name].append((i, gw.wait_response(i, timeout=30)))
-            # The next round starts only once another CLI command has finished writing the vault, so the calls
-            # and the CLI's writes interleave however fast or busy the machine is.
-            with churned:
-                if not churned.wait_for(lambda: cli_runs[0] > before, timeout=60):
-                    rounds_without_cli.append((name, round_))
-
-    drivers = [threading.Thread(target=drive, args=item) for item in gateways.items()]
-    for thread in drivers:
-        thread.start()
-    for thread in drivers:
-        thread.join(300)
-    stop.set()
-    for churner in churners:
-        churner.join(60)
-    assert not rounds_without_cli, f"no CLI command finished during these rounds of calls: {rounds_without_cli}"
-
-    for name, gw in gateways.items():
-        assert len(replies[name]) == per_client
-        for msg_id, reply in replies[name]:
-            assert not is_tool_error(reply) and text_of(reply) == msg_id, reply
-        with gw.cond:
-            everything = json.dumps([gw.responses, gw.notifications, gw.requests])
-        assert "database is locked" not in everything
-    assert not cli_failures, cli_failures[:3]
-    for gw in gateways.values():
-        gw.close()  # flushes the invocation log
-        assert gw.proc.returncode == 0
-    rows = log_rows()
-    for name in gateways:
-        mine = [r for r in rows if r["client"] == name and r["capability"] == "a__echo"]
-        assert len(mine) == per_client, f"{name}: {len(mine)} rows for {per_client} calls"
-        assert all(r["status"] == "ok" for r in mine)
-
-
-# -- 10. no orphans --------------------------------------------------------------------------------------------
-
-def _start_with_upstreams(tmp_path, tag):
-    logs, recv_log = [tmp_path / f"{tag}-{i}.pids" for i in range(3)], tmp_path / f"{tag}-a.recv"
-    cli("config", "discovery_timeout", "1")
-    cli("add", f"{tag}-a", "--", *FAKE, "--spawn-log", str(logs[0]), "--recv-log", str(recv_log))
-    cli("add", f"{tag}-b", "--", *FAKE, "--spawn-log", str(logs[1]))
-    cli("add", f"{tag}-c", "--", *FAKE, "--spawn-log", str(logs[2]), "--hang-initialize")
-    gw = RawGateway()
-    gw.initialize()
-    gw.request("tools/list")
-    gw.send(call_msg("busy", f"{tag}-a__slow", {"seconds": 30}))  # one call in flight
-    pids = wait_until(lambda: len(p := [pid for log in logs for pid in pids_in(log)]) == 3 and p,
-                      what="three upstream pids")
-    wait_until(lambda: any(m.get("method") == "tools/call" for m in received(recv_log)),
-               what="the call to be running upstream")
-    assert all(alive(pid) for pid in pids)
-    return gw, pids
-
-
-def _reap(gw, pids):
-    """Whatever a failed assertion left running: the upstreams, then the gateway."""
-    for pid in pids:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    gw.close()
-
-
-@posix_only
-def test_kill_9_of_the_gateway_leaves_no_orphans(home, tmp_path):
-    gw, pids = _start_with_upstreams(tmp_path, "k")
-    try:
-        gw.proc.send_signal(signal.SIGKILL)
-        gw.proc.wait(5)
-        wait_until(lambda: not any(alive(pid) for pid in pids), timeout=5.0, interval=0.05,
-                   what=f"upstreams {pids} to exit after kill -9 of the gateway")
-    finally:
-        _reap(gw, pids)
-
-
-@posix_only
-def test_sigterm_shuts_down_every_upstream(home, tmp_path):
-    gw, pids = _start_with_upstreams(tmp_path, "t")
-    try:
-        gw.proc.send_signal(signal.SIGTERM)
-        assert gw.proc.wait(15) == 0
-        wait_until(lambda: not any(alive(pid) for pid in pids), timeout=2.0, interval=0.05,
-                   what=f"upstreams {pids} to be gone after a clean shutdown")
-    finally:
-        _reap(gw, pids)
-
-
-# -- 11. secrets and privacy -----------------------------------------------------------------------------------
-
-def test_no_secret_or_call_data_reaches_the_disk(home, raw_gateway):
-    secret = "sekret-" + uuid.uuid4().hex
-    marker = "MRK" + uuid.uuid4().hex[:12]
-    cli("config", "discovery_timeout", "2")
-    cli("config", "max_restarts", "2")
-    cli("add", "leaky", "--env", "TOKEN=${SECRET}", "--", *FAKE, "--stderr-env", "TOKEN")
-    cli("add", "doomed", "--env", "TOKEN=${SECRET}", "--", *FAKE, "--stderr-env", "TOKEN", "--exit-at-start")
-    gw = raw_gateway(env={"SECRET": secret})
-    gw.initialize(capabilities={"sampling": {}})
-    assert "leaky__echo" in tool_names(gw.request("tools/list"))
-
-    reply = gw.request("tools/call", {"name": "leaky__echo", "arguments": {"text": f"{marker}-arg-echo",
-                                                                          "extra": f"{marker}-extra"}})
-    assert text_of(reply) == f"{marker}-arg-echo"
-    reply = gw.request("tools/call", {"name": "leaky__fail", "arguments": {"why": f"{marker}-arg-fail"}})
-    assert is_tool_error(reply)
-    reply = gw.request("tools/call", {"name": "leaky__slow", "arguments": {"seconds": 0.1, "note": marker},
-                                      "_meta": {"progressToken": f"{marker}-token"}})
-    assert not is_tool_error(reply)
-    gw.send(call_msg("sample", "leaky__sample", {"prompt": f"{marker}-prompt"}))
-    request = gw.wait_for(lambda g: next((r for r in g.requests if r["method"] == "sampling/createMessage"), None))
-    assert f"{marker}-prompt" in json.dumps(request)
-    gw.send({"jsonrpc": "2.0", "id": request["id"], "result": {
-        "role": "assistant", "model": "test", "content": {"type": "text", "text": f"{marker}-model-answer"}}})
-    assert text_of(gw.wait_response("sample")) == f"{marker}-model-answer"
-    reply = gw.request("tools/call", {"name": "leaky__nope", "arguments": {"text": marker}})
-    assert "error" in reply
-
-    wait_until(lambda: server_status("doomed")["status"] == "failed", timeout=15, what="doomed to fail")
-    wait_log(lambda rows: sum(r["capability"].startswith("leaky__") for r in rows) >= 5)
-
-    def scan():
-        hits = []
-        for path in Path(home).rglob("*"):
-            if path.is_file():
-                data = path.read_bytes()
-                for needle in (secret, marker):
-                    if needle.encode() in data:
-                        hits.append((path.name, needle))
-        return hits
-
-    assert (Path(home) / "coffer.db").exists()
-    assert scan() == [], "while serving"
-    detail = server_status("doomed")["detail"] or ""
-    assert secret not in detail and "TOKEN=***" in detail, detail  # the leak was redacted, not just absent
-    gw.close()
-    assert scan() == [], "after shutdown"
-    assert secret not in gw.stderr_text(), "the gateway's stderr shows an upstream's secret unredacted"
-
-
-# -- 12. upgrades ----------------------------------------------------------------------------------------------
-
-def test_choices_survive_upstream_upgrades(home, raw_gateway, tmp_path):
-    version = tmp_path / "upstream-version.args"
-    cli("add", "up", "--", *FAKE, "--args-file", str(version))
-
-    def run(flags, upgraded=False):
-        version.write_text(flags)
-        gw = raw_gateway()
-        gw.initialize()
-        if upgraded:  # the first list may be the one remembered from the last run; the upgrade is announced
-            gw.request("tools/list")
-            gw.wait_for(lambda g: any(n["method"] == "notifications/tools/list_changed" for n in g.notifications))
-        tools = {t["name"]: t for t in gw.request("tools/list")["result"]["tools"]}
-        return gw, tools
-
-    # run 1: echo, slow, fail
-    gw, tools = run("--tools echo,slow,fail")
-    assert {"up__echo", "up__slow", "up__fail"} <= set(tools)
-    gw.close()
-    cli("disable", "up__fail")
-    cli("policy", "up", "disabled")
-
-    # run 2: fail removed, newtool added (policy: disabled), echo's schema changed: held back until approved
-    gw, tools = run("--tools echo,slow,newtool --schema-tag ' (v2)'", upgraded=True)
-    assert "up__fail" not in tools and "up__newtool" not in tools
-    assert "up__echo" not in tools and "up__slow" in tools
-    reply = gw.request("tools/call", {"name": "up__newtool", "arguments": {}})
-    assert reply.get("error", {}).get("code") == -32602 and "disabled" in reply["error"]["message"]
-    reply = gw.request("tools/call", {"name": "up__echo", "arguments": {"text": "x"}})
-    assert reply.get("error", {}).get("code") == -32602 and "coffer approve up__echo" in reply["error"]["message"]
-    gw.close()
-    approved = cli("approve", "up__echo").stdout
-    assert "(v2)" in approved and "approved tool up__echo" in approved
-
-    # run 3: fail comes back and is still disabled
-    gw, tools = run("--tools echo,slow,fail,newtool --schema-tag ' (v2)'")
-    assert "up__fail" not in tools and "up__newtool" not in tools
-    assert tools["up__echo"]["description"].endswith("(v2)")
-    reply = gw.request("tools/call", {"name": "up__fail", "arguments": {}})
-    assert reply.get("error", {}).get("code") == -32602 and "disabled" in reply["error"]["message"]
-    gw.close()
-
-    audit = json.loads(cli("audit", "--json", "--limit", "1000").stdout)["audit"]
-    actions = {(row["action"], row["target"]) for row in audit}
-    assert ("upstream-removed", "up:fail") in actions
-    assert ("upstream-added", "up:newtool") in actions
-    assert ("upstream-changed", "up:echo") in actions
-    assert ("upstream-restored", "up:fail") in actions
-    added = next(row for row in audit if row["action"] == "upstream-added" and row["target"] == "up:newtool")
-    assert "disabled by policy" in added["detail"]
-    assert ("disable", "up__fail") in actions and ("approve", "up:echo") in actions
-
-
-def test_a_request_bigger_than_the_pipe_and_the_calls_behind_it_arrive_whole_and_in_order(home, raw_gateway,
-                                                                                         tmp_path):
-    """A 3 MB argument fills the upstream's stdin pipe many times over: what does not fit is written later
-    by another thread, and the small calls sent right behind it must neither overtake it nor be lost."""
-    received = tmp_path / "received.jsonl"
-    cli("add", "s", "--", *FAKE, "--tools", "echo", "--recv-log", str(received))
-    gw = raw_gateway()
-    gw.initialize()
-    gw.request("tools/list")
-    big = "".join(chr(0x41 + i % 26) for i in range(3 * 1024 * 1024))
-    batch = [call_msg("big", "s__echo", {"text": big})]
-    batch += [call_msg(f"small-{i}", "s__echo", {"text": f"small {i}"}) for i in range(50)]
-    gw.send_raw(b"".join((json.dumps(m) + "\n").encode() for m in batch))
-    assert text_of(gw.wait_response("big", timeout=60)) == big
-    for i in range(50):
-        assert text_of(gw.wait_response(f"small-{i}", timeout=60)) == f"small {i}"
-    calls = [json.loads(line) for line in received.read_text().splitlines()]
-    texts = [m["params"]["arguments"]["text"] for m in calls if m.get("method") == "tools/call"]
-    assert texts == [big] + [f"small {i}" for i in range(50)]
-
-
-def test_a_burst_of_list_changed_costs_a_couple_of_refreshes_and_the_last_list_wins(home, raw_gateway, tmp_path):
-    recv_log = tmp_path / "received.jsonl"
-    cli("add", "chatty", "--", *FAKE, "--tools", "echo,churn", "--recv-log", str(recv_log))
-    gw = raw_gateway()
-    gw.initialize()
-    assert "chatty__extra" not in tool_names(gw.request("tools/list"))
-    gw.request("tools/call", {"name": "chatty__churn", "arguments": {"count": 200}})
-    wait_until(lambda: "chatty__extra" in tool_names(gw.request("tools/list")), timeout=30,
-               what="the added tool to show up")
-    assert "chatty__extra" in tool_names(gw.request("tools/list"))
-    gw.close()  # every refresh this session would ever make has been made once the gateway has exited
-    assert gw.proc.returncode == 0
-    lists = [m for m in received(recv_log) if m.get("method") == "tools/list"]
-    assert len(lists) <= 1 + 10, f"{len(lists) - 1} refreshes for 200 notifications"
