@@ -171,6 +171,9 @@ class EmbeddingRanker:
             raise RankerUnavailable(f"embedder failed: {exc}") from exc
         self.semantic = coffer.SemanticIndex(self.lexical.tools, vectors)
         self.query_vectors: dict[str, list[float]] = {}
+        # query -> cosine spread (best minus last) of its semantic candidates, which fuse weighs the semantic
+        # vote by (SEMANTIC_FULL_SPREAD); the report prints its median by query style
+        self.spreads: dict[str, float] = {}
 
     def prepare(self, queries: list[str]) -> None:
         missing = [q for q in dict.fromkeys(queries) if q not in self.query_vectors]
@@ -184,6 +187,7 @@ class EmbeddingRanker:
         semantic = self.semantic.rank(self.query_vectors[query], 50 if self.mode == "hybrid" else top_k)
         if self.mode == "semantic":
             return [(tools[doc], score) for doc, score in semantic[:top_k]]
+        self.spreads[query] = semantic[0][1] - semantic[-1][1] if semantic else 0.0
         lexical = self.lexical.rank(query, 50)
         return [(tools[doc], score) for doc, score in self.coffer.fuse(lexical, semantic, top_k)]
 
@@ -240,7 +244,7 @@ def load_draft(path: str | Path, overrides: list[str] = ()) -> types.ModuleType:
 
     The draft is pasted-in code for coffer.py (e.g. a new section 6): executing it in a copy of coffer's
     globals lets it use every helper coffer has, and the names it defines (SearchIndex, fuse, ...) shadow
-    coffer's in this copy only.  An override is ``DOTTED.NAME=PYTHON_LITERAL`` (e.g. ``SearchIndex.K1=1.5``),
+    coffer's in this copy only.  An override is ``DOTTED.NAME=PYTHON_LITERAL`` (e.g. ``SearchIndex.SERVER_BOOST=0.0``),
     so one draft can be measured with one idea switched off at a time.
     """
     import coffer

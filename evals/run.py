@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -185,6 +186,9 @@ def run_ranker(name: str, factory, evalset: EvalSet) -> RankerResult:
             "scores": metrics.score_query(ranked, groups),
             "top": ranked[:TOP_K],
         })
+        spread = getattr(index, "spreads", {}).get(query["query"])
+        if spread is not None:
+            result.per_query[-1]["spread"] = round(spread, 4)
     return result
 
 
@@ -231,6 +235,7 @@ def format_table(report: list[dict]) -> str:
             timing = [f"{res['p50_ms']:.3f}", f"{res['p95_ms']:.3f}", f"{res['build_ms']:.1f}"]
             lines.append(f"{prefix}{o['n_queries']:>6} " + " ".join(f"{c:>8}" for c in metric_cells(o) + timing))
         lines.append(delta_line(entry))
+        lines += spread_lines(entry)
     for entry in report:
         if entry["set"] == "project":
             lines += ["", style_table(entry)]
@@ -250,6 +255,23 @@ def delta_line(entry: dict) -> str | None:
         ratio = f"x{a / b:.2f}" if b else "x-"
         parts.append(f"{label} {a - b:+.3f} ({ratio})")
     return f"{'':<16}{'vs ' + ref_name:<11}  " + "  ".join(parts)
+
+
+def spread_lines(entry: dict) -> list[str]:
+    """For each hybrid ranker: the median cosine spread of its semantic candidates by query style.  fuse gives
+    the semantic ranking its full share from a spread of SEMANTIC_FULL_SPREAD on, and less below (a query the
+    model does not understand gives flat cosines): these medians are what that constant was chosen from."""
+    lines = []
+    for name, res in entry["rankers"].items():
+        spreads: dict[str, list[float]] = {}
+        for row in res.get("per_query", ()):
+            if "spread" in row:
+                spreads.setdefault(row["style"], []).append(row["spread"])
+        if spreads:
+            cells = ", ".join(f"{style} {statistics.median(values):.2f}"
+                              for style in ordered_styles(res["per_query"]) if (values := spreads.get(style)))
+            lines.append(f"{'':<16}{name:<11}  median cosine spread of the semantic candidates: {cells}")
+    return lines
 
 
 def style_table(entry: dict) -> str:
@@ -457,7 +479,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", metavar="PATH", help="add ranker 'draft': PATH exec'd on top of coffer's namespace "
                    "(a drop-in section for coffer.py); with --embedder also 'draft-hybrid'")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDE[;OVERRIDE]",
-                   help="add ranker NAME: the draft with overrides such as SearchIndex.K1=1.5 (repeatable)")
+                   help="add ranker NAME: the draft with overrides such as SearchIndex.SERVER_BOOST=0.0 (repeatable)")
     p.add_argument("--compare", metavar="BASE", help="print every ranker's per-set nDCG@10/R@5 delta to BASE")
     p.add_argument("--holdout", action="append", default=[], metavar="SET",
                    help="mark SET as held out (not tuned on): --compare reports tuned and held-out means apart")

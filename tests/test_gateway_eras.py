@@ -40,7 +40,8 @@ from mcp.client.subscriptions import ResourcesListChanged, ToolsListChanged  # n
 from mcp.shared.exceptions import MCPError  # noqa: E402
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS  # noqa: E402
 
-from coffer_src.gateway.session import Gateway
+from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.session import ClientSession
 from coffer_src.modern import META_CLIENT_CAPABILITIES
 from coffer_src.vault import Vault
 
@@ -619,14 +620,15 @@ class _AsksAtOnce:
 
 def test_a_question_asked_the_instant_a_call_arrives_reaches_a_2026_client(home):
     out = io.BytesIO()
-    gateway = Gateway(Vault(str(home)), out=out)
-    gateway.client_era = "modern"
+    hub = Hub(Vault(str(home)))
+    session = ClientSession(hub, out=out)
+    session.client_era = "modern"
     upstream = _AsksAtOnce()
-    upstream.gateway = gateway
+    upstream.gateway = hub
     params = {"name": "ask", "arguments": {},
               "_meta": {META_CLIENT_CAPABILITIES: {"sampling": {}}}}
-    gateway._forward(41, upstream, "tools/call", dict(params), "asker__ask", "tool", time.monotonic(), params)
-    gateway._write_unsent()
+    session.calls.forward(41, upstream, "tools/call", dict(params), "asker__ask", "tool", time.monotonic(), params)
+    session.stream.flush()
     replies = [json.loads(line) for line in out.getvalue().splitlines()]
     # Not parked as an orphan waiting for some later call (the upstream would time out after 60 s):
     # the call itself answers input_required with the upstream's question.

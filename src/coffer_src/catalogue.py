@@ -152,6 +152,11 @@ class Catalogue:
                     self._index = SearchIndex(self.tools)
         return self._index
 
+    @property
+    def index_ready(self) -> bool:
+        """Whether the search index is built (a search then costs little and needs no thread of its own)."""
+        return self._index is not None
+
     def route_resource(self, uri: str) -> Route | None:
         """Where a URI the client wants to read or subscribe to goes, or None."""
         route = self.resource_routes.get(uri)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import os
-import sqlite3
 import sys
 import threading
 import time
@@ -12,10 +12,12 @@ from typing import NamedTuple
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.names import RESERVED_SERVER, exposed_names
-from coffer_src.terminal import log, printable, redact
+from coffer_src.terminal import ServerLog, printable, redact
 from coffer_src.threads import start_thread
 from coffer_src.upstream.supervisor import Upstream
 from coffer_src.vault import CapabilityState, Vault
+
+probe_log = logging.getLogger(__name__)
 
 
 class GatewayClient:
@@ -29,8 +31,8 @@ class GatewayClient:
         settings["init_timeout"] = float(settings["discovery_timeout"]) + float(settings["init_timeout"])
         settings["max_restarts"] = 1
         argv = ["serve", "--live"] + [arg for name in only or () for arg in ("--only", name)]
-        # Imported rather than run as a script, so Python uses the cached bytecode (compiling coffer.py costs
-        # ~30 ms per start); sys.path is extended in-process so the upstreams' environment stays untouched.
+        # Imported rather than run as a script, so Python uses the cached bytecode instead of compiling coffer.py
+        # at every start; sys.path is extended in-process so the upstreams' environment stays untouched.
         bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
                      f"import coffer; sys.exit(coffer.main({argv!r}))")
         config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
@@ -150,8 +152,8 @@ class ServerProbe:
         try:
             with self.vault_lock:
                 self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
-        except (sqlite3.Error, CofferError) as exc:
-            log.warning("[%s] could not record status: %s", upstream.name, exc)
+        except CofferError as exc:  # a busy or read-only vault (VaultError) costs the record, not the probe
+            ServerLog(probe_log, upstream.name).warning("could not record status: %s", exc)
 
     # events, as an Upstream sends them to its gateway
     def on_ready(self, upstream):
@@ -173,8 +175,8 @@ class ServerProbe:
         try:
             with self.vault_lock:
                 self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
-        except (sqlite3.Error, CofferError) as exc:
-            log.warning("[%s] could not record its %ss: %s", upstream.name, kind, exc)
+        except CofferError as exc:
+            ServerLog(probe_log, upstream.name).warning("could not record its %ss: %s", kind, exc)
 
     def on_notification(self, upstream, message):
         pass

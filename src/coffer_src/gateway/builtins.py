@@ -1,11 +1,15 @@
-"""Gateway built-ins: Coffer's own tools and client-aware listing."""
+"""Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
 
-from coffer_src.jsonrpc import INVALID_PARAMS, RpcError
-from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL, SEPARATOR
+from coffer_src.errors import CofferError
+from coffer_src.jsonrpc import dumps, tool_error_result
+from coffer_src.modern import META_CLIENT_CAPABILITIES
+from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, RESERVED_SERVER, SEARCH_TOOL, SEPARATOR
+from coffer_src.search.text import bounded_top_k
+from coffer_src.terminal import redact
 
 INSTRUCTIONS = (
     "Coffer is a gateway: the tools, prompts and resources of several MCP servers appear here, named "
@@ -102,12 +106,6 @@ ASK_SAMPLING_BUDGET = 30.0  # seconds coffer__ask may spend on the client's mode
 CLIENT_SIDE_CAPABILITIES = ("sampling", "elicitation", "roots")
 
 
-def _require_str(params: dict, key: str) -> str:
-    value = params.get(key)
-    if not isinstance(value, str) or not value:
-        raise RpcError(INVALID_PARAMS, f"'{key}' must be a non-empty string")
-    return value
-
 
 # -- client-aware listing ---------------------------------------------------------------------------------------
 # Some clients show only so many tools (Cursor about 40, Windsurf 100, VS Code 128) and drop the rest in an order
@@ -155,11 +153,164 @@ def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dic
     return sorted(chosen, key=lambda tool: order[id(tool)])
 
 
-@dataclass
-class Question:
-    """A request an upstream asked the client mid-call, parked for a 2026-07-28 client (which answers it by
-    retrying the call with inputResponses)."""
-    upstream_id: object
-    method: str
-    params: dict
-    asked: bool = False     # already sent to the client in an input_required result
+class BuiltinTools:
+    """Coffer's own tools for one session: coffer__search_tools over the hub's catalogue, coffer__ask and
+    coffer__remember over the hub's knowledge base.  Each runs on a worker thread, or on the client's reader
+    thread when it is cheap; each logs who, when, how long and the outcome, never the words asked."""
+
+    def __init__(self, session):
+        self.session = session
+        self.hub = session.hub
+
+    def _record(self, tool: str, started: float, outcome: str, detail: str | None = None) -> None:
+        self.hub.log.record(self.session.client_name, RESERVED_SERVER, tool, "tool", started, outcome, detail)
+
+    def search(self, arguments: dict, started: float) -> dict:
+        def fail(text):
+            self._record(SEARCH_TOOL, started, "error", text)
+            return tool_error_result(text)
+
+        query = arguments.get("query")
+        if not isinstance(query, str) or not query.strip():
+            return fail("query must be a non-empty string")
+        try:
+            top_k = bounded_top_k(arguments.get("top_k"))
+        except ValueError as exc:
+            return fail(str(exc))
+        index = self.hub.catalogue.index
+        if self.hub.semantic is not None:
+            hits, ranker, note = self.hub.semantic.search(index, query, top_k)
+        else:
+            hits, ranker, note = index.search(query, top_k), "bm25", None
+        payload = {
+            "tools": [{"name": tool["name"], "description": tool.get("description") or "",
+                       "inputSchema": tool.get("inputSchema") or {"type": "object"}, "score": score}
+                      for tool, score in hits],
+            "total_searched": len(index),
+            "ranker": ranker,
+        }
+        self._record(SEARCH_TOOL, started, "ok", note)
+        return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
+
+    @staticmethod
+    def _sampling_params(prompt: str, max_tokens: int) -> dict:
+        return {"messages": [{"role": "user", "content": {"type": "text", "text": prompt}}], "maxTokens": max_tokens,
+                "includeContext": "none",
+                "systemPrompt": "You help a retrieval tool. Follow the instructions exactly and be brief."}
+
+    @staticmethod
+    def _sampled_text(result) -> str | None:
+        """The text of a CreateMessageResult (a client's answer), or None."""
+        content = result.get("content") if isinstance(result, dict) else None
+        if isinstance(content, list):  # 2025-11-25 allows a list of content blocks
+            content = next((c for c in content if isinstance(c, dict) and c.get("type") == "text"), None)
+        text = content.get("text") if isinstance(content, dict) else None
+        return text.strip()[:8000] if isinstance(text, str) and text.strip() else None
+
+    def _sample_text(self, prompt: str, max_tokens: int, deadline: float) -> str | None:
+        """One sampling/createMessage round trip to a handshake-era client's model: its text, or None."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 1.0:
+            return None
+        return self._sampled_text(self.session.request_client("sampling/createMessage",
+                                                      self._sampling_params(prompt, max_tokens), remaining))
+
+    @staticmethod
+    def _rewrite_prompt(question: str) -> str:
+        return ("Rewrite this question into at most three short search queries for a keyword search over the "
+                f"user's notes, one per line, nothing else.\n\nQuestion: {question[:2000]}")
+
+    @staticmethod
+    def _answer_prompt(question: str, hits) -> str:
+        numbered = "\n\n".join(f"[{i}] {h.path} ({h.heading}):\n{h.text[:3000]}" for i, h in enumerate(hits, 1))
+        return ("Answer the question using only the numbered passages below, citing them like [1]. If they do not "
+                f"answer it, say so.\n\nQuestion: {question[:2000]}\n\nPassages:\n{numbered}")
+
+    @staticmethod
+    def _queries(rewritten: str | None) -> list[str]:
+        lines = [line.strip(" -*0123456789.") for line in (rewritten or "").splitlines()]
+        return [line[:300] for line in lines if line][:3]
+
+    def ask(self, arguments: dict, started: float, params: dict | None = None, round_: dict | None = None) -> dict:
+        """coffer__ask: the passages that answer a question; with the client's sampling (and ask_synthesis on), at
+        most two calls to its model -- a rewrite into search queries, and an answer citing passage numbers --
+        within ASK_SAMPLING_BUDGET.  A handshake-era client is asked with sampling requests; a 2026-07-28 client
+        with input_required rounds (``round_``: the sealed claims and the inputResponses of a retry).  The passages
+        are returned whatever the model does.  The log gets who, when, how long and the outcome: never the
+        question, a passage or the answer."""
+        def fail(text):
+            self._record(ASK_TOOL, started, "error", text)
+            return tool_error_result(text)
+
+        question = arguments.get("question")
+        sources = arguments.get("sources")
+        if not isinstance(question, str) or not question.strip():
+            return fail("question must be a non-empty string")
+        if sources is not None and not (isinstance(sources, list) and all(isinstance(x, str) for x in sources)):
+            return fail("sources must be a list of source names")
+        claims, responses = (round_ or {}).get("claims") or {}, (round_ or {}).get("responses") or {}
+        try:
+            top_k = bounded_top_k(arguments.get("top_k"))
+            answer = self.hub.knowledge.ask(question, top_k, sources)
+            hits, notes = list(answer.passages), [answer.note] if answer.note else []
+            queries = claims.get("q") if isinstance(claims.get("q"), list) else []
+            if claims.get("ask") == 1:
+                queries = self._queries(self._sampled_text(responses.get("coffer-rewrite")))
+            if queries:
+                merged = {(h.source, h.path, tuple(h.lines)): h for h in hits}
+                for query in queries:
+                    for hit in self.hub.knowledge.ask(str(query), top_k, sources).passages:
+                        key = (hit.source, hit.path, tuple(hit.lines))
+                        if key not in merged or hit.score > merged[key].score:
+                            merged[key] = hit
+                hits = sorted(merged.values(), key=lambda h: -h.score)[:top_k]
+        except (ValueError, CofferError) as exc:
+            return fail(str(exc))
+        synthesis = None
+        wanted = self.hub.settings["ask_synthesis"] == "on" and bool(hits)
+        if self.session.client_era == "modern":
+            meta = (params or {}).get("_meta") if isinstance((params or {}).get("_meta"), dict) else {}
+            caps = meta.get(META_CLIENT_CAPABILITIES) if isinstance(meta.get(META_CLIENT_CAPABILITIES), dict) else {}
+            first = claims.get("t0", time.time())
+            in_time = time.time() - first < ASK_SAMPLING_BUDGET
+            if wanted and isinstance(caps.get("sampling"), dict) and in_time and claims.get("ask") in (None, 1):
+                stage, prompt, tokens = ((1, self._rewrite_prompt(question), 200) if claims.get("ask") is None
+                                         else (2, self._answer_prompt(question, hits), 600))
+                key = "coffer-rewrite" if stage == 1 else "coffer-answer"
+                state = self.session.bridge.sealer.seal("tools/call", params,
+                                                        {"ask": stage, "q": queries, "t0": int(first)})
+                return {"resultType": "input_required", "requestState": state, "inputRequests": {
+                    key: {"method": "sampling/createMessage", "params": self._sampling_params(prompt, tokens)}}}
+            if claims.get("ask") == 2:
+                synthesis = self._sampled_text(responses.get("coffer-answer"))
+        elif wanted and "sampling" in self.session.client_capabilities and not claims:
+            deadline = time.monotonic() + ASK_SAMPLING_BUDGET
+            queries = self._queries(self._sample_text(self._rewrite_prompt(question), 200, deadline))
+            if queries:
+                return self.ask(arguments, started, params, {"claims": {"ask": 0, "q": queries, "sync": deadline}})
+            synthesis = self._sample_text(self._answer_prompt(question, hits), 600, deadline)
+        if claims.get("ask") == 0:  # the handshake era's second step (after the rewrite)
+            synthesis = self._sample_text(self._answer_prompt(question, hits), 600, claims["sync"])
+        if wanted and synthesis is None and (claims or "sampling" in self.session.client_capabilities):
+            notes.append("no answer from the client's model; passages only")
+        payload = {"passages": [hit.to_dict() for hit in hits], "total_searched": answer.total_searched}
+        if synthesis:
+            payload["answer"] = synthesis
+        self._record(ASK_TOOL, started, "ok",
+                        "; ".join(notes) or None)
+        return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
+
+    def remember(self, arguments: dict, started: float) -> dict:
+        text, tags = arguments.get("text"), arguments.get("tags") or []
+        try:
+            if not isinstance(text, str) or not text.strip():
+                raise CofferError("text must be a non-empty string")
+            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+                raise CofferError("tags must be a list of words")
+            note_id = self.hub.knowledge.remember(redact(text), tags, client=self.session.client_name)
+        except CofferError as exc:
+            self._record(REMEMBER_TOOL, started, "error", str(exc))
+            return tool_error_result(str(exc))
+        self._record(REMEMBER_TOOL, started, "ok")
+        payload = {"id": note_id, "stored": True}
+        return {"content": [{"type": "text", "text": f"Remembered as {note_id}."}], "structuredContent": payload}

@@ -1,4 +1,6 @@
-"""Knowledge documents: text split into passages along headings; walking a folder."""
+"""Knowledge documents: passages split along headings, a folder walked, memory notes.
+
+Everything here works on files and text only (no database, no shared state), so any thread may call it."""
 
 from __future__ import annotations
 
@@ -7,8 +9,13 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import stat
+import time
 from typing import NamedTuple
+
+from coffer_src.errors import CofferError
+from coffer_src.vault import iso_timestamp
 
 KNOWLEDGE_DEFAULT_GLOBS = ("*.md", "*.markdown", "*.txt", "*.rst")
 MEMORY_SOURCE = "memory"
@@ -500,3 +507,89 @@ def read_document(absolute: str, limits: KnowledgeLimits) -> tuple[str | None, s
     if text.startswith("\ufeff"):
         text = text[1:]
     return text, digest, ""
+
+
+class MemoryNote(NamedTuple):
+    id: str
+    time: str
+    client: str
+    tags: tuple[str, ...]
+    text: str
+
+
+class MemoryNotes:
+    """The memory folder (COFFER_HOME/memory/): one 0600 Markdown file with front matter a note, named by its id.
+    Files only: the knowledge base indexes the folder as the reserved source "memory"."""
+
+    MAX_CHARS = 16_000
+
+    def __init__(self, folder: str, limits: KnowledgeLimits):
+        self.folder, self.limits = folder, limits
+
+    @classmethod
+    def checked(cls, text, tags, client) -> tuple[str, list[str], str]:
+        """(text, tags, client) of a note to write, or a CofferError saying what is wrong with them."""
+        if not isinstance(text, str) or not text.strip():
+            raise CofferError("a memory needs some text")
+        if len(text) > cls.MAX_CHARS:
+            raise CofferError(f"a memory holds at most {cls.MAX_CHARS} characters")
+        if isinstance(tags, str):
+            tags = [tags]
+        if not isinstance(tags, (list, tuple)) or len(tags) > 16 or \
+                not all(isinstance(t, str) and MEMORY_TAG_RE.match(t) for t in tags):
+            raise CofferError("tags must be at most 16 words of letters, digits, '.', '_' or '-' (32 characters)")
+        client = _CONTROL_CHARS_RE.sub("", str(client or "unknown")).replace("\n", " ").replace("\r", " ")[:100]
+        return text, list(tags), client
+
+    def write(self, text: str, tags: list[str], client: str) -> str:
+        """Write a note checked by ``checked`` as a new file; returns its id."""
+        now = time.time()
+        note_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
+        body = text.replace("\r\n", "\n").strip("\n")
+        content = (f"---\nid: {note_id}\ntime: {iso_timestamp(now)}\nclient: {json.dumps(client)}\n"
+                   f"tags: {json.dumps(list(tags))}\n---\n{body}\n")
+        path = os.path.join(self.folder, note_id + ".md")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(content)
+        return note_id
+
+    def path(self, note_id: str) -> str:
+        if not isinstance(note_id, str) or not MEMORY_ID_RE.match(note_id):
+            raise CofferError(f"bad memory id {note_id!r}")
+        return os.path.join(self.folder, note_id + ".md")
+
+    def read(self, note_id: str) -> MemoryNote:
+        path = self.path(note_id)
+        if not os.path.isfile(path):
+            raise CofferError(f"unknown memory {note_id!r}")
+        text, _, why_not = read_document(path, self.limits)
+        if text is None:
+            raise CofferError(f"memory {note_id!r} is {why_not}")
+        fields, body_start = parse_front_matter(text)
+        tags = fields.get("tags") if isinstance(fields.get("tags"), list) else []
+        return MemoryNote(note_id, str(fields.get("time", "")), str(fields.get("client", "")),
+                          tuple(str(t) for t in tags), "\n".join(split_lines(text)[body_start:]).strip("\n"))
+
+    def every(self) -> list[MemoryNote]:
+        try:
+            names = sorted(os.listdir(self.folder))
+        except OSError:
+            return []
+        notes = []
+        for name in names:
+            note_id = name[:-3]
+            if name.endswith(".md") and MEMORY_ID_RE.match(note_id):
+                try:
+                    notes.append(self.read(note_id))
+                except CofferError:
+                    continue
+        return notes
+
+    def delete(self, note_id: str) -> bool:
+        """Remove a note's file; False if there was none."""
+        try:
+            os.remove(self.path(note_id))
+        except FileNotFoundError:
+            return False
+        return True

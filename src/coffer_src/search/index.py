@@ -4,8 +4,16 @@ Tool catalogues are small documents with a few strong fields: the name says what
 says how, parameters say on what.  BM25F scores each field with its own weight and length normalisation.  Queries
 are phrased by an agent mid-task, so the tokenizer splits identifiers (createIssue, create_issue, create-issue), a
 light stemmer folds morphology, a small vocabulary of tool-domain equivalences (create/add/new, delete/remove, ...)
-matches at reduced weight, and a small cross-lingual lexicon lets common Chinese, Japanese, Spanish, German and
-French words reach English tools."""
+matches at reduced weight, and a small cross-lingual lexicon (search/words/) lets common words of eight languages
+reach English tools.
+
+Threads and locks: a SearchIndex is built on one thread and then searched from many at once, without a lock.
+What it fills in lazily (postings and idf, exact-word sets, surface words, entity tools, phrase partners, the
+web-search tools) is a pure function of the immutable build, written by single dict or list stores, so two
+threads filling one entry store the same value; ``postings`` stores a term's idf before its postings, so a
+thread that finds the postings finds the idf.  CollectorPause's lock is a leaf: nothing is taken while it is held
+(a caller may hold its own lock around a build, as the catalogue does).  The text analysis underneath is
+lock-free (search/text.py)."""
 
 from __future__ import annotations
 
@@ -45,12 +53,23 @@ from coffer_src.search.text import (
     translations,
 )
 
+# BM25's term-frequency saturation: one constant for tool search and the knowledge base.
+BM25_K1 = 1.2
+
+
+def bm25_idf(documents: int, holders: float) -> float:
+    """The one BM25 idf, in the form that is never negative: log(1 + (N - df + 0.5) / (df + 0.5)) for a term
+    held by ``holders`` of ``documents`` documents; 0.0 for an empty collection."""
+    if not documents:
+        return 0.0
+    return math.log(1.0 + (documents - holders + 0.5) / (holders + 0.5))
+
 
 class CollectorPause:
     """Pauses Python's cyclic garbage collector around an index build.  A build allocates hundreds of thousands
     of small objects, none of them in cycles, and every collection those allocations trigger walks every live
-    object, the catalogue included: nearly half of a 10k-tool build.  Reference counting still frees what the
-    build drops.  Builds on several threads share one pause; the collector runs again when the last ends, and
+    object, the catalogue included: in a big build, a large share of the time.  Reference counting still frees
+    what the build drops.  Builds on several threads share one pause; the collector runs again when the last ends, and
     only if it was running when the first began (an application that disabled it keeps it disabled).  Its lock
     is a leaf: nothing else is taken while it is held."""
 
@@ -102,7 +121,6 @@ class SearchIndex:
     # field: (weight, length-normalisation b)
     FIELDS = {"name": (3.0, 0.5), "server": (1.5, 0.3), "title": (2.0, 0.5), "description": (0.8, 0.75),
               "params": (0.5, 0.5), "param_text": (0.5, 0.75), "examples": (0.3, 0.75), "translated": (0.8, 0.75)}
-    K1 = 1.2
     # A tool whose server also holds the best match for the query is likelier to be wanted too (tasks span
     # several tools of one server): each tool gains this share of its server's best score.
     SERVER_BOOST = 0.2
@@ -177,8 +195,7 @@ class SearchIndex:
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
         self._web_tools_found: list[int] | None = None
         self._partners: dict[str, str | None] = {}
-        self._stem_cap = math.log(1.0 + (n - max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)
-                                  / (max(1.0, self.STEM_ONLY_IDF_CAP * n) + 0.5)) if n else 0.0
+        self._stem_cap = bm25_idf(n, max(1.0, self.STEM_ONLY_IDF_CAP * n))
 
     @staticmethod
     def _tool_texts(tool: dict) -> ToolTexts:
@@ -250,8 +267,7 @@ class SearchIndex:
                 return []
             holders = list(itertools.compress(range(len(self._doc_sets)),
                                               map(operator.contains, self._doc_sets, itertools.repeat(term))))
-            n, k1 = len(self._doc_sets), self.K1
-            idf = math.log(1.0 + (n - len(holders) + 0.5) / (len(holders) + 0.5))
+            idf, k1 = bm25_idf(len(self._doc_sets), len(holders)), BM25_K1
             # Field-weighted, length-normalised term frequency, a field at a time: the term is counted in every
             # holder's field in C, and Python arithmetic runs only where it occurs.
             fields = list(map(self._doc_fields.__getitem__, holders))
@@ -286,8 +302,7 @@ class SearchIndex:
     def _virtual_idf(self, holders: int) -> float:
         """The idf a query term would have if exactly ``holders`` tools held it: an entity kind or the
         general-information need is scored like one more query word, so it weighs less in a long request."""
-        n = len(self.tools)
-        return math.log(1.0 + (n - holders + 0.5) / (holders + 0.5)) if n else 0.0
+        return bm25_idf(len(self.tools), holders)
 
     def entity_tools(self, kind: EntityKind) -> list[tuple[int, float]]:
         """(doc id, strength) of the tools whose parameters take ``kind``: 1.0 by a parameter name or format,

@@ -3,7 +3,15 @@
 Lexical matching cannot connect "let the team know the deploy finished" to slack__post_message.  When the user
 configures an embeddings endpoint (any OpenAI-compatible /embeddings, or Ollama's /api/embed), tools are embedded
 once, off the request path, and cached in coffer.db by model and text hash; a query is embedded under a short time
-budget and the semantic ranking is fused with BM25.  Any failure answers with BM25 alone."""
+budget and the semantic ranking is fused with BM25.  Any failure answers with BM25 alone.
+
+Threads and locks: an EmbeddingWorker's thread runs its ranker's embedding rounds, and nothing else does; the
+query threads only read what a round published.  SemanticRanker.lock guards the catalogue to embed (``_tools``,
+written by ``refresh`` on any thread) and the published index (``index`` with ``_index_for``, written by the
+worker, read by ``search``); it is a leaf: nothing else is taken while it is held, and no embedder request or
+database access happens under it.  The vector cache (``vectors``) belongs to the worker's thread once the
+constructor has filled it.  ``_warned_not_ready`` is written by query threads without a lock: a race costs at most
+a second warning."""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ import array
 import collections
 import hashlib
 import heapq
+import logging
 import math
 import os
 import sqlite3
@@ -23,12 +32,23 @@ from coffer_src.names import SEPARATOR, origin_text
 from coffer_src.search.index import SearchIndex
 from coffer_src.search.text import _words, bounded_query
 from coffer_src.secret_store import SecretStore
-from coffer_src.terminal import log, redact
+from coffer_src.terminal import redact
+from coffer_src.threads import Backoff, start_thread
 from coffer_src.transport.http import remote_http
 from coffer_src.transport.stdio import UpstreamFailure
 from coffer_src.vault import EMBEDDING_SCHEMA, Vault, _Transaction, utcnow
 
-HYBRID_ALPHA = 0.45  # share of the lexical score in the hybrid blend (chosen on the eval sets; see fuse)
+# The lexical share of the hybrid blend (see fuse), one for each kind of search.  Tool search: chosen on the
+# tool-search eval sets (evals.run --embedder).  Documentation passages are long and a question's exact words
+# matter, so the knowledge base gives the lexical ranking more weight: chosen on evals/ask.py, where tool search's
+# share made the hybrid worse than lexical alone (evals.ask --embedder prints both).
+HYBRID_ALPHA = 0.45
+KNOWLEDGE_HYBRID_ALPHA = 0.75
+# A failed embedding round is retried after EMBED_RETRY_BASE seconds, doubling up to EMBED_RETRY_CEILING.
+EMBED_RETRY_BASE = 5.0
+EMBED_RETRY_CEILING = 120.0
+
+semantic_log = logging.getLogger(__name__)
 
 
 class EmbedderError(CofferException):
@@ -168,8 +188,8 @@ class SemanticIndex:
 # How far apart (in cosine) the semantic ranker's best and last candidates must be for it to get its full
 # share.  A query the embedding model does not understand (a German or Chinese request to an English-only
 # model, a domain it never saw) gives flat cosines; its vote then shrinks instead of dragging a correct
-# lexical answer down.  Chosen on the dev sets: median spreads there are 0.24-0.37 for English queries and
-# 0.13-0.16 for the non-English ones an English-only model misreads.
+# lexical answer down.  Chosen on the dev sets, where English queries spread wider than the non-English ones an
+# English-only model misreads (evals.run --embedder prints each set's median spread by query style).
 SEMANTIC_FULL_SPREAD = 0.3
 
 
@@ -179,9 +199,8 @@ def fuse(lexical: list[tuple[int, float]], semantic: list[tuple[int, float]], to
 
     BM25 is scaled by its best score and the cosine min-max scaled over its candidates, as before; the semantic
     share (1 - alpha) is then multiplied by min(1, cosine spread / full_spread); ``full_spread=0`` turns that
-    off (the fixed blend measured before; knowledge search was tuned with it).  On the six dev sets
-    this beat the fixed blend on five of six dev sets (nDCG@10 +0.006 to +0.022; metatool-dev -0.007) and
-    keeps non-English queries near their lexical ranking instead of 0.03-0.14 below it.
+    off (the fixed blend; knowledge search was tuned with it).  Chosen over the fixed blend on the dev sets
+    (evals.run --embedder): it keeps non-English queries near their lexical ranking instead of below it.
     """
     scores: dict[int, float] = collections.defaultdict(float)
     if lexical:
@@ -197,12 +216,65 @@ def fuse(lexical: list[tuple[int, float]], semantic: list[tuple[int, float]], to
     return heapq.nsmallest(top_k, scores.items(), key=lambda item: (-item[1], item[0]))
 
 
+class EmbeddingWorker:
+    """The daemon thread that embeds what a ranker lacks: it runs ``job`` each time it is woken (wakes that come
+    while a round runs make one more round), retries a failed round after the backoff (threads.Backoff:
+    EMBED_RETRY_BASE doubling to EMBED_RETRY_CEILING; the lexical ranking answers meanwhile), logs each new failure
+    once with ``failure`` (a format with one %s), and ends on ``close``.
+
+    ``wake`` and ``close`` may be called from any thread; ``job`` runs on the worker's thread only.  ``stopping``
+    is set by ``close``: a long job checks it between chunks of work."""
+
+    def __init__(self, name: str, job, failure: str, logger: logging.Logger):
+        self._job, self._failure, self._log = job, failure, logger
+        self._wanted = threading.Event()
+        self.stopping = threading.Event()
+        self._thread = start_thread(self._run, name)
+
+    def wake(self) -> None:
+        """Run the job (again) soon."""
+        self._wanted.set()
+
+    def close(self, timeout: float = 1.0) -> bool:
+        """End the thread: a wait for the next round or retry ends at once; a round under way ends at its job's
+        next check of ``stopping`` (an embedder request already sent is not cut short: it ends by its own
+        timeout).  Waits up to ``timeout`` seconds; True when the thread has ended.  A thread still busy then is
+        a daemon that ends by itself once its work returns."""
+        self.stopping.set()
+        self._wanted.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        backoff, last_error = Backoff(EMBED_RETRY_BASE, EMBED_RETRY_CEILING), None
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self.stopping.is_set():
+                return
+            try:
+                self._job()
+            except Exception as exc:  # noqa: BLE001 - the lexical ranking serves meanwhile; this thread must live on
+                if self.stopping.is_set():
+                    return
+                if str(exc) != last_error:
+                    self._log.warning(self._failure, exc)
+                    last_error = str(exc)
+                if self.stopping.wait(backoff.next_delay()):
+                    return
+                self._wanted.set()
+                continue
+            backoff.reset()
+            last_error = None
+
+
 class SemanticRanker:
     """Owns the embedder, the vector cache (memory + coffer.db) and the semantic index of the live catalogue.
 
     ``refresh(tools)`` is cheap and non-blocking: tools without a cached vector are embedded on a background
-    thread.  ``search`` returns (hits, ranker, note): ``ranker`` is "hybrid" or "bm25"; ``note`` says why a
-    fallback happened.
+    thread (an EmbeddingWorker; ``close`` ends it).  ``search`` returns (hits, ranker, note): ``ranker`` is
+    "hybrid" or "bm25"; ``note`` says why a fallback happened.  Threads and locks: see the module docstring.
     """
 
     CANDIDATES = 50
@@ -214,11 +286,17 @@ class SemanticRanker:
         self.lock = threading.Lock()
         self.index: SemanticIndex | None = None
         self._index_for = None
-        self._wanted = threading.Event()
         self._tools: list[dict] = []
         self._warned_not_ready = False
         self._load_cache()
-        threading.Thread(target=self._embed_loop, name="coffer-embedder", daemon=True).start()
+        self._worker = EmbeddingWorker("coffer-embedder", self._embed_catalogue,
+                                       "embedder: tool vectors unavailable (%s); search uses BM25 until they are",
+                                       semantic_log)
+
+    def close(self, timeout: float = 1.0) -> bool:
+        """End the embedding thread (see EmbeddingWorker.close); searches still answer, by BM25 once the tools
+        change.  True when the thread has ended."""
+        return self._worker.close(timeout)
 
     def _connect(self):
         db = Vault._connect(self.db_path)
@@ -232,34 +310,22 @@ class SemanticRanker:
                 self.vectors[row["text_hash"]] = array.array("f", row["vector"]).tolist()
             db.close()
         except sqlite3.Error as exc:
-            log.warning("embedding cache unavailable: %s", exc)
+            semantic_log.warning("embedding cache unavailable: %s", exc)
 
     def refresh(self, tools: list[dict]) -> None:
         with self.lock:
             self._tools = tools
-        self._wanted.set()
+        self._worker.wake()
 
-    def _embed_loop(self) -> None:
-        delay, last_error = 5.0, None
-        while True:
-            self._wanted.wait()
-            self._wanted.clear()
-            with self.lock:
-                tools = self._tools
-            try:
-                index = self._index(tools)
-            except Exception as exc:  # noqa: BLE001 - BM25 serves meanwhile; this thread must live on
-                if str(exc) != last_error:
-                    log.warning("embedder: tool vectors unavailable (%s); search uses BM25 until they are", exc)
-                    last_error = str(exc)
-                time.sleep(delay)
-                delay = min(delay * 2, 120.0)
-                self._wanted.set()
-                continue
-            delay, last_error = 5.0, None
-            with self.lock:
-                if self._tools is tools:
-                    self.index, self._index_for = index, tools
+    def _embed_catalogue(self) -> None:
+        """One round on the worker's thread: index the latest catalogue and publish it, unless a newer one came
+        meanwhile (the wake that brought it runs another round)."""
+        with self.lock:
+            tools = self._tools
+        index = self._index(tools)
+        with self.lock:
+            if self._tools is tools:
+                self.index, self._index_for = index, tools
 
     def _index(self, tools: list[dict]) -> SemanticIndex:
         """Embed what is not cached yet (saving it), then index the whole catalogue."""
@@ -277,7 +343,7 @@ class SemanticRanker:
                                     for h, v in new.items()])
                 db.close()
             except sqlite3.Error as exc:
-                log.warning("embedding cache not saved: %s", exc)
+                semantic_log.warning("embedding cache not saved: %s", exc)
         vectors = [self.vectors.get(h) for h in hashes]
         dims = collections.Counter(len(v) for v in vectors if v)
         if len(dims) > 1:  # the model behind the name changed: keep the current dimension, re-embed the rest
@@ -296,18 +362,19 @@ class SemanticRanker:
         if index is None:
             if not self._warned_not_ready:
                 self._warned_not_ready = True
-                log.warning("embedder: tool vectors not ready yet; queries are answered by BM25 until they are")
+                semantic_log.warning("embedder: tool vectors not ready yet; queries are answered by BM25 until they "
+                                     "are")
             return lexical_index.search(query, top_k), "bm25", "embedder: tool vectors not ready yet"
         try:
             query_vector = self.embedder.embed([query], self.query_timeout)[0]
         except EmbedderError as exc:
-            log.warning("embedder fallback to BM25: %s", exc)
+            semantic_log.warning("embedder fallback to BM25: %s", exc)
             return lexical_index.search(query, top_k), "bm25", f"embedder fallback: {exc}"
         lexical = lexical_index.rank(query, self.CANDIDATES)
         try:
             semantic = index.rank(query_vector, self.CANDIDATES)
         except ValueError as exc:  # a query vector of another dimension: the endpoint's model changed
-            log.warning("embedder fallback to BM25: %s", exc)
+            semantic_log.warning("embedder fallback to BM25: %s", exc)
             return lexical_index.search(query, top_k), "bm25", "embedder fallback: vector dimension changed"
         tools = lexical_index.tools
         return [(tools[doc], round(score, 4)) for doc, score in fuse(lexical, semantic, top_k)], "hybrid", None

@@ -1,4 +1,10 @@
-"""Search text analysis: tokens, stems, translations and the analysed texts of a tool."""
+"""Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+
+Threads: the analysis runs on any thread at once (a catalogue's index build, the knowledge base's indexing, the
+queries of worker threads) and takes no lock.  Its memos are the functools caches (thread-safe) and two dicts,
+_TOKEN_STEMS and _ANALYSED_TEXTS, whose every entry is a pure function of its key and which are filled and
+emptied by single dict operations: a race computes an entry twice, or empties the dict under another thread,
+which then recomputes what it looks up."""
 
 from __future__ import annotations
 
@@ -12,9 +18,9 @@ from typing import Iterable, NamedTuple
 
 from coffer_src.jsonrpc import TOP_K_DEFAULT, TOP_K_MAX
 from coffer_src.search.lexicon import (
-    _ABBREVIATIONS,
+    _ABBREVIATION_WORDS,
     _CJK_RE,
-    _EQUIVALENCES,
+    _EQUIVALENCE_GROUPS,
     _GERMAN_PARTICLE_SET,
     _GERMAN_PARTICLES,
     _IRREGULAR,
@@ -24,7 +30,6 @@ from coffer_src.search.lexicon import (
     LEXICON,
     SEPARABLE_VERBS,
     STOP_WORDS,
-    _parse_lexicon,
 )
 
 SEARCH_QUERY_MAX_CHARS = 2_000
@@ -61,7 +66,7 @@ _CJK_WORD_RE = re.compile(r"[\u3041-\u3096\u309d-\u309f\u30a1-\u30fa\u30fc-\u30f
                           r"\uac00-\ud7a3\uf900-\ufaff]+")
 
 
-@functools.lru_cache(maxsize=1 << 17)  # catalogues repeat words heavily: 350k calls, ~20k distinct at 10k tools
+@functools.lru_cache(maxsize=1 << 17)  # catalogues repeat words heavily: many calls, few distinct words
 def stem(word: str) -> str:
     """A light suffix stripper: plurals, -ing, -ed, -ation, final -e.  Consistency matters more than linguistics:
     the index and the query go through the same function."""
@@ -108,7 +113,7 @@ def singular(word: str) -> str:
 
 
 # ASCII letters and digits kept, every other byte a space: bytes.translate + split is how an ASCII text (nearly
-# every tool text) is cut into tokens, several times faster than a Unicode regex over the same characters.
+# every tool text) is cut into tokens, one pass in C, cheaper than a Unicode regex over the same characters.
 _ASCII_TOKENS = bytes(c if c < 128 and chr(c).isalnum() else 32 for c in range(256))
 
 
@@ -252,7 +257,7 @@ def analyse_texts(texts: Iterable[str]) -> dict[str, TextTerms]:
 
 
 # Texts per batch: the batch's temporary strings then fit in memory the allocator has already touched (one
-# batch of a whole 10k-tool catalogue page-faults its way through ~30 MB).
+# batch of a whole large catalogue would page-fault its way through fresh memory).
 _BATCH_TEXTS = 1024
 # _ASCII_TOKENS, except that the batch separator stays itself.
 _ASCII_BATCH_TOKENS = _ASCII_TOKENS[:1] + _BATCH_SEPARATOR.encode("ascii") + _ASCII_TOKENS[2:]
@@ -426,15 +431,15 @@ def _translated(normal: str, german: bool = True) -> list[str]:
 
 def _build_equivalences() -> dict[str, tuple[str, ...]]:
     table: dict[str, set[str]] = collections.defaultdict(set)
-    for line in _EQUIVALENCES.strip().splitlines():
-        group = {stem(word) for word in line.split()}
+    for words in _EQUIVALENCE_GROUPS:
+        group = {stem(word) for word in words}
         for term in group:
             table[term] |= group - {term}
     return {term: tuple(sorted(others)) for term, others in table.items()}
 
 
 EQUIVALENCES = _build_equivalences()
-ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _parse_lexicon(_ABBREVIATIONS).items()}
+ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _ABBREVIATION_WORDS.items()}
 
 
 class ToolTexts(NamedTuple):
@@ -493,8 +498,8 @@ def _collect_parameters(node, depth: int, names: list, texts: list, examples: li
 def knowledge_terms(text: str) -> tuple[str, ...]:
     """Index/query terms of a passage or question: Coffer's word splitting and stemmer, documentation stop words."""
     if text.isascii():
-        # _words treats each ASCII word on its own, so a cache per distinct word gives the same terms ~4x faster
-        # (documents repeat their words; indexing 10k passages is mostly this function).
+        # _words treats each ASCII word on its own, so a cache per distinct word gives the same terms for less
+        # work (documents repeat their words, and indexing a source is mostly this function).
         return tuple(itertools.chain.from_iterable(map(_word_terms, _WORD_RE.findall(text))))
     return tuple(stem(word) for word in _words(text) if word not in KNOWLEDGE_STOP_WORDS)
 

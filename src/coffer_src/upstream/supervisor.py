@@ -36,7 +36,7 @@ from coffer_src.modern import (
 from coffer_src.names import REMOTE_TRANSPORTS
 from coffer_src.secret_store import SecretStore, expand_vars, resolution_digest, upstream_environment
 from coffer_src.terminal import log, printable, redact
-from coffer_src.threads import start_thread
+from coffer_src.threads import backoff_delay, start_thread
 from coffer_src.transport.remote import make_remote_transport
 from coffer_src.transport.stdio import StdioTransport, Transport, UpstreamFailure
 from coffer_src.upstream.definitions import (
@@ -136,6 +136,7 @@ class Upstream:
                     "resource": ("resources/list", "resources", "resources"),
                     "template": ("resources/templates/list", "resourceTemplates", "resources")}
     QUICK_DEATH = 10.0  # a server that dies this soon after becoming ready counts as a failed start
+    RESTART_CEILING = 30.0  # the longest wait between two starts of a crash-looping server
 
     def __init__(self, config: dict, settings: dict, events, client_capabilities=None, protocol_version=None,
                  secrets: SecretStore | None = None, client_info: dict | None = None):
@@ -379,8 +380,9 @@ class Upstream:
 
     def _count_failure(self, reason: str, permanent: bool):
         """Record a failed start or a quick death: (give up?, seconds before the next attempt, backlog to fail).
-        The one place the backoff rule lives: 0.5 s doubling to 30 s, max_restarts in a row, or at once if
-        retrying cannot help.  (None, 0, []) if the upstream was stopped meanwhile."""
+        Restarts wait by the one backoff rule (threads.backoff_delay) from the hidden setting restart_backoff
+        (tests shorten it), doubling to 30 s; max_restarts in a row, or at once if retrying cannot help, mark the
+        server failed.  (None, 0, []) if the upstream was stopped meanwhile."""
         with self.lock:
             if self.state == "stopped":
                 return None, 0.0, []
@@ -391,7 +393,8 @@ class Upstream:
             backlog = self.backlog if give_up else []
             if give_up:
                 self.backlog = []
-            return give_up, min(30.0, 0.5 * 2 ** (self.failures - 1)), backlog
+            base = float(self.settings.get("restart_backoff", 0.5))
+            return give_up, backoff_delay(self.failures - 1, base, self.RESTART_CEILING), backlog
 
     def _after_failure(self, give_up: bool, delay: float, backlog: list[QueuedRequest]) -> None:
         if give_up:
