@@ -267,6 +267,12 @@ def wait_for_status(name, *statuses, timeout=30.0) -> dict:
                       interval=0.1, what=f"{name} to be {' or '.join(statuses)}")
 
 
+def quick_restarts(base=0.05):
+    """Restarts of a failing server wait ``base`` seconds, doubling, instead of 0.5 s doubling (the hidden setting
+    restart_backoff): for tests that wait for a server to be retried or given up on, not for the backoff itself."""
+    cli("config", "restart_backoff", str(base))
+
+
 def log_rows():
     return json.loads(cli("log", "--json", "--limit", "100000").stdout)["invocations"]
 

@@ -22,6 +22,7 @@ from conftest import (
     open_session,
     pids_in,
     posix_only,
+    quick_restarts,
     received,
     text_of,
     wait_until,
@@ -234,6 +235,7 @@ def test_the_setsid_child_of_an_upstream_that_crashed_does_not_outlive_the_gatew
     """A server that daemonizes a helper and later crashes: the helper is re-parented away from the dead server,
     so finding it at shutdown needs Coffer to have kept track of it (e.g. as a child subreaper on Linux)."""
     pid_file = tmp_path / "children.pid"
+    quick_restarts()
     add_hostile("s", "setsid-child", extra=("--pid-file", str(pid_file)))
     gw = open_session(watched_gateway)
     assert text_of(call_tool(gw, "s__echo", {"text": "first"})) == "first"

@@ -175,7 +175,7 @@ def test_coffer_auth_prints_no_terminal_control_characters_from_the_authorizatio
 # -- logging in, refreshing, logging out -------------------------------------------------------------------------------
 
 def test_oauth_login_then_calls_refresh_before_expiry_and_on_401_and_no_token_leaks(home, tmp_path, transcript):
-    with oauth_server(tmp_path, "--token-lifetime", "3") as info:
+    with oauth_server(tmp_path, "--token-lifetime", "2") as info:
         added = transcript.cli("add", "prot", "--url", info["mcp"])
         assert "prot needs a login: run `coffer auth prot`" in added.stdout
 
@@ -202,7 +202,7 @@ def test_oauth_login_then_calls_refresh_before_expiry_and_on_401_and_no_token_le
         async def body(client):
             who = json.loads(text_of(await client.call_tool("prot__whoami", {})))
             refused_before = len(control(info, "/state")["unauthorized"])
-            await anyio.sleep(3.5)  # the access token expires
+            await anyio.sleep(2.5)  # the access token expires (a real clock: Coffer refreshes by expires_in)
             after_expiry = await client.call_tool("prot__echo", {"message": "after expiry"})
             state = control(info, "/state")
             refreshed, refused_at_expiry = state["refreshes"], len(state["unauthorized"]) - refused_before

@@ -20,6 +20,7 @@ from conftest import (
     cli,
     is_tool_error,
     no_traceback,
+    quick_restarts,
     secret_set,
     server_status,
     servers,
@@ -286,6 +287,7 @@ def test_no_secret_or_call_data_reaches_the_disk(home, raw_gateway):
     marker = "MRK" + uuid.uuid4().hex[:12]
     cli("config", "discovery_timeout", "2")
     cli("config", "max_restarts", "2")
+    quick_restarts()
     cli("add", "leaky", "--env", "TOKEN=${SECRET}", "--", *FAKE, "--stderr-env", "TOKEN")
     cli("add", "doomed", "--env", "TOKEN=${SECRET}", "--", *FAKE, "--stderr-env", "TOKEN", "--exit-at-start")
     gw = raw_gateway(env={"SECRET": secret})

@@ -24,6 +24,7 @@ from conftest import (
     http_config,
     linux_only,
     proc_status,
+    quick_restarts,
     server_status,
     servers,
     start_upstream,
@@ -277,6 +278,7 @@ def test_a_cross_origin_redirect_of_a_post_never_carries_credentials(home, origi
     elsewhere.routes["/mcp"] = mcp("elsewhere")
     here = origins()
     cli("config", "max_restarts", "2")
+    quick_restarts()
     for code in (301, 302, 303, 307, 308):
         here.routes[f"/r{code}"] = redirect(code, elsewhere.url("/mcp"))
         cli("add", f"r{code}", "--url", here.url(f"/r{code}"), *CREDENTIAL_HEADERS)
@@ -319,6 +321,7 @@ def test_an_https_to_http_redirect_is_refused(home, origins, watched_gateway, ce
     secure.routes["/mcp"] = redirect(302, cleartext.url("/mcp"))
     secure.routes["/ok"] = mcp("secure")
     cli("config", "max_restarts", "2")
+    quick_restarts()
     cli("add", "down", "--url", secure.url("/mcp"), *CREDENTIAL_HEADERS)
     cli("add", "tls", "--url", secure.url("/ok"), *CREDENTIAL_HEADERS)
     gw = started(watched_gateway, env={"SSL_CERT_FILE": cert[0]})
@@ -337,6 +340,7 @@ def test_a_same_origin_redirect_is_followed_and_a_loop_is_not(home, origins, wat
     here.routes["/moved"] = redirect(308, "/mcp")  # relative Location
     here.routes["/loop"] = redirect(307, here.url("/loop"))
     cli("config", "max_restarts", "2")
+    quick_restarts()
     for name in ("old", "moved", "loop"):
         cli("add", name, "--url", here.url(f"/{name}"), *CREDENTIAL_HEADERS)
     gw = started(watched_gateway)
@@ -451,6 +455,7 @@ def test_a_call_to_a_remembered_tool_of_a_remote_that_hangs_at_initialize_meets_
 def test_an_oversized_http_reply_fails_that_upstream_and_memory_stays_bounded(home, origins, watched_gateway, kind):
     cli("config", "max_message_bytes", "1000000")
     cli("config", "max_restarts", "2")
+    quick_restarts()
     here = origins()
     here.routes["/mcp"] = mcp("here", huge_list=(kind, 400))
     cli("add", "huge", "--url", here.url("/mcp"))
@@ -496,6 +501,7 @@ def test_a_permanent_http_status_fails_at_once_with_the_status(home, origins, wa
     here = origins()
     here.routes["/mcp"] = status(code)
     here.routes["/flaky"] = status(503)
+    quick_restarts()  # the 503 is retried sooner
     cli("add", "denied", "--url", here.url("/mcp"), *CREDENTIAL_HEADERS)
     cli("add", "flaky", "--url", here.url("/flaky"))
     probed = len(initialize_posts(here, "/mcp"))  # `coffer add` may have tried it once already

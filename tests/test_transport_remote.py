@@ -19,6 +19,7 @@ from conftest import (
     cli,
     free_port,
     needs_node,
+    quick_restarts,
     server_status,
     text_of,
     through_gateway,
@@ -100,6 +101,7 @@ def test_a_dropped_sse_stream_fails_the_call_in_flight_clearly_and_reconnects(ho
     try:
         cli("add", "evsse", "--url", server.url, "--transport", "sse")
         cli("config", "max_restarts", "30")  # the server is down for a moment: keep trying meanwhile
+        quick_restarts()
 
         async def body(client):
             before = await client.call_tool("evsse__echo", {"message": "before"})

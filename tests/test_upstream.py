@@ -31,6 +31,7 @@ from conftest import (
     list_changed_count,
     open_session,
     pids_in,
+    quick_restarts,
     received,
     server_status,
     servers,
@@ -131,6 +132,7 @@ def test_a_command_that_cannot_start_fails_at_once_with_the_real_reason(home, tm
 
 def test_an_upstream_that_exits_at_once_is_reported_with_its_exit_code_and_stderr(home, watched_gateway):
     cli("config", "max_restarts", "2")
+    quick_restarts()
     cli("add", "quick", "--", "/bin/sh", "-c", "echo 'fatal: boom' >&2; exit 3")
     add_hostile("good")
     gw = open_session(watched_gateway)
@@ -161,6 +163,7 @@ def test_every_upstream_that_exits_at_once_reports_its_stderr(home, watched_gate
 
 def test_an_upstream_that_exits_after_a_burst_of_stderr_prints_no_traceback(home, watched_gateway):
     cli("config", "max_restarts", "3")
+    quick_restarts()
     for i in range(4):
         add_hostile(f"loud{i}", "exit", extra=("--stderr-kb", "256"))
     add_hostile("good")
@@ -266,52 +269,43 @@ def test_crash_is_noticed_even_if_a_grandchild_keeps_stdout_open(home, raw_gatew
 
 
 def test_crash_loop_is_bounded_with_backoff_and_reported(home, raw_gateway, tmp_path):
-    spawns = tmp_path / "spawns"
+    spawns, base = tmp_path / "spawns", 0.25
+    cli("config", "restart_backoff", str(base))  # the same doubling from a shorter first wait
     cli("config", "discovery_timeout", "1")
     cli("add", "bad", "--", *FAKE, "--exit-at-start", "--spawn-log", str(spawns))
     cli("add", "good", "--", *FAKE)
     gw = raw_gateway()
-    started = time.monotonic()
     gw.initialize()
 
-    seen = []  # (time, count) each time the spawn count grows
+    seen = []  # the time at which each start of bad is first seen
 
     def watch():
-        last = 0
-        while time.monotonic() - started < 25:
-            count = len(pids_in(spawns))
-            if count != last:
-                seen.append((time.monotonic(), count))
-                last = count
-            if gw.proc.poll() is not None:
-                return
-            time.sleep(0.02)
+        while gw.proc.poll() is None and len(seen) < 6:
+            if len(pids_in(spawns)) > len(seen):
+                seen.append(time.monotonic())
+            time.sleep(0.01)  # a sampling period: the gaps measured are 25 times longer or more
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    threading.Thread(target=watch, daemon=True).start()
 
-    # the healthy upstream serves while the other one crash-loops
+    # the healthy upstream serves while the other one crash-loops: a call after each start of bad
     assert "good__echo" in tool_names(gw.request("tools/list"))
-    for i in range(5):
-        reply = gw.request("tools/call", {"name": "good__echo", "arguments": {"text": f"ok {i}"}})
-        assert not is_tool_error(reply) and text_of(reply) == f"ok {i}"
-        time.sleep(0.3)
+    for start in range(1, 6):
+        wait_until(lambda start=start: len(pids_in(spawns)) >= start, what=f"start {start} of bad")
+        reply = gw.request("tools/call", {"name": "good__echo", "arguments": {"text": f"ok {start}"}})
+        assert not is_tool_error(reply) and text_of(reply) == f"ok {start}"
 
-    status = wait_until(lambda: (s := server_status("bad"))["status"] == "failed" and s, timeout=20,
-                        what="bad to be marked failed")
+    status = wait_for_status("bad", "failed")
     assert "refusing to start" in (status["detail"] or ""), status
-    time.sleep(2.0)  # no more spawns after giving up
-    assert len(pids_in(spawns)) == 5, f"expected max_restarts=5 spawns, got {len(pids_in(spawns))}"
-    times = [t for t, _ in seen]
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    assert len(gaps) == 4 and all(b > a for a, b in zip(gaps, gaps[1:])), f"no backoff: gaps {gaps}"
-    assert gaps[-1] >= 1.0, f"no backoff: gaps {gaps}"
-
     assert server_status("good")["status"] == "ready"
     reply = gw.request("tools/call", {"name": "good__echo", "arguments": {"text": "still fine"}})
     assert text_of(reply) == "still fine"
     reply = gw.request("tools/call", {"name": "bad__echo", "arguments": {}})
     assert "error" in reply and reply["error"]["code"] == -32602
+    gw.close()  # no more starts after giving up: none happened before the gateway (and its timers) ended
+    assert len(pids_in(spawns)) == 5, f"expected max_restarts=5 spawns, got {len(pids_in(spawns))}"
+    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    assert len(gaps) == 4 and all(b > a for a, b in zip(gaps, gaps[1:])), f"no backoff: gaps {gaps}"
+    assert gaps[-1] >= 4 * base, f"no backoff: gaps {gaps}"  # base doubled three times: 8 x base
 
 
 def test_a_server_that_crashes_past_max_restarts_is_reported_failed_and_removed(home, raw_gateway):
@@ -416,17 +410,17 @@ def test_progress_keeps_a_long_call_alive(home, raw_gateway):
     gw.initialize()
     gw.request("tools/list")
 
-    reply = gw.request("tools/call", {"name": "prog__slow", "arguments": {"seconds": 3, "progress_every": 0.5},
+    reply = gw.request("tools/call", {"name": "prog__slow", "arguments": {"seconds": 2, "progress_every": 0.4},
                                       "_meta": {"progressToken": "tok-42"}}, timeout=20)
     assert not is_tool_error(reply), reply
-    assert text_of(reply) == "slept 3.0"
+    assert text_of(reply) == "slept 2.0"
     with gw.cond:
         progress = [n for n in gw.notifications if n["method"] == "notifications/progress"
                     and n["params"].get("progressToken") == "tok-42"]
     assert len(progress) >= 4, progress
 
     # the same call without progress is cut off by the same 1 s timeout
-    reply = gw.request("tools/call", {"name": "prog__slow", "arguments": {"seconds": 3}}, timeout=20)
+    reply = gw.request("tools/call", {"name": "prog__slow", "arguments": {"seconds": 2}}, timeout=20)
     assert is_tool_error(reply) and "within 1s" in text_of(reply)
 
 
