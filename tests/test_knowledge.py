@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from coffer_src.errors import CofferError
-from coffer_src.knowledge import base
-from coffer_src.knowledge.base import KnowledgeBase, fts5_available
+from coffer_src.knowledge import ranking
+from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.documents import KnowledgeLimits, split_passages
+from coffer_src.knowledge.ranking import fts5_available
 from coffer_src.search.semantic import Embedder
 
 from conftest import POSIX, wait_until, write
@@ -200,14 +201,14 @@ def test_another_process_sees_the_index_and_a_python_without_fts5_keeps_it_consi
     first.add_source(str(docs), name="team")
     first.close()
     # An interpreter without FTS5 opens the same vault: it indexes with its own engine and marks FTS stale.
-    monkeypatch.setattr(base, "_FTS5_AVAILABLE", False)
+    monkeypatch.setattr(ranking, "_FTS5_AVAILABLE", False)
     plain = kb_for(tmp_path, "auto")
     assert plain.engine == "bm25f"
     write(docs / "new.md", "# Parking\n\nVisitors park in lot C.\n")
     plain.reindex("team")
     assert plain.search("where do visitors park", 1)[0].path == "new.md"
     plain.close()
-    monkeypatch.setattr(base, "_FTS5_AVAILABLE", True)
+    monkeypatch.setattr(ranking, "_FTS5_AVAILABLE", True)
     again = kb_for(tmp_path, "fts5")   # rebuilds the stale FTS table on open
     assert again.search("where do visitors park", 1)[0].path == "new.md"
     again.close()
