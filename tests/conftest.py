@@ -24,8 +24,8 @@ import pytest
 
 import coffer_src
 from coffer_src.jsonrpc import METHOD_NOT_FOUND, rpc_error
+from coffer_src.settings import DEFAULTS
 from coffer_src.upstream.supervisor import Upstream
-from coffer_src.vault import DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"

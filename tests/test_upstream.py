@@ -14,8 +14,9 @@ import time
 import pytest
 
 from coffer_src.probe import ServerProbe
+from coffer_src.settings import DEFAULTS
 from coffer_src.upstream.supervisor import Upstream
-from coffer_src.vault import DEFAULTS, Vault
+from coffer_src.vault import Vault
 
 from conftest import (
     FAKE,
