@@ -65,7 +65,8 @@ def coffer_cmd(*args) -> list[str]:
 
 
 def pytest_configure(config):
-    py_compile.compile(COFFER, doraise=True, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    if not hasattr(config, "workerinput"):  # once per session: pytest-xdist workers find it written
+        py_compile.compile(COFFER, doraise=True, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
     config.addinivalue_line("markers", "needs_node: needs node and the reference servers .ci/run installs")
     config.addinivalue_line("markers", "needs_model: needs the dev embedding model .ci/run installs")
 

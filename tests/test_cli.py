@@ -3,10 +3,23 @@ audit and log say about servers and their failures, choices that survive a repla
 sequences from an upstream in any output, and coffer.py run as a vendored script."""
 
 import json
+import shutil
+import subprocess
 
 import pytest
 
-from conftest import FAKE, add_hostile, assert_no_control, call_tool, cli, open_session, wait_for_status
+from conftest import (
+    COFFER,
+    FAKE,
+    PY,
+    add_hostile,
+    assert_no_control,
+    call_tool,
+    cli,
+    open_session,
+    text_of,
+    wait_for_status,
+)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -167,3 +180,42 @@ def test_audit_log_and_list_output_carry_no_escape_sequences(home, watched_gatew
     listing = cli("list")
     assert "boom" in listing.stdout or "boom" in listing.stderr
     assert_no_control(listing.stdout + listing.stderr, "`coffer list`")
+
+
+# -- a vendored copy ---------------------------------------------------------------------------------------------------
+
+def test_a_vendored_copy_runs_as_a_script(home, tmp_path):
+    """coffer.py copied into a project and run as `python3 coffer.py`: compiled from source at each start, with no
+    package around it (the rest of the tests run it the way an installed copy runs, from bytecode)."""
+    vendored = tmp_path / "project" / "vendor" / "coffer.py"
+    vendored.parent.mkdir(parents=True)
+    shutil.copyfile(COFFER, vendored)
+
+    def run(*args, **kwargs):
+        return subprocess.run([PY, str(vendored), *args], capture_output=True, text=True, timeout=60,
+                              cwd=vendored.parent.parent, **kwargs)
+
+    assert run("--version").stdout.startswith("coffer ")
+    assert run("add", "s", "--", *FAKE, "--tools", "echo").returncode == 0
+    assert [s["name"] for s in json.loads(run("list", "--json").stdout)["servers"]] == ["s"]
+    serve = subprocess.Popen([PY, str(vendored), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, cwd=vendored.parent.parent)
+    try:
+        def ask(message):
+            serve.stdin.write(json.dumps(message) + "\n")
+            serve.stdin.flush()
+            while True:
+                reply = json.loads(serve.stdout.readline())
+                if reply.get("id") == message["id"]:
+                    return reply
+
+        init = ask({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}})
+        assert init["result"]["serverInfo"]["name"] == "coffer"
+        serve.stdin.write(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}) + "\n")
+        reply = ask({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                     "params": {"name": "s__echo", "arguments": {"text": "from a vendored copy"}}})
+        assert text_of(reply) == "from a vendored copy"
+    finally:
+        serve.stdin.close()
+        assert serve.wait(30) == 0
