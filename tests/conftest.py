@@ -311,6 +311,66 @@ def sdk_session(body, name="sdk-agent", timeout=180, errlog=None, **client_kwarg
     return anyio.run(main)
 
 
+SAMPLED_TEXT = "relayed-by-the-client"   # what the client's "model" answers a sampling request
+ROOT_URI = "file:///tmp/coffer-project"  # the root the client offers
+
+
+async def answer_sampling(ctx, params):
+    """The client's side of sampling/createMessage: a fixed answer, as a test's model."""
+    import mcp_types as types
+    return types.CreateMessageResult(role="assistant", model="test-model",
+                                     content=types.TextContent(type="text", text=SAMPLED_TEXT))
+
+
+async def answer_elicitation(ctx, params):
+    import mcp_types as types
+    return types.ElicitResult(action="accept", content={"name": "Ada", "check": True})
+
+
+async def answer_roots(ctx):
+    import mcp_types as types
+    return types.ListRootsResult(roots=[types.Root(uri=ROOT_URI, name="project")])
+
+
+async def async_wait_until(predicate, timeout: float = 30.0) -> bool:
+    """``wait_until`` inside the SDK client's event loop: True once ``predicate()`` is, False at ``timeout``."""
+    import anyio
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await anyio.sleep(0.05)
+    return bool(predicate())
+
+
+class Everything:
+    """server-everything over HTTP (mode 'sse' or 'streamableHttp') on a free loopback port."""
+
+    def __init__(self, mode: str):
+        self.mode, self.port = mode, free_port()
+        self.path = "/sse" if mode == "sse" else "/mcp"
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}{self.path}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["node", str(EVERYTHING_JS), self.mode],
+                                     env={**os.environ, "PORT": str(self.port)},
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_listening(self.port)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
 # -- `coffer serve` driven with hand-written JSON-RPC lines -----------------------------------------------------
 
 class RawGateway:

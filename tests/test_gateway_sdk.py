@@ -2,9 +2,7 @@
 (server-everything, server-memory, mcp-server-time) behind it.  What an agent sees is what is asserted."""
 
 import json
-import os
 import re
-import subprocess
 import uuid
 
 import anyio
@@ -15,14 +13,16 @@ from mcp.client.stdio import StdioServerParameters
 
 from conftest import (
     TIME_SERVER,
+    Everything,
+    answer_elicitation,
+    answer_roots,
+    answer_sampling,
     cli,
     everything_cmd,
-    free_port,
     memory_cmd,
     needs_node,
     sdk_session,
     text_of,
-    wait_listening,
 )
 
 pytestmark = needs_node
@@ -35,19 +35,6 @@ def three_servers(home, tmp_path):
     command, env = memory_cmd(tmp_path / "memory.jsonl")
     cli("add", "mem", *[f"--env={k}={v}" for k, v in env.items()], "--", *command)
     return home
-
-
-async def sampling(ctx, params):
-    return types.CreateMessageResult(role="assistant", model="test-model",
-                                     content=types.TextContent(type="text", text="relayed-by-the-client"))
-
-
-async def list_roots(ctx):
-    return types.ListRootsResult(roots=[types.Root(uri="file:///tmp/coffer-project", name="project")])
-
-
-async def elicitation(ctx, params):
-    return types.ElicitResult(action="accept", content={"name": "Ada", "check": True})
 
 
 def run(coro_fn, **client_kwargs):
@@ -111,8 +98,8 @@ def test_sampling_elicitation_and_roots_are_relayed_to_the_client(three_servers)
         elicited = await client.call_tool("everything__trigger-elicitation-request", {})
         return tools, sampled, roots, elicited
 
-    tools, sampled, roots, elicited = run(body, sampling_callback=sampling, list_roots_callback=list_roots,
-                                          elicitation_callback=elicitation)
+    tools, sampled, roots, elicited = run(body, sampling_callback=answer_sampling, list_roots_callback=answer_roots,
+                                          elicitation_callback=answer_elicitation)
     # server-everything only offers these tools to clients that declared the capability: Coffer passed it up.
     assert "everything__trigger-sampling-request" in tools
     assert "relayed-by-the-client" in text_of(sampled)
@@ -247,15 +234,11 @@ def test_every_call_is_logged_and_no_argument_or_result_is_stored(three_servers)
 
 
 @pytest.fixture
-def http_everything(tmp_path):
+def http_everything():
     """server-everything in its Streamable HTTP mode on a free local port."""
-    port = free_port()
-    proc = subprocess.Popen(["node", everything_cmd()[1], "streamableHttp"], env={**os.environ, "PORT": str(port)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_listening(port)
-    yield f"http://127.0.0.1:{port}/mcp"
-    proc.terminate()
-    proc.wait(10)
+    server = Everything("streamableHttp")
+    yield server.url
+    server.stop()
 
 
 def test_remote_streamable_http_upstream_is_aggregated_beside_stdio(home, http_everything):

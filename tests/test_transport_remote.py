@@ -3,8 +3,6 @@ transport and over Streamable HTTP, told apart by auto-detection and aggregated 
 SSE stream; an SSE endpoint or a redirect that would take credentials to another origin."""
 
 import json
-import os
-import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,47 +11,18 @@ import anyio
 import pytest
 
 from conftest import (
-    EVERYTHING_JS,
     TIME_SERVER,
+    Everything,
+    async_wait_until,
     call_until_ok,
     cli,
-    free_port,
     needs_node,
     quick_restarts,
     server_status,
     text_of,
     through_gateway,
     wait_for_status,
-    wait_listening,
 )
-
-
-class Everything:
-    """server-everything over HTTP (mode 'sse' or 'streamableHttp') on a fixed loopback port."""
-
-    def __init__(self, mode: str):
-        self.mode, self.port = mode, free_port()
-        self.path = "/sse" if mode == "sse" else "/mcp"
-        self.proc = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}{self.path}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(["node", str(EVERYTHING_JS), self.mode],
-                                     env={**os.environ, "PORT": str(self.port)},
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_listening(self.port)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
 
 @pytest.fixture
@@ -115,9 +84,7 @@ def test_a_dropped_sse_stream_fails_the_call_in_flight_clearly_and_reconnects(ho
 
             async with anyio.create_task_group() as group:
                 group.start_soon(long_call)
-                with anyio.fail_after(20):
-                    while not progress:
-                        await anyio.sleep(0.05)
+                assert await async_wait_until(lambda: progress, 20), "no progress from the long call"
                 await anyio.to_thread.run_sync(server.restart)  # the stream drops mid-call
             after = await call_until_ok(client, "evsse__echo", {"message": "after"})
             return before, box["long"], progress, after
