@@ -30,6 +30,9 @@ from coffer_src.upstream.supervisor import Upstream
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))  # hostile_http: HTTP servers the tests run in-process
+# The suite drives the gateway in-process (`coffer serve --standalone`), as the existing tests always have; the
+# shared service behind a plain `coffer serve` is tested in tests/test_service.py, which sets this to "service".
+os.environ.setdefault("COFFER_SERVE_MODE", "standalone")
 COFFER = str(ROOT / "coffer.py")
 PY = sys.executable
 FAKE = [PY, str(ROOT / "tests" / "fixtures" / "fake_server.py")]

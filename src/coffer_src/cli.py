@@ -10,7 +10,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import sqlite3
 import sys
 from datetime import datetime, timezone
@@ -34,8 +33,6 @@ from coffer_src.clients.move_in import (
 )
 from coffer_src.errors import CofferError, NotListedYet, VaultError
 from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
-from coffer_src.gateway.hub import Hub
-from coffer_src.gateway.session import ClientSession
 from coffer_src.jsonrpc import decode_json
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
@@ -71,11 +68,13 @@ from coffer_src.secret_store import (
     plan_url_literals,
     save_secrets,
 )
+from coffer_src.service.commands import add_service_commands, open_service_session, service_running, service_tools
 from coffer_src.settings import listed_settings, unknown_setting
 from coffer_src.terminal import ServerLog, _print_table, clip, configure_logging, printable, redact, say, say_json
 from coffer_src.transport.remote import probe_transport
 from coffer_src.transport.stdio import UpstreamFailure
 from coffer_src.vault import Vault, _state, coffer_home, setting_key, utcnow
+from coffer_src.vault_rows import SHARING_MODES
 
 cli_log = logging.getLogger(__name__)
 
@@ -207,6 +206,9 @@ def cmd_show(vault, args) -> int:
     detail = f" ({shown['status_detail']})" if shown["status_detail"] else ""
     since = f" since {shown['status_at']}" if shown["status_at"] else ""
     say(f"  status: {shown['status']}{since}{detail}")
+    reason = f" ({shown['sharing_reason']})" if shown.get("sharing_reason") else ""
+    say(f"  sharing: {shown['sharing']}{reason}" + (" -- one instance per client session"
+                                                    if shown["sharing"] == "per-client" else ""))
     if shown["capabilities"]:
         say()
         _print_table([[c["kind"], c["name"], c["state"]] for c in shown["capabilities"]], ["KIND", "NAME", "STATE"])
@@ -308,6 +310,10 @@ def cmd_list(vault: Vault, args) -> int:
                 "tools": counts.get(s["name"], 0),
                 "awaiting_approval": held.get(s["name"], 0)}
                for s in vault.servers()]
+    live = {u["name"]: u for u in (service_running(vault.home) or {}).get("upstreams", [])}
+    for server in servers:  # what the running service sees now, over what was recorded last
+        if server["name"] in live and server["status"] != "damaged":
+            server["status"] = live[server["name"]]["state"]
     if args.json:
         say_json({"servers": servers})
     elif not servers:
@@ -352,8 +358,13 @@ def cmd_tools(vault: Vault, args) -> int:
     """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
     server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
     failed = []
+    running = None if args.cached else service_tools(vault.home)
     if args.cached:
         tools = cached_tools(vault)
+    elif running is not None:  # the running service's catalogue: no server is started for this
+        tools = [tool for server in running.values() for tool in server["tools"]]
+        failed = [ProbeResult(name, server["state"], server["error"], [], 0.0) for name, server in running.items()
+                  if server["state"] == "failed"]
     else:
         interactive = sys.stderr.isatty()
 
@@ -413,6 +424,11 @@ def cmd_approve(vault: Vault, args) -> int:
 
 
 def cmd_policy(vault: Vault, args) -> int:
+    if args.policy in SHARING_MODES:
+        vault.set_sharing(args.server, args.policy, "the user's choice" if args.policy == "per-client" else None)
+        say(f"{args.server} runs once for every client" if args.policy == "shared" else
+            f"{args.server} runs once per client session (each with its own client's roots and identity)")
+        return 0
     vault.set_policy(args.server, args.policy)
     say({"enabled": f"new capabilities of {args.server} will be enabled",
          "disabled": f"new capabilities of {args.server} will be disabled",
@@ -467,11 +483,22 @@ def cmd_call(vault: Vault, args) -> int:
     if not isinstance(arguments, dict):
         raise CofferError("arguments must be a JSON object, e.g. '{\"timezone\": \"UTC\"}'")
     server = args.tool.partition(SEPARATOR)[0]
-    with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
+    session = open_service_session(vault.home)
+    if session is not None:  # the running service: its servers are warm, nothing starts for this call
         try:
-            result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
-        except UpstreamFailure as exc:
-            raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
+            answer = session.request("tools/call", {"name": args.tool, "arguments": arguments},
+                                     float(vault.settings()["call_timeout"]) + 10)
+        finally:
+            session.close()
+        if "error" in answer:
+            raise CofferError(printable(str(answer["error"].get("message") or answer["error"])))
+        result = answer.get("result")
+    else:
+        with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
+            try:
+                result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
+            except UpstreamFailure as exc:
+                raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
     say_json(result)
     return 1 if isinstance(result, dict) and result.get("isError") else 0
 
@@ -727,36 +754,6 @@ def cmd_memory(vault: Vault, args) -> int:
     return 0
 
 
-def cmd_serve(vault: Vault, args) -> int:
-    vault.actor = "gateway"
-
-    def client_gone():
-        hub.shutdown()
-        os._exit(0)  # the main thread is blocked reading a client that will never write again
-
-    hub = Hub(vault, remember=not args.live, only=args.only)
-    session = ClientSession(hub, on_client_gone=client_gone)
-
-    def on_signal(signum, frame):
-        if not hub.stopping:  # a second signal must not interrupt the shutdown itself
-            raise SystemExit(0)
-
-    for name in ("SIGTERM", "SIGHUP"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), on_signal)
-    try:
-        if sys.stdin.isatty() and sys.stderr.isatty():
-            cli_log.info("coffer serve speaks MCP on stdin/stdout and waits for a client; an agent starts it itself "
-                     "(e.g. `claude mcp add coffer -- coffer serve`). Ctrl-C to quit.")
-        hub.start()
-        session.serve(sys.stdin.buffer)
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        hub.shutdown()
-    return 0
-
-
 EPILOG = """
 examples:
   coffer add time -- uvx mcp-server-time
@@ -833,11 +830,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("approve", cmd_approve, "accept a changed tool/prompt/resource definition after reading the diff "
                                         "(a server name approves all of its changes; no target lists them)")
     p.add_argument("target", nargs="?")
-    p = command("policy", cmd_policy, "what a server's new capabilities start as (enabled|disabled), and whether "
+    p = command("policy", cmd_policy, "what a server's new capabilities start as (enabled|disabled), whether "
                                       "its changed definitions apply at once (trust-updates) or wait for `coffer "
-                                      "approve` (pin-updates, the default)")
+                                      "approve` (pin-updates, the default), and whether the service runs it once "
+                                      "for every client (shared, the default) or once per client (per-client)")
     p.add_argument("server")
-    p.add_argument("policy", choices=("enabled", "disabled", "trust-updates", "pin-updates"))
+    p.add_argument("policy", choices=("enabled", "disabled", "trust-updates", "pin-updates", *SHARING_MODES))
     p = command("secret", cmd_secret, "the secret store: set NAME (prompted, or from stdin), list, rm NAME")
     p.add_argument("action", choices=("set", "list", "rm"))
     p.add_argument("name", nargs="?")
@@ -870,11 +868,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?")
     p.add_argument("--json", action="store_true")
-    p = command("serve", cmd_serve, "run the MCP gateway on stdio (what an agent's config runs)")
-    p.add_argument("--live", action="store_true",
-                   help="list only what started servers offer now; by default a server still starting is "
-                        "listed as it was at its last start, and a change is announced when it is up")
-    p.add_argument("--only", action="append", metavar="SERVER", help=argparse.SUPPRESS)
+    add_service_commands(command)
     add_client_commands(command)
     return parser
 
@@ -900,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--limit must be at least 1")
     vault = None
     try:
-        vault = Vault()
+        vault = Vault() if getattr(args, "opens_vault", True) else None
         return args.handler(vault, args)
     except KeyboardInterrupt:
         print("coffer: interrupted", file=sys.stderr)

@@ -30,6 +30,9 @@ DEFAULTS = {
     "mrtr_ttl": 300.0,              # seconds a 2026-07-28 client has to answer a question an upstream asked mid-call
     "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them
     "ask_synthesis": "on",          # on: coffer__ask may ask the client's own model (sampling) for an answer
+    "serve_mode": "service",        # service: `coffer serve` relays to the user's shared service; standalone: not
+    "service_idle_exit": 600.0,     # seconds the service stays up with no client attached
+    "upstream_idle_stop": "off",    # off, or seconds a shared upstream may go without a call before it is stopped
     "restart_backoff": 0.5,         # seconds before a crashed upstream's first restart; doubles per failure
 }
 #: Settings `coffer config KEY VALUE` changes and `coffer config KEY` shows, but the listings (`coffer config`,
@@ -51,6 +54,13 @@ def unknown_setting(key: str) -> str:
     """The message for a setting name Coffer does not know: the listed ones, and the nearest."""
     listed = sorted(listed_settings(DEFAULTS))
     return f"unknown setting {key!r}{did_you_mean(key, listed)}; known: {', '.join(listed)}, expose.<client>"
+
+
+def _positive_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text)) and float(text) > 0
+    except ValueError:
+        return False
 
 
 def check_setting(key: str, raw):
@@ -75,6 +85,10 @@ def check_setting(key: str, raw):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
     if key in ("memory", "ask_synthesis") and value not in ("on", "off"):
         raise CofferError(f"{key} must be on or off")
+    if key == "serve_mode" and value not in ("service", "standalone"):
+        raise CofferError("serve_mode must be service or standalone")
+    if key == "upstream_idle_stop" and value != "off" and not _positive_number(value):
+        raise CofferError("upstream_idle_stop must be off or a number of seconds")
     if key == "max_message_bytes" and value < 4096:
         raise CofferError("max_message_bytes must be at least 4096")
     if isinstance(value, (int, float)) and value <= 0:

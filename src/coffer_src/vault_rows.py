@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 
+from coffer_src.digests import sha256
 from coffer_src.names import RESERVED_SERVER, SERVER_NAME_RE
 
 TRANSPORTS = ("stdio", "http", "sse", "auto")
+SHARING_MODES = ("shared", "per-client")
 
 
 def vault_json(value) -> str:
@@ -25,7 +26,7 @@ _UNPINNED_FIELDS = {"tool": ("_meta",), "prompt": ("_meta",), "resource": ("_met
 
 def fingerprint(definition: dict, kind: str = "tool") -> str:
     pinned = {k: v for k, v in definition.items() if k not in _UNPINNED_FIELDS.get(kind, ())}
-    return hashlib.sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
+    return sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
 
 
 def definition_diff(before: str | None, after: str | None) -> str:
@@ -58,6 +59,9 @@ def server_row(row) -> dict:
     server.setdefault("era", None)
     if server["era"] not in (None, "handshake", "modern"):
         server["era"] = None
+    if server.setdefault("sharing", "shared") not in SHARING_MODES:
+        server["sharing"] = "shared"
+    server.setdefault("sharing_reason", None)
     try:
         if not isinstance(server["name"], str) or not SERVER_NAME_RE.match(server["name"]) or \
                 server["name"].lower() == RESERVED_SERVER:

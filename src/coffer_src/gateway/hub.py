@@ -8,9 +8,11 @@ process.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sqlite3
+import sys
 import threading
 import time
 
@@ -21,6 +23,7 @@ from coffer_src.gateway.builtins import (
     CLIENT_SIDE_CAPABILITIES,
     REMEMBER_TOOL_DEFINITION,
 )
+from coffer_src.invocations import InvocationLog
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.search.semantic import Embedder, SemanticRanker
@@ -28,17 +31,81 @@ from coffer_src.secret_store import resolution_digest
 from coffer_src.terminal import ServerLog
 from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.transport.stdio import StdioTransport, process_table
-from coffer_src.upstream.supervisor import Upstream
-from coffer_src.vault import CapabilityState, InvocationLog, Vault, setting_key
+from coffer_src.upstream.supervisor import Upstream, record_upstream_status
+from coffer_src.vault import CapabilityState, Vault, setting_key
 
 hub_log = logging.getLogger(__name__)
 
 #: What in a server's config makes a running upstream stale: a change to any of these restarts it.
-RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env", "oauth")
+RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env", "oauth",
+                "sharing")
+#: What a shared upstream is told its client can do: everything a client may offer, since any session may call it;
+#: a request it makes goes to the session whose call it serves, which answers or refuses for its own client.
+SHARED_CLIENT_CAPABILITIES = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
+
+
+_LIBC_TRIM = None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap a catalogue build freed back to the operating system (glibc keeps it, by default, for the
+    process's next allocation; the service lives for hours between builds).  Elsewhere a no-op."""
+    global _LIBC_TRIM
+    if _LIBC_TRIM is None:
+        _LIBC_TRIM = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+                _LIBC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                pass
+    if _LIBC_TRIM:
+        _LIBC_TRIM(0)
+
+
+class RememberedServer:
+    """A server with no instance running in the hub: what the catalogue lists for it, from its lists remembered
+    at its last start, until an instance is asked for."""
+
+    per_client = False   # True: each client session runs an instance of its own (PerClientServer)
+    dormant = False      # True: stopped for want of calls; the hub starts it again on the next one
+    spawns = 0
+    ready_at = 0.0
+    generation = 0
+
+    def __init__(self, config: dict, remembered: dict):
+        self.config = config
+        self.name: str = config["name"]
+        self.remembered = remembered
+        self.lists = {kind: {} for kind in ("tool", "prompt", "resource", "template")}
+        self.era = config.get("era")
+        self.capabilities = config.get("capabilities") or {}
+        self.state = "idle"
+
+    def learn(self, lists: dict) -> bool:
+        """An instance listed these: remember them for every session's catalogue.  True if they changed."""
+        kept = {kind: items for kind, items in lists.items() if kind in ("tool", "prompt") and items}
+        changed = kept != self.remembered
+        self.remembered = kept
+        return changed
+
+
+class PerClientServer(RememberedServer):
+    """A server that runs one instance per client session; a session starts its own on first use."""
+
+    per_client = True
+
+
+class DormantServer(RememberedServer):
+    """A shared server stopped after upstream_idle_stop seconds without a call; its tools stay listed, and the
+    next call starts it again (and waits for it, as a call to a starting server does)."""
+
+    dormant = True
 
 
 class Hub:
-    """The upstreams, catalogue and indexes every client session of this process shares.
+    """The upstreams, catalogue and indexes every client session of this process shares; the events of its
+    upstreams come here (it implements upstream.supervisor.UpstreamEvents).
 
     Threads and what they own:
       - each upstream's reader delivers that upstream's events here (``on_ready``, ``on_down``, ``on_list_changed``
@@ -56,8 +123,9 @@ class Hub:
     a lock, from any thread, whatever lock it already holds.
     """
 
-    def __init__(self, vault: Vault, remember: bool = True, only=None):
+    def __init__(self, vault: Vault, remember: bool = True, only=None, shared: bool = False):
         self.vault = vault
+        self.shared = shared     # the user's service: sessions come and go; False: one client, in-process
         self.remember = remember
         self.only = set(only) if only else None  # serve just these servers (`coffer call` needs one)
         self.vault_lock = threading.Lock()
@@ -66,6 +134,10 @@ class Hub:
         self.log = InvocationLog(vault.path)
         self.disabled_servers: set[str] = set()
         self.upstreams: dict[str, Upstream] = {}
+        self.per_client: dict[str, PerClientServer] = {}   # shared mode: servers each session runs its own of
+        self.dormant: dict[str, DormantServer] = {}         # shared mode: servers stopped while unused
+        self._progress: dict[str, object] = {}             # Coffer's progress token upstream -> its session
+        self._progress_ids = itertools.count(1)
         self.configs: dict[str, dict] = {}
         self.remembered: dict[str, dict] = {}  # server -> kind -> {name: definition}, from the vault
         self.states = vault.capability_states()
@@ -82,6 +154,7 @@ class Hub:
         self.knowledge_tools: list[dict] = []
         self._upstream_client: tuple[dict, dict | None, str] | None = None  # what upstreams are started with
         self._reported_missing = False
+        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see rebuild)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
@@ -94,11 +167,18 @@ class Hub:
         """Read what to serve from the vault and start the ticker (upstreams start with the first session)."""
         try:
             self.vault.prune()
-        except (sqlite3.Error, CofferError) as exc:  # a busy or read-only vault must not stop the session
+        except CofferError as exc:  # a busy or read-only vault must not stop the session
             hub_log.warning("retention pruning skipped: %s", exc)
         self.configs = self._serving(self.vault.servers(), report=True)
         self.remembered = self.vault.remembered_lists() if self.remember else {}
         self._update_knowledge()
+        if self.shared:  # upstreams start with the service, not with a client: they are warm when one comes
+            self._upstream_client = (SHARED_CLIENT_CAPABILITIES, None, LATEST_PROTOCOL_VERSION)
+            self._load_usage()
+            for config in self.configs.values():
+                self._add_upstream(config)
+            if any(up.remembered for up in self.upstreams.values()) or self.per_client:
+                self.rebuild()
         start_thread(self._tick, "coffer-ticker")
 
     @property
@@ -123,15 +203,18 @@ class Hub:
                 self._upstream_client = (caps, session.client_info or None, session.protocol_version)
         if not first:
             return
-        try:
-            with self.vault_lock:
-                self.usage = self.vault.tool_usage()
-        except sqlite3.Error as exc:
-            hub_log.warning("tool usage unavailable (%s); a budgeted list falls back to catalogue order", exc)
+        self._load_usage()
         for config in self.configs.values():
             self._add_upstream(config)
         if any(up.remembered for up in self.upstreams.values()):
             self.rebuild()  # remembered tools are listable at once; before `initialized`, so no notification
+
+    def _load_usage(self) -> None:
+        try:
+            with self.vault_lock:
+                self.usage = self.vault.tool_usage()
+        except CofferError as exc:
+            hub_log.warning("tool usage unavailable (%s); a budgeted list falls back to catalogue order", exc)
 
     def shutdown(self) -> None:
         """Write the log, stop every upstream (and its descendants), the workers and the rankers' threads.  A
@@ -180,10 +263,10 @@ class Hub:
         memory = self.settings["memory"] == "on"
         try:
             with self.vault_lock:
-                row = self.vault.db.execute("SELECT count(*) FROM knowledge_sources WHERE kind='folder'").fetchone()
-            has_sources = bool(row and row[0])
-        except sqlite3.Error:
-            has_sources = False  # no knowledge table yet: nothing was ever added
+                has_sources = self.vault.has_knowledge_sources()
+        except CofferError as exc:
+            hub_log.warning("knowledge sources unavailable: %s", exc)
+            has_sources = False
         if (has_sources or memory) and self.knowledge is None:
             try:
                 self.knowledge = KnowledgeBase(self.vault.path, self.vault.home,
@@ -223,6 +306,10 @@ class Hub:
             advertised["resources"]["subscribe"] = True
         return advertised
 
+    def subscribed_elsewhere(self, session, upstream, uri: str) -> bool:
+        """Whether a session other than ``session`` still wants resources/updated for ``uri`` of ``upstream``."""
+        return any(other is not session and other.calls.subscribed(upstream, uri) for other in self.sessions)
+
     def failed_servers(self) -> tuple[list[str], list[str]]:
         """Servers that failed at their last start: (waiting for a login, failed otherwise)."""
         failed = [c["name"] for c in self.configs.values() if c.get("status") == "failed"]
@@ -231,6 +318,12 @@ class Hub:
 
     def _add_upstream(self, config: dict) -> None:
         caps, info, version = self._upstream_client or ({}, None, LATEST_PROTOCOL_VERSION)
+        if self.shared and config.get("sharing") == "per-client":
+            with self.lock:
+                if config["name"] not in self.per_client:
+                    placeholder = PerClientServer(config, self.remembered.pop(config["name"], {}))
+                    self.per_client = {**self.per_client, config["name"]: placeholder}
+            return
         with self.lock:  # a session's first request (client thread) and a vault reload (ticker) may both get here
             if config["name"] in self.upstreams:
                 return
@@ -265,8 +358,15 @@ class Hub:
                             transport.remember_family(table)
                     except Exception:  # noqa: BLE001 - bookkeeping for shutdown; never the ticker's death
                         hub_log.exception("could not read the process table")
+            if self._trim_at is not None and now >= self._trim_at:
+                self._trim_at = None
+                return_freed_memory()
             if now - last_reload >= 1.0:
                 last_reload = now
+                try:
+                    self._stop_idle()
+                except Exception:  # noqa: BLE001 - the ticker also guards every timeout
+                    hub_log.exception("could not stop an idle upstream")
                 try:
                     self._reload_if_vault_changed()
                 except Exception:  # noqa: BLE001 - the ticker also guards every timeout
@@ -306,44 +406,106 @@ class Hub:
                     self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
                 start_thread(upstream.stop, f"coffer-{name}-stop")
                 changed = True
+        for name, placeholder in self.per_client.items():
+            old, new = self.configs.get(name), configs.get(name)
+            if new is None or any(old.get(k) != new.get(k) for k in RESTART_KEYS):
+                with self.lock:
+                    self.per_client = {key: p for key, p in self.per_client.items() if key != name}
+                for session in self.sessions:
+                    session.instances.drop(name)
+                changed = True
+        for name, placeholder in self.dormant.items():
+            old, new = self.configs.get(name), configs.get(name)
+            if new is None or any(old.get(k) != new.get(k) for k in RESTART_KEYS):
+                with self.lock:
+                    self.dormant = {key: p for key, p in self.dormant.items() if key != name}
+                changed = True
         self.configs = configs
         for name, config in configs.items():
-            if name not in self.upstreams:
+            if name not in self.upstreams and name not in self.per_client and name not in self.dormant:
                 self._add_upstream(config)
         if changed:
             self.rebuild()
 
+    # -- idle upstreams (shared mode) -----------------------------------------------------------------------------
+    def _stop_idle(self) -> None:
+        """Stop each shared upstream that has had no call for upstream_idle_stop seconds (and has nothing in
+        flight); what it listed stays in the catalogue."""
+        limit = str(self.settings.get("upstream_idle_stop", "off"))
+        if not self.shared or limit == "off":
+            return
+        now = time.time()
+        for name, upstream in self.upstreams.items():
+            last = max(getattr(upstream, "last_call", None) or 0.0, getattr(upstream, "idle_since", None) or now)
+            if upstream.state != "ready" or now - last < float(limit) or \
+                    not upstream.requests.idle():
+                continue
+            with self.lock:
+                if self.upstreams.get(name) is not upstream:
+                    continue
+                placeholder = DormantServer(self.configs.get(name) or upstream.config,
+                                            {kind: items for kind, items in upstream.lists.items()
+                                             if kind in ("tool", "prompt") and items})
+                self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
+                self.dormant = {**self.dormant, name: placeholder}
+            ServerLog(hub_log, name).info("stopped after %gs without a call; the next call starts it again",
+                                          float(limit))
+            start_thread(upstream.stop, f"coffer-{name}-stop")
+            self.rebuild()
+
+    def wake(self, name: str) -> Upstream | None:
+        """Start a dormant server again for a call (the call waits for its start); the running upstream."""
+        with self.lock:
+            placeholder = self.dormant.get(name)
+            if placeholder is None:
+                return self.upstreams.get(name)
+            self.dormant = {key: p for key, p in self.dormant.items() if key != name}
+            self.remembered[name] = placeholder.remembered
+        self._add_upstream(placeholder.config)
+        self.rebuild()
+        return self.upstreams.get(name)
+
     # -- events from upstreams (see upstream.supervisor: the upstream events interface) -----------------------
+    def _retired(self, upstream: Upstream) -> bool:
+        """A shared instance switched to per-client, still finishing its calls: what it lists now is what every
+        client's own instance will list, so the catalogue learns it from here (no client has to start one
+        just to find out); nothing else it does concerns the hub any more."""
+        placeholder = self.per_client.get(upstream.name)
+        if placeholder is None or self.upstreams.get(upstream.name) is upstream:
+            return False
+        if upstream.ready_at and placeholder.learn(upstream.lists):
+            self.rebuild()
+        return True
+
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
             with self.vault_lock:
                 states = self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
                 self.states = {**self.states, **{(upstream.name, kind, name): state
                                                  for name, state in states.items()}}
-        except (sqlite3.Error, CofferError) as exc:
+        except CofferError as exc:
             ServerLog(hub_log, upstream.name).warning("could not record its %ss in the vault: %s", kind, exc)
             if upstream.config.get("policy") == "disabled":  # fail closed: unrecorded means not allowed
                 with self.vault_lock:
                     self.states = {**{(upstream.name, kind, name): CapabilityState(False) for name in items},
                                    **self.states}
-        if notify:
+        if notify and not self._retired(upstream):
             self.rebuild()
 
     def on_ready(self, upstream: Upstream) -> None:
+        if self._retired(upstream):
+            return
+        if getattr(upstream, "idle_since", None) is None:
+            upstream.idle_since = time.time()  # see _stop_idle
         self._remember_transport(upstream)
         if upstream.era != upstream.config.get("era"):
             try:
                 with self.vault_lock:
                     self.vault.record_era(upstream.name, upstream.era)
                 upstream.config["era"] = upstream.era
-            except (sqlite3.Error, CofferError) as exc:
+            except CofferError as exc:
                 ServerLog(hub_log, upstream.name).debug("could not remember its protocol era: %s", exc)
-        counts = {kind: len(items) for kind, items in upstream.lists.items() if items}
-        info = upstream.server_info
-        who = f"{info.get('name', '?')} {info.get('version', '')}".strip() + ": " if info else ""
-        self.record_status(upstream, "ready",
-                           who + (", ".join(f"{n} {k}s" for k, n in counts.items()) or "no capabilities"),
-                           upstream.capabilities)
+        self.record_status(upstream, "ready")
         for session in self.sessions:
             session.upstream_ready(upstream)
         try:
@@ -367,40 +529,111 @@ class Hub:
                 config["transport"] = detected
             try:
                 self.vault.set_transport(upstream.name, detected)
-            except (sqlite3.Error, CofferError) as exc:
+            except CofferError as exc:
                 ServerLog(hub_log, upstream.name).warning("could not remember its transport: %s", exc)
 
     def on_down(self, upstream: Upstream) -> None:
+        if self.per_client.get(upstream.name) is not None and self.upstreams.get(upstream.name) is not upstream:
+            return  # a retired shared instance (see _retired) ending: its clients have their own
         for session in self.sessions:
             session.upstream_down(upstream)
-        self.record_status(upstream, upstream.state, upstream.last_error or "")
+        self.record_status(upstream, upstream.state)
         if upstream.state == "failed":
             self.rebuild()
         for session in self.sessions:
             session.release_waiting()
 
-    def record_status(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
-        try:
-            with self.vault_lock:
-                self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
-        except (sqlite3.Error, CofferError) as exc:
-            ServerLog(hub_log, upstream.name).warning("could not record status: %s", exc)
+    def record_status(self, upstream: Upstream, status: str, detail: str | None = None) -> None:
+        """What an upstream's start or end tells `coffer list`, `show` and the agent's instructions."""
+        record_upstream_status(self.vault, self.vault_lock, upstream, status, detail)
 
     def on_notification(self, upstream: Upstream, message: dict) -> None:
-        """A notification an upstream may send (see RELAYED_NOTIFICATIONS): each session relays what concerns it."""
-        for session in self.sessions:
+        """A notification an upstream may send (see RELAYED_NOTIFICATIONS) goes where it belongs: progress to the
+        session whose call it reports on (by Coffer's own token), log messages and elicitation notices to the
+        sessions with calls in flight to that upstream (when none has, every session, at its own level), the rest
+        to every session, each relaying what concerns it."""
+        method = message["method"]
+        params = message.get("params") if isinstance(message.get("params"), dict) else {}
+        if method == "notifications/progress":
+            session = self._progress.get(params.get("progressToken"))
+            sessions = (session,) if session is not None else ()
+        elif method in ("notifications/message", "notifications/elicitation/complete"):
+            sessions = tuple(s for s in self.sessions if s.oldest_call_to(upstream) is not None) or self.sessions
+        else:
+            sessions = self.sessions
+        for session in sessions:
             session.upstream_notification(upstream, message)
 
+    def progress_token(self, session) -> str:
+        """A progress token of Coffer's own for one call upstream: whichever session's call it is, its progress
+        comes back to that session only (clients' own tokens may collide)."""
+        token = f"coffer-progress-{next(self._progress_ids)}"
+        with self.lock:
+            self._progress = {**self._progress, token: session}
+        return token
+
+    def forget_progress(self, token) -> None:
+        if token in self._progress:
+            with self.lock:
+                self._progress = {key: s for key, s in self._progress.items() if key != token}
+
     def on_request(self, upstream: Upstream, message: dict) -> None:
-        """A server->client request (sampling, elicitation, roots): the session with a call in flight to that
-        upstream answers it (the oldest such call's, when there are several), else the first session."""
+        """A server->client request (sampling, elicitation, roots) reaches the client whose call it serves.
+
+        One client in-process: that client.  Shared: a server that asks the client anything depends on its client,
+        so from now on it runs one instance per client (recorded, shown by `coffer show`); this request goes to
+        the one session with calls in flight to it, and to none when there is no such call or more than one
+        session has calls there (nothing on the wire says which call a request serves: guessing could hand one
+        client's question to another)."""
         sessions = self.sessions
-        session = min((s for s in sessions if s.oldest_call_to(upstream) is not None),
-                      key=lambda s: s.oldest_call_to(upstream), default=sessions[0] if sessions else None)
+        calling = [s for s in sessions if s.oldest_call_to(upstream) is not None]
+        if not self.shared:
+            session = min(calling, key=lambda s: s.oldest_call_to(upstream)) if calling else \
+                (sessions[0] if sessions else None)
+        else:
+            what = {"roots/list": "the client's roots", "sampling/createMessage": "the client's model (sampling)",
+                    "elicitation/create": "the user (elicitation)"}.get(message["method"], message["method"])
+            self.make_per_client(upstream.name, f"it asked {what}")
+            session = calling[0] if len(calling) == 1 else None
         if session is None:
-            upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "no client is connected"))
+            upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "no client call of this server can take "
+                                       "this request; Coffer runs this server once per client from now on"))
             return
         session.upstream_request(upstream, message)
+
+    def make_per_client(self, name: str, reason: str) -> None:
+        """Switch a shared server to one instance per client: recorded (and shown by `coffer show`), its shared
+        instance stopped once its calls are answered; the next call of each session starts that session's own."""
+        with self.lock:
+            upstream = self.upstreams.get(name)
+            config = self.configs.get(name)
+            if upstream is None or config is None:
+                return  # already switched (a retiring instance may ask again), or gone
+            config = self.configs[name] = {**config, "sharing": "per-client", "sharing_reason": reason}
+            self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
+            lists = {kind: items for kind, items in upstream.lists.items() if kind in ("tool", "prompt") and items}
+            placeholder = PerClientServer(config, lists or upstream.remembered)
+            self.per_client = {**self.per_client, name: placeholder}
+        ServerLog(hub_log, name).info("runs once per client from now on: %s", reason)
+        if not placeholder.remembered:  # nothing known of it yet: each client's own instance will say what it offers
+            for session in self.sessions:
+                if session.initialized:
+                    session.instance_of(placeholder)
+        try:
+            with self.vault_lock:
+                self.vault.set_sharing(name, "per-client", reason)
+        except CofferError as exc:
+            ServerLog(hub_log, name).warning("could not record that it runs per client: %s", exc)
+        start_thread(self._retire, f"coffer-{name}-retire", upstream)
+        self.rebuild()
+
+    def _retire(self, upstream: Upstream) -> None:
+        """Stop a shared instance that was switched to per-client once nothing is waiting on it (bounded)."""
+        deadline = time.monotonic() + upstream.call_timeout
+        while time.monotonic() < deadline and any(s.oldest_call_to(upstream) is not None for s in self.sessions):
+            if self._stopping.wait(0.2):
+                break
+        upstream.stop()
 
     # -- the catalogue -------------------------------------------------------------------------------------
     def rebuild(self, force: bool = False) -> None:
@@ -420,6 +653,7 @@ class Hub:
                 self._rebuilds_done = self._rebuilds_wanted
                 force, self._force_tools_notice = self._force_tools_notice, False
             live = [up for up in self.upstreams.values() if up.state not in ("failed", "stopped")]
+            live += [*self.per_client.values(), *self.dormant.values()]
             catalogue = Catalogue(live, self.states, self.settings["name_max_length"])
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new
@@ -429,6 +663,8 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
+        if self.shared:  # what the build and the listing it came from leave freed, once they are gone (ticker)
+            self._trim_at = time.monotonic() + 1.0
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream

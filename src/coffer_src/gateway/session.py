@@ -18,6 +18,7 @@ import time
 
 from coffer_src.gateway.bridge import EraBridge
 from coffer_src.gateway.builtins import (
+    CLIENT_SIDE_CAPABILITIES,
     INSTRUCTIONS,
     SEARCH_TOOL_DEFINITION,
     BuiltinTools,
@@ -27,6 +28,7 @@ from coffer_src.gateway.builtins import (
 )
 from coffer_src.gateway.calls import OwnRequest, RelayedRequest, Waiting
 from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.instances import SessionInstances
 from coffer_src.gateway.routing import CallRouter
 from coffer_src.jsonrpc import (
     INTERNAL_ERROR,
@@ -53,9 +55,11 @@ from coffer_src.jsonrpc import (
     wire_text,
 )
 from coffer_src.modern import (
+    META_CLIENT_INFO,
     MODERN_CLIENT_METHODS,
     MODERN_PROTOCOL_VERSIONS,
     UNSUPPORTED_PROTOCOL_VERSION,
+    Envelope,
     coffer_server_info,
     is_enveloped,
     modern_error,
@@ -67,6 +71,7 @@ from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL
 from coffer_src.threads import start_thread
 from coffer_src.upstream.definitions import SERVER_REQUEST_NEEDS, normalized_reply
 from coffer_src.upstream.supervisor import Upstream
+from coffer_src.vault import iso_timestamp
 
 session_log = logging.getLogger(__name__)
 
@@ -146,9 +151,13 @@ class ClientSession:
 
     MAX_BATCH = 10_000     # messages in one JSON-RPC batch line (each costs ~100x its bytes once parsed)
 
-    def __init__(self, hub: Hub, out=None, on_client_gone=None):
+    def __init__(self, hub: Hub, out=None, on_client_gone=None, stream=None):
+        """``out``: where the client's bytes go (stdout, a socket); or ``stream``: an object with ClientStream's
+        surface (send(message), flush(), gone) that takes the messages themselves, such as an HTTP transport
+        that answers each request on its own response."""
         self.hub = hub
-        self.stream = ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
+        self.stream = stream if stream is not None else \
+            ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
         self.on_client_gone = on_client_gone
         self.lock = threading.RLock()
         self.initialized = False
@@ -164,6 +173,8 @@ class ClientSession:
         self.client_requests: dict[str, RelayedRequest] = {}   # by the id Coffer gave the relayed request
         self.own_requests: dict[str, OwnRequest] = {}         # Coffer's own requests to the client
         self._ids = itertools.count(1)
+        self.since = time.time()
+        self.instances = SessionInstances(self)  # shared mode: its own instances of per-client servers
         self.calls = CallRouter(self)
         self.bridge = EraBridge(self)
         self.tools = BuiltinTools(self)
@@ -205,14 +216,22 @@ class ClientSession:
         """Read the client until EOF.  Every line gets an answer or is a notification; nothing ends the session
         but the client closing its input (or a signal).  A line over max_message_bytes is answered with an error
         and skipped as it arrives, never held."""
-        read = getattr(stream, "read1", stream.read)
+        read = getattr(stream, "read1", None) or getattr(stream, "recv", None) or stream.read
         try:
             for lines in read_line_bursts(read, max_line=int(self.hub.settings["max_message_bytes"])):
                 if self.stream.gone:
                     break
                 handle_burst(lines, self.handle_line)
+                del lines  # not kept while the next read waits (see read_line_bursts)
         finally:
-            self.hub.detach(self)
+            self.close()
+
+    def close(self) -> None:
+        """The client is gone: its calls are cancelled upstream, its own server instances stopped, and the hub
+        forgets it (in-process, the hub itself stops next)."""
+        self.hub.detach(self)
+        self.calls.cancel_all("the client went away")
+        self.instances.stop_all()
 
     def handle_line(self, line) -> None:
         if wire_log.isEnabledFor(logging.DEBUG):
@@ -351,6 +370,33 @@ class ClientSession:
         self.hub.begin(self)
         self.initialized = True
         self.advertised = self.hub.advertised_capabilities()
+        for placeholder in list(self.hub.per_client.values()):
+            if not placeholder.remembered:  # never seen: this client's own instance lists what it offers
+                self.instance_of(placeholder)
+
+    def instance_of(self, upstream):
+        """The upstream a call of this session goes to (see SessionInstances.instance_of)."""
+        return self.instances.instance_of(upstream)
+
+    def upstream_named(self, name: str):
+        return self.instances.named(name)
+
+    def discovering(self, kind: str | None = None) -> list[str]:
+        """Servers this session still waits for: the hub's starting upstreams, and its own instances of
+        per-client servers until what they list is in the catalogue."""
+        return self.hub.discovering(kind) + self.instances.starting(kind)
+
+    def envelope_for(self, call) -> Envelope:
+        """What a 2026-07-28 upstream is told of the client behind one request: a 2026-07-28 client's own envelope
+        on that request; for a handshake-era client, what its initialize declared and its logging level."""
+        if self.client_era == "modern":
+            meta = call.client_params.get("_meta")
+            meta = meta if isinstance(meta, dict) else {}
+            info = meta.get(META_CLIENT_INFO)
+            return Envelope(MODERN_PROTOCOL_VERSIONS[-1], call.capabilities, info if isinstance(info, dict) else None,
+                            call.log_level)
+        caps = {k: v for k, v in self.client_capabilities.items() if k in CLIENT_SIDE_CAPABILITIES}
+        return Envelope(MODERN_PROTOCOL_VERSIONS[-1], caps, self.client_info or None, self.log_level)
 
     def instructions(self) -> str:
         """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
@@ -432,7 +478,7 @@ class ClientSession:
         the client's other requests are never held up behind a slow server.  ``background`` work (a search that
         may take a while) always goes to the pool, off the client's reader thread.
         """
-        if not self.hub.discovering(kind) or time.monotonic() >= self.discovery_deadline:
+        if not self.discovering(kind) or time.monotonic() >= self.discovery_deadline:
             if not background:
                 return work()
             self.hub.workers.submit(self.answer, msg_id, method, work)
@@ -452,7 +498,7 @@ class ClientSession:
             return
         now = time.monotonic()
         expired = now >= self.discovery_deadline
-        discovering = self.hub.discovering
+        discovering = self.discovering
         with self.lock:
             done, still = [], []
             for waiting in self._waiting:
@@ -517,6 +563,12 @@ class ClientSession:
             upstream.request("logging/setLevel", {"level": level}, lambda *a: None)
 
     # -- what upstreams tell this session (the hub passes them on) -------------------------------------------
+    def status(self) -> dict:
+        """This session as `coffer status` shows it."""
+        version = self.client_info.get("version")
+        return {"client": self.client_name, "version": version if isinstance(version, str) else None,
+                "era": self.client_era, "since": iso_timestamp(self.since), "calls": self.calls.calls_made}
+
     def upstream_ready(self, upstream: Upstream) -> None:
         """An upstream (re)started: give it this client's logging level and, after a restart, its subscriptions."""
         if self.log_level and "logging" in upstream.capabilities:
