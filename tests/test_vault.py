@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from coffer_src.vault import SCHEMA, InvocationLog, Vault
+from coffer_src.invocations import InvocationLog
+from coffer_src.vault import SCHEMA, Vault
 
 from conftest import (
     COFFER,
