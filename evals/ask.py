@@ -351,7 +351,7 @@ def render(results: list[Result], default: str, passages: int, questions: int) -
                      + "".join(f"{summary[m]:>10.3f}" for m in METRICS)
                      + f"{percentile(result.latencies_ms, 50):>9.2f}{percentile(result.latencies_ms, 95):>9.2f}"
                      + f"{result.build_ms:>10.0f}" + (f"   ({result.note})" if result.note else ""))
-    lines += ["", f"* gated: Coffer's default engine. nDCG@10 by question style:", ""]
+    lines += ["", "* gated: Coffer's default engine. nDCG@10 by question style:", ""]
     names = [r.ranker for r in results if not r.error]
     lines.append(f"{'style':<12}{'n':>5}" + "".join(f"{n[:14]:>15}" for n in names))
     for style in STYLES:

@@ -1002,10 +1002,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mrtr-calls", type=int, help="elicitation (multi round-trip) calls per path on the "
                                                        "modern path (default 500; quick 50)")
     parser.add_argument("--inflight", help="concurrency levels for throughput (default 32,256; quick 32)")
-    parser.add_argument("--throughput-calls", type=int, help="calls per throughput measurement, at least 2x the level (default 1000; quick 200)")
+    parser.add_argument("--throughput-calls", type=int,
+                        help="calls per throughput measurement, at least 2x the level (default 1000; quick 200)")
     parser.add_argument("--throughput-rounds", type=int, help="alternating rounds, median kept (default 2; quick 1)")
     parser.add_argument("--startup-sizes", default="1,4,8", help="numbers of upstreams for startup")
-    parser.add_argument("--startup-reps", type=int, help="startup repetitions after a warm-up pass, median kept (default 3; quick 1, no warm-up)")
+    parser.add_argument("--startup-reps", type=int,
+                        help="startup repetitions after a warm-up pass, median kept (default 3; quick 1, no warm-up)")
     parser.add_argument("--search-sizes", help="catalogue sizes (default 100,1000,10000,30000)")
     parser.add_argument("--search-queries", type=int, help="timed in-process queries per size (default 2000)")
     parser.add_argument("--e2e-sizes", help="sizes searched through the gateway (default 1000,10000)")
@@ -1260,7 +1262,8 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
                      f"catalogue: up to {len(base)} tools a sample of the real ones; beyond, copies under renamed "
                      "servers with a third of their description words swapped and half their names extended, so "
                      "every text is new to the tokenizer (distinct tools).\n"
-                     "build: median of the cold builds (tokenizer caches emptied before each); rebuild: again with the caches warm (a catalogue "
+                     "build: median of the cold builds (tokenizer caches emptied before each); rebuild: again with "
+                     "the caches warm (a catalogue "
                      "change); copies build: the same size made of exact copies, cold (as earlier reports measured "
                      "it). p50/p95: SearchIndex.search in-process, first uses of a term included (postings "
                      "are built on demand); gw: the tool called through `coffer serve` (one "

@@ -382,7 +382,7 @@ class EmbedHandler(BaseHTTPRequestHandler):
             if not self._body_read:
                 self.close_connection = True   # an unread body would be parsed as the next keep-alive request
             self._send_error(err)
-        except Exception as exc:   # pragma: no cover - a bug; answer rather than drop the connection
+        except Exception as exc:  # pragma: no cover  # noqa: BLE001 - a bug; answer, do not drop the connection
             self.close_connection = True
             self._send_error(ApiError(500, f"internal error: {exc!r}", err_type="server_error"))
 

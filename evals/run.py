@@ -13,8 +13,9 @@ Sets: ``project`` (evals/data, written by this project: an aggregated catalogue 
 servers and agent-phrased queries tagged by style), every ``evals/sets/<name>/`` (built from pinned public
 packages by ``python -m evals.build_sets``; see each SOURCE.md) and every ``<repo>/../shared/evals/<name>/``
 folder holding ``catalog.jsonl`` + ``queries.jsonl`` (read in place, never copied into the repo). A set whose
-files are absent is skipped (and fails the gate if it has a baseline, see below). Catalogue lines are tool dicts ``{"name","description","inputSchema",...}``;
-query lines are ``{"query","relevant":[...],"groups"?:[[...],...],"style"?}`` (style defaults to "all").
+files are absent is skipped (and fails the gate if it has a baseline, see below). Catalogue lines are tool dicts
+``{"name","description","inputSchema",...}``; query lines are
+``{"query","relevant":[...],"groups"?:[[...],...],"style"?}`` (style defaults to "all").
 
 Rankers run side by side on identical input: ``coffer`` (under test), ``bm25f`` (the plain field-weighted
 BM25 reference: name x3, description, parameters; no stemming, synonyms or boosts), and the lexical comparators
@@ -62,8 +63,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from evals import metrics  # noqa: E402  (needs the path above when run as a script)
-from evals.rankers import (RankerUnavailable, available_rankers, draft_factories, load_draft,  # noqa: E402
-                           make_embedder)
+from evals.rankers import RankerUnavailable, available_rankers, draft_factories, load_draft, make_embedder  # noqa: E402
 
 PROJECT_DIR = REPO_ROOT / "evals" / "data"
 SETS_DIR = REPO_ROOT / "evals" / "sets"  # further dev sets built by evals/build_sets.py from pinned public packages

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
 from conftest import PY, ROOT, cli
 
 FAKE_BROWSER = ROOT / "tests" / "fixtures" / "fake_browser.py"

@@ -1,4 +1,5 @@
-"""Checks the eval metrics on tiny hand-made rankings, so a wrong number in the eval table is never the harness's fault."""
+"""Checks the eval metrics on tiny hand-made rankings, so a wrong number in the eval table is never the harness's
+fault."""
 
 import json
 import math

@@ -10,30 +10,28 @@ import json
 import math
 import os
 import sqlite3
-import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-import coffer
+from coffer_src.errors import CofferError
+from coffer_src.knowledge import ranking
+from coffer_src.knowledge.base import KnowledgeBase
+from coffer_src.knowledge.documents import KnowledgeLimits, split_passages
+from coffer_src.knowledge.ranking import fts5_available
+from coffer_src.search.semantic import Embedder
 
-ENGINES = ["bm25f"] + (["fts5"] if coffer.fts5_available() else [])
-POSIX = os.name == "posix"
+from conftest import POSIX, wait_until, write
+
+ENGINES = ["bm25f"] + (["fts5"] if fts5_available() else [])
 
 
 def kb_for(tmp_path, engine="bm25f", **kwargs):
     home = tmp_path / "home"
     home.mkdir(parents=True, exist_ok=True)
-    return coffer.KnowledgeBase(str(home / "coffer.db"), str(home), engine=engine, **kwargs)
-
-
-def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    return path
+    return KnowledgeBase(str(home / "coffer.db"), str(home), engine=engine, **kwargs)
 
 
 def bump_mtime(path: Path) -> None:
@@ -61,7 +59,7 @@ def test_markdown_passages_follow_headings_and_keep_code_blocks_whole():
     text = ("---\ntitle: ignored front matter\n---\n# Guide\n\nIntro paragraph.\n\n## Install\n\nRun this:\n\n"
             "```bash\n# not a heading\npip install thing\n\npip install other\n```\n\nSetext Title\n------------\n\n"
             "Under setext.\n")
-    passages = coffer.split_passages(text, "markdown")
+    passages = split_passages(text, "markdown")
     lines = text.split("\n")
     for passage in passages:   # each passage is exactly its line range
         assert passage.text == "\n".join(lines[passage.first_line - 1:passage.last_line])
@@ -73,9 +71,10 @@ def test_markdown_passages_follow_headings_and_keep_code_blocks_whole():
 
 
 def test_rst_sections_levels_literal_blocks_and_directives():
-    text = ("=====\nTitle\n=====\n\nIntro.\n\nFirst\n-----\n\nExample::\n\n    code line one\n\n    code line two\n\n"
-            "Deeper\n~~~~~~\n\n.. note::\n\n   A note body\n\n   with two paragraphs.\n\nSecond\n------\n\nMore text.\n")
-    passages = coffer.split_passages(text, "rst")
+    text = ("=====\nTitle\n=====\n\nIntro.\n\nFirst\n-----\n\nExample::\n\n    code line one\n\n"
+            "    code line two\n\nDeeper\n~~~~~~\n\n.. note::\n\n   A note body\n\n   with two paragraphs.\n\n"
+            "Second\n------\n\nMore text.\n")
+    passages = split_passages(text, "rst")
     headings = [p.heading for p in passages]
     assert headings == ["Title", "Title > First", "Title > First > Deeper", "Title > Second"]
     first = passages[1]
@@ -84,13 +83,13 @@ def test_rst_sections_levels_literal_blocks_and_directives():
 
 
 def test_passages_are_bounded_even_for_one_huge_line():
-    limits = coffer.KnowledgeLimits(passage_chars=200, passage_max_chars=500)
+    limits = KnowledgeLimits(passage_chars=200, passage_max_chars=500)
     text = "# Big\n\n" + "word " * 2_000 + "\n\n" + "\n\n".join(f"paragraph {i} " * 5 for i in range(50))
-    passages = coffer.split_passages(text, "markdown", limits)
+    passages = split_passages(text, "markdown", limits)
     assert passages and all(len(p.text) <= 500 for p in passages)
     assert all(p.first_line <= p.last_line for p in passages)
     assert any("paragraph 49" in p.text for p in passages)
-    hostile = coffer.split_passages("# " + "h" * 100_000 + "\n\nbody text\n", "markdown", limits)
+    hostile = split_passages("# " + "h" * 100_000 + "\n\nbody text\n", "markdown", limits)
     assert any("body text" in p.text for p in hostile)
     assert all(len(p.text) <= 500 and len(p.heading) <= 600 for p in hostile)
 
@@ -190,14 +189,8 @@ def test_watcher_picks_up_an_edit_without_a_restart(tmp_path, docs):
     kb.start_watcher(interval=0.1)
     write(docs / "notes.txt", "Lunch is served at noon in the atrium.\n")
     bump_mtime(docs / "notes.txt")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        hits = kb.search("where is lunch served", 1)
-        if hits and "atrium" in hits[0].text:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the watcher did not reindex the edited file")
+    wait_until(lambda: (hits := kb.search("where is lunch served", 1)) and "atrium" in hits[0].text, timeout=10,
+               what="the watcher to reindex the edited file")
     kb.close()
 
 
@@ -208,14 +201,14 @@ def test_another_process_sees_the_index_and_a_python_without_fts5_keeps_it_consi
     first.add_source(str(docs), name="team")
     first.close()
     # An interpreter without FTS5 opens the same vault: it indexes with its own engine and marks FTS stale.
-    monkeypatch.setattr(coffer, "_FTS5_AVAILABLE", False)
+    monkeypatch.setattr(ranking, "_FTS5_AVAILABLE", False)
     plain = kb_for(tmp_path, "auto")
     assert plain.engine == "bm25f"
     write(docs / "new.md", "# Parking\n\nVisitors park in lot C.\n")
     plain.reindex("team")
     assert plain.search("where do visitors park", 1)[0].path == "new.md"
     plain.close()
-    monkeypatch.setattr(coffer, "_FTS5_AVAILABLE", True)
+    monkeypatch.setattr(ranking, "_FTS5_AVAILABLE", True)
     again = kb_for(tmp_path, "fts5")   # rebuilds the stale FTS table on open
     assert again.search("where do visitors park", 1)[0].path == "new.md"
     again.close()
@@ -230,9 +223,9 @@ def test_sources_filter_list_and_remove(tmp_path, docs):
     assert {(s.name, s.files) for s in kb.sources()} == {("team", 3), ("other", 1)}
     assert {h.source for h in kb.search("nginx", 5)} == {"team", "other"}
     assert {h.source for h in kb.search("nginx", 5, sources=["other"])} == {"other"}
-    with pytest.raises(coffer.CofferError, match="unknown knowledge source"):
+    with pytest.raises(CofferError, match="unknown knowledge source"):
         kb.search("nginx", sources=["nope"])
-    with pytest.raises(coffer.CofferError, match="already exists"):
+    with pytest.raises(CofferError, match="already exists"):
         kb.add_source(str(other), name="OTHER")
     kb.remove_source("other")
     assert [s.name for s in kb.sources()] == ["team"]
@@ -335,8 +328,8 @@ def test_walk_limits_bound_a_huge_tree(tmp_path, caplog):
     root = tmp_path / "many"
     for i in range(300):
         write(root / f"f{i:04d}.md", f"file number {i}\n")
-    kb = kb_for(tmp_path, limits=coffer.KnowledgeLimits(max_files=100))
-    with caplog.at_level("WARNING", logger="coffer"):
+    kb = kb_for(tmp_path, limits=KnowledgeLimits(max_files=100))
+    with caplog.at_level("WARNING", logger="coffer_src"):
         stats = kb.add_source(str(root), name="many")
     assert stats.files_seen == 100 and stats.skipped.get("over the walk limits") == 1
     assert any("walk limits" in record.getMessage() for record in caplog.records)
@@ -374,16 +367,16 @@ def test_remember_writes_a_private_markdown_note_that_search_finds(tmp_path):
 def test_memory_rejects_bad_input_and_path_tricks(tmp_path):
     kb = kb_for(tmp_path)
     for bad in ("", "   ", "x" * 20_000):
-        with pytest.raises(coffer.CofferError):
+        with pytest.raises(CofferError):
             kb.remember(bad)
-    with pytest.raises(coffer.CofferError, match="tags"):
+    with pytest.raises(CofferError, match="tags"):
         kb.remember("fine", tags=["has space"])
     for bad_id in ("../coffer", "20260101T000000Z-abc123/../../x", "nope"):
-        with pytest.raises(coffer.CofferError, match="bad memory id"):
+        with pytest.raises(CofferError, match="bad memory id"):
             kb.memory(bad_id)
-        with pytest.raises(coffer.CofferError, match="bad memory id"):
+        with pytest.raises(CofferError, match="bad memory id"):
             kb.forget(bad_id)
-    with pytest.raises(coffer.CofferError, match="reserved"):
+    with pytest.raises(CofferError, match="reserved"):
         kb.add_source(str(tmp_path), name="memory")
     kb.close()
 
@@ -448,7 +441,7 @@ def embed_server():
 
 def test_hybrid_uses_cached_passage_vectors(tmp_path, docs, embed_server):
     write(docs / "hr.md", "# Leave\n\nEach employee gets 30 vacation days per year.\n")
-    embedder = coffer.Embedder(embed_server, "toy")
+    embedder = Embedder(embed_server, "toy")
     kb = kb_for(tmp_path, embedder=embedder)
     kb.add_source(str(docs), name="team")
     kb.ensure_vectors()
@@ -467,7 +460,7 @@ def test_hybrid_uses_cached_passage_vectors(tmp_path, docs, embed_server):
 
 
 def test_embedder_failure_falls_back_to_lexical(tmp_path, docs):
-    dead = coffer.Embedder("http://127.0.0.1:9", "toy")   # discard port: refused
+    dead = Embedder("http://127.0.0.1:9", "toy")   # discard port: refused
     kb = kb_for(tmp_path, embedder=dead, query_timeout=0.5)
     kb.add_source(str(docs), name="team")
     answer = kb.ask("roll back a deploy", 1)

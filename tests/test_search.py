@@ -1,13 +1,17 @@
 """The BM25F ranker behind coffer__search_tools: tokenizer, stemmer, field weights, determinism, CJK, clamping."""
 
 import gc
-import json
 import random
 import threading
 
 import pytest
 
-import coffer
+from coffer_src.search import index as search_index
+from coffer_src.search import text as search_text
+from coffer_src.search.entities import query_entities
+from coffer_src.search.index import SearchIndex
+from coffer_src.search.semantic import fuse
+from coffer_src.search.text import stem, tokenize
 
 
 def tool(name, description="", **properties):
@@ -29,20 +33,20 @@ def names(hits):
     ("convert mp3 to base64 in 2024", ["convert", "mp3", "base64", "2024"]),   # numbers kept, stop words gone
 ])
 def test_tokenizer_splits_identifiers_normalises_and_drops_stop_words(text, expected):
-    assert coffer.tokenize(text) == expected
+    assert tokenize(text) == expected
 
 
 def test_stemmer_folds_the_forms_an_agent_uses_onto_the_forms_a_tool_uses():
     for group in (["create", "creates", "created", "creating"], ["list", "lists", "listed", "listing"],
                   ["query", "queries"], ["message", "messages"], ["translate", "translation"],
                   ["running", "run", "runs"]):
-        assert len({coffer.stem(word) for word in group}) == 1, group
-    assert coffer.stem("need") == "need" and coffer.stem("status") == "status"
+        assert len({stem(word) for word in group}) == 1, group
+    assert stem("need") == "need" and stem("status") == "status"
 
 
 def test_cjk_text_becomes_bigrams_so_chinese_and_japanese_queries_match():
-    assert coffer.tokenize("搜索关键词") == ["搜索", "索关", "关键", "键词"]
-    index = coffer.SearchIndex([
+    assert tokenize("搜索关键词") == ["搜索", "索关", "关键", "键词"]
+    index = SearchIndex([
         tool("bing__bing_search", "使用必应搜索指定的关键词，并返回搜索结果列表"),
         tool("fs__read_file", "Read a file from disk"),
     ])
@@ -52,7 +56,7 @@ def test_cjk_text_becomes_bigrams_so_chinese_and_japanese_queries_match():
 
 
 def test_name_tokens_outweigh_the_same_word_in_a_description():
-    index = coffer.SearchIndex([
+    index = SearchIndex([
         tool("a__delete_branch", "Remove things from the repository"),
         tool("b__prune", "Delete a branch from the repository"),
     ])
@@ -60,7 +64,7 @@ def test_name_tokens_outweigh_the_same_word_in_a_description():
 
 
 def test_parameter_names_and_enums_are_searchable():
-    index = coffer.SearchIndex([
+    index = SearchIndex([
         {"name": "w__forecast", "description": "Weather outlook",
          "inputSchema": {"type": "object", "properties": {"units": {"type": "string", "enum": ["celsius"]}}}},
         tool("x__other", "Something unrelated"),
@@ -69,7 +73,7 @@ def test_parameter_names_and_enums_are_searchable():
 
 
 def test_equivalent_verbs_match_at_lower_weight_than_the_exact_word():
-    index = coffer.SearchIndex([tool("a__remove_user", "Remove a user"), tool("b__delete_user", "Delete a user")])
+    index = SearchIndex([tool("a__remove_user", "Remove a user"), tool("b__delete_user", "Delete a user")])
     hits = index.search("delete user", 2)
     assert names(hits) == ["b__delete_user", "a__remove_user"] and hits[0][1] > hits[1][1] > 0
 
@@ -78,45 +82,24 @@ def test_ranking_is_deterministic_ties_broken_by_name_and_zero_scores_dropped():
     tools = [tool(f"s__same_{i}", "identical description") for i in range(10)] + [tool("z__zzz", "nothing")]
     shuffled = tools[:]
     random.Random(7).shuffle(shuffled)
-    first = coffer.SearchIndex(tools).search("identical description", 20)
-    second = coffer.SearchIndex(shuffled).search("identical description", 20)
+    first = SearchIndex(tools).search("identical description", 20)
+    second = SearchIndex(shuffled).search("identical description", 20)
     assert names(first) == names(second) == sorted(f"s__same_{i}" for i in range(10))
     assert "z__zzz" not in names(first)
-    assert coffer.SearchIndex(tools).search("xylophone", 5) == []
+    assert SearchIndex(tools).search("xylophone", 5) == []
 
 
 def test_top_k_is_clamped_to_one_through_twenty():
-    index = coffer.SearchIndex([tool(f"s__t{i}", "common word") for i in range(30)])
+    index = SearchIndex([tool(f"s__t{i}", "common word") for i in range(30)])
     assert len(index.search("common", 0)) == 1
     assert len(index.search("common", 500)) == 20
 
 
 def test_scores_are_rounded_and_sorted():
-    index = coffer.SearchIndex([tool("s__a", "alpha beta"), tool("s__b", "alpha"), tool("s__c", "beta gamma")])
+    index = SearchIndex([tool("s__a", "alpha beta"), tool("s__b", "alpha"), tool("s__c", "beta gamma")])
     hits = index.search("alpha beta", 3)
     scores = [score for _, score in hits]
     assert scores == sorted(scores, reverse=True) and all(round(s, 4) == s for s in scores)
-
-
-def test_search_tool_contract_through_the_gateway(raw_gateway, home):
-    """Through `coffer serve`: structuredContent plus a JSON text block, bad arguments as isError results."""
-    from conftest import FAKE, cli
-    cli("add", "fx", "--", *FAKE, "--tools", "echo,slow,crash")
-    gw = raw_gateway()
-    gw.initialize()
-
-    def search(arguments):
-        return gw.request("tools/call", {"name": "coffer__search_tools", "arguments": arguments})["result"]
-
-    result = search({"query": "echo the text back", "top_k": 2})
-    payload = result["structuredContent"]
-    assert json.loads(result["content"][0]["text"]) == payload
-    assert payload["total_searched"] == 3 and payload["tools"][0]["name"] == "fx__echo"
-    assert set(payload["tools"][0]) == {"name", "description", "inputSchema", "score"}
-    assert len(search({"query": "echo", "top_k": 5.0})["structuredContent"]["tools"]) >= 1
-    for bad in ({"query": ""}, {"query": 3}, {"query": "x", "top_k": "5"}, {"query": "x", "top_k": 2.5},
-                {"query": "x", "top_k": True}, {}):
-        assert search(bad).get("isError") is True, bad
 
 
 # ---------------------------------------------------------------- issue 10: failure classes, each on its own tools
@@ -148,14 +131,14 @@ FILES_AND_PLACES = [
 
 
 def test_a_word_that_only_shares_a_stem_does_not_outrank_the_words_the_request_is_about():
-    index = coffer.SearchIndex(FILES_AND_PLACES)
+    index = SearchIndex(FILES_AND_PLACES)
     # "located" stems onto "location", a rare and so heavy term of the place tools
     assert top(index, "open the file located in the project folder") == ["files__read_file"]
     assert top(index, "show me the contents of the document located under ./lib/util.js") == ["files__read_file"]
 
 
 def test_an_exact_word_outranks_a_word_that_only_shares_its_stem():
-    index = coffer.SearchIndex([tool("a__creation_report", "Reports about creation dates"),
+    index = SearchIndex([tool("a__creation_report", "Reports about creation dates"),
                                 tool("b__create_note", "Create a note")])
     hits = index.search("create", 2)
     assert names(hits) == ["b__create_note", "a__creation_report"] and hits[0][1] > hits[1][1]
@@ -202,7 +185,7 @@ ENTITY_CATALOGUE = [
     ("show me what's inside src/lib/index.ts", "files__read_text"),       # a relative path with no ./
 ])
 def test_arguments_in_the_request_pick_the_tool_whose_parameters_take_them(query, expected):
-    assert top(coffer.SearchIndex(ENTITY_CATALOGUE), query) == [expected]
+    assert top(SearchIndex(ENTITY_CATALOGUE), query) == [expected]
 
 
 NEWS_AND_NARROW_TOOLS = [
@@ -231,14 +214,14 @@ NEWS_AND_NARROW_TOOLS = [
     ("go to https://news.example.com/latest", "browser__navigate"),
 ])
 def test_a_general_information_request_reaches_web_search_not_a_tool_sharing_one_word(query, expected):
-    assert top(coffer.SearchIndex(NEWS_AND_NARROW_TOOLS), query) == [expected]
+    assert top(SearchIndex(NEWS_AND_NARROW_TOOLS), query) == [expected]
 
 
 def test_what_is_left_of_a_contraction_matches_nothing():
     # "what's", "don't", "we've" split at the apostrophe: the "s", "t", "ve" left over are not words of the request.
     tools = [tool("people__get_profile", "Get a person's profile: the user's name, the team's roles, the org's plan"),
              tool("notes__read", "Read a note")]
-    index = coffer.SearchIndex(tools)
+    index = SearchIndex(tools)
     assert top(index, "what's in my note") == ["notes__read"]
     assert index.search("what's it", 3) == []
 
@@ -249,7 +232,7 @@ def test_common_interface_words_reach_tools_named_otherwise():
              tool("maps__elevation", "Get elevation data for locations on the earth"),
              tool("maps__geocode", "Convert an address into coordinates"),
              tool("browser__close", "Close the page")]
-    index = coffer.SearchIndex(tools)
+    index = SearchIndex(tools)
     assert top(index, "dismiss the popup") == ["browser__handle_dialog"]
     assert top(index, "altitude of Denver") == ["maps__elevation"]
     assert top(index, "latitude and longitude of the station") == ["maps__geocode"]
@@ -261,7 +244,7 @@ def test_shorthand_in_a_request_counts_as_the_words_it_stands_for():
              tool("graph__open_nodes", "Open nodes of the knowledge graph by name"),
              tool("tables__query", "Query rows of one table", table={"type": "string"}),
              tool("tables__list_databases", "List the databases you can reach")]
-    index = coffer.SearchIndex(tools)
+    index = SearchIndex(tools)
     assert top(index, "open a PR from feature/login into main") == ["hub__create_pull_request"]
     assert top(index, "find repos about vector search") == ["hub__search_repositories"]
     assert top(index, "which dbs can I reach") == ["tables__list_databases"]
@@ -270,7 +253,7 @@ def test_shorthand_in_a_request_counts_as_the_words_it_stands_for():
 def test_one_servers_compound_name_word_does_not_take_over_a_request_about_something_else():
     hub = [tool(f"hub__{verb}_pull_request", f"{verb.capitalize()} a pull request in a repository")
            for verb in ("create", "get", "list", "merge", "update", "review")]
-    index = coffer.SearchIndex(hub + [tool("wiki__get_block", "Retrieve one block of a wiki page"),
+    index = SearchIndex(hub + [tool("wiki__get_block", "Retrieve one block of a wiki page"),
                                       tool("wiki__get_page", "Retrieve a whole wiki page")])
     assert top(index, "pull just one block out of the wiki page") == ["wiki__get_block"]
     assert top(index, "merge the pull request") == ["hub__merge_pull_request"]
@@ -287,7 +270,7 @@ TIME_TOOLS = [
 
 
 def test_asking_the_time_somewhere_gets_the_current_time_not_a_conversion():
-    index = coffer.SearchIndex(TIME_TOOLS)
+    index = SearchIndex(TIME_TOOLS)
     assert top(index, "what time is it in Tokyo") == ["clock__get_current_time"]
     assert top(index, "convert 09:30 Chicago time to Tokyo time") == ["clock__convert_time"]
 
@@ -317,7 +300,7 @@ GERMAN_AND_CJK = [
     ("carica report.pdf sul drive", "drive__upload"),                     # Italian
 ])
 def test_non_english_requests_reach_english_tools(query, expected):
-    assert top(coffer.SearchIndex(GERMAN_AND_CJK), query) == [expected]
+    assert top(SearchIndex(GERMAN_AND_CJK), query) == [expected]
 
 
 GERMAN_TOOLS = [
@@ -336,18 +319,18 @@ GERMAN_TOOLS = [
     ("show me the tree", "ablage__struktur"),
 ])
 def test_a_tool_described_in_german_is_found_by_an_english_request(query, expected):
-    assert top(coffer.SearchIndex(GERMAN_TOOLS), query) == [expected]
+    assert top(SearchIndex(GERMAN_TOOLS), query) == [expected]
 
 
 def test_a_catalogue_of_random_words_cannot_grow_the_tokenizer_tables_without_bound(monkeypatch):
-    monkeypatch.setattr(coffer._TokenStems, "LIMIT", 500)
+    monkeypatch.setattr(search_text._TokenStems, "LIMIT", 500)
     rng = random.Random(7)
     junk = [tool(f"junk__t{i}", " ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=9))
                                          for _ in range(20))) for i in range(200)]
-    index = coffer.SearchIndex(junk + GERMAN_TOOLS)     # 4,000 distinct words through a 500-word table
-    assert len(coffer._TOKEN_STEMS) <= 500
+    index = SearchIndex(junk + GERMAN_TOOLS)     # 4,000 distinct words through a 500-word table
+    assert len(search_text._TOKEN_STEMS) <= 500
     assert top(index, "upload") == ["ablage__hochladen"]       # its translation survived the table's wipes
-    assert coffer.tokenize("Creating issues") == ["creat", "issu"]
+    assert tokenize("Creating issues") == ["creat", "issu"]
 
 
 def test_every_tool_keeps_its_own_words_whatever_its_neighbours_hold():
@@ -357,7 +340,7 @@ def test_every_tool_keeps_its_own_words_whatever_its_neighbours_hold():
     tools = []
     for i in range(60):
         tools.append(tool(f"s__tool{i}", f"zq{i}x unique marker {odd[i % len(odd)]}", arg=odd[(i + 3) % len(odd)]))
-    index = coffer.SearchIndex(tools)
+    index = SearchIndex(tools)
     for i in range(60):
         assert top(index, f"zq{i}x") == [f"s__tool{i}"]
     german = [name for name in names(index.search("upload", 20))]
@@ -368,23 +351,23 @@ def test_an_index_build_leaves_the_garbage_collector_as_it_found_it():
     # The build pauses the collector; an application embedding coffer must find it as it left it.
     catalogue = [tool(f"s__t{i}", f"tool number {i} reads files") for i in range(200)]
     assert gc.isenabled()
-    threads = [threading.Thread(target=coffer.SearchIndex, args=(catalogue,)) for _ in range(4)]
+    threads = [threading.Thread(target=SearchIndex, args=(catalogue,)) for _ in range(4)]
     for thread in threads:
         thread.start()
-    coffer.SearchIndex(catalogue)
+    SearchIndex(catalogue)
     for thread in threads:
         thread.join()
     assert gc.isenabled()
     gc.disable()
     try:
-        coffer.SearchIndex(catalogue)
+        SearchIndex(catalogue)
         assert not gc.isenabled()
     finally:
         gc.enable()
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
-        coffer.SearchIndex(catalogue)
+        SearchIndex(catalogue)
         assert gc.get_freeze_count() >= frozen and gc.isenabled()
     finally:
         gc.unfreeze()
@@ -394,9 +377,8 @@ def test_a_huge_query_is_read_from_its_first_2000_characters(monkeypatch):
     # The path and e-mail patterns cost up to the square of a query's length: a hostile client's megabyte of
     # "a.a.a." must not hold a worker thread for an hour.  The query is read up to 2,000 characters.
     seen = []
-    real = coffer.query_entities
-    monkeypatch.setattr(coffer, "query_entities", lambda query: seen.append(len(query)) or real(query))
-    index = coffer.SearchIndex(FILES_AND_PLACES)
+    monkeypatch.setattr(search_index, "query_entities", lambda query: seen.append(len(query)) or query_entities(query))
+    index = SearchIndex(FILES_AND_PLACES)
     huge = "read the complete contents of ./notes/todo.txt " + "a." * 30_000
     assert top(index, huge, 3) == top(index, huge[:2000], 3) != []
     assert seen and max(seen) <= 2000
@@ -405,7 +387,7 @@ def test_a_huge_query_is_read_from_its_first_2000_characters(monkeypatch):
 def test_fusion_lets_a_confident_embedder_decide_but_not_a_confused_one():
     confident_lexical = [(0, 10.0), (1, 2.0)]
     flat = [(1, 0.26), (2, 0.25), (3, 0.22), (0, 0.17)]         # cosines of a query the model does not understand
-    assert coffer.fuse(confident_lexical, flat, 2)[0][0] == 0
+    assert fuse(confident_lexical, flat, 2)[0][0] == 0
     close_lexical = [(0, 10.0), (1, 9.0)]
     sharp = [(1, 0.78), (2, 0.41), (3, 0.30), (0, 0.22)]        # a clear semantic winner
-    assert coffer.fuse(close_lexical, sharp, 2)[0][0] == 1
+    assert fuse(close_lexical, sharp, 2)[0][0] == 1

@@ -8,15 +8,14 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import anyio
 import mcp_types as types
 import pytest
-from conftest import COFFER, FAKE, PY, RawGateway, cli
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters
+
+from conftest import COFFER, FAKE, PY, RawGateway, alive, call_msg, cli, coffer_cmd, gateway_params, text_of, wait_until
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the service tests use POSIX process control")
 
@@ -43,17 +42,6 @@ def service_pid(home):
         return None
 
 
-def wait_until(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def spawns(path):
     return path.read_text().split() if path.exists() else []
 
@@ -62,27 +50,8 @@ def status(home):
     return json.loads(cli("status", "--json").stdout)
 
 
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def relay_params():
-    return StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
-
-
-def text_of(result):
-    return "".join(block.text for block in result.content if getattr(block, "type", "") == "text")
-
-
-def call_msg(msg_id, name, arguments):
-    return {"jsonrpc": "2.0", "id": msg_id, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+    return gateway_params()  # a plain `coffer serve`: in service mode, the relay
 
 
 def test_clients_of_both_eras_share_one_process_per_upstream(service_home, tmp_path):
@@ -320,7 +289,7 @@ def test_an_idle_service_exits_and_status_says_so(service_home, raw_gateway):
 
 def test_standalone_runs_no_service(service_home):
     cli("add", "a", "--", *FAKE)
-    proc = subprocess.Popen([PY, COFFER, "serve", "--standalone"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(coffer_cmd("serve", "--standalone"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     try:
         proc.stdin.write((json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
@@ -340,8 +309,7 @@ def test_standalone_runs_no_service(service_home):
 
 def test_the_service_log_holds_no_secret(service_home, raw_gateway):
     secret = "sk-test-" + "Zq9" * 10
-    subprocess.run([PY, COFFER, "secret", "set", "API_TOKEN"], input=secret + "\n", text=True, check=True,
-                   capture_output=True)
+    cli("secret", "set", "API_TOKEN", input=secret + "\n")
     cli("add", "a", "--env", "API_TOKEN=${API_TOKEN}", "--", *FAKE, "--stderr-env", "API_TOKEN")
     gw = raw_gateway()
     gw.initialize()

@@ -13,18 +13,19 @@ import time
 import types
 
 import pytest
-from conftest import FAKE
 
 from coffer_src.errors import VaultError
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.instances import PrivateEvents
 from coffer_src.probe import GatewayClient, ServerProbe
+from coffer_src.settings import DEFAULTS
 from coffer_src.terminal import ServerLog
 from coffer_src.transport.http import HttpReply, initialize_or_stream
 from coffer_src.transport.remote import HttpTransport
 from coffer_src.transport.stdio import StdioTransport
 from coffer_src.upstream.supervisor import Upstream, UpstreamEvents, record_upstream_status
-from coffer_src.vault import DEFAULTS
+
+from conftest import FAKE
 
 EVENTS = ("on_ready", "on_down", "on_list_changed", "on_notification", "on_request")
 

@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-from conftest import COFFER, FAKE, PY, cli
 
 from coffer_src.errors import CofferError, VaultError
 from coffer_src.invocations import InvocationLog
@@ -21,6 +20,8 @@ from coffer_src.secret_store import SECRET_MAX_CHARS, SecretStore, references, w
 from coffer_src.settings import DEFAULTS, HIDDEN_SETTINGS
 from coffer_src.terminal import clip
 from coffer_src.vault import Invocation, Vault
+
+from conftest import FAKE, cli
 
 
 @pytest.fixture
@@ -277,8 +278,7 @@ def test_the_secret_size_limit_is_the_same_for_the_store_and_the_cli(user, tmp_p
     with pytest.raises(CofferError, match="at most 64 KiB"):
         SecretStore(str(tmp_path)).set("BIG", "x" * (SECRET_MAX_CHARS + 1))
     SecretStore(str(tmp_path)).set("FITS", "x" * SECRET_MAX_CHARS)
-    proc = subprocess.run([PY, COFFER, "secret", "set", "BIG"], input="y" * (SECRET_MAX_CHARS + 10),
-                          capture_output=True, text=True, timeout=120)
+    proc = cli("secret", "set", "BIG", input="y" * (SECRET_MAX_CHARS + 10), check=False)
     assert proc.returncode == 1 and "at most 64 KiB" in proc.stderr
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import anyio
 import mcp_types as types
 import pytest
-from conftest import COFFER, FAKE, PY, cli
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from test_semantic import Stub
@@ -29,6 +28,8 @@ from web_helpers import (
     ten_thousand_tools,
     wait_until,
 )
+
+from conftest import COFFER, FAKE, PY, cli
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the service tests use POSIX process control")
 

@@ -10,8 +10,9 @@ import sys
 import urllib.parse
 
 import pytest
-from conftest import COFFER, FAKE, PY, cli
 from web_helpers import Page, fake_browser, login_link, stop_service, wait_until
+
+from conftest import COFFER, FAKE, PY, cli
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the service tests use POSIX process control")
 

@@ -13,6 +13,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+
 from conftest import COFFER, PY, cli
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

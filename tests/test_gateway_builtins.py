@@ -1,5 +1,6 @@
-"""coffer__ask and coffer__remember end to end (issue 14): the official SDK client talks to ``coffer serve``; the
-user's folder is a real folder, memory a real note, and the client's model (sampling) a callback of the client."""
+"""Coffer's own tools: coffer__search_tools, coffer__ask and coffer__remember (issue 14) end to end with the
+official SDK client (the user's folder is a real folder, memory a real note, the client's model a callback), and
+the tool budget a client that caps its list gets."""
 
 import json
 import os
@@ -10,22 +11,81 @@ from pathlib import Path
 import anyio
 import mcp_types as types
 import pytest
-from mcp import Client
-from mcp.client.stdio import StdioServerParameters
 
-from conftest import COFFER, FAKE, PY, cli
+from conftest import FAKE, cli, sdk_session, tool_names
 
 
-def gateway():
-    return StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
+def test_search_tool_contract_through_the_gateway(raw_gateway, home):
+    """Through `coffer serve`: structuredContent plus a JSON text block, bad arguments as isError results."""
+    cli("add", "fx", "--", *FAKE, "--tools", "echo,slow,crash")
+    gw = raw_gateway()
+    gw.initialize()
 
+    def search(arguments):
+        return gw.request("tools/call", {"name": "coffer__search_tools", "arguments": arguments})["result"]
+
+    result = search({"query": "echo the text back", "top_k": 2})
+    payload = result["structuredContent"]
+    assert json.loads(result["content"][0]["text"]) == payload
+    assert payload["total_searched"] == 3 and payload["tools"][0]["name"] == "fx__echo"
+    assert set(payload["tools"][0]) == {"name", "description", "inputSchema", "score"}
+    assert len(search({"query": "echo", "top_k": 5.0})["structuredContent"]["tools"]) >= 1
+    for bad in ({"query": ""}, {"query": 3}, {"query": "x", "top_k": "5"}, {"query": "x", "top_k": 2.5},
+                {"query": "x", "top_k": True}, {}):
+        assert search(bad).get("isError") is True, bad
+
+
+# -- the tool budget ---------------------------------------------------------------------------------------------------
+
+def test_clients_with_tool_caps_get_a_budget_and_every_tool_stays_callable(home, raw_gateway):
+    for n in range(6):
+        cli("add", f"s{n}", "--", *FAKE, "--tools", "echo,slow,fail,big,crash,sample")
+    cli("tools")                                          # 36 tools, remembered for the next sessions
+    cursor = raw_gateway()
+    init = cursor.initialize(name="cursor-vscode")
+    listed = tool_names(cursor.request("tools/list"))
+    assert len(listed) == 36 + 1                           # under Cursor's cap of 40: everything
+    cursor.close()
+
+    cli("config", "expose.cursor", "budget:10")
+    for _ in range(3):
+        cli("call", "s4__fail", check=False)              # used the most: kept in the budget
+    cursor = raw_gateway()
+    init = cursor.initialize(name="cursor-vscode")
+    listed = tool_names(cursor.request("tools/list"))
+    assert len(listed) == 10 and listed[0] == "coffer__search_tools"
+    assert {name.split("__")[0] for name in listed[1:]} == {f"s{n}" for n in range(6)}   # every server visible
+    assert "s4__fail" in listed
+    assert "27 tools are not listed" in init["result"]["instructions"]
+    reply = cursor.request("tools/call", {"name": "s0__echo", "arguments": {"text": "unlisted"}})
+    assert reply["result"]["content"][0]["text"] == "unlisted"
+    again = raw_gateway()
+    again.initialize(name="cursor-vscode")
+    assert tool_names(again.request("tools/list")) == listed   # deterministic
+
+    claude = raw_gateway()
+    claude.initialize(name="claude-code")
+    assert len(tool_names(claude.request("tools/list"))) == 37
+
+
+def test_changing_expose_is_announced_with_list_changed(home, raw_gateway):
+    cli("add", "s", "--", *FAKE, "--tools", "echo")
+    cli("tools")
+    gw = raw_gateway()
+    gw.initialize()
+    assert "s__echo" in tool_names(gw.request("tools/list"))
+    gw.request("ping")
+    before = sum(n["method"] == "notifications/tools/list_changed" for n in gw.notifications)
+    cli("config", "expose", "search")
+    gw.wait_for(lambda g: sum(n["method"] == "notifications/tools/list_changed" for n in g.notifications) > before,
+                timeout=10)
+    assert tool_names(gw.request("tools/list")) == ["coffer__search_tools"]
+
+
+# -- coffer__ask and coffer__remember ----------------------------------------------------------------------------------
 
 def run(body, name="ask-agent", **client_kwargs):
-    async def main():
-        async with Client(gateway(), client_info=types.Implementation(name=name, version="1"),
-                          **client_kwargs) as client:
-            return await body(client)
-    return anyio.run(main)
+    return sdk_session(body, name=name, **client_kwargs)
 
 
 def structured(result):
@@ -73,7 +133,7 @@ def test_a_folder_is_searched_and_an_edit_is_seen_without_a_restart(home, tmp_pa
                                                                       "top_k": 1}))
             if "coffer-revert" in again["passages"][0]["text"] or time.monotonic() > deadline:
                 return first, again
-            await anyio.sleep(0.5)
+            await anyio.sleep(0.1)
 
     first, again = run(body)
     top = first["passages"][0]

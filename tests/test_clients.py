@@ -6,10 +6,8 @@ Every CLI run is a subprocess with HOME, XDG_CONFIG_HOME, APPDATA, CODEX_HOME an
 nothing of the machine's own clients is read or written.
 """
 
-import importlib.util
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -17,18 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COFFER, FAKE, PY, TIME_SERVER
+from coffer_src.clients import files
+from coffer_src.clients.files import ClientContext, ConfigProblem, JsonDocument, TomlSubset, load_toml, read_config_text
+from coffer_src.clients.move_in import client_files
+
+from conftest import FAKE, PY, TIME_SERVER, coffer_cmd, write
 
 DESKTOP_SECRET = "sk-desktop-literal-1234"
 TEAM_SECRET = "Bearer team-literal-token-5678"
 CODEX_ORG = "acme-org-literal-9012"
 LONG_TOOL = "summarise_every_open_pull_request_for_the_release"  # 49 characters
-
-
-def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    return path
 
 
 @pytest.fixture
@@ -117,7 +113,7 @@ model = "o4-mini"
         "gem-env": {"command": PY, "args": [FAKE[1], "--name", "gem"], "env": {"K": "$GEM_KEY"}}}}, indent=2))
 
     def run(*args, check=True, cwd=project):
-        proc = subprocess.run([PY, COFFER, *args], capture_output=True, text=True, timeout=180, env=env, cwd=cwd)
+        proc = subprocess.run(coffer_cmd(*args), capture_output=True, text=True, timeout=180, env=env, cwd=cwd)
         if check and proc.returncode != 0:
             raise AssertionError(f"coffer {' '.join(args)} exited {proc.returncode}: {proc.stderr}{proc.stdout}")
         return proc
@@ -306,7 +302,7 @@ def test_install_claude_code_replace_then_uninstall_restores(world):
     claude = world.files["claude-code"]
     original = json.loads(claude.read_text())
     out = world.run("install", "claude-code", "--replace").stdout
-    assert f"removed (now served through Coffer): remote-sse, time" in out
+    assert "removed (now served through Coffer): remote-sse, time" in out
     after = json.loads(claude.read_text())
     entry = after["mcpServers"]["coffer"]
     assert entry["type"] == "stdio" and os.path.isabs(entry["command"]) and entry["args"][-1] == "serve"
@@ -349,16 +345,15 @@ def test_install_keeps_comments_and_formats_of_every_client(world):
     assert "coffer" in entry_of(world.files["windsurf"], "mcpServers")
     codex_text = world.files["codex"].read_text()
     assert codex_text.startswith('model = "o3"  # kept as it is') and "[profiles.fast]" in codex_text
-    tomllib = pytest.importorskip("tomllib")
-    codex = tomllib.loads(codex_text)
+    codex = load_toml(codex_text)  # tomllib, or on Python 3.10 Coffer's own reader (checked against tomllib)
     assert codex["mcp_servers"]["coffer"]["args"][-1] == "serve" and "codex-echo" in codex["mcp_servers"]
     assert codex["profiles"]["fast"]["model"] == "o4-mini"
 
     world.run("install", "codex", "--replace")
-    codex = tomllib.loads(world.files["codex"].read_text())
+    codex = load_toml(world.files["codex"].read_text())
     assert set(codex["mcp_servers"]) == {"coffer"} and codex["model"] == "o3"
     world.run("uninstall", "codex")
-    codex = tomllib.loads(world.files["codex"].read_text())
+    codex = load_toml(world.files["codex"].read_text())
     assert set(codex["mcp_servers"]) == {"codex_http", "codex-echo"}
     assert codex["mcp_servers"]["codex_http"]["http_headers"] == {"X-Org": CODEX_ORG}
     world.run("uninstall", "zed")
@@ -483,67 +478,77 @@ def test_the_installed_entry_serves_an_imported_server_to_the_sdk_client(world):
 
 # -- the parsers on their own (the TOML reader is what Python 3.10 uses) ------------------------------------
 
-def load_module():
-    spec = importlib.util.spec_from_file_location("coffer_under_test", COFFER)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["coffer_under_test"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-TOML_SAMPLES = [
-    'a = "x"\n[mcp_servers.one]\ncommand = "npx"\nargs = ["-y", \'lit\\eral\', "esc\\"aped\\u00e9"]\n',
-    '[mcp_servers."name with space".env]\nK = "v" # comment\n\n[mcp_servers.two]\nurl = "https://x/y"\n'
-    'http_headers = { "X-A" = "1", B = \'2\' }\nenabled = false\nstartup_timeout_sec = 20\nretries = 0x1F\n',
-    'multi = """\nline one\nline "two" \\\n   joined"""\nlit = \'\'\'raw \\n kept\'\'\'\n'
-    'arr = [\n  1,\n  2.5, # note\n  -3e2,\n]\nflag = true\n',
-    '[[profiles]]\nname = "a"\n[[profiles]]\nname = "b"\n[a.b.c]\nd.e = "f"\n',
+TOML_SAMPLES = [  # (text, what it holds: the same as tomllib reads, checked below where tomllib exists)
+    ('a = "x"\n[mcp_servers.one]\ncommand = "npx"\nargs = ["-y", \'lit\\eral\', "esc\\"aped\\u00e9"]\n',
+     {"a": "x", "mcp_servers": {"one": {"command": "npx", "args": ["-y", "lit\\eral", 'esc"aped\u00e9']}}}),
+    ('[mcp_servers."name with space".env]\nK = "v" # comment\n\n[mcp_servers.two]\nurl = "https://x/y"\n'
+     'http_headers = { "X-A" = "1", B = \'2\' }\nenabled = false\nstartup_timeout_sec = 20\nretries = 0x1F\n',
+     {"mcp_servers": {"name with space": {"env": {"K": "v"}},
+                      "two": {"url": "https://x/y", "http_headers": {"X-A": "1", "B": "2"}, "enabled": False,
+                              "startup_timeout_sec": 20, "retries": 31}}}),
+    ('multi = """\nline one\nline "two" \\\n   joined"""\nlit = \'\'\'raw \\n kept\'\'\'\n'
+     'arr = [\n  1,\n  2.5, # note\n  -3e2,\n]\nflag = true\n',
+     {"multi": 'line one\nline "two" joined', "lit": "raw \\n kept", "arr": [1, 2.5, -300.0], "flag": True}),
+    ('[[profiles]]\nname = "a"\n[[profiles]]\nname = "b"\n[a.b.c]\nd.e = "f"\n',
+     {"profiles": [{"name": "a"}, {"name": "b"}], "a": {"b": {"c": {"d": {"e": "f"}}}}}),
 ]
+TOML_REFUSED = ['a = \n', '[t]\n[t]\n', 'a = "unterminated\n', 'a = 1\na = 2\n', 'a = [1, 2\n', 'a = "\\q"\n',
+                "[" * 100 + "\n", "a = " + "[" * 200 + "]" * 200 + "\n"]
 
 
 def test_toml_subset_reads_what_tomllib_reads():
-    tomllib = pytest.importorskip("tomllib")
-    module = load_module()
-    for sample in TOML_SAMPLES:
-        assert module.TomlSubset().loads(sample) == tomllib.loads(sample), sample
-    assert module.TomlSubset().loads("when = 1979-05-27T07:32:00Z\n") == {"when": "1979-05-27T07:32:00Z"}
+    for text, expected in TOML_SAMPLES:
+        assert TomlSubset().loads(text) == expected, text
+    assert TomlSubset().loads("when = 1979-05-27T07:32:00Z\n") == {"when": "1979-05-27T07:32:00Z"}
+
+
+def test_the_expected_toml_values_are_what_tomllib_reads():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+: the samples above mean what TOML says they mean
+    for text, expected in TOML_SAMPLES:
+        assert tomllib.loads(text) == expected, text
 
 
 def test_toml_subset_refuses_what_it_cannot_read_with_a_reason():
-    module = load_module()
-    for bad in ('a = \n', '[t]\n[t]\n', 'a = "unterminated\n', 'a = 1\na = 2\n', 'a = [1, 2\n', 'a = "\\q"\n',
-                "[" * 100 + "\n", "a = " + "[" * 200 + "]" * 200 + "\n"):
-        with pytest.raises(module.ConfigProblem):
-            module.TomlSubset().loads(bad)
+    for bad in TOML_REFUSED:
+        with pytest.raises(ConfigProblem):
+            TomlSubset().loads(bad)
+
+
+def test_without_tomllib_config_files_are_read_by_the_subset(monkeypatch):
+    """The path every Codex config.toml takes on Python 3.10 (there by nature, elsewhere by hiding tomllib)."""
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # `import tomllib` now raises ImportError
+    for text, expected in TOML_SAMPLES:
+        assert load_toml(text) == expected, text
+    for bad in TOML_REFUSED:
+        with pytest.raises(ConfigProblem):
+            load_toml(bad)
 
 
 def test_jsonc_edits_touch_only_what_they_change():
-    module = load_module()
     text = '// top\n{\n  "keep": [1, 2], /* inline */\n  "servers": {\n    "a": {"command": "x"}, // a\n  },\n}\n'
-    document = module.JsonDocument(text, jsonc=True)
-    added = module.JsonDocument(document.with_member(("servers",), "coffer", {"command": "/c"}), jsonc=True)
+    document = JsonDocument(text, jsonc=True)
+    added = JsonDocument(document.with_member(("servers",), "coffer", {"command": "/c"}), jsonc=True)
     assert added.value == {"keep": [1, 2], "servers": {"a": {"command": "x"}, "coffer": {"command": "/c"}}}
     assert "// top" in added.text and "/* inline */" in added.text and "// a" in added.text
-    removed = module.JsonDocument(added.without_member(("servers",), "a"), jsonc=True)
+    removed = JsonDocument(added.without_member(("servers",), "a"), jsonc=True)
     assert removed.value["servers"] == {"coffer": {"command": "/c"}} and "/* inline */" in removed.text
-    created = module.JsonDocument(module.JsonDocument('{"x": 1}', jsonc=False).with_member(
+    created = JsonDocument(JsonDocument('{"x": 1}', jsonc=False).with_member(
         ("projects", "/p", "mcpServers"), "coffer", {"command": "/c"}), jsonc=False)
     assert created.value == {"x": 1, "projects": {"/p": {"mcpServers": {"coffer": {"command": "/c"}}}}}
     json.loads(created.text)  # still strict JSON
-    with pytest.raises(module.ConfigProblem):
-        module.JsonDocument('{"servers": "text"}', jsonc=False).with_member(("servers",), "coffer", {})
+    with pytest.raises(ConfigProblem):
+        JsonDocument('{"servers": "text"}', jsonc=False).with_member(("servers",), "coffer", {})
 
 
 def test_each_client_is_looked_up_where_it_lives_on_each_os():
-    module = load_module()
     home, cwd = os.path.join(os.sep, "u"), os.path.join(os.sep, "p")
-    windows = module.ClientContext(home, cwd, {"APPDATA": os.path.join(home, "Roaming")}, "win32")
-    mac = module.ClientContext(home, cwd, {"XDG_CONFIG_HOME": "/ignored"}, "darwin")
-    linux = module.ClientContext(home, cwd, {"XDG_CONFIG_HOME": os.path.join(home, "xdg"),
-                                             "CODEX_HOME": os.path.join(home, "cx")}, "linux")
+    windows = ClientContext(home, cwd, {"APPDATA": os.path.join(home, "Roaming")}, "win32")
+    mac = ClientContext(home, cwd, {"XDG_CONFIG_HOME": "/ignored"}, "darwin")
+    linux = ClientContext(home, cwd, {"XDG_CONFIG_HOME": os.path.join(home, "xdg"),
+                                      "CODEX_HOME": os.path.join(home, "cx")}, "linux")
 
     def user_path(client, ctx):
-        return module.client_files(client, ctx, project=False)[0].path
+        return client_files(client, ctx, project=False)[0].path
 
     support = os.path.join(home, "Library", "Application Support")
     assert user_path("claude-desktop", windows) == os.path.join(home, "Roaming", "Claude",
@@ -558,19 +563,18 @@ def test_each_client_is_looked_up_where_it_lives_on_each_os():
     assert user_path("codex", linux) == os.path.join(home, "cx", "config.toml")
     assert user_path("codex", mac) == os.path.join(home, ".codex", "config.toml")
     assert user_path("windsurf", windows) == os.path.join(home, ".codeium", "windsurf", "mcp_config.json")
-    claude = module.client_files("claude-code", linux)
+    claude = client_files("claude-code", linux)
     assert [(f.scope, f.container) for f in claude] == [("user", ("mcpServers",)),
                                                         ("local", ("projects", cwd, "mcpServers")),
                                                         ("project", ("mcpServers",))]
 
 
 def test_a_huge_config_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    module = load_module()
-    monkeypatch.setattr(module, "MAX_CONFIG_BYTES", 1024)
+    monkeypatch.setattr(files, "MAX_CONFIG_BYTES", 1024)
     big = tmp_path / "mcp.json"
     big.write_text(json.dumps({"mcpServers": {}, "pad": "x" * 4096}))
-    with pytest.raises(module.ConfigProblem, match="too large"):
-        module.read_config_text(str(big))
-    with pytest.raises(module.ConfigProblem, match="not a regular file"):
-        module.read_config_text(str(tmp_path))
-    assert module.read_config_text(str(tmp_path / "absent.json")) is None
+    with pytest.raises(ConfigProblem, match="too large"):
+        read_config_text(str(big))
+    with pytest.raises(ConfigProblem, match="not a regular file"):
+        read_config_text(str(tmp_path))
+    assert read_config_text(str(tmp_path / "absent.json")) is None

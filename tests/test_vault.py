@@ -1,6 +1,7 @@
-"""The vault and the secret store under attack (issue 15, classes 3 and 17): file permissions, a second local user,
-literal secrets, redaction, and a damaged or read-only coffer.db.  Everything goes through the real CLI and the
-real ``coffer serve``; damage is done with sqlite3 directly, as a crash or a careless edit would."""
+"""The vault: coffer.db under COFFER_HOME in WAL mode, its schema upgraded in place, its audit trail and retention;
+private files whatever the umask; a vault shared by gateways and the CLI, locked by another process, damaged,
+empty or read-only (classes 3 and 17 of issue 15).  Damage is done with sqlite3 directly, as a crash or a
+careless edit would."""
 
 import json
 import os
@@ -11,19 +12,206 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import COFFER, FAKE, HOSTILE, PY, ROOT, cli
+from coffer_src.invocations import InvocationLog
+from coffer_src.vault import SCHEMA, Vault
 
-sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
-from hostile_http import HostileHttp, mcp  # noqa: E402
+from conftest import (
+    COFFER,
+    FAKE,
+    POSIX,
+    call_msg,
+    cli,
+    coffer_cmd,
+    is_tool_error,
+    log_rows,
+    no_traceback,
+    posix_only,
+    secret_set,
+    text_of,
+    tool_names,
+)
 
-POSIX = os.name == "posix"
-posix_only = pytest.mark.skipif(not POSIX, reason="POSIX permission bits")
+
+def test_vault_stores_env_unexpanded_and_audits_every_change(home, monkeypatch):
+    monkeypatch.setenv("SECRET_TOKEN", "do-not-store-me")
+    cli("add", "gh", "--env", "GITHUB_TOKEN=${SECRET_TOKEN}", "--timeout", "30", "--", "npx", "-y", "server-gh")
+    cli("policy", "gh", "disabled")
+    cli("disable", "gh")
+    cli("config", "retention_invocations_days", "7")
+    cli("remove", "gh")
+    raw = b"".join(p.read_bytes() for p in home.iterdir() if p.is_file())
+    assert b"do-not-store-me" not in raw
+    actions = [(r["action"], r["target"]) for r in json.loads(cli("audit", "--json").stdout)["audit"]]
+    assert actions == [("add", "gh"), ("policy", "gh"), ("disable", "gh"),
+                       ("config", "retention_invocations_days"), ("remove", "gh")]
+
+
+def test_vault_file_is_sqlite_in_wal_mode_under_coffer_home(home):
+    cli("add", "t", "--", "echo")
+    db = sqlite3.connect(home / "coffer.db")
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    row = db.execute("SELECT command, env FROM servers WHERE name='t'").fetchone()
+    assert json.loads(row[0]) == ["echo"] and json.loads(row[1]) == {}
+
+
+def test_a_vault_from_before_the_capabilities_column_is_upgraded_in_place(home):
+    home.mkdir(parents=True)
+    old = sqlite3.connect(home / "coffer.db")
+    without_column = SCHEMA.replace(",\n    capabilities TEXT", "")
+    old.executescript(without_column.split("CREATE TABLE IF NOT EXISTS capabilities")[0])
+    old.execute("INSERT INTO servers(name, transport, command, position, created_at) "
+                "VALUES ('t', 'stdio', '[\"x\"]', 1, 'then')")
+    old.commit()
+    old.close()
+    servers = json.loads(cli("list", "--json").stdout)["servers"]
+    assert [s["name"] for s in servers] == ["t"]
+    vault = Vault(str(home))
+    vault.record_status("t", "ready", "ok", {"tools": {}})
+    assert vault.server("t")["capabilities"] == {"tools": {}}
+
+
+def test_capability_choices_survive_disappearance_and_follow_policy(home):
+    vault = Vault(str(home))
+    vault.add_server("s", command=["x"])
+    tool = {"name": "a", "inputSchema": {"type": "object"}}
+    def enabled(states):
+        return {name: state.enabled for name, state in states.items()}
+
+    assert enabled(vault.sync_capabilities("s", "tool", {"a": tool})) == {"a": True}
+    vault.set_enabled("s__a", False)
+    assert vault.sync_capabilities("s", "tool", {}) == {}            # the upstream dropped it
+    vault.set_policy("s", "disabled")
+    states = vault.sync_capabilities("s", "tool", {"a": tool, "b": {"name": "b"}})
+    assert enabled(states) == {"a": False, "b": False}               # choice kept; new one follows policy
+    actions = [r["action"] for r in vault.audit_rows(100)]
+    assert "upstream-removed" in actions and "upstream-restored" in actions
+
+
+def test_old_rows_are_pruned_when_serve_starts(home, raw_gateway):
+    cli("add", "fx", "--", *FAKE, "--tools", "echo")
+    cli("config", "retention_invocations_days", "1")
+    db = sqlite3.connect(home / "coffer.db")
+    with db:
+        db.execute("INSERT INTO invocations(ts, client, server, capability, kind, duration_ms, status) "
+                   "VALUES ('2020-01-01T00:00:00.000Z', 'old', 'fx', 'fx__echo', 'tool', 1, 'ok')")
+        db.execute("INSERT INTO audit(ts, actor, action) VALUES ('2020-01-01T00:00:00.000Z', 'cli', 'ancient')")
+    gw = raw_gateway()
+    gw.initialize()
+    gw.close()
+    assert db.execute("SELECT count(*) FROM invocations WHERE client='old'").fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM audit WHERE action='ancient'").fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM audit WHERE action='add'").fetchone()[0] == 1
+
+
+# -- shared and busy ---------------------------------------------------------------------------------------------------
+
+def test_two_gateways_and_cli_share_the_vault(home, raw_gateway):
+    cli("add", "a", "--", *FAKE)
+    cli("add", "c", "--", *FAKE)
+    gateways = {"client-one": raw_gateway(), "client-two": raw_gateway()}
+    for name, gw in gateways.items():
+        gw.initialize(name=name)
+        assert "a__echo" in tool_names(gw.request("tools/list"))
+
+    stop = threading.Event()
+    cli_failures = []
+    cli_runs = [0]
+    churned = threading.Condition()
+
+    def churn(commands):
+        i = 0
+        while not stop.is_set():
+            proc = cli(*commands[i % len(commands)], check=False)
+            if proc.returncode != 0:
+                cli_failures.append(proc.stderr)
+            with churned:
+                cli_runs[0] += 1
+                churned.notify_all()
+            i += 1
+
+    churners = [threading.Thread(target=churn, args=(commands,), daemon=True) for commands in (
+        [("disable", "c"), ("config", "call_timeout", "100"), ("enable", "c"), ("config", "call_timeout", "120")],
+        [("disable", "a__fail"), ("config", "discovery_timeout", "4"), ("enable", "a__fail"),
+         ("config", "discovery_timeout", "5")])]
+    for churner in churners:
+        churner.start()
+    per_client = 200
+    replies = {name: [] for name in gateways}
+    rounds_without_cli = []
+
+    def drive(name, gw):
+        for round_ in range(per_client // 10):
+            with churned:
+                before = cli_runs[0]
+            ids = [f"{name}-{round_}-{k}" for k in range(10)]
+            gw.send_raw(b"".join((json.dumps(call_msg(i, "a__echo", {"text": i})) + "\n").encode() for i in ids))
+            for i in ids:
+                replies[name].append((i, gw.wait_response(i, timeout=30)))
+            # The next round starts only once another CLI command has finished writing the vault, so the calls
+            # and the CLI's writes interleave however fast or busy the machine is.
+            with churned:
+                if not churned.wait_for(lambda: cli_runs[0] > before, timeout=60):
+                    rounds_without_cli.append((name, round_))
+
+    drivers = [threading.Thread(target=drive, args=item) for item in gateways.items()]
+    for thread in drivers:
+        thread.start()
+    for thread in drivers:
+        thread.join(300)
+    stop.set()
+    for churner in churners:
+        churner.join(60)
+    assert not rounds_without_cli, f"no CLI command finished during these rounds of calls: {rounds_without_cli}"
+
+    for name, gw in gateways.items():
+        assert len(replies[name]) == per_client
+        for msg_id, reply in replies[name]:
+            assert not is_tool_error(reply) and text_of(reply) == msg_id, reply
+        with gw.cond:
+            everything = json.dumps([gw.responses, gw.notifications, gw.requests])
+        assert "database is locked" not in everything
+    assert not cli_failures, cli_failures[:3]
+    for gw in gateways.values():
+        gw.close()  # flushes the invocation log
+        assert gw.proc.returncode == 0
+    rows = log_rows()
+    for name in gateways:
+        mine = [r for r in rows if r["client"] == name and r["capability"] == "a__echo"]
+        assert len(mine) == per_client, f"{name}: {len(mine)} rows for {per_client} calls"
+        assert all(r["status"] == "ok" for r in mine)
+
+
+def test_a_locked_vault_never_holds_up_or_fails_a_call_and_nothing_is_lost(home, raw_gateway):
+    cli("add", "fx", "--", *FAKE, "--tools", "echo")
+    gw = raw_gateway()
+    gw.initialize()
+    assert gw.request("tools/list")["result"]["tools"]
+    locker = sqlite3.connect(home / "coffer.db", isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")       # another process holds the write lock for a while
+    try:
+        for i in range(20):
+            reply = gw.request("tools/call", {"name": "fx__echo", "arguments": {"text": f"t{i}"}}, timeout=5)
+            assert reply["result"]["content"][0]["text"] == f"t{i}"
+    finally:
+        # The lock is held a while longer than the calls took: the invocation log's writer (which batches for
+        # FLUSH_INTERVAL after a call) meets it too, and must keep its rows rather than lose them.
+        time.sleep(2 * InvocationLog.FLUSH_INTERVAL)
+        locker.execute("ROLLBACK")
+        locker.close()
+    gw.close()
+    rows = json.loads(cli("log", "--json", "--limit", "100").stdout)["invocations"]
+    assert sum(1 for r in rows if r["capability"] == "fx__echo" and r["status"] == "ok") == 20
+
+
+# -- permissions -------------------------------------------------------------------------------------------------------
+
 AS_ROOT = POSIX and os.geteuid() == 0
 NOBODY = 65534
 PERMISSION_NOTICE = re.compile(r"perm|chmod|0o?600|0o?700|readable|private", re.I)
@@ -35,41 +223,9 @@ def mode(path) -> int:
 
 def cli_with_umask(umask, *args, stdin=None, env=None):
     """The CLI started under a given umask (a careless shell profile), optionally fed on stdin."""
-    return subprocess.run([PY, COFFER, *args], input=stdin, capture_output=True, text=True, timeout=120,
+    return subprocess.run(coffer_cmd(*args), input=stdin, capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})}, preexec_fn=lambda: os.umask(umask))
 
-
-def secret_set(name, value, env=None):
-    proc = subprocess.run([PY, COFFER, "secret", "set", name], input=value + "\n", capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, f"coffer secret set failed ({proc.returncode}): {proc.stderr}"
-    return proc
-
-
-def vault_bytes(home) -> dict:
-    """Every file of the vault except the secret store itself."""
-    return {p.name: p.read_bytes() for p in Path(home).iterdir() if p.is_file() and p.name != "secrets.json"}
-
-
-def holding(home, needle: str) -> list[str]:
-    return [name for name, data in vault_bytes(home).items() if needle.encode() in data]
-
-
-def env_via_gateway(watched_gateway, server, env=None):
-    gw = watched_gateway(env=env)
-    gw.initialize()
-    reply = gw.request("tools/call", {"name": f"{server}__env", "arguments": {}})
-    gw.close()
-    return json.loads(reply["result"]["content"][0]["text"]), gw
-
-
-def no_traceback(*procs):
-    for proc in procs:
-        text = proc if isinstance(proc, str) else proc.stdout + proc.stderr
-        assert "Traceback" not in text, text[-3000:]
-
-
-# -- class 3: permissions ---------------------------------------------------------------------------------------
 
 @posix_only
 def test_the_home_and_every_vault_file_are_private_even_under_umask_0(home, watched_gateway):
@@ -113,7 +269,7 @@ def test_a_second_local_user_cannot_read_the_vault_or_the_secrets(monkeypatch):
         secret_set("OTHER_TOKEN", "other-" + uuid.uuid4().hex)
 
         def as_nobody(*argv):
-            return subprocess.run(argv, capture_output=True, text=True, timeout=30,
+            return subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=base,
                                   preexec_fn=lambda: (os.setgroups([]), os.setgid(NOBODY), os.setuid(NOBODY)))
 
         for target in (home / "coffer.db", home / "secrets.json"):
@@ -126,181 +282,7 @@ def test_a_second_local_user_cannot_read_the_vault_or_the_secrets(monkeypatch):
         shutil.rmtree(base, ignore_errors=True)
 
 
-# -- class 3: the secret store ---------------------------------------------------------------------------------
-
-def test_secret_set_list_rm_keep_values_out_of_the_vault_and_the_output(home):
-    value = "ghp_" + uuid.uuid4().hex
-    stored = secret_set("GH_TOKEN", value)
-    assert value not in stored.stdout + stored.stderr
-    listed = cli("secret", "list")
-    assert "GH_TOKEN" in listed.stdout and value not in listed.stdout + listed.stderr
-    assert value in (home / "secrets.json").read_text()
-    assert not holding(home, value), "a secret value reached coffer.db"
-    removed = cli("secret", "rm", "GH_TOKEN")
-    no_traceback(removed)
-    assert "GH_TOKEN" not in cli("secret", "list").stdout
-    assert value not in (home / "secrets.json").read_text()
-    missing = cli("secret", "rm", "GH_TOKEN", check=False)
-    no_traceback(missing)
-
-
-def test_a_stored_secret_resolves_for_an_upstream_and_the_environment_wins(home, watched_gateway):
-    stored = "store-" + uuid.uuid4().hex
-    secret_set("UP_TOKEN", stored)
-    cli("add", "s", "--env", "TOKEN=${UP_TOKEN}", "--", *HOSTILE, "--name", "s")
-    env, _ = env_via_gateway(watched_gateway, "s")
-    assert env.get("TOKEN") == stored
-    env, _ = env_via_gateway(watched_gateway, "s", env={"UP_TOKEN": "from-the-environment"})
-    assert env.get("TOKEN") == "from-the-environment"
-
-
-def test_a_stored_secret_resolves_in_a_remote_header(home, watched_gateway):
-    stored = "hdr-" + uuid.uuid4().hex
-    secret_set("REMOTE_TOKEN", stored)
-    server = HostileHttp()
-    try:
-        server.routes["/mcp"] = mcp("remote")
-        cli("add", "remote", "--url", server.url("/mcp"), "--header", "Authorization=Bearer ${REMOTE_TOKEN}")
-        gw = watched_gateway()
-        gw.initialize()
-        reply = gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "hi"}})
-        assert reply["result"]["content"][0]["text"] == "remote: hi"
-        assert all(r.headers.get("authorization") == f"Bearer {stored}" for r in server.seen("POST"))
-    finally:
-        server.close()
-
-
-def test_a_literal_env_value_is_moved_into_the_store(home, watched_gateway):
-    literal = "sk-literal-" + uuid.uuid4().hex
-    added = cli("add", "s", "--env", f"API_KEY={literal}", "--", *HOSTILE, "--name", "s")
-    assert literal not in added.stdout + added.stderr, "the notice must not print the secret"
-    assert (added.stdout + added.stderr).strip(), "no notice that the value was moved into the secret store"
-    assert not holding(home, literal), "a literal secret was written to the vault"
-    assert cli("secret", "list").stdout.strip(), "the moved secret is not listed"
-    for args in (("list",), ("list", "--json"), ("audit",), ("audit", "--json")):
-        shown = cli(*args)
-        assert literal not in shown.stdout + shown.stderr, f"`coffer {' '.join(args)}` shows the secret"
-    env, gw = env_via_gateway(watched_gateway, "s")
-    assert env.get("API_KEY") == literal, "the upstream no longer gets its value"
-    assert not holding(home, literal)
-    assert literal not in gw.stderr_text()
-
-
-def test_a_literal_header_value_is_moved_into_the_store(home, watched_gateway):
-    literal = "Bearer lit-" + uuid.uuid4().hex
-    server = HostileHttp()
-    try:
-        server.routes["/mcp"] = mcp("remote")
-        added = cli("add", "remote", "--url", server.url("/mcp"), "--header", f"Authorization={literal}")
-        assert literal not in added.stdout + added.stderr
-        assert not holding(home, literal.split()[1])
-        gw = watched_gateway()
-        gw.initialize()
-        reply = gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "hi"}})
-        assert reply["result"]["content"][0]["text"] == "remote: hi"
-        assert all(r.headers.get("authorization") == literal for r in server.seen("POST"))
-        gw.close()
-        assert not holding(home, literal.split()[1])
-    finally:
-        server.close()
-
-
-def test_ordinary_settings_moved_into_the_store_do_not_corrupt_the_output(home, watched_gateway):
-    """Every literal --env value is moved into the store, settings included; redacting such short ordinary values
-    (true, enabled, info) must not mangle what Coffer prints, least of all its JSON."""
-    cli("add", "s", "--env", "DEBUG=true", "--env", "MODE=enabled", "--env", "LEVEL=info",
-                "--", *HOSTILE, "--name", "s")
-    env, gw = env_via_gateway(watched_gateway, "s")
-    assert (env.get("DEBUG"), env.get("MODE"), env.get("LEVEL")) == ("true", "enabled", "info")
-    servers = json.loads(cli("list", "--json").stdout)["servers"]  # must still be JSON
-    row = next(s for s in servers if s["name"] == "s")
-    assert row["enabled"] is True and row["policy"] == "enabled", row
-    assert "***" not in cli("list").stdout and "***" not in cli("audit").stdout
-    assert "***" not in json.dumps(json.loads(cli("log", "--json").stdout))
-    assert cli("secret", "list").stdout.strip()  # they were moved (fails where literals stay in coffer.db)
-
-
-@pytest.mark.parametrize("where", ["userinfo", "query"])
-def test_a_credential_inside_a_url_is_kept_out_of_the_vault_and_the_output(home, watched_gateway, where):
-    """Hosted MCP servers often take their key in the URL (?api_key=...) or as user:password@; such a literal is
-    a secret like a header value is."""
-    secret = "urlsecret" + uuid.uuid4().hex[:12]
-    server = HostileHttp()
-    try:
-        server.routes["/mcp"] = mcp("remote")
-        url = (server.url("/mcp") + f"?api_key={secret}" if where == "query"
-               else server.url("/mcp").replace("://", f"://user:{secret}@"))
-        added = cli("add", "remote", "--url", url)
-        assert secret not in added.stdout + added.stderr
-        assert not holding(home, secret), "a credential in a URL was written to the vault"
-        for args in (("list",), ("list", "--json"), ("audit",)):
-            shown = cli(*args)
-            assert secret not in shown.stdout + shown.stderr, f"`coffer {' '.join(args)}` shows it"
-        if where == "query":  # the server still gets its key
-            gw = watched_gateway()
-            gw.initialize()
-            reply = gw.request("tools/call", {"name": "remote__echo", "arguments": {"text": "hi"}})
-            assert reply["result"]["content"][0]["text"] == "remote: hi", reply
-            assert all(secret in r.path for r in server.seen("POST"))
-            gw.close()
-            assert not holding(home, secret) and secret not in gw.stderr_text()
-    finally:
-        server.close()
-
-
-def test_store_secrets_are_redacted_from_status_stderr_and_the_vault(home, watched_gateway, tmp_path):
-    referenced = "ref-" + uuid.uuid4().hex
-    unrelated = "unrel-" + uuid.uuid4().hex
-    secret_set("LEAKY_TOKEN", referenced)
-    secret_set("UNRELATED_TOKEN", unrelated)
-    leak_file = tmp_path / "leak.txt"
-    leak_file.write_text(f"found {unrelated} lying around\n")
-    cli("config", "max_restarts", "1")
-    cli("add", "leaky", "--env", "TOKEN=${LEAKY_TOKEN}", "--", *FAKE, "--stderr-env", "TOKEN", "--exit-at-start")
-    cli("add", "snoop", "--", "/bin/sh", "-c", f"cat {leak_file} >&2; exit 3")
-    cli("add", "good", "--", *FAKE)
-    gw = watched_gateway()
-    gw.initialize()
-    gw.request("tools/list")
-    reply = gw.request("tools/call", {"name": "good__echo", "arguments": {"text": "fine"}})
-    assert reply["result"]["content"][0]["text"] == "fine"
-    servers = {}
-
-    def both_failed():
-        servers.update({s["name"]: s for s in json.loads(cli("list", "--json").stdout)["servers"]})
-        return servers["leaky"]["status"] == "failed" and servers["snoop"]["status"] == "failed"
-
-    deadline = time.monotonic() + 30
-    while not both_failed():
-        assert time.monotonic() < deadline, servers
-        time.sleep(0.2)
-    gw.close()
-    assert "TOKEN=***" in servers["leaky"]["detail"], servers["leaky"]
-    assert "***" in servers["snoop"]["detail"] and "lying around" in servers["snoop"]["detail"], servers["snoop"]
-    shown = cli("list")
-    for value in (referenced, unrelated):
-        assert value not in json.dumps(servers) and value not in shown.stdout + shown.stderr
-        assert value not in gw.stderr_text(), "the gateway's stderr shows a secret"
-        assert not holding(home, value), "a secret reached the vault"
-
-
-def test_debug_tracing_never_prints_a_secret(home, watched_gateway):
-    value = "trace-" + uuid.uuid4().hex
-    secret_set("TRACE_TOKEN", value)
-    cli("add", "s", "--env", "TOKEN=${TRACE_TOKEN}", "--", *HOSTILE, "--name", "s")
-    env, gw = env_via_gateway(watched_gateway, "s", env={"COFFER_LOG": "debug"})
-    assert env.get("TOKEN") == value  # the value went through the gateway in a tool result...
-    assert gw.stderr_text().strip(), "COFFER_LOG=debug traced nothing"
-    assert value not in gw.stderr_text(), "...but must not be printed by the trace"
-
-
-def test_add_help_says_that_arguments_are_visible_in_ps(home):
-    help_text = cli("add", "--help").stdout
-    assert re.search(r"\bps\b", help_text), "the --help of add must warn that ${VAR} in arguments shows in ps"
-    assert "--inherit-env" in help_text and "secret" in help_text.lower()
-
-
-# -- class 17: a damaged vault ------------------------------------------------------------------------------------
+# -- a damaged vault ---------------------------------------------------------------------------------------------------
 
 def damage(home, sql, params=()):
     db = sqlite3.connect(home / "coffer.db")
@@ -445,7 +427,7 @@ def _python_for_nobody():
             continue
         try:
             probe = subprocess.run([candidate, "-c", "import sqlite3, sys; assert sys.version_info >= (3, 10)"],
-                                   capture_output=True, timeout=30,
+                                   capture_output=True, timeout=30, cwd="/",
                                    preexec_fn=lambda: (os.setgroups([]), os.setgid(NOBODY), os.setuid(NOBODY)))
         except OSError:
             continue  # e.g. an interpreter under /root
@@ -472,10 +454,14 @@ def test_a_read_only_vault_still_serves_read_only_commands(watched_gateway, monk
         for path in [home, *home.iterdir()]:
             os.chown(path, NOBODY, NOBODY)
             os.chmod(path, 0o500 if path.is_dir() else 0o400)
+        # The checkout may sit where nobody cannot read (a private temporary folder): nobody runs a vendored copy.
+        vendored = base / "coffer.py"
+        shutil.copyfile(COFFER, vendored)
+        os.chmod(vendored, 0o644)
 
         def as_nobody(*args):
-            return subprocess.run([python, COFFER, *args], capture_output=True, text=True, timeout=60,
-                                  env={**os.environ, "COFFER_HOME": str(home), "HOME": str(base)},
+            return subprocess.run([python, str(vendored), *args], capture_output=True, text=True, timeout=60,
+                                  env={**os.environ, "COFFER_HOME": str(home), "HOME": str(base)}, cwd=base,
                                   preexec_fn=lambda: (os.setgroups([]), os.setgid(NOBODY), os.setuid(NOBODY)))
 
         listed = as_nobody("list")

@@ -2,7 +2,6 @@
 (server-everything, server-memory, mcp-server-time) behind it.  What an agent sees is what is asserted."""
 
 import json
-import os
 import re
 import uuid
 
@@ -12,7 +11,19 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
-from conftest import COFFER, PY, TIME_SERVER, cli, everything_cmd, memory_cmd, needs_node
+from conftest import (
+    TIME_SERVER,
+    Everything,
+    answer_elicitation,
+    answer_roots,
+    answer_sampling,
+    cli,
+    everything_cmd,
+    memory_cmd,
+    needs_node,
+    sdk_session,
+    text_of,
+)
 
 pytestmark = needs_node
 
@@ -26,33 +37,8 @@ def three_servers(home, tmp_path):
     return home
 
 
-def gateway_params():
-    return StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
-
-
-async def sampling(ctx, params):
-    return types.CreateMessageResult(role="assistant", model="test-model",
-                                     content=types.TextContent(type="text", text="relayed-by-the-client"))
-
-
-async def list_roots(ctx):
-    return types.ListRootsResult(roots=[types.Root(uri="file:///tmp/coffer-project", name="project")])
-
-
-async def elicitation(ctx, params):
-    return types.ElicitResult(action="accept", content={"name": "Ada", "check": True})
-
-
 def run(coro_fn, **client_kwargs):
-    async def main():
-        async with Client(gateway_params(), client_info=types.Implementation(name="e2e-agent", version="1"),
-                          **client_kwargs) as client:
-            return await coro_fn(client)
-    return anyio.run(main)
-
-
-def text_of(result):
-    return "".join(block.text for block in result.content if getattr(block, "type", "") == "text")
+    return sdk_session(coro_fn, name="e2e-agent", **client_kwargs)
 
 
 def test_three_real_servers_are_aggregated_and_namespaced(three_servers):
@@ -112,8 +98,8 @@ def test_sampling_elicitation_and_roots_are_relayed_to_the_client(three_servers)
         elicited = await client.call_tool("everything__trigger-elicitation-request", {})
         return tools, sampled, roots, elicited
 
-    tools, sampled, roots, elicited = run(body, sampling_callback=sampling, list_roots_callback=list_roots,
-                                          elicitation_callback=elicitation)
+    tools, sampled, roots, elicited = run(body, sampling_callback=answer_sampling, list_roots_callback=answer_roots,
+                                          elicitation_callback=answer_elicitation)
     # server-everything only offers these tools to clients that declared the capability: Coffer passed it up.
     assert "everything__trigger-sampling-request" in tools
     assert "relayed-by-the-client" in text_of(sampled)
@@ -122,12 +108,15 @@ def test_sampling_elicitation_and_roots_are_relayed_to_the_client(three_servers)
 
 
 def test_progress_and_logging_flow_back_to_the_client(three_servers):
-    progress, logs = [], []
+    progress, logs, log_arrived = [], [], []
 
     async def on_log(params):
         logs.append(params)
+        for event in log_arrived:
+            event.set()
 
     async def body(client):
+        log_arrived.append(anyio.Event())
         await client.set_logging_level("debug")
 
         async def on_progress(value, total, message):
@@ -137,8 +126,7 @@ def test_progress_and_logging_flow_back_to_the_client(three_servers):
                                         progress_callback=on_progress)
         await client.call_tool("everything__toggle-simulated-logging", {})
         with anyio.fail_after(10):
-            while not logs:
-                await anyio.sleep(0.05)
+            await log_arrived[0].wait()
         await client.call_tool("everything__toggle-simulated-logging", {})
         return result
 
@@ -178,7 +166,7 @@ def test_unknown_and_disabled_tools_are_readable_errors_and_the_session_goes_on(
         for name in ("everything__echo", "nobody__nothing"):
             try:
                 await client.call_tool(name, {"message": "hi"})
-            except Exception as exc:  # the SDK raises on JSON-RPC errors
+            except Exception as exc:  # noqa: BLE001 - the SDK raises on JSON-RPC errors
                 errors.append(str(exc))
         ok = await client.call_tool("everything__get-sum", {"a": 1, "b": 1})
         return tools, errors, ok
@@ -246,26 +234,11 @@ def test_every_call_is_logged_and_no_argument_or_result_is_stored(three_servers)
 
 
 @pytest.fixture
-def http_everything(tmp_path):
+def http_everything():
     """server-everything in its Streamable HTTP mode on a free local port."""
-    import socket
-    import subprocess
-    import time
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(["node", everything_cmd()[1], "streamableHttp"], env={**os.environ, "PORT": str(port)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}/mcp"
-    proc.terminate()
-    proc.wait(10)
+    server = Everything("streamableHttp")
+    yield server.url
+    server.stop()
 
 
 def test_remote_streamable_http_upstream_is_aggregated_beside_stdio(home, http_everything):

@@ -19,12 +19,12 @@ fixtures and the scenarios are right, so a failure through Coffer is Coffer's.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +40,26 @@ from mcp.client.subscriptions import ResourcesListChanged, ToolsListChanged  # n
 from mcp.shared.exceptions import MCPError  # noqa: E402
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS  # noqa: E402
 
-from conftest import COFFER, PY, ROOT, cli, everything_cmd, needs_node  # noqa: E402
+from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.session import ClientSession
+from coffer_src.modern import META_CLIENT_CAPABILITIES
+from coffer_src.vault import Vault
+
+from conftest import (  # noqa: E402
+    PY,
+    ROOT,
+    ROOT_URI,
+    SAMPLED_TEXT,
+    answer_elicitation,
+    answer_roots,
+    answer_sampling,
+    async_wait_until,
+    cli,
+    everything_cmd,
+    gateway_params,
+    needs_node,
+    text_of,
+)
 
 try:
     BaseExceptionGroup
@@ -52,8 +71,6 @@ MODES = ("auto", "legacy", MODERN)
 FIXTURES = ROOT / "tests" / "fixtures"
 CASE_TIMEOUT = 120.0      # seconds one scenario may take end to end (server starts included) before it fails
 EVENT_TIMEOUT = 30.0      # seconds to wait for something the upstream does in the background
-SAMPLED_TEXT = "relayed-by-the-client"
-ROOT_URI = "file:///tmp/coffer-project"
 
 
 # ----------------------------------------------------------------------------------------------- the upstreams
@@ -190,7 +207,7 @@ def through_coffer(home, tmp_path):
         # A Python SDK server takes seconds to import on a loaded machine: let the first list wait for it rather
         # than answer without its tools (the default budget is 5 s).
         cli("config", "discovery_timeout", "60")
-        params = StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
+        params = gateway_params()
         return Target("coffer", params, f"{upstream.key}__", tmp_path / "coffer-stderr.log", state, True)
     return make
 
@@ -203,19 +220,6 @@ def direct(upstream: Upstream, tmp_path: Path) -> Target:
 
 
 # ----------------------------------------------------------------------------------------------- the client
-
-async def sampling(ctx, params):
-    return types.CreateMessageResult(role="assistant", model="test-model",
-                                     content=types.TextContent(type="text", text=SAMPLED_TEXT))
-
-
-async def elicitation(ctx, params):
-    return types.ElicitResult(action="accept", content={"name": "Ada", "check": True})
-
-
-async def list_roots(ctx):
-    return types.ListRootsResult(roots=[types.Root(uri=ROOT_URI, name="project")])
-
 
 class Session:
     """One connected SDK client plus what it has been told: the scenarios' shared handle."""
@@ -235,10 +239,6 @@ class Session:
     async def call(self, call: Call, **kwargs) -> types.CallToolResult:
         self.step(f"calling {self.target.name(call.tool)}({json.dumps(call.arguments)})")
         return await self.client.call_tool(self.target.name(call.tool), call.arguments, **kwargs)
-
-
-def text_of(result) -> str:
-    return "".join(block.text for block in result.content if getattr(block, "type", "") == "text")
 
 
 def _leaf(exc: BaseException) -> BaseException:
@@ -276,8 +276,8 @@ def run_case(target: Target, upstream: Upstream, mode: str, scenario, expect_era
             with open(target.stderr_path, "a", encoding="utf-8") as errlog:
                 client = Client(stdio_client(target.params, errlog=errlog), mode=mode,
                                 client_info=types.Implementation(name="modern-e2e", version="1"),
-                                sampling_callback=sampling, elicitation_callback=elicitation,
-                                list_roots_callback=list_roots, message_handler=on_message,
+                                sampling_callback=answer_sampling, elicitation_callback=answer_elicitation,
+                                list_roots_callback=answer_roots, message_handler=on_message,
                                 read_timeout_seconds=60)
                 async with client:
                     session = Session(client, target, upstream, mode, notices)
@@ -315,15 +315,6 @@ def check_era(s: Session) -> None:
         assert version == MODERN
 
 
-async def wait_until(predicate, timeout: float = EVENT_TIMEOUT) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await anyio.sleep(0.05)
-    return bool(predicate())
-
-
 # ----------------------------------------------------------------------------------------------- scenarios
 
 async def scenario_listing(s: Session) -> None:
@@ -346,7 +337,7 @@ async def scenario_progress(s: Session) -> None:
     result = await s.call(s.upstream.progress, progress_callback=on_progress)
     assert not result.is_error, f"the call failed: {text_of(result)}"
     s.step("checking the progress notifications the client received")
-    assert await wait_until(lambda: len(seen) >= s.upstream.progress_steps, 5.0), \
+    assert await async_wait_until(lambda: len(seen) >= s.upstream.progress_steps, 5.0), \
         f"expected {s.upstream.progress_steps} progress notifications, the client got {seen}"
     assert seen == sorted(seen), f"progress went backwards: {seen}"
 
@@ -393,7 +384,7 @@ async def _wait_for_listed_change(s: Session, change: ListChange, events: list, 
     listed: list[str] = []
     while time.monotonic() < deadline:
         s.step(f"waiting for the client to be told the {change.kind} list changed")
-        if not await wait_until(lambda: _announced(s, change.kind, since, events) > handled,
+        if not await async_wait_until(lambda: _announced(s, change.kind, since, events) > handled,
                                 max(0.0, deadline - time.monotonic())):
             break
         handled = _announced(s, change.kind, since, events)
@@ -461,14 +452,14 @@ async def scenario_cancellation(s: Session) -> None:
 
         group.start_soon(slow_call)
         s.step("waiting for the slow call to be running upstream (its first progress or start marker)")
-        started = await wait_until(lambda: bool(seen) or s.target.marker("slow-started"))
+        started = await async_wait_until(lambda: bool(seen) or s.target.marker("slow-started"))
         assert started, "the slow call never started upstream: no progress reached the client and no start marker"
         s.step("cancelling the slow call")
         scope.cancel()
     assert "result" not in outcome, f"the cancelled call still completed: {outcome['result']}"
     if s.upstream.leaves_markers:
         s.step("waiting for the upstream to notice the cancellation")
-        assert await wait_until(lambda: s.target.marker("slow-cancelled")), \
+        assert await async_wait_until(lambda: s.target.marker("slow-cancelled")), \
             "the upstream's slow tool was never cancelled (no slow-cancelled marker): notifications/cancelled " \
             "did not reach it"
         assert not s.target.marker("slow-finished")
@@ -480,7 +471,7 @@ async def scenario_cancellation(s: Session) -> None:
             rows = json.loads(cli("log", "--json").stdout)["invocations"]
             return any(r["capability"] == exposed and r["status"] == "cancelled" for r in rows)
 
-        assert await wait_until(logged, 10.0), f"`coffer log` has no cancelled row for {exposed}"
+        assert await async_wait_until(logged, 10.0), f"`coffer log` has no cancelled row for {exposed}"
     s.step("calling again after the cancellation")
     result = await s.call(s.upstream.echo)
     assert s.upstream.echo_text in text_of(result), "the session did not survive the cancellation"
@@ -591,3 +582,48 @@ def test_direct_to_the_fixture(tmp_path, upstream_key, mode):
             await scenario_array_structured_content(s)
 
     run_case(target, upstream, mode, everything)
+
+
+# -- the bridge, in-process --------------------------------------------------------------------------------------------
+
+class _AsksAtOnce:
+    """An upstream that asks the client for a sampling the instant it reads a call, before the gateway's
+    send has even returned: the ordering a fast server and a busy gateway thread produce."""
+
+    name, generation = "asker", 1
+
+    def __init__(self):
+        self.gateway = None
+        self.answers = []
+
+    def request(self, method, params, on_reply, timeout=None, ticket=None, **_):
+        self.gateway.on_request(self, {"jsonrpc": "2.0", "id": 7, "method": "sampling/createMessage",
+                                       "params": {"messages": [], "maxTokens": 5}})
+        return ticket
+
+    def hold(self, ticket):
+        pass
+
+    def respond(self, message):
+        self.answers.append(message)
+
+
+def test_a_question_asked_the_instant_a_call_arrives_reaches_a_2026_client(home):
+    out = io.BytesIO()
+    hub = Hub(Vault(str(home)))
+    session = ClientSession(hub, out=out)
+    session.client_era = "modern"
+    upstream = _AsksAtOnce()
+    upstream.gateway = hub
+    params = {"name": "ask", "arguments": {},
+              "_meta": {META_CLIENT_CAPABILITIES: {"sampling": {}}}}
+    session.calls.forward(41, upstream, "tools/call", dict(params), "asker__ask", "tool", time.monotonic(), params)
+    session.stream.flush()
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    # Not parked as an orphan waiting for some later call (the upstream would time out after 60 s):
+    # the call itself answers input_required with the upstream's question.
+    assert [r.get("id") for r in replies] == [41], replies
+    result = replies[0]["result"]
+    assert result["resultType"] == "input_required"
+    assert [q["method"] for q in result["inputRequests"].values()] == ["sampling/createMessage"]
+    assert upstream.answers == []  # nothing refused on the client's behalf

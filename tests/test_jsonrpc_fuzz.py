@@ -6,11 +6,12 @@ invalid may get an error with id null; the gateway never dies and its memory sta
 """
 
 import json
+import os
+import random
 import sys
-import time
 from collections import Counter
 
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 
 from conftest import FAKE, RawGateway, cli, rss_kb
@@ -146,8 +147,15 @@ def well_formed(message) -> bool:
     return True
 
 
+def fuzz_seed() -> int:
+    """COFFER_FUZZ_SEED replays a run; otherwise a fresh seed, printed so that a failure can be replayed."""
+    value = int(os.environ.get("COFFER_FUZZ_SEED") or random.SystemRandom().randrange(2**32))
+    print(f"fuzz seed {value}: replay with COFFER_FUZZ_SEED={value} python -m pytest {__file__}")
+    return value
+
 
 def test_bad_clients_never_break_the_gateway(home):
+    run_seed = fuzz_seed()
     cli("config", "discovery_timeout", "2")
     cli("config", "call_timeout", "5")
     cli("add", "up", "--", *FAKE)
@@ -177,14 +185,16 @@ def test_bad_clients_never_break_the_gateway(home):
         ping = f"\u2603sync-{sync[0]}"
         gw.send({"jsonrpc": "2.0", "id": ping, "method": "ping"})
         gw.wait_response(ping, timeout=timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            with gw.cond:
-                missing = {k: n - len(gw.responses.get(k, [])) for k, n in expected.items()
-                           if len(gw.responses.get(k, [])) < n}
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+
+        def missing_now(g=gw):
+            return {k: n - len(g.responses.get(k, [])) for k, n in expected.items() if len(g.responses.get(k, [])) < n}
+
+        try:
+            gw.wait_for(lambda g: not missing_now(g) or g.proc.poll() is not None, timeout=timeout)
+        except TimeoutError:
+            pass  # reported below, with what is missing
+        with gw.cond:
+            missing = missing_now()
         assert gw.proc.poll() is None, f"the gateway died; stderr: {''.join(gw.stderr_lines)[-2000:]}"
         with gw.cond:
             extra = {k: len(v) - expected[k] for k, v in gw.responses.items()
@@ -225,6 +235,7 @@ def test_bad_clients_never_break_the_gateway(home):
         pid = gw.proc.pid
         rss_before = rss_kb(pid)
 
+        @seed(run_seed)
         @settings(max_examples=200, deadline=None, database=None, derandomize=False,
                   phases=[Phase.explicit, Phase.generate],  # no shrinking: the gateway is shared state
                   suppress_health_check=list(HealthCheck))
@@ -243,7 +254,12 @@ def test_bad_clients_never_break_the_gateway(home):
                 send(raw)
             settle()
 
-        fuzz()
+        try:
+            fuzz()
+        except BaseException as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"fuzz seed {run_seed}: replay with COFFER_FUZZ_SEED={run_seed}")
+            raise
 
         # still a working gateway afterwards
         gw.send({"jsonrpc": "2.0", "id": "\u2603final", "method": "tools/call",
