@@ -29,24 +29,24 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       4583  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
       5382  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       5457  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      5944  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6043  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6436  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6795  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      6968  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7552  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      7959  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8424  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8537  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      8847  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9273  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9605  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-      9937  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10543  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10713  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11381  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12148  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12364  cli                   Command line: coffer's commands.
+      5954  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6053  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6446  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6805  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      6978  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7562  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      7969  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8434  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8547  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      8857  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9283  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9615  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+      9947  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10553  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10723  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11391  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12158  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12374  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5494,6 +5494,9 @@ def bounded_query(query: str) -> str:
 
 
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+# Capitals with a final "s" (PDFs, URLs, IDs) are the plural of an acronym: one word, its singular.  The camel-case
+# rule alone would cut "PDFs" into "PD" + "Fs" and "URLs" into "UR" + "Ls" (and "ls" is a shell tool's name).
+_PLURAL_ACRONYM_RE = re.compile(r"([A-Z]{2,})s(?![a-z])")
 _WORD_RE = re.compile(r"[^\W_]+")
 
 
@@ -5560,7 +5563,14 @@ def _token_words(token: str) -> tuple[str, ...]:
     """The lowercase words of one token (letters and digits): "API", "Get", "mp3" are one word, "getFileInfo" three."""
     if token.isupper() or token[1:].islower():
         return (token.lower(),)
-    return tuple(_CAMEL_RE.sub(" ", token).lower().split())
+    return tuple(_split_identifiers(token).lower().split())
+
+
+def _split_identifiers(text: str) -> str:
+    """``text`` with a space wherever an identifier's words meet (getFileInfo, HTTPServer, listPDFs)."""
+    if "s" in text:
+        text = _PLURAL_ACRONYM_RE.sub(r"\1 ", text)
+    return _CAMEL_RE.sub(" ", text)
 
 
 def _words(text: str) -> list[str]:
@@ -5571,7 +5581,7 @@ def _words(text: str) -> list[str]:
     text = unicodedata.normalize("NFKC", text)
     if not _CJK_RE.search(text):  # accents, dashes, curly quotes: the same words, found by the Unicode pattern
         return list(itertools.chain.from_iterable(map(_token_words, _WORD_RE.findall(text))))
-    text = _CAMEL_RE.sub(" ", text).lower()
+    text = _split_identifiers(text).lower()
     words = []
     for run in _WORD_RE.findall(text):
         if run.isascii() or not _CJK_RE.search(run):

@@ -56,6 +56,9 @@ def bounded_query(query: str) -> str:
 
 
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+# Capitals with a final "s" (PDFs, URLs, IDs) are the plural of an acronym: one word, its singular.  The camel-case
+# rule alone would cut "PDFs" into "PD" + "Fs" and "URLs" into "UR" + "Ls" (and "ls" is a shell tool's name).
+_PLURAL_ACRONYM_RE = re.compile(r"([A-Z]{2,})s(?![a-z])")
 _WORD_RE = re.compile(r"[^\W_]+")
 
 
@@ -122,7 +125,14 @@ def _token_words(token: str) -> tuple[str, ...]:
     """The lowercase words of one token (letters and digits): "API", "Get", "mp3" are one word, "getFileInfo" three."""
     if token.isupper() or token[1:].islower():
         return (token.lower(),)
-    return tuple(_CAMEL_RE.sub(" ", token).lower().split())
+    return tuple(_split_identifiers(token).lower().split())
+
+
+def _split_identifiers(text: str) -> str:
+    """``text`` with a space wherever an identifier's words meet (getFileInfo, HTTPServer, listPDFs)."""
+    if "s" in text:
+        text = _PLURAL_ACRONYM_RE.sub(r"\1 ", text)
+    return _CAMEL_RE.sub(" ", text)
 
 
 def _words(text: str) -> list[str]:
@@ -133,7 +143,7 @@ def _words(text: str) -> list[str]:
     text = unicodedata.normalize("NFKC", text)
     if not _CJK_RE.search(text):  # accents, dashes, curly quotes: the same words, found by the Unicode pattern
         return list(itertools.chain.from_iterable(map(_token_words, _WORD_RE.findall(text))))
-    text = _CAMEL_RE.sub(" ", text).lower()
+    text = _split_identifiers(text).lower()
     words = []
     for run in _WORD_RE.findall(text):
         if run.isascii() or not _CJK_RE.search(run):

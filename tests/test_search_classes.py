@@ -1,0 +1,40 @@
+"""The classes of request tool search still lost (issue 27), each on catalogues written for these tests.
+
+Each test states the principle of its fix as a user would notice it; the catalogues (tests/search_catalogues.py)
+merge realistic servers to 200+ tools where a class shows only at that size."""
+
+import pytest
+import search_catalogues as sc
+
+import coffer
+
+
+def names(hits):
+    return [tool["name"] for tool, _ in hits]
+
+
+@pytest.fixture(scope="module")
+def catalogue():
+    return coffer.SearchIndex(sc.merged())
+
+
+# ---------------------------------------------------------------- class 4: plural acronyms
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("PDFs", ["pdf"]),
+    ("URLs", ["url"]),
+    ("IDs", ["id"]),
+    ("getURLsFromPage", ["get", "url", "pag"]),
+    ("merge these PDFs", ["merg", "pdf"]),
+    ("HTTPServer", ["http"]),                 # capitals then a capitalised word: still two words
+])
+def test_capitals_with_a_final_s_are_one_word_its_singular(text, expected):
+    assert coffer.tokenize(text) == expected
+
+
+def test_a_plural_acronym_does_not_reach_a_tool_named_after_a_fragment_of_it(catalogue):
+    # "URLs" once split into "ur" + "ls", and "ls" is the name of a shell tool.
+    top = names(catalogue.search("collect all the URLs on this page", 5))
+    assert "shell__ls" not in top and "scraper__extract_links" in top[:2]
+    assert names(catalogue.search("merge these PDFs into one", 1)) == ["pdf__merge_pdfs"]
