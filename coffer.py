@@ -31,22 +31,22 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5457  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       5954  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       6053  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6446  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6805  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      6978  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7562  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      7969  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8434  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8547  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      8857  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9283  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9615  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-      9947  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10553  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10723  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11391  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12158  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12374  cli                   Command line: coffer's commands.
+      6449  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6808  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      6981  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7565  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      7972  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8437  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8550  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      8860  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9286  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9618  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+      9950  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10556  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10726  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11394  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12161  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12377  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -6350,6 +6350,9 @@ class SearchIndex:
     def _query_plan(self, query: str) -> QueryPlan:
         """What ``query`` asks for (see QueryPlan): its own words, what they imply, its arguments, its need."""
         entities = query_entities(query) if self.ENTITY_WEIGHT or self.ENTITY_WORD_WEIGHT != 1.0 else []
+        # A kind no tool of this catalogue accepts is not an argument here: "KQL" is not a ticker where no tool
+        # takes one, and its words are the request's own (often its rarest, most decisive word).
+        entities = [entity for entity in entities if self.entity_tools(entity.kind)]
         inside, outside, rest_text = set(), set(), query
         if entities:
             rest, last = [], 0

@@ -38,3 +38,15 @@ def test_a_plural_acronym_does_not_reach_a_tool_named_after_a_fragment_of_it(cat
     top = names(catalogue.search("collect all the URLs on this page", 5))
     assert "shell__ls" not in top and "scraper__extract_links" in top[:2]
     assert names(catalogue.search("merge these PDFs into one", 1)) == ["pdf__merge_pdfs"]
+
+
+# ---------------------------------------------------------------- class 3: an argument kind no tool accepts
+
+
+def test_an_argument_kind_no_tool_accepts_is_read_as_a_word():
+    # Any 2-5 capitals may be a ticker; where no tool takes a ticker symbol, "KQL" is the request's rarest word.
+    index = coffer.SearchIndex(sc.merged(sc.FINANCE))
+    assert names(index.search("run this KQL query over area path Web", 1)) == ["monitor__kusto_query"]
+    # ...while where a tool does take one, a ticker is still an argument for it
+    with_quotes = coffer.SearchIndex(sc.merged())
+    assert {"symbol"} == set(with_quotes.search("NVDA right now", 1)[0][0]["inputSchema"]["properties"])

@@ -328,6 +328,9 @@ class SearchIndex:
     def _query_plan(self, query: str) -> QueryPlan:
         """What ``query`` asks for (see QueryPlan): its own words, what they imply, its arguments, its need."""
         entities = query_entities(query) if self.ENTITY_WEIGHT or self.ENTITY_WORD_WEIGHT != 1.0 else []
+        # A kind no tool of this catalogue accepts is not an argument here: "KQL" is not a ticker where no tool
+        # takes one, and its words are the request's own (often its rarest, most decisive word).
+        entities = [entity for entity in entities if self.entity_tools(entity.kind)]
         inside, outside, rest_text = set(), set(), query
         if entities:
             rest, last = [], 0
