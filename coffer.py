@@ -29,24 +29,24 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       4583  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
       5382  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       5457  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      5954  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6053  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6449  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6808  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      6981  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7565  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      7972  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8437  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8550  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      8860  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9286  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9618  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-      9950  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10556  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10726  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11394  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12161  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12377  cli                   Command line: coffer's commands.
+      5972  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6071  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6474  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6833  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7006  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7590  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      7997  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8462  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8575  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      8885  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9311  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9643  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+      9975  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10581  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10751  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11419  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12186  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12402  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5744,8 +5744,8 @@ def _analyse(text: str) -> TextTerms:
         if _FOREIGN_MARK not in stems:
             return TextTerms(stems, (), text)
         raw = _words(text)
-        foreign = tuple(map(stem, _lexicon_words(raw)))
-        return TextTerms(_without_mark(stems), foreign + tuple(_german_terms(raw)), text)  # split verbs too
+        foreign = tuple(map(stem, _lexicon_words(raw) + _german_terms(raw)))  # split verbs too
+        return TextTerms(_without_mark(stems), foreign, text)
     normal = unicodedata.normalize("NFKC", text)
     if not _CJK_RE.search(normal):  # accents, dashes, curly quotes: the same tokens, the same rule as ASCII text
         stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, _WORD_RE.findall(normal))))
@@ -5802,7 +5802,7 @@ def forget_analysed_texts() -> None:
 
 
 def _german_terms(words: list[str]) -> list[str]:
-    """English stems for German separable verbs split over the clause ("lade ... hoch" = hochladen = upload)
+    """English words for German separable verbs split over the clause ("lade ... hoch" = hochladen = upload)
     and for compounds of two lexicon words ("Verzeichnisbaum" = directory tree)."""
     found: list[str] = []
     particles = list(filter(_GERMAN_PARTICLE_SET.__contains__, words))
@@ -5832,18 +5832,18 @@ _SEPARABLE_REST = _separable_index()
 
 @functools.lru_cache(maxsize=1 << 16)
 def _separable_matches(verb: str) -> dict[str, tuple[str, ...]]:
-    """particle -> English stems of the separable verb that particle makes with this inflected form ("lade" +
+    """particle -> English words of the separable verb that particle makes with this inflected form ("lade" +
     "hoch" = hochladen = upload); the first matching form wins, as a reader would try them."""
     matches: dict[str, tuple[str, ...]] = {}
     for form in (verb + "n", verb + "en", verb, verb[:-1] + "en", verb[:-2] + "en"):
         for particle, english in _SEPARABLE_REST.get(form, {}).items():
-            matches.setdefault(particle, tuple(stem(word) for word in english))
+            matches.setdefault(particle, english)
     return matches
 
 
 @functools.lru_cache(maxsize=1 << 16)  # long words repeat across a catalogue's descriptions; most are not compounds
 def _compound_terms(word: str) -> tuple[str, ...]:
-    """English stems of a compound of two lexicon words ("Verzeichnisbaum" = directory tree), else ()."""
+    """English words of a compound of two lexicon words ("Verzeichnisbaum" = directory tree), else ()."""
     if not 8 <= len(word) <= 40 or word[-3:] not in _LEXICON_ENDINGS or word in LEXICON or (
             word in SEPARABLE_VERBS or not word.isascii() and _CJK_RE.search(word)):
         return ()
@@ -5855,35 +5855,53 @@ def _compound_terms(word: str) -> tuple[str, ...]:
         heads = [head] + [head[:-len(link)] for link in ("s", "n", "en", "e") if head.endswith(link)]
         head_english = next((LEXICON[h] for h in heads if h in LEXICON), None)
         if head_english:
-            return tuple(stem(w) for w in head_english + LEXICON[tail])
+            return head_english + LEXICON[tail]
     return ()
 
 
 def translations(text: str) -> list[str]:
     """English index terms for the foreign tool-domain words in ``text`` (see LEXICON, SEPARABLE_VERBS)."""
-    return _translated(unicodedata.normalize("NFKC", text).lower())
+    return list(map(stem, translated_words(text)))
 
 
-def _translated(normal: str, german: bool = True) -> list[str]:
-    """translations() of a text already NFKC-normalised and lowercased; ``german``: German split verbs and
-    compounds too."""
+def translated_words(text: str) -> list[str]:
+    """The English words (as the lexicon writes them) for the foreign tool-domain words in ``text``."""
+    return _translated_words(unicodedata.normalize("NFKC", text).lower())
+
+
+def _translated(normal: str) -> list[str]:
+    """translations() of a text already NFKC-normalised and lowercased."""
+    return list(map(stem, _translated_words(normal)))
+
+
+def _translated_words(normal: str) -> list[str]:
+    """translated_words() of a text already NFKC-normalised and lowercased: German split verbs and compounds too."""
     found = []
     if _CJK_RE.search(normal):
         runs = _CJK_WORD_RE.findall(normal)
         found = _cjk_lexicon_words(runs, itertools.chain.from_iterable(map(_cjk_bigrams, runs)))
     tokens = _NON_CJK_WORD_RE.findall(normal)  # a CJK key is found inside its run above, not again as a word
-    found += _lexicon_words(tokens)
-    found = [stem(word) for word in found]
-    return found + _german_terms(tokens) if german else found
+    return found + _lexicon_words(tokens) + _german_terms(tokens)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def inflection_stem(word: str) -> str:
+    """The word without its inflectional endings (plural, -ed, -ing), but not its derivational ones: stem()
+    folds "location" onto "locate", this keeps them apart ("located" -> "locat", "locations" -> "location")."""
+    base = singular(word)
+    return base if base.endswith("ation") and len(base) >= 8 else stem(word)
 
 
 def _build_equivalences() -> dict[str, tuple[str, ...]]:
+    """The inflection stem of each word a line lists -> the index terms of that line's other words.  A query word
+    expands only the lines that list one of its inflections: "located" (locate) is not "location", though the
+    two share a stem, so it does not reach the line of places and addresses."""
     table: dict[str, set[str]] = collections.defaultdict(set)
     for words in _EQUIVALENCE_GROUPS:
         group = {stem(word) for word in words}
-        for term in group:
-            table[term] |= group - {term}
-    return {term: tuple(sorted(others)) for term, others in table.items()}
+        for word in words:
+            table[inflection_stem(word)] |= group - {stem(word)}
+    return {key: tuple(sorted(others)) for key, others in table.items()}
 
 
 EQUIVALENCES = _build_equivalences()
@@ -6376,21 +6394,28 @@ class SearchIndex:
             surfaces.add(singular(word))
             own[term] = (max(previous, weight), surfaces)
         other: dict[str, float] = {}
-        translated = translations(rest_text)  # an entity's words are arguments: they are not translated either
-        translated += itertools.chain.from_iterable(
-            ABBREVIATIONS.get(word, ()) for word in words if word not in inside or word in outside)
+        # The English words the request implies: translations (an entity's words are arguments: they are not
+        # translated either) and what its shorthand stands for.
+        implied = translated_words(rest_text)
+        implied += itertools.chain.from_iterable(
+            _ABBREVIATION_WORDS.get(word, ()) for word in words if word not in inside or word in outside)
+        translated = list(map(stem, implied))
         for term in translated:
             other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
+        expanding = [(word, own[stem(word)][0]) for word in words] + [(word, TRANSLATION_WEIGHT) for word in implied]
         lowered = query.lower().replace("'", "").split()
         if self.QUESTION_WEIGHT and lowered and lowered[0].strip("¿?") in _QUESTION_STARTS:
             other["current"] = max(other.get("current", 0.0), self.QUESTION_WEIGHT)
-        for term, weight in [(t, w) for t, (w, _) in own.items()] + list(other.items()):
-            for equivalent in EQUIVALENCES.get(term, ()):
+            expanding.append(("current", other["current"]))
+        # Equivalents by each word's inflections (see EQUIVALENCES), weighted by the word's own term
+        for word, weight in expanding:
+            for equivalent in EQUIVALENCES.get(inflection_stem(word), ()):
                 other[equivalent] = max(other.get(equivalent, 0.0), EQUIVALENCE_WEIGHT * weight)
         for term in own:
             other.pop(term, None)
-        need = {stem(word) for word in words if word not in inside or word in outside}.union(translated)
-        need.update(*map(EQUIVALENCES.get, list(need), itertools.repeat(())))
+        needed = [word for word in words if word not in inside or word in outside] + implied
+        need = set(map(stem, needed))
+        need.update(*map(EQUIVALENCES.get, map(inflection_stem, needed), itertools.repeat(())))
         return QueryPlan(own, other, entities, frozenset(need))
 
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from coffer_src.search import lexicon
-from coffer_src.search.text import ABBREVIATIONS, EQUIVALENCES, _words, knowledge_terms, stem, tokenize
+from coffer_src.search.text import ABBREVIATIONS, EQUIVALENCES, _words, inflection_stem, knowledge_terms, stem, tokenize
 
 WORDS_DIR = Path(lexicon.__file__).resolve().parent / "words"
 LEXICON_SOURCE = Path(lexicon.__file__).read_text(encoding="utf-8")
@@ -204,7 +204,7 @@ def test_the_tables_hold_exactly_what_the_files_say():
     assert set(ABBREVIATIONS) == set(lexicon.word_file_table(read("abbreviations.txt")))
     assert ABBREVIATIONS["pr"] == (stem("pull"), stem("request"))
     groups = [line.split() for _, line in lexicon.word_file_entries(read("equivalences.txt"))]
-    assert set(EQUIVALENCES) == {stem(word) for group in groups for word in group}
+    assert set(EQUIVALENCES) == {inflection_stem(word) for group in groups for word in group}
     assert lexicon._IRREGULAR == {k: v[0] for k, v in lexicon.word_file_table(read("irregular.txt")).items()}
 
 

@@ -50,3 +50,24 @@ def test_an_argument_kind_no_tool_accepts_is_read_as_a_word():
     # ...while where a tool does take one, a ticker is still an argument for it
     with_quotes = coffer.SearchIndex(sc.merged())
     assert {"symbol"} == set(with_quotes.search("NVDA right now", 1)[0][0]["inputSchema"]["properties"])
+
+
+# ---------------------------------------------------------------- class 2: a synonym line reached through a stem
+
+
+@pytest.mark.parametrize("query", [
+    "show the size of the file located at ./data/x.csv",
+    "how big is the file located in ./data",
+    "what's the size of the document located at ~/notes/todo.md",
+])
+def test_a_word_expands_only_the_synonym_lines_that_list_one_of_its_inflections(catalogue, query):
+    # "located" and "location" share a stem; only "location" is on the line of maps, places and addresses.
+    top = names(catalogue.search(query, 5))
+    assert not [name for name in top if name.startswith("maps__")], top
+
+
+def test_inflections_of_a_listed_word_still_expand_its_line():
+    assert coffer.inflection_stem("located") == coffer.inflection_stem("locate") != coffer.inflection_stem(
+        "location") == coffer.inflection_stem("locations")
+    index = coffer.SearchIndex(sc.MAPS + sc.FILESYSTEM)
+    assert names(index.search("locations of the nearest charging stations", 1))[0].startswith("maps__")

@@ -37,9 +37,8 @@ from coffer_src.search.entities import (
     QueryEntity,
     query_entities,
 )
-from coffer_src.search.lexicon import EQUIVALENCE_WEIGHT, STOP_WORDS, TRANSLATION_WEIGHT
+from coffer_src.search.lexicon import _ABBREVIATION_WORDS, EQUIVALENCE_WEIGHT, STOP_WORDS, TRANSLATION_WEIGHT
 from coffer_src.search.text import (
-    ABBREVIATIONS,
     EQUIVALENCES,
     ToolTexts,
     _collect_parameters,
@@ -47,10 +46,11 @@ from coffer_src.search.text import (
     analyse_texts,
     bounded_query,
     bounded_top_k,
+    inflection_stem,
     singular,
     stem,
     surface_words,
-    translations,
+    translated_words,
 )
 
 # BM25's term-frequency saturation: one constant for tool search and the knowledge base.
@@ -354,21 +354,28 @@ class SearchIndex:
             surfaces.add(singular(word))
             own[term] = (max(previous, weight), surfaces)
         other: dict[str, float] = {}
-        translated = translations(rest_text)  # an entity's words are arguments: they are not translated either
-        translated += itertools.chain.from_iterable(
-            ABBREVIATIONS.get(word, ()) for word in words if word not in inside or word in outside)
+        # The English words the request implies: translations (an entity's words are arguments: they are not
+        # translated either) and what its shorthand stands for.
+        implied = translated_words(rest_text)
+        implied += itertools.chain.from_iterable(
+            _ABBREVIATION_WORDS.get(word, ()) for word in words if word not in inside or word in outside)
+        translated = list(map(stem, implied))
         for term in translated:
             other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
+        expanding = [(word, own[stem(word)][0]) for word in words] + [(word, TRANSLATION_WEIGHT) for word in implied]
         lowered = query.lower().replace("'", "").split()
         if self.QUESTION_WEIGHT and lowered and lowered[0].strip("¿?") in _QUESTION_STARTS:
             other["current"] = max(other.get("current", 0.0), self.QUESTION_WEIGHT)
-        for term, weight in [(t, w) for t, (w, _) in own.items()] + list(other.items()):
-            for equivalent in EQUIVALENCES.get(term, ()):
+            expanding.append(("current", other["current"]))
+        # Equivalents by each word's inflections (see EQUIVALENCES), weighted by the word's own term
+        for word, weight in expanding:
+            for equivalent in EQUIVALENCES.get(inflection_stem(word), ()):
                 other[equivalent] = max(other.get(equivalent, 0.0), EQUIVALENCE_WEIGHT * weight)
         for term in own:
             other.pop(term, None)
-        need = {stem(word) for word in words if word not in inside or word in outside}.union(translated)
-        need.update(*map(EQUIVALENCES.get, list(need), itertools.repeat(())))
+        needed = [word for word in words if word not in inside or word in outside] + implied
+        need = set(map(stem, needed))
+        need.update(*map(EQUIVALENCES.get, map(inflection_stem, needed), itertools.repeat(())))
         return QueryPlan(own, other, entities, frozenset(need))
 
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:

@@ -306,8 +306,8 @@ def _analyse(text: str) -> TextTerms:
         if _FOREIGN_MARK not in stems:
             return TextTerms(stems, (), text)
         raw = _words(text)
-        foreign = tuple(map(stem, _lexicon_words(raw)))
-        return TextTerms(_without_mark(stems), foreign + tuple(_german_terms(raw)), text)  # split verbs too
+        foreign = tuple(map(stem, _lexicon_words(raw) + _german_terms(raw)))  # split verbs too
+        return TextTerms(_without_mark(stems), foreign, text)
     normal = unicodedata.normalize("NFKC", text)
     if not _CJK_RE.search(normal):  # accents, dashes, curly quotes: the same tokens, the same rule as ASCII text
         stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, _WORD_RE.findall(normal))))
@@ -364,7 +364,7 @@ def forget_analysed_texts() -> None:
 
 
 def _german_terms(words: list[str]) -> list[str]:
-    """English stems for German separable verbs split over the clause ("lade ... hoch" = hochladen = upload)
+    """English words for German separable verbs split over the clause ("lade ... hoch" = hochladen = upload)
     and for compounds of two lexicon words ("Verzeichnisbaum" = directory tree)."""
     found: list[str] = []
     particles = list(filter(_GERMAN_PARTICLE_SET.__contains__, words))
@@ -394,18 +394,18 @@ _SEPARABLE_REST = _separable_index()
 
 @functools.lru_cache(maxsize=1 << 16)
 def _separable_matches(verb: str) -> dict[str, tuple[str, ...]]:
-    """particle -> English stems of the separable verb that particle makes with this inflected form ("lade" +
+    """particle -> English words of the separable verb that particle makes with this inflected form ("lade" +
     "hoch" = hochladen = upload); the first matching form wins, as a reader would try them."""
     matches: dict[str, tuple[str, ...]] = {}
     for form in (verb + "n", verb + "en", verb, verb[:-1] + "en", verb[:-2] + "en"):
         for particle, english in _SEPARABLE_REST.get(form, {}).items():
-            matches.setdefault(particle, tuple(stem(word) for word in english))
+            matches.setdefault(particle, english)
     return matches
 
 
 @functools.lru_cache(maxsize=1 << 16)  # long words repeat across a catalogue's descriptions; most are not compounds
 def _compound_terms(word: str) -> tuple[str, ...]:
-    """English stems of a compound of two lexicon words ("Verzeichnisbaum" = directory tree), else ()."""
+    """English words of a compound of two lexicon words ("Verzeichnisbaum" = directory tree), else ()."""
     if not 8 <= len(word) <= 40 or word[-3:] not in _LEXICON_ENDINGS or word in LEXICON or (
             word in SEPARABLE_VERBS or not word.isascii() and _CJK_RE.search(word)):
         return ()
@@ -417,35 +417,53 @@ def _compound_terms(word: str) -> tuple[str, ...]:
         heads = [head] + [head[:-len(link)] for link in ("s", "n", "en", "e") if head.endswith(link)]
         head_english = next((LEXICON[h] for h in heads if h in LEXICON), None)
         if head_english:
-            return tuple(stem(w) for w in head_english + LEXICON[tail])
+            return head_english + LEXICON[tail]
     return ()
 
 
 def translations(text: str) -> list[str]:
     """English index terms for the foreign tool-domain words in ``text`` (see LEXICON, SEPARABLE_VERBS)."""
-    return _translated(unicodedata.normalize("NFKC", text).lower())
+    return list(map(stem, translated_words(text)))
 
 
-def _translated(normal: str, german: bool = True) -> list[str]:
-    """translations() of a text already NFKC-normalised and lowercased; ``german``: German split verbs and
-    compounds too."""
+def translated_words(text: str) -> list[str]:
+    """The English words (as the lexicon writes them) for the foreign tool-domain words in ``text``."""
+    return _translated_words(unicodedata.normalize("NFKC", text).lower())
+
+
+def _translated(normal: str) -> list[str]:
+    """translations() of a text already NFKC-normalised and lowercased."""
+    return list(map(stem, _translated_words(normal)))
+
+
+def _translated_words(normal: str) -> list[str]:
+    """translated_words() of a text already NFKC-normalised and lowercased: German split verbs and compounds too."""
     found = []
     if _CJK_RE.search(normal):
         runs = _CJK_WORD_RE.findall(normal)
         found = _cjk_lexicon_words(runs, itertools.chain.from_iterable(map(_cjk_bigrams, runs)))
     tokens = _NON_CJK_WORD_RE.findall(normal)  # a CJK key is found inside its run above, not again as a word
-    found += _lexicon_words(tokens)
-    found = [stem(word) for word in found]
-    return found + _german_terms(tokens) if german else found
+    return found + _lexicon_words(tokens) + _german_terms(tokens)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def inflection_stem(word: str) -> str:
+    """The word without its inflectional endings (plural, -ed, -ing), but not its derivational ones: stem()
+    folds "location" onto "locate", this keeps them apart ("located" -> "locat", "locations" -> "location")."""
+    base = singular(word)
+    return base if base.endswith("ation") and len(base) >= 8 else stem(word)
 
 
 def _build_equivalences() -> dict[str, tuple[str, ...]]:
+    """The inflection stem of each word a line lists -> the index terms of that line's other words.  A query word
+    expands only the lines that list one of its inflections: "located" (locate) is not "location", though the
+    two share a stem, so it does not reach the line of places and addresses."""
     table: dict[str, set[str]] = collections.defaultdict(set)
     for words in _EQUIVALENCE_GROUPS:
         group = {stem(word) for word in words}
-        for term in group:
-            table[term] |= group - {term}
-    return {term: tuple(sorted(others)) for term, others in table.items()}
+        for word in words:
+            table[inflection_stem(word)] |= group - {stem(word)}
+    return {key: tuple(sorted(others)) for key, others in table.items()}
 
 
 EQUIVALENCES = _build_equivalences()
