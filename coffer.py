@@ -28,25 +28,25 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       4449  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
       4583  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
       5382  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      5457  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      5972  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6071  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6474  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6833  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7006  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7590  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      7997  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8462  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8575  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      8885  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9311  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9643  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-      9975  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10581  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10751  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11419  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12186  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12402  cli                   Command line: coffer's commands.
+      5463  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6015  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6114  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6538  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6897  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7070  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7654  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8061  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8526  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8639  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      8949  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9375  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9707  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10039  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10645  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10815  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11483  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12250  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12466  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5428,6 +5428,12 @@ _EQUIVALENCE_GROUPS = [tuple(entry.split())
 # they also count as the full words, at TRANSLATION_WEIGHT.
 _ABBREVIATION_WORDS = word_file_table('# Shorthand an agent writes for words a tool\'s description spells out ("open a PR" = pull request): in a query\n# a key also counts as its words, at TRANSLATION_WEIGHT (search/lexicon.py).  Tool search only.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with \'#\' are comments; blank lines are ignored; no\n# key is listed twice.\npr = pull request\nprs = pull request\nmr = merge request\nmrs = merge request\nk8s = kubernetes\ngh = github\nrepo = repository\nrepos = repository\nenv = environment\nenvs = environment\nconfig = configuration\nconfigs = configuration\ncfg = configuration\nmsg = message\nmsgs = message\ndb = database\ndbs = database\ndir = directory\ndirs = directory\ndocs = documentation\nauth = authentication\ninfo = information\ndm = direct message\ndms = direct message\norg = organization\norgs = organization\npkg = package\npkgs = package\ndeps = dependency\nimg = image\nimgs = image\npic = picture\npics = picture\nvid = video\nvids = video\naddr = address\nstats = statistics\ntz = timezone\ncalc = calculate\ntxn = transaction\ntxns = transaction\nperf = performance\nprod = production\ndev = development\n')
 
+# Verbs whose meaning depends on their object: (verb, objects, meanings) of each line ("open a pull request" is
+# to create one).
+_VERB_SENSE_LINES = [(key.split()[0], tuple(key.split()[1:]), tuple(meanings.split()))
+                     for _, entry in word_file_entries("# Verb senses of tool search: a verb whose meaning depends on its object.  To open a pull request, an issue or\n# a ticket is to create one, while to open a file or a page is to read it (the verb's equivalence line).  When\n# one of the listed objects follows the verb in a request (within the next two words that are not stop words),\n# the verb stands for the MEANING words, at TRANSLATION_WEIGHT, instead of its equivalence lines.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one sense a line,\n#     VERB OBJECT [OBJECT ...] = MEANING [MEANING ...]\n# every word written as the analyser yields it (NFKC-normalised, lowercase, one word); OBJECT and MEANING words\n# are index terms.  The verb matches in any inflection (opened, opening).  A verb may have several lines.\n# Lines starting with '#' are comments; blank lines are ignored.\nopen issue ticket pr pull mr account incident case bug tab window session = create\nraise issue ticket bug incident = create\nfile issue ticket bug incident complaint = create\ncut release branch tag = create\n")
+                     for key, _, meanings in (entry.partition("="),)]
+
 EQUIVALENCE_WEIGHT = 0.35
 TRANSLATION_WEIGHT = 0.8
 
@@ -5435,8 +5441,8 @@ TRANSLATION_WEIGHT = 0.8
 # CJK keys match as substrings.
 LEXICON = {
     **word_file_table("# Chinese (zh) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Chinese in a request or a document meets English words.\n# Han words Japanese writes alike (保存, 更新, 最新, 最近, 内容, ...) are listed here, once for both languages.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n搜索 = search\n查找 = find\n查询 = query\n检索 = search\n天气 = weather\n文件 = file\n读取 = read\n创建 = create\n新建 = create\n删除 = delete\n发送 = send\n消息 = message\n邮件 = email\n翻译 = translate\n图片 = image\n图像 = image\n截图 = screenshot\n网页 = web page\n网站 = website\n日历 = calendar\n时间 = time\n时区 = timezone\n股票 = stock\n股价 = stock price\n价格 = price\n地图 = map\n地址 = address\n位置 = location\n问题 = issue\n仓库 = repository\n数据库 = database\n列出 = list\n列表 = list\n下载 = download\n上传 = upload\n运行 = run\n执行 = execute\n视频 = video\n音乐 = music\n笔记 = note\n任务 = task\n会议 = meeting\n提交 = commit\n代码 = code\n目录 = directory\n文件夹 = folder\n用户 = user\n评论 = comment\n合并 = merge\n分支 = branch\n总结 = summarize\n摘要 = summary\n转换 = convert\n生成 = generate\n图表 = chart\n新闻 = news\n热搜 = trending\n热门 = trending\n记忆 = memory\n浏览器 = browser\n点击 = click\n导航 = navigate\n链接 = link\n表格 = table\n文档 = document\n写入 = write\n保存 = save\n编辑 = edit\n修改 = update\n更新 = update\n获取 = get\n汇率 = exchange rate\n货币 = currency\n航班 = flight\n酒店 = hotel\n天 = day\n排行 = rank\n论文 = paper\n数学 = math\n计算 = calculate\n音频 = audio\n语音 = speech\n识别 = recognize\n时刻 = time\n几点 = time\n现在 = current\n当前 = current\n最新 = latest\n最近 = recent\n状态 = status\n差异 = diff\n扩容 = scale\n副本 = replica\n分红 = dividend\n股息 = dividend\n详细 = detail\n详情 = detail\n频道 = channel\n打开 = open\n开 = open\n按钮 = button\n页面 = page\n内容 = content\n表 = table\n提交记录 = commit log\n日志 = log\n显示 = show\n查看 = view\n数据 = data\n节点 = node\n命名空间 = namespace\n部署 = deploy\n容器 = container\n镜像 = image\n端口 = port\n转发 = forward\n"),
-    **word_file_table("# Japanese (ja) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Japanese in a request or a document meets English words.\n# Han words Chinese writes alike (保存, 更新, 最新, 最近, 内容, ...) are in lexicon_zh.txt, once for both.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n検索 = search\n天気 = weather\nファイル = file\n作成 = create\n削除 = delete\n送信 = send\nメッセージ = message\nメール = email\n翻訳 = translate\n画像 = image\n写真 = photo\nスクリーンショット = screenshot\n予定 = event\nカレンダー = calendar\n時刻 = time\n時間 = time\n株価 = stock price\n地図 = map\n一覧 = list\nリポジトリ = repository\nデータベース = database\n読み込 = read\n読む = read\n書き込 = write\n取得 = get\n課題 = issue\nイシュー = issue\n会議 = meeting\nブラウザ = browser\nクリック = click\nページ = page\nニュース = news\n動画 = video\n音楽 = music\n要約 = summarize\n変換 = convert\nファイル一覧 = file list\n現在 = current\n状態 = status\n差分 = diff\nブランチ = branch\n配当 = dividend\n詳細 = detail\nチャンネル = channel\n開いて = open\nボタン = button\nログ = log\n作成して = create\n読んで = read\n表示 = show\n一覧を = list\n取得して = get\nアップロード = upload\nダウンロード = download\nディレクトリ = directory\nフォルダ = folder\nフォルダー = folder\nツリー = tree\nスケール = scale\nレプリカ = replica\nデプロイ = deploy\nコンテナ = container\nイメージ = image\nポッド = pod\nノード = node\nユーザー = user\nユーザ = user\nアカウント = account\nパスワード = password\nプロジェクト = project\nタスク = task\nチケット = ticket\nコメント = comment\nプルリクエスト = pull request\nマージ = merge\nコミット = commit\nタグ = tag\nリリース = release\nビルド = build\nエラー = error\nバグ = bug\nドキュメント = document\nテーブル = table\nクエリ = query\nスキーマ = schema\nレコード = record\nスプレッドシート = spreadsheet\nシート = sheet\nグラフ = chart\nチャート = chart\nレポート = report\nリンク = link\nウェブ = web\nサイト = website\nタブ = tab\nフォーム = form\nテキスト = text\nノート = note\nメモ = note\nメモリ = memory\nスレッド = thread\nイベント = event\nスケジュール = schedule\nリマインダー = reminder\nタイムゾーン = timezone\nコード = code\nスクリプト = script\nコマンド = command\nターミナル = terminal\nプロセス = process\nサーバー = server\nサーバ = server\nポート = port\nキャッシュ = cache\nバックアップ = backup\nインストール = install\nパッケージ = package\nバージョン = version\nステータス = status\nログイン = login\nトークン = token\nインボイス = invoice\nカスタマー = customer\n天気予報 = weather forecast\n価格 = price\n株式 = stock\n編集 = edit\n実行 = run\n返信 = reply\n移動 = move\n複製 = copy\nコピー = copy\n名前変更 = rename\n比較 = compare\n説明 = explain\n開く = open\n追加 = add\n支払い = payment\n請求書 = invoice\n顧客 = customer\n注文 = order\n"),
-    **word_file_table("# Korean (ko) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Korean in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n파일 = file\n폴더 = folder\n디렉토리 = directory\n디렉터리 = directory\n트리 = tree\n검색 = search\n찾기 = find\n찾아 = find\n생성 = create\n만들 = create\n만드 = create\n삭제 = delete\n지워 = delete\n지우 = delete\n전송 = send\n보내 = send\n메시지 = message\n메일 = email\n번역 = translate\n이미지 = image\n사진 = photo\n스크린샷 = screenshot\n웹 = web\n페이지 = page\n캘린더 = calendar\n일정 = event\n시간 = time\n날씨 = weather\n주가 = stock price\n주식 = stock\n가격 = price\n지도 = map\n주소 = address\n위치 = location\n이슈 = issue\n저장소 = repository\n리포지토리 = repository\n데이터베이스 = database\n목록 = list\n다운로드 = download\n업로드 = upload\n실행 = run\n동영상 = video\n음악 = music\n노트 = note\n메모 = note\n메모리 = memory\n작업 = task\n회의 = meeting\n커밋 = commit\n코드 = code\n사용자 = user\n댓글 = comment\n병합 = merge\n브랜치 = branch\n요약 = summarize\n변환 = convert\n차트 = chart\n뉴스 = news\n브라우저 = browser\n클릭 = click\n링크 = link\n테이블 = table\n문서 = document\n저장 = save\n편집 = edit\n수정 = update\n업데이트 = update\n조회 = view\n열어 = open\n열기 = open\n읽어 = read\n읽기 = read\n로그 = log\n채널 = channel\n버튼 = button\n배포 = deploy\n컨테이너 = container\n노드 = node\n포트 = port\n상태 = status\n현재 = current\n최신 = latest\n최근 = recent\n환율 = exchange rate\n항공편 = flight\n호텔 = hotel\n결제 = payment\n청구서 = invoice\n고객 = customer\n주문 = order\n스케일 = scale\n복제본 = replica\n레플리카 = replica\n"),
+    **word_file_table("# Japanese (ja) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Japanese in a request or a document meets English words.\n# Han words Chinese writes alike (保存, 更新, 最新, 最近, 内容, ...) are in lexicon_zh.txt, once for both.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n検索 = search\n天気 = weather\nファイル = file\n作成 = create\n削除 = delete\n送信 = send\nメッセージ = message\nメール = email\n翻訳 = translate\n画像 = image\n写真 = photo\nスクリーンショット = screenshot\n予定 = event\nカレンダー = calendar\n時刻 = time\n時間 = time\n何時 = time\n株価 = stock price\n地図 = map\n一覧 = list\nリポジトリ = repository\nデータベース = database\n読み込 = read\n読む = read\n書き込 = write\n取得 = get\n課題 = issue\nイシュー = issue\n会議 = meeting\nブラウザ = browser\nクリック = click\nページ = page\nニュース = news\n動画 = video\n音楽 = music\n要約 = summarize\n変換 = convert\nファイル一覧 = file list\n現在 = current\n今 = current\n状態 = status\n差分 = diff\nブランチ = branch\n配当 = dividend\n詳細 = detail\nチャンネル = channel\n開いて = open\nボタン = button\nログ = log\n作成して = create\n読んで = read\n表示 = show\n一覧を = list\n取得して = get\nアップロード = upload\nダウンロード = download\nディレクトリ = directory\nフォルダ = folder\nフォルダー = folder\nツリー = tree\nスケール = scale\nレプリカ = replica\nデプロイ = deploy\nコンテナ = container\nイメージ = image\nポッド = pod\nノード = node\nユーザー = user\nユーザ = user\nアカウント = account\nパスワード = password\nプロジェクト = project\nタスク = task\nチケット = ticket\nコメント = comment\nプルリクエスト = pull request\nマージ = merge\nコミット = commit\nタグ = tag\nリリース = release\nビルド = build\nエラー = error\nバグ = bug\nドキュメント = document\nテーブル = table\nクエリ = query\nスキーマ = schema\nレコード = record\nスプレッドシート = spreadsheet\nシート = sheet\nグラフ = chart\nチャート = chart\nレポート = report\nリンク = link\nウェブ = web\nサイト = website\nタブ = tab\nフォーム = form\nテキスト = text\nノート = note\nメモ = note\nメモリ = memory\nスレッド = thread\nイベント = event\nスケジュール = schedule\nリマインダー = reminder\nタイムゾーン = timezone\nコード = code\nスクリプト = script\nコマンド = command\nターミナル = terminal\nプロセス = process\nサーバー = server\nサーバ = server\nポート = port\nキャッシュ = cache\nバックアップ = backup\nインストール = install\nパッケージ = package\nバージョン = version\nステータス = status\nログイン = login\nトークン = token\nインボイス = invoice\nカスタマー = customer\n天気予報 = weather forecast\n価格 = price\n株式 = stock\n編集 = edit\n実行 = run\n返信 = reply\n移動 = move\n複製 = copy\nコピー = copy\n名前変更 = rename\n比較 = compare\n説明 = explain\n開く = open\n追加 = add\n支払い = payment\n請求書 = invoice\n顧客 = customer\n注文 = order\n"),
+    **word_file_table("# Korean (ko) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Korean in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n파일 = file\n폴더 = folder\n디렉토리 = directory\n디렉터리 = directory\n트리 = tree\n검색 = search\n찾기 = find\n찾아 = find\n생성 = create\n만들 = create\n만드 = create\n삭제 = delete\n지워 = delete\n지우 = delete\n전송 = send\n보내 = send\n메시지 = message\n메일 = email\n번역 = translate\n이미지 = image\n사진 = photo\n스크린샷 = screenshot\n웹 = web\n페이지 = page\n캘린더 = calendar\n일정 = event\n시간 = time\n날씨 = weather\n주가 = stock price\n주식 = stock\n가격 = price\n지도 = map\n주소 = address\n위치 = location\n이슈 = issue\n저장소 = repository\n리포지토리 = repository\n데이터베이스 = database\n목록 = list\n다운로드 = download\n업로드 = upload\n실행 = run\n동영상 = video\n음악 = music\n노트 = note\n메모 = note\n메모리 = memory\n작업 = task\n회의 = meeting\n커밋 = commit\n코드 = code\n사용자 = user\n댓글 = comment\n병합 = merge\n브랜치 = branch\n요약 = summarize\n변환 = convert\n차트 = chart\n뉴스 = news\n브라우저 = browser\n클릭 = click\n링크 = link\n테이블 = table\n문서 = document\n저장 = save\n편집 = edit\n수정 = update\n업데이트 = update\n조회 = view\n열어 = open\n열기 = open\n읽어 = read\n읽기 = read\n로그 = log\n채널 = channel\n버튼 = button\n배포 = deploy\n컨테이너 = container\n노드 = node\n포트 = port\n상태 = status\n현재 = current\n지금 = current\n몇시 = time\n최신 = latest\n최근 = recent\n환율 = exchange rate\n항공편 = flight\n호텔 = hotel\n결제 = payment\n청구서 = invoice\n고객 = customer\n주문 = order\n스케일 = scale\n복제본 = replica\n레플리카 = replica\n"),
     **word_file_table("# Spanish (es) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Spanish in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\nbuscar = search\nbusca = search\ncrear = create\ncrea = create\nborrar = delete\neliminar = delete\nelimina = delete\nenviar = send\nenvía = send\nenvia = send\nmensaje = message\ncorreo = email\narchivo = file\narchivos = file\nfichero = file\nclima = weather\ntiempo = weather\ntraducir = translate\ntraduce = translate\nimagen = image\ncaptura = screenshot\ncalendario = calendar\nevento = event\nreunión = meeting\nleer = read\nlee = read\nescribir = write\nescribe = write\nlistar = list\nlista = list\nprecio = price\nacciones = stock\ncarpeta = folder\npágina = page\npagina = page\nnoticias = news\ntarea = task\nhora = time\n"),
     **word_file_table('# German (de) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which German in a request or a document meets English words.\n# Verbs split over a clause ("lade ... hoch") are in german_separable_verbs.txt; a compound of two words listed\n# here ("Verzeichnisbaum" = directory tree) is understood without being listed.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with \'#\' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\nsuchen = search\nsuche = search\nerstellen = create\nerstelle = create\nlöschen = delete\nlösche = delete\nsenden = send\nsende = send\nnachricht = message\ndatei = file\ndateien = file\nwetter = weather\nübersetzen = translate\nübersetze = translate\nbild = image\nbildschirmfoto = screenshot\nkalender = calendar\ntermin = event\nlesen = read\nlies = read\nschreiben = write\nliste = list\nauflisten = list\npreis = price\naktie = stock\naktienkurs = stock price\nordner = folder\nseite = page\nnachrichten = news\naufgabe = task\nuhrzeit = time\nzeit = time\nbesprechung = meeting\naktuell = current\naktuelle = current\naktuellen = current\naktueller = current\njetzt = current\ngerade = current\nspät = time\nuhr = time\nverzeichnis = directory\nverzeichnisse = directory\nbaum = tree\naktien = stock\nkurs = price\nkurse = price\ninformationen = information\nbildschirm = screen\nfoto = photo\nrouten = route\nroutenplanung = directions\nplanung = plan\ndividende = dividend\ndividenden = dividend\nhistorie = history\nverlauf = history\nanmelde = login\nanmeldung = login\nknopf = button\nschaltfläche = button\nprotokoll = log\nprotokolle = log\nkanal = channel\nkanäle = channel\nadresse = address\nkoordinaten = coordinates\nprojekt = project\nänderung = change\nänderungen = change\nzweig = branch\nletzte = last\nletzten = latest\nneueste = latest\nneuigkeiten = news\nschlagzeilen = headlines\nneu = new\nneuen = new\nneuer = new\nneues = new\ntabelle = table\nzeile = row\nspalte = column\nbenutzer = user\nnutzer = user\nkonto = account\npasswort = password\nrechnung = invoice\nzahlung = payment\nbestellung = order\nkunde = customer\nkunden = customer\nkommentar = comment\nkommentare = comment\nantwort = reply\nantworte = reply\ngröße = size\ngrösse = size\ninhalt = content\ninhalte = content\nwiederherstellen = restore\nspeichere = save\nspeichern = save\nöffne = open\nöffnen = open\nverschiebe = move\nverschieben = move\numbenennen = rename\nbenenne = rename\nkopiere = copy\nkopieren = copy\nvergleiche = compare\nvergleichen = compare\nzusammenfassung = summary\nfasse = summarize\nerkläre = explain\nübersicht = overview\nabhängigkeiten = dependencies\ndatenbank = database\nabfrage = query\ntabellen = table\nzeitzone = timezone\nstadt = city\nwo = location\nentfernung = distance\nhöhe = elevation\nort = place\norte = place\n'),
     **word_file_table("# French (fr) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which French in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\nrechercher = search\nchercher = search\ncherche = search\ncréer = create\ncrée = create\nsupprimer = delete\nsupprime = delete\nenvoyer = send\nenvoie = send\nfichier = file\nfichiers = file\nmétéo = weather\ntraduire = translate\ntraduis = translate\ncalendrier = calendar\névénement = event\nlire = read\nécrire = write\nlister = list\nprix = price\ndossier = folder\nactualités = news\ntâche = task\nheure = time\nréunion = meeting\ncourriel = email\n"),
@@ -5905,6 +5911,43 @@ def _build_equivalences() -> dict[str, tuple[str, ...]]:
 
 
 EQUIVALENCES = _build_equivalences()
+# The inflection stem of a verb -> (the stems of its objects, the words it then stands for) of each of its senses.
+VERB_SENSES: dict[str, list[tuple[frozenset, tuple[str, ...]]]] = {}
+for _verb, _objects, _meanings in _VERB_SENSE_LINES:
+    VERB_SENSES.setdefault(inflection_stem(_verb), []).append((frozenset(map(stem, _objects)), _meanings))
+del _verb, _objects, _meanings
+
+
+# Words before an object that say it is a new one ("open *a* ticket": create one) or an existing one ("open *the*
+# ticket": read it; "the open tickets": a state).
+_INDEFINITE_WORDS = frozenset("a an another new one".split())
+_DEFINITE_WORDS = frozenset("the this that these those my our your their its all any every each".split())
+
+
+def verb_senses(words: list[str], identified: bool = False) -> dict[int, tuple[str, ...]]:
+    """Position -> meaning words, for each verb among ``words`` (all of a request's words, stop words included)
+    that one of its objects gives another sense (VERB_SENSES: "open" + "pull" = create).  The verb must be one:
+    the object follows it after an indefinite word ("open a new pull request"), or right after it, written
+    singular ("open PR"), unless the request identifies an existing one (``identified``: "open PR #42").  "The
+    open issues" and "open issues in this repo" (plural, no article) say a state, not an act."""
+    found = {}
+    for position, word in enumerate(words):
+        senses = VERB_SENSES.get(inflection_stem(word)) if word.isalpha() else None
+        if not senses or (position and words[position - 1] in _DEFINITE_WORDS):
+            continue
+        after = position + 1
+        indefinite = False
+        while after < len(words) and words[after] in _INDEFINITE_WORDS:
+            after, indefinite = after + 1, True
+        objects_found = [w for w in words[after:after + 3] if w not in STOP_WORDS][:2]
+        if not objects_found or not indefinite and (
+                identified or words[after] != objects_found[0] or singular(objects_found[0]) != objects_found[0]):
+            continue
+        following = set(map(stem, objects_found))
+        found.update((position, meanings) for objects, meanings in senses[::-1] if not objects.isdisjoint(following))
+    return found
+
+
 ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _ABBREVIATION_WORDS.items()}
 
 
@@ -6136,6 +6179,10 @@ class CollectorPause:
                     gc.freeze()
                     gc.unfreeze()
                 gc.enable()
+
+
+# Entity kinds that name one existing thing: "open PR #42" reads it, "open a PR" creates one.
+_IDENTIFYING_KINDS = frozenset(("number_ref", "issue_key", "url", "sha"))
 
 
 class QueryPlan(NamedTuple):
@@ -6382,10 +6429,21 @@ class SearchIndex:
             rest_text = " ".join(rest)
             outside = set(_words(rest_text))
         own: dict[str, tuple[float, set]] = {}
-        words = [word for word in _words(query) if word not in STOP_WORDS]
+        every_word = _words(query)
+        words = [word for word in every_word if word not in STOP_WORDS]
         present = {stem(word) for word in words}
-        for word in words:
+        # A verb its object gives another sense ("open" a pull request: create) stands for that sense's words, as
+        # if the request said them; its own form then counts as an equivalent does, and its equivalence lines
+        # ("open" a file: read) not at all.
+        senses = {}
+        sensed = verb_senses(every_word, any(entity.kind.name in _IDENTIFYING_KINDS for entity in entities))
+        if sensed:
+            kept = [position for position, word in enumerate(every_word) if word not in STOP_WORDS]
+            senses = {index: sensed[position] for index, position in enumerate(kept) if position in sensed}
+        for position, word in enumerate(words):
             weight = self.ENTITY_WORD_WEIGHT if word in inside and word not in outside else 1.0
+            if position in senses:
+                weight *= EQUIVALENCE_WEIGHT
             term = stem(word)
             partner = self.phrase_partner(term) if self.PHRASE_ALONE_WEIGHT != 1.0 else None
             if partner is not None and partner not in present:
@@ -6393,6 +6451,10 @@ class SearchIndex:
             previous, surfaces = own.get(term, (0.0, set()))
             surfaces.add(singular(word))
             own[term] = (max(previous, weight), surfaces)
+        for word in itertools.chain.from_iterable(senses.values()):
+            previous, surfaces = own.get(stem(word), (0.0, set()))
+            surfaces.add(word)
+            own[stem(word)] = (1.0, surfaces)
         other: dict[str, float] = {}
         # The English words the request implies: translations (an entity's words are arguments: they are not
         # translated either) and what its shorthand stands for.
@@ -6402,7 +6464,9 @@ class SearchIndex:
         translated = list(map(stem, implied))
         for term in translated:
             other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
-        expanding = [(word, own[stem(word)][0]) for word in words] + [(word, TRANSLATION_WEIGHT) for word in implied]
+        expanding = [(word, own[stem(word)][0]) for position, word in enumerate(words) if position not in senses]
+        expanding += [(word, 1.0) for word in itertools.chain.from_iterable(senses.values())]
+        expanding += [(word, TRANSLATION_WEIGHT) for word in implied]
         lowered = query.lower().replace("'", "").split()
         if self.QUESTION_WEIGHT and lowered and lowered[0].strip("¿?") in _QUESTION_STARTS:
             other["current"] = max(other.get("current", 0.0), self.QUESTION_WEIGHT)

@@ -71,3 +71,28 @@ def test_inflections_of_a_listed_word_still_expand_its_line():
         "location") == coffer.inflection_stem("locations")
     index = coffer.SearchIndex(sc.MAPS + sc.FILESYSTEM)
     assert names(index.search("locations of the nearest charging stations", 1))[0].startswith("maps__")
+
+
+# ---------------------------------------------------------------- class 5: what a new user typed
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("open a pull request", "github__create_pull_request"),        # to open a pull request is to create one
+    ("open PR", "github__create_pull_request"),
+    ("open a ticket in Jira for the login bug", "jira__jira_create_issue"),
+    ("file a bug about the crash on startup", "jira__jira_create_issue"),
+    ("open a new tab", "playwright__browser_tab_new"),
+    # ...while "open" of an existing thing, or as a state, keeps its meaning
+    ("list the open issues labeled bug", "github__list_issues"),
+])
+def test_a_verb_means_what_its_object_makes_it_mean(catalogue, query, expected):
+    assert names(catalogue.search(query, 1)) == [expected]
+
+
+def test_open_issue_by_number_reads_it_rather_than_creating_one(catalogue):
+    assert "github__create_issue" not in names(catalogue.search("open issue #42", 3))
+
+
+@pytest.mark.parametrize("query", ["今何時", "今何時ですか", "東京は今何時", "現在の時刻", "现在几点", "지금 몇시야"])
+def test_asking_the_time_in_japanese_chinese_or_korean_gets_the_current_time(catalogue, query):
+    assert names(catalogue.search(query, 1)) == ["time__get_current_time"]

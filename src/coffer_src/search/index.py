@@ -51,6 +51,7 @@ from coffer_src.search.text import (
     stem,
     surface_words,
     translated_words,
+    verb_senses,
 )
 
 # BM25's term-frequency saturation: one constant for tool search and the knowledge base.
@@ -96,6 +97,10 @@ class CollectorPause:
                     gc.freeze()
                     gc.unfreeze()
                 gc.enable()
+
+
+# Entity kinds that name one existing thing: "open PR #42" reads it, "open a PR" creates one.
+_IDENTIFYING_KINDS = frozenset(("number_ref", "issue_key", "url", "sha"))
 
 
 class QueryPlan(NamedTuple):
@@ -342,10 +347,21 @@ class SearchIndex:
             rest_text = " ".join(rest)
             outside = set(_words(rest_text))
         own: dict[str, tuple[float, set]] = {}
-        words = [word for word in _words(query) if word not in STOP_WORDS]
+        every_word = _words(query)
+        words = [word for word in every_word if word not in STOP_WORDS]
         present = {stem(word) for word in words}
-        for word in words:
+        # A verb its object gives another sense ("open" a pull request: create) stands for that sense's words, as
+        # if the request said them; its own form then counts as an equivalent does, and its equivalence lines
+        # ("open" a file: read) not at all.
+        senses = {}
+        sensed = verb_senses(every_word, any(entity.kind.name in _IDENTIFYING_KINDS for entity in entities))
+        if sensed:
+            kept = [position for position, word in enumerate(every_word) if word not in STOP_WORDS]
+            senses = {index: sensed[position] for index, position in enumerate(kept) if position in sensed}
+        for position, word in enumerate(words):
             weight = self.ENTITY_WORD_WEIGHT if word in inside and word not in outside else 1.0
+            if position in senses:
+                weight *= EQUIVALENCE_WEIGHT
             term = stem(word)
             partner = self.phrase_partner(term) if self.PHRASE_ALONE_WEIGHT != 1.0 else None
             if partner is not None and partner not in present:
@@ -353,6 +369,10 @@ class SearchIndex:
             previous, surfaces = own.get(term, (0.0, set()))
             surfaces.add(singular(word))
             own[term] = (max(previous, weight), surfaces)
+        for word in itertools.chain.from_iterable(senses.values()):
+            previous, surfaces = own.get(stem(word), (0.0, set()))
+            surfaces.add(word)
+            own[stem(word)] = (1.0, surfaces)
         other: dict[str, float] = {}
         # The English words the request implies: translations (an entity's words are arguments: they are not
         # translated either) and what its shorthand stands for.
@@ -362,7 +382,9 @@ class SearchIndex:
         translated = list(map(stem, implied))
         for term in translated:
             other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
-        expanding = [(word, own[stem(word)][0]) for word in words] + [(word, TRANSLATION_WEIGHT) for word in implied]
+        expanding = [(word, own[stem(word)][0]) for position, word in enumerate(words) if position not in senses]
+        expanding += [(word, 1.0) for word in itertools.chain.from_iterable(senses.values())]
+        expanding += [(word, TRANSLATION_WEIGHT) for word in implied]
         lowered = query.lower().replace("'", "").split()
         if self.QUESTION_WEIGHT and lowered and lowered[0].strip("¿?") in _QUESTION_STARTS:
             other["current"] = max(other.get("current", 0.0), self.QUESTION_WEIGHT)

@@ -26,6 +26,7 @@ from coffer_src.search.lexicon import (
     _IRREGULAR,
     _LEXICON_CJK,
     _LEXICON_ENDINGS,
+    _VERB_SENSE_LINES,
     KNOWLEDGE_STOP_WORDS,
     LEXICON,
     SEPARABLE_VERBS,
@@ -467,6 +468,43 @@ def _build_equivalences() -> dict[str, tuple[str, ...]]:
 
 
 EQUIVALENCES = _build_equivalences()
+# The inflection stem of a verb -> (the stems of its objects, the words it then stands for) of each of its senses.
+VERB_SENSES: dict[str, list[tuple[frozenset, tuple[str, ...]]]] = {}
+for _verb, _objects, _meanings in _VERB_SENSE_LINES:
+    VERB_SENSES.setdefault(inflection_stem(_verb), []).append((frozenset(map(stem, _objects)), _meanings))
+del _verb, _objects, _meanings
+
+
+# Words before an object that say it is a new one ("open *a* ticket": create one) or an existing one ("open *the*
+# ticket": read it; "the open tickets": a state).
+_INDEFINITE_WORDS = frozenset("a an another new one".split())
+_DEFINITE_WORDS = frozenset("the this that these those my our your their its all any every each".split())
+
+
+def verb_senses(words: list[str], identified: bool = False) -> dict[int, tuple[str, ...]]:
+    """Position -> meaning words, for each verb among ``words`` (all of a request's words, stop words included)
+    that one of its objects gives another sense (VERB_SENSES: "open" + "pull" = create).  The verb must be one:
+    the object follows it after an indefinite word ("open a new pull request"), or right after it, written
+    singular ("open PR"), unless the request identifies an existing one (``identified``: "open PR #42").  "The
+    open issues" and "open issues in this repo" (plural, no article) say a state, not an act."""
+    found = {}
+    for position, word in enumerate(words):
+        senses = VERB_SENSES.get(inflection_stem(word)) if word.isalpha() else None
+        if not senses or (position and words[position - 1] in _DEFINITE_WORDS):
+            continue
+        after = position + 1
+        indefinite = False
+        while after < len(words) and words[after] in _INDEFINITE_WORDS:
+            after, indefinite = after + 1, True
+        objects_found = [w for w in words[after:after + 3] if w not in STOP_WORDS][:2]
+        if not objects_found or not indefinite and (
+                identified or words[after] != objects_found[0] or singular(objects_found[0]) != objects_found[0]):
+            continue
+        following = set(map(stem, objects_found))
+        found.update((position, meanings) for objects, meanings in senses[::-1] if not objects.isdisjoint(following))
+    return found
+
+
 ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _ABBREVIATION_WORDS.items()}
 
 
