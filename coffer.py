@@ -30,23 +30,23 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5382  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       5463  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       6015  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6114  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6538  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6897  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7070  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7654  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8061  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8526  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8639  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      8949  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9375  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9707  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10039  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10645  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10815  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11483  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12250  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12466  cli                   Command line: coffer's commands.
+      6123  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6598  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      6957  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7130  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7714  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8121  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8586  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8699  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9009  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9435  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9767  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10099  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10705  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10875  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11543  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12310  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12526  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -6115,6 +6115,15 @@ background facts article articles happened happening wikipedia""".split())
 # request's topic the way a news tool is named for "news".
 _INFO_MODIFIERS = frozenset(stem(w) for w in "latest recent happened happening".split())
 _QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", "wie", "was", "wann", "wo"))
+# The words that frame a request for general information rather than name its subject: the cues above (but not
+# a source the request names: "the Wikipedia article on X" is for a Wikipedia tool), the web itself and the verbs
+# of looking something up ("find the latest news on glacier melt in Norway": the subject is glacier melt in Norway).
+_FRAMING_WORDS = (_INFO_CUES - {stem("wikipedia")}) | _WEB_WORDS | frozenset(stem(w) for w in """search find look
+lookup get show tell give fetch research update updates story stories""".split())
+# Parameter names of a tool that looks up free text (a query, keywords, a topic): such a tool can take the subject
+# of a request for information as its argument.
+_FREE_TEXT_PARAMETERS = frozenset(stem(w) for w in "query q search keyword keywords term terms topic question prompt "
+                                  "phrase".split())
 
 
 # ============================================================================================================
@@ -6189,12 +6198,14 @@ class QueryPlan(NamedTuple):
     """What one query asks for.  own: its stems -> (weight, their surface words); other: stems it implies
     (translations, the question cue, equivalents) -> weight; entities: the typed arguments in it; need: the
     stems of what it asks for (its words outside entities, their translations and equivalents: a URL that holds
-    "news" is not a request for news)."""
+    "news" is not a request for news); subject: those stems, without equivalents, that are not framing words (the
+    news, the latest, a search verb: see _FRAMING_WORDS)."""
 
     own: dict[str, tuple[float, set]]
     other: dict[str, float]
     entities: list[QueryEntity]
     need: frozenset
+    subject: frozenset
 
 
 class SearchIndex:
@@ -6225,6 +6236,7 @@ class SearchIndex:
     # A request for general information scores general web-search tools like a query word of this weight.
     WEB_SEARCH_WEIGHT = 1.0
     WEB_MAX_MATCHED = 1  # ... unless the best tool matches more of the request's own words than this
+    WEB_LIFTED = 2  # the web-search tools lifted, the best first: the others keep their places
     # A question ("what time is it in Tokyo") asks for a current value: "current" joins at this weight.
     QUESTION_WEIGHT = 0.7
     # A name word bound to a partner in (nearly) every tool name that holds it ("pull" in pull_request) means
@@ -6281,6 +6293,8 @@ class SearchIndex:
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
         self._web_tools_found: list[int] | None = None
+        self._web_named: frozenset = frozenset()  # the web tools named for the web, found with them
+        self._declares_parameters = any(columns[4])  # a parameter name anywhere in the catalogue
         self._partners: dict[str, str | None] = {}
         self._stem_cap = bm25_idf(n, max(1.0, self.STEM_ONLY_IDF_CAP * n))
 
@@ -6312,11 +6326,29 @@ class SearchIndex:
         """Ids of the general web-search tools (search__web, brave_web_search), found on first use."""
         found = self._web_tools_found
         if found is None:
-            found = self._web_tools_found = [
-                doc_id for doc_id, (name, server, _, description, *_) in enumerate(self._doc_fields)
-                if ("search" in name or "search" in server)
-                and not (_WEB_WORDS.isdisjoint(name) and _WEB_WORDS.isdisjoint(description))]
+            found = [doc_id for doc_id, (name, server, _, description, *_) in enumerate(self._doc_fields)
+                     if ("search" in name or "search" in server)
+                     and not (_WEB_WORDS.isdisjoint(name) and _WEB_WORDS.isdisjoint(description))]
+            self._web_named = frozenset(doc_id for doc_id in found
+                                        if not _WEB_WORDS.isdisjoint(self._doc_fields[doc_id][0]))
+            self._web_tools_found = found
         return found
+
+    def _best_web_tools(self, scores: dict[int, float]) -> list[int]:
+        """The WEB_LIFTED web-search tools a request for general information lifts: one a server (two tools of
+        one search engine are one choice), the better scoring first; at equal scores a tool named for the web
+        (brave_web_search) before one that mentions it (a local search that falls back to the web), then by name."""
+        web_named = self._web_named
+        chosen, servers = [], set()
+        for doc_id in sorted(self._web_tools, key=lambda doc_id: (
+                -scores.get(doc_id, 0.0), doc_id not in web_named, self._rank_of[doc_id])):
+            server = self._server_of[doc_id]
+            if server < 0 or server not in servers:
+                chosen.append(doc_id)
+                servers.add(server)
+                if len(chosen) == self.WEB_LIFTED:
+                    break
+        return chosen
 
     def phrase_partner(self, term: str) -> str | None:
         """The one word ``term`` sits next to in >= 90% of the (>= PHRASE_MIN_TOOLS) tool names holding it
@@ -6479,8 +6511,33 @@ class SearchIndex:
             other.pop(term, None)
         needed = [word for word in words if word not in inside or word in outside] + implied
         need = set(map(stem, needed))
+        subject = frozenset(need - _FRAMING_WORDS)
         need.update(*map(EQUIVALENCES.get, map(inflection_stem, needed), itertools.repeat(())))
-        return QueryPlan(own, other, entities, frozenset(need))
+        return QueryPlan(own, other, entities, frozenset(need), subject)
+
+    def _outvotes_web_search(self, doc_id: int | None, plan: QueryPlan) -> bool:
+        """Whether the best-scoring tool keeps its place ahead of general web search for a request for general
+        information.  It must match more than one of the request's words, or by its name (a news tool for
+        "news"; one that shares an incidental word of its description, "latest" in a version tool's, does not);
+        and, where the catalogue declares parameters and the request has a subject, it must be able to take the
+        subject as an argument (a free-text parameter, or a parameter for an argument the request holds) or cover
+        the subject itself (its name holds a subject word, or it holds two, or the one there is).  A headline tool
+        that takes only a page size matches "latest news" but cannot be asked about glacier melt in Norway."""
+        if doc_id is None:
+            return False
+        names = self._texts[doc_id][0].stems
+        if sum(term in self._doc_sets[doc_id] for term in plan.own) <= self.WEB_MAX_MATCHED and (
+                (set(plan.own) - _INFO_MODIFIERS).isdisjoint(names)):
+            return False
+        if not self._declares_parameters or not (plan.subject or plan.entities):
+            return True
+        if not _FREE_TEXT_PARAMETERS.isdisjoint(self._texts[doc_id][3].stems) or any(
+                self._entity_strengths(entity.kind).get(doc_id) for entity in plan.entities):
+            return True
+        fields = self._doc_fields[doc_id]
+        if not plan.subject.isdisjoint(itertools.chain(names, fields[1], fields[2])):  # name, server, title
+            return True
+        return len(plan.subject & self._doc_sets[doc_id]) >= min(2, len(plan.subject))
 
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
         """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name; a
@@ -6489,6 +6546,8 @@ class SearchIndex:
         own, other, entities = plan.own, plan.other, plan.entities
         scores: dict[int, float] = collections.defaultdict(float)
         exact_weight, stem_weight = self.SURFACE_WEIGHT + self.STEM_WEIGHT, self.STEM_WEIGHT
+        informational = bool(self._web_tools and self.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need))
+        framing: dict[int, float] = collections.defaultdict(float)  # what each tool scored by framing words
         for term, (weight, surfaces) in own.items():
             hits = self.postings(term)
             if not hits:
@@ -6499,6 +6558,9 @@ class SearchIndex:
             exact_docs = self.exact_docs(term, frozenset(surfaces))
             for doc_id, value in hits:
                 scores[doc_id] += value * (exact if doc_id in exact_docs else stem_only)
+            if informational and term in _FRAMING_WORDS:
+                for doc_id, value in hits:
+                    framing[doc_id] += value * (exact if doc_id in exact_docs else stem_only)
         for term, weight in other.items():
             for doc_id, value in self.postings(term):
                 scores[doc_id] += stem_weight * weight * value
@@ -6514,18 +6576,16 @@ class SearchIndex:
                     continue
                 for doc_id, strength in accepting:
                     scores[doc_id] += bonus * strength
-        if self._web_tools and self.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need):
-            # Only when the best tool matches at most one of the request's words, and not by its name: a narrow
-            # tool named for the topic (a news tool for "news") or matching more keeps its place; one that
-            # shares an incidental word of its description ("latest" in a version tool's) does not.
-            best_doc = max(scores, key=scores.__getitem__, default=None)
-            matched = 0 if best_doc is None else sum(term in self._doc_sets[best_doc] for term in own)
-            named = best_doc is not None and not (set(own) - _INFO_MODIFIERS).isdisjoint(self._texts[best_doc][0].stems)
-            if matched <= self.WEB_MAX_MATCHED and not named:
-                lift = self.WEB_SEARCH_WEIGHT * self._virtual_idf(len(self._web_tools))
-                for doc_id in self._web_tools:
-                    scores[doc_id] += lift
         server_of, rank_of = self._server_of, self._rank_of
+        if informational:
+            best = max(scores, key=scores.__getitem__, default=None)
+            if not self._outvotes_web_search(best, plan):
+                # The general-information need scores like one more query word; and the framing words ("latest",
+                # "news") are not evidence for the narrow tool over general search: what the best tool scored by
+                # them, a lifted web-search tool scores too.
+                lift = self.WEB_SEARCH_WEIGHT * self._virtual_idf(len(self._web_tools))
+                for doc_id in self._best_web_tools(scores):
+                    scores[doc_id] += lift + max(0.0, framing.get(best, 0.0) - framing.get(doc_id, 0.0))
         server_best: dict[int, float] = {-1: 0.0}  # -1: tools with no server prefix get no boost
         for doc_id, score in scores.items():
             server = server_of[doc_id]

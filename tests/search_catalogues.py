@@ -513,3 +513,16 @@ def merged(*exclude: list[dict]) -> list[dict]:
 
 def web_search_tools() -> set[str]:
     return {tool["name"] for group in WEB_SEARCH for tool in group if "search" in tool["name"]}
+
+
+MORE_WEB_SEARCH = (
+    server("serper",
+           t("google_search", "Search the web with Google and return organic results, news and answer boxes",
+             q="s:Search query", gl="s:Country code", num="i:Number of results")),
+    server("bing",
+           t("bing_web_search", "Search the internet with Bing", query="s:", count="i:"),
+           t("bing_news_search", "Search news articles on the web with Bing", query="s:",
+             freshness="e:Day|Week|Month:")),
+    server("searxng",
+           t("searxng_web_search", "Search the web through a SearXNG instance", query="s:", pageno="i:")),
+)

@@ -96,3 +96,50 @@ def test_open_issue_by_number_reads_it_rather_than_creating_one(catalogue):
 @pytest.mark.parametrize("query", ["今何時", "今何時ですか", "東京は今何時", "現在の時刻", "现在几点", "지금 몇시야"])
 def test_asking_the_time_in_japanese_chinese_or_korean_gets_the_current_time(catalogue, query):
     assert names(catalogue.search(query, 1)) == ["time__get_current_time"]
+
+
+# ---------------------------------------------------------------- class 1: a narrow tool vetoes general search
+
+
+def web_tools(index):
+    return {tool["name"] for tool in index.tools if tool["name"] in sc.web_search_tools() or any(
+        tool["name"].startswith(f"{server}__") for server in ("serper", "bing", "searxng"))}
+
+
+@pytest.mark.parametrize("query", [
+    "find the latest news on glacier melt in Norway",      # a headline tool matches "latest news", takes no topic
+    "latest headlines on the battery industry",
+    "recent news about the chip shortage",
+])
+def test_a_tool_that_cannot_take_the_subject_does_not_outvote_general_search(catalogue, query):
+    assert names(catalogue.search(query, 1))[0] in web_tools(catalogue)
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("latest headlines", "bugle__get_news"),                                  # no subject: only framing
+    ("latest headlines from the Daily Bugle", "bugle__get_news"),             # names the tool's server
+    ("latest version of the requests package", "registry__get_latest_version"),   # named for the subject
+    ("what are analysts saying about AMZN's latest earnings", "brokerage__get_earnings"),   # takes the ticker
+    ("show recent commits", "git__"),                                         # holds the whole subject
+])
+def test_a_tool_that_takes_or_covers_the_subject_keeps_its_place(catalogue, query, expected):
+    assert names(catalogue.search(query, 1))[0].startswith(expected)
+
+
+def test_the_lift_goes_to_the_best_web_search_tools_not_to_all_of_them():
+    tools = sc.merged() + [tool for group in sc.MORE_WEB_SEARCH for tool in group]
+    index = coffer.SearchIndex(tools)
+    top = names(index.search("find the latest news on glacier melt in Norway", 5))
+    web = web_tools(index)
+    assert len(web) >= 6 and top[0] in web
+    # two lifted, from two search engines; the headline tool that matched the request still shows
+    assert "bugle__get_news" in top, top
+    lifted = [name for name in top if name in web]
+    assert len({name.partition("__")[0] for name in lifted[:2]}) == 2, top
+
+
+def test_where_no_tool_declares_parameters_a_tool_named_for_the_request_keeps_its_place():
+    # Nothing tells which tool takes a topic: the narrow tool named for "news" keeps the first place, as before.
+    bare = [{"name": tool["name"], "description": tool["description"]} for tool in sc.merged()]
+    index = coffer.SearchIndex(bare)
+    assert names(index.search("find the latest news on glacier melt in Norway", 1)) == ["bugle__get_news"]
