@@ -31,22 +31,22 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5463  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       6015  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       6123  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6598  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      6957  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7130  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7714  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8121  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8586  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8699  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9009  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9435  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9767  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10099  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10705  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10875  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11543  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12310  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12526  cli                   Command line: coffer's commands.
+      6621  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7002  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7175  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7759  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8166  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8631  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8744  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9054  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9480  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9812  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10144  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10750  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10920  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11588  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12355  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12571  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -6190,6 +6190,13 @@ class CollectorPause:
                 gc.enable()
 
 
+class QueryReading(NamedTuple):
+    """See SearchIndex.reading."""
+
+    translations: tuple[str, ...]
+    only_arguments: bool
+
+
 # Entity kinds that name one existing thing: "open PR #42" reads it, "open a PR" creates one.
 _IDENTIFYING_KINDS = frozenset(("number_ref", "issue_key", "url", "sha"))
 
@@ -6539,6 +6546,22 @@ class SearchIndex:
             return True
         return len(plan.subject & self._doc_sets[doc_id]) >= min(2, len(plan.subject))
 
+    def reading(self, query: str) -> QueryReading:
+        """What the lexical ranker read in ``query`` that an embedder may need: the English words of its foreign
+        tool-domain words, and whether the request is nothing but arguments ("AAPL", "OPS-1234", a URL alone):
+        all its words inside the entities this catalogue's tools accept."""
+        query = bounded_query(query)
+        plan = self._query_plan(query)
+        only_arguments = False
+        if plan.entities:
+            rest, last = [], 0
+            for entity in plan.entities:
+                rest.append(query[last:entity.start])
+                last = entity.end
+            rest.append(query[last:])
+            only_arguments = all(word in STOP_WORDS for word in _words(" ".join(rest)))
+        return QueryReading(tuple(translated_words(query)), only_arguments)
+
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
         """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name; a
         query is read up to bounded_query's limit."""
@@ -6725,6 +6748,14 @@ def embedding_text(tool: dict) -> str:
     return f"{prefix}{words}: {title + '. ' if title else ''}{description}"[:1000]
 
 
+def embedding_query(query: str, reading: QueryReading) -> str:
+    """What the embedder reads of a query: the query, and the English words Coffer's lexicon found for its foreign
+    tool-domain words, so an English-only model reading a German or Chinese request sees what it asks for."""
+    if not reading.translations:
+        return query
+    return f"{query} ({' '.join(dict.fromkeys(reading.translations))})"
+
+
 def text_hash(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
@@ -6794,6 +6825,15 @@ def fuse(lexical: list[tuple[int, float]], semantic: list[tuple[int, float]], to
             scaled = (score - low) / (high - low) if high > low else 1.0  # one candidate: full credit
             scores[doc_id] += (1.0 - alpha) * trust * scaled
     return heapq.nsmallest(top_k, scores.items(), key=lambda item: (-item[1], item[0]))
+
+
+def hybrid_rank(lexical_index: SearchIndex, semantic_index: SemanticIndex, query: str, query_vector, top_k: int,
+                candidates: int = 50) -> list[tuple[int, float]]:
+    """The hybrid ranking of ``query`` (read up to bounded_query's limit) whose embedding_query has the vector
+    ``query_vector``: the best ``candidates`` of each ranker, fused.  Raises ValueError if the vector's dimension
+    is not the index's."""
+    lexical = lexical_index.rank(query, candidates)
+    return fuse(lexical, semantic_index.rank(query_vector, candidates), top_k)
 
 
 class EmbeddingWorker:
@@ -6935,7 +6975,10 @@ class SemanticRanker:
         return SemanticIndex(tools, vectors)
 
     def search(self, lexical_index: SearchIndex, query: str, top_k: int):
-        """Hybrid search, or BM25 with a note saying why not; the embedder reads what the lexical ranker reads."""
+        """Hybrid search, or BM25 with a note saying why not; the embedder reads what the lexical ranker reads
+        (embedding_query).  A request that is nothing but arguments ("AAPL", a URL alone) is answered by BM25
+        without asking the embedder: a sentence model has no request to read in it, only the argument's text, and
+        the lexical ranker matches arguments to the parameters that take them."""
         query = bounded_query(query)
         with self.lock:
             index = self.index if self._index_for is lexical_index.tools else None
@@ -6945,19 +6988,21 @@ class SemanticRanker:
                 semantic_log.warning("embedder: tool vectors not ready yet; queries are answered by BM25 until they "
                                      "are")
             return lexical_index.search(query, top_k), "bm25", "embedder: tool vectors not ready yet"
+        reading = lexical_index.reading(query)
+        if reading.only_arguments:
+            return lexical_index.search(query, top_k), "bm25", None
         try:
-            query_vector = self.embedder.embed([query], self.query_timeout)[0]
+            query_vector = self.embedder.embed([embedding_query(query, reading)], self.query_timeout)[0]
         except EmbedderError as exc:
             semantic_log.warning("embedder fallback to BM25: %s", exc)
             return lexical_index.search(query, top_k), "bm25", f"embedder fallback: {exc}"
-        lexical = lexical_index.rank(query, self.CANDIDATES)
         try:
-            semantic = index.rank(query_vector, self.CANDIDATES)
+            ranked = hybrid_rank(lexical_index, index, query, query_vector, top_k, self.CANDIDATES)
         except ValueError as exc:  # a query vector of another dimension: the endpoint's model changed
             semantic_log.warning("embedder fallback to BM25: %s", exc)
             return lexical_index.search(query, top_k), "bm25", "embedder fallback: vector dimension changed"
         tools = lexical_index.tools
-        return [(tools[doc], round(score, 4)) for doc, score in fuse(lexical, semantic, top_k)], "hybrid", None
+        return [(tools[doc], round(score, 4)) for doc, score in ranked], "hybrid", None
 
 
 # ============================================================================================================

@@ -101,6 +101,13 @@ class CollectorPause:
                 gc.enable()
 
 
+class QueryReading(NamedTuple):
+    """See SearchIndex.reading."""
+
+    translations: tuple[str, ...]
+    only_arguments: bool
+
+
 # Entity kinds that name one existing thing: "open PR #42" reads it, "open a PR" creates one.
 _IDENTIFYING_KINDS = frozenset(("number_ref", "issue_key", "url", "sha"))
 
@@ -449,6 +456,22 @@ class SearchIndex:
         if not plan.subject.isdisjoint(itertools.chain(names, fields[1], fields[2])):  # name, server, title
             return True
         return len(plan.subject & self._doc_sets[doc_id]) >= min(2, len(plan.subject))
+
+    def reading(self, query: str) -> QueryReading:
+        """What the lexical ranker read in ``query`` that an embedder may need: the English words of its foreign
+        tool-domain words, and whether the request is nothing but arguments ("AAPL", "OPS-1234", a URL alone):
+        all its words inside the entities this catalogue's tools accept."""
+        query = bounded_query(query)
+        plan = self._query_plan(query)
+        only_arguments = False
+        if plan.entities:
+            rest, last = [], 0
+            for entity in plan.entities:
+                rest.append(query[last:entity.start])
+                last = entity.end
+            rest.append(query[last:])
+            only_arguments = all(word in STOP_WORDS for word in _words(" ".join(rest)))
+        return QueryReading(tuple(translated_words(query)), only_arguments)
 
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
         """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name; a
