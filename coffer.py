@@ -29,24 +29,24 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       4583  upstream.supervisor   Upstream supervisor: one server's connection, requests, lists and restarts.
       5382  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       5463  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6015  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6123  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6621  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7002  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7175  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7759  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8166  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8631  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8744  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9054  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9480  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9812  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10144  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10750  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10920  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11588  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12355  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12571  cli                   Command line: coffer's commands.
+      6021  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6129  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      6627  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7008  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7181  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7765  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8172  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8637  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8750  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9060  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9486  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9818  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10150  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10756  probe                 Probes: starting a server once to see what it offers, from the command line.
+     10926  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11594  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12361  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12577  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5419,7 +5419,7 @@ def word_file_table(text: str) -> dict[str, tuple[str, ...]]:
 
 STOP_WORDS = frozenset(word_file_words('# Stop words of tool search: the words of a request that say nothing about which tool it wants ("please",\n# "using", "tool", "server", ...).  They are dropped from queries and from tool texts alike (search/text.py).\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a line, written as\n# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with \'#\' are comments;\n# blank lines are ignored; no word is listed twice.\na\nabout\nabove\nafter\nagain\nall\nalso\nam\nan\nand\nany\nare\nas\nat\nbe\nbeen\nbefore\nbeing\nbelow\nbetween\nboth\nbut\nby\ncan\ncould\ndid\ndo\ndoes\ndoing\ndown\nduring\neach\nfew\nfor\nfrom\nfurther\nhad\nhas\nhave\nhaving\nhe\nher\nhere\nhers\nhim\nhis\nhow\ni\nif\nin\ninto\nis\nit\nits\nitself\njust\nlet\nme\nmore\nmost\nmy\nno\nnor\nnot\nnow\nof\noff\non\nonce\nonly\nor\nother\nour\nours\nout\nover\nown\nplease\nsame\nshe\nshould\nso\nsome\nsuch\nthan\nthat\nthe\ntheir\ntheirs\nthem\nthen\nthere\nthese\nthey\nthis\nthose\nthrough\nto\ntoo\nunder\nuntil\nup\nvery\nwas\nwe\nwere\nwhat\nwhen\nwhere\nwhich\nwhile\nwho\nwhom\nwhy\nwill\nwith\nwould\nyou\nyour\nyours\nwant\nneed\nlike\nusing\nuse\nvia\ntool\ntools\nmcp\nserver\nhelp\nkindly\n# What is left of "what\'s", "don\'t", "I\'d", "we\'ve" once the apostrophe splits them:\ns\nt\nd\nm\nll\nre\nve\ndon\ndoesn\ndidn\nisn\naren\nwasn\nweren\nhaven\nhasn\nhadn\ncouldn\nshouldn\nwouldn\n'))
 # Tool-search stop words minus the words that carry meaning in documentation ("development server", "--help").
-KNOWLEDGE_STOP_WORDS = STOP_WORDS - frozenset(word_file_words('# Stop words of tool search that the knowledge base keeps: in documentation they carry meaning ("development\n# server", "--help", "MCP tools").  Every word here must be in stop_words.txt.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a line, written as\n# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with \'#\' are comments;\n# blank lines are ignored; no word is listed twice.\nserver\nhelp\ntool\ntools\nmcp\n'))
+KNOWLEDGE_STOP_WORDS = STOP_WORDS - frozenset(word_file_words('# Stop words of tool search that the knowledge base keeps: in documentation they carry meaning ("development\n# server", "--help", "MCP tools"), and programming keywords name constructs ("for...in", "where" clauses, "use"\n# declarations, "let" bindings): idf weighs them there.  Every word here must be in stop_words.txt.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a line, written as\n# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with \'#\' are comments;\n# blank lines are ignored; no word is listed twice.\nserver\nhelp\ntool\ntools\nmcp\nfor\nin\nas\nwhere\nuse\nlet\nif\nwhile\nfrom\ninto\n'))
 
 _IRREGULAR = {word: terms[0] for word, terms in word_file_table('# Irregular forms: words the suffix stripper (search/text.py: stem, singular) would get wrong, and the index\n# term each stands for.  A word mapped to itself is kept from stripping ("news" is not the plural of "new").\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     WORD = TERM\n# WORD lowercase letters, longer than three (stem() leaves shorter words alone and never looks them up); TERM is\n# used as the word\'s index term as it is, so it is its own stem.  Lines starting with \'#\' are comments; blank\n# lines are ignored; no word is listed twice.\nchildren = child\npeople = person\nwomen = woman\ndata = data\nanalyses = analysis\nindices = index\nmedia = media\nnews = news\nstatus = status\nalias = alias\ncanvas = canvas\nhttps = http\n').items()}
 _EQUIVALENCE_GROUPS = [tuple(entry.split())
@@ -5513,10 +5513,16 @@ _CJK_WORD_RE = re.compile(r"[\u3041-\u3096\u309d-\u309f\u30a1-\u30fa\u30fc-\u30f
                           r"\uac00-\ud7a3\uf900-\ufaff]+")
 
 
+def _has_vowel(stem_: str) -> bool:
+    """Porter's condition for stripping -ing and -ed: what remains holds a vowel (y after a consonant counts), so
+    "string" and "spring" stay words instead of becoming "str" and "spr"."""
+    return any(letter in "aeiou" for letter in stem_) or "y" in stem_[1:]
+
+
 @functools.lru_cache(maxsize=1 << 17)  # catalogues repeat words heavily: many calls, few distinct words
 def stem(word: str) -> str:
-    """A light suffix stripper: plurals, -ing, -ed, -ation, final -e.  Consistency matters more than linguistics:
-    the index and the query go through the same function."""
+    """A light suffix stripper: plurals, -ing, -ed (when a vowel remains), -ation, final -e.  Consistency matters
+    more than linguistics: the index and the query go through the same function."""
     if len(word) <= 3 or not word.isalpha():
         return word
     if word in _IRREGULAR:
@@ -5529,9 +5535,9 @@ def stem(word: str) -> str:
         word = word[:-2]
     elif word.endswith("s") and not word.endswith(("ss", "us", "is")):
         word = word[:-1]
-    if word.endswith("ing") and len(word) >= 6:
+    if word.endswith("ing") and len(word) >= 6 and _has_vowel(word[:-3]):
         word = word[:-3]
-    elif word.endswith("ed") and not word.endswith("eed") and len(word) >= 5:
+    elif word.endswith("ed") and not word.endswith("eed") and len(word) >= 5 and _has_vowel(word[:-2]):
         word = word[:-2]
     elif word.endswith("ation") and len(word) >= 8:
         word = word[:-3]

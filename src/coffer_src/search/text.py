@@ -70,10 +70,16 @@ _CJK_WORD_RE = re.compile(r"[\u3041-\u3096\u309d-\u309f\u30a1-\u30fa\u30fc-\u30f
                           r"\uac00-\ud7a3\uf900-\ufaff]+")
 
 
+def _has_vowel(stem_: str) -> bool:
+    """Porter's condition for stripping -ing and -ed: what remains holds a vowel (y after a consonant counts), so
+    "string" and "spring" stay words instead of becoming "str" and "spr"."""
+    return any(letter in "aeiou" for letter in stem_) or "y" in stem_[1:]
+
+
 @functools.lru_cache(maxsize=1 << 17)  # catalogues repeat words heavily: many calls, few distinct words
 def stem(word: str) -> str:
-    """A light suffix stripper: plurals, -ing, -ed, -ation, final -e.  Consistency matters more than linguistics:
-    the index and the query go through the same function."""
+    """A light suffix stripper: plurals, -ing, -ed (when a vowel remains), -ation, final -e.  Consistency matters
+    more than linguistics: the index and the query go through the same function."""
     if len(word) <= 3 or not word.isalpha():
         return word
     if word in _IRREGULAR:
@@ -86,9 +92,9 @@ def stem(word: str) -> str:
         word = word[:-2]
     elif word.endswith("s") and not word.endswith(("ss", "us", "is")):
         word = word[:-1]
-    if word.endswith("ing") and len(word) >= 6:
+    if word.endswith("ing") and len(word) >= 6 and _has_vowel(word[:-3]):
         word = word[:-3]
-    elif word.endswith("ed") and not word.endswith("eed") and len(word) >= 5:
+    elif word.endswith("ed") and not word.endswith("eed") and len(word) >= 5 and _has_vowel(word[:-2]):
         word = word[:-2]
     elif word.endswith("ation") and len(word) >= 8:
         word = word[:-3]
