@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from coffer_src.errors import CofferError
@@ -215,10 +216,23 @@ class BuiltinTools:
         return self._sampled_text(self.session.request_client("sampling/createMessage",
                                                       self._sampling_params(prompt, max_tokens), remaining))
 
+    def _note_headings(self, hits, sources) -> list[str]:
+        """Up to three headings of the user's notes (those of the passages found first, else the first indexed):
+        they show the client's model which language the notes are written in."""
+        passages = itertools.chain(hits, itertools.islice(self.hub.knowledge.passages(sources), 50))
+        headings = dict.fromkeys(
+            (hit.heading.rpartition(" > ")[2] or hit.text.strip().partition("\n")[0]).strip()[:80] for hit in passages)
+        return [heading for heading in headings if heading][:3]
+
     @staticmethod
-    def _rewrite_prompt(question: str) -> str:
+    def _rewrite_prompt(question: str, headings=()) -> str:
+        """The rewrite into search queries, in the language the notes are written in: a question may come in
+        another (``headings``: see _note_headings)."""
+        shown = "; ".join(f'"{heading}"' for heading in headings)
         return ("Rewrite this question into at most three short search queries for a keyword search over the "
-                f"user's notes, one per line, nothing else.\n\nQuestion: {question[:2000]}")
+                "user's notes, one per line, nothing else. Write the queries in the language the notes are written "
+                f"in, which may not be the question's{'; headings from the notes: ' + shown if shown else ''}."
+                f"\n\nQuestion: {question[:2000]}")
 
     @staticmethod
     def _answer_prompt(question: str, hits) -> str:
@@ -268,13 +282,18 @@ class BuiltinTools:
             return fail(str(exc))
         synthesis = None
         wanted = self.hub.settings["ask_synthesis"] == "on" and bool(hits)
+        # The rewrite may find what the question's own words did not (notes in another language than the
+        # question): it is asked for even when they found nothing, if there is anything to search.
+        rewrite = self.hub.settings["ask_synthesis"] == "on" and answer.total_searched > 0
         if self.session.client_era == "modern":
             meta = (params or {}).get("_meta") if isinstance((params or {}).get("_meta"), dict) else {}
             caps = meta.get(META_CLIENT_CAPABILITIES) if isinstance(meta.get(META_CLIENT_CAPABILITIES), dict) else {}
             first = claims.get("t0", time.time())
             in_time = time.time() - first < ASK_SAMPLING_BUDGET
-            if wanted and isinstance(caps.get("sampling"), dict) and in_time and claims.get("ask") in (None, 1):
-                stage, prompt, tokens = ((1, self._rewrite_prompt(question), 200) if claims.get("ask") is None
+            if isinstance(caps.get("sampling"), dict) and in_time and (
+                    claims.get("ask") is None and rewrite or claims.get("ask") == 1 and wanted):
+                stage, prompt, tokens = ((1, self._rewrite_prompt(question, self._note_headings(hits, sources)), 200)
+                                         if claims.get("ask") is None
                                          else (2, self._answer_prompt(question, hits), 600))
                 key = "coffer-rewrite" if stage == 1 else "coffer-answer"
                 state = self.session.bridge.sealer.seal("tools/call", params,
@@ -283,13 +302,15 @@ class BuiltinTools:
                     key: {"method": "sampling/createMessage", "params": self._sampling_params(prompt, tokens)}}}
             if claims.get("ask") == 2:
                 synthesis = self._sampled_text(responses.get("coffer-answer"))
-        elif wanted and "sampling" in self.session.client_capabilities and not claims:
+        elif rewrite and "sampling" in self.session.client_capabilities and not claims:
             deadline = time.monotonic() + ASK_SAMPLING_BUDGET
-            queries = self._queries(self._sample_text(self._rewrite_prompt(question), 200, deadline))
+            prompt = self._rewrite_prompt(question, self._note_headings(hits, sources))
+            queries = self._queries(self._sample_text(prompt, 200, deadline))
             if queries:
                 return self.ask(arguments, started, params, {"claims": {"ask": 0, "q": queries, "sync": deadline}})
-            synthesis = self._sample_text(self._answer_prompt(question, hits), 600, deadline)
-        if claims.get("ask") == 0:  # the handshake era's second step (after the rewrite)
+            if wanted:
+                synthesis = self._sample_text(self._answer_prompt(question, hits), 600, deadline)
+        if claims.get("ask") == 0 and wanted:  # the handshake era's second step (after the rewrite)
             synthesis = self._sample_text(self._answer_prompt(question, hits), 600, claims["sync"])
         if wanted and synthesis is None and (claims or "sampling" in self.session.client_capabilities):
             notes.append("no answer from the client's model; passages only")
