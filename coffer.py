@@ -31,22 +31,22 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5463  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       6021  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       6129  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6627  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7008  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7181  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7765  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8172  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8637  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8750  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9080  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9506  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9838  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10170  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10776  probe                 Probes: starting a server once to see what it offers, from the command line.
-     10946  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11614  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12381  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12597  cli                   Command line: coffer's commands.
+      6682  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7063  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7236  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7820  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8227  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8692  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8805  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9135  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9561  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9893  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10225  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10831  probe                 Probes: starting a server once to see what it offers, from the command line.
+     11001  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11669  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12436  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12652  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -6196,6 +6196,51 @@ class CollectorPause:
                 gc.enable()
 
 
+_NO_POSTINGS: tuple[list[int], list[float]] = ([], [])
+_TEXT_OF = operator.attrgetter("text")
+
+
+def _add(scores: dict[int, float], ids: list[int], values: list[float], weight: float,
+         strength_first: bool = True) -> None:
+    """scores[i] += value * weight for each id i and its value (weight * value if not ``strength_first``: the
+    same product, in the order the caller's formula writes it).  A plain dict and get() cost less per posting
+    than a defaultdict's +=, or than chaining map/zip in C."""
+    get = scores.get
+    if strength_first:
+        for doc_id, value in zip(ids, values):
+            scores[doc_id] = get(doc_id, 0.0) + value * weight
+    else:
+        for doc_id, value in zip(ids, values):
+            scores[doc_id] = get(doc_id, 0.0) + weight * value
+
+
+def _best_with_server_boost(scores: dict[int, float], server_of: list[int], rank_of: list[int], boost: float,
+                            limit: int) -> list[tuple[int, float]]:
+    """The best ``limit`` (doc id, score + boost x the best score of its server) of the tools scoring above zero,
+    best first, ties broken by name (``rank_of``); tools with no server (-1) get no boost.
+
+    Only the few tools that can make the list are looked at in Python: one scoring below the limit-th best score
+    minus the largest boost any tool gets ends below ``limit`` tools however its server is boosted; and a server
+    holding such a candidate has its best tool among the candidates (it scores at least as much)."""
+    if not scores:
+        return []
+    values = list(scores.values())
+    largest = max(values)
+    kth = heapq.nlargest(limit, values)[-1] if len(values) > limit else min(values)
+    cutoff = kth - boost * largest
+    cutoff -= 1e-9 * (abs(cutoff) + largest)  # no rounding can drop a tool that belongs
+    ids = list(scores)
+    candidates = list(itertools.compress(ids, map(operator.ge, values, itertools.repeat(cutoff))))
+    server_best = {-1: 0.0}
+    for doc_id in candidates:
+        score, server = scores[doc_id], server_of[doc_id]
+        if server >= 0 and score > server_best.get(server, 0.0):
+            server_best[server] = score
+    ranked = sorted((-(scores[doc_id] + boost * server_best[server_of[doc_id]]), rank_of[doc_id], doc_id)
+                    for doc_id in candidates if scores[doc_id] > 0.0)
+    return [(doc_id, -negative) for negative, _, doc_id in ranked[:limit]]
+
+
 class QueryReading(NamedTuple):
     """See SearchIndex.reading."""
 
@@ -6292,7 +6337,7 @@ class SearchIndex:
             weight, b = self.FIELDS[field]
             lengths = list(filter(None, map(len, map(operator.itemgetter(position), self._doc_fields))))
             self._field_params.append((weight, b, sum(lengths) / len(lengths) if lengths else 1.0))
-        self._postings: dict[str, list[tuple[int, float]]] = {}
+        self._postings: dict[str, tuple[list[int], list[float]]] = {}
         self._idf: dict[str, float] = {}
         full_names = [str(tool.get("name", "")) for tool in self.tools]
         self._rank_of = [0] * n
@@ -6302,9 +6347,10 @@ class SearchIndex:
         self._server_of = [servers.setdefault(name.partition(SEPARATOR)[0], len(servers)) if SEPARATOR in name
                            else -1 for name in full_names]
         self._surfaces: list[frozenset | None] = [None] * n
-        self._exact: dict[tuple[str, frozenset], frozenset] = {}
+        self._exact: dict[tuple[str, frozenset], tuple[list, list, list, list]] = {}
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
+        self._entity_column_lists: dict[str, tuple[list[int], list[float]]] = {}
         self._web_tools_found: list[int] | None = None
         self._web_named: frozenset = frozenset()  # the web tools named for the web, found with them
         self._declares_parameters = any(columns[4])  # a parameter name anywhere in the catalogue
@@ -6370,7 +6416,7 @@ class SearchIndex:
         if term in self._partners:
             return self._partners[term]
         holders, pairs = 0, {}
-        for doc_id, _ in self.postings(term):
+        for doc_id in self.postings(term)[0]:
             words = self._texts[doc_id][0].stems
             if term not in words:
                 continue
@@ -6390,13 +6436,14 @@ class SearchIndex:
     def __len__(self) -> int:
         return len(self.tools)
 
-    def postings(self, term: str) -> list[tuple[int, float]]:
-        """(doc id, BM25 weight) of every tool holding ``term``, built by the first query that uses the term:
-        most of a catalogue's vocabulary is never searched for, so a build does not pay for it."""
+    def postings(self, term: str) -> tuple[list[int], list[float]]:
+        """The ids of the tools holding ``term`` (ascending) and their BM25 weights, two columns, built by the
+        first query that uses the term: most of a catalogue's vocabulary is never searched for, so a build does
+        not pay for it."""
         found = self._postings.get(term)
         if found is None:
             if term not in self._vocabulary:
-                return []
+                return _NO_POSTINGS
             holders = list(itertools.compress(range(len(self._doc_sets)),
                                               map(operator.contains, self._doc_sets, itertools.repeat(term))))
             idf, k1 = bm25_idf(len(self._doc_sets), len(holders)), BM25_K1
@@ -6409,26 +6456,31 @@ class SearchIndex:
                 counts = list(map(tuple.count, column, itertools.repeat(term)))
                 for i in itertools.compress(range(len(counts)), counts):
                     tf[i] += counts[i] * weight / (1.0 - b + b * len(column[i]) / average)
-            found = [(doc_id, idf * value / (k1 + value)) for doc_id, value in zip(holders, tf)]
+            found = (holders, [idf * value / (k1 + value) for value in tf])
             self._idf[term] = idf
             self._postings[term] = found
         return found
 
-    def exact_docs(self, term: str, surfaces: frozenset) -> frozenset:
-        """Ids of the tools holding ``term`` that also hold one of these exact (plural-folded) words; computed
-        from the term's postings on first use, so it costs what the postings cost."""
+    def split_postings(self, term: str, surfaces: frozenset) -> tuple[list[int], list[float], list[int], list[float]]:
+        """The term's postings (ids, weights) in two parts: the tools that also hold one of these exact
+        (plural-folded) words, and the others; computed from the term's postings on first use, so it costs what
+        the postings cost."""
         key = (term, surfaces)
         found = self._exact.get(key)
         if found is None:
-            found = self._exact[key] = frozenset(doc_id for doc_id, _ in self.postings(term)
-                                                 if not surfaces.isdisjoint(self._doc_surfaces(doc_id)))
+            ids, weights = self.postings(term)
+            exact = [not surfaces.isdisjoint(self._doc_surfaces(doc_id)) for doc_id in ids]
+            others = list(map(operator.not_, exact))
+            found = self._exact[key] = (list(itertools.compress(ids, exact)), list(itertools.compress(weights, exact)),
+                                        list(itertools.compress(ids, others)),
+                                        list(itertools.compress(weights, others)))
         return found
 
     def _doc_surfaces(self, doc_id: int) -> frozenset:
         found = self._surfaces[doc_id]
         if found is None:
-            found = self._surfaces[doc_id] = frozenset(
-                singular(word) for terms in self._texts[doc_id][:5] for word in surface_words(terms.text))
+            found = self._surfaces[doc_id] = frozenset(map(singular, itertools.chain.from_iterable(
+                map(surface_words, map(_TEXT_OF, self._texts[doc_id][:5])))))
         return found
 
     def _virtual_idf(self, holders: int) -> float:
@@ -6449,6 +6501,14 @@ class SearchIndex:
                 elif not cues.isdisjoint(words.stems) or not weak.isdisjoint(names.stems):
                     found.append((doc_id, 0.5))
             self._entity_tools[kind.name] = found
+        return found
+
+    def _entity_columns(self, kind: EntityKind) -> tuple[list[int], list[float]]:
+        found = self._entity_column_lists.get(kind.name)
+        if found is None:
+            accepting = self.entity_tools(kind)
+            found = self._entity_column_lists[kind.name] = ([doc_id for doc_id, _ in accepting],
+                                                            [strength for _, strength in accepting])
         return found
 
     def _entity_strengths(self, kind: EntityKind) -> dict[int, float]:
@@ -6573,38 +6633,40 @@ class SearchIndex:
         query is read up to bounded_query's limit."""
         plan = self._query_plan(bounded_query(query))
         own, other, entities = plan.own, plan.other, plan.entities
-        scores: dict[int, float] = collections.defaultdict(float)
+        # Every contribution is added a term at a time in C (_add): a query touches thousands of postings in a
+        # big catalogue.  Each tool's sum is the same float, added in the same order, as one addition per posting.
+        scores: dict[int, float] = {}
         exact_weight, stem_weight = self.SURFACE_WEIGHT + self.STEM_WEIGHT, self.STEM_WEIGHT
         informational = bool(self._web_tools and self.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need))
-        framing: dict[int, float] = collections.defaultdict(float)  # what each tool scored by framing words
+        framing: dict[int, float] = {}  # what each tool scored by framing words
         for term, (weight, surfaces) in own.items():
-            hits = self.postings(term)
-            if not hits:
+            ids, _ = self.postings(term)
+            if not ids:
                 continue
             idf = self._idf[term]
             stem_only = stem_weight * weight * (min(1.0, self._stem_cap / idf) if idf > 0 else 1.0)
             exact = exact_weight * weight
-            exact_docs = self.exact_docs(term, frozenset(surfaces))
-            for doc_id, value in hits:
-                scores[doc_id] += value * (exact if doc_id in exact_docs else stem_only)
+            exact_ids, exact_values, other_ids, other_values = self.split_postings(term, frozenset(surfaces))
+            _add(scores, exact_ids, exact_values, exact)
+            _add(scores, other_ids, other_values, stem_only)
             if informational and term in _FRAMING_WORDS:
-                for doc_id, value in hits:
-                    framing[doc_id] += value * (exact if doc_id in exact_docs else stem_only)
+                _add(framing, exact_ids, exact_values, exact)
+                _add(framing, other_ids, other_values, stem_only)
         for term, weight in other.items():
-            for doc_id, value in self.postings(term):
-                scores[doc_id] += stem_weight * weight * value
+            ids, values = self.postings(term)
+            _add(scores, ids, values, stem_weight * weight)
         if entities and self.ENTITY_WEIGHT:
             for kind in {entity.kind.name: entity.kind for entity in entities}.values():
                 accepting = self.entity_tools(kind)
                 bonus = self.ENTITY_WEIGHT * self._virtual_idf(len(accepting))
                 if scores and len(accepting) > 4 * len(scores):
                     # A kind most tools accept (a path in a big catalogue) only re-orders what matched.
-                    strengths = self._entity_strengths(kind)
-                    for doc_id in list(scores):
-                        scores[doc_id] += bonus * strengths.get(doc_id, 0.0)
+                    matched = list(scores)
+                    _add(scores, matched, list(map(self._entity_strengths(kind).get, matched,
+                                                   itertools.repeat(0.0))), bonus, strength_first=False)
                     continue
-                for doc_id, strength in accepting:
-                    scores[doc_id] += bonus * strength
+                ids, strengths = self._entity_columns(kind)
+                _add(scores, ids, strengths, bonus, strength_first=False)
         server_of, rank_of = self._server_of, self._rank_of
         if informational:
             best = max(scores, key=scores.__getitem__, default=None)
@@ -6614,16 +6676,9 @@ class SearchIndex:
                 # them, a lifted web-search tool scores too.
                 lift = self.WEB_SEARCH_WEIGHT * self._virtual_idf(len(self._web_tools))
                 for doc_id in self._best_web_tools(scores):
-                    scores[doc_id] += lift + max(0.0, framing.get(best, 0.0) - framing.get(doc_id, 0.0))
-        server_best: dict[int, float] = {-1: 0.0}  # -1: tools with no server prefix get no boost
-        for doc_id, score in scores.items():
-            server = server_of[doc_id]
-            if server >= 0 and score > server_best.get(server, 0.0):
-                server_best[server] = score
-        boost = self.SERVER_BOOST
-        ranked = ((-(score + boost * server_best[server_of[doc_id]]), rank_of[doc_id], doc_id)
-                  for doc_id, score in scores.items() if score > 0.0)
-        return [(doc_id, -neg) for neg, _, doc_id in heapq.nsmallest(limit, ranked)]
+                    scores[doc_id] = scores.get(doc_id, 0.0) + (
+                        lift + max(0.0, framing.get(best, 0.0) - framing.get(doc_id, 0.0)))
+        return _best_with_server_boost(scores, server_of, rank_of, self.SERVER_BOOST, limit)
 
     def search(self, query: str, top_k: int = TOP_K_DEFAULT) -> list[tuple[dict, float]]:
         top_k = bounded_top_k(top_k)
