@@ -31,22 +31,22 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5463  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       6021  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       6129  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      6682  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7063  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7236  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      7820  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8227  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      8692  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      8805  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9135  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-      9561  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-      9893  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10225  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     10831  probe                 Probes: starting a server once to see what it offers, from the command line.
-     11001  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     11669  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     12436  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     12652  cli                   Command line: coffer's commands.
+      6687  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7068  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7241  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      7825  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8232  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      8697  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      8810  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9140  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+      9566  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+      9898  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10230  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     10836  probe                 Probes: starting a server once to see what it offers, from the command line.
+     11006  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     11674  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     12441  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     12657  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -6329,7 +6329,13 @@ class SearchIndex:
         # What queries need beyond BM25 (surface words, parameter words) is derived from these on first use.
         self._texts = list(zip(short, title, description, names, params, columns[-1]))
         self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
-        self._vocabulary = frozenset().union(*self._doc_sets)
+        # term -> the tools holding it, ascending: a query's first use of a term then counts its frequencies in
+        # those tools only, instead of testing every tool of a big catalogue for it.
+        holders: dict[str, list[int]] = collections.defaultdict(list)
+        for doc_id, terms in enumerate(self._doc_sets):
+            for term in terms:
+                holders[term].append(doc_id)
+        self._holders = dict(holders)
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
         self._field_params = []
@@ -6442,10 +6448,9 @@ class SearchIndex:
         not pay for it."""
         found = self._postings.get(term)
         if found is None:
-            if term not in self._vocabulary:
+            holders = self._holders.get(term)
+            if holders is None:
                 return _NO_POSTINGS
-            holders = list(itertools.compress(range(len(self._doc_sets)),
-                                              map(operator.contains, self._doc_sets, itertools.repeat(term))))
             idf, k1 = bm25_idf(len(self._doc_sets), len(holders)), BM25_K1
             # Field-weighted, length-normalised term frequency, a field at a time: the term is counted in every
             # holder's field in C, and Python arithmetic runs only where it occurs.

@@ -17,6 +17,7 @@ lock-free (search/text.py)."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import heapq
 import itertools
@@ -233,7 +234,13 @@ class SearchIndex:
         # What queries need beyond BM25 (surface words, parameter words) is derived from these on first use.
         self._texts = list(zip(short, title, description, names, params, columns[-1]))
         self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
-        self._vocabulary = frozenset().union(*self._doc_sets)
+        # term -> the tools holding it, ascending: a query's first use of a term then counts its frequencies in
+        # those tools only, instead of testing every tool of a big catalogue for it.
+        holders: dict[str, list[int]] = collections.defaultdict(list)
+        for doc_id, terms in enumerate(self._doc_sets):
+            for term in terms:
+                holders[term].append(doc_id)
+        self._holders = dict(holders)
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
         self._field_params = []
@@ -346,10 +353,9 @@ class SearchIndex:
         not pay for it."""
         found = self._postings.get(term)
         if found is None:
-            if term not in self._vocabulary:
+            holders = self._holders.get(term)
+            if holders is None:
                 return _NO_POSTINGS
-            holders = list(itertools.compress(range(len(self._doc_sets)),
-                                              map(operator.contains, self._doc_sets, itertools.repeat(term))))
             idf, k1 = bm25_idf(len(self._doc_sets), len(holders)), BM25_K1
             # Field-weighted, length-normalised term frequency, a field at a time: the term is counted in every
             # holder's field in C, and Python arithmetic runs only where it occurs.
