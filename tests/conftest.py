@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The suite drives the gateway in-process (`coffer serve --standalone`), as the existing tests always have; the
+# shared service behind a plain `coffer serve` is tested in tests/test_service.py, which sets this to "service".
+os.environ.setdefault("COFFER_SERVE_MODE", "standalone")
 COFFER = str(ROOT / "coffer.py")
 PY = sys.executable
 FAKE = [PY, str(ROOT / "tests" / "fixtures" / "fake_server.py")]

@@ -49,12 +49,16 @@ LAYERS = (
     "modern",
     "names",
     "secret_store",
+    "settings",
+    "vault_rows",
     "vault",
     "transport/stdio",
     "transport/http",
     "oauth",
     "transport/remote",
     "upstream/definitions",
+    "upstream/requests",
+    "upstream/listing",
     "upstream/supervisor",
     "search/lexicon",
     "search/text",
@@ -71,6 +75,10 @@ LAYERS = (
     "gateway/routing",
     "gateway/bridge",
     "gateway/session",
+    "service/channel",
+    "service/relay",
+    "service/server",
+    "service/commands",
     "probe",
     "clients/files",
     "clients/move_in",
@@ -328,6 +336,14 @@ def build() -> tuple[str, list[tuple[int, str, int]]]:
         for name, names in module_froms.items():
             froms.setdefault(name, set()).update(names)
         bodies.append(rewritten_lines(module, drop))
+    bound_by: dict[str, str] = {}
+    for source, names in sorted(froms.items()):
+        for name in names:
+            bound = name.split(" as ")[-1]
+            if bound in bound_by and bound_by[bound] != source:
+                raise BuildError(f"{bound} is imported from both {bound_by[bound]} and {source}; in one namespace "
+                                 f"one would silently replace the other")
+            bound_by[bound] = source
     imported = {name.split(" as ")[-1].split(".")[0] for name in plain}
     imported |= {name.split(" as ")[-1] for names in froms.values() for name in names}
     clash = imported & set(owner)

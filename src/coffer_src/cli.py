@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import logging
 import os
 import re
 import shlex
 import shutil
-import signal
 import sqlite3
 import sys
 from datetime import datetime, timezone
@@ -31,10 +31,8 @@ from coffer_src.clients.move_in import (
     plan_import,
     uninstall_client,
 )
-from coffer_src.errors import CofferError, NotListedYet
+from coffer_src.errors import CofferError, NotListedYet, VaultError
 from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
-from coffer_src.gateway.hub import Hub
-from coffer_src.gateway.session import ClientSession
 from coffer_src.jsonrpc import decode_json
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
@@ -43,8 +41,10 @@ from coffer_src.names import (
     REMOTE_TRANSPORTS,
     SEARCH_TOOL,
     SEPARATOR,
+    SERVER_NAME_RULE,
     check_remote_url,
     check_server_name,
+    did_you_mean,
     exposed_names,
     is_loopback_url,
     origin_text,
@@ -60,11 +60,23 @@ from coffer_src.oauth import (
     revoke_grant,
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
-from coffer_src.secret_store import expand_vars, parse_env_assignment, plan_literals, plan_url_literals, save_secrets
-from coffer_src.terminal import _print_table, configure_logging, log, printable, redact, say, say_json
+from coffer_src.secret_store import (
+    SECRET_MAX_CHARS,
+    expand_vars,
+    parse_env_assignment,
+    plan_literals,
+    plan_url_literals,
+    save_secrets,
+)
+from coffer_src.service.commands import add_service_commands
+from coffer_src.settings import listed_settings, unknown_setting
+from coffer_src.terminal import ServerLog, _print_table, clip, configure_logging, printable, redact, say, say_json
 from coffer_src.transport.remote import probe_transport
 from coffer_src.transport.stdio import UpstreamFailure
-from coffer_src.vault import DEFAULTS, Vault, _did_you_mean, _state, coffer_home, setting_key, utcnow
+from coffer_src.vault import Vault, _state, coffer_home, setting_key, utcnow
+from coffer_src.vault_rows import SHARING_MODES
+
+cli_log = logging.getLogger(__name__)
 
 
 def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
@@ -194,6 +206,9 @@ def cmd_show(vault, args) -> int:
     detail = f" ({shown['status_detail']})" if shown["status_detail"] else ""
     since = f" since {shown['status_at']}" if shown["status_at"] else ""
     say(f"  status: {shown['status']}{since}{detail}")
+    reason = f" ({shown['sharing_reason']})" if shown.get("sharing_reason") else ""
+    say(f"  sharing: {shown['sharing']}{reason}" + (" -- one instance per client session"
+                                                    if shown["sharing"] == "per-client" else ""))
     if shown["capabilities"]:
         say()
         _print_table([[c["kind"], c["name"], c["state"]] for c in shown["capabilities"]], ["KIND", "NAME", "STATE"])
@@ -267,12 +282,13 @@ def cmd_add(vault: Vault, args) -> int:
     say(f"added {args.name}: {_command_text(vault.server(args.name))}")
     if args.url:
         if url_origin(args.url) and url_origin(args.url)[0] == "http" and not is_loopback_url(args.url) and headers:
-            log.warning("%s: its headers (credentials?) will cross the network unencrypted over plain http to %s; "
-                        "use https if the server offers it", args.name, origin_text(args.url))
+            ServerLog(cli_log, args.name).warning(
+                "its headers (credentials?) will cross the network unencrypted over plain http to %s; use https if "
+                "the server offers it", origin_text(args.url))
         report_remote_added(vault, args.name, vault.secrets)
     elif args.command and not shutil.which(args.command[0]) and not os.path.dirname(args.command[0]):
-        log.warning("%s: %r is not on PATH here; the server will fail to start until it is installed",
-                    args.name, args.command[0])
+        ServerLog(cli_log, args.name).warning(
+            "%r is not on PATH here; the server will fail to start until it is installed", args.command[0])
     return 0
 
 
@@ -361,7 +377,7 @@ def cmd_tools(vault: Vault, args) -> int:
     else:
         for tool in tools:
             description = (tool.get("description") or "").strip().splitlines()
-            say(f"{tool['name']:<48}  {description[0][:100] if description else ''}")
+            say(f"{tool['name']:<48}  {clip(description[0], 100) if description else ''}")
     for result in failed:
         print(printable(redact(f"coffer: {result.name} {'did not start' if result.state == 'failed' else result.state}"
                                f": {result.detail or 'no reason given'}")), file=sys.stderr)
@@ -399,6 +415,11 @@ def cmd_approve(vault: Vault, args) -> int:
 
 
 def cmd_policy(vault: Vault, args) -> int:
+    if args.policy in SHARING_MODES:
+        vault.set_sharing(args.server, args.policy, "the user's choice" if args.policy == "per-client" else None)
+        say(f"{args.server} runs once for every client" if args.policy == "shared" else
+            f"{args.server} runs once per client session (each with its own client's roots and identity)")
+        return 0
     vault.set_policy(args.server, args.policy)
     say({"enabled": f"new capabilities of {args.server} will be enabled",
          "disabled": f"new capabilities of {args.server} will be disabled",
@@ -420,7 +441,7 @@ def cmd_secret(vault: Vault, args) -> int:
         raise CofferError(f"coffer secret {args.action} needs a NAME")
     if args.action == "rm":
         if not store.delete(args.name):
-            raise CofferError(f"no secret named {args.name!r}{_did_you_mean(args.name, store.names())}")
+            raise CofferError(f"no secret named {args.name!r}{did_you_mean(args.name, store.names())}")
         vault_audit(vault, "secret-remove", args.name)
         say(f"removed secret {args.name}")
         return 0
@@ -428,7 +449,7 @@ def cmd_secret(vault: Vault, args) -> int:
         import getpass
         value = getpass.getpass(f"value for {args.name} (not shown): ")
     else:
-        value = sys.stdin.read((64 << 10) + 1).rstrip("\r\n")
+        value = sys.stdin.read(SECRET_MAX_CHARS + 1).rstrip("\r\n")
     if not value:
         raise CofferError("empty value: nothing stored")
     store.set(args.name, value)
@@ -440,8 +461,7 @@ def cmd_secret(vault: Vault, args) -> int:
 def vault_audit(vault: Vault, action: str, target: str, detail: str | None = None) -> None:
     """An audit row for a change made outside coffer.db (the secret store): the name, never the value."""
     try:
-        with vault.transaction() as db:
-            vault._audit(db, action, target, detail)
+        vault.audit(action, target, detail)
     except CofferError:
         pass  # a read-only vault cannot record it; the change itself was made
 
@@ -498,6 +518,7 @@ def cmd_audit(vault: Vault, args) -> int:
 
 
 def cmd_config(vault: Vault, args) -> int:
+    """Show every listed setting, or one by name (a hidden one too), or change one."""
     if args.key and args.value is not None:
         vault.set_setting(args.key, args.value)
     settings = vault.settings()
@@ -505,8 +526,9 @@ def cmd_config(vault: Vault, args) -> int:
         if setting_key(args.key) != args.key:
             settings[args.key] = f"(not set: the global expose, {settings['expose']})"
         else:
-            raise CofferError(f"unknown setting {args.key!r}{_did_you_mean(args.key, DEFAULTS)}; "
-                              f"known: {', '.join(sorted(DEFAULTS))}")
+            raise CofferError(unknown_setting(args.key))
+    if not args.key:
+        settings = listed_settings(settings)
     if args.json:
         say_json({args.key: settings[args.key]} if args.key else settings)
         return 0
@@ -573,7 +595,7 @@ def report_remote_added(vault: Vault, name: str, store) -> None:
         say(f"{name} needs a login: run `coffer auth {name}`")
         return
     except UpstreamFailure as exc:
-        say(f"could not ask {name} which transport it speaks now ({printable(redact(str(exc)))[:300]}); "
+        say(f"could not ask {name} which transport it speaks now ({clip(printable(redact(str(exc))), 300)}); "
               "it will be detected at its first start")
         return
     vault.set_transport(name, probe.kind)
@@ -629,11 +651,11 @@ def cmd_auth(vault: Vault, args) -> int:
             probe = probe_transport(args.name, url, headers, OAuthCredentials(args.name, url, store), 15.0)
             vault.set_transport(args.name, probe.kind)
         except UpstreamFailure as exc:
-            log.warning("[%s] logged in, but could not ask which transport it speaks: %s", args.name, exc)
+            ServerLog(cli_log, args.name).warning("logged in, but could not ask which transport it speaks: %s", exc)
     # Last, so a running gateway restarts the server once, with the new token (it compares the oauth column).
     vault.set_oauth(args.name, dict(oauth, login_at=utcnow()))
     vault.record_status(args.name, "logged in", "waiting for its next start")
-    say(f"logged in to {args.name}" + (f" (scopes: {printable(grant.scope)[:300]})" if grant.scope else ""))
+    say(f"logged in to {args.name}" + (f" (scopes: {clip(printable(grant.scope), 300)})" if grant.scope else ""))
     return 0
 
 
@@ -694,7 +716,7 @@ def cmd_memory(vault: Vault, args) -> int:
                 say("no memories yet" + ("" if vault.setting("memory") == "on" else
                                          " (agents can keep some after: coffer config memory on)"))
             else:
-                _print_table([[n.id, n.time, n.client, ",".join(n.tags), n.text.splitlines()[0][:60]
+                _print_table([[n.id, n.time, n.client, ",".join(n.tags), clip(n.text.splitlines()[0], 60)
                                if n.text else ""] for n in notes], ["ID", "CREATED", "CLIENT", "TAGS", "TEXT"])
             return 0
         if not args.id:
@@ -709,36 +731,6 @@ def cmd_memory(vault: Vault, args) -> int:
             say(f"forgot {args.id}")
     finally:
         kb.close()
-    return 0
-
-
-def cmd_serve(vault: Vault, args) -> int:
-    vault.actor = "gateway"
-
-    def client_gone():
-        hub.shutdown()
-        os._exit(0)  # the main thread is blocked reading a client that will never write again
-
-    hub = Hub(vault, remember=not args.live, only=args.only)
-    session = ClientSession(hub, on_client_gone=client_gone)
-
-    def on_signal(signum, frame):
-        if not hub.stopping:  # a second signal must not interrupt the shutdown itself
-            raise SystemExit(0)
-
-    for name in ("SIGTERM", "SIGHUP"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), on_signal)
-    try:
-        if sys.stdin.isatty() and sys.stderr.isatty():
-            log.info("coffer serve speaks MCP on stdin/stdout and waits for a client; an agent starts it itself "
-                     "(e.g. `claude mcp add coffer -- coffer serve`). Ctrl-C to quit.")
-        hub.start()
-        session.serve(sys.stdin.buffer)
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        hub.shutdown()
     return 0
 
 
@@ -787,7 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "secret set NAME`; a literal value is moved into the secret store for you.  ${VAR} in the "
                        "command's arguments works too, but arguments are visible to other local users in `ps`: "
                        "prefer --env.")
-    p.add_argument("name", help="server name: 1-24 letters, digits or '-'; becomes the <server>__ prefix")
+    p.add_argument("name", help=f"server name: {SERVER_NAME_RULE}; becomes the <server>__ prefix")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for the server; ${VAR} is resolved at start, a literal value goes to the "
                         "secret store")
@@ -818,11 +810,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("approve", cmd_approve, "accept a changed tool/prompt/resource definition after reading the diff "
                                         "(a server name approves all of its changes; no target lists them)")
     p.add_argument("target", nargs="?")
-    p = command("policy", cmd_policy, "what a server's new capabilities start as (enabled|disabled), and whether "
+    p = command("policy", cmd_policy, "what a server's new capabilities start as (enabled|disabled), whether "
                                       "its changed definitions apply at once (trust-updates) or wait for `coffer "
-                                      "approve` (pin-updates, the default)")
+                                      "approve` (pin-updates, the default), and whether the service runs it once "
+                                      "for every client (shared, the default) or once per client (per-client)")
     p.add_argument("server")
-    p.add_argument("policy", choices=("enabled", "disabled", "trust-updates", "pin-updates"))
+    p.add_argument("policy", choices=("enabled", "disabled", "trust-updates", "pin-updates", *SHARING_MODES))
     p = command("secret", cmd_secret, "the secret store: set NAME (prompted, or from stdin), list, rm NAME")
     p.add_argument("action", choices=("set", "list", "rm"))
     p.add_argument("name", nargs="?")
@@ -855,11 +848,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?")
     p.add_argument("--json", action="store_true")
-    p = command("serve", cmd_serve, "run the MCP gateway on stdio (what an agent's config runs)")
-    p.add_argument("--live", action="store_true",
-                   help="list only what started servers offer now; by default a server still starting is "
-                        "listed as it was at its last start, and a change is announced when it is up")
-    p.add_argument("--only", action="append", metavar="SERVER", help=argparse.SUPPRESS)
+    add_service_commands(command)
     add_client_commands(command)
     return parser
 
@@ -899,12 +888,12 @@ def main(argv: list[str] | None = None) -> int:
     except CofferError as exc:
         print(printable(redact(f"coffer: error: {exc}")), file=sys.stderr)
         return 1
-    except sqlite3.Error as exc:
-        where = f" under {coffer_home()}" if vault is None else ""
-        print(printable(redact(f"coffer: error: the vault{where}: {exc}")), file=sys.stderr)
+    except sqlite3.Error as exc:  # the knowledge base's own connections to coffer.db; the Vault's are VaultErrors
+        problem = VaultError.wrap(exc, vault.path if vault is not None else os.path.join(coffer_home(), "coffer.db"))
+        print(printable(redact(f"coffer: error: {problem}")), file=sys.stderr)
         return 1
     except Exception:  # noqa: BLE001 - a bug: one line for the user, the traceback with COFFER_LOG=debug
-        log.exception("internal error")
+        cli_log.exception("internal error")
         return 1
     finally:
         if vault is not None:

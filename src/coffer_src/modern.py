@@ -6,13 +6,15 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import os
 import time
 from typing import NamedTuple
 
 from coffer_src import __version__
 from coffer_src.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, LOG_LEVELS, PROTOCOL_VERSIONS, RpcError
-from coffer_src.terminal import log
+
+modern_log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------------------------
 # 1b. MCP 2026-07-28, the stateless era: the per-request envelope, result shapes, listen filters, requestState
@@ -46,7 +48,7 @@ HANDSHAKE_ONLY_METHODS = frozenset({"initialize", "ping", "logging/setLevel", "r
 INPUT_REQUEST_METHODS = frozenset({"sampling/createMessage", "elicitation/create", "roots/list"})
 
 MAX_TTL_MS = 24 * 60 * 60 * 1000        # the SDK client caps any ttlMs at a day; so do we
-MAX_REQUEST_STATE = 256 * 1024          # an upstream's sealed state rides inside ours; the SDK's are ~0.5 kB
+MAX_REQUEST_STATE = 256 * 1024          # an upstream's sealed state rides inside ours: far above what SDKs seal
 MAX_INPUT_REQUESTS = 32
 MAX_LISTEN_URIS = 256
 MAX_URI_LENGTH = 2048
@@ -235,7 +237,7 @@ def _repoint_refs(schema):
     try:
         return walk(schema, 0)
     except OverflowError:
-        log.warning("an outputSchema was too large to re-point its $refs; wrapped it unchanged")
+        modern_log.warning("an outputSchema was too large to re-point its $refs; wrapped it unchanged")
         return schema
 
 
@@ -410,6 +412,72 @@ def modern_error(message: dict) -> dict:
                                  "data": {"coffer": meaning, **({"detail": data} if data is not None else {})}}}
 
 
+class RequestClaims(NamedTuple):
+    """What Coffer seals into its own requestState, field by field.  Three kinds of round use it:
+
+    - a 2026-07-28 upstream's own round: ``upstream`` (its name) and ``upstream_state`` (its requestState, handed
+      back byte for byte; None when it sent none);
+    - a parked exchange (a handshake-era upstream asked the client something mid-call): ``exchange``;
+    - coffer__ask's rounds with the client's model: ``ask_stage`` (1 the rewrite, 2 the answer), ``queries`` and
+      ``first_asked`` (epoch seconds of the first round, for the sampling budget).
+
+    A handshake-era client's ask has its second step in process (``ask_stage`` 0, with ``deadline``, a monotonic
+    time): that record is passed along, never sealed.  On the wire each field has a short key (``WIRE_KEYS``);
+    ``to_wire``/``from_wire`` are the only places those keys are written or read, and the encoding is the one the
+    gateway's dicts had, so a state sealed before this record existed unseals the same.
+    """
+    upstream: str | None = None
+    upstream_state: str | None = None
+    exchange: str | None = None
+    ask_stage: int | None = None
+    queries: tuple = ()
+    first_asked: int | None = None
+    deadline: float | None = None
+
+    WIRE_KEYS = {"upstream": "s", "upstream_state": "u", "exchange": "x", "ask_stage": "ask", "queries": "q",
+                 "first_asked": "t0", "deadline": "sync"}
+
+    @property
+    def is_upstream_round(self) -> bool:
+        return self.upstream is not None
+
+    @property
+    def is_ask_round(self) -> bool:
+        return self.ask_stage is not None
+
+    def to_wire(self) -> dict:
+        """The claims object as sealed: an upstream round carries "s" and "u" (null when the upstream sent no
+        state), an ask round "ask", "q" and "t0", an exchange "x"; ``deadline`` never."""
+        keys = self.WIRE_KEYS
+        wire: dict = {}
+        if self.upstream is not None:
+            wire[keys["upstream"]] = self.upstream
+            wire[keys["upstream_state"]] = self.upstream_state
+        if self.exchange is not None:
+            wire[keys["exchange"]] = self.exchange
+        if self.ask_stage is not None:
+            wire[keys["ask_stage"]] = self.ask_stage
+            wire[keys["queries"]] = list(self.queries)
+            wire[keys["first_asked"]] = self.first_asked
+        return wire
+
+    @classmethod
+    def from_wire(cls, claims: dict) -> RequestClaims:
+        """The record of an unsealed claims object (what unseal returns); a field of the wrong type reads as
+        absent, as the gateway has always treated it."""
+        keys = cls.WIRE_KEYS
+
+        def field(name, kinds):
+            value = claims.get(keys[name])
+            return value if isinstance(value, kinds) and not isinstance(value, bool) else None
+
+        queries = claims.get(keys["queries"])
+        return cls(upstream=field("upstream", str), upstream_state=field("upstream_state", str),
+                   exchange=field("exchange", str), ask_stage=field("ask_stage", int),
+                   queries=tuple(queries) if isinstance(queries, list) else (),
+                   first_asked=field("first_asked", (int, float)), deadline=field("deadline", (int, float)))
+
+
 class RequestStateSealer:
     """Coffer's own requestState: a claims object, HMAC-SHA256 under a key that lives only in this process.
 
@@ -439,7 +507,11 @@ class RequestStateSealer:
         canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return str(target)[:1024], _b64u(hashlib.sha256(canonical.encode("ascii")).digest()[:16])
 
-    def seal(self, method: str, params, claims: dict) -> str:
+    def seal(self, method: str, params, claims: RequestClaims | dict) -> str:
+        """A requestState for ``claims`` bound to this request (a plain dict is sealed as it is: the gateway's
+        call sites until they build RequestClaims)."""
+        if isinstance(claims, RequestClaims):
+            claims = claims.to_wire()
         target, digest = self.binding(method, params)
         payload = {**claims, "v": 1, "m": method, "t": target, "a": digest, "exp": int(self._clock() + self.ttl)}
         body = json.dumps(payload, separators=(",", ":"), ensure_ascii=True).encode("ascii")
@@ -470,6 +542,10 @@ class RequestStateSealer:
         except (ValueError, UnicodeDecodeError) as exc:  # json errors are ValueErrors too
             reason = str(exc) or "malformed"
         if reason is not None:
-            log.warning("requestState refused on %s: %s", method, reason)
+            modern_log.warning("requestState refused on %s: %s", method, reason)
             raise RpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
         return claims
+
+    def unseal_claims(self, token, method: str, params) -> RequestClaims:
+        """``unseal``, read into a RequestClaims."""
+        return RequestClaims.from_wire(self.unseal(token, method, params))

@@ -2,29 +2,41 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import re
 import urllib.parse
 
 from coffer_src.errors import CofferError
-from coffer_src.terminal import printable
+from coffer_src.terminal import clip, printable
 
 SEPARATOR = "__"
 RESERVED_SERVER = "coffer"
 SEARCH_TOOL = "coffer__search_tools"
 ASK_TOOL = "coffer__ask"
 REMEMBER_TOOL = "coffer__remember"
-SERVER_NAME_RE = re.compile(r"^[a-zA-Z0-9-]{1,24}$")
+# A server name is the prefix of every name a client sees (<server>__<tool>), so it is short and holds no '_':
+# then no two servers' prefixes can collide.  These three say it once for every check, message and help text.
+SERVER_NAME_MAX = 24
+SERVER_NAME_RULE = f"1-{SERVER_NAME_MAX} letters, digits or '-'"
+_SERVER_NAME_PATTERN = f"[a-zA-Z0-9-]{{1,{SERVER_NAME_MAX}}}"
+SERVER_NAME_RE = re.compile(f"^{_SERVER_NAME_PATTERN}$")
 EXPOSED_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-QUALIFIED_URI_RE = re.compile(r"^coffer\+([a-zA-Z0-9-]{1,24}):(.+)$", re.S)
+#: An environment variable's (and a ${NAME} reference's) name; secret_store builds the reference syntax from it.
+ENV_NAME_PATTERN = "[A-Za-z_][A-Za-z0-9_]*"
+ENV_KEY_RE = re.compile(f"^{ENV_NAME_PATTERN}$")
+QUALIFIED_URI_RE = re.compile(rf"^coffer\+({_SERVER_NAME_PATTERN}):(.+)$", re.S)
 
 
+def did_you_mean(target: str, names) -> str:
+    """"; did you mean a or b?" naming the known names closest to a mistyped one, or "" when none is close."""
+    close = difflib.get_close_matches(target, list(names), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def check_server_name(name: str) -> str:
     if not isinstance(name, str) or not SERVER_NAME_RE.match(name):
-        raise CofferError(f"invalid server name {name!r}: use 1-24 letters, digits or '-'")
+        raise CofferError(f"invalid server name {name!r}: use {SERVER_NAME_RULE}")
     if name.lower() == RESERVED_SERVER:
         raise CofferError(f"server name {name!r} is reserved for Coffer's own tools")
     return name
@@ -33,6 +45,8 @@ def check_server_name(name: str) -> str:
 #: The default longest exposed name: room for a client prefix such as mcp__<key>__ within 64.
 NAME_MAX_LENGTH = 48
 _DIGEST_WIDTHS = (6, 8, 10, 12, 16, 24, 32, 64)
+#: The shortest name_max_length: a longest server name, "__", one character, "_" and the shortest hash.
+NAME_MAX_LENGTH_MIN = SERVER_NAME_MAX + len(SEPARATOR) + 2 + _DIGEST_WIDTHS[0]
 
 
 def _natural_name(server: str, name: str, max_length: int) -> str | None:
@@ -108,6 +122,12 @@ def qualify_uri(server: str, uri: str) -> str:
 REMOTE_TRANSPORTS = ("auto", "http", "sse")
 
 
+def is_success(status: int) -> bool:
+    """Whether an HTTP status is a 2xx: the one test of an exchange that worked (here rather than in
+    transport/http, so every layer that reads an HttpReply, OAuth included, can use it)."""
+    return 200 <= status < 300
+
+
 def url_origin(url) -> tuple[str, str, int] | None:
     """(scheme, host, port) of an absolute http(s) URL, default port filled in; None for anything else."""
     if not isinstance(url, str) or len(url) > 8192:
@@ -156,5 +176,5 @@ def check_remote_url(url: str) -> str:
     if "${" in url:
         return url
     if url_origin(url) is None or any(c.isspace() for c in url):
-        raise CofferError(f"invalid URL {printable(url)[:200]!r}: use http:// or https:// and a host name")
+        raise CofferError(f"invalid URL {clip(printable(url), 200)!r}: use http:// or https:// and a host name")
     return url

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -17,17 +18,19 @@ from typing import NamedTuple
 from coffer_src.errors import CofferError, CofferException
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, decode_json, encode_line
 from coffer_src.names import is_loopback_url, origin_text, same_origin, url_origin
-from coffer_src.terminal import _UNPRINTABLE_RE, log, printable, redact
+from coffer_src.terminal import _UNPRINTABLE_RE, ServerLog, printable, redact
 from coffer_src.transport.http import (
     _METADATA_BYTES,
     OAUTH_SECRET_PREFIX,
     HttpReply,
     _close_reply,
-    _probe_initialize,
     _reply_text,
+    initialize_or_stream,
     remote_http,
 )
 from coffer_src.transport.stdio import UpstreamFailure
+
+oauth_log = logging.getLogger(__name__)
 
 
 def _require_secure(url, what: str) -> str:
@@ -179,11 +182,16 @@ class AuthServerMetadata(NamedTuple):
     iss_parameter: bool = False
 
 
-def _metadata_get(url: str) -> HttpReply | None:
-    """GET one metadata document; None when it is not there (so the next well-known URL is tried)."""
-    reply = remote_http("GET", url, timeout=15.0, headers={"Accept": "application/json",
-                                                           "MCP-Protocol-Version": LATEST_PROTOCOL_VERSION})
-    return reply if reply.status == 200 else None
+def _first_metadata(urls: list[str], what: str) -> tuple[str, dict] | None:
+    """The first of ``urls`` that serves a metadata document, as (its URL, the JSON object); None when none does.
+    A URL that does not answer 200 is not there, so the next well-known URL is tried; one that does must hold a
+    JSON object (``what`` names it in the error)."""
+    for url in urls:
+        reply = remote_http("GET", url, timeout=15.0, headers={"Accept": "application/json",
+                                                               "MCP-Protocol-Version": LATEST_PROTOCOL_VERSION})
+        if reply.status == 200:
+            return url, _json_object(reply, f"{what} at {url}")
+    return None
 
 
 def discover_resource_metadata(server_url: str, bearer: dict) -> ResourceMetadata | None:
@@ -198,20 +206,19 @@ def discover_resource_metadata(server_url: str, bearer: dict) -> ResourceMetadat
     for url in candidates:
         if url_origin(url) is None:
             raise OAuthFailure(f"the server's 401 names resource metadata at a non-http URL: {printable(url)[:200]}")
-        reply = _metadata_get(url)
-        if reply is None:
-            continue
-        document = _json_object(reply, f"the protected resource metadata at {url}")
-        resource = document.get("resource")
-        if not resource_matches(server_url, resource):
-            raise OAuthFailure(f"the protected resource metadata at {url} is for "
-                               f"{printable(str(resource))[:200]!r}, not for {server_url}: refused (RFC 9728 §3.3); "
-                               "a token obtained through it could be meant for another server")
-        servers = _str_list(document.get("authorization_servers")) or []
-        if not servers:
-            raise OAuthFailure(f"the protected resource metadata at {url} names no authorization server")
-        return ResourceMetadata(resource, servers, _str_list(document.get("scopes_supported")), url)
-    return None
+    found = _first_metadata(candidates, "the protected resource metadata")
+    if found is None:
+        return None
+    url, document = found
+    resource = document.get("resource")
+    if not resource_matches(server_url, resource):
+        raise OAuthFailure(f"the protected resource metadata at {url} is for "
+                           f"{printable(str(resource))[:200]!r}, not for {server_url}: refused (RFC 9728 §3.3); "
+                           "a token obtained through it could be meant for another server")
+    servers = _str_list(document.get("authorization_servers")) or []
+    if not servers:
+        raise OAuthFailure(f"the protected resource metadata at {url} names no authorization server")
+    return ResourceMetadata(resource, servers, _str_list(document.get("scopes_supported")), url)
 
 
 def authorization_server_metadata_urls(issuer: str) -> list[str]:
@@ -233,30 +240,29 @@ def _issuers_match(a: str, b: str) -> bool:
 
 def discover_authorization_server(issuer: str) -> AuthServerMetadata:
     _require_secure(issuer, "the authorization server")
-    for url in authorization_server_metadata_urls(issuer):
-        reply = _metadata_get(url)
-        if reply is None:
-            continue
-        document = _json_object(reply, f"the authorization server metadata at {url}")
-        if not isinstance(document.get("issuer"), str) or not _issuers_match(document["issuer"], issuer):
-            raise OAuthFailure(f"the metadata at {url} is for issuer {printable(str(document.get('issuer')))[:200]!r}"
-                               f", not {issuer}: refused (RFC 8414 §3.3)")
-        methods = _str_list(document.get("code_challenge_methods_supported")) or []
-        if "S256" not in methods:
-            raise OAuthFailure(f"the authorization server {issuer} does not offer PKCE with S256: refused "
-                               "(MCP requires it to protect the authorization code)")
-        endpoints = {}
-        for key in ("authorization_endpoint", "token_endpoint", "registration_endpoint", "revocation_endpoint"):
-            value = document.get(key)
-            if value is not None:
-                endpoints[key] = _require_secure(value, f"the {key.replace('_', ' ')}")
-        if "authorization_endpoint" not in endpoints or "token_endpoint" not in endpoints:
-            raise OAuthFailure(f"the metadata at {url} lacks an authorization or token endpoint")
-        return AuthServerMetadata(
-            issuer=issuer, token_auth_methods=_str_list(document.get("token_endpoint_auth_methods_supported")),
-            client_id_metadata_documents=document.get("client_id_metadata_document_supported") is True,
-            iss_parameter=document.get("authorization_response_iss_parameter_supported") is True, **endpoints)
-    raise OAuthFailure(f"no authorization server metadata at {' or '.join(authorization_server_metadata_urls(issuer))}")
+    urls = authorization_server_metadata_urls(issuer)
+    found = _first_metadata(urls, "the authorization server metadata")
+    if found is None:
+        raise OAuthFailure(f"no authorization server metadata at {' or '.join(urls)}")
+    url, document = found
+    if not isinstance(document.get("issuer"), str) or not _issuers_match(document["issuer"], issuer):
+        raise OAuthFailure(f"the metadata at {url} is for issuer {printable(str(document.get('issuer')))[:200]!r}"
+                           f", not {issuer}: refused (RFC 8414 §3.3)")
+    methods = _str_list(document.get("code_challenge_methods_supported")) or []
+    if "S256" not in methods:
+        raise OAuthFailure(f"the authorization server {issuer} does not offer PKCE with S256: refused "
+                           "(MCP requires it to protect the authorization code)")
+    endpoints = {}
+    for key in ("authorization_endpoint", "token_endpoint", "registration_endpoint", "revocation_endpoint"):
+        value = document.get(key)
+        if value is not None:
+            endpoints[key] = _require_secure(value, f"the {key.replace('_', ' ')}")
+    if "authorization_endpoint" not in endpoints or "token_endpoint" not in endpoints:
+        raise OAuthFailure(f"the metadata at {url} lacks an authorization or token endpoint")
+    return AuthServerMetadata(
+        issuer=issuer, token_auth_methods=_str_list(document.get("token_endpoint_auth_methods_supported")),
+        client_id_metadata_documents=document.get("client_id_metadata_document_supported") is True,
+        iss_parameter=document.get("authorization_response_iss_parameter_supported") is True, **endpoints)
 
 
 # -- OAuth: the saved login ------------------------------------------------------------------------------------
@@ -397,14 +403,18 @@ class OAuthCredentials:
     and when the server answers 401, forgotten when the authorization server says invalid_grant.  Never opens a
     browser: whatever needs a person raises NeedsLogin.  The token goes only to the server's own origin.
 
-    Threads: any HTTP worker thread of the upstream.  One lock serialises the refresh, so requests that find the
-    token due together cause one refresh.  Other processes (a second `coffer serve`, `coffer auth`) share the
-    store: before refreshing, and before giving up on invalid_grant, the store is read again in case one of them
-    already refreshed (refresh tokens may be single-use).
+    Threads: any HTTP worker thread of the upstream.  One lock (``_lock``) serialises reading the saved login and
+    refreshing it, so requests that find the token due together cause one refresh; it is held across the token
+    request on purpose (the others wait for its result instead of spending a single-use refresh token again).
+    Inside it only the SecretStore's and the Redactor's own locks are taken; ``_warned`` is written under it.
+    Other processes (a second `coffer serve`, `coffer auth`) share the store: before refreshing, and before giving
+    up on invalid_grant, the store is read again in case one of them already refreshed (refresh tokens may be
+    single-use).
     """
 
     def __init__(self, server: str, url: str, store):
         self.server, self.url, self.store = server, url, store
+        self.log = ServerLog(oauth_log, server)
         self._lock = threading.Lock()
         self._warned: str | None = None
 
@@ -427,7 +437,7 @@ class OAuthCredentials:
     def _warn_once(self, text: str) -> None:
         if self._warned != text:
             self._warned = text
-            log.warning("[%s] %s", self.server, text)
+            self.log.warning("%s", text)
 
     def headers_for(self, url: str) -> dict:
         """The Authorization header for a request to ``url``: none for another origin, none before a login."""
@@ -443,7 +453,7 @@ class OAuthCredentials:
                 except UpstreamFailure as exc:
                     if isinstance(exc, NeedsLogin) or time.time() >= (grant.expires_at or 0):
                         raise
-                    log.warning("[%s] could not refresh the login yet: %s", self.server, exc)
+                    self.log.warning("could not refresh the login yet: %s", exc)
         return {"Authorization": f"Bearer {grant.access_token}"}
 
     def unauthorized(self, bearer: dict, sent_authorization: str | None) -> None:
@@ -475,14 +485,13 @@ class OAuthCredentials:
                 if latest is not None and latest.refresh_token != grant.refresh_token:
                     return latest  # rotated by another process between our read and our request
                 self.store.delete(oauth_secret_name(self.server))
-                log.warning("[%s] the authorization server refused the saved login (%s); it was forgotten",
-                            self.server, exc.error)
+                self.log.warning("the authorization server refused the saved login (%s); it was forgotten", exc.error)
                 raise NeedsLogin(self.server, f"the authorization server refused its saved login ({exc.error})") \
                     from None
             raise UpstreamFailure(f"could not refresh the login of '{self.server}': {exc}") from None
         grant = _apply_tokens(grant, tokens, time.time())
         self.store.set(oauth_secret_name(self.server), grant.to_text())
-        log.info("[%s] refreshed its OAuth token", self.server)
+        self.log.info("refreshed its OAuth token")
         return grant
 
 
@@ -582,7 +591,8 @@ def register_client(metadata: AuthServerMetadata, redirect_uri: str, scope: str 
 class LoopbackReceiver:
     """Receives the authorization response on http://127.0.0.1:<port>/callback (RFC 8252 §7.3), once.
 
-    Threads: the listener thread coffer-oauth-callback serves requests; ``wait`` runs on the CLI's thread.  A
+    Threads: the listener thread coffer-oauth-callback serves requests; coffer-oauth-paste may deliver a pasted
+    address; ``wait`` runs on the CLI's thread.  ``_lock`` (a leaf) makes the first answer the one kept.  A
     request that is not the callback gets a 404; the page the browser shows repeats nothing from the request.
     """
 
@@ -617,14 +627,16 @@ class LoopbackReceiver:
         self._server = http.server.HTTPServer(("127.0.0.1", port), Handler)
         self.redirect_uri = f"http://127.0.0.1:{self._server.server_address[1]}/callback"
         self._result: dict | None = None
+        self._lock = threading.Lock()
         self._done = threading.Event()
         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                          name="coffer-oauth-callback", daemon=True).start()
 
     def deliver(self, params: dict) -> None:
-        if self._result is None:
-            self._result = params
-            self._done.set()
+        with self._lock:
+            if self._result is None:
+                self._result = params
+                self._done.set()
 
     def wait(self, timeout: float) -> dict | None:
         self._done.wait(timeout)
@@ -647,8 +659,6 @@ def _open_receiver(previous: OAuthGrant | None) -> LoopbackReceiver:
 
 
 def _pkce_pair() -> tuple[str, str]:
-    import base64
-
     verifier = secrets.token_urlsafe(64)  # 86 characters of the unreserved set (RFC 7636 §4.1)
     challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode("ascii")).digest()).rstrip(b"=")
     return verifier, challenge.decode("ascii")
@@ -670,17 +680,12 @@ def _read_pasted_callback(receiver: LoopbackReceiver, stdin) -> None:
 def login_challenge(name: str, url: str, headers: dict) -> dict[str, dict[str, str]]:
     """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  POST initialize first
     (Streamable HTTP); on 400/404/405 a GET (HTTP+SSE).  Raises OAuthFailure when it wants no login."""
-    reply = remote_http("POST", url, body=_probe_initialize(), timeout=15.0, stream=True,
-                        headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
-                                 **headers})
+    posted, stream = initialize_or_stream(remote_http, url, headers, 15.0)
+    reply = stream or posted
     _close_reply(reply)
-    if reply.status in (400, 404, 405):
-        reply = remote_http("GET", url, timeout=15.0, stream=True, headers={"Accept": "text/event-stream",
-                                                                           **headers})
-        _close_reply(reply)
     if reply.status in (401, 403):
         return parse_www_authenticate(reply.headers.get("www-authenticate"))
-    if 200 <= reply.status < 300:
+    if reply.ok:
         raise OAuthFailure(f"'{name}' answered without asking for a login: nothing to do")
     raise OAuthFailure(f"'{name}' answered HTTP {reply.status} instead of asking for a login: {_reply_text(reply)}")
 
@@ -692,8 +697,6 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
     ``out`` gets what the user must read (the URL to open, never a token); ``open_browser(url)`` defaults to
     webbrowser.open; ``stdin``, when given, is read for a pasted callback address (headless use).
     """
-    import secrets
-
     challenges = login_challenge(name, url, headers)
     if challenges and "bearer" not in challenges:
         raise OAuthFailure(f"'{name}' asks for {', '.join(sorted(challenges))[:100]} credentials, not an OAuth "
@@ -741,7 +744,7 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
         try:
             open_browser(address)
         except Exception as exc:  # noqa: BLE001 - no browser here is fine: the address is printed
-            log.debug("could not open a browser: %r", exc)
+            oauth_log.debug("could not open a browser: %r", exc)
         answer = receiver.wait(timeout)
     finally:
         receiver.close()

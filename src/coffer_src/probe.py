@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import os
-import sqlite3
 import sys
 import threading
 import time
@@ -12,16 +12,19 @@ from typing import NamedTuple
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.names import RESERVED_SERVER, exposed_names
-from coffer_src.terminal import log, printable, redact
+from coffer_src.terminal import ServerLog, printable, redact
 from coffer_src.threads import start_thread
-from coffer_src.upstream.supervisor import Upstream
+from coffer_src.upstream.supervisor import Upstream, record_upstream_status
 from coffer_src.vault import CapabilityState, Vault
+
+probe_log = logging.getLogger(__name__)
 
 
 class GatewayClient:
     """Talks to a ``coffer serve`` subprocess exactly as an agent would, for ``coffer call`` and ``coffer tools``.
 
-    It is an Upstream whose server happens to be Coffer itself, so the CLI exercises the real gateway path.
+    It is an Upstream whose server happens to be Coffer itself, so the CLI exercises the real gateway path; this
+    object is that Upstream's events (UpstreamEvents).
     """
 
     def __init__(self, vault: Vault, only: list[str] | None = None):
@@ -29,8 +32,8 @@ class GatewayClient:
         settings["init_timeout"] = float(settings["discovery_timeout"]) + float(settings["init_timeout"])
         settings["max_restarts"] = 1
         argv = ["serve", "--live"] + [arg for name in only or () for arg in ("--only", name)]
-        # Imported rather than run as a script, so Python uses the cached bytecode (compiling coffer.py costs
-        # ~30 ms per start); sys.path is extended in-process so the upstreams' environment stays untouched.
+        # Imported rather than run as a script, so Python uses the cached bytecode instead of compiling coffer.py
+        # at every start; sys.path is extended in-process so the upstreams' environment stays untouched.
         bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
                      f"import coffer; sys.exit(coffer.main({argv!r}))")
         config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
@@ -51,20 +54,20 @@ class GatewayClient:
     def __exit__(self, *exc):
         self.upstream.stop()
 
-    # events
-    def on_ready(self, upstream):
+    # UpstreamEvents: `coffer serve` started or not; nothing else it says matters to one call
+    def on_ready(self, upstream: Upstream) -> None:
         self.ready.set()
 
-    def on_down(self, upstream):
+    def on_down(self, upstream: Upstream) -> None:
         self.ready.set()
 
-    def on_list_changed(self, upstream, kind, items, notify):
+    def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         pass
 
-    def on_notification(self, upstream, message):
+    def on_notification(self, upstream: Upstream, message: dict) -> None:
         pass
 
-    def on_request(self, upstream, message):
+    def on_request(self, upstream: Upstream, message: dict) -> None:
         upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "the coffer CLI cannot answer this"))
 
     def call(self, method: str, params: dict):
@@ -83,9 +86,11 @@ class ProbeResult(NamedTuple):
 class ServerProbe:
     """Starts servers in this process, with no client attached, to see what they offer — for `coffer tools`,
     `coffer doctor`, and enabling a tool of a server never started.  What it learns is recorded in the vault as
-    a gateway would record it (capabilities, status), so `coffer list` reports the last attempt of any command.
+    a gateway would record it (capabilities, status: record_upstream_status), so `coffer list` reports the last
+    attempt of any command.  It is its upstreams' events (UpstreamEvents).
 
-    Threads: each upstream's own; ``run`` waits on a condition the upstream events signal.
+    Threads: each upstream's own; ``run`` waits on a condition the upstream events signal.  ``vault_lock`` (a
+    leaf) guards the vault's connection, which every upstream's events use.
     """
 
     def __init__(self, vault: Vault, names: list[str] | None = None, progress=None):
@@ -126,7 +131,7 @@ class ServerProbe:
             for upstream in self.upstreams:
                 if upstream.name not in finished:
                     result = self._result(upstream, "timed out", started, f"did not answer within {timeout:g}s")
-                    self._record(upstream, "timed out", result.detail)
+                    record_upstream_status(self.vault, self.vault_lock, upstream, "timed out", result.detail)
                     finished[upstream.name] = result
                     self.progress(result)
         finally:
@@ -146,22 +151,14 @@ class ServerProbe:
         return ProbeResult(upstream.name, state, detail or (upstream.last_error or ""), tools,
                            round(time.monotonic() - started, 2))
 
-    def _record(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
-        try:
-            with self.vault_lock:
-                self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
-        except (sqlite3.Error, CofferError) as exc:
-            log.warning("[%s] could not record status: %s", upstream.name, exc)
-
-    # events, as an Upstream sends them to its gateway
-    def on_ready(self, upstream):
-        counts = ", ".join(f"{len(items)} {kind}s" for kind, items in upstream.lists.items() if items)
-        self._record(upstream, "ready", counts or "no capabilities", upstream.capabilities)
+    # UpstreamEvents, recorded as the gateway records them
+    def on_ready(self, upstream: Upstream) -> None:
+        record_upstream_status(self.vault, self.vault_lock, upstream, "ready")
         self._settle(upstream, "ready")
 
-    def on_down(self, upstream):
+    def on_down(self, upstream: Upstream) -> None:
         if upstream.state == "failed":
-            self._record(upstream, "failed", upstream.last_error or "")
+            record_upstream_status(self.vault, self.vault_lock, upstream, "failed")
             self._settle(upstream, "failed")
 
     def _settle(self, upstream, state: str) -> None:
@@ -169,15 +166,15 @@ class ServerProbe:
             self.settled.setdefault(upstream.name, state)
             self.done.notify_all()
 
-    def on_list_changed(self, upstream, kind, items, notify):
+    def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
             with self.vault_lock:
                 self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
-        except (sqlite3.Error, CofferError) as exc:
-            log.warning("[%s] could not record its %ss: %s", upstream.name, kind, exc)
+        except CofferError as exc:
+            ServerLog(probe_log, upstream.name).warning("could not record its %ss: %s", kind, exc)
 
-    def on_notification(self, upstream, message):
+    def on_notification(self, upstream: Upstream, message: dict) -> None:
         pass
 
-    def on_request(self, upstream, message):
+    def on_request(self, upstream: Upstream, message: dict) -> None:
         upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "no client is connected"))

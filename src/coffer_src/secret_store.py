@@ -1,23 +1,84 @@
-"""Secrets: ${VAR} references, the private secret store, an upstream's environment."""
+"""Secrets: ${VAR} references, the secret store, private files, upstream environments."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
+import tempfile
 import threading
 import urllib.parse
 
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import decode_json
-from coffer_src.names import ENV_KEY_RE
-from coffer_src.terminal import log, redact
+from coffer_src.names import ENV_KEY_RE, ENV_NAME_PATTERN
+from coffer_src.terminal import redact
+
+secret_store_log = logging.getLogger(__name__)
+
+# -- private files ----------------------------------------------------------------------------------------------
+
+
+def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` atomically and durably: a reader sees the old file or the new one, never
+    half of either, and after a crash the new one is there whole or not at all.
+
+    The data goes to a temporary file beside ``path`` (created 0600, so it is never readable by others, even for
+    a moment), is flushed to disk, gets ``mode``, and is renamed over ``path``; then the directory is flushed
+    too, so the rename itself survives a power cut (POSIX; Windows has no directory handle to flush).  OSError
+    on failure, with the temporary file removed.  The one way Coffer writes a file it owns or a client config.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".coffer-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if os.name != "nt":
+            os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    if os.name != "nt":
+        try:
+            directory_fd = os.open(directory, os.O_RDONLY)
+        except OSError:
+            return  # the file is in place; only its durability across a power cut is not confirmed
+        try:
+            os.fsync(directory_fd)
+        except OSError:
+            pass  # some filesystems cannot flush a directory; the rename is still atomic
+        finally:
+            os.close(directory_fd)
+
 
 # -- ${VAR} references and the secret store ------------------------------------------------------------------
 
-_ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+#: ``${NAME}`` or ``${NAME:-default}``: the one reference syntax (group 1 the name, group 2 the default or None).
+ENV_REF_RE = re.compile(rf"\$\{{({ENV_NAME_PATTERN})(?::-([^}}]*))?\}}")
 SECRET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$")
+SECRET_MAX_CHARS = 64 << 10  # a secret value's longest text (`coffer secret set` reads no more)
+
+
+def whole_reference(value: str) -> str | None:
+    """NAME when ``value`` is exactly one ``${NAME}`` (no default, nothing around it), else None."""
+    match = ENV_REF_RE.fullmatch(value) if isinstance(value, str) else None
+    return match.group(1) if match and match.group(2) is None else None
+
+
+def references(config: dict) -> list[tuple[str, bool]]:
+    """(NAME, has a default) for every ${NAME} in what Coffer expands when it starts a server: its URL, working
+    directory, command, env and header values."""
+    texts = [config.get("url") or "", config.get("cwd") or "", *(config.get("command") or ()),
+             *(config.get("env") or {}).values(), *(config.get("headers") or {}).values()]
+    return [(match.group(1), match.group(2) is not None) for text in texts for match in ENV_REF_RE.finditer(text)]
 
 
 def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | None = None,
@@ -43,7 +104,7 @@ def expand_vars(value: str, environ=None, missing=None, secrets: SecretStore | N
             substituted.append((name, current))
         return current
 
-    return _ENV_REF_RE.sub(replace, value)
+    return ENV_REF_RE.sub(replace, value)
 
 
 class SecretStore:
@@ -107,7 +168,7 @@ class SecretStore:
         except CofferError as exc:
             if self._problem != getattr(self, "_reported", None):
                 self._reported = self._problem
-                log.warning("%s", exc)
+                secret_store_log.warning("%s", exc)
             return None
 
     def names(self) -> list[str]:
@@ -122,8 +183,8 @@ class SecretStore:
     def set(self, name: str, value: str) -> None:
         if not SECRET_NAME_RE.match(name or ""):
             raise CofferError(f"invalid secret name {name!r}: use letters, digits and _ (start with a letter)")
-        if not isinstance(value, str) or "\x00" in value or len(value) > 64 << 10:
-            raise CofferError("a secret value must be text without NUL bytes, at most 64 KiB")
+        if not isinstance(value, str) or "\x00" in value or len(value) > SECRET_MAX_CHARS:
+            raise CofferError(f"a secret value must be text without NUL bytes, at most {SECRET_MAX_CHARS >> 10} KiB")
         values = dict(self._read())
         values[name] = value
         self._write(values)
@@ -136,19 +197,9 @@ class SecretStore:
         return True
 
     def _write(self, values: dict[str, str]) -> None:
-        temporary = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o600)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(json.dumps(values, indent=1, sort_keys=True).encode("utf-8"))
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, self.path)
+            write_private_file(self.path, json.dumps(values, indent=1, sort_keys=True).encode("utf-8"))
         except OSError as exc:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass
             raise CofferError(f"cannot write the secret store {self.path}: {exc.strerror or exc}") from None
         redact.add_named(values.items())
         with self._lock:
@@ -182,7 +233,7 @@ def plan_literals(server: str, values: dict[str, str], secrets: SecretStore, hea
     planned = {} if planned is None else planned
     result, mine = {}, {}
     for key, value in values.items():
-        if value == "" or _ENV_REF_RE.search(value):
+        if value == "" or ENV_REF_RE.search(value):
             result[key] = value
             continue
         scheme, credential = "", value
@@ -240,9 +291,7 @@ def save_secrets(secrets: SecretStore, values: dict[str, str]) -> None:
 def resolution_digest(config: dict, secrets: SecretStore | None) -> str:
     """A digest of what a server's ${NAME} references resolve to now: when `coffer secret set` changes one, a
     running gateway restarts that server with the new value (and only that server)."""
-    texts = [config.get("url") or "", config.get("cwd") or "", *(config.get("command") or ()),
-             *(config.get("env") or {}).values(), *(config.get("headers") or {}).values()]
-    names = sorted({match.group(1) for text in texts for match in _ENV_REF_RE.finditer(text)})
+    names = sorted({name for name, _ in references(config)})
     values = [f"{name}={os.environ[name] if name in os.environ else (secrets.get(name) if secrets else None)}"
               for name in names]
     return hashlib.sha256("\0".join(values).encode("utf-8", "surrogatepass")).hexdigest()

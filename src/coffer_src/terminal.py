@@ -14,7 +14,7 @@ import threading
 # stdout belongs to the JSON-RPC stream.  Text an upstream wrote (its stderr, tool descriptions, error messages)
 # passes through printable() before a terminal sees it, and every known secret value is replaced by *** before
 # anything is printed, logged or stored.
-log = logging.getLogger("coffer")
+log = logging.getLogger("coffer")  # the old shared logger, for modules not yet on their own: new code never uses it
 terminal_log = logging.getLogger(__name__)
 
 _UNPRINTABLE_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -33,6 +33,19 @@ def printable(text) -> str:
 
 
 _JSON_UNSAFE_RE = re.compile("[\x7f-\x9f\ud800-\udfff\u2028\u2029]")
+
+
+ELLIPSIS = "..."  # ASCII: a cut line must print on any console encoding, like the text it stands for
+
+
+def clip(text, limit: int) -> str:
+    """``text`` cut for display to at most ``limit`` characters, ending in "..." when something was cut (so a
+    reader knows there is more).  Only for what a person reads: stored values and protocol fields are bounded
+    by plain slices, since an ellipsis there would be taken for content."""
+    text = str(text)
+    if len(text) <= limit or limit <= len(ELLIPSIS):
+        return text[:max(0, limit)]
+    return text[:limit - len(ELLIPSIS)] + ELLIPSIS
 
 
 def terminal_json(value) -> str:

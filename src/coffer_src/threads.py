@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 
-from coffer_src.terminal import log
+threads_log = logging.getLogger(__name__)
 
 
 def start_thread(target, name: str, *args) -> threading.Thread:
@@ -14,7 +15,7 @@ def start_thread(target, name: str, *args) -> threading.Thread:
         try:
             target(*args)
         except Exception:  # noqa: BLE001 - the thread is lost, the reason must not be
-            log.exception("internal error in thread %s", name)
+            threads_log.exception("internal error in thread %s", name)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
@@ -71,7 +72,7 @@ class WorkerPool:
             try:
                 job(*args)
             except Exception:  # noqa: BLE001 - one job's failure must not take the worker with it
-                log.exception("internal error in %s", self.name)
+                threads_log.exception("internal error in %s", self.name)
             finally:
                 with self._lock:
                     self._busy -= 1

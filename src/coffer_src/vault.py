@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import collections
-import difflib
-import hashlib
+import enum
+import functools
+import inspect
 import json
-import math
+import logging
 import os
 import queue
-import re
 import shlex
 import sqlite3
 import stat
@@ -18,44 +18,22 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import NamedTuple
 
-from coffer_src.errors import CofferError, NotListedYet
+from coffer_src.errors import CofferError, NotListedYet, VaultError
 from coffer_src.names import (
-    NAME_MAX_LENGTH,
     QUALIFIED_URI_RE,
     REMOTE_TRANSPORTS,
-    RESERVED_SERVER,
     SEPARATOR,
-    SERVER_NAME_RE,
     check_remote_url,
     check_server_name,
+    did_you_mean,
     exposed_names,
 )
 from coffer_src.secret_store import SecretStore
-from coffer_src.terminal import log, redact
+from coffer_src.settings import DEFAULTS, PER_CLIENT_SETTING_RE, check_setting, unknown_setting
+from coffer_src.terminal import ServerLog, redact
+from coffer_src.vault_rows import SHARING_MODES, definition_diff, fingerprint, server_row, vault_json
 
-DEFAULTS = {
-    "oauth_client_metadata_url": "",  # https URL of Coffer's OAuth Client ID Metadata Document, where hosted
-    "name_max_length": NAME_MAX_LENGTH,
-    "discovery_timeout": 5.0,       # seconds a list request waits for a starting upstream
-    "call_timeout": 120.0,          # seconds a request may go without a reply or progress
-    "init_timeout": 60.0,           # seconds an upstream may take to answer initialize
-    "max_restarts": 5,              # consecutive failed starts before an upstream is marked failed
-    "retention_invocations_days": 30,
-    "retention_audit_days": 365,
-    "expose": "auto",               # auto | all | search | budget:N (see expose_mode); expose.<client> overrides
-    "embedder_url": "",             # e.g. http://127.0.0.1:11434/v1 (OpenAI-compatible) or an Ollama base URL
-    "embedder_model": "",
-    "embedder_api": "openai",       # "openai" (POST {url}/embeddings) or "ollama" (POST {url}/api/embed)
-    "embedder_key_env": "",         # name of the environment variable holding the API key (never the key)
-    "embedder_timeout": 1.0,        # seconds a query may wait for its embedding before BM25 answers alone
-    "max_message_bytes": 64 << 20,  # a longer line, HTTP body or SSE event fails that message, not the gateway
-    "max_list_pages": 100,          # pages Coffer follows when an upstream paginates one list
-    "max_list_items": 10_000,       # tools (prompts, resources...) kept per list per upstream
-    "probe_timeout": 10.0,          # seconds a new server has to answer server/discover before initialize is tried
-    "mrtr_ttl": 300.0,              # seconds a 2026-07-28 client has to answer a question an upstream asked mid-call
-    "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them
-    "ask_synthesis": "on",          # on: coffer__ask may ask the client's own model (sampling) for an answer
-}
+vault_log = logging.getLogger(__name__)
 
 
 def utcnow() -> str:
@@ -67,8 +45,9 @@ def iso_timestamp(epoch_seconds: float) -> str:
         "+00:00", "Z")
 
 
+# -- the schema: every table Coffer keeps in coffer.db, whoever writes it --------------------------------------
 
-SCHEMA = """
+SERVERS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS servers (
     name TEXT PRIMARY KEY,
@@ -89,7 +68,9 @@ CREATE TABLE IF NOT EXISTS servers (
     updates TEXT NOT NULL DEFAULT 'pin',     -- 'pin': a changed definition waits for `coffer approve`; 'trust'
     oauth TEXT,                              -- JSON: OAuth client settings (client_id, client_secret_env, login_at);
                                              -- names and a time only: tokens live in the secret store
-    era TEXT                                 -- 'handshake' or 'modern' (MCP 2026-07-28) at its last start; NULL: probe
+    era TEXT,                                -- 'handshake' or 'modern' (MCP 2026-07-28) at its last start; NULL: probe
+    sharing TEXT NOT NULL DEFAULT 'shared',  -- the service runs one instance for every client, or 'per-client'
+    sharing_reason TEXT                      -- why it runs per client: the user's choice, or what Coffer saw
 );
 CREATE TABLE IF NOT EXISTS capabilities (
     server TEXT NOT NULL,
@@ -105,6 +86,8 @@ CREATE TABLE IF NOT EXISTS capabilities (
     approved_definition TEXT,                -- that definition, for the diff `coffer approve` shows
     PRIMARY KEY (server, kind, name)
 );
+"""
+LOGS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS invocations (
     id INTEGER PRIMARY KEY,
     ts TEXT NOT NULL, client TEXT, server TEXT, capability TEXT, kind TEXT,
@@ -117,6 +100,60 @@ CREATE TABLE IF NOT EXISTS audit (
 );
 CREATE INDEX IF NOT EXISTS audit_ts ON audit(ts);
 """
+SCHEMA = SERVERS_SCHEMA + LOGS_SCHEMA  # what every Vault creates on open
+# The knowledge base (knowledge/base.py) keeps its sources, files and passages here, its embedding cache too.
+KNOWLEDGE_SOURCES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS knowledge_sources (
+    name TEXT PRIMARY KEY,
+    root TEXT NOT NULL,                      -- absolute path as the user gave it (memory: COFFER_HOME/memory)
+    globs TEXT NOT NULL,                     -- JSON list of glob patterns, relative to root
+    kind TEXT NOT NULL DEFAULT 'folder',     -- 'folder' or 'memory'
+    created_at TEXT NOT NULL,
+    indexed_at TEXT,
+    last_stats TEXT                          -- JSON of the last ReindexStats (counts only, never text)
+);
+"""
+KNOWLEDGE_INDEX_SCHEMA = """
+CREATE TABLE IF NOT EXISTS knowledge_files (
+    id INTEGER PRIMARY KEY,
+    source TEXT NOT NULL,
+    path TEXT NOT NULL,                      -- relative to the source root, '/'-separated
+    mtime_ns INTEGER NOT NULL, size INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,                    -- '' when never read (over the size bound)
+    skipped TEXT,                            -- why it has no passages (binary, too large, unreadable), or NULL
+    indexed_at TEXT NOT NULL,
+    UNIQUE (source, path)
+);
+CREATE TABLE IF NOT EXISTS knowledge_passages (
+    id INTEGER PRIMARY KEY,
+    file_id INTEGER NOT NULL,
+    source TEXT NOT NULL, path TEXT NOT NULL,
+    heading TEXT NOT NULL,                   -- heading path, 'Title > Section > Subsection'
+    first_line INTEGER NOT NULL, last_line INTEGER NOT NULL,
+    text TEXT NOT NULL,
+    heading_terms TEXT NOT NULL, body_terms TEXT NOT NULL, path_terms TEXT NOT NULL  -- analysed, space-joined
+);
+CREATE INDEX IF NOT EXISTS knowledge_passages_file ON knowledge_passages(file_id);
+CREATE INDEX IF NOT EXISTS knowledge_passages_source ON knowledge_passages(source);
+CREATE TABLE IF NOT EXISTS knowledge_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO knowledge_meta(key, value) VALUES ('generation', 0), ('fts_synced', 1);
+"""
+KNOWLEDGE_SCHEMA = KNOWLEDGE_SOURCES_SCHEMA + KNOWLEDGE_INDEX_SCHEMA  # what a KnowledgeBase creates on open
+# The FTS5 table holds Coffer's analysed terms, not the raw text: FTS5's own tokenizer then only splits on the
+# spaces, and both ranking paths agree on what a term is.  rowid = knowledge_passages.id.
+KNOWLEDGE_FTS_SCHEMA = """
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts USING fts5(
+    heading, body, path, source UNINDEXED, tokenize = 'unicode61 remove_diacritics 0');
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_vocab USING fts5vocab(knowledge_fts, 'row');
+CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_columns USING fts5vocab(knowledge_fts, 'col');
+"""
+# Vectors of tool descriptions and passages, by embedding model and text (search/semantic.py, knowledge).
+EMBEDDING_SCHEMA = """
+CREATE TABLE IF NOT EXISTS embeddings (
+    model TEXT NOT NULL, text_hash TEXT NOT NULL, dim INTEGER NOT NULL, vector BLOB NOT NULL, created_at TEXT,
+    PRIMARY KEY (model, text_hash)
+);
+"""
 # Columns added after the first release: (table, column, declaration).  A vault written by an earlier Coffer gains
 # them on open; an approved fingerprint of NULL means "accept what is listed next" (no quarantine on upgrade).
 MIGRATIONS = (
@@ -125,23 +162,45 @@ MIGRATIONS = (
     ("servers", "updates", "TEXT NOT NULL DEFAULT 'pin'"),
     ("servers", "oauth", "TEXT"),
     ("servers", "era", "TEXT"),
+    ("servers", "sharing", "TEXT NOT NULL DEFAULT 'shared'"),
+    ("servers", "sharing_reason", "TEXT"),
     ("capabilities", "approved", "TEXT"),
     ("capabilities", "approved_definition", "TEXT"),
 )
 
+
+class SchemaPart(NamedTuple):
+    """One part of coffer.db's schema, as `coffer doctor` checks it and says how to repair it."""
+    name: str           # what a user calls it
+    script: str         # its CREATE statements
+    optional: bool      # absent until first used: missing entirely is not a problem
+    repair: str         # the fix for a damaged one ({path}: coffer.db; {drop}: a command that drops ``drops``)
+    drops: str = ""     # the schema whose tables the repair drops (a derived index goes with its source tables)
+
+
+_KNOWLEDGE_REBUILD = "drop the index, then rebuild it from your folders with coffer knowledge reindex: {drop}"
+SCHEMA_PARTS = (
+    SchemaPart("the servers, choices and settings", SERVERS_SCHEMA, False,
+               "restore {path} from a backup, or move it away and register your servers again (coffer import)"),
+    SchemaPart("the invocation and audit logs", LOGS_SCHEMA, False,
+               "drop the damaged logs (the next coffer command creates them again, empty): {drop}", LOGS_SCHEMA),
+    SchemaPart("the knowledge sources", KNOWLEDGE_SOURCES_SCHEMA, True,
+               "restore {path} from a backup, or drop the knowledge tables and add your folders again (coffer "
+               "knowledge add PATH): {drop}", KNOWLEDGE_SCHEMA + KNOWLEDGE_FTS_SCHEMA),
+    SchemaPart("the knowledge index", KNOWLEDGE_INDEX_SCHEMA, True, _KNOWLEDGE_REBUILD,
+               KNOWLEDGE_INDEX_SCHEMA + KNOWLEDGE_FTS_SCHEMA),
+    SchemaPart("the knowledge full-text index", KNOWLEDGE_FTS_SCHEMA, True, _KNOWLEDGE_REBUILD,
+               KNOWLEDGE_INDEX_SCHEMA + KNOWLEDGE_FTS_SCHEMA),
+    SchemaPart("the embedding cache", EMBEDDING_SCHEMA, True,
+               "drop the cache (vectors are computed again when needed): {drop}", EMBEDDING_SCHEMA),
+)
+
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
-TRANSPORTS = ("stdio", "http", "sse", "auto")
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
 
 def coffer_home() -> str:
     return os.path.abspath(os.path.expanduser(os.environ.get("COFFER_HOME") or os.path.join("~", ".coffer")))
-
-
-def vault_json(value) -> str:
-    """JSON for a vault column: ASCII, so no string an upstream sent (a lone surrogate included) can fail the
-    write, and it decodes back to exactly the same value."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def storable(text):
@@ -153,17 +212,6 @@ def storable(text):
         return text
     except UnicodeEncodeError:
         return text.encode("utf-8", "replace").decode("utf-8")
-
-
-# What a definition's pin covers: everything the model reads or the call depends on, not the volatile fields
-# (a resource's size or modification time changes with its content, not with its meaning).
-_UNPINNED_FIELDS = {"tool": ("_meta",), "prompt": ("_meta",), "resource": ("_meta", "size", "annotations"),
-                    "template": ("_meta", "annotations")}
-
-
-def fingerprint(definition: dict, kind: str = "tool") -> str:
-    pinned = {k: v for k, v in definition.items() if k not in _UNPINNED_FIELDS.get(kind, ())}
-    return hashlib.sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
 
 
 class CapabilityState(NamedTuple):
@@ -198,6 +246,25 @@ def _private_path(path: str, directory: bool) -> str | None:
 _reported_settings: set[str] = set()
 
 
+def _at_the_vault_boundary(cls):
+    """Class decorator: every public method of ``cls`` (and its constructor) raises VaultError where SQLite raised.
+    The one place sqlite3 errors are translated; private helpers and other modules' own connections stay raw."""
+    def guarded(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except sqlite3.Error as exc:
+                raise VaultError.wrap(exc, getattr(self, "path", "coffer.db")) from exc
+        return call
+
+    for name, member in list(vars(cls).items()):
+        if (name == "__init__" or not name.startswith("_")) and inspect.isfunction(member):
+            setattr(cls, name, guarded(member))
+    return cls
+
+
+@_at_the_vault_boundary
 class Vault:
     """coffer.db: the registered servers, the user's choices, and the logs.
 
@@ -206,7 +273,8 @@ class Vault:
     every file in it 0600; looser permissions are fixed on open, with a notice.  A vault that cannot be written
     (a read-only file or directory) opens read-only: reading commands work, changing ones say why they cannot.
     One damaged row costs that row only: a server whose definition does not parse is reported and not started,
-    a setting that does not parse falls back to its default with a warning.
+    a setting that does not parse falls back to its default with a warning.  What SQLite raises under a public
+    method (or inside ``with vault.transaction()``) reaches the caller as a VaultError, a CofferError.
     """
 
     def __init__(self, home: str | None = None, actor: str = "cli"):
@@ -235,10 +303,10 @@ class Vault:
             self._open_read_only(exc)
         for notice in filter(None, [_private_path(self.home, True)] +
                              [_private_path(os.path.join(self.home, name), False) for name in PRIVATE_FILES]):
-            log.warning("%s", notice)
+            vault_log.warning("%s", notice)
         if was_empty:
-            log.warning("coffer.db in %s was EMPTY (0 bytes): it now holds a new, empty vault. Your servers, "
-                        "choices and logs are gone unless you restore the file from a backup.", self.home)
+            vault_log.warning("coffer.db in %s was EMPTY (0 bytes): it now holds a new, empty vault. Your servers, "
+                              "choices and logs are gone unless you restore the file from a backup.", self.home)
         self.secrets.values()  # registers the stored secrets with the redactor before anything is printed
 
     @staticmethod
@@ -284,18 +352,45 @@ class Vault:
             except sqlite3.Error as exc:
                 last = exc
         else:
-            raise CofferError(f"cannot open the vault {self.path}: {last}") from None
+            raise VaultError(f"cannot open the vault {self.path}: {last}") from None
         self.read_only = True
-        log.warning("the vault %s is read-only (%s): commands that only read work, changes are refused",
-                    self.path, cause)
+        vault_log.warning("the vault %s is read-only (%s): commands that only read work, changes are refused",
+                          self.path, cause)
 
     def transaction(self):
+        """``with vault.transaction() as db:`` one write transaction; what SQLite raises inside is a VaultError."""
         if self.read_only:
-            raise CofferError(f"the vault {self.path} is read-only: this command would change it")
-        return _Transaction(self.db)
+            raise VaultError(f"the vault {self.path} is read-only: this command would change it")
+        return _VaultTransaction(self.db, self.path)
 
     def close(self) -> None:
         self.db.close()
+
+    # -- health: what `coffer doctor` checks -------------------------------------------------------------------
+    def table_columns(self) -> dict[str, set[str]]:
+        """Every table in coffer.db (virtual ones and FTS5's own included) and its columns."""
+        columns = {}
+        for (table,) in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall():
+            try:
+                columns[table] = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            except sqlite3.OperationalError:
+                columns[table] = set()  # a virtual table of a module this Python lacks (FTS5): unreadable here
+        return columns
+
+    def integrity_problem(self) -> str | None:
+        """What SQLite's quick check finds wrong in coffer.db's pages, or None."""
+        check = self.db.execute("PRAGMA quick_check").fetchone()[0]
+        return None if check == "ok" else check
+
+    def has_knowledge_sources(self) -> bool:
+        """Whether a folder was ever added as a knowledge source (no knowledge table yet: none was)."""
+        try:
+            row = self.db.execute("SELECT count(*) FROM knowledge_sources WHERE kind='folder'").fetchone()
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):
+                return False
+            raise
+        return bool(row and row[0])
 
     # -- settings ------------------------------------------------------------------------------------------
     def setting(self, key: str):
@@ -310,26 +405,25 @@ class Vault:
             if setting_key(key) not in DEFAULTS:
                 continue  # written by a newer Coffer
             try:
-                current[key] = _checked_setting(key, json.loads(row["value"]))
+                current[key] = check_setting(setting_key(key), json.loads(row["value"]))
             except (ValueError, TypeError, CofferError) as exc:
                 if key not in _reported_settings:
                     _reported_settings.add(key)
-                    log.warning("setting %s in coffer.db is damaged (%s); using the default %r "
-                                "(fix: coffer config %s VALUE)", key, exc, DEFAULTS[setting_key(key)], key)
+                    vault_log.warning("setting %s in coffer.db is damaged (%s); using the default %r "
+                                      "(fix: coffer config %s VALUE)", key, exc, DEFAULTS[setting_key(key)], key)
         return current
 
     def set_setting(self, key: str, raw: str) -> None:
         """Change a setting; for a per-client one (expose.cursor), an empty value removes the override."""
         if setting_key(key) not in DEFAULTS:
-            raise CofferError(f"unknown setting {key!r}{_did_you_mean(key, DEFAULTS)}; known: "
-                              f"{', '.join(sorted(DEFAULTS))}, expose.<client>")
+            raise CofferError(unknown_setting(key))
         with self.transaction() as db:
             old = self.setting(key)
             if key != setting_key(key) and raw == "":
                 db.execute("DELETE FROM settings WHERE key=?", (key,))
                 self._audit(db, "config", key, f"{old!r} -> (the global expose)")
                 return
-            value = _checked_setting(key, raw)
+            value = check_setting(setting_key(key), raw)
             db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, json.dumps(value)))
             self._audit(db, "config", key, f"{old!r} -> {value!r}")
 
@@ -400,13 +494,13 @@ class Vault:
 
     def servers(self) -> list[dict]:
         """Every registered server; one whose row is damaged carries ``damaged`` (the reason) and is disabled."""
-        return [_server_row(row) for row in self.db.execute("SELECT * FROM servers ORDER BY position, name")]
+        return [server_row(row) for row in self.db.execute("SELECT * FROM servers ORDER BY position, name")]
 
     def server(self, name: str) -> dict:
         row = self.db.execute("SELECT * FROM servers WHERE name=?", (name,)).fetchone()
         if not row:
-            raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names())}")
-        return _server_row(row)
+            raise CofferError(f"unknown server {name!r}{did_you_mean(name, self._all_names())}")
+        return server_row(row)
 
     def set_transport(self, name: str, transport: str) -> None:
         """Remember which transport a remote server turned out to speak (transport auto)."""
@@ -448,6 +542,17 @@ class Vault:
                            " WHERE server=? AND approved IS NOT fingerprint", (name,))
             self._audit(db, "policy", name, f"{column}: {old} -> {value}")
 
+    def set_sharing(self, name: str, sharing: str, reason: str | None = None) -> None:
+        """shared: the service runs one instance of the server for every client; per-client: one per client
+        session (a server whose answers depend on its client).  ``reason`` says why (shown by `coffer show`)."""
+        if sharing not in SHARING_MODES:
+            raise CofferError(f"bad sharing mode {sharing!r}: use shared or per-client")
+        with self.transaction() as db:
+            old = self._require_server(db, name)["sharing"]
+            db.execute("UPDATE servers SET sharing=?, sharing_reason=? WHERE name=?", (sharing, reason, name))
+            if old != sharing:
+                self._audit(db, "sharing", name, f"{old} -> {sharing}" + (f": {reason}" if reason else ""))
+
     def record_status(self, name: str, status: str, detail: str | None, capabilities: dict | None = None) -> None:
         with self.transaction() as db:
             db.execute("UPDATE servers SET status=?, status_detail=?, status_at=?,"
@@ -458,7 +563,7 @@ class Vault:
     def _require_server(self, db, name):
         row = db.execute("SELECT * FROM servers WHERE name=?", (name,)).fetchone()
         if not row:
-            raise CofferError(f"unknown server {name!r}{_did_you_mean(name, self._all_names(db))}")
+            raise CofferError(f"unknown server {name!r}{did_you_mean(name, self._all_names(db))}")
         return row
 
     # -- targets: what a CLI argument names, exactly as a client sees it ------------------------------------
@@ -516,7 +621,7 @@ class Vault:
             servers = ", ".join(row["server"] for row in rows)
             raise CofferError(f"{target!r} is published by several servers ({servers}); "
                               f"use coffer+<server>:{target}")
-        hint = _did_you_mean(target, self._all_names(db))
+        hint = did_you_mean(target, self._all_names(db))
         if sep and registered and not db.execute("SELECT 1 FROM capabilities WHERE server=?", (server,)).fetchone():
             raise NotListedYet(f"unknown target {target!r}: server {server!r} does not list it{hint}")
         raise CofferError(f"unknown target {target!r}: not a server, tool, prompt or resource Coffer knows{hint}")
@@ -610,8 +715,9 @@ class Vault:
                         label = labels.get(name, name)
                         self._audit(db, "upstream-changed", f"{server}:{name}",
                                     f"{kind}; quarantined until `coffer approve {label}`", actor="upstream")
-                        log.warning("[%s] %s %s changed its definition since it was approved; it is hidden until "
-                                    "you review it with `coffer approve %s`", server, kind, label, label)
+                        ServerLog(vault_log, server).warning(
+                            "%s %s changed its definition since it was approved; it is hidden until you review it "
+                            "with `coffer approve %s`", kind, label, label)
                 if not row["present"]:
                     self._audit(db, "upstream-restored", f"{server}:{name}", kind, actor="upstream")
                 db.execute(f"UPDATE capabilities SET present=1, fingerprint=?, definition=?, {approved_sql}"
@@ -656,13 +762,19 @@ class Vault:
         return self.db.execute("PRAGMA data_version").fetchone()[0]
 
     # -- logs ----------------------------------------------------------------------------------------------
+    def audit(self, action: str, target: str, detail: str | None = None) -> None:
+        """An audit row for a change made outside coffer.db (the secret store, a knowledge folder): names, never
+        a secret value."""
+        with self.transaction() as db:
+            self._audit(db, action, target, detail)
+
     def _audit(self, db, action: str, target, detail, actor: str | None = None) -> None:
         db.execute("INSERT INTO audit(ts, actor, action, target, detail) VALUES (?,?,?,?,?)",
                    (utcnow(), actor or self.actor, action, storable(target), storable(detail)))
 
     def invocations(self, limit: int = 50) -> list[dict]:
-        rows = self.db.execute("SELECT ts, client, server, capability, kind, duration_ms, status, error FROM"
-                               " invocations ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        rows = self.db.execute(f"SELECT {', '.join(Invocation._fields)} FROM invocations ORDER BY id DESC LIMIT ?",
+                               (limit,)).fetchall()
         return [dict(row) for row in reversed(rows)]
 
     def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
@@ -702,24 +814,9 @@ def _state(row) -> CapabilityState:
     return CapabilityState(bool(row["enabled"]), row["approved"] is not None and row["approved"] != row["fingerprint"])
 
 
-def definition_diff(before: str | None, after: str | None) -> str:
-    """A readable unified diff of two stored definitions (pretty JSON, keys sorted)."""
-    def lines(text):
-        try:
-            value = json.loads(text) if text else {}
-        except ValueError:
-            value = text
-        return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False).splitlines()
-    return "\n".join(difflib.unified_diff(lines(before), lines(after), "approved", "now listed", lineterm=""))
-
-
-def _did_you_mean(target: str, names) -> str:
-    close = difflib.get_close_matches(target, list(names), n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(close)}?" if close else ""
-
-
 class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT: take the write lock up front so a busy vault waits instead of failing late."""
+    """BEGIN IMMEDIATE ... COMMIT: take the write lock up front so a busy vault waits instead of failing late.
+    On any connection to coffer.db (other modules' own too): SQLite's errors pass through as they are."""
 
     def __init__(self, db):
         self.db = db
@@ -729,7 +826,7 @@ class _Transaction:
             self.db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
             if Vault._cannot_write(exc):
-                raise CofferError(f"the vault cannot be written ({exc}): this command would change it") from None
+                raise VaultError(f"the vault cannot be written ({exc}): this command would change it") from None
             raise
         return self.db
 
@@ -745,60 +842,28 @@ class _Transaction:
         return False
 
 
-def _json_column(text, kind, default):
-    if text in (None, ""):
-        return default
-    value = json.loads(text)
-    if not isinstance(value, kind):
-        raise ValueError(f"expected a JSON {kind.__name__}")
-    return value
+class _VaultTransaction(_Transaction):
+    """A Vault's own transaction: a sqlite3.Error raised inside the block, or by BEGIN, COMMIT or ROLLBACK, leaves
+    it as a VaultError."""
 
+    def __init__(self, db, path: str):
+        super().__init__(db)
+        self.path = path
 
-def _server_row(row) -> dict:
-    """A servers row as a dict; a row that does not parse is kept (so `list` and `remove` can see it) but marked
-    ``damaged`` with the reason and never started."""
-    server = dict(row)
-    server.setdefault("inherit_env", "[]")
-    server.setdefault("updates", "pin")
-    server.setdefault("oauth", None)
-    server.setdefault("era", None)
-    if server["era"] not in (None, "handshake", "modern"):
-        server["era"] = None
-    try:
-        if not isinstance(server["name"], str) or not SERVER_NAME_RE.match(server["name"]) or \
-                server["name"].lower() == RESERVED_SERVER:
-            raise ValueError("its name is not a valid server name")
-        command = _json_column(server["command"], list, None)
-        if command is not None and not (command and all(isinstance(a, str) for a in command)):
-            raise ValueError("command is not a list of strings")
-        server["command"] = command
-        for key in ("env", "headers"):
-            server[key] = _json_column(server[key], dict, {})
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in server[key].items()):
-                raise ValueError(f"{key} holds a value that is not text")
-        server["inherit_env"] = [str(x) for x in _json_column(server["inherit_env"], list, [])]
-        if server["transport"] not in TRANSPORTS:
-            raise ValueError(f"unknown transport {server['transport']!r}")
-        if (server["transport"] == "stdio") != bool(command) or (server["transport"] != "stdio"
-                                                                and not isinstance(server["url"], str)):
-            raise ValueError("neither a command nor a URL to reach it")
-        if server["timeout"] is not None and not (isinstance(server["timeout"], (int, float))
-                                                  and server["timeout"] > 0):
-            raise ValueError("timeout is not a positive number")
-        server["damaged"] = None
-        server["enabled"] = bool(server["enabled"])
-    except (ValueError, TypeError) as exc:
-        server.update(damaged=str(exc)[:200], enabled=False, command=None, env={}, headers={}, inherit_env=[])
-    for key in ("capabilities", "oauth"):
+    def __enter__(self):
         try:
-            server[key] = _json_column(server.get(key), dict, None)
-        except (ValueError, TypeError):
-            server[key] = None  # forgotten: as if never started, or never given OAuth settings
-    return server
+            return super().__enter__()
+        except sqlite3.Error as exc:
+            raise VaultError.wrap(exc, self.path) from exc
 
-
-EXPOSE_RE = re.compile(r"^(auto|all|search|budget:([2-9]|[1-9][0-9]{1,3}))$")
-PER_CLIENT_SETTING_RE = re.compile(r"^expose\.([a-z0-9-]{1,32})$")
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            super().__exit__(exc_type, exc, tb)
+        except sqlite3.Error as error:
+            raise VaultError.wrap(error, self.path) from error
+        if isinstance(exc, sqlite3.Error):
+            raise VaultError.wrap(exc, self.path) from exc
+        return False
 
 
 def setting_key(key: str) -> str:
@@ -806,33 +871,32 @@ def setting_key(key: str) -> str:
     return "expose" if PER_CLIENT_SETTING_RE.match(key) else key
 
 
-def _checked_setting(key: str, raw):
-    """A setting's value from the CLI (text) or the vault (JSON), converted and range-checked, or CofferError."""
-    key = setting_key(key)
-    default = DEFAULTS[key]
-    kind = type(default)
-    if isinstance(raw, bool) or (not isinstance(raw, (str, int, float)) or
-                                 (kind is str and not isinstance(raw, str))):
-        raise CofferError(f"setting {key} needs a {kind.__name__}, got {raw!r}")
-    try:
-        value = kind(raw)
-    except (ValueError, OverflowError):
-        raise CofferError(f"setting {key} needs a {kind.__name__}, got {raw!r}") from None
-    if isinstance(value, float) and not math.isfinite(value):
-        raise CofferError(f"setting {key} needs a finite number")
-    if key == "name_max_length" and not 34 <= value <= 64:  # 24-char server + "__" + "x_" + hash
-        raise CofferError("name_max_length must be between 34 and 64")
-    if key == "expose" and not EXPOSE_RE.match(value):
-        raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
-    if key == "embedder_api" and value not in ("openai", "ollama"):
-        raise CofferError("embedder_api must be 'openai' or 'ollama'")
-    if key in ("memory", "ask_synthesis") and value not in ("on", "off"):
-        raise CofferError(f"{key} must be on or off")
-    if key == "max_message_bytes" and value < 4096:
-        raise CofferError("max_message_bytes must be at least 4096")
-    if isinstance(value, (int, float)) and value <= 0:
-        raise CofferError(f"{key} must be positive")
-    return value
+class Invocation(NamedTuple):
+    """One row of the invocation log as recorded: who called what, how long it took, how it ended.  The fields
+    are the invocations columns; ``ts`` stays epoch seconds until ``row()`` formats it on the writer thread, so
+    recording costs a caller nothing but a queue put."""
+    ts: float
+    client: str | None
+    server: str | None
+    capability: str | None
+    kind: str | None
+    duration_ms: float
+    status: str
+    error: str | None
+
+    def row(self) -> tuple:
+        """The values as written: the time as ISO text, every text redacted, storable and cut to 500 characters."""
+        return (iso_timestamp(self.ts),
+                *(storable(redact(value))[:500] if isinstance(value, str) else value for value in self[1:]))
+
+
+class _FlushRequest(NamedTuple):
+    """Queued by InvocationLog.flush behind the rows it waits for; ``written`` is set once they are."""
+    written: threading.Event
+
+
+class _LogSignal(enum.Enum):
+    CLOSE = "close"  # queued by InvocationLog.close: wakes the writer, which ends once nothing is pending
 
 
 class InvocationLog:
@@ -841,11 +905,13 @@ class InvocationLog:
     If the vault is locked or read-only the rows are kept (up to a bound) and retried; a persistent failure is a
     warning, never a failed call.  Every text is made storable first (a client name holding a lone surrogate must
     not stop the logging of everything after it), and the thread survives any error in a batch: the batch is
-    reported and dropped, the log goes on.
+    reported and dropped, the log goes on.  Its queue carries Invocation rows, _FlushRequest and _LogSignal.
     """
 
     FLUSH_INTERVAL = 0.2
     MAX_BUFFER = 50_000
+    _INSERT = (f"INSERT INTO invocations({', '.join(Invocation._fields)}) "
+               f"VALUES ({', '.join('?' * len(Invocation._fields))})")
 
     def __init__(self, path: str):
         self.path = path
@@ -857,43 +923,39 @@ class InvocationLog:
 
     def record(self, client, server, capability, kind, started: float, status: str, error: str | None = None):
         duration = round((time.monotonic() - started) * 1000.0, 3)
-        self.queue.put((time.time(), client, server, capability, kind, duration, status, error))  # ts: see _run
+        self.queue.put(Invocation(time.time(), client, server, capability, kind, duration, status, error))
 
     def flush(self, timeout: float = 5.0) -> None:
         """Write everything recorded so far before returning (used first thing at shutdown)."""
-        written = threading.Event()
-        self.queue.put(written)
-        written.wait(timeout)
+        request = _FlushRequest(threading.Event())
+        self.queue.put(request)
+        request.written.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self.queue.put(None)
+        self.queue.put(_LogSignal.CLOSE)
         self._thread.join(timeout)
-
-    @staticmethod
-    def _row(item: tuple) -> tuple:
-        ts, *rest = item
-        return (iso_timestamp(ts), *(storable(redact(v))[:500] if isinstance(v, str) else v for v in rest))
 
     def _run(self) -> None:
         db = None
-        pending: list[tuple] = []
+        pending: list[Invocation] = []
         waiters: list[threading.Event] = []
+
+        def take(item) -> None:
+            if isinstance(item, _FlushRequest):
+                waiters.append(item.written)
+            elif isinstance(item, Invocation):
+                pending.append(item)
+
         while True:
             try:
                 item = self.queue.get(timeout=self.FLUSH_INTERVAL if pending else None)
-                if isinstance(item, threading.Event):
-                    waiters.append(item)
-                elif item is not None:
-                    pending.append(item)
+                take(item)
+                if isinstance(item, Invocation):
                     # Let the rest of this burst arrive: one commit per interval, not one per call.
                     self._stop.wait(self.FLUSH_INTERVAL)
                 while len(pending) < 10_000:
-                    item = self.queue.get_nowait()
-                    if isinstance(item, threading.Event):
-                        waiters.append(item)
-                    elif item is not None:
-                        pending.append(item)
+                    take(self.queue.get_nowait())
             except queue.Empty:
                 pass
             if pending:
@@ -901,23 +963,24 @@ class InvocationLog:
                     if db is None:
                         db = Vault._connect(self.path)
                     db.execute("BEGIN IMMEDIATE")
-                    db.executemany("INSERT INTO invocations(ts, client, server, capability, kind, duration_ms,"
-                                   " status, error) VALUES (?,?,?,?,?,?,?,?)", [self._row(row) for row in pending])
+                    db.executemany(self._INSERT, [invocation.row() for invocation in pending])
                     db.execute("COMMIT")
                     pending.clear()
                 except sqlite3.Error as exc:
                     self._rollback(db)
+                    problem = VaultError.wrap(exc, self.path)
                     if not self._warned:
-                        log.warning("invocation log not written yet (%s); will retry", exc)
+                        vault_log.warning("invocation log not written yet (%s); will retry", problem)
                         self._warned = True
                     del pending[:-self.MAX_BUFFER]
                     if self._stop.is_set():
-                        log.warning("%d invocation rows could not be written: %s", len(pending), exc)
+                        vault_log.warning("%d invocation rows could not be written: %s", len(pending), problem)
                         break
                     time.sleep(0.5)
                 except Exception:  # noqa: BLE001 - a bad row costs its batch, never the log itself
                     self._rollback(db)
-                    log.exception("invocation log: dropped a batch of %d rows it could not write", len(pending))
+                    vault_log.exception("invocation log: dropped a batch of %d rows it could not write",
+                                        len(pending))
                     pending.clear()
             if not pending:
                 for waiter in waiters:
@@ -935,58 +998,3 @@ class InvocationLog:
                 db.execute("ROLLBACK")
         except sqlite3.Error:
             pass
-
-
-
-EMBEDDING_SCHEMA = """
-CREATE TABLE IF NOT EXISTS embeddings (
-    model TEXT NOT NULL, text_hash TEXT NOT NULL, dim INTEGER NOT NULL, vector BLOB NOT NULL, created_at TEXT,
-    PRIMARY KEY (model, text_hash)
-);
-"""
-
-
-
-
-KNOWLEDGE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS knowledge_sources (
-    name TEXT PRIMARY KEY,
-    root TEXT NOT NULL,                      -- absolute path as the user gave it (memory: COFFER_HOME/memory)
-    globs TEXT NOT NULL,                     -- JSON list of glob patterns, relative to root
-    kind TEXT NOT NULL DEFAULT 'folder',     -- 'folder' or 'memory'
-    created_at TEXT NOT NULL,
-    indexed_at TEXT,
-    last_stats TEXT                          -- JSON of the last ReindexStats (counts only, never text)
-);
-CREATE TABLE IF NOT EXISTS knowledge_files (
-    id INTEGER PRIMARY KEY,
-    source TEXT NOT NULL,
-    path TEXT NOT NULL,                      -- relative to the source root, '/'-separated
-    mtime_ns INTEGER NOT NULL, size INTEGER NOT NULL,
-    sha256 TEXT NOT NULL,                    -- '' when never read (over the size bound)
-    skipped TEXT,                            -- why it has no passages (binary, too large, unreadable), or NULL
-    indexed_at TEXT NOT NULL,
-    UNIQUE (source, path)
-);
-CREATE TABLE IF NOT EXISTS knowledge_passages (
-    id INTEGER PRIMARY KEY,
-    file_id INTEGER NOT NULL,
-    source TEXT NOT NULL, path TEXT NOT NULL,
-    heading TEXT NOT NULL,                   -- heading path, 'Title > Section > Subsection'
-    first_line INTEGER NOT NULL, last_line INTEGER NOT NULL,
-    text TEXT NOT NULL,
-    heading_terms TEXT NOT NULL, body_terms TEXT NOT NULL, path_terms TEXT NOT NULL  -- analysed, space-joined
-);
-CREATE INDEX IF NOT EXISTS knowledge_passages_file ON knowledge_passages(file_id);
-CREATE INDEX IF NOT EXISTS knowledge_passages_source ON knowledge_passages(source);
-CREATE TABLE IF NOT EXISTS knowledge_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-INSERT OR IGNORE INTO knowledge_meta(key, value) VALUES ('generation', 0), ('fts_synced', 1);
-"""
-# The FTS5 table holds Coffer's analysed terms, not the raw text: FTS5's own tokenizer then only splits on the
-# spaces, and both ranking paths agree on what a term is.  rowid = knowledge_passages.id.
-KNOWLEDGE_FTS_SCHEMA = """
-CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts USING fts5(
-    heading, body, path, source UNINDEXED, tokenize = 'unicode61 remove_diacritics 0');
-CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_vocab USING fts5vocab(knowledge_fts, 'row');
-CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_columns USING fts5vocab(knowledge_fts, 'col');
-"""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import shlex
 import shutil
 import sqlite3
 import stat
+import sys
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from coffer_src.clients.files import ClientContext, ConfigProblem
 from coffer_src.clients.move_in import (
@@ -22,19 +25,16 @@ from coffer_src.clients.move_in import (
     load_client_file,
     registered_in_coffer,
 )
+from coffer_src.errors import CofferError
+from coffer_src.names import NAME_MAX_LENGTH_MIN
 from coffer_src.probe import ServerProbe
-from coffer_src.secret_store import _ENV_REF_RE, expand_vars
-from coffer_src.terminal import log, say
-from coffer_src.vault import PRIVATE_FILES, SCHEMA, _state
+from coffer_src.secret_store import ENV_REF_RE, expand_vars, references
+from coffer_src.terminal import ServerLog, say
+from coffer_src.vault import MIGRATIONS, PRIVATE_FILES, SCHEMA_PARTS, _state
+
+doctor_log = logging.getLogger(__name__)
 
 # -- doctor ---------------------------------------------------------------------------------------------------
-
-def _references(server: dict) -> list[tuple[str, bool]]:
-    """(NAME, has a default) for every ${NAME} in what Coffer expands when it starts the server."""
-    texts = list(server.get("command") or []) + [server.get("url") or "", server.get("cwd") or ""]
-    texts += list((server.get("env") or {}).values()) + list((server.get("headers") or {}).values())
-    return [(m.group(1), m.group(2) is not None) for text in texts for m in _ENV_REF_RE.finditer(text or "")]
-
 
 def _problem(problem: str, fix: str, severity: str = "error") -> dict:
     return {"problem": problem, "fix": fix, "severity": severity}
@@ -79,7 +79,7 @@ def server_report(vault, store, server: dict, installed_clients: set, probe, set
             f"coffer remove {name}, then add or import it again")]}
     if not server.get("enabled", True):
         return {"name": name, "ok": True, "enabled": False, "problems": [], "tools": 0}
-    missing = sorted({ref for ref, has_default in _references(server)
+    missing = sorted({ref for ref, has_default in references(server)
                       if not has_default and ref not in os.environ and store.get(ref) is None})
     for ref in missing:
         problems.append(_problem(f"${{{ref}}} is not set (neither in the environment nor in the secret store)",
@@ -113,9 +113,10 @@ def server_report(vault, store, server: dict, installed_clients: set, probe, set
         limit, prefix = CLIENT_TOOL_NAME_LIMITS[client]
         too_long = [t for t in tools if len(prefix) + len(t) > limit]
         if too_long:
+            fitting = max(NAME_MAX_LENGTH_MIN, limit - len(prefix))
             problems.append(_problem(
                 f"{len(too_long)} tool name(s) exceed {client}'s {limit}-character limit with {prefix!r} in front "
-                f"(e.g. {too_long[0]})", f"coffer config name_max_length {max(34, limit - len(prefix))}", "warning"))
+                f"(e.g. {too_long[0]})", f"coffer config name_max_length {fitting}", "warning"))
     return {"name": name, "ok": not any(p["severity"] == "error" for p in problems), "enabled": True,
             "problems": problems, "tools": len(tools)}
 
@@ -127,22 +128,83 @@ def vault_report(vault) -> dict:
             if os.path.exists(path) and (mode := stat.S_IMODE(os.stat(path).st_mode)) & 0o077:
                 problems.append(_problem(f"{path} is readable by others (mode {mode:o})", f"chmod {wanted} {path}"))
     try:
-        wanted = sqlite3.connect(":memory:")
-        wanted.executescript(SCHEMA)
-        for (table,) in wanted.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall():
-            expected = {row[1] for row in wanted.execute(f"PRAGMA table_info({table})")}
-            actual = {row[1] for row in vault.db.execute(f"PRAGMA table_info({table})")}
-            if expected - actual:
-                problems.append(_problem(f"table {table} lacks {', '.join(sorted(expected - actual))}",
-                                         "run any coffer command with this version to upgrade the vault"))
-        wanted.close()
-        check = vault.db.execute("PRAGMA quick_check").fetchone()[0]
-        if check != "ok":
-            problems.append(_problem(f"coffer.db is damaged: {check}",
+        problems += [_problem(found.problem, found.fix) for found in
+                     schema_problems(vault.table_columns(), vault.path, vault.read_only)]
+        damage = vault.integrity_problem()
+        if damage is not None:
+            problems.append(_problem(f"coffer.db is damaged: {damage}",
                                      f"restore {vault.path} from a backup, or move it away and re-import"))
-    except sqlite3.Error as exc:
+    except CofferError as exc:
         problems.append(_problem(f"coffer.db cannot be checked: {exc}", f"look at {vault.path}"))
     return {"path": vault.home, "ok": not problems, "problems": problems}
+
+
+# -- the schema: every table and column Coffer expects in coffer.db, and how to repair a damaged part -----------
+
+class SchemaProblem(NamedTuple):
+    """A part of coffer.db that is not as this Coffer expects, and the fix."""
+    problem: str
+    fix: str
+
+
+class _ExpectedTable(NamedTuple):
+    name: str
+    columns: frozenset
+    shadow: bool        # kept by a virtual table (FTS5's _data, _config...): dropped with it, never by name
+
+
+@functools.lru_cache(maxsize=None)
+def _expected_tables(script: str) -> tuple[_ExpectedTable, ...] | None:
+    """Every table ``script`` creates, in creation order; None when this Python's SQLite cannot create them (no
+    FTS5: then they cannot be checked either)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(script)
+        rows = db.execute("SELECT name, sql FROM sqlite_master WHERE type='table' ORDER BY rowid").fetchall()
+        virtual = tuple(f"{name}_" for name, sql in rows if sql.startswith("CREATE VIRTUAL"))
+        return tuple(_ExpectedTable(name, frozenset(row[1] for row in db.execute(f"PRAGMA table_info({name})")),
+                                    not sql.startswith("CREATE VIRTUAL") and name.startswith(virtual))
+                     for name, sql in rows)
+    except sqlite3.OperationalError:
+        return None
+    finally:
+        db.close()
+
+
+def drop_command(path: str, script: str) -> str:
+    """A command dropping the tables ``script`` creates from coffer.db, with this Python (no sqlite3 tool needed);
+    later tables first, since a vocabulary table reads the full-text table it was created on."""
+    tables = [table.name for table in reversed(_expected_tables(script) or ()) if not table.shadow]
+    statements = " ".join(f"DROP TABLE IF EXISTS {name};" for name in tables)
+    return (f"{shlex.quote(sys.executable)} -c 'import sqlite3, sys; sqlite3.connect(sys.argv[1]).executescript("
+            f"sys.argv[2])' {shlex.quote(path)} {shlex.quote(statements)}")
+
+
+def schema_problems(tables: dict[str, set[str]], path: str, read_only: bool) -> list[SchemaProblem]:
+    """Every table and column of vault.SCHEMA_PARTS missing from ``tables`` (Vault.table_columns), with the fix
+    for each part.  A part not used yet (no table of it at all) is fine; so is a column a newer Coffer added."""
+    problems = []
+    for part in SCHEMA_PARTS:
+        expected = _expected_tables(part.script)
+        if expected is None or (part.optional and not tables.keys() & {table.name for table in expected}):
+            continue
+        found, upgrade = [], True  # upgrade: what a writable open adds (a missing table, a migrated column)
+        for table in expected:
+            if table.name not in tables:
+                found.append(f"table {table.name} is missing")
+                continue
+            lacking = table.columns - tables[table.name]
+            if lacking:
+                found.append(f"table {table.name} lacks {', '.join(sorted(lacking))}")
+                upgrade = upgrade and lacking <= {column for name, column, _ in MIGRATIONS if name == table.name}
+        if not found:
+            continue
+        if read_only and upgrade and not part.optional:
+            fix = f"make {path} writable, then run any coffer command: it adds what this version needs"
+        else:
+            fix = part.repair.format(path=path, drop=drop_command(path, part.drops) if part.drops else "")
+        problems.append(SchemaProblem(f"{part.name} in coffer.db: {'; '.join(found)}", fix))
+    return problems
 
 
 def probe_all(vault) -> Callable:
@@ -158,18 +220,24 @@ def probe_all(vault) -> Callable:
 
 
 def run_doctor(vault, store, ctx: ClientContext, probe=None) -> dict:
-    settings = vault.settings()
+    try:
+        settings, servers = vault.settings(), vault.servers()
+    except CofferError as exc:  # a damaged vault: say what is wrong with it and the fix; nothing else can be checked
+        vault_state = vault_report(vault)
+        if vault_state["ok"]:
+            vault_state = {**vault_state, "ok": False, "problems": [_problem(
+                f"coffer.db cannot be read: {exc}", "do what the error says, then run coffer doctor again")]}
+        return {"ok": False, "servers": [], "clients": [], "vault": vault_state}
     probe = probe or probe_all(vault)
     clients = client_report(vault, store, ctx)
     installed = {c["client"] for c in clients if c["installed"]}
-    servers = vault.servers()
     reports: list = [None] * len(servers)
 
     def check(index, server):
         try:
             reports[index] = server_report(vault, store, server, installed, probe, settings)
         except Exception as exc:  # noqa: BLE001 - one server's odd state must not hide the others' report
-            log.exception("doctor: checking %s failed", server["name"])
+            ServerLog(doctor_log, server["name"]).exception("doctor could not check it")
             reports[index] = {"name": server["name"], "ok": False, "enabled": server.get("enabled", True),
                               "tools": 0, "problems": [_problem(f"could not be checked: {exc}", "coffer list")]}
 
@@ -211,7 +279,7 @@ def print_doctor(report: dict) -> None:
 
 def _shown(value: str) -> str:
     """A stored env/header value as ``coffer show`` prints it: references as written, literals never."""
-    return value if (not value or _ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
+    return value if (not value or ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
 
 
 def show_server(vault, name: str) -> dict:
@@ -227,7 +295,8 @@ def show_server(vault, name: str) -> dict:
             "headers": {k: _shown(v) for k, v in (server.get("headers") or {}).items()},
             "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
             "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
-            "status_at": server.get("status_at"), "capabilities": capabilities}
+            "status_at": server.get("status_at"), "sharing": server.get("sharing", "shared"),
+            "sharing_reason": server.get("sharing_reason"), "capabilities": capabilities}
 
 
 def _command_text(server: dict) -> str:

@@ -6,7 +6,6 @@ only when re-reading the result gives exactly the intended structure.  Everythin
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -15,7 +14,6 @@ import re
 import shutil
 import stat
 import sys
-import tempfile
 import urllib.parse
 from datetime import datetime
 
@@ -32,8 +30,8 @@ from coffer_src.clients.files import (
     render_toml_server,
 )
 from coffer_src.errors import CofferError
-from coffer_src.names import ENV_KEY_RE, RESERVED_SERVER
-from coffer_src.secret_store import plan_literals, plan_url_literals
+from coffer_src.names import ENV_KEY_RE, ENV_NAME_PATTERN, RESERVED_SERVER, SERVER_NAME_MAX, SERVER_NAME_RULE
+from coffer_src.secret_store import plan_literals, plan_url_literals, whole_reference, write_private_file
 from coffer_src.vault import utcnow
 
 CLIENTS = ("claude-desktop", "claude-code", "cursor", "vscode", "windsurf", "zed", "codex", "gemini")
@@ -249,9 +247,11 @@ def load_client_file(file: ClientFile, text: str | None = None):
 
 # -- one client entry -> ImportedServer -----------------------------------------------------------------------
 
+# Clients' reference syntaxes: ${env:X} and ${input:X} (VS Code), editor built-ins, Coffer's own ${NAME[:-default]},
+# any other ${...}, and Gemini CLI's bare $NAME.
 _CLIENT_REF_RE = re.compile(r"\$\{(env|input):([^}]*)\}|\$\{(userHome|workspaceFolder|workspaceFolderBasename|"
-                            r"pathSeparator|/)\}|\$\{([A-Za-z_][A-Za-z0-9_]*)(:-[^}]*)?\}|\$\{([^}]*)\}|"
-                            r"\$([A-Za-z_][A-Za-z0-9_]*)")
+                            rf"pathSeparator|/)\}}|\$\{{({ENV_NAME_PATTERN})(:-[^}}]*)?\}}|\$\{{([^}}]*)\}}|"
+                            rf"\$({ENV_NAME_PATTERN})")
 _REMOTE_TYPES = {"http": "http", "streamable-http": "http", "streamable_http": "http", "streamablehttp": "http",
                  "sse": "sse"}
 
@@ -389,15 +389,14 @@ def entry_to_server(client: str, name: str, raw, file: ClientFile, ctx: ClientCo
 
 # -- import: plan, then apply ---------------------------------------------------------------------------------
 
-_WHOLE_REF_RE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 SECRET_SET_HINT = "coffer secret set {name}"   # the command that stores one secret (issue 15's CLI)
 
 
 def _resolve_whole_reference(value: str, store) -> str:
     """A value that is exactly one ${NAME} kept in the secret store, as the value it stands for."""
-    match = _WHOLE_REF_RE.match(value)
-    if match:
-        stored = store.get(match.group(1))
+    name = whole_reference(value)
+    if name is not None:
+        stored = store.get(name)
         if stored is not None:
             return stored
     return value
@@ -423,19 +422,19 @@ def same_definition(server: dict, imported: ImportedServer, store) -> bool:
 def legal_server_name(raw: str) -> tuple[str, str | None]:
     """(a name Coffer accepts, why it differs from ``raw`` or None)."""
     name = re.sub(r"[^A-Za-z0-9-]+", "-", str(raw)).strip("-") or "server"
-    name = name[:24].rstrip("-")
+    name = name[:SERVER_NAME_MAX].rstrip("-")
     if name.lower() == RESERVED_SERVER:
         name = f"{name}-server"
     if name == raw:
         return name, None
     why = ("'coffer' is reserved for Coffer's own tools" if str(raw).lower() == RESERVED_SERVER else
-           "Coffer names are 1-24 letters, digits or '-'")
+           f"Coffer names are {SERVER_NAME_RULE}")
     return name, f"renamed from {raw!r}: {why}"
 
 
 def _numbered(name: str, n: int) -> str:
     suffix = f"-{n}"
-    return name[:24 - len(suffix)].rstrip("-") + suffix
+    return name[:SERVER_NAME_MAX - len(suffix)].rstrip("-") + suffix
 
 
 def _move_secrets(planned: PlannedServer, store, planned_secrets: dict) -> None:
@@ -599,17 +598,7 @@ def _write_private(path: str, data: str) -> None:
     os.makedirs(directory, mode=0o700, exist_ok=True)
     if os.name != "nt":
         os.chmod(directory, 0o700)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".coffer-")
-    try:
-        if os.name != "nt":
-            os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_private_file(path, data.encode("utf-8"))
 
 
 def write_config_file(path: str, text: str) -> str | None:
@@ -625,21 +614,8 @@ def write_config_file(path: str, text: str) -> str | None:
             n += 1
             backup = f"{path}.coffer-backup-{stamp}-{n}"
         shutil.copy2(target, backup)
-    directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".coffer-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if os.name != "nt":
-            os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    write_private_file(target, text.encode("utf-8"), mode)
     return backup
 
 

@@ -17,6 +17,7 @@ from coffer_src.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, METHOD_NOT_FOUND,
 from coffer_src.modern import (
     MISSING_REQUIRED_CLIENT_CAPABILITY,
     ListenFilter,
+    RequestClaims,
     RequestStateSealer,
     listen_frame,
     missing_capability,
@@ -100,14 +101,12 @@ class EraBridge:
         token upstream (a retry is a new request with a new token), mapped back to the token of the request
         that now stands for the call; None when nobody is to see it."""
         token = params.get("progressToken")
-        if not self.progress_calls or not isinstance(token, str):
-            return params
         with self.session.lock:
-            call = self.progress_calls.get(token)
+            call = self.progress_calls.get(token) if isinstance(token, str) else None
             meta = call.client_params.get("_meta") if call is not None and call.state is CallState.ANSWERING \
                 else None
         if call is None:
-            return params
+            return None  # not a token of this session's calls
         if not isinstance(meta, dict) or not valid_request_id(meta.get("progressToken")):
             return None  # detached while a question is out, or the current request asked for no progress
         return {**params, "progressToken": meta["progressToken"]}
@@ -115,24 +114,31 @@ class EraBridge:
     def call_finished(self, call: ForwardedCall, cancelled: bool = False) -> None:
         """Forget what the bridge kept for a call that is over (caller holds the session's lock)."""
         if cancelled:
-            self.progress_calls.pop(call.progress_token, None)
+            self._forget_progress(call)
             if call.exchange is not None:
                 self.exchanges.pop(call.exchange, None)
         elif call.progress_token is not None and not call.exchange:
-            self.progress_calls.pop(call.progress_token, None)
+            self._forget_progress(call)
 
-    # -- a 2026-07-28 client's call, before it is sent ----------------------------------------------------------
-    def before_send(self, call: ForwardedCall, params: dict) -> bool:
-        """Prepare a 2026-07-28 client's call: its progress goes through a token of Coffer's, and questions its
-        upstream asked before any call could carry them are asked first.  True when the call was parked for
-        them (it is sent once they are answered)."""
+    def _forget_progress(self, call: ForwardedCall) -> None:
+        if call.progress_token is not None:
+            self.progress_calls.pop(call.progress_token, None)
+            self.hub.forget_progress(call.progress_token)
+
+    # -- a call, before it is sent ------------------------------------------------------------------------------
+    def track_progress(self, call: ForwardedCall, params: dict, meta: dict) -> None:
+        """The call's progress goes upstream under a token of Coffer's, mapped back to the token of the client
+        request that stands for the call (a 2026-07-28 client's retry is a new request with a new token, and
+        two clients' tokens may be the same)."""
+        call.progress_token = self.hub.progress_token(self.session)
+        with self.session.lock:
+            self.progress_calls[call.progress_token] = call
+        call.upstream_params = {**params, "_meta": {**meta, "progressToken": call.progress_token}}
+
+    def carry_orphans(self, call: ForwardedCall) -> bool:
+        """A 2026-07-28 client's call asks first the questions its upstream asked before any call could carry
+        them.  True when the call was parked for them (it is sent once they are answered)."""
         session = self.session
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-        if valid_request_id(meta.get("progressToken")):
-            with session.lock:
-                call.progress_token = session.new_id("coffer-progress-")
-                self.progress_calls[call.progress_token] = call
-            call.upstream_params = {**params, "_meta": {**meta, "progressToken": call.progress_token}}
         with session.lock:
             orphans = self.orphan_questions.pop(call.upstream.name, [])
             if orphans:  # the upstream asked before any call could carry the question: this one carries it first
@@ -157,7 +163,7 @@ class EraBridge:
             return
         if session.client_era == "modern":
             sealed = self.sealer.seal(call.method, call.client_params,
-                                      {"s": call.upstream.name, "u": round_.request_state})
+                                      RequestClaims(upstream=call.upstream.name, upstream_state=round_.request_state))
             session.respond(msg_id, call.method, {**result, "requestState": sealed})
             return
         call.rounds += 1
@@ -262,7 +268,7 @@ class EraBridge:
             call.parked_until = time.monotonic() + float(self.hub.settings["mrtr_ttl"])
         if call.sent:
             call.upstream.hold(call.ticket)
-        state = self.sealer.seal(call.method, call.client_params, {"x": call.exchange})
+        state = self.sealer.seal(call.method, call.client_params, RequestClaims(exchange=call.exchange))
         session.respond(msg_id, call.method, {
             "resultType": "input_required", "requestState": state,
             "inputRequests": {key: {"method": q.method, **({"params": q.params} if q.params or q.method != "roots/list"
@@ -272,33 +278,33 @@ class EraBridge:
         """A 2026-07-28 client's retry carrying a requestState Coffer sealed: answers for a parked exchange, or
         an upstream's own state to hand back to it, byte for byte."""
         session, calls = self.session, self.session.calls
-        claims = self.sealer.unseal(params.get("requestState"), method, params)
+        claims = self.sealer.unseal_claims(params.get("requestState"), method, params)
         responses = params.get("inputResponses")
         if responses is not None and not isinstance(responses, dict):
             raise RpcError(INVALID_PARAMS, "'inputResponses' must be an object")
         responses = responses or {}
-        if "ask" in claims and self.hub.knowledge is not None:  # coffer__ask's own rounds with the client's model
+        if claims.is_ask_round and self.hub.knowledge is not None:  # coffer__ask's rounds with the client's model
             arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
             self.hub.workers.submit(session.answer, msg_id, method, lambda: session.tools.ask(
-                arguments, started, params, {"claims": claims, "responses": responses}))
+                arguments, started, params, claims, responses))
             return None
-        if "s" in claims:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says now
-            upstream = self.hub.upstreams.get(claims["s"])
+        if claims.is_upstream_round:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says
+            upstream = session.upstream_named(claims.upstream)
             catalogue = self.hub.catalogue
             route = (catalogue.tool_routes if method == "tools/call" else catalogue.prompt_routes).get(
                 params.get("name")) if method != "resources/read" else catalogue.route_resource(params["uri"])
-            if upstream is None or route is None or route.upstream is not upstream:
+            if upstream is None or route is None or route.upstream.name != upstream.name:
                 raise RpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
             key = "uri" if method == "resources/read" else "name"
             upstream_params = {k: v for k, v in params.items() if k != "requestState"}
             upstream_params[key] = route.name
-            if claims.get("u") is not None:
-                upstream_params["requestState"] = claims["u"]
+            if claims.upstream_state is not None:
+                upstream_params["requestState"] = claims.upstream_state
             calls.forward(msg_id, upstream, method, upstream_params, params.get(key), "tool" if method == "tools/call"
                           else "prompt" if method == "prompts/get" else "resource", started, params)
             return None
         with session.lock:
-            call = self.exchanges.get(claims.get("x"))
+            call = self.exchanges.get(claims.exchange)
             if call is None or call.state is not CallState.PARKED:
                 call = None
             else:
@@ -340,7 +346,7 @@ class EraBridge:
             stale = [call for call in self.exchanges.values() if call.parked_until <= now]
             for call in stale:
                 del self.exchanges[call.exchange]
-                self.progress_calls.pop(call.progress_token, None)
+                self._forget_progress(call)
         for call in stale:
             for question in call.questions.values():
                 call.upstream.respond(rpc_error(question.upstream_id, INTERNAL_ERROR, "the client never answered"))

@@ -7,7 +7,7 @@ import time
 
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import dumps, tool_error_result
-from coffer_src.modern import META_CLIENT_CAPABILITIES
+from coffer_src.modern import META_CLIENT_CAPABILITIES, RequestClaims
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, RESERVED_SERVER, SEARCH_TOOL, SEPARATOR
 from coffer_src.search.text import bounded_top_k
 from coffer_src.terminal import redact
@@ -245,11 +245,13 @@ class BuiltinTools:
         lines = [line.strip(" -*0123456789.") for line in (rewritten or "").splitlines()]
         return [line[:300] for line in lines if line][:3]
 
-    def ask(self, arguments: dict, started: float, params: dict | None = None, round_: dict | None = None) -> dict:
+    def ask(self, arguments: dict, started: float, params: dict | None = None, claims: RequestClaims | None = None,
+            responses: dict | None = None) -> dict:
         """coffer__ask: the passages that answer a question; with the client's sampling (and ask_synthesis on), at
         most two calls to its model -- a rewrite into search queries, and an answer citing passage numbers --
         within ASK_SAMPLING_BUDGET.  A handshake-era client is asked with sampling requests; a 2026-07-28 client
-        with input_required rounds (``round_``: the sealed claims and the inputResponses of a retry).  The passages
+        with input_required rounds (``claims`` sealed in a retry's requestState, ``responses`` its
+        inputResponses).  The passages
         are returned whatever the model does.  The log gets who, when, how long and the outcome: never the
         question, a passage or the answer."""
         def fail(text):
@@ -262,13 +264,13 @@ class BuiltinTools:
             return fail("question must be a non-empty string")
         if sources is not None and not (isinstance(sources, list) and all(isinstance(x, str) for x in sources)):
             return fail("sources must be a list of source names")
-        claims, responses = (round_ or {}).get("claims") or {}, (round_ or {}).get("responses") or {}
+        claims, responses = claims or RequestClaims(), responses or {}
         try:
             top_k = bounded_top_k(arguments.get("top_k"))
             answer = self.hub.knowledge.ask(question, top_k, sources)
             hits, notes = list(answer.passages), [answer.note] if answer.note else []
-            queries = claims.get("q") if isinstance(claims.get("q"), list) else []
-            if claims.get("ask") == 1:
+            queries = list(claims.queries)
+            if claims.ask_stage == 1:
                 queries = self._queries(self._sampled_text(responses.get("coffer-rewrite")))
             if queries:
                 merged = {(h.source, h.path, tuple(h.lines)): h for h in hits}
@@ -288,37 +290,37 @@ class BuiltinTools:
         if self.session.client_era == "modern":
             meta = (params or {}).get("_meta") if isinstance((params or {}).get("_meta"), dict) else {}
             caps = meta.get(META_CLIENT_CAPABILITIES) if isinstance(meta.get(META_CLIENT_CAPABILITIES), dict) else {}
-            first = claims.get("t0", time.time())
+            first = claims.first_asked if claims.first_asked is not None else time.time()
             in_time = time.time() - first < ASK_SAMPLING_BUDGET
             if isinstance(caps.get("sampling"), dict) and in_time and (
-                    claims.get("ask") is None and rewrite or claims.get("ask") == 1 and wanted):
+                    claims.ask_stage is None and rewrite or claims.ask_stage == 1 and wanted):
                 stage, prompt, tokens = ((1, self._rewrite_prompt(question, self._note_headings(hits, sources)), 200)
-                                         if claims.get("ask") is None
+                                         if claims.ask_stage is None
                                          else (2, self._answer_prompt(question, hits), 600))
                 key = "coffer-rewrite" if stage == 1 else "coffer-answer"
-                state = self.session.bridge.sealer.seal("tools/call", params,
-                                                        {"ask": stage, "q": queries, "t0": int(first)})
+                state = self.session.bridge.sealer.seal("tools/call", params, RequestClaims(
+                    ask_stage=stage, queries=tuple(queries), first_asked=int(first)))
                 return {"resultType": "input_required", "requestState": state, "inputRequests": {
                     key: {"method": "sampling/createMessage", "params": self._sampling_params(prompt, tokens)}}}
-            if claims.get("ask") == 2:
+            if claims.ask_stage == 2:
                 synthesis = self._sampled_text(responses.get("coffer-answer"))
-        elif rewrite and "sampling" in self.session.client_capabilities and not claims:
+        elif rewrite and "sampling" in self.session.client_capabilities and not claims.is_ask_round:
             deadline = time.monotonic() + ASK_SAMPLING_BUDGET
             prompt = self._rewrite_prompt(question, self._note_headings(hits, sources))
             queries = self._queries(self._sample_text(prompt, 200, deadline))
             if queries:
-                return self.ask(arguments, started, params, {"claims": {"ask": 0, "q": queries, "sync": deadline}})
+                return self.ask(arguments, started, params,
+                                RequestClaims(ask_stage=0, queries=tuple(queries), deadline=deadline))
             if wanted:
                 synthesis = self._sample_text(self._answer_prompt(question, hits), 600, deadline)
-        if claims.get("ask") == 0 and wanted:  # the handshake era's second step (after the rewrite)
-            synthesis = self._sample_text(self._answer_prompt(question, hits), 600, claims["sync"])
-        if wanted and synthesis is None and (claims or "sampling" in self.session.client_capabilities):
+        if claims.ask_stage == 0 and wanted:  # the handshake era's second step (after the rewrite)
+            synthesis = self._sample_text(self._answer_prompt(question, hits), 600, claims.deadline)
+        if wanted and synthesis is None and (claims.is_ask_round or "sampling" in self.session.client_capabilities):
             notes.append("no answer from the client's model; passages only")
         payload = {"passages": [hit.to_dict() for hit in hits], "total_searched": answer.total_searched}
         if synthesis:
             payload["answer"] = synthesis
-        self._record(ASK_TOOL, started, "ok",
-                        "; ".join(notes) or None)
+        self._record(ASK_TOOL, started, "ok", "; ".join(notes) or None)
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
     def remember(self, arguments: dict, started: float) -> dict:

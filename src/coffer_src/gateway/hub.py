@@ -8,6 +8,7 @@ process.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sqlite3
@@ -28,17 +29,48 @@ from coffer_src.secret_store import resolution_digest
 from coffer_src.terminal import ServerLog
 from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.transport.stdio import StdioTransport, process_table
-from coffer_src.upstream.supervisor import Upstream
+from coffer_src.upstream.supervisor import Upstream, record_upstream_status
 from coffer_src.vault import CapabilityState, InvocationLog, Vault, setting_key
 
 hub_log = logging.getLogger(__name__)
 
 #: What in a server's config makes a running upstream stale: a change to any of these restarts it.
-RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env", "oauth")
+RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout", "policy", "inherit_env", "oauth",
+                "sharing")
+#: What a shared upstream is told its client can do: everything a client may offer, since any session may call it;
+#: a request it makes goes to the session whose call it serves, which answers or refuses for its own client.
+SHARED_CLIENT_CAPABILITIES = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
+
+
+class PerClientServer:
+    """A server that runs one instance per client session: what the catalogue lists for it (its lists remembered
+    from its last start) until a session's own instance is asked; the session starts that on first use."""
+
+    per_client = True
+    spawns = 0
+    ready_at = 0.0
+    generation = 0
+
+    def __init__(self, config: dict, remembered: dict):
+        self.config = config
+        self.name: str = config["name"]
+        self.remembered = remembered
+        self.lists = {kind: {} for kind in ("tool", "prompt", "resource", "template")}
+        self.era = config.get("era")
+        self.capabilities = config.get("capabilities") or {}
+        self.state = "idle"
+
+    def learn(self, lists: dict) -> bool:
+        """A session's instance listed these: remember them for every session's catalogue.  True if they changed."""
+        kept = {kind: items for kind, items in lists.items() if kind in ("tool", "prompt") and items}
+        changed = kept != self.remembered
+        self.remembered = kept
+        return changed
 
 
 class Hub:
-    """The upstreams, catalogue and indexes every client session of this process shares.
+    """The upstreams, catalogue and indexes every client session of this process shares; the events of its
+    upstreams come here (it implements upstream.supervisor.UpstreamEvents).
 
     Threads and what they own:
       - each upstream's reader delivers that upstream's events here (``on_ready``, ``on_down``, ``on_list_changed``
@@ -56,8 +88,9 @@ class Hub:
     a lock, from any thread, whatever lock it already holds.
     """
 
-    def __init__(self, vault: Vault, remember: bool = True, only=None):
+    def __init__(self, vault: Vault, remember: bool = True, only=None, shared: bool = False):
         self.vault = vault
+        self.shared = shared     # the user's service: sessions come and go; False: one client, in-process
         self.remember = remember
         self.only = set(only) if only else None  # serve just these servers (`coffer call` needs one)
         self.vault_lock = threading.Lock()
@@ -66,6 +99,9 @@ class Hub:
         self.log = InvocationLog(vault.path)
         self.disabled_servers: set[str] = set()
         self.upstreams: dict[str, Upstream] = {}
+        self.per_client: dict[str, PerClientServer] = {}   # shared mode: servers each session runs its own of
+        self._progress: dict[str, object] = {}             # Coffer's progress token upstream -> its session
+        self._progress_ids = itertools.count(1)
         self.configs: dict[str, dict] = {}
         self.remembered: dict[str, dict] = {}  # server -> kind -> {name: definition}, from the vault
         self.states = vault.capability_states()
@@ -94,11 +130,18 @@ class Hub:
         """Read what to serve from the vault and start the ticker (upstreams start with the first session)."""
         try:
             self.vault.prune()
-        except (sqlite3.Error, CofferError) as exc:  # a busy or read-only vault must not stop the session
+        except CofferError as exc:  # a busy or read-only vault must not stop the session
             hub_log.warning("retention pruning skipped: %s", exc)
         self.configs = self._serving(self.vault.servers(), report=True)
         self.remembered = self.vault.remembered_lists() if self.remember else {}
         self._update_knowledge()
+        if self.shared:  # upstreams start with the service, not with a client: they are warm when one comes
+            self._upstream_client = (SHARED_CLIENT_CAPABILITIES, None, LATEST_PROTOCOL_VERSION)
+            self._load_usage()
+            for config in self.configs.values():
+                self._add_upstream(config)
+            if any(up.remembered for up in self.upstreams.values()) or self.per_client:
+                self.rebuild()
         start_thread(self._tick, "coffer-ticker")
 
     @property
@@ -123,15 +166,18 @@ class Hub:
                 self._upstream_client = (caps, session.client_info or None, session.protocol_version)
         if not first:
             return
-        try:
-            with self.vault_lock:
-                self.usage = self.vault.tool_usage()
-        except sqlite3.Error as exc:
-            hub_log.warning("tool usage unavailable (%s); a budgeted list falls back to catalogue order", exc)
+        self._load_usage()
         for config in self.configs.values():
             self._add_upstream(config)
         if any(up.remembered for up in self.upstreams.values()):
             self.rebuild()  # remembered tools are listable at once; before `initialized`, so no notification
+
+    def _load_usage(self) -> None:
+        try:
+            with self.vault_lock:
+                self.usage = self.vault.tool_usage()
+        except CofferError as exc:
+            hub_log.warning("tool usage unavailable (%s); a budgeted list falls back to catalogue order", exc)
 
     def shutdown(self) -> None:
         """Write the log, stop every upstream (and its descendants), the workers and the rankers' threads.  A
@@ -180,10 +226,10 @@ class Hub:
         memory = self.settings["memory"] == "on"
         try:
             with self.vault_lock:
-                row = self.vault.db.execute("SELECT count(*) FROM knowledge_sources WHERE kind='folder'").fetchone()
-            has_sources = bool(row and row[0])
-        except sqlite3.Error:
-            has_sources = False  # no knowledge table yet: nothing was ever added
+                has_sources = self.vault.has_knowledge_sources()
+        except CofferError as exc:
+            hub_log.warning("knowledge sources unavailable: %s", exc)
+            has_sources = False
         if (has_sources or memory) and self.knowledge is None:
             try:
                 self.knowledge = KnowledgeBase(self.vault.path, self.vault.home,
@@ -223,6 +269,10 @@ class Hub:
             advertised["resources"]["subscribe"] = True
         return advertised
 
+    def subscribed_elsewhere(self, session, upstream, uri: str) -> bool:
+        """Whether a session other than ``session`` still wants resources/updated for ``uri`` of ``upstream``."""
+        return any(other is not session and other.calls.subscribed(upstream, uri) for other in self.sessions)
+
     def failed_servers(self) -> tuple[list[str], list[str]]:
         """Servers that failed at their last start: (waiting for a login, failed otherwise)."""
         failed = [c["name"] for c in self.configs.values() if c.get("status") == "failed"]
@@ -231,6 +281,12 @@ class Hub:
 
     def _add_upstream(self, config: dict) -> None:
         caps, info, version = self._upstream_client or ({}, None, LATEST_PROTOCOL_VERSION)
+        if self.shared and config.get("sharing") == "per-client":
+            with self.lock:
+                if config["name"] not in self.per_client:
+                    placeholder = PerClientServer(config, self.remembered.pop(config["name"], {}))
+                    self.per_client = {**self.per_client, config["name"]: placeholder}
+            return
         with self.lock:  # a session's first request (client thread) and a vault reload (ticker) may both get here
             if config["name"] in self.upstreams:
                 return
@@ -306,9 +362,17 @@ class Hub:
                     self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
                 start_thread(upstream.stop, f"coffer-{name}-stop")
                 changed = True
+        for name, placeholder in self.per_client.items():
+            old, new = self.configs.get(name), configs.get(name)
+            if new is None or any(old.get(k) != new.get(k) for k in RESTART_KEYS):
+                with self.lock:
+                    self.per_client = {key: p for key, p in self.per_client.items() if key != name}
+                for session in self.sessions:
+                    session.drop_private(name)
+                changed = True
         self.configs = configs
         for name, config in configs.items():
-            if name not in self.upstreams:
+            if name not in self.upstreams and name not in self.per_client:
                 self._add_upstream(config)
         if changed:
             self.rebuild()
@@ -320,7 +384,7 @@ class Hub:
                 states = self.vault.sync_capabilities(upstream.name, kind, items, upstream.rejected.get(kind))
                 self.states = {**self.states, **{(upstream.name, kind, name): state
                                                  for name, state in states.items()}}
-        except (sqlite3.Error, CofferError) as exc:
+        except CofferError as exc:
             ServerLog(hub_log, upstream.name).warning("could not record its %ss in the vault: %s", kind, exc)
             if upstream.config.get("policy") == "disabled":  # fail closed: unrecorded means not allowed
                 with self.vault_lock:
@@ -336,14 +400,9 @@ class Hub:
                 with self.vault_lock:
                     self.vault.record_era(upstream.name, upstream.era)
                 upstream.config["era"] = upstream.era
-            except (sqlite3.Error, CofferError) as exc:
+            except CofferError as exc:
                 ServerLog(hub_log, upstream.name).debug("could not remember its protocol era: %s", exc)
-        counts = {kind: len(items) for kind, items in upstream.lists.items() if items}
-        info = upstream.server_info
-        who = f"{info.get('name', '?')} {info.get('version', '')}".strip() + ": " if info else ""
-        self.record_status(upstream, "ready",
-                           who + (", ".join(f"{n} {k}s" for k, n in counts.items()) or "no capabilities"),
-                           upstream.capabilities)
+        self.record_status(upstream, "ready")
         for session in self.sessions:
             session.upstream_ready(upstream)
         try:
@@ -367,40 +426,109 @@ class Hub:
                 config["transport"] = detected
             try:
                 self.vault.set_transport(upstream.name, detected)
-            except (sqlite3.Error, CofferError) as exc:
+            except CofferError as exc:
                 ServerLog(hub_log, upstream.name).warning("could not remember its transport: %s", exc)
 
     def on_down(self, upstream: Upstream) -> None:
         for session in self.sessions:
             session.upstream_down(upstream)
-        self.record_status(upstream, upstream.state, upstream.last_error or "")
+        self.record_status(upstream, upstream.state)
         if upstream.state == "failed":
             self.rebuild()
         for session in self.sessions:
             session.release_waiting()
 
-    def record_status(self, upstream: Upstream, status: str, detail: str, capabilities=None) -> None:
-        try:
-            with self.vault_lock:
-                self.vault.record_status(upstream.name, status, detail[:2000], capabilities)
-        except (sqlite3.Error, CofferError) as exc:
-            ServerLog(hub_log, upstream.name).warning("could not record status: %s", exc)
+    def record_status(self, upstream: Upstream, status: str, detail: str | None = None) -> None:
+        """What an upstream's start or end tells `coffer list`, `show` and the agent's instructions."""
+        record_upstream_status(self.vault, self.vault_lock, upstream, status, detail)
 
     def on_notification(self, upstream: Upstream, message: dict) -> None:
-        """A notification an upstream may send (see RELAYED_NOTIFICATIONS): each session relays what concerns it."""
-        for session in self.sessions:
+        """A notification an upstream may send (see RELAYED_NOTIFICATIONS) goes where it belongs: progress to the
+        session whose call it reports on (by Coffer's own token), log messages and elicitation notices to the
+        sessions with calls in flight to that upstream (when none has, every session, at its own level), the rest
+        to every session, each relaying what concerns it."""
+        method = message["method"]
+        params = message.get("params") if isinstance(message.get("params"), dict) else {}
+        if method == "notifications/progress":
+            session = self._progress.get(params.get("progressToken"))
+            sessions = (session,) if session is not None else ()
+        elif method in ("notifications/message", "notifications/elicitation/complete"):
+            sessions = tuple(s for s in self.sessions if s.oldest_call_to(upstream) is not None) or self.sessions
+        else:
+            sessions = self.sessions
+        for session in sessions:
             session.upstream_notification(upstream, message)
 
+    def progress_token(self, session) -> str:
+        """A progress token of Coffer's own for one call upstream: whichever session's call it is, its progress
+        comes back to that session only (clients' own tokens may collide)."""
+        token = f"coffer-progress-{next(self._progress_ids)}"
+        with self.lock:
+            self._progress = {**self._progress, token: session}
+        return token
+
+    def forget_progress(self, token) -> None:
+        if token in self._progress:
+            with self.lock:
+                self._progress = {key: s for key, s in self._progress.items() if key != token}
+
     def on_request(self, upstream: Upstream, message: dict) -> None:
-        """A server->client request (sampling, elicitation, roots): the session with a call in flight to that
-        upstream answers it (the oldest such call's, when there are several), else the first session."""
+        """A server->client request (sampling, elicitation, roots) reaches the client whose call it serves.
+
+        One client in-process: that client.  Shared: a server that asks the client anything depends on its client,
+        so from now on it runs one instance per client (recorded, shown by `coffer show`); this request goes to
+        the one session with calls in flight to it, and to none when there is no such call or more than one
+        session has calls there (nothing on the wire says which call a request serves: guessing could hand one
+        client's question to another)."""
         sessions = self.sessions
-        session = min((s for s in sessions if s.oldest_call_to(upstream) is not None),
-                      key=lambda s: s.oldest_call_to(upstream), default=sessions[0] if sessions else None)
+        calling = [s for s in sessions if s.oldest_call_to(upstream) is not None]
+        if not self.shared:
+            session = min(calling, key=lambda s: s.oldest_call_to(upstream)) if calling else \
+                (sessions[0] if sessions else None)
+        else:
+            what = {"roots/list": "the client's roots", "sampling/createMessage": "the client's model (sampling)",
+                    "elicitation/create": "the user (elicitation)"}.get(message["method"], message["method"])
+            self.make_per_client(upstream.name, f"it asked {what}")
+            session = calling[0] if len(calling) == 1 else None
         if session is None:
-            upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "no client is connected"))
+            upstream.respond(rpc_error(message["id"], METHOD_NOT_FOUND, "no client call of this server can take "
+                                       "this request; Coffer runs this server once per client from now on"))
             return
         session.upstream_request(upstream, message)
+
+    def make_per_client(self, name: str, reason: str) -> None:
+        """Switch a shared server to one instance per client: recorded (and shown by `coffer show`), its shared
+        instance stopped once its calls are answered; the next call of each session starts that session's own."""
+        with self.lock:
+            upstream = self.upstreams.get(name)
+            config = self.configs.get(name)
+            if upstream is None or config is None:
+                return  # already switched (a retiring instance may ask again), or gone
+            config = self.configs[name] = {**config, "sharing": "per-client", "sharing_reason": reason}
+            self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
+            lists = {kind: items for kind, items in upstream.lists.items() if kind in ("tool", "prompt") and items}
+            placeholder = PerClientServer(config, lists or upstream.remembered)
+            self.per_client = {**self.per_client, name: placeholder}
+        ServerLog(hub_log, name).info("runs once per client from now on: %s", reason)
+        if not placeholder.remembered:  # nothing known of it yet: each client's own instance will say what it offers
+            for session in self.sessions:
+                if session.initialized:
+                    session.instance_of(placeholder)
+        try:
+            with self.vault_lock:
+                self.vault.set_sharing(name, "per-client", reason)
+        except CofferError as exc:
+            ServerLog(hub_log, name).warning("could not record that it runs per client: %s", exc)
+        start_thread(self._retire, f"coffer-{name}-retire", upstream)
+        self.rebuild()
+
+    def _retire(self, upstream: Upstream) -> None:
+        """Stop a shared instance that was switched to per-client once nothing is waiting on it (bounded)."""
+        deadline = time.monotonic() + upstream.call_timeout
+        while time.monotonic() < deadline and any(s.oldest_call_to(upstream) is not None for s in self.sessions):
+            if self._stopping.wait(0.2):
+                break
+        upstream.stop()
 
     # -- the catalogue -------------------------------------------------------------------------------------
     def rebuild(self, force: bool = False) -> None:
@@ -420,6 +548,7 @@ class Hub:
                 self._rebuilds_done = self._rebuilds_wanted
                 force, self._force_tools_notice = self._force_tools_notice, False
             live = [up for up in self.upstreams.values() if up.state not in ("failed", "stopped")]
+            live += list(self.per_client.values())
             catalogue = Catalogue(live, self.states, self.settings["name_max_length"])
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new

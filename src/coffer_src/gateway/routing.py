@@ -20,6 +20,7 @@ from coffer_src.jsonrpc import (
     RpcError,
     rpc_error,
     tool_error_result,
+    valid_request_id,
 )
 from coffer_src.modern import INPUT_REQUIRED_METHODS
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL, SEPARATOR
@@ -46,6 +47,8 @@ class CallRouter:
         self.hub = session.hub
         self.inflight: dict[object, ForwardedCall] = {}
         self.subscriptions: dict[str, set[str]] = {}
+        self.calls_made = 0    # requests this session has sent upstream (`coffer status`)
+        self.called: set[str] = set()   # the upstreams it has sent them to
 
     def record(self, server: str, capability: str, kind: str, started: float, outcome: str,
                detail: str | None = None) -> None:
@@ -136,6 +139,8 @@ class CallRouter:
                 subscribed.add(original) if method == "resources/subscribe" else subscribed.discard(original)
             if upstream.era == "modern":
                 return {}  # a 2026-07-28 server has no resources/subscribe (updates need a listen stream of its own)
+            if method == "resources/unsubscribe" and self.hub.subscribed_elsewhere(self.session, upstream, original):
+                return {}  # another client still wants its updates
             self.forward(msg_id, upstream, method, {**params, "uri": original}, uri, None, time.monotonic())
         return handler
 
@@ -178,11 +183,11 @@ class CallRouter:
     def _unknown(self, msg_id, name: str, kind: str, started: float, retry):
         """An unknown name: wait out discovery if its server is still starting, else a readable error."""
         server = name.partition(SEPARATOR)[0]
-        discovering = self.hub.discovering()
+        discovering = self.session.discovering()
         if retry is not None and server in discovering:
             # A call names its server: it waits for that server's start (bounded like the start itself), not
             # just the lists' discovery budget; answering "unknown tool" for a tool that is on its way is wrong.
-            upstream = self.hub.upstreams.get(server)
+            upstream = self.session.upstream_named(server)
             deadline = started + (upstream.call_timeout if upstream else float(self.hub.settings["call_timeout"]))
             if time.monotonic() < deadline:
                 method = "tools/call" if kind == "tool" else "prompts/get"
@@ -206,10 +211,18 @@ class CallRouter:
                 started: float, client_params: dict | None = None) -> None:
         """Send a client request upstream under the upstream's own id; its answer goes straight to the client
         (``deliver``).  ``params`` are the upstream's (its own names); ``client_params`` what the client sent."""
+        session = self.session
+        upstream = session.instance_of(upstream)
         call = ForwardedCall(upstream, method, capability, kind, started, msg_id,
                              client_params if client_params is not None else params, params)
-        if self.session.client_era == "modern" and method in INPUT_REQUIRED_METHODS:
-            if self.session.bridge.before_send(call, params):
+        meta = params.get("_meta")
+        if isinstance(meta, dict) and valid_request_id(meta.get("progressToken")):
+            session.bridge.track_progress(call, params, meta)
+        self.calls_made += 1
+        self.called.add(upstream.name)
+        upstream.last_call = time.time()
+        if session.client_era == "modern" and method in INPUT_REQUIRED_METHODS:
+            if session.bridge.carry_orphans(call):
                 return  # parked: questions the upstream asked earlier go to the client first
         self.send(call)
 
@@ -238,7 +251,8 @@ class CallRouter:
         with session.lock:
             if call.state is CallState.ANSWERING:
                 self.inflight[call.msg_id] = call
-        if call.upstream.request(call.method, call.upstream_params, on_reply, ticket=call.ticket) is None:
+        if call.upstream.request(call.method, call.upstream_params, on_reply, ticket=call.ticket,
+                                 envelope=session.envelope_for(call)) is None:
             return  # failed at once: on_reply has answered and cleared it
         with session.lock:
             parked = call.state is CallState.PARKED
@@ -311,6 +325,10 @@ class CallRouter:
             call.upstream.cancel(call.ticket, reason)
 
     # -- what the session asks about its calls ---------------------------------------------------------------
+    def used(self, upstream: Upstream) -> bool:
+        """Whether this session has called ``upstream`` (`coffer status`: how many sessions use a server)."""
+        return upstream.name in self.called
+
     def oldest_to(self, upstream: Upstream) -> float | None:
         with self.session.lock:
             return min((call.started for call in self.inflight.values() if call.upstream is upstream), default=None)

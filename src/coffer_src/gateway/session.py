@@ -18,6 +18,7 @@ import time
 
 from coffer_src.gateway.bridge import EraBridge
 from coffer_src.gateway.builtins import (
+    CLIENT_SIDE_CAPABILITIES,
     INSTRUCTIONS,
     SEARCH_TOOL_DEFINITION,
     BuiltinTools,
@@ -53,9 +54,11 @@ from coffer_src.jsonrpc import (
     wire_text,
 )
 from coffer_src.modern import (
+    META_CLIENT_INFO,
     MODERN_CLIENT_METHODS,
     MODERN_PROTOCOL_VERSIONS,
     UNSUPPORTED_PROTOCOL_VERSION,
+    Envelope,
     coffer_server_info,
     is_enveloped,
     modern_error,
@@ -67,6 +70,7 @@ from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL
 from coffer_src.threads import start_thread
 from coffer_src.upstream.definitions import SERVER_REQUEST_NEEDS, normalized_reply
 from coffer_src.upstream.supervisor import Upstream
+from coffer_src.vault import iso_timestamp
 
 session_log = logging.getLogger(__name__)
 
@@ -146,9 +150,13 @@ class ClientSession:
 
     MAX_BATCH = 10_000     # messages in one JSON-RPC batch line (each costs ~100x its bytes once parsed)
 
-    def __init__(self, hub: Hub, out=None, on_client_gone=None):
+    def __init__(self, hub: Hub, out=None, on_client_gone=None, stream=None):
+        """``out``: where the client's bytes go (stdout, a socket); or ``stream``: an object with ClientStream's
+        surface (send(message), flush(), gone) that takes the messages themselves, such as an HTTP transport
+        that answers each request on its own response."""
         self.hub = hub
-        self.stream = ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
+        self.stream = stream if stream is not None else \
+            ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
         self.on_client_gone = on_client_gone
         self.lock = threading.RLock()
         self.initialized = False
@@ -164,6 +172,9 @@ class ClientSession:
         self.client_requests: dict[str, RelayedRequest] = {}   # by the id Coffer gave the relayed request
         self.own_requests: dict[str, OwnRequest] = {}         # Coffer's own requests to the client
         self._ids = itertools.count(1)
+        self.since = time.time()
+        self.private: dict[str, Upstream] = {}   # shared mode: this client's own instances of per-client servers
+        self._private_listed: frozenset[str] = frozenset()   # those whose lists are in the catalogue
         self.calls = CallRouter(self)
         self.bridge = EraBridge(self)
         self.tools = BuiltinTools(self)
@@ -205,14 +216,24 @@ class ClientSession:
         """Read the client until EOF.  Every line gets an answer or is a notification; nothing ends the session
         but the client closing its input (or a signal).  A line over max_message_bytes is answered with an error
         and skipped as it arrives, never held."""
-        read = getattr(stream, "read1", stream.read)
+        read = getattr(stream, "read1", None) or getattr(stream, "recv", None) or stream.read
         try:
             for lines in read_line_bursts(read, max_line=int(self.hub.settings["max_message_bytes"])):
                 if self.stream.gone:
                     break
                 handle_burst(lines, self.handle_line)
         finally:
-            self.hub.detach(self)
+            self.close()
+
+    def close(self) -> None:
+        """The client is gone: its calls are cancelled upstream, its own server instances stopped, and the hub
+        forgets it (in-process, the hub itself stops next)."""
+        self.hub.detach(self)
+        self.calls.cancel_all("the client went away")
+        with self.lock:
+            private, self.private = list(self.private.values()), {}
+        for upstream in private:
+            start_thread(upstream.stop, f"coffer-{upstream.name}-stop")
 
     def handle_line(self, line) -> None:
         if wire_log.isEnabledFor(logging.DEBUG):
@@ -351,6 +372,65 @@ class ClientSession:
         self.hub.begin(self)
         self.initialized = True
         self.advertised = self.hub.advertised_capabilities()
+        for placeholder in list(self.hub.per_client.values()):
+            if not placeholder.remembered:  # never seen: this client's own instance lists what it offers
+                self.instance_of(placeholder)
+
+    # -- this client's own server instances (shared mode: servers that run once per client) ----------------------
+    def instance_of(self, upstream):
+        """The upstream a call of this session goes to: the shared one, or this session's own instance of a
+        per-client server (started now if this is its first use; a call waits for its start)."""
+        if not getattr(upstream, "per_client", False):
+            return upstream
+        with self.lock:
+            instance = self.private.get(upstream.name)
+            if instance is None:
+                caps = {k: v for k, v in self.client_capabilities.items() if k in CLIENT_SIDE_CAPABILITIES}
+                instance = Upstream(upstream.config, self.hub.settings, PrivateEvents(self), caps,
+                                    self.protocol_version, self.hub.vault.secrets, self.client_info or None)
+                instance.remembered = upstream.remembered
+                self.private[upstream.name] = instance
+                fresh = True
+            else:
+                fresh = False
+        if fresh:
+            instance.start()
+        return instance
+
+    def discovering(self, kind: str | None = None) -> list[str]:
+        """Servers this session still waits for: the hub's starting upstreams, and this session's own instances
+        of per-client servers until what they list is in the catalogue."""
+        own = [name for name, instance in self.private.items()
+               if instance.state not in ("failed", "stopped") and name not in self._private_listed
+               and not (kind and kind in instance.remembered)]
+        return self.hub.discovering(kind) + own
+
+    def private_listed(self, upstream: Upstream) -> None:
+        """This session's own instance of a per-client server is up and its lists are in the catalogue."""
+        self._private_listed = self._private_listed | {upstream.name}
+        self.release_waiting()
+
+    def upstream_named(self, name: str):
+        return self.private.get(name) or self.hub.upstreams.get(name)
+
+    def drop_private(self, name: str) -> None:
+        """The server's config changed (or it was removed): stop this session's own instance of it."""
+        with self.lock:
+            instance = self.private.pop(name, None)
+        if instance is not None:
+            start_thread(instance.stop, f"coffer-{name}-stop")
+
+    def envelope_for(self, call) -> Envelope:
+        """What a 2026-07-28 upstream is told of the client behind one request: a 2026-07-28 client's own envelope
+        on that request; for a handshake-era client, what its initialize declared and its logging level."""
+        if self.client_era == "modern":
+            meta = call.client_params.get("_meta")
+            meta = meta if isinstance(meta, dict) else {}
+            info = meta.get(META_CLIENT_INFO)
+            return Envelope(MODERN_PROTOCOL_VERSIONS[-1], call.capabilities, info if isinstance(info, dict) else None,
+                            call.log_level)
+        caps = {k: v for k, v in self.client_capabilities.items() if k in CLIENT_SIDE_CAPABILITIES}
+        return Envelope(MODERN_PROTOCOL_VERSIONS[-1], caps, self.client_info or None, self.log_level)
 
     def instructions(self) -> str:
         """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
@@ -432,7 +512,7 @@ class ClientSession:
         the client's other requests are never held up behind a slow server.  ``background`` work (a search that
         may take a while) always goes to the pool, off the client's reader thread.
         """
-        if not self.hub.discovering(kind) or time.monotonic() >= self.discovery_deadline:
+        if not self.discovering(kind) or time.monotonic() >= self.discovery_deadline:
             if not background:
                 return work()
             self.hub.workers.submit(self.answer, msg_id, method, work)
@@ -452,7 +532,7 @@ class ClientSession:
             return
         now = time.monotonic()
         expired = now >= self.discovery_deadline
-        discovering = self.hub.discovering
+        discovering = self.discovering
         with self.lock:
             done, still = [], []
             for waiting in self._waiting:
@@ -517,6 +597,12 @@ class ClientSession:
             upstream.request("logging/setLevel", {"level": level}, lambda *a: None)
 
     # -- what upstreams tell this session (the hub passes them on) -------------------------------------------
+    def status(self) -> dict:
+        """This session as `coffer status` shows it."""
+        version = self.client_info.get("version")
+        return {"client": self.client_name, "version": version if isinstance(version, str) else None,
+                "era": self.client_era, "since": iso_timestamp(self.since), "calls": self.calls.calls_made}
+
     def upstream_ready(self, upstream: Upstream) -> None:
         """An upstream (re)started: give it this client's logging level and, after a restart, its subscriptions."""
         if self.log_level and "logging" in upstream.capabilities:
@@ -661,3 +747,41 @@ class ClientSession:
             for upstream in list(self.hub.upstreams.values()):
                 if upstream.state == "ready":
                     upstream.notify(method)
+
+
+class PrivateEvents:
+    """The events of a session's own instance of a per-client server: its answers and questions concern that
+    session alone; what it lists is recorded for every session's catalogue, as a shared server's is."""
+
+    def __init__(self, session: ClientSession):
+        self.session = session
+        self.hub = session.hub
+
+    def on_ready(self, upstream: Upstream) -> None:
+        self.hub.record_status(upstream, "ready")
+        self.session.upstream_ready(upstream)
+        try:
+            self._learn(upstream)
+        finally:
+            self.session.private_listed(upstream)
+
+    def on_down(self, upstream: Upstream) -> None:
+        self.session.upstream_down(upstream)
+        self.hub.record_status(upstream, upstream.state)
+        self.session.release_waiting()
+
+    def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
+        self.hub.on_list_changed(upstream, kind, items, False)
+        if notify:
+            self._learn(upstream)
+
+    def _learn(self, upstream: Upstream) -> None:
+        placeholder = self.hub.per_client.get(upstream.name)
+        if placeholder is not None and placeholder.learn(upstream.lists):
+            self.hub.rebuild()
+
+    def on_notification(self, upstream: Upstream, message: dict) -> None:
+        self.session.upstream_notification(upstream, message)
+
+    def on_request(self, upstream: Upstream, message: dict) -> None:
+        self.session.upstream_request(upstream, message)

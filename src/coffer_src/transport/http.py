@@ -8,7 +8,7 @@ from typing import NamedTuple
 from coffer_src import __version__
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, decode_json, encode_line
 from coffer_src.names import origin_text, same_origin, url_origin
-from coffer_src.terminal import log, printable, redact
+from coffer_src.terminal import printable, redact
 from coffer_src.transport.stdio import UpstreamFailure
 
 OAUTH_SECRET_PREFIX = "oauth."          # SecretStore name of a server's saved login: oauth.<server>
@@ -27,6 +27,11 @@ class HttpReply(NamedTuple):
     body: bytes
     url: str                # where the answer came from, after same-origin redirects
     stream: object = None
+
+    @property
+    def ok(self) -> bool:
+        """A 2xx: the one test of success for an MCP endpoint (the OAuth endpoints name their exact codes)."""
+        return 200 <= self.status < 300
 
 
 class OriginRefused(UpstreamFailure):
@@ -64,7 +69,7 @@ def remote_http(method: str, url: str, *, headers=None, body: bytes | None = Non
     at most MAX_REDIRECTS times; any other raises OriginRefused.
     """
     global _http_opener
-    import http.client  # noqa: E401 - lazily: ~19 MB of RSS
+    import http.client  # noqa: E401 - lazily: a gateway of stdio servers never pays for the HTTP stack
     import urllib.error
     import urllib.request
     if _http_opener is None:
@@ -158,12 +163,17 @@ def abort_stream(response) -> None:
         pass
 
 
-def _close_reply(reply: HttpReply) -> None:
-    if reply.stream is not None:
+def close_stream(stream) -> None:
+    """Close a streamed response, whatever state its connection is in."""
+    if stream is not None:
         try:
-            reply.stream.close()
+            stream.close()
         except (OSError, ValueError):
             pass
+
+
+def _close_reply(reply: HttpReply) -> None:
+    close_stream(reply.stream)
 
 
 def _content_type(reply: HttpReply) -> str:
@@ -229,8 +239,8 @@ def read_sse_events(readline, max_event_bytes: int):
         if colon and value.startswith(b" "):
             value = value[1:]
         if name == b"data":
-            # Each line costs ~100 bytes of bookkeeping, whatever it holds: an event of a million empty data
-            # lines must hit the limit long before it holds a gigabyte.
+            # Each line costs bookkeeping whatever it holds, so each counts for more than its data: an event of a
+            # million empty data lines must hit the limit long before it holds a gigabyte.
             size += (length if length > max_event_bytes else len(value)) + 128
             if size > max_event_bytes:
                 head = head or (b"\n".join(data) + b"\n" + value)[:4096]
@@ -242,13 +252,14 @@ def read_sse_events(readline, max_event_bytes: int):
         # id and retry serve resumption, which the 2024-11-05 transport does not define: a drop is a new session.
 
 
-def _messages_of(data: bytes, name: str, on_unusable=None) -> list[dict]:
-    """The JSON-RPC messages in one event or body (a message or a batch); junk is skipped with a warning, and
-    ``on_unusable`` hears of it, so a request it answered fails at once instead of waiting for its timeout."""
+def _messages_of(data: bytes, server_log, on_unusable=None) -> list[dict]:
+    """The JSON-RPC messages in one event or body (a message or a batch); junk is skipped with a warning (to
+    ``server_log``, the transport's ServerLog), and ``on_unusable`` hears of it, so a request it answered fails at
+    once instead of waiting for its timeout."""
     try:
         payload = decode_json(data)
     except ValueError as exc:
-        log.warning("[%s] skipped an SSE event that is not JSON (%d bytes: %s)", name, len(data), exc)
+        server_log.warning("skipped an SSE event that is not JSON (%d bytes: %s)", len(data), exc)
         if on_unusable is not None:
             on_unusable(data[:4096], f"a reply Coffer cannot read ({exc})")
         return []
@@ -256,7 +267,27 @@ def _messages_of(data: bytes, name: str, on_unusable=None) -> list[dict]:
     return [item for item in items if isinstance(item, dict)]
 
 
+# -- which transport a server speaks ------------------------------------------------------------------------
+
+FALLBACK_TO_GET = (400, 404, 405)   # what an HTTP+SSE server answers a Streamable HTTP POST (MCP 2025-11-25)
+
+
 def _probe_initialize() -> bytes:
     return encode_line({"jsonrpc": "2.0", "id": "coffer-probe", "method": "initialize", "params": {
         "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
         "clientInfo": {"name": "coffer", "version": __version__}}})
+
+
+def initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> tuple[HttpReply, HttpReply | None]:
+    """The spec's backwards-compatibility probe, in one place: POST an initialize (Streamable HTTP); when that
+    answers 400, 404 or 405, GET an event stream (HTTP+SSE).  ``exchange`` is remote_http or a function with its
+    signature (one that adds the server's OAuth token).  Returns the POST's reply (closed) and the GET's (None when
+    the POST's answer settled it), whose stream is open: the caller reads it and closes it."""
+    posted = exchange("POST", url, body=_probe_initialize(), timeout=timeout, stream=True,
+                      headers={"Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+                               **headers})
+    _close_reply(posted)
+    if posted.status not in FALLBACK_TO_GET:
+        return posted, None
+    return posted, exchange("GET", url, timeout=timeout, stream=True, headers={"Accept": "text/event-stream",
+                                                                               **headers})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import queue
 import threading
 import time
@@ -11,7 +13,7 @@ from typing import NamedTuple
 from coffer_src.jsonrpc import UPSTREAM_ERROR, encode_line, request_id_in, rpc_error
 from coffer_src.names import origin_text, same_origin, url_origin
 from coffer_src.oauth import OAuthCredentials, authorized_exchange
-from coffer_src.terminal import log, printable
+from coffer_src.terminal import ServerLog, printable
 from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.transport.http import (
     _ERROR_BODY_BYTES,
@@ -22,15 +24,28 @@ from coffer_src.transport.http import (
     _close_reply,
     _content_type,
     _messages_of,
-    _probe_initialize,
     _reply_text,
     abort_stream,
+    close_stream,
+    initialize_or_stream,
     read_sse_events,
     remote_http,
     settle_stream,
     stream_errors,
 )
 from coffer_src.transport.stdio import Transport, UpstreamFailure
+
+remote_log = logging.getLogger(__name__)
+
+
+def _end_http_session(url: str, headers: dict, auth, timeout: float) -> None:
+    """DELETE a Streamable HTTP session (``headers`` carry its Mcp-Session-Id), as the spec asks of a client that
+    is done with one.  Best effort: a server that cannot be told forgets the session on its own."""
+    try:
+        remote_http("DELETE", url, headers={**headers, **(auth.headers_for(url) if auth else {})}, timeout=timeout,
+                    max_bytes=_ERROR_BODY_BYTES)
+    except UpstreamFailure:
+        pass
 
 
 class HttpTransport(Transport):
@@ -42,6 +57,16 @@ class HttpTransport(Transport):
     notifications/initialized arrives before the first list request), and one whose reply holds no answer fails at
     once.  With ``auth`` (OAuthCredentials) each request carries the server's bearer token, refreshed and retried
     once on 401.  ``close`` ends the server's own stream and the pool's workers.
+
+    Threads: ``send`` runs on any thread; each POST and the handling of its reply on a worker of the pool (so
+    ``on_message`` runs on many threads at once); notifications on a pool of one, in order; the server's own GET
+    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended`` and ``_released``: ``send``
+    queues a message only while the transport is open, so nothing is queued on a closed pool (where it would wait
+    for its timeout); ``on_close`` and the release of the pools happen once each, also when the server ended the
+    connection first; and a notification keeps its place in line (the newest one's ``_delivered`` is the one a
+    later request waits for).  ``session_id`` and ``protocol_version`` are written once, by the initialize reply,
+    before any other request is sent (the Upstream waits for that reply); ``_listening`` only by that reply's
+    worker.
     """
 
     POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)
@@ -56,7 +81,11 @@ class HttpTransport(Transport):
         self.timeout, self.max_body, self.auth = timeout, max_body, auth
         self.session_id: str | None = None
         self.protocol_version: str | None = None
-        self._closed = False
+        self.log = ServerLog(remote_log, name)
+        self._lock = threading.Lock()
+        self._closed = False        # no more messages: closed, or ended by the server
+        self._ended = False         # ended by the server (its session expired, a login is needed): no DELETE
+        self._released = False      # the pools and the stream are let go
         self._listening = False
         self._stream = None                      # the server's own GET stream, while open
         self._delivered: threading.Event | None = None   # the last notification's POST is done
@@ -71,12 +100,25 @@ class HttpTransport(Transport):
         if self._closed:
             return False
         body = encode_line(message)
-        if "id" in message:
-            self._pool.submit(self._post, message, body, self._delivered, None)
-        else:
-            delivered = self._delivered = threading.Event()
-            self._notices.submit(self._post, message, body, None, delivered)
+        with self._lock:
+            if self._closed:
+                return False
+            if "id" in message:
+                self._pool.submit(self._post, message, body, self._delivered, None)
+            else:  # the notification queued last is the one whose delivery later requests wait for
+                delivered = self._delivered = threading.Event()
+                self._notices.submit(self._post, message, body, None, delivered)
         return True
+
+    def _end(self, reason: str) -> None:
+        """The connection is over from the server's side: ``on_close`` once, with ``close_reason`` set (the
+        Upstream then closes this transport, which lets its pools go)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._ended = True
+            self.close_reason = reason
+        self.on_close()
 
     def _request_headers(self) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
@@ -109,12 +151,10 @@ class HttpTransport(Transport):
             return
         if reply.status == 404 and self.session_id:
             _close_reply(reply)
-            log.warning("[%s] HTTP session expired", self.name)
-            self._closed = True
-            self.close_reason = "expired its HTTP session"
-            self.on_close()
+            self.log.warning("HTTP session expired")
+            self._end("expired its HTTP session")
             return
-        if not 200 <= reply.status < 300:
+        if not reply.ok:
             text = f"HTTP {reply.status}: {_reply_text(reply)}".rstrip(": ")
             if initializing and reply.status in (401, 403, 404, 405):
                 hints = {401: " (it wants credentials: check --header)", 403: " (the credentials were refused)",
@@ -152,10 +192,8 @@ class HttpTransport(Transport):
         reports it at once; once running, the connection ends so the server's status says so too (its restart
         then fails at once, for the same reason)."""
         self.fatal = exc
-        if message.get("method") != "initialize" and not self._closed:
-            self._closed = True
-            self.close_reason = str(exc)
-            self.on_close()
+        if message.get("method") != "initialize":
+            self._end(str(exc))
 
     def _consume(self, reply: HttpReply, request_id=None) -> bool:
         """Deliver what a reply holds; True when it held the answer to ``request_id``."""
@@ -166,7 +204,7 @@ class HttpTransport(Transport):
             if len(data) > self.max_body:
                 raise UpstreamFailure(f"a reply larger than max_message_bytes ({self.max_body} bytes)")
             if data.strip():
-                for item in _messages_of(data, self.name, self.on_unusable):
+                for item in _messages_of(data, self.log, self.on_unusable):
                     answered = self._deliver(item, request_id) or answered
         elif kind == "text/event-stream":
             for event in read_sse_events(reply.stream.readline, self.max_body):
@@ -175,7 +213,7 @@ class HttpTransport(Transport):
                                                  f"max_message_bytes ({self.max_body})")
                     answered = answered or request_id_in(event.data) == request_id
                 elif event.kind == "message":
-                    for item in _messages_of(event.data, self.name, self.on_unusable):
+                    for item in _messages_of(event.data, self.log, self.on_unusable):
                         answered = self._deliver(item, request_id) or answered
         return answered
 
@@ -202,7 +240,7 @@ class HttpTransport(Transport):
             try:
                 reply = authorized_exchange(self.name, self.auth, "GET", self.url, headers=headers,
                                             timeout=self.timeout, stream=True)
-                if 200 <= reply.status < 300 and reply.stream is not None:
+                if reply.ok and reply.stream is not None:
                     self._stream = reply.stream
                     settle_stream(reply.stream)
                     try:
@@ -214,25 +252,23 @@ class HttpTransport(Transport):
                 else:
                     _close_reply(reply)
             except (UpstreamFailure, *stream_errors()) as exc:
-                log.debug("[%s] no server stream: %s", self.name, exc)  # 405: this server has none
+                self.log.debug("no server stream: %s", exc)  # 405: this server has none
 
         start_thread(listen, f"coffer-{self.name}-sse")
 
     def close(self, grace: float = 2.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._released:
+                return
+            self._released = self._closed = True
+            ended = self._ended
         stream = self._stream
         if stream is not None:
             abort_stream(stream)
         self._pool.close()
         self._notices.close()
-        if self.session_id:
-            try:
-                headers = {**self._request_headers(), **(self.auth.headers_for(self.url) if self.auth else {})}
-                remote_http("DELETE", self.url, headers=headers, timeout=grace, max_bytes=_ERROR_BODY_BYTES)
-            except UpstreamFailure:
-                pass
+        if self.session_id and not ended:  # a session the server ended needs no DELETE
+            _end_http_session(self.url, self._request_headers(), self.auth, grace)
 
 
 # -- legacy HTTP+SSE --------------------------------------------------------------------------------------------
@@ -263,7 +299,9 @@ class SseTransport(Transport):
     order ``send`` (any thread) queued them, so initialize, its notification and what follows keep their order.
     The transport defines no resumption: when the stream drops, the session is gone.  The transport then calls
     ``on_close`` once with ``close_reason`` set; the Upstream fails what was in flight (not retried: a tool call
-    may have run) and starts a new session, and requests that arrive meanwhile wait for it.
+    may have run) and starts a new session, and requests that arrive meanwhile wait for it.  ``_lock`` (a leaf)
+    guards ``_closed`` and ``_close_signalled`` and orders ``send`` against ``close`` (nothing is queued behind the
+    writer's end marker); ``endpoint`` moves only on the reader thread, and the writer reads whichever is current.
     """
 
     def __init__(self, name, url, headers, on_message, on_close, timeout, auth=None,
@@ -280,6 +318,7 @@ class SseTransport(Transport):
         self.close_reason: str | None = None
         self.fatal: UpstreamFailure | None = None  # a permanent failure met (a needed login, a refused origin)
         self.pid = None
+        self.log = ServerLog(remote_log, name)
         self._stream = self._stream_url = None
         self._events = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -293,7 +332,7 @@ class SseTransport(Transport):
         reply = authorized_exchange(self.name, self.auth, "GET", self.url, timeout=self.timeout, stream=True,
                                     headers={"Accept": "text/event-stream", "Cache-Control": "no-cache",
                                              **self.headers})
-        if not 200 <= reply.status < 300:
+        if not reply.ok:
             _close_reply(reply)
             raise UpstreamFailure(f"GET {origin_text(self.url)} answered HTTP {reply.status}: {_reply_text(reply)}")
         if _content_type(reply) != "text/event-stream":
@@ -309,7 +348,7 @@ class SseTransport(Transport):
                 if event.kind == "endpoint":
                     self.endpoint = self._checked_endpoint(event, reply.url)
                     break
-                log.warning("[%s] ignored a %r event that came before the endpoint", self.name, event.kind)
+                self.log.warning("ignored a %r event that came before the endpoint", event.kind)
         except UpstreamFailure:
             _close_reply(reply)
             raise
@@ -346,7 +385,7 @@ class SseTransport(Transport):
             try:
                 self._post(message)
             except Exception:  # noqa: BLE001 - one message is lost, not the writer
-                log.exception("[%s] error sending a message", self.name)
+                self.log.exception("error sending a message")
                 self._fail(message, "internal error while sending it")
 
     def _post(self, message: dict) -> None:
@@ -368,7 +407,7 @@ class SseTransport(Transport):
                 self.fatal = exc
                 self._lost(str(exc), in_flight_note=False)
             return
-        if 200 <= reply.status < 300:
+        if reply.ok:
             return
         if reply.status in (404, 410):  # the server no longer knows this session (it restarted, or timed it out)
             self._fail(message, "the server forgot the SSE session")
@@ -383,11 +422,11 @@ class SseTransport(Transport):
                 if event.oversized:
                     self._oversized(event)
                 elif event.kind == "message":
-                    for item in _messages_of(event.data, self.name, self.on_unusable):
+                    for item in _messages_of(event.data, self.log, self.on_unusable):
                         try:
                             self.on_message(item)
                         except Exception:  # noqa: BLE001 - a routing bug must not end the stream
-                            log.exception("[%s] error handling a message", self.name)
+                            self.log.exception("error handling a message")
                 elif event.kind == "endpoint":
                     self.endpoint = self._checked_endpoint(event, self._stream_url)  # moves within the origin only
         except UpstreamFailure as exc:
@@ -395,10 +434,7 @@ class SseTransport(Transport):
         except stream_errors() as exc:
             reason = f"dropped its SSE stream ({exc.__class__.__name__})"
         finally:
-            try:
-                self._stream.close()
-            except (OSError, ValueError):
-                pass
+            close_stream(self._stream)
         self._lost(reason)
 
     def _oversized(self, event: SseEvent) -> None:
@@ -416,7 +452,7 @@ class SseTransport(Transport):
         self._outbox.put(None)
         if self._stream is not None:
             abort_stream(self._stream)
-        log.warning("[%s] %s", self.name, reason)
+        self.log.warning("%s", reason)
         self.on_close()
 
     def close(self, grace: float = 2.0) -> None:
@@ -460,33 +496,23 @@ def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: floa
     ``endpoint`` event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
     if url_origin(url) is None:
         raise UpstreamFailure(f"unsupported URL {url!r}")
-    reply = authorized_exchange(name, auth, "POST", url, body=_probe_initialize(), timeout=timeout, stream=True,
-                                headers={"Content-Type": "application/json",
-                                         "Accept": "application/json, text/event-stream", **headers})
-    _close_reply(reply)
-    if 200 <= reply.status < 300:
+    reply, stream = initialize_or_stream(functools.partial(authorized_exchange, name, auth), url, headers, timeout)
+    if reply.ok:
         if _content_type(reply) not in ("application/json", "text/event-stream"):
             raise UpstreamFailure(f"{url} answered an MCP initialize with {printable(_content_type(reply))[:60]}"
                                   " content: not an MCP endpoint")
         session = reply.headers.get("mcp-session-id")
         if session and len(session) < 1024:  # the probe's session is not the one the transport will use
-            try:
-                remote_http("DELETE", url, timeout=min(timeout, 5.0), max_bytes=_ERROR_BODY_BYTES,
-                            headers={**headers, **(auth.headers_for(url) if auth else {}),
-                                     "Mcp-Session-Id": session})
-            except UpstreamFailure:
-                pass
+            _end_http_session(url, {**headers, "Mcp-Session-Id": session}, auth, min(timeout, 5.0))
         return TransportProbe("http", "Streamable HTTP")
-    if reply.status not in (400, 404, 405):
+    if stream is None:
         hint = {401: " (it wants credentials: check --header, or `coffer auth`)",
                 403: " (the credentials were refused)"}.get(reply.status, "")
         raise UpstreamFailure(f"{url} answered an MCP initialize with HTTP {reply.status}: {_reply_text(reply)}"
                               f"{hint}", permanent=reply.status in (401, 403))
     post_status = reply.status
-    stream = authorized_exchange(name, auth, "GET", url, timeout=timeout, stream=True,
-                                 headers={"Accept": "text/event-stream", **headers})
     try:
-        if 200 <= stream.status < 300 and _content_type(stream) == "text/event-stream":
+        if stream.ok and _content_type(stream) == "text/event-stream":
             for event in read_sse_events(until_endpoint(stream.stream.readline, lambda: False, timeout, url),
                                          64 << 10):
                 if event.kind == "endpoint":
@@ -509,6 +535,7 @@ class AutoTransport(Transport):
 
     def __init__(self, name, url, headers, auth, timeout, make):
         self.name, self.url, self.headers, self.auth, self.timeout = name, url, headers, auth, timeout
+        self.log = ServerLog(remote_log, name)
         self._make = make       # kind -> HttpTransport or SseTransport, with the upstream's callbacks
         self.detected: str | None = None
         self.inner = None
@@ -520,7 +547,7 @@ class AutoTransport(Transport):
         if self._closed:
             raise UpstreamFailure("stopped while starting")
         self.detected = probe.kind
-        log.info("[%s] speaks %s", self.name, probe.detail)
+        self.log.info("speaks %s", probe.detail)
         self.inner = self._make(probe.kind)
         self.inner.start()
         if self._closed:  # stopped while the probe ran: do not leave the session open

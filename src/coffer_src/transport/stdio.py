@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import logging
 import os
 import queue
 import select
@@ -15,8 +16,10 @@ from typing import NamedTuple
 
 from coffer_src.errors import CofferException
 from coffer_src.jsonrpc import OversizedLine, decode_json, encode_line, handle_burst, read_line_bursts
-from coffer_src.terminal import log
+from coffer_src.terminal import ServerLog
 from coffer_src.threads import start_thread
+
+stdio_log = logging.getLogger(__name__)
 
 
 class UpstreamFailure(CofferException):
@@ -135,8 +138,16 @@ class StdioTransport(Transport):
 
     The child gets its own process group (POSIX) so shutdown can reach the whole tree (``npx`` and ``uvx`` start
     grandchildren), and shutdown also ends descendants that left the group (a ``setsid`` daemon).  If Coffer is
-    killed outright, the children see stdin close and exit by themselves.  Threads: one reader each for stdout and
-    stderr, one that notices the exit, one writer for what ``send`` could not write at once.
+    killed outright, the children see stdin close and exit by themselves.
+
+    Threads: one reader each for stdout (it runs ``on_message`` and ``on_unusable``) and stderr (``on_stderr``),
+    one that notices the exit, one writer for what ``send`` could not write at once; ``send`` and ``close`` run on
+    any thread.  Two locks, both leaves: ``_send_lock`` guards ``_queued`` and the order of what goes to stdin (a
+    direct write only when nothing is queued ahead; ``close``'s end marker after every message ``send`` accepted,
+    since ``send`` checks ``_closed`` again under it); ``_close_lock`` makes ``close`` and ``on_close`` happen
+    once.  ``_family`` is updated by the start thread and the gateway's ticker and read by ``close`` through a
+    copy (``dict()`` of a dict is atomic under the GIL); a descendant missed by that race is found by ``close``'s
+    own look at the process table.
     """
 
     def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_unusable=None, max_line=0):
@@ -144,6 +155,7 @@ class StdioTransport(Transport):
         self.on_message, self.on_close, self.on_stderr = on_message, on_close, on_stderr
         self.on_unusable = on_unusable or (lambda head, why: None)
         self.max_line = max_line
+        self.log = ServerLog(stdio_log, name)
         self.proc: subprocess.Popen | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._send_lock = threading.Lock()
@@ -277,6 +289,8 @@ class StdioTransport(Transport):
             return False
         data = encode_line(message)
         with self._send_lock:
+            if self._closed:  # close's end marker may be queued already: what follows it is never written
+                return False
             if self._queued == 0 and self._stdin_fd is not None:
                 # The common case: the pipe has room and nothing is queued ahead, so write it here and spare
                 # the writer thread a wake-up; whatever does not fit is queued behind, in order.
@@ -309,8 +323,7 @@ class StdioTransport(Transport):
             except ValueError as exc:  # invalid UTF-8, NaN, nested too deeply...: skipped like any junk
                 skipped += 1
                 if skipped <= 20 or skipped % 1000 == 0:
-                    log.warning("[%s] skipped a non-JSON line on stdout (%d bytes; %d so far)",
-                                self.name, len(line), skipped)
+                    self.log.warning("skipped a non-JSON line on stdout (%d bytes; %d so far)", len(line), skipped)
                 self.on_unusable(line[:4096], f"a reply Coffer cannot read ({exc})")
                 return
             for item in (message if isinstance(message, list) else [message]):
@@ -318,7 +331,7 @@ class StdioTransport(Transport):
                     try:
                         self.on_message(item)
                     except Exception:  # noqa: BLE001 - a bug in routing costs one message, not the reader
-                        log.exception("[%s] internal error handling a message", self.name)
+                        self.log.exception("internal error handling a message")
 
         try:
             for lines in read_line_bursts(self.proc.stdout.read, max_line=self.max_line):
@@ -326,7 +339,7 @@ class StdioTransport(Transport):
         except (OSError, ValueError):
             pass
         except Exception:  # noqa: BLE001 - the connection is lost either way; say why, then restart it
-            log.exception("[%s] internal error reading stdout", self.name)
+            self.log.exception("internal error reading stdout")
         finally:
             self._signal_close()
 
@@ -339,7 +352,7 @@ class StdioTransport(Transport):
         except (OSError, ValueError):
             pass  # the pipe closed under us at shutdown
         except Exception:  # noqa: BLE001
-            log.exception("[%s] internal error reading stderr", self.name)
+            self.log.exception("internal error reading stderr")
 
     def close(self, grace: float = 2.0) -> None:
         """Close stdin, give the server ``grace`` seconds to exit, then terminate and kill its process group and
@@ -354,7 +367,7 @@ class StdioTransport(Transport):
         family: dict[int, str] = {}
         if os.name == "posix":
             table = process_table()
-            family = {pid: started for pid, started in self._family.items()  # still the same processes
+            family = {pid: started for pid, started in dict(self._family).items()  # still the same processes
                       if table.get(pid) is not None and table[pid].started == started}
             if proc.poll() is None:
                 family.update(_descendants(proc.pid, table))

@@ -1,0 +1,385 @@
+"""Service: the user's one Coffer, shared by every client's `coffer serve`.
+
+The service owns the hub (upstream processes, catalogue, indexes, knowledge base, logs); each connection on its
+private channel is one client session, or one control request.  It starts on demand (a `coffer serve` finding
+none), logs to a rotated file under COFFER_HOME, hands over to a newer Coffer without dropping a session, and
+exits once no session has been attached for ``service_idle_exit`` seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import logging.handlers
+import os
+import select
+import signal
+import socket
+import threading
+import time
+
+from coffer_src import __version__
+from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.session import ClientSession
+from coffer_src.service.channel import (
+    ChannelError,
+    listen,
+    peer_is_same_user,
+    read_hello,
+    remove_service_file,
+    secret_matches,
+    send_line,
+    write_service_file,
+)
+from coffer_src.terminal import printable, redact
+from coffer_src.threads import start_thread
+from coffer_src.transport.stdio import StdioTransport
+from coffer_src.vault import Vault, iso_timestamp
+
+service_log = logging.getLogger(__name__)
+
+#: Bytes a session's client may leave unread before the service gives up on it (its session ends; its relay
+#: re-attaches): a client that stops reading costs the service this much memory, never a stuck upstream.
+MAX_UNREAD_BYTES = 64 << 20
+MAX_CONNECTIONS = 256
+LOG_BYTES, LOG_BACKUPS = 2 << 20, 3
+
+
+def build_id() -> str:
+    """What tells two Coffers apart: the version and the code itself (two copies of one version may differ)."""
+    import hashlib
+    import sys
+    module = sys.modules.get(ClientSession.__module__)
+    path = getattr(module, "__file__", None)
+    try:
+        with open(path, "rb") as handle:
+            digest = hashlib.sha256(handle.read()).hexdigest()[:16]
+    except (OSError, TypeError):
+        digest = "unknown"
+    return f"{__version__}+{digest}"
+
+
+class SocketOutput:
+    """A session's output to its relay: written at once when the socket takes it, else queued for a writer thread
+    (so the upstream reader delivering an answer never waits on a client that is slow to read); past
+    MAX_UNREAD_BYTES the client is given up on, and the write raises OSError (the session ends)."""
+
+    def __init__(self, conn: socket.socket, name: str):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.queue: collections.deque[bytes] = collections.deque()
+        self.queued = 0
+        self.closed = False
+        self.wake = threading.Condition(self.lock)
+        start_thread(self._drain, f"coffer-out-{name}")
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            if self.closed:
+                raise BrokenPipeError("the session's connection is closed")
+            if not self.queue:
+                try:
+                    _, writable, _ = select.select([], [self.conn], [], 0)
+                    if writable:
+                        sent = self.conn.send(data)
+                        data = data[sent:]
+                except OSError:
+                    self.closed = True
+                    raise
+                if not data:
+                    return
+            if self.queued + len(data) > MAX_UNREAD_BYTES:
+                self.closed = True
+                self._shutdown()
+                raise BrokenPipeError("the client leaves its answers unread")
+            self.queue.append(data)
+            self.queued += len(data)
+            self.wake.notify()
+
+    def flush(self) -> None:
+        pass
+
+    def _drain(self) -> None:
+        while True:
+            with self.lock:
+                while not self.queue and not self.closed:
+                    self.wake.wait()
+                if self.closed and not self.queue:
+                    return
+                data = self.queue.popleft()
+                self.queued -= len(data)
+            try:
+                self.conn.sendall(data)
+            except OSError:
+                with self.lock:
+                    self.closed = True
+                    self.queue.clear()
+                    self.queued = 0
+                return
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.wake.notify()
+
+    def _shutdown(self) -> None:
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class _Redacted(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(redact(super().format(record)))
+
+
+def log_to_file(home: str) -> str:
+    """The service's log: COFFER_HOME/logs/service.log, rotated, private, secrets redacted."""
+    folder = os.path.join(home, "logs")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, "service.log")
+    if not os.path.exists(path):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS,
+                                                   encoding="utf-8")
+    handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    level = (os.environ.get("COFFER_LOG") or "info").strip().upper()
+    root.setLevel(getattr(logging, level) if level in ("DEBUG", "INFO", "WARNING", "ERROR") else logging.INFO)
+    return path
+
+
+class Service:
+    """The service process: one hub, a listener, a thread per connection.
+
+    Threads: the caller's runs the accept loop (and notices idleness, a stop and a handover); each connection has
+    its reader thread (a session's dispatch, or one control request) and, for a session, a writer thread
+    (SocketOutput); everything else is the hub's.  ``lock`` guards ``connections``, ``sessions`` and the
+    handover state; it is a leaf (nothing is called while it is held).
+    """
+
+    def __init__(self, vault: Vault):
+        self.vault = vault
+        self.home = vault.home
+        self.started = time.time()
+        self.build = build_id()
+        self.lock = threading.Lock()
+        self.sessions: dict[ClientSession, socket.socket] = {}
+        self.connections = 0
+        self.stopping = threading.Event()
+        self.handing_over = False
+        self.listener: socket.socket | None = None
+        self.address = None
+        self.idle_since = time.monotonic()
+        self.hub = Hub(vault, shared=True)
+
+    # -- life ------------------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        try:
+            self.listener, self.address = listen(self.home)
+        except ChannelError as exc:
+            service_log.info("not starting: %s", exc)
+            return 0
+        write_service_file(self.home, {"pid": os.getpid(), "version": __version__, "build": self.build,
+                                       "started": self.started, "path": self.address.path,
+                                       "port": self.address.port, "secret": self.address.secret})
+        service_log.info("Coffer %s service started (pid %d)", __version__, os.getpid())
+        for name in ("SIGTERM", "SIGHUP", "SIGINT"):
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), lambda *_: self.stopping.set())
+        self.hub.start()
+        self.listener.settimeout(0.5)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    conn, _ = self.listener.accept()
+                except socket.timeout:
+                    self._check_idle()
+                    continue
+                except OSError:
+                    if self.handing_over or self.stopping.is_set():
+                        self._wait_for_sessions()
+                        break
+                    raise
+                with self.lock:
+                    if self.connections >= MAX_CONNECTIONS:
+                        conn.close()
+                        continue
+                    self.connections += 1
+                start_thread(self._connection, "coffer-connection", conn)
+        finally:
+            self._close_listener()
+            remove_service_file(self.home, os.getpid())
+            self.hub.shutdown()
+            service_log.info("Coffer service stopped")
+        return 0
+
+    def _check_idle(self) -> None:
+        with self.lock:
+            busy = bool(self.sessions) or self.connections
+        if busy:
+            self.idle_since = time.monotonic()
+            return
+        limit = float(self.hub.settings.get("service_idle_exit", 600.0))
+        if limit > 0 and time.monotonic() - self.idle_since >= limit:
+            service_log.info("no client for %gs: exiting", limit)
+            self.stopping.set()
+
+    def _wait_for_sessions(self) -> None:
+        """After a handover: the old sessions finish their calls, then their relays leave; then this exits."""
+        while not self.stopping.is_set():
+            with self.lock:
+                if not self.sessions:
+                    return
+            time.sleep(0.1)
+
+    def _close_listener(self) -> None:
+        """Stop listening and remove the socket, unless a successor has already put its own in its place."""
+        listener, self.listener = self.listener, None
+        if listener is None:
+            return
+        if self.address is not None and self.address.path:
+            try:  # a successor binds only once this is gone (channel.listen), so the path is still ours
+                os.unlink(self.address.path)
+            except OSError:
+                pass
+        listener.close()
+
+    # -- a connection ------------------------------------------------------------------------------------------------
+    def _connection(self, conn: socket.socket) -> None:
+        try:
+            if not peer_is_same_user(conn):
+                service_log.warning("refused a connection from another user")
+                return
+            try:
+                hello = read_hello(conn)
+            except ChannelError as exc:
+                service_log.info("refused a connection: %s", exc)
+                return
+            if hello.get("coffer") != 1 or not secret_matches(hello, self.address):
+                send_line(conn, {"coffer": 1, "error": "not a Coffer client of this service"})
+                return
+            kind = hello.get("kind")
+            answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid()}
+            if kind == "control":
+                send_line(conn, {**answer, **self.control(hello)})
+            elif kind == "session" and not self.handing_over:
+                send_line(conn, answer)
+                self._session(conn, hello)
+            else:
+                send_line(conn, {"coffer": 1, "error": "this service is handing over to a newer one"})
+        except OSError:
+            pass
+        except Exception:  # noqa: BLE001 - one connection's failure must not cost the service
+            service_log.exception("error on a connection")
+        finally:
+            with self.lock:
+                self.connections -= 1
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _session(self, conn: socket.socket, hello: dict) -> None:
+        output = SocketOutput(conn, str(hello.get("pid", "?")))
+        session = ClientSession(self.hub, out=output)
+        with self.lock:
+            self.sessions[session] = conn
+        try:
+            session.serve(_Prefixed(conn, hello.get("_rest", b"")))
+        finally:
+            output.close()
+            with self.lock:
+                self.sessions.pop(session, None)
+                self.idle_since = time.monotonic()
+
+    # -- control -----------------------------------------------------------------------------------------------------
+    def control(self, request: dict) -> dict:
+        op = request.get("op")
+        if op == "status":
+            return {"status": self.status()}
+        if op == "stop":
+            self.stopping.set()
+            return {"ok": True}
+        if op == "handover":
+            self.handover()
+            return {"ok": True}
+        return {"error": f"unknown control request {printable(str(op))[:40]!r}"}
+
+    def handover(self) -> None:
+        """A newer Coffer takes over: stop listening (its socket is free for the successor), tell each session's
+        relay to move new requests there, and finish the calls already here before exiting."""
+        with self.lock:
+            if self.handing_over:
+                return
+            self.handing_over = True
+            sessions = list(self.sessions)
+        self._close_listener()
+        service_log.info("handing over to a newer Coffer; %d sessions move", len(sessions))
+        for session in sessions:
+            session.stream.send({"coffer": "handover"})
+
+    def status(self) -> dict:
+        with self.lock:
+            sessions = list(self.sessions)
+        upstreams = []
+        users: dict[str, int] = collections.Counter()
+        for session in sessions:
+            for name in session.private:
+                users[name] += 1
+        for upstream in self.hub.upstreams.values():
+            users[upstream.name] = sum(1 for s in sessions if s.calls.used(upstream))
+        for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items()]:
+            transport = getattr(upstream, "transport", None)
+            pid = transport.pid if isinstance(transport, StdioTransport) else None
+            last = getattr(upstream, "last_call", None)
+            upstreams.append({"name": name, "state": upstream.state, "pid": pid, "rss_mb": rss_mb(pid),
+                              "sharing": "per-client" if getattr(upstream, "per_client", False) else "shared",
+                              "sessions": users.get(name, 0), "last_call": iso_timestamp(last) if last else None})
+        return {"service": {"pid": os.getpid(), "version": __version__, "uptime_s": round(time.time() -
+                                                                                          self.started, 1),
+                            "rss_mb": rss_mb(os.getpid())},
+                "sessions": [session.status() for session in sessions],
+                "upstreams": upstreams}
+
+
+class _Prefixed:
+    """A socket read as a stream, starting with the bytes that came with the hello."""
+
+    def __init__(self, conn: socket.socket, first: bytes):
+        self.conn, self.first = conn, first
+
+    def recv(self, size: int) -> bytes:
+        if self.first:
+            data, self.first = self.first, b""
+            return data
+        try:
+            return self.conn.recv(size)
+        except OSError:
+            return b""
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """Resident memory of a process in MB (Linux: /proc; elsewhere None)."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def run_service(home: str) -> int:
+    """`coffer service run`: the service in this process, until it is stopped, idle or handed over."""
+    log_to_file(home)
+    vault = Vault(home, actor="service")
+    try:
+        return Service(vault).run()
+    finally:
+        vault.close()

@@ -1,0 +1,399 @@
+"""One Coffer per user: `coffer serve` relays to the user's shared service.  Real clients (the MCP SDK and raw
+JSON-RPC), real relay and service processes, a real Unix socket; upstream processes are counted by the spawn log
+each fake server writes at start."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import mcp_types as types
+import pytest
+from conftest import COFFER, FAKE, PY, RawGateway, cli
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="the service tests use POSIX process control")
+
+
+@pytest.fixture
+def service_home(home, monkeypatch):
+    """A COFFER_HOME whose `coffer serve` relays to a shared service; the service is stopped afterwards."""
+    monkeypatch.setenv("COFFER_SERVE_MODE", "service")
+    home.mkdir(parents=True, exist_ok=True)
+    yield home
+    cli("service", "stop", check=False, timeout=60)
+    pid = service_pid(home)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def service_pid(home):
+    try:
+        return json.loads((Path(home) / "service.json").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def wait_until(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def spawns(path):
+    return path.read_text().split() if path.exists() else []
+
+
+def status(home):
+    return json.loads(cli("status", "--json").stdout)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def relay_params():
+    return StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
+
+
+def text_of(result):
+    return "".join(block.text for block in result.content if getattr(block, "type", "") == "text")
+
+
+def call_msg(msg_id, name, arguments):
+    return {"jsonrpc": "2.0", "id": msg_id, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+
+
+def test_clients_of_both_eras_share_one_process_per_upstream(service_home, tmp_path):
+    log = tmp_path / "spawns"
+    cli("add", "a", "--", *FAKE, "--spawn-log", str(log))
+    results = {}
+
+    async def session(mode, name, attached, leave):
+        async with Client(relay_params(), mode=mode, client_info=types.Implementation(name=name, version="7")) \
+                as client:
+            tools = [t.name for t in (await client.list_tools()).tools]
+            reply = await client.call_tool("a__echo", {"text": name})
+            results[name] = (tools, text_of(reply))
+            attached.set()
+            await leave.wait()
+
+    async def main():
+        events = [anyio.Event() for _ in range(4)]
+        leave = anyio.Event()
+        async with anyio.create_task_group() as group:
+            for i, mode in enumerate(("legacy", "legacy", "2026-07-28", "2026-07-28")):
+                group.start_soon(session, mode, f"agent-{i}", events[i], leave)
+            for event in events:
+                await event.wait()
+            results["status"] = await anyio.to_thread.run_sync(status, service_home)
+            leave.set()
+
+    anyio.run(main)
+    for i in range(4):
+        tools, echoed = results[f"agent-{i}"]
+        assert "a__echo" in tools and echoed == f"agent-{i}"
+    assert len(spawns(log)) == 1, "four sessions must share one upstream process"
+    state = results["status"]
+    assert state["service"]["pid"] == service_pid(service_home)
+    assert sorted(s["client"] for s in state["sessions"]) == [f"agent-{i}" for i in range(4)]
+    assert sorted(s["era"] for s in state["sessions"]) == ["handshake", "handshake", "modern", "modern"]
+    assert all(s["calls"] == 1 and s["version"] == "7" for s in state["sessions"])
+    upstream = next(u for u in state["upstreams"] if u["name"] == "a")
+    assert upstream["sharing"] == "shared" and upstream["state"] == "ready" and upstream["sessions"] == 4
+    assert upstream["pid"] == int(spawns(log)[0]) and upstream["last_call"]
+
+
+def test_five_simultaneous_first_starts_end_up_with_one_service(service_home, tmp_path, raw_gateway):
+    log = tmp_path / "spawns"
+    cli("add", "a", "--", *FAKE, "--spawn-log", str(log))
+    gateways = [raw_gateway() for _ in range(5)]
+    for i, gw in enumerate(gateways):
+        gw.initialize(name=f"c{i}")
+    for i, gw in enumerate(gateways):
+        assert gw.request("tools/call", {"name": "a__echo", "arguments": {"text": str(i)}})["result"][
+            "content"][0]["text"] == str(i)
+    services = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_service_of(p, service_home)]
+    assert len(services) == 1, services
+    assert len(spawns(log)) == 1
+
+
+def _is_service_of(proc: Path, home) -> bool:
+    try:
+        cmdline = (proc / "cmdline").read_bytes()
+        environ = (proc / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"'service', 'run'" in cmdline and f"COFFER_HOME={home}".encode() in environ
+
+
+def test_a_killed_service_fails_the_calls_in_flight_and_the_session_goes_on(service_home, tmp_path, raw_gateway):
+    log = tmp_path / "spawns"
+    cli("add", "a", "--", *FAKE, "--spawn-log", str(log))
+    gw = raw_gateway()
+    gw.initialize()
+    assert gw.request("tools/list")["result"]["tools"]
+    first = service_pid(service_home)
+    gw.send(call_msg("slow", "a__slow", {"seconds": 30}))
+    wait_until(lambda: any(s["calls"] for s in status(service_home)["sessions"]), what="the call to be in flight")
+    os.kill(first, signal.SIGKILL)
+    failed = gw.wait_response("slow", timeout=30)
+    assert "service stopped" in failed["error"]["message"]
+    again = gw.request("tools/call", {"name": "a__echo", "arguments": {"text": "still here"}}, timeout=60)
+    assert again["result"]["content"][0]["text"] == "still here"
+    assert service_pid(service_home) not in (None, first)
+    with gw.cond:
+        assert any(n["method"] == "notifications/tools/list_changed" for n in gw.notifications)
+    assert not alive(int(spawns(log)[0])), "the dead service's upstream is not left behind"
+
+
+def test_a_client_gone_mid_call_costs_only_its_own_calls(service_home, tmp_path):
+    received = tmp_path / "received"
+    cli("add", "a", "--", *FAKE, "--recv-log", str(received))
+    leaving, staying = RawGateway(), RawGateway()
+    try:
+        for gw in (leaving, staying):
+            gw.initialize()
+        leaving.send(call_msg("mine", "a__slow", {"seconds": 30}))
+        wait_until(lambda: received.exists() and "a__slow" not in received.read_text() and
+                   '"slow"' in received.read_text(), what="the slow call to reach the server")
+        leaving.proc.kill()
+        leaving.proc.wait()
+        wait_until(lambda: "notifications/cancelled" in received.read_text(), what="the call to be cancelled")
+        answer = staying.request("tools/call", {"name": "a__echo", "arguments": {"text": "fine"}})
+        assert answer["result"]["content"][0]["text"] == "fine"
+    finally:
+        leaving.close()
+        staying.close()
+
+
+def test_sampling_reaches_the_calling_client_only(service_home, tmp_path):
+    """A shared server that asks a client something depends on its client: the question goes to the one client
+    whose call it serves, and from then on every client gets an instance of its own."""
+    log = tmp_path / "spawns"
+    cli("add", "a", "--", *FAKE, "--spawn-log", str(log))
+    asked = {"one": 0, "two": 0}
+
+    def model(name):
+        async def sampling(ctx, params):
+            asked[name] += 1
+            return types.CreateMessageResult(role="assistant", model="m",
+                                             content=types.TextContent(type="text", text=f"answer of {name}"))
+        return sampling
+
+    answers = {}
+
+    async def session(name, go, done):
+        async with Client(relay_params(), mode="legacy", sampling_callback=model(name),
+                          client_info=types.Implementation(name=name, version="1")) as client:
+            await client.list_tools()
+            await go.wait()
+            answers[name] = text_of(await client.call_tool("a__sample", {"prompt": "hi"}))
+            done.set()
+
+    async def main():
+        go_one, go_two, one_done, two_done = anyio.Event(), anyio.Event(), anyio.Event(), anyio.Event()
+        async with anyio.create_task_group() as group:
+            group.start_soon(session, "one", go_one, one_done)
+            group.start_soon(session, "two", go_two, two_done)
+            go_one.set()
+            await one_done.wait()
+            go_two.set()
+            await two_done.wait()
+
+    anyio.run(main)
+    assert answers == {"one": "answer of one", "two": "answer of two"}
+    assert asked == {"one": 1, "two": 1}
+    shown = cli("show", "a").stdout
+    assert "per-client" in shown and "sampling" in shown
+
+
+def test_a_roots_asking_server_runs_per_client_with_each_clients_roots(service_home, tmp_path):
+    log = tmp_path / "spawns"
+    cli("add", "fs", "--", *FAKE, "--ask-roots", "--tools", "roots", "--spawn-log", str(log))
+    roots_of = {}
+
+    def roots(name):
+        async def list_roots(ctx):
+            return types.ListRootsResult(roots=[types.Root(uri=f"file:///work/{name}", name=name)])
+        return list_roots
+
+    async def session(name, ready, leave):
+        async with Client(relay_params(), mode="legacy", list_roots_callback=roots(name),
+                          client_info=types.Implementation(name=name, version="1")) as client:
+            await client.list_tools()
+            roots_of[name] = json.loads(text_of(await client.call_tool("fs__roots", {})))
+            ready.set()
+            await leave.wait()
+
+    async def main():
+        ready = [anyio.Event(), anyio.Event()]
+        leave = anyio.Event()
+        async with anyio.create_task_group() as group:
+            group.start_soon(session, "alpha", ready[0], leave)
+            group.start_soon(session, "beta", ready[1], leave)
+            for event in ready:
+                await event.wait()
+            roots_of["status"] = await anyio.to_thread.run_sync(status, service_home)
+            leave.set()
+
+    anyio.run(main)
+    assert [r["uri"] for r in roots_of["alpha"]["roots"]] == ["file:///work/alpha"]
+    assert [r["uri"] for r in roots_of["beta"]["roots"]] == ["file:///work/beta"]
+    assert len(spawns(log)) == 3, "the first, shared instance, then one for each client"
+    upstream = next(u for u in roots_of["status"]["upstreams"] if u["name"] == "fs")
+    assert upstream["sharing"] == "per-client" and upstream["sessions"] == 2
+    shown = cli("show", "fs").stdout
+    assert "per-client" in shown and "roots" in shown
+    audit = cli("audit", "--json").stdout
+    assert "per-client" in audit
+
+
+def test_another_local_user_cannot_reach_the_service(service_home, raw_gateway):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    cli("add", "a", "--", *FAKE)
+    gw = raw_gateway()
+    gw.initialize()
+    path = json.loads((service_home / "service.json").read_text())["path"]
+    assert (os.stat(path).st_mode & 0o777) == 0o600
+    assert (os.stat(os.path.dirname(path)).st_mode & 0o777) == 0o700
+    probe = ("import socket, sys\n"
+             "s = socket.socket(socket.AF_UNIX)\n"
+             "try:\n    s.connect(sys.argv[1])\nexcept OSError as e:\n    print(type(e).__name__)\nelse:\n"
+             "    print('connected')\n")
+    python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
+    if python is None:
+        pytest.skip("no interpreter outside root's folders for uid nobody to run")
+    nobody = subprocess.run([python, "-c", probe, path], capture_output=True, text=True, timeout=30,
+                            user="nobody", cwd="/", env={})
+    assert nobody.stdout.strip() == "PermissionError", nobody.stdout + nobody.stderr
+
+
+def test_a_stale_socket_from_a_crashed_service_is_replaced(service_home, raw_gateway):
+    cli("add", "a", "--", *FAKE)
+    gw = raw_gateway()
+    gw.initialize()
+    dead = service_pid(service_home)
+    gw.close()
+    os.kill(dead, signal.SIGKILL)
+    wait_until(lambda: not alive(dead), what="the service to die")
+    assert (service_home / "service.sock").exists()  # left behind by the kill
+    again = raw_gateway()
+    again.initialize()
+    assert again.request("tools/call", {"name": "a__echo", "arguments": {"text": "x"}})["result"]
+    assert service_pid(service_home) != dead
+
+
+def test_an_idle_service_exits_and_status_says_so(service_home, raw_gateway):
+    cli("config", "service_idle_exit", "1")
+    gw = raw_gateway()
+    gw.initialize()
+    pid = service_pid(service_home)
+    assert status(service_home)["service"]["pid"] == pid
+    gw.close()
+    wait_until(lambda: not alive(pid), timeout=30, what="the idle service to exit")
+    assert status(service_home) == {"service": None, "sessions": [], "upstreams": []}
+    assert not (service_home / "service.json").exists()
+
+
+def test_standalone_runs_no_service(service_home):
+    cli("add", "a", "--", *FAKE)
+    proc = subprocess.Popen([PY, COFFER, "serve", "--standalone"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write((json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "x", "version": "1"}}})
+            + "\n" + json.dumps(call_msg(2, "a__echo", {"text": "in-process"})) + "\n").encode())
+        proc.stdin.flush()
+        replies = {}
+        while 2 not in replies:
+            message = json.loads(proc.stdout.readline())
+            replies[message.get("id")] = message
+        assert replies[2]["result"]["content"][0]["text"] == "in-process", replies
+        assert service_pid(service_home) is None and status(service_home)["service"] is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_service_log_holds_no_secret(service_home, raw_gateway):
+    secret = "sk-test-" + "Zq9" * 10
+    subprocess.run([PY, COFFER, "secret", "set", "API_TOKEN"], input=secret + "\n", text=True, check=True,
+                   capture_output=True)
+    cli("add", "a", "--env", "API_TOKEN=${API_TOKEN}", "--", *FAKE, "--stderr-env", "API_TOKEN")
+    gw = raw_gateway()
+    gw.initialize()
+    assert gw.request("tools/call", {"name": "a__echo", "arguments": {"text": "x"}})["result"]
+    logged = (service_home / "logs" / "service.log").read_text()
+    assert "API_TOKEN=***" in logged and secret not in logged
+    assert (os.stat(service_home / "logs" / "service.log").st_mode & 0o777) == 0o600
+
+
+def test_a_newer_coffer_takes_over_without_dropping_a_session(service_home, tmp_path):
+    log = tmp_path / "spawns"
+    cli("add", "a", "--", *FAKE, "--spawn-log", str(log))
+    newer = tmp_path / "newer" / "coffer.py"
+    newer.parent.mkdir()
+    shutil.copy(COFFER, newer)
+    with newer.open("a") as handle:
+        handle.write("\n# a different build of the same version\n")
+    old = RawGateway()
+    try:
+        old.initialize(name="old-client")
+        first_service = service_pid(service_home)
+        stop, failures, answered = threading.Event(), [], []
+
+        def load():
+            i = 0
+            while not stop.is_set():
+                i += 1
+                reply = old.request("tools/call", {"name": "a__echo", "arguments": {"text": str(i)}}, timeout=60)
+                if reply.get("result", {}).get("content", [{}])[0].get("text") != str(i):
+                    failures.append(reply)
+                answered.append(i)
+
+        worker = threading.Thread(target=load)
+        worker.start()
+        wait_until(lambda: len(answered) > 5, what="calls under way")
+        new = subprocess.Popen([PY, str(newer), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=dict(os.environ))
+        try:
+            new.stdin.write((json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "new", "version": "1"}}})
+                + "\n").encode())
+            new.stdin.flush()
+            assert json.loads(new.stdout.readline())["id"] == 1
+            wait_until(lambda: service_pid(service_home) not in (None, first_service), what="the new service")
+            wait_until(lambda: not alive(first_service), timeout=60, what="the old service to finish and exit")
+            count = len(answered)
+            wait_until(lambda: len(answered) > count + 5, what="calls after the handover")
+        finally:
+            stop.set()
+            worker.join(60)
+            new.kill()
+            new.wait()
+        assert failures == [], failures[:3]
+    finally:
+        old.close()
