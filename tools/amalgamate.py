@@ -65,6 +65,7 @@ LAYERS = (
     "search/entities",
     "search/index",
     "search/semantic",
+    "search/feedback",
     "catalogue",
     "knowledge/documents",
     "knowledge/ranking",

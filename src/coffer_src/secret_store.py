@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 import urllib.parse
@@ -19,6 +20,24 @@ from coffer_src.terminal import redact
 secret_store_log = logging.getLogger(__name__)
 
 # -- private files ----------------------------------------------------------------------------------------------
+
+
+def _private_path(path: str, directory: bool) -> str | None:
+    """Make ``path`` accessible to its owner only; a notice when it was not (POSIX; Windows ACLs are left alone)."""
+    if os.name != "posix":
+        return None
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    if not mode & 0o077:
+        return None
+    wanted = 0o700 if directory else mode & 0o600
+    try:
+        os.chmod(path, wanted)
+    except OSError as exc:
+        return f"{path} is readable by other users (mode {mode:04o}) and could not be fixed: {exc.strerror}"
+    return f"{path} was readable by other users (mode {mode:04o}); now {wanted:04o}"
 
 
 def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:

@@ -12,7 +12,6 @@ import os
 import queue
 import shlex
 import sqlite3
-import stat
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -28,7 +27,7 @@ from coffer_src.names import (
     did_you_mean,
     exposed_names,
 )
-from coffer_src.secret_store import SecretStore
+from coffer_src.secret_store import SecretStore, _private_path
 from coffer_src.settings import DEFAULTS, PER_CLIENT_SETTING_RE, check_setting, unknown_setting
 from coffer_src.terminal import ServerLog, redact
 from coffer_src.vault_rows import SHARING_MODES, definition_diff, fingerprint, server_row, vault_json
@@ -99,6 +98,13 @@ CREATE TABLE IF NOT EXISTS audit (
     ts TEXT NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL, target TEXT, detail TEXT
 );
 CREATE INDEX IF NOT EXISTS audit_ts ON audit(ts);
+CREATE TABLE IF NOT EXISTS search_feedback (  -- only while `coffer config search_feedback on` (search/feedback.py)
+    id INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, ts TEXT NOT NULL, client TEXT,
+    query TEXT NOT NULL, ranker TEXT NOT NULL,   -- the query as searched, secrets redacted; 'hybrid' or 'bm25'
+    returned TEXT NOT NULL,                      -- JSON: the tool names returned, best first
+    chosen TEXT, chosen_ts TEXT                  -- the first tool the same session called after it, and when
+);
+CREATE INDEX IF NOT EXISTS search_feedback_ts ON search_feedback(ts);
 """
 SCHEMA = SERVERS_SCHEMA + LOGS_SCHEMA  # what every Vault creates on open
 # The knowledge base (knowledge/base.py) keeps its sources, files and passages here, its embedding cache too.
@@ -225,24 +231,6 @@ class CapabilityState(NamedTuple):
         return self.enabled and not self.quarantined
 
 
-def _private_path(path: str, directory: bool) -> str | None:
-    """Make ``path`` accessible to its owner only; a notice when it was not (POSIX; Windows ACLs are left alone)."""
-    if os.name != "posix":
-        return None
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        return None
-    if not mode & 0o077:
-        return None
-    wanted = 0o700 if directory else mode & 0o600
-    try:
-        os.chmod(path, wanted)
-    except OSError as exc:
-        return f"{path} is readable by other users (mode {mode:04o}) and could not be fixed: {exc.strerror}"
-    return f"{path} was readable by other users (mode {mode:04o}); now {wanted:04o}"
-
-
 _reported_settings: set[str] = set()
 
 
@@ -331,7 +319,8 @@ class Vault:
         tables = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         missing = [(t, c, d) for t, c, d in MIGRATIONS if t in tables and c not in
                    {row["name"] for row in self.db.execute(f"PRAGMA table_info({t})")}]
-        if tables >= {"settings", "servers", "capabilities", "invocations", "audit"} and not missing:
+        required = {"settings", "servers", "capabilities", "invocations", "audit", "search_feedback"}
+        if tables >= required and not missing:
             return  # nothing to write: a read-only vault opens without a write
         script = SCHEMA + "".join(f"ALTER TABLE {t} ADD COLUMN {c} {d};\n" for t, c, d in missing)
         try:
@@ -804,6 +793,7 @@ class Vault:
         cut_aud = (now - timedelta(days=float(settings["retention_audit_days"]))).isoformat()
         with self.transaction() as db:
             n_inv = db.execute("DELETE FROM invocations WHERE ts < ?", (cut_inv.replace("+00:00", "Z"),)).rowcount
+            db.execute("DELETE FROM search_feedback WHERE ts < ?", (cut_inv.replace("+00:00", "Z"),))
             n_aud = db.execute("DELETE FROM audit WHERE ts < ?", (cut_aud.replace("+00:00", "Z"),)).rowcount
             db.execute("DELETE FROM capabilities WHERE last_seen < ? AND server NOT IN (SELECT name FROM servers)",
                        (cut_aud.replace("+00:00", "Z"),))  # choices of servers removed long ago

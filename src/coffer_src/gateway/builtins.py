@@ -9,6 +9,7 @@ from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import dumps, tool_error_result
 from coffer_src.modern import META_CLIENT_CAPABILITIES, RequestClaims
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, RESERVED_SERVER, SEARCH_TOOL, SEPARATOR
+from coffer_src.search.feedback import feedback_recorder
 from coffer_src.search.text import bounded_top_k
 from coffer_src.terminal import redact
 
@@ -191,6 +192,9 @@ class BuiltinTools:
             "ranker": ranker,
         }
         self._record(SEARCH_TOOL, started, "ok", note)
+        if self.hub.settings["search_feedback"] == "on":  # the user's own labels for `coffer eval`
+            feedback_recorder(self.hub.vault.path).searched(self.session, self.session.client_name, query, ranker,
+                                                            [tool["name"] for tool, _ in hits])
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
     @staticmethod
