@@ -35,27 +35,27 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       6209  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       6767  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       6875  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7433  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7814  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-      7973  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      8146  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8730  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      9137  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9602  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9715  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     10050  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10604  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10955  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11292  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     12018  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12335  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12680  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     13038  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13199  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13367  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     14035  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14780  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15060  cli                   Command line: coffer's commands.
+      7440  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7821  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+      7980  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      8153  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8737  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      9144  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9609  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9722  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     10057  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10611  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10962  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11299  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     12025  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12342  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12687  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13045  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13206  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13374  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     14042  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14787  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15067  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -7103,6 +7103,7 @@ class SearchIndex:
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
         self._entity_column_lists: dict[str, tuple[list[int], list[float]]] = {}
+        self._format_docs: list[int] | None = None  # the tools declaring a parameter format, found on first use
         self._web_tools_found: list[int] | None = None
         self._web_named: frozenset = frozenset()  # the web tools named for the web, found with them
         self._declares_parameters = any(columns[4])  # a parameter name anywhere in the catalogue
@@ -7245,8 +7246,14 @@ class SearchIndex:
         found = self._entity_tools.get(kind.name)
         if found is None:
             cues, formats, weak = kind.cues, kind.formats, kind.weak_cues
+            # Only a tool holding a cue (or a weak one) somewhere, or declaring a format, can take the kind.
+            if self._format_docs is None:
+                self._format_docs = [doc_id for doc_id, texts in enumerate(self._texts) if texts[5]]
+            candidates = set(self._format_docs if formats else ()).union(
+                *(self._holders.get(cue, ()) for cue in itertools.chain(cues, weak)))
             found = []
-            for doc_id, (*_, names, words, doc_formats) in enumerate(self._texts):
+            for doc_id in sorted(candidates):
+                *_, names, words, doc_formats = self._texts[doc_id]
                 if not cues.isdisjoint(names.stems) or not formats.isdisjoint(doc_formats):
                     found.append((doc_id, 1.0))
                 elif not cues.isdisjoint(words.stems) or not weak.isdisjoint(names.stems):

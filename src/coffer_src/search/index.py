@@ -262,6 +262,7 @@ class SearchIndex:
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
         self._entity_column_lists: dict[str, tuple[list[int], list[float]]] = {}
+        self._format_docs: list[int] | None = None  # the tools declaring a parameter format, found on first use
         self._web_tools_found: list[int] | None = None
         self._web_named: frozenset = frozenset()  # the web tools named for the web, found with them
         self._declares_parameters = any(columns[4])  # a parameter name anywhere in the catalogue
@@ -404,8 +405,14 @@ class SearchIndex:
         found = self._entity_tools.get(kind.name)
         if found is None:
             cues, formats, weak = kind.cues, kind.formats, kind.weak_cues
+            # Only a tool holding a cue (or a weak one) somewhere, or declaring a format, can take the kind.
+            if self._format_docs is None:
+                self._format_docs = [doc_id for doc_id, texts in enumerate(self._texts) if texts[5]]
+            candidates = set(self._format_docs if formats else ()).union(
+                *(self._holders.get(cue, ()) for cue in itertools.chain(cues, weak)))
             found = []
-            for doc_id, (*_, names, words, doc_formats) in enumerate(self._texts):
+            for doc_id in sorted(candidates):
+                *_, names, words, doc_formats = self._texts[doc_id]
                 if not cues.isdisjoint(names.stems) or not formats.isdisjoint(doc_formats):
                     found.append((doc_id, 1.0))
                 elif not cues.isdisjoint(words.stems) or not weak.isdisjoint(names.stems):
