@@ -37,25 +37,25 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       6875  search.index          Search index: the BM25F ranker behind coffer__search_tools.
       7440  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
       7821  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-      7980  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      8153  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8737  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      9144  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9609  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9722  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     10057  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10611  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10962  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11299  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     12025  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12342  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12687  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     13045  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13206  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13374  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     14042  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14787  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15067  cli                   Command line: coffer's commands.
+      7986  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      8159  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8743  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      9150  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9615  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9728  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     10063  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10617  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10968  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11305  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     12031  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12348  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12693  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13051  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13212  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13380  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     14048  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14793  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15073  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -7950,6 +7950,12 @@ def evaluate_feedback(tools: list[dict], searches: list[LabelledSearch], embedde
     index = SearchIndex(tools)
     rankers = {"lexical": lambda query: [tool["name"] for tool, _ in index.search(query, FEEDBACK_TOP)]}
     semantic = None
+    if embedder is not None and db_path is not None:
+        try:  # an endpoint that is down is said at once, not after waiting for the catalogue's vectors
+            embedder.embed(["probe"], min(timeout, 10.0))
+        except EmbedderError as exc:
+            report["note"] = f"hybrid not scored: the embedder is unavailable ({exc})"
+            embedder = None
     if embedder is not None and db_path is not None:
         semantic = SemanticRanker(embedder, db_path, query_timeout=timeout, build_timeout=timeout)
         semantic.refresh(index.tools)

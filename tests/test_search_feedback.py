@@ -138,3 +138,55 @@ def test_a_real_sdk_client_searches_calls_and_then_coffer_eval_scores_it(home):
 def test_search_feedback_is_on_or_off(home, value):
     result = cli("config", "search_feedback", value, check=False)
     assert result.returncode != 0 and "on or off" in result.stderr
+
+
+class EmbeddingsStub:
+    """An OpenAI-compatible /embeddings endpoint answering bag-of-words vectors (enough to rank by)."""
+
+    def __init__(self):
+        import hashlib
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        def vector(text):
+            out = [0.0] * 32
+            for word in text.lower().split():
+                out[int(hashlib.md5(word.encode()).hexdigest(), 16) % 32] += 1.0
+            return out
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                payload = json.dumps({"data": [{"index": i, "embedding": vector(t)}
+                                               for i, t in enumerate(body["input"])]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_coffer_eval_puts_hybrid_beside_lexical_and_says_when_the_embedder_is_down(raw_gateway, home):
+    cli("add", "fx", "--", *FAKE, "--tools", "echo,slow,crash")
+    cli("config", "search_feedback", "on")
+    gw = raw_gateway()
+    gw.initialize()
+    search_then_call(gw, "echo the text back", "fx__echo", {"text": "hi"})
+    gw.close()
+    stub = EmbeddingsStub()
+    try:
+        cli("config", "embedder_url", stub.url)
+        report = json.loads(cli("eval", "--json").stdout)
+        assert set(report["rankers"]) == {"lexical", "hybrid", "then"} and report["rankers"]["hybrid"]["recall@5"] == 1
+    finally:
+        stub.server.shutdown()
+    cli("config", "embedder_url", "http://127.0.0.1:9/v1")                # nothing listens there
+    report = json.loads(cli("eval", "--json").stdout)
+    assert "hybrid" not in report["rankers"] and "unavailable" in report["note"]

@@ -23,7 +23,7 @@ import weakref
 from typing import NamedTuple
 
 from coffer_src.search.index import SearchIndex
-from coffer_src.search.semantic import Embedder, SemanticRanker
+from coffer_src.search.semantic import Embedder, EmbedderError, SemanticRanker
 from coffer_src.search.text import SEARCH_QUERY_MAX_CHARS
 from coffer_src.terminal import redact
 from coffer_src.vault import Vault, storable, utcnow
@@ -140,6 +140,12 @@ def evaluate_feedback(tools: list[dict], searches: list[LabelledSearch], embedde
     index = SearchIndex(tools)
     rankers = {"lexical": lambda query: [tool["name"] for tool, _ in index.search(query, FEEDBACK_TOP)]}
     semantic = None
+    if embedder is not None and db_path is not None:
+        try:  # an endpoint that is down is said at once, not after waiting for the catalogue's vectors
+            embedder.embed(["probe"], min(timeout, 10.0))
+        except EmbedderError as exc:
+            report["note"] = f"hybrid not scored: the embedder is unavailable ({exc})"
+            embedder = None
     if embedder is not None and db_path is not None:
         semantic = SemanticRanker(embedder, db_path, query_timeout=timeout, build_timeout=timeout)
         semantic.refresh(index.tools)
