@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
-import stat
 import tempfile
 import threading
 import urllib.parse
 
+from coffer_src.digests import sha256
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import decode_json
 from coffer_src.names import ENV_KEY_RE, ENV_NAME_PATTERN
@@ -20,24 +19,6 @@ from coffer_src.terminal import redact
 secret_store_log = logging.getLogger(__name__)
 
 # -- private files ----------------------------------------------------------------------------------------------
-
-
-def _private_path(path: str, directory: bool) -> str | None:
-    """Make ``path`` accessible to its owner only; a notice when it was not (POSIX; Windows ACLs are left alone)."""
-    if os.name != "posix":
-        return None
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        return None
-    if not mode & 0o077:
-        return None
-    wanted = 0o700 if directory else mode & 0o600
-    try:
-        os.chmod(path, wanted)
-    except OSError as exc:
-        return f"{path} is readable by other users (mode {mode:04o}) and could not be fixed: {exc.strerror}"
-    return f"{path} was readable by other users (mode {mode:04o}); now {wanted:04o}"
 
 
 def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
@@ -313,7 +294,7 @@ def resolution_digest(config: dict, secrets: SecretStore | None) -> str:
     names = sorted({name for name, _ in references(config)})
     values = [f"{name}={os.environ[name] if name in os.environ else (secrets.get(name) if secrets else None)}"
               for name in names]
-    return hashlib.sha256("\0".join(values).encode("utf-8", "surrogatepass")).hexdigest()
+    return sha256("\0".join(values).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 # -- an upstream's environment -------------------------------------------------------------------------------

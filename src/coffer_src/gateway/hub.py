@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import sqlite3
+import sys
 import threading
 import time
 
@@ -22,6 +23,7 @@ from coffer_src.gateway.builtins import (
     CLIENT_SIDE_CAPABILITIES,
     REMEMBER_TOOL_DEFINITION,
 )
+from coffer_src.invocations import InvocationLog
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.search.semantic import Embedder, SemanticRanker
@@ -30,7 +32,7 @@ from coffer_src.terminal import ServerLog
 from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.transport.stdio import StdioTransport, process_table
 from coffer_src.upstream.supervisor import Upstream, record_upstream_status
-from coffer_src.vault import CapabilityState, InvocationLog, Vault, setting_key
+from coffer_src.vault import CapabilityState, Vault, setting_key
 
 hub_log = logging.getLogger(__name__)
 
@@ -42,11 +44,31 @@ RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout
 SHARED_CLIENT_CAPABILITIES = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
 
 
-class PerClientServer:
-    """A server that runs one instance per client session: what the catalogue lists for it (its lists remembered
-    from its last start) until a session's own instance is asked; the session starts that on first use."""
+_LIBC_TRIM = None
 
-    per_client = True
+
+def return_freed_memory() -> None:
+    """Hand the heap a catalogue build freed back to the operating system (glibc keeps it, by default, for the
+    process's next allocation; the service lives for hours between builds).  Elsewhere a no-op."""
+    global _LIBC_TRIM
+    if _LIBC_TRIM is None:
+        _LIBC_TRIM = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+                _LIBC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                pass
+    if _LIBC_TRIM:
+        _LIBC_TRIM(0)
+
+
+class RememberedServer:
+    """A server with no instance running in the hub: what the catalogue lists for it, from its lists remembered
+    at its last start, until an instance is asked for."""
+
+    per_client = False   # True: each client session runs an instance of its own (PerClientServer)
+    dormant = False      # True: stopped for want of calls; the hub starts it again on the next one
     spawns = 0
     ready_at = 0.0
     generation = 0
@@ -61,11 +83,24 @@ class PerClientServer:
         self.state = "idle"
 
     def learn(self, lists: dict) -> bool:
-        """A session's instance listed these: remember them for every session's catalogue.  True if they changed."""
+        """An instance listed these: remember them for every session's catalogue.  True if they changed."""
         kept = {kind: items for kind, items in lists.items() if kind in ("tool", "prompt") and items}
         changed = kept != self.remembered
         self.remembered = kept
         return changed
+
+
+class PerClientServer(RememberedServer):
+    """A server that runs one instance per client session; a session starts its own on first use."""
+
+    per_client = True
+
+
+class DormantServer(RememberedServer):
+    """A shared server stopped after upstream_idle_stop seconds without a call; its tools stay listed, and the
+    next call starts it again (and waits for it, as a call to a starting server does)."""
+
+    dormant = True
 
 
 class Hub:
@@ -100,6 +135,7 @@ class Hub:
         self.disabled_servers: set[str] = set()
         self.upstreams: dict[str, Upstream] = {}
         self.per_client: dict[str, PerClientServer] = {}   # shared mode: servers each session runs its own of
+        self.dormant: dict[str, DormantServer] = {}         # shared mode: servers stopped while unused
         self._progress: dict[str, object] = {}             # Coffer's progress token upstream -> its session
         self._progress_ids = itertools.count(1)
         self.configs: dict[str, dict] = {}
@@ -118,6 +154,7 @@ class Hub:
         self.knowledge_tools: list[dict] = []
         self._upstream_client: tuple[dict, dict | None, str] | None = None  # what upstreams are started with
         self._reported_missing = False
+        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see rebuild)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
@@ -321,8 +358,15 @@ class Hub:
                             transport.remember_family(table)
                     except Exception:  # noqa: BLE001 - bookkeeping for shutdown; never the ticker's death
                         hub_log.exception("could not read the process table")
+            if self._trim_at is not None and now >= self._trim_at:
+                self._trim_at = None
+                return_freed_memory()
             if now - last_reload >= 1.0:
                 last_reload = now
+                try:
+                    self._stop_idle()
+                except Exception:  # noqa: BLE001 - the ticker also guards every timeout
+                    hub_log.exception("could not stop an idle upstream")
                 try:
                     self._reload_if_vault_changed()
                 except Exception:  # noqa: BLE001 - the ticker also guards every timeout
@@ -368,16 +412,71 @@ class Hub:
                 with self.lock:
                     self.per_client = {key: p for key, p in self.per_client.items() if key != name}
                 for session in self.sessions:
-                    session.drop_private(name)
+                    session.instances.drop(name)
+                changed = True
+        for name, placeholder in self.dormant.items():
+            old, new = self.configs.get(name), configs.get(name)
+            if new is None or any(old.get(k) != new.get(k) for k in RESTART_KEYS):
+                with self.lock:
+                    self.dormant = {key: p for key, p in self.dormant.items() if key != name}
                 changed = True
         self.configs = configs
         for name, config in configs.items():
-            if name not in self.upstreams and name not in self.per_client:
+            if name not in self.upstreams and name not in self.per_client and name not in self.dormant:
                 self._add_upstream(config)
         if changed:
             self.rebuild()
 
+    # -- idle upstreams (shared mode) -----------------------------------------------------------------------------
+    def _stop_idle(self) -> None:
+        """Stop each shared upstream that has had no call for upstream_idle_stop seconds (and has nothing in
+        flight); what it listed stays in the catalogue."""
+        limit = str(self.settings.get("upstream_idle_stop", "off"))
+        if not self.shared or limit == "off":
+            return
+        now = time.time()
+        for name, upstream in self.upstreams.items():
+            last = max(getattr(upstream, "last_call", None) or 0.0, getattr(upstream, "idle_since", None) or now)
+            if upstream.state != "ready" or now - last < float(limit) or \
+                    not upstream.requests.idle():
+                continue
+            with self.lock:
+                if self.upstreams.get(name) is not upstream:
+                    continue
+                placeholder = DormantServer(self.configs.get(name) or upstream.config,
+                                            {kind: items for kind, items in upstream.lists.items()
+                                             if kind in ("tool", "prompt") and items})
+                self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
+                self.dormant = {**self.dormant, name: placeholder}
+            ServerLog(hub_log, name).info("stopped after %gs without a call; the next call starts it again",
+                                          float(limit))
+            start_thread(upstream.stop, f"coffer-{name}-stop")
+            self.rebuild()
+
+    def wake(self, name: str) -> Upstream | None:
+        """Start a dormant server again for a call (the call waits for its start); the running upstream."""
+        with self.lock:
+            placeholder = self.dormant.get(name)
+            if placeholder is None:
+                return self.upstreams.get(name)
+            self.dormant = {key: p for key, p in self.dormant.items() if key != name}
+            self.remembered[name] = placeholder.remembered
+        self._add_upstream(placeholder.config)
+        self.rebuild()
+        return self.upstreams.get(name)
+
     # -- events from upstreams (see upstream.supervisor: the upstream events interface) -----------------------
+    def _retired(self, upstream: Upstream) -> bool:
+        """A shared instance switched to per-client, still finishing its calls: what it lists now is what every
+        client's own instance will list, so the catalogue learns it from here (no client has to start one
+        just to find out); nothing else it does concerns the hub any more."""
+        placeholder = self.per_client.get(upstream.name)
+        if placeholder is None or self.upstreams.get(upstream.name) is upstream:
+            return False
+        if upstream.ready_at and placeholder.learn(upstream.lists):
+            self.rebuild()
+        return True
+
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
             with self.vault_lock:
@@ -390,10 +489,14 @@ class Hub:
                 with self.vault_lock:
                     self.states = {**{(upstream.name, kind, name): CapabilityState(False) for name in items},
                                    **self.states}
-        if notify:
+        if notify and not self._retired(upstream):
             self.rebuild()
 
     def on_ready(self, upstream: Upstream) -> None:
+        if self._retired(upstream):
+            return
+        if getattr(upstream, "idle_since", None) is None:
+            upstream.idle_since = time.time()  # see _stop_idle
         self._remember_transport(upstream)
         if upstream.era != upstream.config.get("era"):
             try:
@@ -430,6 +533,8 @@ class Hub:
                 ServerLog(hub_log, upstream.name).warning("could not remember its transport: %s", exc)
 
     def on_down(self, upstream: Upstream) -> None:
+        if self.per_client.get(upstream.name) is not None and self.upstreams.get(upstream.name) is not upstream:
+            return  # a retired shared instance (see _retired) ending: its clients have their own
         for session in self.sessions:
             session.upstream_down(upstream)
         self.record_status(upstream, upstream.state)
@@ -548,7 +653,7 @@ class Hub:
                 self._rebuilds_done = self._rebuilds_wanted
                 force, self._force_tools_notice = self._force_tools_notice, False
             live = [up for up in self.upstreams.values() if up.state not in ("failed", "stopped")]
-            live += list(self.per_client.values())
+            live += [*self.per_client.values(), *self.dormant.values()]
             catalogue = Catalogue(live, self.states, self.settings["name_max_length"])
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new
@@ -558,6 +663,8 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
+        if self.shared:  # what the build and the listing it came from leave freed, once they are gone (ticker)
+            self._trim_at = time.monotonic() + 1.0
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
-import uuid
 import weakref
 from typing import NamedTuple
 
@@ -63,7 +63,7 @@ class FeedbackRecorder:
             return False
 
     def searched(self, session, client: str, query: str, ranker: str, names: list[str]) -> None:
-        key = uuid.uuid4().hex
+        key = os.urandom(16).hex()
         row = (key, utcnow(), storable(redact(client))[:64], storable(redact(query))[:SEARCH_QUERY_MAX_CHARS],
                ranker, vault_json(names))
         with self._lock:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import logging.handlers
 import os
 import select
 import signal
@@ -19,7 +18,7 @@ import threading
 import time
 
 from coffer_src import __version__
-from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.hub import Hub, return_freed_memory
 from coffer_src.gateway.session import ClientSession
 from coffer_src.service.channel import (
     ChannelError,
@@ -42,21 +41,24 @@ service_log = logging.getLogger(__name__)
 #: re-attaches): a client that stops reading costs the service this much memory, never a stuck upstream.
 MAX_UNREAD_BYTES = 64 << 20
 MAX_CONNECTIONS = 256
+DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 LOG_BYTES, LOG_BACKUPS = 2 << 20, 3
 
 
 def build_id() -> str:
-    """What tells two Coffers apart: the version and the code itself (two copies of one version may differ)."""
-    import hashlib
+    """What tells two Coffers apart: the version and the code itself (two copies of one version may differ).  A
+    checksum, not a digest: it tells builds apart, it guards nothing, and a relay need not load hashlib for it."""
     import sys
+    import zlib
     module = sys.modules.get(ClientSession.__module__)
     path = getattr(module, "__file__", None)
     try:
         with open(path, "rb") as handle:
-            digest = hashlib.sha256(handle.read()).hexdigest()[:16]
+            code = handle.read()
+        checksum = f"{zlib.crc32(code):08x}{len(code):x}"
     except (OSError, TypeError):
-        digest = "unknown"
-    return f"{__version__}+{digest}"
+        checksum = "unknown"
+    return f"{__version__}+{checksum}"
 
 
 class SocketOutput:
@@ -79,10 +81,7 @@ class SocketOutput:
                 raise BrokenPipeError("the session's connection is closed")
             if not self.queue:
                 try:
-                    _, writable, _ = select.select([], [self.conn], [], 0)
-                    if writable:
-                        sent = self.conn.send(data)
-                        data = data[sent:]
+                    data = data[self._send_now(data):]
                 except OSError:
                     self.closed = True
                     raise
@@ -98,6 +97,16 @@ class SocketOutput:
 
     def flush(self) -> None:
         pass
+
+    def _send_now(self, data: bytes) -> int:
+        """Send what the socket takes without waiting: MSG_DONTWAIT where there is one, else after select()."""
+        if DONTWAIT:
+            try:
+                return self.conn.send(data, DONTWAIT)
+            except BlockingIOError:
+                return 0
+        _, writable, _ = select.select([], [self.conn], [], 0)
+        return self.conn.send(data) if writable else 0
 
     def _drain(self) -> None:
         while True:
@@ -141,6 +150,7 @@ def log_to_file(home: str) -> str:
     path = os.path.join(folder, "service.log")
     if not os.path.exists(path):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    import logging.handlers  # here: the rest of Coffer never needs it, and it costs memory to import
     handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS,
                                                    encoding="utf-8")
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -190,6 +200,7 @@ class Service:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), lambda *_: self.stopping.set())
         self.hub.start()
+        return_freed_memory()  # what loading Coffer itself left behind (compiling coffer.py, when it had no bytecode)
         self.listener.settimeout(0.5)
         try:
             while not self.stopping.is_set():
@@ -262,7 +273,8 @@ class Service:
                 send_line(conn, {"coffer": 1, "error": "not a Coffer client of this service"})
                 return
             kind = hello.get("kind")
-            answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid()}
+            answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid(),
+                      "serve_mode": self.hub.settings.get("serve_mode", "service")}
             if kind == "control":
                 send_line(conn, {**answer, **self.control(hello)})
             elif kind == "session" and not self.handing_over:
@@ -300,6 +312,8 @@ class Service:
         op = request.get("op")
         if op == "status":
             return {"status": self.status()}
+        if op == "tools":
+            return {"tools": self.tools()}
         if op == "stop":
             self.stopping.set()
             return {"ok": True}
@@ -321,21 +335,41 @@ class Service:
         for session in sessions:
             session.stream.send({"coffer": "handover"})
 
+    def tools(self) -> dict:
+        """Every usable tool of the catalogue by server, as a client can call it, and each server's state: what
+        `coffer tools`, `call` and `doctor` read from a running service instead of starting servers themselves."""
+        catalogue = self.hub.catalogue
+        by_server: dict[str, list] = {}
+        for tool in catalogue.tools:
+            route = catalogue.tool_routes.get(tool["name"])
+            if route is not None:
+                by_server.setdefault(route.upstream.name, []).append(tool)
+        servers = {}
+        for name, config in self.hub.configs.items():
+            upstream = self.hub.upstreams.get(name) or self.hub.per_client.get(name) or self.hub.dormant.get(name)
+            state = getattr(upstream, "state", None) or config.get("status") or "not started"
+            if getattr(upstream, "per_client", False) or getattr(upstream, "dormant", False):
+                state = "ready"  # listed from its last start; a call starts an instance
+            servers[name] = {"state": state, "error": getattr(upstream, "last_error", None) or "",
+                             "tools": by_server.get(name, [])}
+        return servers
+
     def status(self) -> dict:
         with self.lock:
             sessions = list(self.sessions)
         upstreams = []
         users: dict[str, int] = collections.Counter()
         for session in sessions:
-            for name in session.private:
+            for name in session.instances.running:
                 users[name] += 1
         for upstream in self.hub.upstreams.values():
             users[upstream.name] = sum(1 for s in sessions if s.calls.used(upstream))
-        for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items()]:
+        for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items(), *self.hub.dormant.items()]:
             transport = getattr(upstream, "transport", None)
             pid = transport.pid if isinstance(transport, StdioTransport) else None
             last = getattr(upstream, "last_call", None)
-            upstreams.append({"name": name, "state": upstream.state, "pid": pid, "rss_mb": rss_mb(pid),
+            state = "stopped (idle)" if getattr(upstream, "dormant", False) else upstream.state
+            upstreams.append({"name": name, "state": state, "pid": pid, "rss_mb": rss_mb(pid),
                               "sharing": "per-client" if getattr(upstream, "per_client", False) else "shared",
                               "sessions": users.get(name, 0), "last_call": iso_timestamp(last) if last else None})
         return {"service": {"pid": os.getpid(), "version": __version__, "uptime_s": round(time.time() -
