@@ -19,12 +19,19 @@ ranking), and the comparators ``rank_bm25``
 (BM25Okapi on lowercased \\w+ tokens), ``bm25s`` (its default tokenizer and English stop words) and
 ``sqlite-fts5`` (SQLite FTS5 bm25() with the porter tokenizer, the question's words OR-ed).
 
+Every comparator also runs on its own plain chunking (``rank_bm25/40l``, ``bm25s/40l``, ``sqlite-fts5/40l``):
+each file cut into 40-line chunks, as a user would index documentation without Coffer.  Its nDCG ideal is the
+best of its own chunks.
+
 Metrics, with a passage relevant to a labelled need when its line range overlaps one of the need's locations:
 
 * recall@5  - fraction of the question's needs met by a passage in the top 5 (hit@5 for one-need questions);
 * MRR@10    - 1 / rank of the first passage meeting any need;
 * nDCG@10   - graded by overlap: a passage's gain is the largest fraction of a labelled location it covers;
-  the ideal ranking is the corpus' best passages by that gain.
+  the ideal ranking is the corpus' best passages by that gain;
+* R@100L, R@200L - recall at a reading budget: the needs met by the first 100 (200) lines of text returned,
+  passages read in rank order, the last one cut at the budget.  recall@k rewards bigger passages (five 40-line
+  chunks are 200 lines); at a fixed budget, passage size is paid for.
 
 Gate (--gate): Coffer's default engine must be at least as good as every comparator on recall@5, MRR@10 and
 nDCG@10 -- any comparator strictly better on any of them fails the run.
@@ -51,7 +58,9 @@ DATA_DIR = REPO_ROOT / "evals" / "ask_data"
 CORPUS_DIR = DATA_DIR / "corpus"
 QUESTIONS = DATA_DIR / "questions.jsonl"
 GATED = ("recall@5", "mrr@10", "ndcg@10")
-METRICS = ("recall@1", "recall@5", "mrr@10", "ndcg@10")
+BUDGETS = (100, 200)  # lines of text read, for recall at a reading budget
+METRICS = ("recall@1", "recall@5", "mrr@10", "ndcg@10") + tuple(f"recall@{b}l" for b in BUDGETS)
+CHUNK_LINES = 40  # the plain chunking of the comparators' own rows
 STYLES = ("howto", "factual", "paraphrase", "keyword", "error", "multi")
 COMPARATORS = ("rank_bm25", "bm25s", "sqlite-fts5")
 TOP_K = 10
@@ -124,15 +133,34 @@ def meets(passage: PassageRef, need: list[dict]) -> bool:
     return any(overlap(passage, location) for location in need)
 
 
+def within_budget(ranked: list[PassageRef], budget: int) -> list[PassageRef]:
+    """The passages a reader gets through in ``budget`` lines, in rank order, the last one cut at the budget."""
+    read, left = [], budget
+    for passage in ranked:
+        if left <= 0:
+            break
+        lines = passage.last - passage.first + 1
+        read.append(passage if lines <= left else PassageRef(passage.path, passage.first, passage.first + left - 1,
+                                                             passage.text))
+        left -= lines
+    return read
+
+
 def score_question(ranked: list[PassageRef], needs: list[list[dict]], ideal_gains: list[float]) -> dict:
     def recall(k):
         return sum(any(meets(p, need) for p in ranked[:k]) for need in needs) / len(needs)
 
+    def recall_lines(budget):
+        read = within_budget(ranked, budget)
+        return sum(any(meets(p, need) for p in read) for need in needs) / len(needs)
+
     mrr = next((1.0 / rank for rank, p in enumerate(ranked[:10], 1) if any(meets(p, n) for n in needs)), 0.0)
     dcg = sum(gain(p, needs) / math.log2(rank + 1) for rank, p in enumerate(ranked[:10], 1))
     idcg = sum(g / math.log2(rank + 1) for rank, g in enumerate(ideal_gains[:10], 1))
-    return {"recall@1": recall(1), "recall@5": recall(5), "mrr@10": mrr,
-            "ndcg@10": min(1.0, dcg / idcg) if idcg else 0.0}
+    scores = {"recall@1": recall(1), "recall@5": recall(5), "mrr@10": mrr,
+              "ndcg@10": min(1.0, dcg / idcg) if idcg else 0.0}
+    scores.update((f"recall@{budget}l", recall_lines(budget)) for budget in BUDGETS)
+    return scores
 
 
 def mean(rows: list[dict]) -> dict:
@@ -152,6 +180,28 @@ def percentile(values: list[float], pct: float) -> float:
 
 def comparator_text(passage) -> str:
     return f"{passage.heading}\n{passage.text}" if passage.heading else passage.text
+
+
+@dataclass(frozen=True)
+class PlainChunk:
+    """A comparator's own passage: CHUNK_LINES lines of one file, as a user would cut documentation."""
+
+    path: str
+    lines: tuple[int, int]
+    text: str
+    heading: str = ""
+
+
+def plain_chunks(corpus: Path = CORPUS_DIR, size: int = CHUNK_LINES) -> list[PlainChunk]:
+    chunks = []
+    for path in sorted(p for p in corpus.rglob("*") if p.is_file()):
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        relative = path.relative_to(corpus).as_posix()
+        for start in range(0, len(lines), size):
+            text = "\n".join(lines[start:start + size])
+            if text.strip():
+                chunks.append(PlainChunk(relative, (start + 1, min(len(lines), start + size)), text))
+    return chunks
 
 
 class CofferRanker:
@@ -306,16 +356,21 @@ def run(coffer, embedder_url: str | None = None, embedder_model: str = "all-Mini
                 results.append(evaluate("hybrid", ranker, questions, ideal, ranker.build_ms))
             except RankerUnavailable as exc:
                 results.append(Result("hybrid", error=str(exc)))
+        chunks = plain_chunks()
+        chunk_refs = [PassageRef(c.path, c.lines[0], c.lines[1], c.text) for c in chunks]
+        chunk_ideal = {question["id"]: sorted((g for g in (gain(r, question["needs"]) for r in chunk_refs) if g),
+                                              reverse=True) for question in questions}
         for name, factory in (("rank_bm25", RankBM25Ranker), ("bm25s", BM25SRanker),
                               ("sqlite-fts5", SqliteFtsRanker)):
-            say(f"evaluating {name}")
-            try:
-                started = time.perf_counter()
-                ranker = factory(passages)
-                build_ms = (time.perf_counter() - started) * 1000.0
-                results.append(evaluate(name, ranker, questions, ideal, build_ms))
-            except RankerUnavailable as exc:
-                results.append(Result(name, error=str(exc)))
+            for label, units, best in ((name, passages, ideal), (f"{name}/{CHUNK_LINES}l", chunks, chunk_ideal)):
+                say(f"evaluating {label}")
+                try:
+                    started = time.perf_counter()
+                    ranker = factory(units)
+                    build_ms = (time.perf_counter() - started) * 1000.0
+                    results.append(evaluate(label, ranker, questions, best, build_ms))
+                except RankerUnavailable as exc:
+                    results.append(Result(label, error=str(exc)))
         for ranker in built.values():
             ranker.kb.close()
     return results, f"coffer-{default_engine}", len(passages)
@@ -339,8 +394,9 @@ def gate(results: list[Result], default: str) -> list[str]:
 
 def render(results: list[Result], default: str, passages: int, questions: int) -> str:
     lines = [f"Knowledge retrieval: {questions} questions, {passages} passages (click 8.5.1 + flask 3.1.3 docs);"
-             f" default engine = {default}", ""]
-    header = f"{'ranker':<20}" + "".join(f"{m:>10}" for m in METRICS) + f"{'p50 ms':>9}{'p95 ms':>9}{'build ms':>10}"
+             f" default engine = {default}; NAME/{CHUNK_LINES}l = the comparator on its own {CHUNK_LINES}-line chunks;"
+             f" recall@Nl = recall in the first N lines returned", ""]
+    header = f"{'ranker':<20}" + "".join(f"{m:>12}" for m in METRICS) + f"{'p50 ms':>9}{'p95 ms':>9}{'build ms':>10}"
     lines += [header, "-" * len(header)]
     for result in results:
         if result.error:
@@ -348,10 +404,11 @@ def render(results: list[Result], default: str, passages: int, questions: int) -
             continue
         summary = result.summary()
         lines.append(f"{result.ranker + (' *' if result.ranker == default else ''):<20}"
-                     + "".join(f"{summary[m]:>10.3f}" for m in METRICS)
+                     + "".join(f"{summary[m]:>12.3f}" for m in METRICS)
                      + f"{percentile(result.latencies_ms, 50):>9.2f}{percentile(result.latencies_ms, 95):>9.2f}"
                      + f"{result.build_ms:>10.0f}" + (f"   ({result.note})" if result.note else ""))
-    lines += ["", "* gated: Coffer's default engine. nDCG@10 by question style:", ""]
+    lines += ["", "* gated: Coffer's default engine, against each comparator on Coffer's passages. nDCG@10 by "
+              "question style:", ""]
     names = [r.ranker for r in results if not r.error]
     lines.append(f"{'style':<12}{'n':>5}" + "".join(f"{n[:14]:>15}" for n in names))
     for style in STYLES:

@@ -175,10 +175,16 @@ class EmbeddingRanker:
         # vote by (SEMANTIC_FULL_SPREAD); the report prints its median by query style
         self.spreads: dict[str, float] = {}
 
+    def _embedded(self, query: str) -> str:
+        """The text the gateway's embedder reads for ``query`` (coffer.embedding_query), where coffer has it."""
+        if not hasattr(self.coffer, "embedding_query"):
+            return query
+        return self.coffer.embedding_query(self.coffer.bounded_query(query), self.lexical.reading(query))
+
     def prepare(self, queries: list[str]) -> None:
         missing = [q for q in dict.fromkeys(queries) if q not in self.query_vectors]
         if missing:
-            self.query_vectors.update(zip(missing, self.embedder.embed(missing, 600.0)))
+            self.query_vectors.update(zip(missing, self.embedder.embed(list(map(self._embedded, missing)), 600.0)))
 
     def search(self, query: str, top_k: int = 10):
         if query not in self.query_vectors:
@@ -187,6 +193,13 @@ class EmbeddingRanker:
         semantic = self.semantic.rank(self.query_vectors[query], 50 if self.mode == "hybrid" else top_k)
         if self.mode == "semantic":
             return [(tools[doc], score) for doc, score in semantic[:top_k]]
+        if hasattr(self.coffer, "hybrid_rank"):  # as coffer's SemanticRanker.search does
+            if self.lexical.reading(query).only_arguments:
+                return self.lexical.search(query, top_k)
+            self.spreads[query] = semantic[0][1] - semantic[-1][1] if semantic else 0.0
+            ranked = self.coffer.hybrid_rank(self.lexical, self.semantic, self.coffer.bounded_query(query),
+                                             self.query_vectors[query], top_k)
+            return [(tools[doc], score) for doc, score in ranked]
         self.spreads[query] = semantic[0][1] - semantic[-1][1] if semantic else 0.0
         lexical = self.lexical.rank(query, 50)
         return [(tools[doc], score) for doc, score in self.coffer.fuse(lexical, semantic, top_k)]

@@ -8,6 +8,7 @@ Run from the repo root::
     python -m evals.run --update-baselines    # record coffer's current metrics as the new baselines
     python -m evals.run --catalog C.jsonl --queries Q.jsonl [--name NAME]   # one external set only
     python -m evals.run --set project --rankers coffer,bm25s
+    python -m evals.run --vault [COFFER_HOME]     # your own searches (search_feedback), as `coffer eval` does
 
 Sets: ``project`` (evals/data, written by this project: an aggregated catalogue of real-world-style MCP
 servers and agent-phrased queries tagged by style), every ``evals/sets/<name>/`` (built from pinned public
@@ -132,6 +133,25 @@ def load_set(name: str, catalog: Path, queries: Path) -> EvalSet:
             print(f"warning: {name}: query {row['query'][:60]!r} labels unknown tools {missing}", file=sys.stderr)
     digest = hashlib.sha256(catalog.read_bytes() + b"\0" + queries.read_bytes()).hexdigest()[:16]
     return EvalSet(name, tools, rows, digest)
+
+
+def vault_set(home: str) -> EvalSet:
+    """The set 'vault': a user's labelled searches (coffer.labelled_searches) over the catalogue the last session
+    saw (coffer.cached_tools); a search whose chosen tool is gone is left out."""
+    import coffer
+    home = home or coffer.coffer_home()
+    if not (Path(home) / "coffer.db").is_file():
+        raise SystemExit(f"--vault: no coffer.db in {home}")
+    vault = coffer.Vault(home)
+    try:
+        tools = coffer.cached_tools(vault)
+        searches, _ = coffer.labelled_searches(vault)
+    finally:
+        vault.close()
+    names = {tool["name"] for tool in tools}
+    queries = [{"query": s.query, "relevant": [s.chosen], "style": "all"} for s in searches if s.chosen in names]
+    digest = hashlib.sha256(json.dumps([tools, queries], sort_keys=True).encode()).hexdigest()[:16]
+    return EvalSet("vault", tools, queries, digest)
 
 
 def discover_sets(args: argparse.Namespace) -> tuple[list[tuple[str, Path, Path]], list[str]]:
@@ -468,6 +488,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--queries", help="queries JSONL for --catalog")
     p.add_argument("--name", help="set name for --catalog (default: its folder name)")
     p.add_argument("--set", action="append", help="only this set (repeatable): project, livemcpbench, ...")
+    p.add_argument("--vault", nargs="?", const="", metavar="COFFER_HOME",
+                   help="only the set 'vault': the labelled searches recorded with search_feedback on, over the "
+                        "catalogue the last session saw (default $COFFER_HOME or ~/.coffer); never gated")
     p.add_argument("--rankers", help="comma-separated subset of rankers (default: all available)")
     p.add_argument("--embedder", metavar="URL",
                    help="add 'semantic' and 'hybrid' rankers using this embeddings endpoint (e.g. "
@@ -541,10 +564,14 @@ def main(argv: list[str] | None = None) -> int:
             ["--json", args.json] if args.json else [])
         return ask.main(forwarded)
     rankers = select_rankers(args)
-    to_run, notes = discover_sets(args)
+    if args.vault is not None:
+        args.gate, loaded, notes = False, [vault_set(args.vault)], []
+    else:
+        to_run, notes = discover_sets(args)
+        loaded = (load_set(name, catalog, queries) for name, catalog, queries in to_run)
     report, evalsets = [], {}
-    for name, catalog, queries in to_run:
-        evalset = load_set(name, catalog, queries)
+    for evalset in loaded:
+        name = evalset.name
         evalsets[name] = evalset
         results = {r: result_json(run_ranker(r, f, evalset)) for r, f in rankers.items()}
         report.append({"set": name, "n_tools": len(evalset.tools), "n_queries": len(evalset.queries),

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from coffer_src.search import lexicon
-from coffer_src.search.text import ABBREVIATIONS, EQUIVALENCES, _words, knowledge_terms, stem, tokenize
+from coffer_src.search.text import ABBREVIATIONS, EQUIVALENCES, _words, inflection_stem, knowledge_terms, stem, tokenize
 
 WORDS_DIR = Path(lexicon.__file__).resolve().parent / "words"
 LEXICON_SOURCE = Path(lexicon.__file__).read_text(encoding="utf-8")
@@ -38,10 +38,11 @@ KINDS = {
     "equivalences.txt": "groups",
     "abbreviations.txt": "table",
     "german_separable_verbs.txt": "table",
+    "verb_senses.txt": "senses",
 }
 LEXICON_FILES = sorted(p.name for p in WORDS_DIR.glob("lexicon_*.txt"))
 # Which analyser must keep a target as an index term (see the module docstring).
-TOOL_SEARCH_ONLY = {"abbreviations.txt", "equivalences.txt"}
+TOOL_SEARCH_ONLY = {"abbreviations.txt", "equivalences.txt", "verb_senses.txt"}
 
 
 def kind_of(name: str) -> str:
@@ -85,6 +86,13 @@ def parse(name: str, text: str) -> tuple[list[tuple[int, str, tuple[str, ...]]],
                 problems.append(f"{where}: a group is two or more words separated by spaces, not {entry!r}")
                 continue
             entries.append((number, words[0], words))
+        elif kind == "senses":  # VERB OBJECT [OBJECT ...] = MEANING [MEANING ...]: the key is the whole left side
+            key, sep, rest = entry.partition("=")
+            key, words = " ".join(key.split()), tuple(key.split()[1:]) + tuple(rest.split())
+            if not sep or "=" in rest or len(key.split()) < 2 or not rest.split():
+                problems.append(f"{where}: a sense is VERB OBJECT [OBJECT ...] = MEANING [MEANING ...], not {entry!r}")
+                continue
+            entries.append((number, key, words))
         else:
             key, sep, rest = entry.partition("=")
             key, words = key.strip(), tuple(rest.split())
@@ -120,6 +128,9 @@ def problems_of(name: str, text: str, stop_words=lexicon.STOP_WORDS) -> list[str
             for word in (words or (key,)):
                 if not is_word(word):
                     problems.append(f"{where}: {word!r} is not one word as the analyser splits text ({_words(word)})")
+        elif kind == "senses":
+            if not is_word(key.split()[0]):
+                problems.append(f"{where}: the verb {key.split()[0]!r} is not one word as the analyser splits text")
         elif kind == "irregular":
             target = words[0]
             if not (len(key) > 3 and key.isalpha()):
@@ -135,7 +146,7 @@ def problems_of(name: str, text: str, stop_words=lexicon.STOP_WORDS) -> list[str
                 problems.append(f"{where}: a CJK key matches only in the multilingual lexicon")
             if name == "abbreviations.txt" and key in stop_words:
                 problems.append(f"{where}: {key!r} is a stop word, dropped before it could be looked up")
-        if kind in ("table", "groups"):
+        if kind in ("table", "groups", "senses"):
             for word in words:
                 ok = tool_search_term(word) if name in TOOL_SEARCH_ONLY else (
                     tool_search_term(word) or knowledge_term(word))
@@ -204,7 +215,7 @@ def test_the_tables_hold_exactly_what_the_files_say():
     assert set(ABBREVIATIONS) == set(lexicon.word_file_table(read("abbreviations.txt")))
     assert ABBREVIATIONS["pr"] == (stem("pull"), stem("request"))
     groups = [line.split() for _, line in lexicon.word_file_entries(read("equivalences.txt"))]
-    assert set(EQUIVALENCES) == {stem(word) for group in groups for word in group}
+    assert set(EQUIVALENCES) == {inflection_stem(word) for group in groups for word in group}
     assert lexicon._IRREGULAR == {k: v[0] for k, v in lexicon.word_file_table(read("irregular.txt")).items()}
 
 
@@ -251,3 +262,14 @@ def test_a_server_target_serves_documents_though_tool_search_drops_the_word():
     assert not tool_search_term("server") and knowledge_term("server")
     assert problems_of("lexicon_ja.txt", "サーバー = server\n") == []
     assert problems_of("abbreviations.txt", "srv = server\n") != []
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("open pull = create\n", None),
+    ("open = create\n", "a sense is VERB OBJECT"),
+    ("open pull =\n", "a sense is VERB OBJECT"),
+    ("open the = create\n", "'the' is not an index term"),
+])
+def test_a_verb_sense_line_names_a_verb_its_objects_and_its_meaning(text, expected):
+    problems = problems_of("verb_senses.txt", text)
+    assert (problems == []) if expected is None else any(expected in problem for problem in problems), problems

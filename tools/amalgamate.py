@@ -68,6 +68,7 @@ LAYERS = (
     "search/index",
     "search/semantic",
     "search/explain",
+    "search/feedback",
     "catalogue",
     "knowledge/documents",
     "knowledge/ranking",

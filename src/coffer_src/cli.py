@@ -60,6 +60,8 @@ from coffer_src.oauth import (
     revoke_grant,
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
+from coffer_src.search.feedback import evaluate_feedback, labelled_searches
+from coffer_src.search.semantic import Embedder
 from coffer_src.secret_store import (
     SECRET_MAX_CHARS,
     expand_vars,
@@ -538,6 +540,37 @@ def cmd_audit(vault: Vault, args) -> int:
     return 0
 
 
+def cmd_eval(vault: Vault, args) -> int:
+    """Score the current ranker on the user's own labelled searches (search_feedback): recall@1/5 and MRR@10,
+    lexical and, with an embedder configured, hybrid; and the searches that missed."""
+    searches, total = labelled_searches(vault)
+    embedder = Embedder.from_settings(vault.settings(), vault.secrets)
+    report = {"searches": total, **evaluate_feedback(cached_tools(vault), searches, embedder, vault.path)} \
+        if searches else {"searches": total, "labelled": 0, "scored": 0, "rankers": {}}
+    report["search_feedback"] = vault.setting("search_feedback")
+    if args.json:
+        say_json(report)
+        return 0
+    if not report["scored"]:
+        say(f"No labelled searches to score ({total} recorded; a search is labelled by the tool the same session "
+            f"calls next).  Turn recording on with `coffer config search_feedback on` (it is "
+            f"{report['search_feedback']}); it stays on this machine.")
+        return 0
+    rankers = report["rankers"]
+    say(f"{report['scored']} labelled searches scored against the current catalogue ({report['tools']} tools); "
+        f"{report['skipped']} skipped (their tool is gone).")
+    _print_table([[name, f"{r['recall@1']:.3f}", f"{r['recall@5']:.3f}", f"{r['mrr@10']:.3f}"]
+                  for name, r in rankers.items()], ["RANKER", "RECALL@1", "RECALL@5", "MRR@10"])
+    if report.get("note"):
+        say(report["note"])
+    for name in ("lexical", "hybrid"):
+        for miss in rankers.get(name, {}).get("missed", []):
+            where = f"rank {miss['rank']}" if miss["rank"] else "not in the top 10"
+            say(clip(f"{name} missed: {miss['query']!r} -> {miss['chosen']} ({where}); top: "
+                     f"{', '.join(miss['top']) or 'nothing'}", 200))
+    return 0
+
+
 def cmd_config(vault: Vault, args) -> int:
     """Show every listed setting, or one by name (a hidden one too), or change one."""
     if args.key and args.value is not None:
@@ -865,6 +898,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--since", metavar="DATE", help="only rows from this date or time on (2026-11-30[T12:00])")
     p.add_argument("--kind", metavar="ACTION", help="only this action (add, disable, approve, upstream, ...)")
     p.add_argument("--server", metavar="NAME", help="only rows about this server")
+    command("eval", cmd_eval, "score tool search on your own searches (coffer config search_feedback on): "
+                              "recall and MRR, lexical and hybrid, and the searches that missed"
+            ).add_argument("--json", action="store_true")
     p = command("config", cmd_config, "show or change a setting")
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?")

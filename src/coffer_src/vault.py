@@ -96,6 +96,13 @@ CREATE TABLE IF NOT EXISTS audit (
     ts TEXT NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL, target TEXT, detail TEXT
 );
 CREATE INDEX IF NOT EXISTS audit_ts ON audit(ts);
+CREATE TABLE IF NOT EXISTS search_feedback (  -- only while `coffer config search_feedback on` (search/feedback.py)
+    id INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, ts TEXT NOT NULL, client TEXT,
+    query TEXT NOT NULL, ranker TEXT NOT NULL,   -- the query as searched, secrets redacted; 'hybrid' or 'bm25'
+    returned TEXT NOT NULL,                      -- JSON: the tool names returned, best first
+    chosen TEXT, chosen_ts TEXT                  -- the first tool the same session called after it, and when
+);
+CREATE INDEX IF NOT EXISTS search_feedback_ts ON search_feedback(ts);
 """
 SCHEMA = SERVERS_SCHEMA + LOGS_SCHEMA  # what every Vault creates on open
 # The knowledge base (knowledge/base.py) keeps its sources, files and passages here, its embedding cache too.
@@ -332,7 +339,8 @@ class Vault:
         tables = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         missing = [(t, c, d) for t, c, d in MIGRATIONS if t in tables and c not in
                    {row["name"] for row in self.db.execute(f"PRAGMA table_info({t})")}]
-        if tables >= {"settings", "servers", "capabilities", "invocations", "audit"} and not missing:
+        required = {"settings", "servers", "capabilities", "invocations", "audit", "search_feedback"}
+        if tables >= required and not missing:
             return  # nothing to write: a read-only vault opens without a write
         script = SCHEMA + "".join(f"ALTER TABLE {t} ADD COLUMN {c} {d};\n" for t, c, d in missing)
         try:
@@ -805,6 +813,7 @@ class Vault:
         cut_aud = (now - timedelta(days=float(settings["retention_audit_days"]))).isoformat()
         with self.transaction() as db:
             n_inv = db.execute("DELETE FROM invocations WHERE ts < ?", (cut_inv.replace("+00:00", "Z"),)).rowcount
+            db.execute("DELETE FROM search_feedback WHERE ts < ?", (cut_inv.replace("+00:00", "Z"),))
             n_aud = db.execute("DELETE FROM audit WHERE ts < ?", (cut_aud.replace("+00:00", "Z"),)).rowcount
             db.execute("DELETE FROM capabilities WHERE last_seen < ? AND server NOT IN (SELECT name FROM servers)",
                        (cut_aud.replace("+00:00", "Z"),))  # choices of servers removed long ago

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import dumps, tool_error_result
 from coffer_src.modern import META_CLIENT_CAPABILITIES, RequestClaims
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, RESERVED_SERVER, SEARCH_TOOL, SEPARATOR
+from coffer_src.search.feedback import feedback_recorder
 from coffer_src.search.text import bounded_top_k
 from coffer_src.terminal import redact
 
@@ -190,6 +192,9 @@ class BuiltinTools:
             "ranker": ranker,
         }
         self._record(SEARCH_TOOL, started, "ok", note)
+        if self.hub.settings["search_feedback"] == "on":  # the user's own labels for `coffer eval`
+            feedback_recorder(self.hub.vault.path).searched(self.session, self.session.client_name, query, ranker,
+                                                            [tool["name"] for tool, _ in hits])
         return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
 
     @staticmethod
@@ -215,10 +220,23 @@ class BuiltinTools:
         return self._sampled_text(self.session.request_client("sampling/createMessage",
                                                       self._sampling_params(prompt, max_tokens), remaining))
 
+    def _note_headings(self, hits, sources) -> list[str]:
+        """Up to three headings of the user's notes (those of the passages found first, else the first indexed):
+        they show the client's model which language the notes are written in."""
+        passages = itertools.chain(hits, itertools.islice(self.hub.knowledge.passages(sources), 50))
+        headings = dict.fromkeys(
+            (hit.heading.rpartition(" > ")[2] or hit.text.strip().partition("\n")[0]).strip()[:80] for hit in passages)
+        return [heading for heading in headings if heading][:3]
+
     @staticmethod
-    def _rewrite_prompt(question: str) -> str:
+    def _rewrite_prompt(question: str, headings=()) -> str:
+        """The rewrite into search queries, in the language the notes are written in: a question may come in
+        another (``headings``: see _note_headings)."""
+        shown = "; ".join(f'"{heading}"' for heading in headings)
         return ("Rewrite this question into at most three short search queries for a keyword search over the "
-                f"user's notes, one per line, nothing else.\n\nQuestion: {question[:2000]}")
+                "user's notes, one per line, nothing else. Write the queries in the language the notes are written "
+                f"in, which may not be the question's{'; headings from the notes: ' + shown if shown else ''}."
+                f"\n\nQuestion: {question[:2000]}")
 
     @staticmethod
     def _answer_prompt(question: str, hits) -> str:
@@ -270,13 +288,18 @@ class BuiltinTools:
             return fail(str(exc))
         synthesis = None
         wanted = self.hub.settings["ask_synthesis"] == "on" and bool(hits)
+        # The rewrite may find what the question's own words did not (notes in another language than the
+        # question): it is asked for even when they found nothing, if there is anything to search.
+        rewrite = self.hub.settings["ask_synthesis"] == "on" and answer.total_searched > 0
         if self.session.client_era == "modern":
             meta = (params or {}).get("_meta") if isinstance((params or {}).get("_meta"), dict) else {}
             caps = meta.get(META_CLIENT_CAPABILITIES) if isinstance(meta.get(META_CLIENT_CAPABILITIES), dict) else {}
             first = claims.first_asked if claims.first_asked is not None else time.time()
             in_time = time.time() - first < ASK_SAMPLING_BUDGET
-            if wanted and isinstance(caps.get("sampling"), dict) and in_time and claims.ask_stage in (None, 1):
-                stage, prompt, tokens = ((1, self._rewrite_prompt(question), 200) if claims.ask_stage is None
+            if isinstance(caps.get("sampling"), dict) and in_time and (
+                    claims.ask_stage is None and rewrite or claims.ask_stage == 1 and wanted):
+                stage, prompt, tokens = ((1, self._rewrite_prompt(question, self._note_headings(hits, sources)), 200)
+                                         if claims.ask_stage is None
                                          else (2, self._answer_prompt(question, hits), 600))
                 key = "coffer-rewrite" if stage == 1 else "coffer-answer"
                 state = self.session.bridge.sealer.seal("tools/call", params, RequestClaims(
@@ -285,14 +308,16 @@ class BuiltinTools:
                     key: {"method": "sampling/createMessage", "params": self._sampling_params(prompt, tokens)}}}
             if claims.ask_stage == 2:
                 synthesis = self._sampled_text(responses.get("coffer-answer"))
-        elif wanted and "sampling" in self.session.client_capabilities and not claims.is_ask_round:
+        elif rewrite and "sampling" in self.session.client_capabilities and not claims.is_ask_round:
             deadline = time.monotonic() + ASK_SAMPLING_BUDGET
-            queries = self._queries(self._sample_text(self._rewrite_prompt(question), 200, deadline))
+            prompt = self._rewrite_prompt(question, self._note_headings(hits, sources))
+            queries = self._queries(self._sample_text(prompt, 200, deadline))
             if queries:
                 return self.ask(arguments, started, params,
                                 RequestClaims(ask_stage=0, queries=tuple(queries), deadline=deadline))
-            synthesis = self._sample_text(self._answer_prompt(question, hits), 600, deadline)
-        if claims.ask_stage == 0:  # the handshake era's second step (after the rewrite)
+            if wanted:
+                synthesis = self._sample_text(self._answer_prompt(question, hits), 600, deadline)
+        if claims.ask_stage == 0 and wanted:  # the handshake era's second step (after the rewrite)
             synthesis = self._sample_text(self._answer_prompt(question, hits), 600, claims.deadline)
         if wanted and synthesis is None and (claims.is_ask_round or "sampling" in self.session.client_capabilities):
             notes.append("no answer from the client's model; passages only")

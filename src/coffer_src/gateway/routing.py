@@ -24,6 +24,7 @@ from coffer_src.jsonrpc import (
 )
 from coffer_src.modern import INPUT_REQUIRED_METHODS
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL, SEPARATOR
+from coffer_src.search.feedback import feedback_recorder
 from coffer_src.upstream.supervisor import Ticket, Upstream
 
 
@@ -96,6 +97,8 @@ class CallRouter:
                 lambda: self._route_named(msg_id, params, name, kind, method, started, True))
             return self._unknown(msg_id, name, kind, started, retry)
         upstream, original = route
+        if kind == "tool" and self.hub.settings["search_feedback"] == "on":  # labels the session's last search
+            feedback_recorder(self.hub.vault.path).called(self.session, name)
         self.forward(msg_id, upstream, method, {**params, "name": original}, name, kind, started, params)
         return None
 

@@ -29,6 +29,8 @@ from typing import NamedTuple
 from coffer_src.jsonrpc import TOP_K_DEFAULT
 from coffer_src.names import SEPARATOR
 from coffer_src.search.entities import (
+    _FRAMING_WORDS,
+    _FREE_TEXT_PARAMETERS,
     _INFO_CUES,
     _INFO_MODIFIERS,
     _QUESTION_STARTS,
@@ -37,9 +39,8 @@ from coffer_src.search.entities import (
     QueryEntity,
     query_entities,
 )
-from coffer_src.search.lexicon import EQUIVALENCE_WEIGHT, STOP_WORDS, TRANSLATION_WEIGHT
+from coffer_src.search.lexicon import _ABBREVIATION_WORDS, EQUIVALENCE_WEIGHT, STOP_WORDS, TRANSLATION_WEIGHT
 from coffer_src.search.text import (
-    ABBREVIATIONS,
     EQUIVALENCES,
     ToolTexts,
     _collect_parameters,
@@ -47,10 +48,12 @@ from coffer_src.search.text import (
     analyse_texts,
     bounded_query,
     bounded_top_k,
+    inflection_stem,
     singular,
     stem,
     surface_words,
-    translations,
+    translated_words,
+    verb_senses,
 )
 
 # BM25's term-frequency saturation: one constant for tool search and the knowledge base.
@@ -98,16 +101,74 @@ class CollectorPause:
                 gc.enable()
 
 
+_NO_POSTINGS: tuple[list[int], list[float]] = ([], [])
+_TEXT_OF = operator.attrgetter("text")
+
+
+def _add(scores: dict[int, float], ids: list[int], values: list[float], weight: float,
+         strength_first: bool = True) -> None:
+    """scores[i] += value * weight for each id i and its value (weight * value if not ``strength_first``: the
+    same product, in the order the caller's formula writes it).  A plain dict and get() cost less per posting
+    than a defaultdict's +=, or than chaining map/zip in C."""
+    get = scores.get
+    if strength_first:
+        for doc_id, value in zip(ids, values):
+            scores[doc_id] = get(doc_id, 0.0) + value * weight
+    else:
+        for doc_id, value in zip(ids, values):
+            scores[doc_id] = get(doc_id, 0.0) + weight * value
+
+
+def _best_with_server_boost(scores: dict[int, float], server_of: list[int], rank_of: list[int], boost: float,
+                            limit: int) -> list[tuple[int, float]]:
+    """The best ``limit`` (doc id, score + boost x the best score of its server) of the tools scoring above zero,
+    best first, ties broken by name (``rank_of``); tools with no server (-1) get no boost.
+
+    Only the few tools that can make the list are looked at in Python: one scoring below the limit-th best score
+    minus the largest boost any tool gets ends below ``limit`` tools however its server is boosted; and a server
+    holding such a candidate has its best tool among the candidates (it scores at least as much)."""
+    if not scores:
+        return []
+    values = list(scores.values())
+    largest = max(values)
+    kth = heapq.nlargest(limit, values)[-1] if len(values) > limit else min(values)
+    cutoff = kth - boost * largest
+    cutoff -= 1e-9 * (abs(cutoff) + largest)  # no rounding can drop a tool that belongs
+    ids = list(scores)
+    candidates = list(itertools.compress(ids, map(operator.ge, values, itertools.repeat(cutoff))))
+    server_best = {-1: 0.0}
+    for doc_id in candidates:
+        score, server = scores[doc_id], server_of[doc_id]
+        if server >= 0 and score > server_best.get(server, 0.0):
+            server_best[server] = score
+    ranked = sorted((-(scores[doc_id] + boost * server_best[server_of[doc_id]]), rank_of[doc_id], doc_id)
+                    for doc_id in candidates if scores[doc_id] > 0.0)
+    return [(doc_id, -negative) for negative, _, doc_id in ranked[:limit]]
+
+
+class QueryReading(NamedTuple):
+    """See SearchIndex.reading."""
+
+    translations: tuple[str, ...]
+    only_arguments: bool
+
+
+# Entity kinds that name one existing thing: "open PR #42" reads it, "open a PR" creates one.
+_IDENTIFYING_KINDS = frozenset(("number_ref", "issue_key", "url", "sha"))
+
+
 class QueryPlan(NamedTuple):
     """What one query asks for.  own: its stems -> (weight, their surface words); other: stems it implies
     (translations, the question cue, equivalents) -> weight; entities: the typed arguments in it; need: the
     stems of what it asks for (its words outside entities, their translations and equivalents: a URL that holds
-    "news" is not a request for news)."""
+    "news" is not a request for news); subject: those stems, without equivalents, that are not framing words (the
+    news, the latest, a search verb: see _FRAMING_WORDS)."""
 
     own: dict[str, tuple[float, set]]
     other: dict[str, float]
     entities: list[QueryEntity]
     need: frozenset
+    subject: frozenset
 
 
 class SearchIndex:
@@ -138,6 +199,7 @@ class SearchIndex:
     # A request for general information scores general web-search tools like a query word of this weight.
     WEB_SEARCH_WEIGHT = 1.0
     WEB_MAX_MATCHED = 1  # ... unless the best tool matches more of the request's own words than this
+    WEB_LIFTED = 2  # the web-search tools lifted, the best first: the others keep their places
     # A question ("what time is it in Tokyo") asks for a current value: "current" joins at this weight.
     QUESTION_WEIGHT = 0.7
     # A name word bound to a partner in (nearly) every tool name that holds it ("pull" in pull_request) means
@@ -172,7 +234,13 @@ class SearchIndex:
         # What queries need beyond BM25 (surface words, parameter words) is derived from these on first use.
         self._texts = list(zip(short, title, description, names, params, columns[-1]))
         self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
-        self._vocabulary = frozenset().union(*self._doc_sets)
+        # term -> the tools holding it, ascending: a query's first use of a term then counts its frequencies in
+        # those tools only, instead of testing every tool of a big catalogue for it.
+        holders: dict[str, list[int]] = collections.defaultdict(list)
+        for doc_id, terms in enumerate(self._doc_sets):
+            for term in terms:
+                holders[term].append(doc_id)
+        self._holders = dict(holders)
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
         self._field_params = []
@@ -180,7 +248,7 @@ class SearchIndex:
             weight, b = self.FIELDS[field]
             lengths = list(filter(None, map(len, map(operator.itemgetter(position), self._doc_fields))))
             self._field_params.append((weight, b, sum(lengths) / len(lengths) if lengths else 1.0))
-        self._postings: dict[str, list[tuple[int, float]]] = {}
+        self._postings: dict[str, tuple[list[int], list[float]]] = {}
         self._idf: dict[str, float] = {}
         full_names = [str(tool.get("name", "")) for tool in self.tools]
         self._rank_of = [0] * n
@@ -190,10 +258,14 @@ class SearchIndex:
         self._server_of = [servers.setdefault(name.partition(SEPARATOR)[0], len(servers)) if SEPARATOR in name
                            else -1 for name in full_names]
         self._surfaces: list[frozenset | None] = [None] * n
-        self._exact: dict[tuple[str, frozenset], frozenset] = {}
+        self._exact: dict[tuple[str, frozenset], tuple[list, list, list, list]] = {}
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
+        self._entity_column_lists: dict[str, tuple[list[int], list[float]]] = {}
+        self._format_docs: list[int] | None = None  # the tools declaring a parameter format, found on first use
         self._web_tools_found: list[int] | None = None
+        self._web_named: frozenset = frozenset()  # the web tools named for the web, found with them
+        self._declares_parameters = any(columns[4])  # a parameter name anywhere in the catalogue
         self._partners: dict[str, str | None] = {}
         self._stem_cap = bm25_idf(n, max(1.0, self.STEM_ONLY_IDF_CAP * n))
 
@@ -225,11 +297,29 @@ class SearchIndex:
         """Ids of the general web-search tools (search__web, brave_web_search), found on first use."""
         found = self._web_tools_found
         if found is None:
-            found = self._web_tools_found = [
-                doc_id for doc_id, (name, server, _, description, *_) in enumerate(self._doc_fields)
-                if ("search" in name or "search" in server)
-                and not (_WEB_WORDS.isdisjoint(name) and _WEB_WORDS.isdisjoint(description))]
+            found = [doc_id for doc_id, (name, server, _, description, *_) in enumerate(self._doc_fields)
+                     if ("search" in name or "search" in server)
+                     and not (_WEB_WORDS.isdisjoint(name) and _WEB_WORDS.isdisjoint(description))]
+            self._web_named = frozenset(doc_id for doc_id in found
+                                        if not _WEB_WORDS.isdisjoint(self._doc_fields[doc_id][0]))
+            self._web_tools_found = found
         return found
+
+    def _best_web_tools(self, scores: dict[int, float]) -> list[int]:
+        """The WEB_LIFTED web-search tools a request for general information lifts: one a server (two tools of
+        one search engine are one choice), the better scoring first; at equal scores a tool named for the web
+        (brave_web_search) before one that mentions it (a local search that falls back to the web), then by name."""
+        web_named = self._web_named
+        chosen, servers = [], set()
+        for doc_id in sorted(self._web_tools, key=lambda doc_id: (
+                -scores.get(doc_id, 0.0), doc_id not in web_named, self._rank_of[doc_id])):
+            server = self._server_of[doc_id]
+            if server < 0 or server not in servers:
+                chosen.append(doc_id)
+                servers.add(server)
+                if len(chosen) == self.WEB_LIFTED:
+                    break
+        return chosen
 
     def phrase_partner(self, term: str) -> str | None:
         """The one word ``term`` sits next to in >= 90% of the (>= PHRASE_MIN_TOOLS) tool names holding it
@@ -238,7 +328,7 @@ class SearchIndex:
         if term in self._partners:
             return self._partners[term]
         holders, pairs = 0, {}
-        for doc_id, _ in self.postings(term):
+        for doc_id in self.postings(term)[0]:
             words = self._texts[doc_id][0].stems
             if term not in words:
                 continue
@@ -258,15 +348,15 @@ class SearchIndex:
     def __len__(self) -> int:
         return len(self.tools)
 
-    def postings(self, term: str) -> list[tuple[int, float]]:
-        """(doc id, BM25 weight) of every tool holding ``term``, built by the first query that uses the term:
-        most of a catalogue's vocabulary is never searched for, so a build does not pay for it."""
+    def postings(self, term: str) -> tuple[list[int], list[float]]:
+        """The ids of the tools holding ``term`` (ascending) and their BM25 weights, two columns, built by the
+        first query that uses the term: most of a catalogue's vocabulary is never searched for, so a build does
+        not pay for it."""
         found = self._postings.get(term)
         if found is None:
-            if term not in self._vocabulary:
-                return []
-            holders = list(itertools.compress(range(len(self._doc_sets)),
-                                              map(operator.contains, self._doc_sets, itertools.repeat(term))))
+            holders = self._holders.get(term)
+            if holders is None:
+                return _NO_POSTINGS
             idf, k1 = bm25_idf(len(self._doc_sets), len(holders)), BM25_K1
             # Field-weighted, length-normalised term frequency, a field at a time: the term is counted in every
             # holder's field in C, and Python arithmetic runs only where it occurs.
@@ -277,26 +367,31 @@ class SearchIndex:
                 counts = list(map(tuple.count, column, itertools.repeat(term)))
                 for i in itertools.compress(range(len(counts)), counts):
                     tf[i] += counts[i] * weight / (1.0 - b + b * len(column[i]) / average)
-            found = [(doc_id, idf * value / (k1 + value)) for doc_id, value in zip(holders, tf)]
+            found = (holders, [idf * value / (k1 + value) for value in tf])
             self._idf[term] = idf
             self._postings[term] = found
         return found
 
-    def exact_docs(self, term: str, surfaces: frozenset) -> frozenset:
-        """Ids of the tools holding ``term`` that also hold one of these exact (plural-folded) words; computed
-        from the term's postings on first use, so it costs what the postings cost."""
+    def split_postings(self, term: str, surfaces: frozenset) -> tuple[list[int], list[float], list[int], list[float]]:
+        """The term's postings (ids, weights) in two parts: the tools that also hold one of these exact
+        (plural-folded) words, and the others; computed from the term's postings on first use, so it costs what
+        the postings cost."""
         key = (term, surfaces)
         found = self._exact.get(key)
         if found is None:
-            found = self._exact[key] = frozenset(doc_id for doc_id, _ in self.postings(term)
-                                                 if not surfaces.isdisjoint(self._doc_surfaces(doc_id)))
+            ids, weights = self.postings(term)
+            exact = [not surfaces.isdisjoint(self._doc_surfaces(doc_id)) for doc_id in ids]
+            others = list(map(operator.not_, exact))
+            found = self._exact[key] = (list(itertools.compress(ids, exact)), list(itertools.compress(weights, exact)),
+                                        list(itertools.compress(ids, others)),
+                                        list(itertools.compress(weights, others)))
         return found
 
     def _doc_surfaces(self, doc_id: int) -> frozenset:
         found = self._surfaces[doc_id]
         if found is None:
-            found = self._surfaces[doc_id] = frozenset(
-                singular(word) for terms in self._texts[doc_id][:5] for word in surface_words(terms.text))
+            found = self._surfaces[doc_id] = frozenset(map(singular, itertools.chain.from_iterable(
+                map(surface_words, map(_TEXT_OF, self._texts[doc_id][:5])))))
         return found
 
     def _virtual_idf(self, holders: int) -> float:
@@ -310,13 +405,27 @@ class SearchIndex:
         found = self._entity_tools.get(kind.name)
         if found is None:
             cues, formats, weak = kind.cues, kind.formats, kind.weak_cues
+            # Only a tool holding a cue (or a weak one) somewhere, or declaring a format, can take the kind.
+            if self._format_docs is None:
+                self._format_docs = [doc_id for doc_id, texts in enumerate(self._texts) if texts[5]]
+            candidates = set(self._format_docs if formats else ()).union(
+                *(self._holders.get(cue, ()) for cue in itertools.chain(cues, weak)))
             found = []
-            for doc_id, (*_, names, words, doc_formats) in enumerate(self._texts):
+            for doc_id in sorted(candidates):
+                *_, names, words, doc_formats = self._texts[doc_id]
                 if not cues.isdisjoint(names.stems) or not formats.isdisjoint(doc_formats):
                     found.append((doc_id, 1.0))
                 elif not cues.isdisjoint(words.stems) or not weak.isdisjoint(names.stems):
                     found.append((doc_id, 0.5))
             self._entity_tools[kind.name] = found
+        return found
+
+    def _entity_columns(self, kind: EntityKind) -> tuple[list[int], list[float]]:
+        found = self._entity_column_lists.get(kind.name)
+        if found is None:
+            accepting = self.entity_tools(kind)
+            found = self._entity_column_lists[kind.name] = ([doc_id for doc_id, _ in accepting],
+                                                            [strength for _, strength in accepting])
         return found
 
     def _entity_strengths(self, kind: EntityKind) -> dict[int, float]:
@@ -328,6 +437,9 @@ class SearchIndex:
     def _query_plan(self, query: str) -> QueryPlan:
         """What ``query`` asks for (see QueryPlan): its own words, what they imply, its arguments, its need."""
         entities = query_entities(query) if self.ENTITY_WEIGHT or self.ENTITY_WORD_WEIGHT != 1.0 else []
+        # A kind no tool of this catalogue accepts is not an argument here: "KQL" is not a ticker where no tool
+        # takes one, and its words are the request's own (often its rarest, most decisive word).
+        entities = [entity for entity in entities if self.entity_tools(entity.kind)]
         inside, outside, rest_text = set(), set(), query
         if entities:
             rest, last = [], 0
@@ -339,10 +451,21 @@ class SearchIndex:
             rest_text = " ".join(rest)
             outside = set(_words(rest_text))
         own: dict[str, tuple[float, set]] = {}
-        words = [word for word in _words(query) if word not in STOP_WORDS]
+        every_word = _words(query)
+        words = [word for word in every_word if word not in STOP_WORDS]
         present = {stem(word) for word in words}
-        for word in words:
+        # A verb its object gives another sense ("open" a pull request: create) stands for that sense's words, as
+        # if the request said them; its own form then counts as an equivalent does, and its equivalence lines
+        # ("open" a file: read) not at all.
+        senses = {}
+        sensed = verb_senses(every_word, any(entity.kind.name in _IDENTIFYING_KINDS for entity in entities))
+        if sensed:
+            kept = [position for position, word in enumerate(every_word) if word not in STOP_WORDS]
+            senses = {index: sensed[position] for index, position in enumerate(kept) if position in sensed}
+        for position, word in enumerate(words):
             weight = self.ENTITY_WORD_WEIGHT if word in inside and word not in outside else 1.0
+            if position in senses:
+                weight *= EQUIVALENCE_WEIGHT
             term = stem(word)
             partner = self.phrase_partner(term) if self.PHRASE_ALONE_WEIGHT != 1.0 else None
             if partner is not None and partner not in present:
@@ -350,77 +473,129 @@ class SearchIndex:
             previous, surfaces = own.get(term, (0.0, set()))
             surfaces.add(singular(word))
             own[term] = (max(previous, weight), surfaces)
+        for word in itertools.chain.from_iterable(senses.values()):
+            previous, surfaces = own.get(stem(word), (0.0, set()))
+            surfaces.add(word)
+            own[stem(word)] = (1.0, surfaces)
         other: dict[str, float] = {}
-        translated = translations(rest_text)  # an entity's words are arguments: they are not translated either
-        translated += itertools.chain.from_iterable(
-            ABBREVIATIONS.get(word, ()) for word in words if word not in inside or word in outside)
+        # The English words the request implies: translations (an entity's words are arguments: they are not
+        # translated either) and what its shorthand stands for.
+        implied = translated_words(rest_text)
+        implied += itertools.chain.from_iterable(
+            _ABBREVIATION_WORDS.get(word, ()) for word in words if word not in inside or word in outside)
+        translated = list(map(stem, implied))
         for term in translated:
             other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
+        expanding = [(word, own[stem(word)][0]) for position, word in enumerate(words) if position not in senses]
+        expanding += [(word, 1.0) for word in itertools.chain.from_iterable(senses.values())]
+        expanding += [(word, TRANSLATION_WEIGHT) for word in implied]
         lowered = query.lower().replace("'", "").split()
         if self.QUESTION_WEIGHT and lowered and lowered[0].strip("¿?") in _QUESTION_STARTS:
             other["current"] = max(other.get("current", 0.0), self.QUESTION_WEIGHT)
-        for term, weight in [(t, w) for t, (w, _) in own.items()] + list(other.items()):
-            for equivalent in EQUIVALENCES.get(term, ()):
+            expanding.append(("current", other["current"]))
+        # Equivalents by each word's inflections (see EQUIVALENCES), weighted by the word's own term
+        for word, weight in expanding:
+            for equivalent in EQUIVALENCES.get(inflection_stem(word), ()):
                 other[equivalent] = max(other.get(equivalent, 0.0), EQUIVALENCE_WEIGHT * weight)
         for term in own:
             other.pop(term, None)
-        need = {stem(word) for word in words if word not in inside or word in outside}.union(translated)
-        need.update(*map(EQUIVALENCES.get, list(need), itertools.repeat(())))
-        return QueryPlan(own, other, entities, frozenset(need))
+        needed = [word for word in words if word not in inside or word in outside] + implied
+        need = set(map(stem, needed))
+        subject = frozenset(need - _FRAMING_WORDS)
+        need.update(*map(EQUIVALENCES.get, map(inflection_stem, needed), itertools.repeat(())))
+        return QueryPlan(own, other, entities, frozenset(need), subject)
+
+    def _outvotes_web_search(self, doc_id: int | None, plan: QueryPlan) -> bool:
+        """Whether the best-scoring tool keeps its place ahead of general web search for a request for general
+        information.  It must match more than one of the request's words, or by its name (a news tool for
+        "news"; one that shares an incidental word of its description, "latest" in a version tool's, does not);
+        and, where the catalogue declares parameters and the request has a subject, it must be able to take the
+        subject as an argument (a free-text parameter, or a parameter for an argument the request holds) or cover
+        the subject itself (its name holds a subject word, or it holds two, or the one there is).  A headline tool
+        that takes only a page size matches "latest news" but cannot be asked about glacier melt in Norway."""
+        if doc_id is None:
+            return False
+        names = self._texts[doc_id][0].stems
+        if sum(term in self._doc_sets[doc_id] for term in plan.own) <= self.WEB_MAX_MATCHED and (
+                (set(plan.own) - _INFO_MODIFIERS).isdisjoint(names)):
+            return False
+        if not self._declares_parameters or not (plan.subject or plan.entities):
+            return True
+        if not _FREE_TEXT_PARAMETERS.isdisjoint(self._texts[doc_id][3].stems) or any(
+                self._entity_strengths(entity.kind).get(doc_id) for entity in plan.entities):
+            return True
+        fields = self._doc_fields[doc_id]
+        if not plan.subject.isdisjoint(itertools.chain(names, fields[1], fields[2])):  # name, server, title
+            return True
+        return len(plan.subject & self._doc_sets[doc_id]) >= min(2, len(plan.subject))
+
+    def reading(self, query: str) -> QueryReading:
+        """What the lexical ranker read in ``query`` that an embedder may need: the English words of its foreign
+        tool-domain words, and whether the request is nothing but arguments ("AAPL", "OPS-1234", a URL alone):
+        all its words inside the entities this catalogue's tools accept."""
+        query = bounded_query(query)
+        plan = self._query_plan(query)
+        only_arguments = False
+        if plan.entities:
+            rest, last = [], 0
+            for entity in plan.entities:
+                rest.append(query[last:entity.start])
+                last = entity.end
+            rest.append(query[last:])
+            only_arguments = all(word in STOP_WORDS for word in _words(" ".join(rest)))
+        return QueryReading(tuple(translated_words(query)), only_arguments)
 
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
         """The best ``limit`` (doc id, score) pairs, best first, zero scores dropped, ties broken by name; a
         query is read up to bounded_query's limit."""
         plan = self._query_plan(bounded_query(query))
         own, other, entities = plan.own, plan.other, plan.entities
-        scores: dict[int, float] = collections.defaultdict(float)
+        # Every contribution is added a term at a time in C (_add): a query touches thousands of postings in a
+        # big catalogue.  Each tool's sum is the same float, added in the same order, as one addition per posting.
+        scores: dict[int, float] = {}
         exact_weight, stem_weight = self.SURFACE_WEIGHT + self.STEM_WEIGHT, self.STEM_WEIGHT
+        informational = bool(self._web_tools and self.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need))
+        framing: dict[int, float] = {}  # what each tool scored by framing words
         for term, (weight, surfaces) in own.items():
-            hits = self.postings(term)
-            if not hits:
+            ids, _ = self.postings(term)
+            if not ids:
                 continue
             idf = self._idf[term]
             stem_only = stem_weight * weight * (min(1.0, self._stem_cap / idf) if idf > 0 else 1.0)
             exact = exact_weight * weight
-            exact_docs = self.exact_docs(term, frozenset(surfaces))
-            for doc_id, value in hits:
-                scores[doc_id] += value * (exact if doc_id in exact_docs else stem_only)
+            exact_ids, exact_values, other_ids, other_values = self.split_postings(term, frozenset(surfaces))
+            _add(scores, exact_ids, exact_values, exact)
+            _add(scores, other_ids, other_values, stem_only)
+            if informational and term in _FRAMING_WORDS:
+                _add(framing, exact_ids, exact_values, exact)
+                _add(framing, other_ids, other_values, stem_only)
         for term, weight in other.items():
-            for doc_id, value in self.postings(term):
-                scores[doc_id] += stem_weight * weight * value
+            ids, values = self.postings(term)
+            _add(scores, ids, values, stem_weight * weight)
         if entities and self.ENTITY_WEIGHT:
             for kind in {entity.kind.name: entity.kind for entity in entities}.values():
                 accepting = self.entity_tools(kind)
                 bonus = self.ENTITY_WEIGHT * self._virtual_idf(len(accepting))
                 if scores and len(accepting) > 4 * len(scores):
                     # A kind most tools accept (a path in a big catalogue) only re-orders what matched.
-                    strengths = self._entity_strengths(kind)
-                    for doc_id in list(scores):
-                        scores[doc_id] += bonus * strengths.get(doc_id, 0.0)
+                    matched = list(scores)
+                    _add(scores, matched, list(map(self._entity_strengths(kind).get, matched,
+                                                   itertools.repeat(0.0))), bonus, strength_first=False)
                     continue
-                for doc_id, strength in accepting:
-                    scores[doc_id] += bonus * strength
-        if self._web_tools and self.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need):
-            # Only when the best tool matches at most one of the request's words, and not by its name: a narrow
-            # tool named for the topic (a news tool for "news") or matching more keeps its place; one that
-            # shares an incidental word of its description ("latest" in a version tool's) does not.
-            best_doc = max(scores, key=scores.__getitem__, default=None)
-            matched = 0 if best_doc is None else sum(term in self._doc_sets[best_doc] for term in own)
-            named = best_doc is not None and not (set(own) - _INFO_MODIFIERS).isdisjoint(self._texts[best_doc][0].stems)
-            if matched <= self.WEB_MAX_MATCHED and not named:
-                lift = self.WEB_SEARCH_WEIGHT * self._virtual_idf(len(self._web_tools))
-                for doc_id in self._web_tools:
-                    scores[doc_id] += lift
+                ids, strengths = self._entity_columns(kind)
+                _add(scores, ids, strengths, bonus, strength_first=False)
         server_of, rank_of = self._server_of, self._rank_of
-        server_best: dict[int, float] = {-1: 0.0}  # -1: tools with no server prefix get no boost
-        for doc_id, score in scores.items():
-            server = server_of[doc_id]
-            if server >= 0 and score > server_best.get(server, 0.0):
-                server_best[server] = score
-        boost = self.SERVER_BOOST
-        ranked = ((-(score + boost * server_best[server_of[doc_id]]), rank_of[doc_id], doc_id)
-                  for doc_id, score in scores.items() if score > 0.0)
-        return [(doc_id, -neg) for neg, _, doc_id in heapq.nsmallest(limit, ranked)]
+        if informational:
+            best = max(scores, key=scores.__getitem__, default=None)
+            if not self._outvotes_web_search(best, plan):
+                # The general-information need scores like one more query word; and the framing words ("latest",
+                # "news") are not evidence for the narrow tool over general search: what the best tool scored by
+                # them, a lifted web-search tool scores too.
+                lift = self.WEB_SEARCH_WEIGHT * self._virtual_idf(len(self._web_tools))
+                for doc_id in self._best_web_tools(scores):
+                    scores[doc_id] = scores.get(doc_id, 0.0) + (
+                        lift + max(0.0, framing.get(best, 0.0) - framing.get(doc_id, 0.0)))
+        return _best_with_server_boost(scores, server_of, rank_of, self.SERVER_BOOST, limit)
 
     def search(self, query: str, top_k: int = TOP_K_DEFAULT) -> list[tuple[dict, float]]:
         top_k = bounded_top_k(top_k)

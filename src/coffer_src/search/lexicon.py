@@ -46,6 +46,12 @@ _EQUIVALENCE_GROUPS = [tuple(entry.split())
 # they also count as the full words, at TRANSLATION_WEIGHT.
 _ABBREVIATION_WORDS = word_file_table(package_data("search/words/abbreviations.txt"))
 
+# Verbs whose meaning depends on their object: (verb, objects, meanings) of each line ("open a pull request" is
+# to create one).
+_VERB_SENSE_LINES = [(key.split()[0], tuple(key.split()[1:]), tuple(meanings.split()))
+                     for _, entry in word_file_entries(package_data("search/words/verb_senses.txt"))
+                     for key, _, meanings in (entry.partition("="),)]
+
 EQUIVALENCE_WEIGHT = 0.35
 TRANSLATION_WEIGHT = 0.8
 

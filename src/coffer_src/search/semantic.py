@@ -29,7 +29,7 @@ from coffer_src.digests import sha256
 from coffer_src.errors import CofferError, CofferException
 from coffer_src.jsonrpc import EncodeError, decode_json, encode_line
 from coffer_src.names import SEPARATOR, origin_text
-from coffer_src.search.index import SearchIndex
+from coffer_src.search.index import QueryReading, SearchIndex
 from coffer_src.search.text import _words, bounded_query
 from coffer_src.secret_store import SecretStore
 from coffer_src.terminal import redact
@@ -145,6 +145,14 @@ def embedding_text(tool: dict) -> str:
     return f"{prefix}{words}: {title + '. ' if title else ''}{description}"[:1000]
 
 
+def embedding_query(query: str, reading: QueryReading) -> str:
+    """What the embedder reads of a query: the query, and the English words Coffer's lexicon found for its foreign
+    tool-domain words, so an English-only model reading a German or Chinese request sees what it asks for."""
+    if not reading.translations:
+        return query
+    return f"{query} ({' '.join(dict.fromkeys(reading.translations))})"
+
+
 def text_hash(text: str) -> str:
     return sha256(text.encode("utf-8")).hexdigest()[:32]
 
@@ -214,6 +222,15 @@ def fuse(lexical: list[tuple[int, float]], semantic: list[tuple[int, float]], to
             scaled = (score - low) / (high - low) if high > low else 1.0  # one candidate: full credit
             scores[doc_id] += (1.0 - alpha) * trust * scaled
     return heapq.nsmallest(top_k, scores.items(), key=lambda item: (-item[1], item[0]))
+
+
+def hybrid_rank(lexical_index: SearchIndex, semantic_index: SemanticIndex, query: str, query_vector, top_k: int,
+                candidates: int = 50) -> list[tuple[int, float]]:
+    """The hybrid ranking of ``query`` (read up to bounded_query's limit) whose embedding_query has the vector
+    ``query_vector``: the best ``candidates`` of each ranker, fused.  Raises ValueError if the vector's dimension
+    is not the index's."""
+    lexical = lexical_index.rank(query, candidates)
+    return fuse(lexical, semantic_index.rank(query_vector, candidates), top_k)
 
 
 class EmbeddingWorker:
@@ -355,7 +372,10 @@ class SemanticRanker:
         return SemanticIndex(tools, vectors)
 
     def search(self, lexical_index: SearchIndex, query: str, top_k: int):
-        """Hybrid search, or BM25 with a note saying why not; the embedder reads what the lexical ranker reads."""
+        """Hybrid search, or BM25 with a note saying why not; the embedder reads what the lexical ranker reads
+        (embedding_query).  A request that is nothing but arguments ("AAPL", a URL alone) is answered by BM25
+        without asking the embedder: a sentence model has no request to read in it, only the argument's text, and
+        the lexical ranker matches arguments to the parameters that take them."""
         query = bounded_query(query)
         with self.lock:
             index = self.index if self._index_for is lexical_index.tools else None
@@ -365,16 +385,18 @@ class SemanticRanker:
                 semantic_log.warning("embedder: tool vectors not ready yet; queries are answered by BM25 until they "
                                      "are")
             return lexical_index.search(query, top_k), "bm25", "embedder: tool vectors not ready yet"
+        reading = lexical_index.reading(query)
+        if reading.only_arguments:
+            return lexical_index.search(query, top_k), "bm25", None
         try:
-            query_vector = self.embedder.embed([query], self.query_timeout)[0]
+            query_vector = self.embedder.embed([embedding_query(query, reading)], self.query_timeout)[0]
         except EmbedderError as exc:
             semantic_log.warning("embedder fallback to BM25: %s", exc)
             return lexical_index.search(query, top_k), "bm25", f"embedder fallback: {exc}"
-        lexical = lexical_index.rank(query, self.CANDIDATES)
         try:
-            semantic = index.rank(query_vector, self.CANDIDATES)
+            ranked = hybrid_rank(lexical_index, index, query, query_vector, top_k, self.CANDIDATES)
         except ValueError as exc:  # a query vector of another dimension: the endpoint's model changed
             semantic_log.warning("embedder fallback to BM25: %s", exc)
             return lexical_index.search(query, top_k), "bm25", "embedder fallback: vector dimension changed"
         tools = lexical_index.tools
-        return [(tools[doc], round(score, 4)) for doc, score in fuse(lexical, semantic, top_k)], "hybrid", None
+        return [(tools[doc], round(score, 4)) for doc, score in ranked], "hybrid", None

@@ -26,6 +26,7 @@ from coffer_src.search.lexicon import (
     _IRREGULAR,
     _LEXICON_CJK,
     _LEXICON_ENDINGS,
+    _VERB_SENSE_LINES,
     KNOWLEDGE_STOP_WORDS,
     LEXICON,
     SEPARABLE_VERBS,
@@ -56,6 +57,9 @@ def bounded_query(query: str) -> str:
 
 
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+# Capitals with a final "s" (PDFs, URLs, IDs) are the plural of an acronym: one word, its singular.  The camel-case
+# rule alone would cut "PDFs" into "PD" + "Fs" and "URLs" into "UR" + "Ls" (and "ls" is a shell tool's name).
+_PLURAL_ACRONYM_RE = re.compile(r"([A-Z]{2,})s(?![a-z])")
 _WORD_RE = re.compile(r"[^\W_]+")
 
 
@@ -66,10 +70,16 @@ _CJK_WORD_RE = re.compile(r"[\u3041-\u3096\u309d-\u309f\u30a1-\u30fa\u30fc-\u30f
                           r"\uac00-\ud7a3\uf900-\ufaff]+")
 
 
+def _has_vowel(stem_: str) -> bool:
+    """Porter's condition for stripping -ing and -ed: what remains holds a vowel (y after a consonant counts), so
+    "string" and "spring" stay words instead of becoming "str" and "spr"."""
+    return any(letter in "aeiou" for letter in stem_) or "y" in stem_[1:]
+
+
 @functools.lru_cache(maxsize=1 << 17)  # catalogues repeat words heavily: many calls, few distinct words
 def stem(word: str) -> str:
-    """A light suffix stripper: plurals, -ing, -ed, -ation, final -e.  Consistency matters more than linguistics:
-    the index and the query go through the same function."""
+    """A light suffix stripper: plurals, -ing, -ed (when a vowel remains), -ation, final -e.  Consistency matters
+    more than linguistics: the index and the query go through the same function."""
     if len(word) <= 3 or not word.isalpha():
         return word
     if word in _IRREGULAR:
@@ -82,9 +92,9 @@ def stem(word: str) -> str:
         word = word[:-2]
     elif word.endswith("s") and not word.endswith(("ss", "us", "is")):
         word = word[:-1]
-    if word.endswith("ing") and len(word) >= 6:
+    if word.endswith("ing") and len(word) >= 6 and _has_vowel(word[:-3]):
         word = word[:-3]
-    elif word.endswith("ed") and not word.endswith("eed") and len(word) >= 5:
+    elif word.endswith("ed") and not word.endswith("eed") and len(word) >= 5 and _has_vowel(word[:-2]):
         word = word[:-2]
     elif word.endswith("ation") and len(word) >= 8:
         word = word[:-3]
@@ -122,7 +132,14 @@ def _token_words(token: str) -> tuple[str, ...]:
     """The lowercase words of one token (letters and digits): "API", "Get", "mp3" are one word, "getFileInfo" three."""
     if token.isupper() or token[1:].islower():
         return (token.lower(),)
-    return tuple(_CAMEL_RE.sub(" ", token).lower().split())
+    return tuple(_split_identifiers(token).lower().split())
+
+
+def _split_identifiers(text: str) -> str:
+    """``text`` with a space wherever an identifier's words meet (getFileInfo, HTTPServer, listPDFs)."""
+    if "s" in text:
+        text = _PLURAL_ACRONYM_RE.sub(r"\1 ", text)
+    return _CAMEL_RE.sub(" ", text)
 
 
 def _words(text: str) -> list[str]:
@@ -133,7 +150,7 @@ def _words(text: str) -> list[str]:
     text = unicodedata.normalize("NFKC", text)
     if not _CJK_RE.search(text):  # accents, dashes, curly quotes: the same words, found by the Unicode pattern
         return list(itertools.chain.from_iterable(map(_token_words, _WORD_RE.findall(text))))
-    text = _CAMEL_RE.sub(" ", text).lower()
+    text = _split_identifiers(text).lower()
     words = []
     for run in _WORD_RE.findall(text):
         if run.isascii() or not _CJK_RE.search(run):
@@ -296,8 +313,8 @@ def _analyse(text: str) -> TextTerms:
         if _FOREIGN_MARK not in stems:
             return TextTerms(stems, (), text)
         raw = _words(text)
-        foreign = tuple(map(stem, _lexicon_words(raw)))
-        return TextTerms(_without_mark(stems), foreign + tuple(_german_terms(raw)), text)  # split verbs too
+        foreign = tuple(map(stem, _lexicon_words(raw) + _german_terms(raw)))  # split verbs too
+        return TextTerms(_without_mark(stems), foreign, text)
     normal = unicodedata.normalize("NFKC", text)
     if not _CJK_RE.search(normal):  # accents, dashes, curly quotes: the same tokens, the same rule as ASCII text
         stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, _WORD_RE.findall(normal))))
@@ -354,7 +371,7 @@ def forget_analysed_texts() -> None:
 
 
 def _german_terms(words: list[str]) -> list[str]:
-    """English stems for German separable verbs split over the clause ("lade ... hoch" = hochladen = upload)
+    """English words for German separable verbs split over the clause ("lade ... hoch" = hochladen = upload)
     and for compounds of two lexicon words ("Verzeichnisbaum" = directory tree)."""
     found: list[str] = []
     particles = list(filter(_GERMAN_PARTICLE_SET.__contains__, words))
@@ -384,18 +401,18 @@ _SEPARABLE_REST = _separable_index()
 
 @functools.lru_cache(maxsize=1 << 16)
 def _separable_matches(verb: str) -> dict[str, tuple[str, ...]]:
-    """particle -> English stems of the separable verb that particle makes with this inflected form ("lade" +
+    """particle -> English words of the separable verb that particle makes with this inflected form ("lade" +
     "hoch" = hochladen = upload); the first matching form wins, as a reader would try them."""
     matches: dict[str, tuple[str, ...]] = {}
     for form in (verb + "n", verb + "en", verb, verb[:-1] + "en", verb[:-2] + "en"):
         for particle, english in _SEPARABLE_REST.get(form, {}).items():
-            matches.setdefault(particle, tuple(stem(word) for word in english))
+            matches.setdefault(particle, english)
     return matches
 
 
 @functools.lru_cache(maxsize=1 << 16)  # long words repeat across a catalogue's descriptions; most are not compounds
 def _compound_terms(word: str) -> tuple[str, ...]:
-    """English stems of a compound of two lexicon words ("Verzeichnisbaum" = directory tree), else ()."""
+    """English words of a compound of two lexicon words ("Verzeichnisbaum" = directory tree), else ()."""
     if not 8 <= len(word) <= 40 or word[-3:] not in _LEXICON_ENDINGS or word in LEXICON or (
             word in SEPARABLE_VERBS or not word.isascii() and _CJK_RE.search(word)):
         return ()
@@ -407,38 +424,93 @@ def _compound_terms(word: str) -> tuple[str, ...]:
         heads = [head] + [head[:-len(link)] for link in ("s", "n", "en", "e") if head.endswith(link)]
         head_english = next((LEXICON[h] for h in heads if h in LEXICON), None)
         if head_english:
-            return tuple(stem(w) for w in head_english + LEXICON[tail])
+            return head_english + LEXICON[tail]
     return ()
 
 
 def translations(text: str) -> list[str]:
     """English index terms for the foreign tool-domain words in ``text`` (see LEXICON, SEPARABLE_VERBS)."""
-    return _translated(unicodedata.normalize("NFKC", text).lower())
+    return list(map(stem, translated_words(text)))
 
 
-def _translated(normal: str, german: bool = True) -> list[str]:
-    """translations() of a text already NFKC-normalised and lowercased; ``german``: German split verbs and
-    compounds too."""
+def translated_words(text: str) -> list[str]:
+    """The English words (as the lexicon writes them) for the foreign tool-domain words in ``text``."""
+    return _translated_words(unicodedata.normalize("NFKC", text).lower())
+
+
+def _translated(normal: str) -> list[str]:
+    """translations() of a text already NFKC-normalised and lowercased."""
+    return list(map(stem, _translated_words(normal)))
+
+
+def _translated_words(normal: str) -> list[str]:
+    """translated_words() of a text already NFKC-normalised and lowercased: German split verbs and compounds too."""
     found = []
     if _CJK_RE.search(normal):
         runs = _CJK_WORD_RE.findall(normal)
         found = _cjk_lexicon_words(runs, itertools.chain.from_iterable(map(_cjk_bigrams, runs)))
     tokens = _NON_CJK_WORD_RE.findall(normal)  # a CJK key is found inside its run above, not again as a word
-    found += _lexicon_words(tokens)
-    found = [stem(word) for word in found]
-    return found + _german_terms(tokens) if german else found
+    return found + _lexicon_words(tokens) + _german_terms(tokens)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def inflection_stem(word: str) -> str:
+    """The word without its inflectional endings (plural, -ed, -ing), but not its derivational ones: stem()
+    folds "location" onto "locate", this keeps them apart ("located" -> "locat", "locations" -> "location")."""
+    base = singular(word)
+    return base if base.endswith("ation") and len(base) >= 8 else stem(word)
 
 
 def _build_equivalences() -> dict[str, tuple[str, ...]]:
+    """The inflection stem of each word a line lists -> the index terms of that line's other words.  A query word
+    expands only the lines that list one of its inflections: "located" (locate) is not "location", though the
+    two share a stem, so it does not reach the line of places and addresses."""
     table: dict[str, set[str]] = collections.defaultdict(set)
     for words in _EQUIVALENCE_GROUPS:
         group = {stem(word) for word in words}
-        for term in group:
-            table[term] |= group - {term}
-    return {term: tuple(sorted(others)) for term, others in table.items()}
+        for word in words:
+            table[inflection_stem(word)] |= group - {stem(word)}
+    return {key: tuple(sorted(others)) for key, others in table.items()}
 
 
 EQUIVALENCES = _build_equivalences()
+# The inflection stem of a verb -> (the stems of its objects, the words it then stands for) of each of its senses.
+VERB_SENSES: dict[str, list[tuple[frozenset, tuple[str, ...]]]] = {}
+for _verb, _objects, _meanings in _VERB_SENSE_LINES:
+    VERB_SENSES.setdefault(inflection_stem(_verb), []).append((frozenset(map(stem, _objects)), _meanings))
+del _verb, _objects, _meanings
+
+
+# Words before an object that say it is a new one ("open *a* ticket": create one) or an existing one ("open *the*
+# ticket": read it; "the open tickets": a state).
+_INDEFINITE_WORDS = frozenset("a an another new one".split())
+_DEFINITE_WORDS = frozenset("the this that these those my our your their its all any every each".split())
+
+
+def verb_senses(words: list[str], identified: bool = False) -> dict[int, tuple[str, ...]]:
+    """Position -> meaning words, for each verb among ``words`` (all of a request's words, stop words included)
+    that one of its objects gives another sense (VERB_SENSES: "open" + "pull" = create).  The verb must be one:
+    the object follows it after an indefinite word ("open a new pull request"), or right after it, written
+    singular ("open PR"), unless the request identifies an existing one (``identified``: "open PR #42").  "The
+    open issues" and "open issues in this repo" (plural, no article) say a state, not an act."""
+    found = {}
+    for position, word in enumerate(words):
+        senses = VERB_SENSES.get(inflection_stem(word)) if word.isalpha() else None
+        if not senses or (position and words[position - 1] in _DEFINITE_WORDS):
+            continue
+        after = position + 1
+        indefinite = False
+        while after < len(words) and words[after] in _INDEFINITE_WORDS:
+            after, indefinite = after + 1, True
+        objects_found = [w for w in words[after:after + 3] if w not in STOP_WORDS][:2]
+        if not objects_found or not indefinite and (
+                identified or words[after] != objects_found[0] or singular(objects_found[0]) != objects_found[0]):
+            continue
+        following = set(map(stem, objects_found))
+        found.update((position, meanings) for objects, meanings in senses[::-1] if not objects.isdisjoint(following))
+    return found
+
+
 ABBREVIATIONS = {short: tuple(map(stem, words)) for short, words in _ABBREVIATION_WORDS.items()}
 
 
