@@ -9,9 +9,10 @@ import uuid
 import anyio
 import mcp_types as types
 import pytest
-from conftest import COFFER, PY, cli
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
+
+from conftest import COFFER, PY, cli
 
 
 @pytest.mark.parametrize("mode", ["auto", "legacy"])   # a 2026-07-28 client (input_required) and a handshake-era one

@@ -12,11 +12,12 @@ from pathlib import Path
 import anyio
 import mcp_types as types
 import pytest
-from conftest import COFFER, FAKE, PY, ROOT, TIME_SERVER, cli
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
 import coffer
+
+from conftest import COFFER, FAKE, PY, ROOT, TIME_SERVER, cli
 
 
 def feedback_rows(home):
