@@ -5,9 +5,11 @@ from pathlib import Path
 
 import pytest
 
-import coffer
+from coffer_src.knowledge.base import KnowledgeBase
+from coffer_src.knowledge.ranking import fts5_available
+from coffer_src.search.text import knowledge_terms, stem
 
-ENGINES = ["bm25f"] + (["fts5"] if coffer.fts5_available() else [])
+ENGINES = ["bm25f"] + (["fts5"] if fts5_available() else [])
 
 
 def ask(tmp_path, engine, files, question, k=3):
@@ -18,7 +20,7 @@ def ask(tmp_path, engine, files, question, k=3):
         path = Path(docs / name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
-    kb = coffer.KnowledgeBase(str(home / "coffer.db"), str(home), engine=engine)
+    kb = KnowledgeBase(str(home / "coffer.db"), str(home), engine=engine)
     try:
         kb.add_source(str(docs), name="docs")
         return [hit.heading for hit in kb.ask(question, k).passages]
@@ -29,8 +31,8 @@ def ask(tmp_path, engine, files, question, k=3):
 @pytest.mark.parametrize("word, other", [("string", "str"), ("strings", "str"), ("spring", "spr"),
                                          ("shred", "shr")])
 def test_ing_and_ed_are_stripped_only_when_a_vowel_remains(word, other):
-    assert coffer.stem(word) != coffer.stem(other)
-    assert coffer.stem("running") == coffer.stem("run") and coffer.stem("added") == coffer.stem("add")
+    assert stem(word) != stem(other)
+    assert stem("running") == stem("run") and stem("added") == stem("add")
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -52,5 +54,5 @@ def test_programming_keywords_in_a_question_are_searched_for(tmp_path, engine):
                            "how they differ.\n"}
     top = ask(tmp_path, engine, files, "how does for…in differ from for…of?", 2)
     assert "Loops > for...in" in top, top
-    terms = coffer.knowledge_terms("where does let differ from var")
-    assert coffer.stem("where") in terms and coffer.stem("let") in terms
+    terms = knowledge_terms("where does let differ from var")
+    assert stem("where") in terms and stem("let") in terms

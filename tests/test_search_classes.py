@@ -6,7 +6,8 @@ merge realistic servers to 200+ tools where a class shows only at that size."""
 import pytest
 import search_catalogues as sc
 
-import coffer
+from coffer_src.search.index import SearchIndex
+from coffer_src.search.text import inflection_stem, tokenize
 
 
 def names(hits):
@@ -15,7 +16,7 @@ def names(hits):
 
 @pytest.fixture(scope="module")
 def catalogue():
-    return coffer.SearchIndex(sc.merged())
+    return SearchIndex(sc.merged())
 
 
 # ---------------------------------------------------------------- class 4: plural acronyms
@@ -30,7 +31,7 @@ def catalogue():
     ("HTTPServer", ["http"]),                 # capitals then a capitalised word: still two words
 ])
 def test_capitals_with_a_final_s_are_one_word_its_singular(text, expected):
-    assert coffer.tokenize(text) == expected
+    assert tokenize(text) == expected
 
 
 def test_a_plural_acronym_does_not_reach_a_tool_named_after_a_fragment_of_it(catalogue):
@@ -45,10 +46,10 @@ def test_a_plural_acronym_does_not_reach_a_tool_named_after_a_fragment_of_it(cat
 
 def test_an_argument_kind_no_tool_accepts_is_read_as_a_word():
     # Any 2-5 capitals may be a ticker; where no tool takes a ticker symbol, "KQL" is the request's rarest word.
-    index = coffer.SearchIndex(sc.merged(sc.FINANCE))
+    index = SearchIndex(sc.merged(sc.FINANCE))
     assert names(index.search("run this KQL query over area path Web", 1)) == ["monitor__kusto_query"]
     # ...while where a tool does take one, a ticker is still an argument for it
-    with_quotes = coffer.SearchIndex(sc.merged())
+    with_quotes = SearchIndex(sc.merged())
     assert {"symbol"} == set(with_quotes.search("NVDA right now", 1)[0][0]["inputSchema"]["properties"])
 
 
@@ -67,9 +68,9 @@ def test_a_word_expands_only_the_synonym_lines_that_list_one_of_its_inflections(
 
 
 def test_inflections_of_a_listed_word_still_expand_its_line():
-    assert coffer.inflection_stem("located") == coffer.inflection_stem("locate") != coffer.inflection_stem(
-        "location") == coffer.inflection_stem("locations")
-    index = coffer.SearchIndex(sc.MAPS + sc.FILESYSTEM)
+    assert inflection_stem("located") == inflection_stem("locate") != inflection_stem(
+        "location") == inflection_stem("locations")
+    index = SearchIndex(sc.MAPS + sc.FILESYSTEM)
     assert names(index.search("locations of the nearest charging stations", 1))[0].startswith("maps__")
 
 
@@ -128,7 +129,7 @@ def test_a_tool_that_takes_or_covers_the_subject_keeps_its_place(catalogue, quer
 
 def test_the_lift_goes_to_the_best_web_search_tools_not_to_all_of_them():
     tools = sc.merged() + [tool for group in sc.MORE_WEB_SEARCH for tool in group]
-    index = coffer.SearchIndex(tools)
+    index = SearchIndex(tools)
     top = names(index.search("find the latest news on glacier melt in Norway", 5))
     web = web_tools(index)
     assert len(web) >= 6 and top[0] in web
@@ -141,5 +142,5 @@ def test_the_lift_goes_to_the_best_web_search_tools_not_to_all_of_them():
 def test_where_no_tool_declares_parameters_a_tool_named_for_the_request_keeps_its_place():
     # Nothing tells which tool takes a topic: the narrow tool named for "news" keeps the first place, as before.
     bare = [{"name": tool["name"], "description": tool["description"]} for tool in sc.merged()]
-    index = coffer.SearchIndex(bare)
+    index = SearchIndex(bare)
     assert names(index.search("find the latest news on glacier melt in Norway", 1)) == ["bugle__get_news"]

@@ -15,7 +15,7 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
-import coffer
+from coffer_src.vault import SCHEMA, Vault, utcnow
 
 from conftest import COFFER, FAKE, PY, ROOT, TIME_SERVER, cli
 
@@ -97,12 +97,12 @@ def test_coffer_eval_with_nothing_recorded_says_how_to_turn_it_on(home):
 def test_an_older_vault_gains_the_feedback_table_and_keeps_it_under_the_logs_retention(home):
     Path(home).mkdir(parents=True, exist_ok=True)
     old = sqlite3.connect(Path(home) / "coffer.db")
-    old.executescript(coffer.SCHEMA.split("CREATE TABLE IF NOT EXISTS search_feedback")[0])
+    old.executescript(SCHEMA.split("CREATE TABLE IF NOT EXISTS search_feedback")[0])
     old.close()
-    vault = coffer.Vault(home)
+    vault = Vault(home)
     with vault.transaction() as db:
         db.executemany("INSERT INTO search_feedback(key, ts, query, ranker, returned) VALUES (?, ?, 'q', 'bm25', '[]')",
-                       [("old", "2020-01-01T00:00:00.000Z"), ("new", coffer.utcnow())])
+                       [("old", "2020-01-01T00:00:00.000Z"), ("new", utcnow())])
     vault.prune()
     assert [row["key"] for row in vault.db.execute("SELECT key FROM search_feedback")] == ["new"]
     vault.close()

@@ -9,10 +9,12 @@ import time
 import pytest
 import search_catalogues as sc
 
-import coffer
+from coffer_src.search.index import SearchIndex
+from coffer_src.search.semantic import Embedder, SemanticRanker, _unit
+from coffer_src.search.text import tokenize
 
 
-class RecordingEmbedder(coffer.Embedder):
+class RecordingEmbedder(Embedder):
     """Deterministic bag-of-words vectors; remembers every text it was asked to embed."""
 
     def __init__(self):
@@ -24,18 +26,18 @@ class RecordingEmbedder(coffer.Embedder):
         vectors = []
         for text in texts:
             vector = [0.0] * 64
-            for word in coffer.tokenize(text) or ["empty"]:
+            for word in tokenize(text) or ["empty"]:
                 vector[int(hashlib.md5(word.encode()).hexdigest(), 16) % 64] += 1.0
-            vectors.append(coffer._unit(vector))
+            vectors.append(_unit(vector))
         return vectors
 
 
 @pytest.fixture
 def ranker(tmp_path):
     tools = sc.merged()
-    lexical = coffer.SearchIndex(tools)
+    lexical = SearchIndex(tools)
     embedder = RecordingEmbedder()
-    semantic = coffer.SemanticRanker(embedder, str(tmp_path / "coffer.db"), query_timeout=5.0)
+    semantic = SemanticRanker(embedder, str(tmp_path / "coffer.db"), query_timeout=5.0)
     semantic.refresh(lexical.tools)
     deadline = time.monotonic() + 30
     while semantic.index is None and time.monotonic() < deadline:  # the worker thread embeds the catalogue
@@ -74,6 +76,6 @@ def test_a_request_with_words_besides_its_arguments_is_still_hybrid(ranker):
 
 
 def test_an_argument_kind_no_tool_takes_is_a_word_the_embedder_reads():
-    index = coffer.SearchIndex(sc.merged(sc.FINANCE))  # no tool takes a ticker: "KQL" is a word, not an argument
+    index = SearchIndex(sc.merged(sc.FINANCE))  # no tool takes a ticker: "KQL" is a word, not an argument
     assert not index.reading("KQL").only_arguments
-    assert coffer.SearchIndex(sc.merged()).reading("KQL").only_arguments
+    assert SearchIndex(sc.merged()).reading("KQL").only_arguments
