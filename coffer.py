@@ -57,13 +57,13 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      14793  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
      15200  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
      15486  probe                 Probes: starting a server once to see what it offers, from the command line.
-     15654  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     16322  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     17067  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     17356  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     17547  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     18074  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     19997  cli                   Command line: coffer's commands.
+     15650  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     16318  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     17063  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     17352  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     17543  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     18070  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     19993  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -15509,12 +15509,8 @@ class GatewayClient:
         settings["init_timeout"] = float(settings["discovery_timeout"]) + float(settings["init_timeout"])
         settings["max_restarts"] = 1
         argv = ["serve", "--live"] + [arg for name in only or () for arg in ("--only", name)]
-        # Imported rather than run as a script, so Python uses the cached bytecode instead of compiling coffer.py
-        # at every start; sys.path is extended in-process so the upstreams' environment stays untouched.
-        bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                     f"import coffer; sys.exit(coffer.main({argv!r}))")
         config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
-                  "command": [sys.executable, "-c", bootstrap], "headers": {}, "inherit_env": ["*"],
+                  "command": own_command(*argv), "headers": {}, "inherit_env": ["*"],
                   "era": "handshake"}
         self.ready = threading.Event()
         self.upstream = Upstream(config, settings, self, {}, LATEST_PROTOCOL_VERSION)

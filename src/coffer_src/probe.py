@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -12,6 +11,7 @@ from typing import NamedTuple
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.names import RESERVED_SERVER, exposed_names
+from coffer_src.resources import own_command
 from coffer_src.terminal import ServerLog, printable, redact
 from coffer_src.threads import start_thread
 from coffer_src.upstream.supervisor import Upstream, record_upstream_status
@@ -32,12 +32,8 @@ class GatewayClient:
         settings["init_timeout"] = float(settings["discovery_timeout"]) + float(settings["init_timeout"])
         settings["max_restarts"] = 1
         argv = ["serve", "--live"] + [arg for name in only or () for arg in ("--only", name)]
-        # Imported rather than run as a script, so Python uses the cached bytecode instead of compiling coffer.py
-        # at every start; sys.path is extended in-process so the upstreams' environment stays untouched.
-        bootstrap = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                     f"import coffer; sys.exit(coffer.main({argv!r}))")
         config = {"name": RESERVED_SERVER, "transport": "stdio", "env": {"COFFER_HOME": vault.home},
-                  "command": [sys.executable, "-c", bootstrap], "headers": {}, "inherit_env": ["*"],
+                  "command": own_command(*argv), "headers": {}, "inherit_env": ["*"],
                   "era": "handshake"}
         self.ready = threading.Event()
         self.upstream = Upstream(config, settings, self, {}, LATEST_PROTOCOL_VERSION)
