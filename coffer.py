@@ -19,51 +19,51 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        461  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
        706  threads               Threads: named daemon threads that never die silently, and a small worker pool.
        808  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1351  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1526  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1849  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      1943  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2035  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      2910  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3030  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3427  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3867  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4751  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5439  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5601  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5873  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      6054  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6665  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      7923  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      8481  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      8589  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      9154  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      9535  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-      9718  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-      9883  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     10056  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     10640  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     11047  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     11512  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     11625  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     11960  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     12124  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     12664  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     13026  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     13363  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     13471  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     14121  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     14438  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     14793  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     15200  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     15486  probe                 Probes: starting a server once to see what it offers, from the command line.
-     15650  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     16318  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     17063  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     17352  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     17543  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     18070  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     19993  cli                   Command line: coffer's commands.
+      1353  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1528  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1851  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      1945  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2037  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      2912  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3032  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3429  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3869  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4753  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5441  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5603  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5875  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      6056  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6667  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      7925  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      8483  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      8591  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      9156  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      9537  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+      9720  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+      9885  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     10058  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     10642  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     11049  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     11514  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     11627  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     11962  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     12126  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12666  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     13028  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13365  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     13473  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     14123  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14440  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14795  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15202  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     15488  probe                 Probes: starting a server once to see what it offers, from the command line.
+     15652  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     16320  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     17065  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     17354  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     17545  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     18072  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     19995  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -1210,8 +1210,10 @@ def modern_error(message: dict) -> dict:
         return message
     new_code, meaning = mapped[code]
     data = error.get("data")
-    return {**message, "error": {"code": new_code, "message": error.get("message", ""),
-                                 "data": {"coffer": meaning, **({"detail": data} if data is not None else {})}}}
+    # The upstream's own fields (a missing resource's uri) stay where a 2026-07-28 client looks for them.
+    data = {**data, "coffer": meaning} if isinstance(data, dict) else \
+        {"coffer": meaning, **({"detail": data} if data is not None else {})}
+    return {**message, "error": {"code": new_code, "message": error.get("message", ""), "data": data}}
 
 
 class RequestClaims(NamedTuple):

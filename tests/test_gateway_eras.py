@@ -42,7 +42,7 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS  # noqa: E402
 
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
-from coffer_src.modern import META_CLIENT_CAPABILITIES
+from coffer_src.modern import META_CLIENT_CAPABILITIES, modern_error
 from coffer_src.vault import Vault
 
 from conftest import (  # noqa: E402
@@ -627,3 +627,15 @@ def test_a_question_asked_the_instant_a_call_arrives_reaches_a_2026_client(home)
     assert result["resultType"] == "input_required"
     assert [q["method"] for q in result["inputRequests"].values()] == ["sampling/createMessage"]
     assert upstream.answers == []  # nothing refused on the client's behalf
+
+
+def test_a_modern_client_finds_the_missing_resource_uri_where_the_specification_puts_it():
+    """A handshake-era upstream's -32002 "resource not found" reaches a 2026-07-28 client as -32602; the uri the
+    upstream named stays in data.uri (not buried under another key), and a non-object data is kept too."""
+    uri = "file:///gone.txt"
+    mapped = modern_error({"jsonrpc": "2.0", "id": 4, "error": {"code": -32002, "message": "Resource not found",
+                                                                "data": {"uri": uri}}})
+    assert mapped["error"]["code"] == -32602 and mapped["error"]["data"]["uri"] == uri, mapped
+    assert mapped["error"]["data"]["coffer"] == "resource_not_found"
+    plain = modern_error({"jsonrpc": "2.0", "id": 5, "error": {"code": -32001, "message": "timed out", "data": "30s"}})
+    assert plain["error"]["data"] == {"coffer": "upstream_timeout", "detail": "30s"}, plain

@@ -407,8 +407,10 @@ def modern_error(message: dict) -> dict:
         return message
     new_code, meaning = mapped[code]
     data = error.get("data")
-    return {**message, "error": {"code": new_code, "message": error.get("message", ""),
-                                 "data": {"coffer": meaning, **({"detail": data} if data is not None else {})}}}
+    # The upstream's own fields (a missing resource's uri) stay where a 2026-07-28 client looks for them.
+    data = {**data, "coffer": meaning} if isinstance(data, dict) else \
+        {"coffer": meaning, **({"detail": data} if data is not None else {})}
+    return {**message, "error": {"code": new_code, "message": error.get("message", ""), "data": data}}
 
 
 class RequestClaims(NamedTuple):
