@@ -39,31 +39,31 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       8591  search.index          Search index: the BM25F ranker behind coffer__search_tools.
       9156  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
       9537  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-      9720  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-      9885  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     10058  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     10642  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     11049  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     11514  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     11627  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     11962  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     12126  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     12666  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     13028  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     13365  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     13473  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     14123  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     14440  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     14795  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     15202  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     15488  probe                 Probes: starting a server once to see what it offers, from the command line.
-     15652  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     16320  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     17065  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     17354  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     17545  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     18072  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     19995  cli                   Command line: coffer's commands.
+      9728  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+      9893  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     10066  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     10650  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     11057  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     11522  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     11635  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     11970  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     12134  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12674  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     13036  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13373  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     13481  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     14131  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14448  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14803  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15210  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     15496  probe                 Probes: starting a server once to see what it offers, from the command line.
+     15660  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     16328  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     17073  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     17362  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     17553  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     18080  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     20003  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -9658,25 +9658,31 @@ def replay(index: SearchIndex, query: str, plan, origins: dict) -> dict[int, lis
         scores[doc_id] += part.points
         parts[doc_id].append(part)
 
+    informational = bool(index._web_tools and index.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need))
+    framing: dict[int, float] = collections.defaultdict(float)
     for term, (weight, surfaces) in own.items():
-        hits = index.postings(term)
-        if not hits:
+        ids, _ = index.postings(term)
+        if not ids:
             continue
         idf = index._idf[term]
         stem_only = stem_weight * weight * (min(1.0, index._stem_cap / idf) if idf > 0 else 1.0)
         exact = exact_weight * weight
-        exact_docs = index.exact_docs(term, frozenset(surfaces))
+        exact_ids, exact_values, other_ids, other_values = index.split_postings(term, frozenset(surfaces))
         words = tuple(sorted(surfaces))
         note = "" if weight == 1.0 else f" (weight {weight:g})"
-        for doc_id, value in hits:
-            how = ("exact word" if doc_id in exact_docs else "same stem") + note
-            add(doc_id, Contribution("term", term, how, words, _fields(index, doc_id, term),
-                                     value * (exact if doc_id in exact_docs else stem_only)))
+        for found_ids, values, how, factor in ((exact_ids, exact_values, "exact word", exact),
+                                               (other_ids, other_values, "same stem", stem_only)):
+            for doc_id, value in zip(found_ids, values):
+                add(doc_id, Contribution("term", term, how + note, words, _fields(index, doc_id, term),
+                                         value * factor))
+                if informational and term in _FRAMING_WORDS:
+                    framing[doc_id] += value * factor
     for term, weight in other.items():
         how, words = origins.get(term, ("related word", ()))
-        for doc_id, value in index.postings(term):
+        ids, values = index.postings(term)
+        for doc_id, value in zip(ids, values):
             add(doc_id, Contribution("term", term, f"{how} (weight {weight:g})", words,
-                                     _fields(index, doc_id, term), stem_weight * weight * value))
+                                     _fields(index, doc_id, term), value * (stem_weight * weight)))
     if entities and index.ENTITY_WEIGHT:
         for kind in {entity.kind.name: entity.kind for entity in entities}.values():
             accepting = index.entity_tools(kind)
@@ -9692,14 +9698,16 @@ def replay(index: SearchIndex, query: str, plan, origins: dict) -> dict[int, lis
                 continue
             for doc_id, strength in accepting:
                 add(doc_id, Contribution("argument", kind.name, how, texts, {}, bonus * strength))
-    if index._web_tools and index.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need):
-        best_doc = max(scores, key=scores.__getitem__, default=None)
-        matched = 0 if best_doc is None else sum(term in index._doc_sets[best_doc] for term in own)
-        named = best_doc is not None and not (set(own) - _INFO_MODIFIERS).isdisjoint(index._texts[best_doc][0].stems)
-        if matched <= index.WEB_MAX_MATCHED and not named:
+    if informational:
+        best = max(scores, key=scores.__getitem__, default=None)
+        if not index._outvotes_web_search(best, plan):
             lift = index.WEB_SEARCH_WEIGHT * index._virtual_idf(len(index._web_tools))
-            for doc_id in index._web_tools:
+            for doc_id in index._best_web_tools(scores):
                 add(doc_id, Contribution("web", "web search", "a request for general information", (), {}, lift))
+                gap = max(0.0, framing.get(best, 0.0) - framing.get(doc_id, 0.0))
+                if gap:
+                    add(doc_id, Contribution("web", "framing words", "what the best tool scored by framing words "
+                                             "(latest, news) alone", (), {}, gap))
     server_of = index._server_of
     server_best: dict[int, float] = {-1: 0.0}
     for doc_id, score in scores.items():

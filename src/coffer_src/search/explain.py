@@ -15,7 +15,7 @@ import collections
 from typing import NamedTuple
 
 from coffer_src.names import SEPARATOR
-from coffer_src.search.entities import _INFO_CUES, _INFO_MODIFIERS, _QUESTION_STARTS
+from coffer_src.search.entities import _FRAMING_WORDS, _INFO_CUES, _QUESTION_STARTS
 from coffer_src.search.index import SearchIndex
 from coffer_src.search.lexicon import STOP_WORDS
 from coffer_src.search.semantic import HYBRID_ALPHA, SemanticRanker
@@ -134,25 +134,31 @@ def replay(index: SearchIndex, query: str, plan, origins: dict) -> dict[int, lis
         scores[doc_id] += part.points
         parts[doc_id].append(part)
 
+    informational = bool(index._web_tools and index.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need))
+    framing: dict[int, float] = collections.defaultdict(float)
     for term, (weight, surfaces) in own.items():
-        hits = index.postings(term)
-        if not hits:
+        ids, _ = index.postings(term)
+        if not ids:
             continue
         idf = index._idf[term]
         stem_only = stem_weight * weight * (min(1.0, index._stem_cap / idf) if idf > 0 else 1.0)
         exact = exact_weight * weight
-        exact_docs = index.exact_docs(term, frozenset(surfaces))
+        exact_ids, exact_values, other_ids, other_values = index.split_postings(term, frozenset(surfaces))
         words = tuple(sorted(surfaces))
         note = "" if weight == 1.0 else f" (weight {weight:g})"
-        for doc_id, value in hits:
-            how = ("exact word" if doc_id in exact_docs else "same stem") + note
-            add(doc_id, Contribution("term", term, how, words, _fields(index, doc_id, term),
-                                     value * (exact if doc_id in exact_docs else stem_only)))
+        for found_ids, values, how, factor in ((exact_ids, exact_values, "exact word", exact),
+                                               (other_ids, other_values, "same stem", stem_only)):
+            for doc_id, value in zip(found_ids, values):
+                add(doc_id, Contribution("term", term, how + note, words, _fields(index, doc_id, term),
+                                         value * factor))
+                if informational and term in _FRAMING_WORDS:
+                    framing[doc_id] += value * factor
     for term, weight in other.items():
         how, words = origins.get(term, ("related word", ()))
-        for doc_id, value in index.postings(term):
+        ids, values = index.postings(term)
+        for doc_id, value in zip(ids, values):
             add(doc_id, Contribution("term", term, f"{how} (weight {weight:g})", words,
-                                     _fields(index, doc_id, term), stem_weight * weight * value))
+                                     _fields(index, doc_id, term), value * (stem_weight * weight)))
     if entities and index.ENTITY_WEIGHT:
         for kind in {entity.kind.name: entity.kind for entity in entities}.values():
             accepting = index.entity_tools(kind)
@@ -168,14 +174,16 @@ def replay(index: SearchIndex, query: str, plan, origins: dict) -> dict[int, lis
                 continue
             for doc_id, strength in accepting:
                 add(doc_id, Contribution("argument", kind.name, how, texts, {}, bonus * strength))
-    if index._web_tools and index.WEB_SEARCH_WEIGHT and not _INFO_CUES.isdisjoint(plan.need):
-        best_doc = max(scores, key=scores.__getitem__, default=None)
-        matched = 0 if best_doc is None else sum(term in index._doc_sets[best_doc] for term in own)
-        named = best_doc is not None and not (set(own) - _INFO_MODIFIERS).isdisjoint(index._texts[best_doc][0].stems)
-        if matched <= index.WEB_MAX_MATCHED and not named:
+    if informational:
+        best = max(scores, key=scores.__getitem__, default=None)
+        if not index._outvotes_web_search(best, plan):
             lift = index.WEB_SEARCH_WEIGHT * index._virtual_idf(len(index._web_tools))
-            for doc_id in index._web_tools:
+            for doc_id in index._best_web_tools(scores):
                 add(doc_id, Contribution("web", "web search", "a request for general information", (), {}, lift))
+                gap = max(0.0, framing.get(best, 0.0) - framing.get(doc_id, 0.0))
+                if gap:
+                    add(doc_id, Contribution("web", "framing words", "what the best tool scored by framing words "
+                                             "(latest, news) alone", (), {}, gap))
     server_of = index._server_of
     server_best: dict[int, float] = {-1: 0.0}
     for doc_id, score in scores.items():
