@@ -16,11 +16,13 @@ from types import SimpleNamespace
 import anyio
 import mcp_types as types
 import pytest
-from conftest import COFFER, FAKE, PY, cli, everything_cmd, needs_node
+from conftest import COFFER, FAKE, NODE_MODULES, PY, ROOT, cli, everything_cmd, needs_node
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
+
+from coffer_src.service.http_wire import HostRule, decode_header_value, parameter_header_problem
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the service tests use POSIX process control")
 
@@ -277,6 +279,22 @@ def test_server_everything_answers_http_clients_of_both_eras(endpoint):
 
     anyio.run(main)
     assert all(mode in echoed[mode] for mode in ("legacy", MODERN)), echoed
+
+
+@needs_node
+def test_the_typescript_sdk_client_works_over_http(endpoint):
+    cli("add", "a", "--", *FAKE)
+    ep = endpoint.start()
+    sdk = NODE_MODULES / "sdk" / "dist" / "esm"
+    if not sdk.exists():
+        pytest.skip("the TypeScript MCP SDK is not installed (.ci/run installs it)")
+    proc = subprocess.run(["node", str(ROOT / "tests" / "fixtures" / "ts_http_client.mjs"), str(sdk), ep.url,
+                           endpoint.token], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["session"] and seen["version"] == "2025-11-25"
+    assert "a__echo" in seen["tools"] and seen["echo"] == "from ts"
+    assert seen["progress"] > 0 and seen["sample"] == "the TypeScript model says hi"
 
 
 def test_sampling_reaches_the_http_client_that_called_in_both_eras(endpoint):
@@ -637,3 +655,47 @@ def test_a_2026_listen_stream_hears_list_changes_under_its_own_id(endpoint):
         frame = next_frame(stream)
     assert frame["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"] == "sub-1"
     sock.close()
+
+
+# -- the header rules, one by one ------------------------------------------------------------------------------
+def test_host_and_origin_rules():
+    loopback = HostRule("127.0.0.1", 8765, [])
+    for host in ("127.0.0.1:8765", "localhost:8765", "[::1]:8765", "localhost", "LOCALHOST:8765", "127.0.0.2:8765"):
+        assert loopback.host_ok(host), host
+    for host in ("127.0.0.1:8766", "evil.example:8765", "localhost.evil.example:8765", "10.0.0.1:8765", "",
+                 "127.0.0.1:8765:1", "user@127.0.0.1:8765", "127.0.0.1 :8765", None):
+        assert not loopback.host_ok(host), host
+    assert loopback.origin_ok("http://localhost:8765") and loopback.origin_ok("http://127.0.0.1:8765")
+    for origin in ("null", "http://localhost", "https://localhost:8765/x", "http://evil.example:8765",
+                   "http://user@localhost:8765", "chrome-extension://abc", "http://localhost:8765?x"):
+        assert not loopback.origin_ok(origin), origin
+    assert not loopback.cors("http://localhost:8765"), "no CORS for anything the user did not allow"
+    everywhere = HostRule("0.0.0.0", 443, ["https://app.example"])
+    assert everywhere.host_ok("192.0.2.1") and everywhere.host_ok("[2001:db8::1]:443")
+    assert not everywhere.host_ok("app.example"), "a DNS name can be rebound: only IP literals and localhost"
+    assert everywhere.origin_ok("https://app.example") and everywhere.cors("https://app.example")
+    assert everywhere.origin_ok("https://192.0.2.1")
+
+
+def test_mirrored_parameter_headers_must_match_the_arguments():
+    schema = {"type": "object", "properties": {
+        "region": {"type": "string", "x-mcp-header": "Region"},
+        "count": {"type": "integer", "x-mcp-header": "Count"},
+        "nested": {"type": "object", "properties": {"flag": {"type": "boolean", "x-mcp-header": "Flag"}}},
+        "query": {"type": "string"}}}
+    args = {"region": "us-west1", "count": 42, "nested": {"flag": True}, "query": "select"}
+    good = [("mcp-param-region", "us-west1"), ("mcp-param-count", "42.0"), ("mcp-param-flag", "true")]
+    assert parameter_header_problem(schema, args, good) is None
+    encoded = [("mcp-param-region", "=?base64?dXMtd2VzdDE=?="), *good[1:]]
+    assert parameter_header_problem(schema, args, encoded) is None
+    for headers in (good[1:], [("mcp-param-region", "eu-west1"), *good[1:]],
+                    [("mcp-param-region", "=?base64?dXMtd2!!?="), *good[1:]],
+                    [*good, ("mcp-param-region", "us-west1")], [("mcp-param-region", "us-west1\x01"), *good[1:]]):
+        assert parameter_header_problem(schema, args, headers) is not None, headers
+    assert parameter_header_problem(schema, {"count": 42, "nested": {"flag": True}}, good) is not None, \
+        "a header whose argument is absent is refused"
+    assert parameter_header_problem(schema, {"region": None, "count": 42, "nested": {"flag": True}}, good[1:]) \
+        is None, "a null argument is an absent one"
+    assert decode_header_value("=?base64?SGVsbG8sIOS4lueVjA==?=") == "Hello, \u4e16\u754c"
+    assert decode_header_value("=?base64?literal") == "=?base64?literal"
+    assert decode_header_value("=?base64?%%%?=") is None

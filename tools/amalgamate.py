@@ -80,6 +80,7 @@ LAYERS = (
     "service/server",
     "service/tokens",
     "service/http_wire",
+    "service/http_session",
     "service/http",
     "service/commands",
     "probe",
