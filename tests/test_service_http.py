@@ -558,6 +558,39 @@ def test_a_handshake_session_lives_from_initialize_to_delete(endpoint):
     assert raw(ep.port, "PUT", token=endpoint.token).status == 405
 
 
+def test_an_unused_handshake_session_expires(endpoint):
+    ep = endpoint.start(http_session_idle=1)
+    session = initialize(ep.port, endpoint.token)
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    assert raw(ep.port, body=ping, token=endpoint.token, headers={"Mcp-Session-Id": session}).status == 200
+    wait_until(lambda: not [s for s in service_status()["sessions"] if s["transport"] == "http"],
+               what="the session to expire")  # (asking the session itself would be using it)
+    assert raw(ep.port, body=ping, token=endpoint.token, headers={"Mcp-Session-Id": session}).status == 404
+
+
+def test_the_setting_makes_an_auto_started_service_listen_and_start_adds_http_to_a_running_one(endpoint):
+    cli("add", "a", "--", *FAKE)
+    assert cli("service", "start", "--http", "nowhere", check=False).returncode == 1
+    assert cli("config", "service_http", "not an address", check=False).returncode == 1
+    cli("service", "start")
+    assert service_status()["service"]["http"] is None
+    out = cli("service", "start", "--http", "127.0.0.1:0").stdout
+    http = service_status()["service"]["http"]
+    assert http["url"] in out, "a running service starts serving HTTP when asked"
+    cli("service", "stop")
+    cli("config", "service_http", "127.0.0.1:0")
+
+    async def relay_then_http():
+        params = StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
+        async with Client(params, mode="legacy") as relay:
+            await relay.list_tools()
+            url = (await anyio.to_thread.run_sync(service_status))["service"]["http"]["url"]
+            async with bearer(endpoint.token) as http, sdk_client(url, endpoint.token, MODERN, "m", http) as client:
+                return text_of(await client.call_tool("a__echo", {"text": "auto"}))
+
+    assert anyio.run(relay_then_http) == "auto"
+
+
 def test_the_get_stream_carries_list_changes_to_a_handshake_session(endpoint):
     cli("add", "a", "--", *FAKE, "--tools", "echo,churn")
     ep = endpoint.start()
@@ -655,6 +688,33 @@ def test_a_2026_listen_stream_hears_list_changes_under_its_own_id(endpoint):
         frame = next_frame(stream)
     assert frame["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"] == "sub-1"
     sock.close()
+
+
+def test_a_tool_that_cannot_send_a_token_reaches_the_endpoint_through_the_bearer_proxy(endpoint):
+    """tests/fixtures/bearer_proxy.py is how the official conformance runner (which sends no Authorization)
+    is pointed at the endpoint: it adds the token and keeps the Host and Origin checks meaningful."""
+    cli("add", "a", "--", *FAKE)
+    ep = endpoint.start()
+    proxy = subprocess.Popen([PY, str(ROOT / "tests" / "fixtures" / "bearer_proxy.py"), "--target",
+                              f"127.0.0.1:{ep.port}", "--token", endpoint.token], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proxy.stdout.readline().split()[1])
+        discover = modern("server/discover")
+        headers = modern_headers("server/discover")
+        assert raw(port, body=discover, headers=headers, host=f"localhost:{port}").status == 200
+        assert raw(port, body=discover, headers={**headers, "Origin": f"http://localhost:{port}"}).status == 200
+        assert raw(port, body=discover, headers=headers, host="evil.example.com").status == 421
+        assert raw(port, body=discover, headers={**headers, "Origin": "http://evil.example.com"}).status == 403
+
+        async def main():
+            async with create_mcp_http_client() as http, \
+                    sdk_client(f"http://localhost:{port}/mcp", None, "legacy", "conformance", http) as client:
+                return text_of(await client.call_tool("a__echo", {"text": "proxied"}))
+
+        assert anyio.run(main) == "proxied"
+    finally:
+        proxy.kill()
+        proxy.wait()
 
 
 # -- the header rules, one by one ------------------------------------------------------------------------------
