@@ -51,14 +51,14 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      12235  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
      12639  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
      12782  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     13224  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     13666  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     14168  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     14398  probe                 Probes: starting a server once to see what it offers, from the command line.
-     14566  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     15234  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     15979  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     16259  cli                   Command line: coffer's commands.
+     13232  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     13674  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     14178  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     14408  probe                 Probes: starting a server once to see what it offers, from the command line.
+     14576  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     15244  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     15989  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     16269  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -12791,8 +12791,9 @@ class TokenStore:
 # ============================================================================================================
 # Everything a client sends is hostile input: a request head is bounded in bytes and lines and must arrive within
 # ``timeout`` of its first byte; a body is bounded by max_message_bytes, may pause at most ``timeout`` and must
-# average MIN_BODY_RATE; a connection idle between requests for ``timeout`` is closed.  So a client that sends
-# nothing, or a byte now and then (slowloris), costs one connection slot for a bounded time.  The header rules of
+# average MIN_BODY_RATE; a connection idle between requests for ``timeout`` is closed, and so is one whose client
+# leaves a write unread for a few times ``timeout``.  So a client that sends nothing, a byte now and then
+# (slowloris), or reads nothing, costs one connection slot for a bounded time.  The header rules of
 # Streamable HTTP (Host and Origin against DNS rebinding, the 2026-07-28 request headers that mirror the body)
 # are checked here, before a message reaches a session.
 
@@ -12800,8 +12801,9 @@ MAX_HEAD_BYTES = 32 << 10
 MAX_HEADER_LINES = 100
 #: Bytes per second a body must average once its first ``timeout`` has passed.
 MIN_BODY_RATE = 64 << 10
-#: Seconds a write to a client may block (a client that stops reading loses its connection, never a thread).
-WRITE_TIMEOUT = 30.0
+#: A write to a client may block this many times ``timeout`` (then the client that stopped reading loses its
+#: connection: a thread is never held by it for longer).
+WRITE_TIMEOUT_FACTOR = 3
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 _FIELD_NAME_RE = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _FIELD_VALUE_RE = re.compile(r"^[\t\x20-\x7e]*$")
@@ -12822,6 +12824,10 @@ class HttpProblem(CofferException):
 
 class ClientGone(CofferException):
     """The client closed its end, or sent nothing within its time."""
+
+
+class ClientStalled(ClientGone):
+    """The client left what was written to it unread for too long."""
 
 
 class HttpRequest:
@@ -13031,11 +13037,13 @@ class HttpConnection:
 
     # -- writing -------------------------------------------------------------------------------------------------
     def _send(self, data: bytes) -> None:
-        self.sock.settimeout(WRITE_TIMEOUT)
+        self.sock.settimeout(self.timeout * WRITE_TIMEOUT_FACTOR)
         try:
             self.sock.sendall(data)
+        except socket.timeout:
+            raise ClientStalled(f"the client read nothing for {self.timeout * WRITE_TIMEOUT_FACTOR:g}s") from None
         except OSError:
-            raise ClientGone("the client stopped reading") from None
+            raise ClientGone("the client closed the connection") from None
 
     def _head(self, status: int, headers: list[tuple[str, str]]) -> bytes:
         lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}"]
@@ -13894,6 +13902,8 @@ class HttpEndpoint:
                 self._request(conn, request)
                 if not conn.keep_alive:
                     break
+        except ClientStalled as exc:
+            http_log.warning("an HTTP client stopped reading (%s): its connection is closed", exc)
         except ClientGone:
             pass
         except Exception:  # noqa: BLE001 - one connection's failure must not cost the service

@@ -495,6 +495,29 @@ def read_to_end(sock):
         data += chunk
 
 
+def test_a_client_that_reads_nothing_loses_its_connection_and_nobody_else_waits(endpoint):
+    cli("add", "a", "--", *FAKE)
+    ep = endpoint.start(http_read_timeout=1)
+    size = 16 * 1024 * 1024
+    call = modern("tools/call", {"name": "a__big", "arguments": {"mb": 16}}, msg_id=1)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect(("127.0.0.1", ep.port))
+    data = json.dumps(call).encode()
+    stalled.sendall("\r\n".join([
+        "POST /mcp HTTP/1.1", f"Host: 127.0.0.1:{ep.port}", f"Authorization: Bearer {endpoint.token}",
+        "Content-Type: application/json", "Accept: application/json",
+        *(f"{k}: {v}" for k, v in modern_headers("tools/call", "a__big").items()),
+        f"Content-Length: {len(data)}", "", ""]).encode() + data)
+    log = endpoint.home / "logs" / "service.log"
+    wait_until(lambda: "stopped reading" in log.read_text(), timeout=60, what="the stalled client to be dropped")
+    reply = raw(ep.port, body=modern("server/discover"), headers=modern_headers("server/discover"),
+                token=endpoint.token)
+    assert reply.status == 200, "the others are served"
+    stalled.settimeout(30)
+    assert len(read_to_end(stalled)) < size, "the connection was closed before the whole answer was written"
+
+
 def test_connections_and_sessions_are_bounded(endpoint):
     ep = endpoint.start(http_read_timeout=60)
     idle = [socket.create_connection(("127.0.0.1", ep.port), timeout=30) for _ in range(64)]

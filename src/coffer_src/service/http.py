@@ -57,6 +57,7 @@ from coffer_src.modern import (
 from coffer_src.service.http_session import ERROR_STATUS, HEADER_MISMATCH, JSON_HEADERS, HttpClient
 from coffer_src.service.http_wire import (
     ClientGone,
+    ClientStalled,
     HostRule,
     HttpConnection,
     HttpProblem,
@@ -271,6 +272,8 @@ class HttpEndpoint:
                 self._request(conn, request)
                 if not conn.keep_alive:
                     break
+        except ClientStalled as exc:
+            http_log.warning("an HTTP client stopped reading (%s): its connection is closed", exc)
         except ClientGone:
             pass
         except Exception:  # noqa: BLE001 - one connection's failure must not cost the service

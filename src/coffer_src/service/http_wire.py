@@ -2,8 +2,9 @@
 
 Everything a client sends is hostile input: a request head is bounded in bytes and lines and must arrive within
 ``timeout`` of its first byte; a body is bounded by max_message_bytes, may pause at most ``timeout`` and must
-average MIN_BODY_RATE; a connection idle between requests for ``timeout`` is closed.  So a client that sends
-nothing, or a byte now and then (slowloris), costs one connection slot for a bounded time.  The header rules of
+average MIN_BODY_RATE; a connection idle between requests for ``timeout`` is closed, and so is one whose client
+leaves a write unread for a few times ``timeout``.  So a client that sends nothing, a byte now and then
+(slowloris), or reads nothing, costs one connection slot for a bounded time.  The header rules of
 Streamable HTTP (Host and Origin against DNS rebinding, the 2026-07-28 request headers that mirror the body)
 are checked here, before a message reaches a session.
 """
@@ -27,8 +28,9 @@ MAX_HEAD_BYTES = 32 << 10
 MAX_HEADER_LINES = 100
 #: Bytes per second a body must average once its first ``timeout`` has passed.
 MIN_BODY_RATE = 64 << 10
-#: Seconds a write to a client may block (a client that stops reading loses its connection, never a thread).
-WRITE_TIMEOUT = 30.0
+#: A write to a client may block this many times ``timeout`` (then the client that stopped reading loses its
+#: connection: a thread is never held by it for longer).
+WRITE_TIMEOUT_FACTOR = 3
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 _FIELD_NAME_RE = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _FIELD_VALUE_RE = re.compile(r"^[\t\x20-\x7e]*$")
@@ -49,6 +51,10 @@ class HttpProblem(CofferException):
 
 class ClientGone(CofferException):
     """The client closed its end, or sent nothing within its time."""
+
+
+class ClientStalled(ClientGone):
+    """The client left what was written to it unread for too long."""
 
 
 class HttpRequest:
@@ -258,11 +264,13 @@ class HttpConnection:
 
     # -- writing -------------------------------------------------------------------------------------------------
     def _send(self, data: bytes) -> None:
-        self.sock.settimeout(WRITE_TIMEOUT)
+        self.sock.settimeout(self.timeout * WRITE_TIMEOUT_FACTOR)
         try:
             self.sock.sendall(data)
+        except socket.timeout:
+            raise ClientStalled(f"the client read nothing for {self.timeout * WRITE_TIMEOUT_FACTOR:g}s") from None
         except OSError:
-            raise ClientGone("the client stopped reading") from None
+            raise ClientGone("the client closed the connection") from None
 
     def _head(self, status: int, headers: list[tuple[str, str]]) -> bytes:
         lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}"]
