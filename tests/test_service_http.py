@@ -614,6 +614,39 @@ def test_the_setting_makes_an_auto_started_service_listen_and_start_adds_http_to
     assert anyio.run(relay_then_http) == "auto"
 
 
+def test_a_newer_coffer_takes_over_the_http_address(endpoint, tmp_path):
+    cli("add", "a", "--", *FAKE)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cli("config", "service_http", f"127.0.0.1:{port}")
+    cli("service", "start")
+    first = service_pid(endpoint.home)
+    session = initialize(port, endpoint.token)
+    newer = tmp_path / "newer" / "coffer.py"
+    newer.parent.mkdir()
+    newer.write_bytes(Path(COFFER).read_bytes() + b"\n# a different build of the same version\n")
+    new = subprocess.Popen([PY, str(newer), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, env=dict(os.environ))
+    try:
+        new.stdin.write((json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "new", "version": "1"}}})
+            + "\n").encode())
+        new.stdin.flush()
+        assert json.loads(new.stdout.readline())["id"] == 1
+        wait_until(lambda: service_pid(endpoint.home) not in (None, first), what="the new service")
+        status = service_status()
+        assert status["service"]["pid"] != first and status["service"]["http"]["url"].endswith(f":{port}/mcp")
+        ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+        assert raw(port, body=ping, token=endpoint.token, headers={"Mcp-Session-Id": session}).status == 404, \
+            "the old service's session is not the new one's: the client starts another"
+        again = initialize(port, endpoint.token)
+        assert raw(port, body=ping, token=endpoint.token, headers={"Mcp-Session-Id": again}).status == 200
+    finally:
+        new.kill()
+        new.wait()
+
+
 def test_the_get_stream_carries_list_changes_to_a_handshake_session(endpoint):
     cli("add", "a", "--", *FAKE, "--tools", "echo,churn")
     ep = endpoint.start()
@@ -681,16 +714,37 @@ def test_closing_a_2026_response_stream_cancels_its_call(endpoint, tmp_path):
     cli("add", "a", "--", *FAKE, "--recv-log", str(received))
     ep = endpoint.start()
     call = modern("tools/call", {"name": "a__slow", "arguments": {"seconds": 30}}, msg_id="long")
-    sock = socket.create_connection(("127.0.0.1", ep.port), timeout=30)
-    data = json.dumps(call).encode()
-    head = "\r\n".join([
-        "POST /mcp HTTP/1.1", f"Host: 127.0.0.1:{ep.port}", f"Authorization: Bearer {endpoint.token}",
-        "Content-Type: application/json", "Accept: application/json, text/event-stream",
-        *(f"{k}: {v}" for k, v in modern_headers("tools/call", "a__slow").items()), f"Content-Length: {len(data)}"])
-    sock.sendall(head.encode() + b"\r\n\r\n" + data)
+    sock = _send_only(ep.port, call, endpoint.token, modern_headers("tools/call", "a__slow"))
     wait_until(lambda: received.exists() and '"slow"' in received.read_text(), what="the call to reach the server")
     sock.close()
     wait_until(lambda: "notifications/cancelled" in received.read_text(), what="the cancellation upstream")
+
+
+def test_a_handshake_client_cancels_by_notification_under_its_own_id(endpoint, tmp_path):
+    received = tmp_path / "received"
+    cli("add", "a", "--", *FAKE, "--recv-log", str(received))
+    ep = endpoint.start()
+    session = initialize(ep.port, endpoint.token)
+    in_session = {"Mcp-Session-Id": session}
+    call = {"jsonrpc": "2.0", "id": "mine-7", "method": "tools/call", "params": {"name": "a__slow",
+                                                                                  "arguments": {"seconds": 30}}}
+    sock = _send_only(ep.port, call, endpoint.token, in_session)
+    wait_until(lambda: received.exists() and '"slow"' in received.read_text(), what="the call to reach the server")
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": "mine-7"}}
+    assert raw(ep.port, body=cancel, token=endpoint.token, headers=in_session).status == 202
+    wait_until(lambda: "notifications/cancelled" in received.read_text(), what="the cancellation upstream")
+    sock.close()
+
+
+def _send_only(port, body, token, headers):
+    """Send a POST and leave its response unread (a request still in flight)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    data = json.dumps(body).encode()
+    sock.sendall("\r\n".join([
+        "POST /mcp HTTP/1.1", f"Host: 127.0.0.1:{port}", f"Authorization: Bearer {token}",
+        "Content-Type: application/json", "Accept: application/json, text/event-stream",
+        *(f"{k}: {v}" for k, v in headers.items()), f"Content-Length: {len(data)}", "", ""]).encode() + data)
+    return sock
 
 
 def test_a_2026_listen_stream_hears_list_changes_under_its_own_id(endpoint):
