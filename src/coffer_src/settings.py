@@ -35,10 +35,14 @@ DEFAULTS = {
     "service_idle_exit": 600.0,     # seconds the service stays up with no client attached
     "upstream_idle_stop": "off",    # off, or seconds a shared upstream may go without a call before it is stopped
     "restart_backoff": 0.5,         # seconds before a crashed upstream's first restart; doubles per failure
+    "service_http": "",             # HOST:PORT: the service also serves Streamable HTTP at http://HOST:PORT/mcp
+    "service_http_origins": "",     # browser origins (space-separated) allowed to call that endpoint: CORS
+    "http_read_timeout": 10.0,      # seconds an HTTP client may send nothing mid-request, or between requests
+    "http_session_idle": 3600.0,    # seconds an HTTP session may go unused before it ends
 }
 #: Settings `coffer config KEY VALUE` changes and `coffer config KEY` shows, but the listings (`coffer config`,
 #: --json, "known: ...") leave out: knobs for tests and diagnosis that a user has no reason to turn.
-HIDDEN_SETTINGS = frozenset({"restart_backoff"})
+HIDDEN_SETTINGS = frozenset({"restart_backoff", "http_read_timeout", "http_session_idle"})
 
 
 def listed_settings(settings: dict) -> dict:
@@ -49,6 +53,8 @@ def listed_settings(settings: dict) -> dict:
 
 EXPOSE_RE = re.compile(r"^(auto|all|search|budget:([2-9]|[1-9][0-9]{1,3}))$")
 PER_CLIENT_SETTING_RE = re.compile(r"^expose\.([a-z0-9-]{1,32})$")
+HTTP_ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):([0-9]{1,5})$")
+HTTP_ORIGIN_RE = re.compile(r"^https?://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253})(:[0-9]{1,5})?$")
 
 
 def unknown_setting(key: str) -> str:
@@ -90,6 +96,11 @@ def check_setting(key: str, raw):
         raise CofferError("serve_mode must be service or standalone")
     if key == "upstream_idle_stop" and value != "off" and not _positive_number(value):
         raise CofferError("upstream_idle_stop must be off or a number of seconds")
+    if key == "service_http" and value and not (HTTP_ADDRESS_RE.match(value) and
+                                                int(HTTP_ADDRESS_RE.match(value).group(2)) <= 65535):
+        raise CofferError("service_http must be HOST:PORT (e.g. 127.0.0.1:8765), or '' for none")
+    if key == "service_http_origins" and not all(HTTP_ORIGIN_RE.match(o) for o in value.split()):
+        raise CofferError("service_http_origins must be origins like http://localhost:5173, separated by spaces")
     if key == "max_message_bytes" and value < 4096:
         raise CofferError("max_message_bytes must be at least 4096")
     if isinstance(value, (int, float)) and value <= 0:

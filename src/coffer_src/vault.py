@@ -158,6 +158,10 @@ CREATE TABLE IF NOT EXISTS embeddings (
     PRIMARY KEY (model, text_hash)
 );
 """
+CLIENT_TOKENS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS client_tokens (   -- HTTP clients: HMAC-SHA256(salt, token), never the token itself
+    name TEXT PRIMARY KEY, salt TEXT NOT NULL, digest TEXT NOT NULL, created TEXT NOT NULL, last_used TEXT);
+"""
 # Columns added after the first release: (table, column, declaration).  A vault written by an earlier Coffer gains
 # them on open; an approved fingerprint of NULL means "accept what is listed next" (no quarantine on upgrade).
 MIGRATIONS = (
@@ -197,6 +201,8 @@ SCHEMA_PARTS = (
                KNOWLEDGE_INDEX_SCHEMA + KNOWLEDGE_FTS_SCHEMA),
     SchemaPart("the embedding cache", EMBEDDING_SCHEMA, True,
                "drop the cache (vectors are computed again when needed): {drop}", EMBEDDING_SCHEMA),
+    SchemaPart("the HTTP client tokens", CLIENT_TOKENS_SCHEMA, True,
+               "drop them, then give each HTTP client a new one (coffer token add NAME): {drop}", CLIENT_TOKENS_SCHEMA),
 )
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")

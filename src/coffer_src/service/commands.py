@@ -27,9 +27,11 @@ from coffer_src.service.channel import (
     process_alive,
     read_service_file,
 )
+from coffer_src.service.http import HttpEndpoint, parse_http_address
 from coffer_src.service.relay import Relay, StandaloneWanted
 from coffer_src.service.server import build_id, run_service
-from coffer_src.terminal import say, say_json
+from coffer_src.service.tokens import TokenStore, check_token_name
+from coffer_src.terminal import _print_table, say, say_json
 from coffer_src.vault import Vault, coffer_home
 
 commands_log = logging.getLogger(__name__)
@@ -102,13 +104,14 @@ def serve_standalone(vault: Vault, args) -> int:
     return 0
 
 
-def spawn_service(home: str) -> None:
+def spawn_service(home: str, http: str | None = None) -> None:
     """Start the service in the background: detached from the caller's terminal and process group, its output
     in its own log (COFFER_HOME/logs/service.log), nothing of the caller's stdin or stdout."""
+    extra = ("--http", http) if http else ()
     # glibc gives every thread that allocates an arena of its own; a service with a thread per upstream and per
     # client would keep many half-empty ones resident.  Two suffice (other C libraries ignore the variable).
     env = {**os.environ, "COFFER_HOME": home, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
-    subprocess.Popen(own_command("service", "run"), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    subprocess.Popen(own_command("service", "run", *extra), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, cwd=home, env=env, close_fds=True, **detached_popen_options())
 
 
@@ -189,11 +192,11 @@ def stop_service(home: str, timeout: float = 15.0) -> bool:
     raise CofferError(f"the service did not stop within {timeout:g}s")
 
 
-def start_service(home: str, timeout: float = 15.0) -> dict:
+def start_service(home: str, timeout: float = 15.0, http: str | None = None) -> dict:
     with StartLock(home):
         status = service_running(home)
         if status is None:
-            spawn_service(home)
+            spawn_service(home, http)
             deadline = time.monotonic() + timeout
             while status is None and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -204,19 +207,76 @@ def start_service(home: str, timeout: float = 15.0) -> dict:
     return status
 
 
+def http_endpoint(service, address: str) -> HttpEndpoint:
+    return HttpEndpoint(service, address)
+
+
 def cmd_service(vault: Vault, args) -> int:
     home = vault.home
+    if args.http:
+        parse_http_address(args.http)  # a bad address is the user's to fix now, not a line in the service's log
     if args.action == "run":
         vault.close()
-        return run_service(home, getattr(args, "extend_service", None))
+        return run_service(home, getattr(args, "extend_service", None), http_endpoint, args.http)
     if args.action == "stop":
         say("stopped the Coffer service" if stop_service(home) else "no Coffer service was running")
         return 0
     if args.action == "restart":
         stop_service(home)
-    status = start_service(home)
+    status = start_service(home, http=args.http)
     say(f"the Coffer service runs (pid {status['service']['pid']}, version {status['service']['version']})")
+    http = status["service"].get("http")
+    if args.http and http is None:
+        answer = control(home, {"op": "http", "address": args.http}) or {}
+        if answer.get("error"):
+            raise CofferError(answer["error"])
+        http = answer.get("http")
+    if http is None and args.http:
+        raise CofferError(f"the service did not serve HTTP at {args.http}; see {os.path.join(home, 'logs')}")
+    if http is not None:
+        say_http(http)
     return 0
+
+
+def say_http(http: dict) -> None:
+    say(f"Streamable HTTP: {http['url']} (clients need a token: coffer token add NAME)")
+    if not http.get("loopback"):
+        say("WARNING: that address is reachable from other machines; anyone who can reach it and holds a token "
+            "can use every tool Coffer serves, over unencrypted HTTP")
+
+
+def cmd_token(vault: Vault, args) -> int:
+    """`coffer token add NAME | list | rm NAME`: the named bearer tokens of HTTP clients."""
+    store = TokenStore(vault.home)
+    try:
+        if args.action == "list":
+            rows = store.rows()
+            if args.json:
+                say_json(rows)
+            elif not rows:
+                say("no HTTP client tokens (coffer token add NAME makes one)")
+            else:
+                _print_table([[r["name"], r["created"], r["last_used"] or "never"] for r in rows],
+                             ["NAME", "CREATED", "LAST USED"])
+            return 0
+        if not args.name:
+            raise CofferError(f"coffer token {args.action} needs a NAME")
+        check_token_name(args.name)
+        if args.action == "add":
+            token = store.add(args.name)
+            vault.audit("token-add", args.name)
+            # Printed as it is (say() would redact it): this is the one time anyone sees it.
+            print(token)
+            print(f"coffer: the token for {args.name}, shown this once: its client sends it as the header "
+                  "'Authorization: Bearer <token>'", file=sys.stderr)
+            return 0
+        if not store.remove(args.name):
+            raise CofferError(f"no token named {args.name!r}")
+        vault.audit("token-rm", args.name)
+        say(f"removed the token {args.name}: its HTTP sessions end")
+        return 0
+    finally:
+        store.close()
 
 
 def cmd_status(vault: Vault, args) -> int:
@@ -230,10 +290,13 @@ def cmd_status(vault: Vault, args) -> int:
         return 0
     say(f"service: pid {service['pid']}, version {service['version']}, up {service['uptime_s']:.0f}s, "
         f"{service['rss_mb']} MB")
+    if service.get("http"):
+        say_http(service["http"])
     say(f"sessions: {len(status['sessions'])}")
     for session in status["sessions"]:
-        say(f"  {session['client']} {session.get('version') or ''} ({session.get('era') or 'starting'}) since "
-            f"{session['since']}: {session['calls']} calls")
+        over = " over HTTP" if session.get("transport") == "http" else ""
+        say(f"  {session['client']} {session.get('version') or ''} ({session.get('era') or 'starting'}{over}) "
+            f"since {session['since']}: {session['calls']} calls")
     say(f"upstreams: {len(status['upstreams'])}")
     for upstream in status["upstreams"]:
         memory = f", {upstream['rss_mb']} MB" if upstream.get("rss_mb") is not None else ""
@@ -304,6 +367,14 @@ def add_service_commands(command, extend_service: Callable | None = None) -> Non
     p = command("service", cmd_service, "the user's shared Coffer service: start, stop, restart (or run it in the "
                                         "foreground)")
     p.add_argument("action", choices=("start", "stop", "restart", "run"))
+    p.add_argument("--http", metavar="HOST:PORT",
+                   help="also serve Streamable HTTP at http://HOST:PORT/mcp for clients with a token (coffer token "
+                        "add NAME); loopback unless you name another address; the service_http setting makes it "
+                        "permanent")
+    p = command("token", cmd_token, "bearer tokens of HTTP clients: add NAME (shown once), list, rm NAME")
+    p.add_argument("action", choices=("add", "list", "rm"))
+    p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
     p.set_defaults(extend_service=extend_service)
     p = command("open", cmd_open, "see and steer Coffer in your browser: servers, catalogue, changed definitions, "
                                   "activity, search, knowledge, sessions (starts the service if none runs)")

@@ -19,6 +19,7 @@ import time
 from typing import Callable
 
 from coffer_src import __version__
+from coffer_src.errors import CofferError
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
 from coffer_src.gateway.sharing import return_freed_memory
@@ -168,12 +169,16 @@ class Service:
 
     Threads: the caller's runs the accept loop (and notices idleness, a stop and a handover); each connection has
     its reader thread (a session's dispatch, or one control request) and, for a session, a writer thread
-    (SocketOutput); everything else is the hub's.  ``lock`` guards ``connections``, ``sessions`` and the
-    handover state; it is a leaf (nothing is called while it is held).
+    (SocketOutput); an HTTP endpoint (``endpoints``, made by ``endpoint_factory``) has its own; everything else
+    is the hub's.  ``lock`` guards ``connections``, ``sessions``, ``endpoints`` and the handover state; it is a
+    leaf (nothing is called while it is held).
     """
 
-    def __init__(self, vault: Vault):
+    def __init__(self, vault: Vault, endpoint_factory=None, http_address: str | None = None):
         self.vault = vault
+        self.endpoint_factory = endpoint_factory   # (service, address) -> an HTTP endpoint (service/http.py)
+        self.http_address = http_address           # `--http`, else the service_http setting
+        self.endpoints: list = []
         self.home = vault.home
         self.started = time.time()
         self.build = build_id()
@@ -209,6 +214,9 @@ class Service:
                 signal.signal(getattr(signal, name), lambda *_: self.stopping.set())
         self.hub.start()
         return_freed_memory()  # what loading Coffer itself left behind (compiling coffer.py, when it had no bytecode)
+        address = self.http_address or str(self.hub.settings.get("service_http") or "")
+        if address:
+            self.open_http(address)
         self.listener.settimeout(0.5)
         try:
             while not self.stopping.is_set():
@@ -231,15 +239,31 @@ class Service:
         finally:
             self._close_listener()
             remove_service_file(self.home, os.getpid())
+            for endpoint in self.endpoints:
+                endpoint.close()
             for close in self.closers:
                 close()
             self.hub.shutdown()
             service_log.info("Coffer service stopped")
         return 0
 
+    def open_http(self, address: str) -> str | None:
+        """Also serve Streamable HTTP at ``address``; the reason when it cannot (the service goes on without)."""
+        if self.endpoint_factory is None:
+            return "this service cannot serve HTTP"
+        try:
+            endpoint = self.endpoint_factory(self, address)
+            endpoint.start()
+        except (OSError, CofferError) as exc:
+            service_log.error("cannot serve HTTP at %s: %s", printable(address)[:100], exc)
+            return f"cannot serve HTTP at {printable(address)[:100]}: {exc}"
+        with self.lock:
+            self.endpoints.append(endpoint)
+        return None
+
     def _check_idle(self) -> None:
         with self.lock:
-            busy = bool(self.sessions) or self.connections
+            busy = bool(self.sessions) or self.connections or any(e.busy() for e in self.endpoints)
         if busy or any(check() for check in self.busy_checks):
             self.idle_since = time.monotonic()
             return
@@ -330,9 +354,25 @@ class Service:
         if op == "handover":
             self.handover()
             return {"ok": True}
+        if op == "http":
+            return self._control_http(request.get("address"))
         if op in self.controls:
             return self.controls[op](request)
         return {"error": f"unknown control request {printable(str(op))[:40]!r}"}
+
+    def _control_http(self, address) -> dict:
+        """`coffer service start --http ADDRESS` while the service runs: serve it now, unless it serves HTTP
+        already (at one address at a time)."""
+        if not isinstance(address, str) or not address or len(address) > 300:
+            return {"error": "no HTTP address given"}
+        with self.lock:
+            serving = [endpoint.describe() for endpoint in self.endpoints]
+        if serving:
+            return {"ok": True, "http": serving[0]}
+        problem = self.open_http(address)
+        if problem is not None:
+            return {"error": problem}
+        return {"ok": True, "http": self.endpoints[0].describe()}
 
     def handover(self) -> None:
         """A newer Coffer takes over: stop listening (its socket is free for the successor), tell each session's
@@ -343,6 +383,8 @@ class Service:
             self.handing_over = True
             sessions = list(self.sessions)
         self._close_listener()
+        for endpoint in self.endpoints:  # the successor listens there now; HTTP clients start new sessions with it
+            endpoint.close_listener()
         service_log.info("handing over to a newer Coffer; %d sessions move", len(sessions))
         for session in sessions:
             session.stream.send({"coffer": "handover"})
@@ -371,11 +413,12 @@ class Service:
             sessions = list(self.sessions)
         upstreams = []
         users: dict[str, int] = collections.Counter()
-        for session in sessions:
+        every = [*sessions, *(client for endpoint in self.endpoints for client in endpoint.clients())]
+        for session in every:
             for name in session.instances.running:
                 users[name] += 1
         for upstream in self.hub.upstreams.values():
-            users[upstream.name] = sum(1 for s in sessions if s.calls.used(upstream))
+            users[upstream.name] = sum(1 for s in every if s.calls.used(upstream))
         for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items(), *self.hub.dormant.items()]:
             transport = getattr(upstream, "transport", None)
             pid = transport.pid if isinstance(transport, StdioTransport) else None
@@ -384,10 +427,14 @@ class Service:
             upstreams.append({"name": name, "state": state, "pid": pid, "rss_mb": rss_mb(pid),
                               "sharing": "per-client" if getattr(upstream, "per_client", False) else "shared",
                               "sessions": users.get(name, 0), "last_call": iso_timestamp(last) if last else None})
+        with self.lock:
+            endpoints = list(self.endpoints)
         return {"service": {"pid": os.getpid(), "version": __version__, "uptime_s": round(time.time() -
                                                                                           self.started, 1),
-                            "rss_mb": rss_mb(os.getpid())},
-                "sessions": [session.status() for session in sessions],
+                            "rss_mb": rss_mb(os.getpid()),
+                            "http": endpoints[0].describe() if endpoints else None},
+                "sessions": [{**session.status(), "transport": "stdio"} for session in sessions] +
+                            [status for endpoint in endpoints for status in endpoint.statuses()],
                 "upstreams": upstreams}
 
 
@@ -421,13 +468,14 @@ def rss_mb(pid: int | None) -> float | None:
     return None
 
 
-def run_service(home: str, extend: Callable[[Service], None] | None = None) -> int:
+def run_service(home: str, extend: Callable[[Service], None] | None = None, endpoint_factory=None,
+                http_address: str | None = None) -> int:
     """`coffer service run`: the service in this process, until it is stopped, idle or handed over; ``extend``
     adds what a later layer brings (cli passes the web page's attach_web)."""
     log_to_file(home)
     vault = Vault(home, actor="service")
     try:
-        service = Service(vault)
+        service = Service(vault, endpoint_factory, http_address)
         if extend is not None:
             extend(service)
         return service.run()
