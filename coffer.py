@@ -16,45 +16,45 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        153  resources             Package data: the word lists and web assets that ship inside coffer.py.
        180  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
        362  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       606  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       708  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1250  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1425  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1748  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      1841  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      1933  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      2905  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3298  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3585  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4365  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      4927  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5061  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5333  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5514  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6115  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6190  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6677  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6776  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7169  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7528  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7701  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8285  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8692  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9157  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9270  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9582  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10136  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10485  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10822  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11548  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     11865  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12210  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12568  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12729  probe                 Probes: starting a server once to see what it offers, from the command line.
-     12897  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13565  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14310  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14590  cli                   Command line: coffer's commands.
+       625  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       727  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1269  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1444  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1767  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      1860  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      1952  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      2924  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3317  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3604  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4384  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      4946  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5080  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5352  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5533  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6134  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6209  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6696  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6795  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7188  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7547  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7720  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8304  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8711  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9176  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9289  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9601  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10155  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10504  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10841  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11569  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     11886  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12234  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12592  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12753  probe                 Probes: starting a server once to see what it offers, from the command line.
+     12921  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13589  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14334  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14614  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -433,6 +433,25 @@ def decode_json(data):
         return _decode(data)
     except RecursionError:
         raise ValueError("nested too deeply") from None
+
+
+_lenient_decode = json.JSONDecoder().decode
+
+
+def request_ids_in_unreadable(data) -> list:
+    """The ids of the requests in a message decode_json refused that is JSON all the same once its bytes are taken
+    as they are (invalid UTF-8 inside a string, NaN, an out-of-range number), so each of them can be answered with
+    a parse error under its own id instead of an id nobody waits for.  [] when nothing can be read."""
+    if not isinstance(data, (bytes, bytearray)) or (
+            data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and nesting_depth(data) > MAX_JSON_DEPTH):
+        return []
+    try:
+        message = _lenient_decode(bytes(data).decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError):
+        return []
+    return [item["id"] for item in (message if isinstance(message, list) else [message])
+            if isinstance(item, dict) and isinstance(item.get("method"), str) and "id" in item
+            and valid_request_id(item["id"])]
 
 
 class EncodeError(CofferException, ValueError):
@@ -11017,7 +11036,9 @@ class ClientSession:
         try:
             message = decode_json(line)
         except ValueError as exc:
-            self.send(rpc_error(None, PARSE_ERROR, f"Parse error: {exc}"[:200]))
+            # Each request inside gets its answer under its own id (a client waits for that id, never for null).
+            for msg_id in request_ids_in_unreadable(line) or [None]:
+                self.send(rpc_error(msg_id, PARSE_ERROR, f"Parse error: {exc}"[:200]))
             return
         if isinstance(message, list):  # JSON-RPC batches (dropped by MCP 2025-06-18): answer each element
             if not message:
@@ -12045,8 +12066,11 @@ class Relay:
             return
         try:
             message = decode_json(line)
-        except ValueError:
-            return  # the service answers it with a parse error
+        except ValueError:  # the service answers it with a parse error, under each request's own id
+            if self.current is not None:
+                for msg_id in request_ids_in_unreadable(line):
+                    self.current.pending[_id_key(msg_id)] = msg_id
+            return
         for item in message if isinstance(message, list) else [message]:
             if not isinstance(item, dict):
                 continue

@@ -47,6 +47,7 @@ from coffer_src.jsonrpc import (
     negotiate_version,
     read_line_bursts,
     request_id_in,
+    request_ids_in_unreadable,
     rpc_error,
     rpc_result,
     valid_request_id,
@@ -253,7 +254,9 @@ class ClientSession:
         try:
             message = decode_json(line)
         except ValueError as exc:
-            self.send(rpc_error(None, PARSE_ERROR, f"Parse error: {exc}"[:200]))
+            # Each request inside gets its answer under its own id (a client waits for that id, never for null).
+            for msg_id in request_ids_in_unreadable(line) or [None]:
+                self.send(rpc_error(msg_id, PARSE_ERROR, f"Parse error: {exc}"[:200]))
             return
         if isinstance(message, list):  # JSON-RPC batches (dropped by MCP 2025-06-18): answer each element
             if not message:
