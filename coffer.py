@@ -22,39 +22,39 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       1444  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
       1767  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
       1860  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      1952  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      2924  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3317  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3604  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4384  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      4946  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5080  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5352  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5533  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6134  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6209  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6696  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6795  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7188  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7547  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7720  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8304  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8711  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9176  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9289  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9601  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10155  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10504  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10841  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11569  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     11886  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12234  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12592  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12753  probe                 Probes: starting a server once to see what it offers, from the command line.
-     12921  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13589  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14334  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14614  cli                   Command line: coffer's commands.
+      1997  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      2982  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3375  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3662  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4442  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5004  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5139  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5411  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5592  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6193  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6268  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6755  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6854  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7247  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7606  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7779  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8363  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8770  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9235  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9348  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9663  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10217  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10566  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10903  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11631  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     11948  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12296  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12654  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12815  probe                 Probes: starting a server once to see what it offers, from the command line.
+     12983  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13651  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14396  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14676  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -1889,6 +1889,51 @@ def fingerprint(definition: dict, kind: str = "tool") -> str:
     return hashlib.sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
 
 
+# C0 and C1 control characters but newline and tab: an ESC or an OSC 52 sequence in a description would be obeyed
+# by the terminal of a client that prints it (a clipboard write, a retitled window), and no client needs them.
+_CONTROLS_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_TEXT_KEYS = ("name", "title", "description")
+_INSTANCE_KEYS = frozenset({"const", "enum", "default", "examples"})  # data in a schema: never rewritten
+
+
+def without_controls(text: str) -> str:
+    """``text`` without C0/C1 control characters (newlines and tabs kept)."""
+    return _CONTROLS_RE.sub("", text) if _CONTROLS_RE.search(text) else text
+
+
+def _schema_without_controls(node, depth: int = 0):
+    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is)."""
+    if depth > 64:
+        return node
+    if isinstance(node, list):
+        return [_schema_without_controls(item, depth + 1) for item in node]
+    if not isinstance(node, dict):
+        return node
+    return {key: (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
+                  value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
+            for key, value in node.items()}
+
+
+def definition_without_controls(kind: str, item: dict) -> dict:
+    """A definition whose names, titles and descriptions (its schemas' too) hold no control characters; its
+    identifier (a tool's or prompt's name, a resource's URI) is left alone: one holding a control is rejected."""
+    item = dict(item)
+    for key in _TEXT_KEYS:
+        if isinstance(item.get(key), str) and not (key == "name" and kind in ("tool", "prompt")):
+            item[key] = without_controls(item[key])
+    annotations = item.get("annotations")
+    if isinstance(annotations, dict) and isinstance(annotations.get("title"), str):
+        item["annotations"] = {**annotations, "title": without_controls(annotations["title"])}
+    for key in ("inputSchema", "outputSchema"):
+        if isinstance(item.get(key), dict):
+            item[key] = _schema_without_controls(item[key])
+    if isinstance(item.get("arguments"), list):
+        item["arguments"] = [{k: without_controls(v) if k in _TEXT_KEYS and isinstance(v, str) else v
+                              for k, v in argument.items()} if isinstance(argument, dict) else argument
+                             for argument in item["arguments"]]
+    return item
+
+
 def definition_diff(before: str | None, after: str | None) -> str:
     """A readable unified diff of two stored definitions (pretty JSON, keys sorted)."""
     def lines(text):
@@ -2614,8 +2659,8 @@ class Vault:
             default = 1 if (srv is None or srv["policy"] == "enabled") else 0
             trusting = srv is not None and srv["updates"] == "trust"
             known = {row["name"]: row for row in db.execute(
-                "SELECT name, enabled, present, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
-                (server, kind))}
+                "SELECT name, enabled, present, fingerprint, approved, approved_definition FROM capabilities"
+                " WHERE server=? AND kind=?", (server, kind))}
             labels = exposed_names(server, definitions, max_length) if kind in ("tool", "prompt") else {}
             for name, definition in definitions.items():
                 fp, text = fingerprint(definition, kind), vault_json(definition)
@@ -2630,6 +2675,9 @@ class Vault:
                                     f"{kind}; {'enabled' if default else 'disabled'} by policy", actor="upstream")
                     continue
                 approved = row["approved"]
+                if approved is not None and approved != fp and _only_controls_removed(row["approved_definition"],
+                                                                                      kind, fp):
+                    approved = None  # what was approved, as Coffer now shows it: not a change to review
                 if approved is None or trusting:
                     approved_sql = "approved=?, approved_definition=?,"
                     approved_args = (fp, text)
@@ -2735,6 +2783,16 @@ class Vault:
             db.execute("DELETE FROM capabilities WHERE last_seen < ? AND server NOT IN (SELECT name FROM servers)",
                        (cut_aud.replace("+00:00", "Z"),))  # choices of servers removed long ago
         return n_inv, n_aud
+
+
+def _only_controls_removed(approved_definition: str | None, kind: str, fp: str) -> bool:
+    """Whether the approved definition, with its control characters removed as Coffer now removes them at the
+    boundary, is the one listed now (a pin made before that rule must not hold the capability back)."""
+    try:
+        approved = json.loads(approved_definition) if approved_definition else None
+    except ValueError:
+        return False
+    return isinstance(approved, dict) and fingerprint(definition_without_controls(kind, approved), kind) == fp
 
 
 def _state(row) -> CapabilityState:
@@ -4993,7 +5051,8 @@ def check_definition(kind: str, item) -> dict:
     """A tool, prompt, resource or template an upstream listed, repaired where that is safe, else Rejected.
 
     Repaired: a missing inputSchema (an object schema), a schema without "type", optional fields of the wrong type
-    (dropped), over-long descriptions (cut), lone surrogates in text (replaced).  Rejected: no usable identifier,
+    (dropped), over-long descriptions (cut), lone surrogates in text (replaced), control characters in names, titles
+    and descriptions (removed; an identifier holding one is rejected).  Rejected: no usable identifier,
     an inputSchema that is not an object schema, a definition over 1 MiB or nested over 64 levels.
     """
     if not isinstance(item, dict):
@@ -5058,7 +5117,7 @@ def check_definition(kind: str, item) -> dict:
         if "size" in item and not (isinstance(item["size"], int) and not isinstance(item["size"], bool)
                                    and item["size"] >= 0):
             del item["size"]
-    return item
+    return definition_without_controls(kind, item)
 
 
 def normalized_reply(message: dict) -> dict:
@@ -9463,14 +9522,17 @@ class BuiltinTools:
             top_k = bounded_top_k(arguments.get("top_k"))
         except ValueError as exc:
             return fail(str(exc))
-        index = self.hub.catalogue.index
+        catalogue = self.hub.catalogue
+        index = catalogue.index
         if self.hub.semantic is not None:
             hits, ranker, note = self.hub.semantic.search(index, query, top_k)
         else:
             hits, ranker, note = index.search(query, top_k), "bm25", None
+        # Each tool exactly as tools/list shows it to this client (a handshake-era client gets an outputSchema that
+        # is not an object wrapped), plus its score.
+        handshake = self.session.client_era != "modern" and catalogue.handshake_tools is not catalogue.tools
         payload = {
-            "tools": [{"name": tool["name"], "description": tool.get("description") or "",
-                       "inputSchema": tool.get("inputSchema") or {"type": "object"}, "score": score}
+            "tools": [{**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
                       for tool, score in hits],
             "total_searched": len(index),
             "ranker": ranker,

@@ -13,7 +13,7 @@ from mcp.client.stdio import StdioServerParameters
 
 from conftest import COFFER, HOSTILE, PY, cli
 
-CONTROL_CHARS = [chr(c) for c in [*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0)]]
+CONTROL_CHARS = frozenset(chr(c) for c in [*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0)])
 
 
 def add_hostile(name, *modes, opts=(), extra=()):
@@ -67,3 +67,72 @@ def test_a_request_with_bytes_that_are_not_utf8_is_answered_under_its_own_id(hom
     assert gw.wait_response(8, timeout=20)["error"]["code"] == -32700
     assert gw.request("tools/call", {"name": "h__echo", "arguments": {"text": "still here"}}
                       )["result"]["content"][0]["text"] == "still here"
+
+
+# -- 4 and 5. search returns what tools/list shows; no control character from an upstream reaches a client ---------
+
+LISTED_FIELDS = ("name", "title", "description", "inputSchema", "outputSchema", "annotations")
+
+
+def strings_in(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from strings_in(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings_in(item)
+
+
+def assert_no_controls(value, where):
+    found = {c for text in strings_in(value) for c in text if c in CONTROL_CHARS}
+    assert not found, f"{where} carries control characters {sorted(map(repr, found))}: {str(value)[:400]}"
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
+def test_search_returns_exactly_the_definitions_tools_list_shows(home, mode):
+    add_hostile("h", "shapes")
+
+    async def body(client):
+        listed = {t.name: t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in await all_tools(client)}
+        found = await client.call_tool("coffer__search_tools", {"query": "list of numbers listy", "top_k": 3})
+        listy = await client.call_tool("h__listy", {"n": 2})
+        return listed, found, listy
+
+    listed, found, listy = run(body, mode=mode)
+    assert not found.is_error, text_of(found)
+    hits = {t["name"]: t for t in found.structured_content["tools"]}
+    assert "h__listy" in hits, hits.keys()
+    shown, searched = listed["h__listy"], hits["h__listy"]
+    assert {k: searched.get(k) for k in LISTED_FIELDS} == {k: shown.get(k) for k in LISTED_FIELDS}
+    assert isinstance(searched["score"], (int, float))
+    if mode == "legacy":  # a handshake-era client gets the array schema wrapped, in the list and in search alike
+        assert searched["outputSchema"]["type"] == "object" and "result" in searched["outputSchema"]["properties"]
+        assert listy.structured_content == {"result": [1, 2]}
+    else:
+        assert searched["outputSchema"]["type"] == "array"
+
+
+def test_control_characters_never_reach_the_client_in_names_titles_or_descriptions(home):
+    add_hostile("h", "shapes", "ansi")
+
+    async def body(client):
+        tools = await all_tools(client)
+        prompts = (await client.list_prompts()).prompts
+        resources = (await client.list_resources()).resources
+        found = await client.call_tool("coffer__search_tools", {"query": "harmless list numbers painted", "top_k": 20})
+        return tools, prompts, resources, found
+
+    tools, prompts, resources, found = run(body, mode="legacy")
+    names = [t.name for t in tools]
+    assert "h__listy" in names and "h__painted" in names, names
+    for label, items in (("tools/list", tools), ("prompts/list", prompts), ("resources/list", resources)):
+        assert_no_controls([i.model_dump(mode="json", by_alias=True, exclude_none=True) for i in items], label)
+    assert_no_controls(found.structured_content, "coffer__search_tools")
+    listy = next(t for t in tools if t.name == "h__listy")
+    assert "second line\twith a tab" in listy.description and "\n" in listy.description  # newline and tab stay
+    assert "\r" not in listy.description and "pwned-title" in listy.title  # the text stays, the escapes go
+    prompt = next(p for p in prompts if p.name == "h__shaped_prompt")
+    assert prompt.arguments[0].name == "who" and "\x1b" not in prompt.arguments[0].description

@@ -31,7 +31,14 @@ from coffer_src.names import (
 from coffer_src.secret_store import SecretStore
 from coffer_src.settings import DEFAULTS, PER_CLIENT_SETTING_RE, check_setting, unknown_setting
 from coffer_src.terminal import ServerLog, redact
-from coffer_src.vault_rows import SHARING_MODES, definition_diff, fingerprint, server_row, vault_json
+from coffer_src.vault_rows import (
+    SHARING_MODES,
+    definition_diff,
+    definition_without_controls,
+    fingerprint,
+    server_row,
+    vault_json,
+)
 
 vault_log = logging.getLogger(__name__)
 
@@ -687,8 +694,8 @@ class Vault:
             default = 1 if (srv is None or srv["policy"] == "enabled") else 0
             trusting = srv is not None and srv["updates"] == "trust"
             known = {row["name"]: row for row in db.execute(
-                "SELECT name, enabled, present, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
-                (server, kind))}
+                "SELECT name, enabled, present, fingerprint, approved, approved_definition FROM capabilities"
+                " WHERE server=? AND kind=?", (server, kind))}
             labels = exposed_names(server, definitions, max_length) if kind in ("tool", "prompt") else {}
             for name, definition in definitions.items():
                 fp, text = fingerprint(definition, kind), vault_json(definition)
@@ -703,6 +710,9 @@ class Vault:
                                     f"{kind}; {'enabled' if default else 'disabled'} by policy", actor="upstream")
                     continue
                 approved = row["approved"]
+                if approved is not None and approved != fp and _only_controls_removed(row["approved_definition"],
+                                                                                      kind, fp):
+                    approved = None  # what was approved, as Coffer now shows it: not a change to review
                 if approved is None or trusting:
                     approved_sql = "approved=?, approved_definition=?,"
                     approved_args = (fp, text)
@@ -808,6 +818,16 @@ class Vault:
             db.execute("DELETE FROM capabilities WHERE last_seen < ? AND server NOT IN (SELECT name FROM servers)",
                        (cut_aud.replace("+00:00", "Z"),))  # choices of servers removed long ago
         return n_inv, n_aud
+
+
+def _only_controls_removed(approved_definition: str | None, kind: str, fp: str) -> bool:
+    """Whether the approved definition, with its control characters removed as Coffer now removes them at the
+    boundary, is the one listed now (a pin made before that rule must not hold the capability back)."""
+    try:
+        approved = json.loads(approved_definition) if approved_definition else None
+    except ValueError:
+        return False
+    return isinstance(approved, dict) and fingerprint(definition_without_controls(kind, approved), kind) == fp
 
 
 def _state(row) -> CapabilityState:

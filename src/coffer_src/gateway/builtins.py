@@ -6,7 +6,7 @@ import time
 
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import dumps, tool_error_result
-from coffer_src.modern import META_CLIENT_CAPABILITIES, RequestClaims
+from coffer_src.modern import META_CLIENT_CAPABILITIES, RequestClaims, shape_handshake_tool
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, RESERVED_SERVER, SEARCH_TOOL, SEPARATOR
 from coffer_src.search.text import bounded_top_k
 from coffer_src.terminal import redact
@@ -177,14 +177,17 @@ class BuiltinTools:
             top_k = bounded_top_k(arguments.get("top_k"))
         except ValueError as exc:
             return fail(str(exc))
-        index = self.hub.catalogue.index
+        catalogue = self.hub.catalogue
+        index = catalogue.index
         if self.hub.semantic is not None:
             hits, ranker, note = self.hub.semantic.search(index, query, top_k)
         else:
             hits, ranker, note = index.search(query, top_k), "bm25", None
+        # Each tool exactly as tools/list shows it to this client (a handshake-era client gets an outputSchema that
+        # is not an object wrapped), plus its score.
+        handshake = self.session.client_era != "modern" and catalogue.handshake_tools is not catalogue.tools
         payload = {
-            "tools": [{"name": tool["name"], "description": tool.get("description") or "",
-                       "inputSchema": tool.get("inputSchema") or {"type": "object"}, "score": score}
+            "tools": [{**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
                       for tool, score in hits],
             "total_searched": len(index),
             "ranker": ranker,
