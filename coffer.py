@@ -19,42 +19,42 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        625  threads               Threads: named daemon threads that never die silently, and a small worker pool.
        727  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
       1269  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1444  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1767  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      1860  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      1997  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      2982  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3375  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3662  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4442  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5004  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5139  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5411  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5592  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6193  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6268  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6755  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6854  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7247  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7606  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7779  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8363  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8770  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9235  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9348  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9663  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10217  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10566  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     10903  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11631  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     11948  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12296  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12654  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12815  probe                 Probes: starting a server once to see what it offers, from the command line.
-     12983  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13651  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14396  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14676  cli                   Command line: coffer's commands.
+      1438  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1761  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      1854  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      1991  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      3000  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3393  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3680  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4460  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5022  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5157  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5429  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5610  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6211  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6286  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6773  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6872  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7265  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7624  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7802  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8386  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8793  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9258  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9371  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9686  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10240  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10589  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     10926  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11654  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     11971  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12319  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12677  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12838  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13007  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13675  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14420  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14700  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -1321,11 +1321,11 @@ def _natural_name(server: str, name: str, max_length: int) -> str | None:
     return full if len(full) <= max_length and EXPOSED_NAME_RE.match(full) else None
 
 
-def _shortened_name(server: str, name: str, max_length: int, width: int) -> str:
-    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:width]
+def _shortened_name(server: str, name: str, max_length: int, width: int, digest: str | None = None) -> str:
+    digest = digest or hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
     safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
     room = max(1, max_length - len(server) - len(SEPARATOR) - width - 1)
-    return f"{server}{SEPARATOR}{safe[:room].rstrip('_') or 'x'}_{digest}"
+    return f"{server}{SEPARATOR}{safe[:room].rstrip('_') or 'x'}_{digest[:width]}"
 
 
 def expose_name(server: str, name: str, max_length: int = NAME_MAX_LENGTH) -> str:
@@ -1335,38 +1335,32 @@ def expose_name(server: str, name: str, max_length: int = NAME_MAX_LENGTH) -> st
     return _natural_name(server, name, max_length) or _shortened_name(server, name, max_length, 6)
 
 
-def exposed_names(server: str, names, max_length: int) -> dict[str, str]:
-    """{upstream name: exposed name} for one server's tools (or prompts), collision-free by construction.
+def exposed_names(server: str, names, max_length: int, seniority: dict | None = None) -> dict[str, str]:
+    """{upstream name: exposed name} for one server's tools (or prompts): distinct by construction, whatever the
+    names, and stable: a name a client has been shown is never taken over by a tool that came later.
 
-    Server names hold no '_', so ``<server>__`` prefixes never collide and only one server's own names can.
-    The result depends only on the set of names, and an established name is never taken over: first every name
-    that must be shortened gets its six-digit form (in sorted order); then a name that fits keeps itself unless
-    one of those took it (a tool literally named like another's shortened form is itself shortened); every name
-    still unplaced takes the shortest longer hash that is free.  No tool is ever hidden by another.
+    Server names hold no '_', so ``<server>__`` prefixes never collide and only one server's own names can.  Names
+    are placed oldest first (``seniority``: name -> rank, lower = seen earlier, as the vault's rows are ordered;
+    names it does not hold come last, in the order given): each takes its own name when that fits and is free, else the
+    shortest free form of a readable prefix plus 6, 8, 10... hex digits of its hash.  So when a newcomer's
+    shortened name collides with an established one (a 24-bit collision is easy to make), or an upstream adds a
+    tool literally named like another's shortened form, the newcomer is the one that gets a longer name.  No tool
+    is ever hidden by another.
     """
+    seniority = seniority or {}
+    last = len(seniority)
     result: dict[str, str] = {}
     taken: set[str] = set()
-    natural = {name: _natural_name(server, name, max_length) for name in names}
-    pending = []
-    for name in sorted(n for n, full in natural.items() if full is None):
-        exposed = _shortened_name(server, name, max_length, _DIGEST_WIDTHS[0])
-        if exposed in taken:
-            pending.append(name)
-        else:
-            result[name] = exposed
-            taken.add(exposed)
-    for name, full in natural.items():
-        if full is not None:
-            if full in taken:
-                pending.append(name)
-            else:
-                result[name] = full
-                taken.add(full)
-    for name in sorted(pending):
-        for width in _DIGEST_WIDTHS[1:]:
-            exposed = _shortened_name(server, name, max_length, width)
-            if exposed not in taken:
-                break
+    for name in sorted(names, key=lambda n: seniority.get(n, last)):  # stable: the rest keep the order given
+        exposed = _natural_name(server, name, max_length)
+        if exposed is None or exposed in taken:
+            digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+            exposed = next((form for form in (_shortened_name(server, name, max_length, width, digest)
+                                              for width in _DIGEST_WIDTHS) if form not in taken), None)
+            count = 2
+            while exposed is None or exposed in taken:  # every hash width taken: only a name made to collide
+                exposed = f"{_shortened_name(server, name, max_length, _DIGEST_WIDTHS[0], digest)}_{count}"
+                count += 1
         result[name] = exposed
         taken.add(exposed)
     return result
@@ -2545,13 +2539,13 @@ class Vault:
         names = [row["name"] for row in db.execute("SELECT name FROM servers")]
         listed: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
         for row in db.execute("SELECT server, kind, name FROM capabilities WHERE present=1 AND server IN"
-                              " (SELECT name FROM servers)"):
+                              " (SELECT name FROM servers) ORDER BY rowid"):
             if row["kind"] in ("tool", "prompt"):
                 listed[(row["server"], row["kind"])].append(row["name"])
             else:
                 names.append(row["name"])
         for (server, _), items in listed.items():
-            names.extend(exposed_names(server, items, max_length).values())
+            names.extend(exposed_names(server, items, max_length, {n: i for i, n in enumerate(items)}).values())
         return names
 
     def resolve(self, target: str, db=None) -> tuple[str, str, str]:
@@ -2575,9 +2569,10 @@ class Vault:
         if sep and registered:
             found = []
             for kind in kinds:
-                rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=?",
+                rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=? ORDER BY rowid",
                                   (server, kind)).fetchall()
-                listed = exposed_names(server, [row["name"] for row in rows if row["present"]], max_length)
+                present = [row["name"] for row in rows if row["present"]]
+                listed = exposed_names(server, present, max_length, {n: i for i, n in enumerate(present)})
                 names = [name for name, exposed in listed.items() if exposed == target] or [
                     row["name"] for row in rows if not row["present"] and f"{server}{SEPARATOR}{row['name']}" == target]
                 found += [(server, kind, name) for name in names]
@@ -2634,7 +2629,7 @@ class Vault:
                                   " NOT NULL AND approved != fingerprint", (server, kind, name)).fetchall()
             approved = []
             for row in rows:
-                label = (exposed_names(row["server"], [row["name"]], max_length)[row["name"]]
+                label = (self._exposed(db, row["server"], row["kind"], max_length).get(row["name"], row["name"])
                          if row["kind"] in ("tool", "prompt") else row["name"])
                 approved.append((f"{row['kind']} {label}", definition_diff(row["approved_definition"],
                                                                           row["definition"])))
@@ -2661,7 +2656,8 @@ class Vault:
             known = {row["name"]: row for row in db.execute(
                 "SELECT name, enabled, present, fingerprint, approved, approved_definition FROM capabilities"
                 " WHERE server=? AND kind=?", (server, kind))}
-            labels = exposed_names(server, definitions, max_length) if kind in ("tool", "prompt") else {}
+            seniority = self._seniority(db, server, kind)
+            labels = exposed_names(server, definitions, max_length, seniority) if kind in ("tool", "prompt") else {}
             for name, definition in definitions.items():
                 fp, text = fingerprint(definition, kind), vault_json(definition)
                 row = known.get(name)
@@ -2724,9 +2720,31 @@ class Vault:
         return remembered
 
     def capability_states(self) -> dict[tuple[str, str, str], CapabilityState]:
+        """Every capability's state, oldest first (the order exposed names are given in: see seniority)."""
         return {(row["server"], row["kind"], row["name"]): _state(row)
                 for row in self.db.execute("SELECT server, kind, name, enabled, fingerprint, approved"
-                                           " FROM capabilities")}
+                                           " FROM capabilities ORDER BY rowid")}
+
+    @staticmethod
+    def _seniority(db, server: str, kind: str) -> dict[str, int]:
+        """name -> rank of one server's tools (or prompts) by when Coffer first saw them (exposed_names)."""
+        return {row["name"]: i for i, row in enumerate(db.execute(
+            "SELECT name FROM capabilities WHERE server=? AND kind=? ORDER BY rowid", (server, kind)))}
+
+    def _exposed(self, db, server: str, kind: str, max_length: int) -> dict[str, str]:
+        """{name: exposed name} of the tools (or prompts) a server lists now, as the catalogue names them."""
+        rows = db.execute("SELECT name FROM capabilities WHERE server=? AND kind=? AND present=1 ORDER BY rowid",
+                          (server, kind)).fetchall()
+        present = [row["name"] for row in rows]
+        return exposed_names(server, present, max_length, {name: i for i, name in enumerate(present)})
+
+    def seniority(self) -> dict[tuple[str, str], dict[str, int]]:
+        """(server, kind) -> {name: rank by first sight}: what exposed_names needs, for every server at once."""
+        ranks: dict[tuple[str, str], dict[str, int]] = {}
+        for row in self.db.execute("SELECT server, kind, name FROM capabilities ORDER BY rowid"):
+            names = ranks.setdefault((row["server"], row["kind"]), {})
+            names[row["name"]] = len(names)
+        return ranks
 
     def capabilities(self, server: str | None = None) -> list[dict]:
         sql = "SELECT * FROM capabilities" + (" WHERE server=?" if server else "") + " ORDER BY server, kind, name"
@@ -7678,6 +7696,11 @@ class Catalogue:
         uri_count = collections.Counter(uri for up in upstreams for uri in up.lists["resource"])
         tpl_count = collections.Counter(t for up in upstreams for t in up.lists["template"])
         usual = CapabilityState(True)
+        seniority: dict[tuple[str, str], dict[str, int]] = {}  # (server, kind) -> {name: rank}: states are oldest first
+        for server, kind, name in states:
+            if kind in ("tool", "prompt"):
+                ranks = seniority.setdefault((server, kind), {})
+                ranks[name] = len(ranks)
 
         def allowed(up, kind, name, exposed):
             state = states.get((up.name, kind, name), usual)
@@ -7690,7 +7713,7 @@ class Catalogue:
             offered = self.lists_of(up)
             for kind, items, routes in (("tool", self.tools, self.tool_routes),
                                         ("prompt", self.prompts, self.prompt_routes)):
-                names = exposed_names(up.name, offered[kind], max_length)
+                names = exposed_names(up.name, offered[kind], max_length, seniority.get((up.name, kind)))
                 for name, definition in offered[kind].items():
                     exposed = names[name]
                     if not allowed(up, kind, name, exposed):
@@ -12951,7 +12974,8 @@ class ServerProbe:
         if state == "ready":
             with self.vault_lock:
                 states = self.vault.capability_states()
-            names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"])
+                seniority = self.vault.seniority().get((upstream.name, "tool"))
+            names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"], seniority)
             tools = [dict(definition, name=names[name]) for name, definition in upstream.lists["tool"].items()
                      if states.get((upstream.name, "tool", name), CapabilityState(True)).usable]
         return ProbeResult(upstream.name, state, detail or (upstream.last_error or ""), tools,
@@ -14943,10 +14967,11 @@ def cached_tools(vault: Vault) -> list[dict]:
         if row["kind"] == "tool" and row["present"] and row["server"] in servers:
             by_server[row["server"]].append(row)
     tools = []
+    seniority = vault.seniority()
     for server, rows in by_server.items():
         if not servers[server]["enabled"]:
             continue
-        names = exposed_names(server, [row["name"] for row in rows], max_length)
+        names = exposed_names(server, [row["name"] for row in rows], max_length, seniority.get((server, "tool")))
         for row in rows:
             state = _state(row)
             try:

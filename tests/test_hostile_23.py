@@ -136,3 +136,63 @@ def test_control_characters_never_reach_the_client_in_names_titles_or_descriptio
     assert "\r" not in listy.description and "pwned-title" in listy.title  # the text stays, the escapes go
     prompt = next(p for p in prompts if p.name == "h__shaped_prompt")
     assert prompt.arguments[0].name == "who" and "\x1b" not in prompt.arguments[0].description
+
+
+# -- 3. no tool silently hidden, whatever the collisions ----------------------------------------------------------
+
+PREFIX = ("a_tool_name_that_an_upstream_made_long_on_purpose_" * 10)[:480]
+
+
+def colliding_pair(prefix=PREFIX):
+    """Two names sharing ``prefix`` whose shortened forms collide (the same 24-bit hash prefix), the later-sorted
+    one first: (older, newer) with newer < older, so a rule that places names in sorted order gives the newcomer
+    the established name."""
+    seen = {}
+    for i in range(5_000_000):
+        name = f"{prefix}{i}"
+        digest = hashlib.sha256(name.encode()).hexdigest()[:6]
+        if digest in seen:
+            first, second = seen[digest], name
+            return (max(first, second), min(first, second))
+        seen[digest] = name
+    raise AssertionError("no collision found")
+
+
+def called(client_result):
+    return text_of(client_result).removeprefix("called ")
+
+
+def test_a_colliding_newcomer_never_takes_an_established_name_and_no_tool_is_hidden(home, tmp_path):
+    older, newer = colliding_pair()
+    crowd = [f"{PREFIX}crowd{i}" for i in range(1500)]  # many long names that share the prefix, too
+    names_file = tmp_path / "names.json"
+    names_file.write_text(json.dumps([older] + crowd))
+    add_hostile("h", "collide", extra=("--names-file", str(names_file)))
+
+    async def first(client):
+        await client.call_tool("h__echo", {"text": "up"})  # h has started: its live list is the catalogue
+        return {t.name for t in await all_tools(client)}
+
+    before = run(first)
+
+    async def find_older(client):
+        for name in sorted(n for n in before if n.startswith("h__a_tool")):
+            if called(await client.call_tool(name, {})) == older:
+                return name
+        raise AssertionError("the older tool is not listed")
+
+    established = run(find_older)
+    names_file.write_text(json.dumps([newer, older] + crowd))  # the newcomer: listed first, sorted first
+
+    async def second(client):
+        assert text_of(await client.call_tool("h__echo", {"text": "up"})) == "up"
+        tools = [t.name for t in await all_tools(client)]
+        reached = {name: called(await client.call_tool(name, {})) for name in tools
+                   if name.startswith("h__a_tool")}
+        return tools, reached
+
+    tools, reached = run(second)
+    assert len(tools) == len(set(tools)), "two tools share an exposed name"
+    assert reached[established] == older, f"{established} was {older[-12:]}, now reaches {reached[established][-12:]}"
+    assert sorted(reached.values()) == sorted([older, newer] + crowd), "a tool is hidden"
+    assert all(len(name) <= 48 for name in tools), [name for name in tools if len(name) > 48]

@@ -335,10 +335,11 @@ def cached_tools(vault: Vault) -> list[dict]:
         if row["kind"] == "tool" and row["present"] and row["server"] in servers:
             by_server[row["server"]].append(row)
     tools = []
+    seniority = vault.seniority()
     for server, rows in by_server.items():
         if not servers[server]["enabled"]:
             continue
-        names = exposed_names(server, [row["name"] for row in rows], max_length)
+        names = exposed_names(server, [row["name"] for row in rows], max_length, seniority.get((server, "tool")))
         for row in rows:
             state = _state(row)
             try:

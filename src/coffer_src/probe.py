@@ -145,7 +145,8 @@ class ServerProbe:
         if state == "ready":
             with self.vault_lock:
                 states = self.vault.capability_states()
-            names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"])
+                seniority = self.vault.seniority().get((upstream.name, "tool"))
+            names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"], seniority)
             tools = [dict(definition, name=names[name]) for name, definition in upstream.lists["tool"].items()
                      if states.get((upstream.name, "tool", name), CapabilityState(True)).usable]
         return ProbeResult(upstream.name, state, detail or (upstream.last_error or ""), tools,

@@ -580,13 +580,13 @@ class Vault:
         names = [row["name"] for row in db.execute("SELECT name FROM servers")]
         listed: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
         for row in db.execute("SELECT server, kind, name FROM capabilities WHERE present=1 AND server IN"
-                              " (SELECT name FROM servers)"):
+                              " (SELECT name FROM servers) ORDER BY rowid"):
             if row["kind"] in ("tool", "prompt"):
                 listed[(row["server"], row["kind"])].append(row["name"])
             else:
                 names.append(row["name"])
         for (server, _), items in listed.items():
-            names.extend(exposed_names(server, items, max_length).values())
+            names.extend(exposed_names(server, items, max_length, {n: i for i, n in enumerate(items)}).values())
         return names
 
     def resolve(self, target: str, db=None) -> tuple[str, str, str]:
@@ -610,9 +610,10 @@ class Vault:
         if sep and registered:
             found = []
             for kind in kinds:
-                rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=?",
+                rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=? ORDER BY rowid",
                                   (server, kind)).fetchall()
-                listed = exposed_names(server, [row["name"] for row in rows if row["present"]], max_length)
+                present = [row["name"] for row in rows if row["present"]]
+                listed = exposed_names(server, present, max_length, {n: i for i, n in enumerate(present)})
                 names = [name for name, exposed in listed.items() if exposed == target] or [
                     row["name"] for row in rows if not row["present"] and f"{server}{SEPARATOR}{row['name']}" == target]
                 found += [(server, kind, name) for name in names]
@@ -669,7 +670,7 @@ class Vault:
                                   " NOT NULL AND approved != fingerprint", (server, kind, name)).fetchall()
             approved = []
             for row in rows:
-                label = (exposed_names(row["server"], [row["name"]], max_length)[row["name"]]
+                label = (self._exposed(db, row["server"], row["kind"], max_length).get(row["name"], row["name"])
                          if row["kind"] in ("tool", "prompt") else row["name"])
                 approved.append((f"{row['kind']} {label}", definition_diff(row["approved_definition"],
                                                                           row["definition"])))
@@ -696,7 +697,8 @@ class Vault:
             known = {row["name"]: row for row in db.execute(
                 "SELECT name, enabled, present, fingerprint, approved, approved_definition FROM capabilities"
                 " WHERE server=? AND kind=?", (server, kind))}
-            labels = exposed_names(server, definitions, max_length) if kind in ("tool", "prompt") else {}
+            seniority = self._seniority(db, server, kind)
+            labels = exposed_names(server, definitions, max_length, seniority) if kind in ("tool", "prompt") else {}
             for name, definition in definitions.items():
                 fp, text = fingerprint(definition, kind), vault_json(definition)
                 row = known.get(name)
@@ -759,9 +761,31 @@ class Vault:
         return remembered
 
     def capability_states(self) -> dict[tuple[str, str, str], CapabilityState]:
+        """Every capability's state, oldest first (the order exposed names are given in: see seniority)."""
         return {(row["server"], row["kind"], row["name"]): _state(row)
                 for row in self.db.execute("SELECT server, kind, name, enabled, fingerprint, approved"
-                                           " FROM capabilities")}
+                                           " FROM capabilities ORDER BY rowid")}
+
+    @staticmethod
+    def _seniority(db, server: str, kind: str) -> dict[str, int]:
+        """name -> rank of one server's tools (or prompts) by when Coffer first saw them (exposed_names)."""
+        return {row["name"]: i for i, row in enumerate(db.execute(
+            "SELECT name FROM capabilities WHERE server=? AND kind=? ORDER BY rowid", (server, kind)))}
+
+    def _exposed(self, db, server: str, kind: str, max_length: int) -> dict[str, str]:
+        """{name: exposed name} of the tools (or prompts) a server lists now, as the catalogue names them."""
+        rows = db.execute("SELECT name FROM capabilities WHERE server=? AND kind=? AND present=1 ORDER BY rowid",
+                          (server, kind)).fetchall()
+        present = [row["name"] for row in rows]
+        return exposed_names(server, present, max_length, {name: i for i, name in enumerate(present)})
+
+    def seniority(self) -> dict[tuple[str, str], dict[str, int]]:
+        """(server, kind) -> {name: rank by first sight}: what exposed_names needs, for every server at once."""
+        ranks: dict[tuple[str, str], dict[str, int]] = {}
+        for row in self.db.execute("SELECT server, kind, name FROM capabilities ORDER BY rowid"):
+            names = ranks.setdefault((row["server"], row["kind"]), {})
+            names[row["name"]] = len(names)
+        return ranks
 
     def capabilities(self, server: str | None = None) -> list[dict]:
         sql = "SELECT * FROM capabilities" + (" WHERE server=?" if server else "") + " ORDER BY server, kind, name"
