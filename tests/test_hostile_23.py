@@ -196,3 +196,84 @@ def test_a_colliding_newcomer_never_takes_an_established_name_and_no_tool_is_hid
     assert reached[established] == older, f"{established} was {older[-12:]}, now reaches {reached[established][-12:]}"
     assert sorted(reached.values()) == sorted([older, newer] + crowd), "a tool is hidden"
     assert all(len(name) <= 48 for name in tools), [name for name in tools if len(name) > 48]
+
+
+# -- 2. a catalogue too big for one message --------------------------------------------------------------------------
+
+def audit_rows(*args):
+    return json.loads(cli("audit", "--json", "--limit", "100000", *args).stdout)["audit"]
+
+
+@pytest.mark.parametrize("mode", ["legacy", "2026-07-28"])
+def test_a_huge_catalogue_is_paginated_in_both_eras_and_audited_in_one_row(home, mode):
+    add_hostile("h", "many", extra=("--count", "9997"))  # with echo, env and crash: 10,000 tools
+
+    async def body(client):
+        await client.call_tool("h__echo", {"text": "up"})
+        first = await client.list_tools()
+        every = await all_tools(client)
+        last = await client.call_tool("h__many_9996", {})
+        return first, every, last
+
+    first, every, last = run(body, mode=mode)
+    assert first.next_cursor, "10,000 tools came in one unpaginated message"
+    assert len(first.tools) <= 1000
+    names = [t.name for t in every]
+    assert len(names) == len(set(names)) == 10_001  # every tool once, and coffer__search_tools
+    assert names[0] == "coffer__search_tools"  # a client that reads only the first page still finds the rest
+    assert text_of(last) == "called many_9996"
+    added = [row for row in audit_rows("--server", "h") if row["action"] == "upstream-added"]
+    assert len(added) == 1, f"{len(added)} upstream-added rows for one server's first catalogue"
+    assert "10000 tools" in added[0]["detail"] and "many_0" in added[0]["detail"]
+
+
+def test_a_client_that_ignores_cursors_is_served_and_forged_cursors_are_refused(home, raw_gateway):
+    cli("config", "list_page_size", "50")
+    add_hostile("h", "many", extra=("--count", "197"))
+    gw = raw_gateway()
+    init = gw.initialize()
+    gw.request("tools/call", {"name": "h__echo", "arguments": {"text": "up"}})
+    first = gw.request("tools/list")["result"]
+    again = gw.request("tools/list")["result"]
+    assert [t["name"] for t in first["tools"]] == [t["name"] for t in again["tools"]]  # no cursor: page 1, always
+    assert len(first["tools"]) == 50 and first["nextCursor"]
+    # a tool on a later page is callable by name, and search finds it
+    reply = gw.request("tools/call", {"name": "h__many_190", "arguments": {}})
+    assert reply["result"]["content"][0]["text"] == "called many_190"
+    found = gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {"query": "generated tool 190"}})
+    assert "h__many_190" in [t["name"] for t in found["result"]["structuredContent"]["tools"]]
+    # the instructions a client reads at initialize (remembered catalogue or not) name the search tool
+    assert "coffer__search_tools" in init["result"]["instructions"]
+    cursor = first["nextCursor"]
+    offset_forged = cursor.split(".")
+    offset_forged[1] = "150"
+    for forged in ("not-a-cursor", cursor + "x", cursor[:-1] + ("0" if cursor[-1] != "0" else "1"),
+                   ".".join(offset_forged), "x" * 1_000_000, 12, {"offset": 1}, cursor.replace("tools", "prompts")):
+        reply = gw.request("tools/list", {"cursor": forged})
+        assert reply.get("error", {}).get("code") == -32602, (str(forged)[:80], reply)
+    reply = gw.request("prompts/list", {"cursor": cursor})  # a tools cursor is no prompts cursor
+    assert reply["error"]["code"] == -32602
+    # the real cursor still works after all that, and the pages add up to the whole list
+    names, cursor = [t["name"] for t in first["tools"]], first["nextCursor"]
+    while cursor:
+        page = gw.request("tools/list", {"cursor": cursor})["result"]
+        names += [t["name"] for t in page["tools"]]
+        cursor = page.get("nextCursor")
+    assert len(names) == len(set(names)) == 201
+    other = raw_gateway()  # another Coffer process: its cursors are not this one's
+    other.initialize()
+    assert other.request("tools/list", {"cursor": first["nextCursor"]})["error"]["code"] == -32602
+
+
+def test_a_page_cursor_resumes_after_its_item_when_the_list_changed_meanwhile():
+    from coffer_src.gateway.pages import check_cursor, page_of
+
+    items = [{"name": f"t{i}"} for i in range(10)]
+    first = page_of("tools", items, None, 4)
+    assert [t["name"] for t in first["tools"]] == ["t0", "t1", "t2", "t3"]
+    position = check_cursor("tools", first["nextCursor"])
+    changed = [{"name": "new"}] + [t for t in items if t["name"] != "t1"]   # one added before, one removed
+    second = page_of("tools", changed, position, 4)
+    assert [t["name"] for t in second["tools"]] == ["t4", "t5", "t6", "t7"]  # nothing repeated, nothing skipped
+    gone = [t for t in items if t["name"] != "t3"]  # the item the page ended on is gone: continue at its place
+    assert [t["name"] for t in page_of("tools", gone, position, 4)["tools"]] == ["t4", "t5", "t6", "t7"]

@@ -71,6 +71,7 @@ LAYERS = (
     "knowledge/base",
     "gateway/calls",
     "gateway/builtins",
+    "gateway/pages",
     "gateway/hub",
     "gateway/routing",
     "gateway/bridge",

@@ -26,6 +26,7 @@ DEFAULTS = {
     "max_message_bytes": 64 << 20,  # a longer line, HTTP body or SSE event fails that message, not the gateway
     "max_list_pages": 100,          # pages Coffer follows when an upstream paginates one list
     "max_list_items": 10_000,       # tools (prompts, resources...) kept per list per upstream
+    "list_page_size": 1000,         # items per page of a list a client gets; more follow with nextCursor
     "probe_timeout": 10.0,          # seconds a new server has to answer server/discover before initialize is tried
     "mrtr_ttl": 300.0,              # seconds a 2026-07-28 client has to answer a question an upstream asked mid-call
     "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them

@@ -284,6 +284,9 @@ class Vault:
     method (or inside ``with vault.transaction()``) reaches the caller as a VaultError, a CofferError.
     """
 
+    AUDIT_EACH_ADDED = 20          # more capabilities added at once than this are audited in one row
+    AUDIT_NAMES_CHARS = 64 << 10   # the names such a row lists, at most
+
     def __init__(self, home: str | None = None, actor: str = "cli"):
         self.home = home or coffer_home()
         self.actor = actor
@@ -699,6 +702,13 @@ class Vault:
                 " WHERE server=? AND kind=?", (server, kind))}
             seniority = self._seniority(db, server, kind)
             labels = exposed_names(server, definitions, max_length, seniority) if kind in ("tool", "prompt") else {}
+            added = [name for name in definitions if name not in known]
+            # A server's first catalogue (or any large addition) is one row with the count and the names, not a
+            # row per tool: an upstream listing 10,000 tools must not flood the audit log.
+            one_row = len(added) > 1 and (not known or len(added) > self.AUDIT_EACH_ADDED)
+            if srv is not None and one_row:
+                self._audit(db, "upstream-added", server, _added_detail(kind, added, default, first=not known),
+                            actor="upstream")
             for name, definition in definitions.items():
                 fp, text = fingerprint(definition, kind), vault_json(definition)
                 row = known.get(name)
@@ -707,7 +717,7 @@ class Vault:
                                " definition, first_seen, last_seen, approved, approved_definition)"
                                " VALUES (?,?,?,?,1,?,?,?,?,?,?)",
                                (server, kind, name, default, fp, text, now, now, fp, text))
-                    if srv is not None:
+                    if srv is not None and not one_row:
                         self._audit(db, "upstream-added", f"{server}:{name}",
                                     f"{kind}; {'enabled' if default else 'disabled'} by policy", actor="upstream")
                     continue
@@ -842,6 +852,19 @@ class Vault:
             db.execute("DELETE FROM capabilities WHERE last_seen < ? AND server NOT IN (SELECT name FROM servers)",
                        (cut_aud.replace("+00:00", "Z"),))  # choices of servers removed long ago
         return n_inv, n_aud
+
+
+def _added_detail(kind: str, names: list[str], enabled: int, first: bool) -> str:
+    """The detail of one audit row for many capabilities added at once: what, how many, the policy, the names."""
+    shown, size = [], 0
+    for name in names:
+        size += len(name) + 2
+        if size > Vault.AUDIT_NAMES_CHARS:
+            break
+        shown.append(name)
+    more = f" (and {len(names) - len(shown)} more)" if len(shown) < len(names) else ""
+    return (f"{'first catalogue: ' if first else ''}{len(names)} {kind}s, {'enabled' if enabled else 'disabled'} "
+            f"by policy: {', '.join(shown)}{more}")
 
 
 def _only_controls_removed(approved_definition: str | None, kind: str, fp: str) -> bool:

@@ -28,6 +28,7 @@ from coffer_src.gateway.builtins import (
 )
 from coffer_src.gateway.calls import OwnRequest, RelayedRequest, Waiting
 from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.pages import check_cursor, page_of
 from coffer_src.gateway.routing import CallRouter
 from coffer_src.jsonrpc import (
     INTERNAL_ERROR,
@@ -439,10 +440,15 @@ class ClientSession:
         """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
         instructions = INSTRUCTIONS
         knowledge_tools = self.hub.knowledge_tools
-        unlisted = len(self.hub.catalogue.tools) + 1 + len(knowledge_tools) - len(self.listed_tools())
+        listed = len(self.listed_tools())
+        unlisted = len(self.hub.catalogue.tools) + 1 + len(knowledge_tools) - listed
         if unlisted > 0:
             instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
                              f"by name and {SEARCH_TOOL} finds them.")
+        later = listed - int(self.hub.settings["list_page_size"])
+        if later > 0:
+            instructions += (f" tools/list has more than one page: {later} tools follow its first page (nextCursor);"
+                             f" every one is callable by name and {SEARCH_TOOL} finds them.")
         if knowledge_tools:
             instructions += (f" {ASK_TOOL} searches the user's own notes and docs"
                              + (f", and {REMEMBER_TOOL} keeps a fact for every agent" if len(knowledge_tools) > 1
@@ -564,20 +570,25 @@ class ClientSession:
             tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, self.hub.usage)
         return builtins + tools
 
+    def _paged(self, msg_id, params, key: str, items, method: str, kind: str | None = None):
+        """A list request: answered (after discovery) with the page its cursor points at (gateway/pages.py)."""
+        position = check_cursor(key, params.get("cursor"))  # a bad cursor is refused at once, not after a wait
+        return self.after_discovery(msg_id, lambda: page_of(key, items(), position,
+                                                            int(self.hub.settings["list_page_size"])),
+                                    kind=kind, method=method)
+
     def _tools_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"tools": self.listed_tools()}, kind="tool", method="tools/list")
+        return self._paged(msg_id, params, "tools", self.listed_tools, "tools/list", "tool")
 
     def _prompts_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"prompts": self.hub.catalogue.prompts}, kind="prompt",
-                                    method="prompts/list")
+        return self._paged(msg_id, params, "prompts", lambda: self.hub.catalogue.prompts, "prompts/list", "prompt")
 
     def _resources_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"resources": self.hub.catalogue.resources},
-                                    method="resources/list")
+        return self._paged(msg_id, params, "resources", lambda: self.hub.catalogue.resources, "resources/list")
 
     def _templates_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"resourceTemplates": self.hub.catalogue.templates},
-                                    method="resources/templates/list")
+        return self._paged(msg_id, params, "resourceTemplates", lambda: self.hub.catalogue.templates,
+                           "resources/templates/list")
 
     # -- the client's logging level --------------------------------------------------------------------------
     def _set_level(self, msg_id, params):
