@@ -15,47 +15,47 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        106  errors                Errors: the one exception root every Coffer error derives from.
        154  resources             Package data: the word lists and web assets that ship inside coffer.py.
        181  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       363  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       626  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       728  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1270  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1439  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1762  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      1856  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      1993  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      3025  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3418  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3705  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4485  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5047  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5182  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5454  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5635  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6236  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6311  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6798  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6897  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7290  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7649  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7827  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8411  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8818  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9283  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9396  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9711  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-      9773  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10327  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10676  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11013  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11751  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12068  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12416  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12774  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12935  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13104  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13772  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14517  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14797  cli                   Command line: coffer's commands.
+       406  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       669  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       771  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1313  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1482  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1805  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      1907  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2044  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      3079  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3472  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3759  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4539  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5101  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5236  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5508  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5689  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6290  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6365  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6852  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6951  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7344  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7703  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7881  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8465  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8872  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9337  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9450  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9765  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+      9827  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10381  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10731  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11068  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11812  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12129  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12477  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12835  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12996  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13165  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13833  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14578  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14858  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -238,7 +238,9 @@ class Redactor:
     """Every secret value this process knows: the secret store's values and what ${VAR} references expanded to.
 
     ``redact(text)`` replaces each with *** — applied to every log record, to stored stderr and status details, and
-    to CLI output.  Values shorter than MIN_LENGTH are not redacted (they would blank out ordinary words).
+    to CLI output; ``redact.scrub(message)`` does the same to what goes to a client (results, errors, notifications:
+    an upstream that echoes its environment must not hand a token to the agent, and through it to the model's
+    provider).  Values shorter than MIN_LENGTH are not redacted (they would blank out ordinary words).
     """
 
     MIN_LENGTH = 4
@@ -272,6 +274,47 @@ class Redactor:
             if value in text:
                 text = text.replace(value, "***")
         return text
+
+    def scrub(self, value):
+        """A JSON value (a message for a client) with every known secret in its strings and keys replaced: the
+        same object, untouched, when none holds one -- the usual case, which costs one look at each string."""
+        values = self._values
+        if not values or not _holds_secret(value, values, 0):
+            return value
+        return _scrubbed(value, self, 0)
+
+
+def _holds_secret(value, values: tuple, depth: int) -> bool:
+    if isinstance(value, str):
+        for secret in values:
+            if secret in value:
+                return True
+        return False
+    if depth > 200:
+        return False
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _holds_secret(key, values, depth) or _holds_secret(item, values, depth + 1):
+                return True
+        return False
+    if isinstance(value, list):
+        for item in value:
+            if _holds_secret(item, values, depth + 1):
+                return True
+    return False
+
+
+def _scrubbed(value, redactor: Redactor, depth: int):
+    if isinstance(value, str):
+        return redactor(value)
+    if depth > 200:
+        return value
+    if isinstance(value, dict):
+        return {redactor(key) if isinstance(key, str) else key: _scrubbed(item, redactor, depth + 1)
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed(item, redactor, depth + 1) for item in value]
+    return value
 
 
 redact = Redactor()
@@ -1797,6 +1840,7 @@ DEFAULTS = {
     "service_idle_exit": 600.0,     # seconds the service stays up with no client attached
     "upstream_idle_stop": "off",    # off, or seconds a shared upstream may go without a call before it is stopped
     "restart_backoff": 0.5,         # seconds before a crashed upstream's first restart; doubles per failure
+    "redact": "on",                 # known secret values in what goes to a client become ***; redact.<server> off
 }
 #: Settings `coffer config KEY VALUE` changes and `coffer config KEY` shows, but the listings (`coffer config`,
 #: --json, "known: ...") leave out: knobs for tests and diagnosis that a user has no reason to turn.
@@ -1810,13 +1854,20 @@ def listed_settings(settings: dict) -> dict:
 
 
 EXPOSE_RE = re.compile(r"^(auto|all|search|budget:([2-9]|[1-9][0-9]{1,3}))$")
-PER_CLIENT_SETTING_RE = re.compile(r"^expose\.([a-z0-9-]{1,32})$")
+#: A setting for one client (expose.cursor) or one server (redact.vault): the global one unless it is set.
+PER_KEY_SETTING_RE = re.compile(r"^(expose|redact)\.([A-Za-z0-9-]{1,32})$")
 
 
 def unknown_setting(key: str) -> str:
     """The message for a setting name Coffer does not know: the listed ones, and the nearest."""
     listed = sorted(listed_settings(DEFAULTS))
-    return f"unknown setting {key!r}{did_you_mean(key, listed)}; known: {', '.join(listed)}, expose.<client>"
+    return (f"unknown setting {key!r}{did_you_mean(key, listed)}; known: {', '.join(listed)}, expose.<client>, "
+            "redact.<server>")
+
+
+def redacts_output(settings: dict, server: str) -> bool:
+    """Whether known secret values are redacted from what ``server`` sends a client (redact, redact.<server>)."""
+    return (settings.get(f"redact.{server}") or settings["redact"]) == "on"
 
 
 def _positive_number(text: str) -> bool:
@@ -1828,7 +1879,7 @@ def _positive_number(text: str) -> bool:
 
 def check_setting(key: str, raw):
     """A setting's value from the CLI (text) or the vault (JSON), converted and range-checked, or CofferError.
-    ``key`` is a DEFAULTS key (vault.setting_key maps expose.<client> to expose)."""
+    ``key`` is a DEFAULTS key (vault.setting_key maps expose.<client> to expose, redact.<server> to redact)."""
     default = DEFAULTS[key]
     kind = type(default)
     if isinstance(raw, bool) or (not isinstance(raw, (str, int, float)) or
@@ -1846,7 +1897,7 @@ def check_setting(key: str, raw):
         raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
     if key == "embedder_api" and value not in ("openai", "ollama"):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
-    if key in ("memory", "ask_synthesis") and value not in ("on", "off"):
+    if key in ("memory", "ask_synthesis", "redact") and value not in ("on", "off"):
         raise CofferError(f"{key} must be on or off")
     if key == "serve_mode" and value not in ("service", "standalone"):
         raise CofferError("serve_mode must be service or standalone")
@@ -2385,14 +2436,15 @@ class Vault:
         return current
 
     def set_setting(self, key: str, raw: str) -> None:
-        """Change a setting; for a per-client one (expose.cursor), an empty value removes the override."""
+        """Change a setting; for a per-client or per-server one (expose.cursor, redact.vault), an empty value removes
+        the override."""
         if setting_key(key) not in DEFAULTS:
             raise CofferError(unknown_setting(key))
         with self.transaction() as db:
             old = self.setting(key)
             if key != setting_key(key) and raw == "":
                 db.execute("DELETE FROM settings WHERE key=?", (key,))
-                self._audit(db, "config", key, f"{old!r} -> (the global expose)")
+                self._audit(db, "config", key, f"{old!r} -> (the global {setting_key(key)})")
                 return
             value = check_setting(setting_key(key), raw)
             db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, json.dumps(value)))
@@ -2895,8 +2947,10 @@ class _VaultTransaction(_Transaction):
 
 
 def setting_key(key: str) -> str:
-    """The DEFAULTS entry a setting name is checked against: expose.<client> is an expose setting."""
-    return "expose" if PER_CLIENT_SETTING_RE.match(key) else key
+    """The DEFAULTS entry a setting name is checked against: expose.<client> is an expose setting, redact.<server>
+    a redact setting."""
+    match = PER_KEY_SETTING_RE.match(key)
+    return match.group(1) if match else key
 
 
 class Invocation(NamedTuple):
@@ -9741,8 +9795,8 @@ def _signed(payload: str) -> str:
 
 
 def check_cursor(key: str, cursor) -> tuple[int, str, str] | None:
-    """(offset, digests of the items before and at it) from a client's cursor for list ``key``; None for no cursor; RpcError
-    (-32602) for anything Coffer did not hand out for that list."""
+    """(offset, digests of the items before and at it) from a client's cursor for list ``key``; None for no
+    cursor; RpcError (-32602) for anything Coffer did not hand out for that list."""
     if cursor is None:
         return None
     if not isinstance(cursor, str) or len(cursor) > CURSOR_MAX_CHARS or cursor.count(".") != 4:
@@ -10575,6 +10629,7 @@ class CallRouter:
         queued before the client sees it, so the log's order is the order of causes), shaped for the client's era;
         an input_required answer from a 2026-07-28 upstream is bridged instead."""
         session, upstream, method = self.session, call.upstream, call.method
+        verbatim = not redacts_output(self.hub.settings, upstream.name)
         response = reply.response
         if response is None:
             if call.kind:
@@ -10601,9 +10656,9 @@ class CallRouter:
                 self.record(upstream.name, call.capability, call.kind, call.started, "ok")
         if result is None:
             response["id"] = msg_id  # a fresh, normalized reply (see normalized_reply): Coffer's to change
-            session.send(response)
+            session.send(response, verbatim)
         else:
-            session.respond(msg_id, method, result, call.capability in self.hub.catalogue.wrapped_outputs)
+            session.respond(msg_id, method, result, call.capability in self.hub.catalogue.wrapped_outputs, verbatim)
 
     def fail(self, call: ForwardedCall, msg_id, text: str) -> None:
         """Answer ``msg_id`` for ``call`` with Coffer's own failure (the upstream never answered usefully)."""
@@ -11154,10 +11209,14 @@ class ClientSession:
         return f"{prefix}{next(self._ids)}"
 
     # -- the client stream ---------------------------------------------------------------------------------
-    def send(self, message: dict) -> None:
-        """Queue one message for the client, in its era's error shape."""
+    def send(self, message: dict, verbatim: bool = False) -> None:
+        """Queue one message for the client, in its era's error shape, with every known secret value redacted --
+        unless ``verbatim``: it comes from a server whose output the user chose to pass unredacted (redact.<server>
+        off: a password manager's job is to return secrets)."""
         if self.client_era == "modern" and "error" in message:
             message = modern_error(message)
+        if not verbatim:
+            message = redact.scrub(message)
         self.stream.send(message)
 
     def _lost_client(self) -> None:
@@ -11285,7 +11344,7 @@ class ClientSession:
         if result is not None:
             self.respond(msg_id, method, result)
 
-    def respond(self, msg_id, method: str, result: dict, wrapped: bool = False) -> None:
+    def respond(self, msg_id, method: str, result: dict, wrapped: bool = False, verbatim: bool = False) -> None:
         """Send a result in the client's era: a 2026-07-28 client gets resultType, Coffer's serverInfo and cache
         hints; a handshake-era client never sees 2026 fields, and gets non-object structuredContent wrapped (a
         2025 client rejects anything else), as it got the tool's outputSchema wrapped (``wrapped``)."""
@@ -11302,7 +11361,7 @@ class ClientSession:
             except ValueError as exc:
                 self.send(rpc_error(msg_id, INTERNAL_ERROR, f"the upstream's answer cannot be bridged: {exc}"))
                 return
-        self.send(rpc_result(msg_id, result))
+        self.send(rpc_result(msg_id, result), verbatim)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def _initialize(self, msg_id, params):
@@ -11325,6 +11384,7 @@ class ClientSession:
         self.client_capabilities = capabilities
         self.client_info = client_info
         self.client_name = str(client_info.get("name") or "unknown")[:64]
+        self.hub.vault.secrets.values()  # every stored value is known to the redactor before anything is sent
         self.discovery_deadline = time.monotonic() + float(self.hub.settings["discovery_timeout"])
         self.hub.begin(self)
         self.initialized = True
@@ -11633,7 +11693,8 @@ class ClientSession:
         elif method == "notifications/elicitation/complete" and ("elicitation" not in self.client_capabilities
                                                                  or self.client_era == "modern"):
             return
-        self.send({"jsonrpc": "2.0", "method": method, "params": params})
+        self.send({"jsonrpc": "2.0", "method": method, "params": params},
+                  not redacts_output(self.hub.settings, upstream.name))
 
     def upstream_request(self, upstream: Upstream, message: dict) -> None:
         """A server->client request (sampling, elicitation, roots): relay it under an id of Coffer's own to a
@@ -11659,7 +11720,7 @@ class ClientSession:
         relayed = {"jsonrpc": "2.0", "id": ours, "method": message["method"]}
         if isinstance(params, dict):
             relayed["params"] = params
-        self.send(relayed)
+        self.send(relayed, not redacts_output(self.hub.settings, upstream.name))
 
     # -- what the client sends that is not a request ----------------------------------------------------------
     def request_client_async(self, method: str, params: dict, callback=None) -> tuple[str, OwnRequest]:
@@ -15254,7 +15315,7 @@ def cmd_config(vault: Vault, args) -> int:
     settings = vault.settings()
     if args.key and args.key not in settings:
         if setting_key(args.key) != args.key:
-            settings[args.key] = f"(not set: the global expose, {settings['expose']})"
+            settings[args.key] = f"(not set: the global {setting_key(args.key)}, {settings[setting_key(args.key)]})"
         else:
             raise CofferError(unknown_setting(args.key))
     if not args.key:

@@ -525,7 +525,7 @@ def cmd_config(vault: Vault, args) -> int:
     settings = vault.settings()
     if args.key and args.key not in settings:
         if setting_key(args.key) != args.key:
-            settings[args.key] = f"(not set: the global expose, {settings['expose']})"
+            settings[args.key] = f"(not set: the global {setting_key(args.key)}, {settings[setting_key(args.key)]})"
         else:
             raise CofferError(unknown_setting(args.key))
     if not args.key:

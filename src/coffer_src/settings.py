@@ -35,6 +35,7 @@ DEFAULTS = {
     "service_idle_exit": 600.0,     # seconds the service stays up with no client attached
     "upstream_idle_stop": "off",    # off, or seconds a shared upstream may go without a call before it is stopped
     "restart_backoff": 0.5,         # seconds before a crashed upstream's first restart; doubles per failure
+    "redact": "on",                 # known secret values in what goes to a client become ***; redact.<server> off
 }
 #: Settings `coffer config KEY VALUE` changes and `coffer config KEY` shows, but the listings (`coffer config`,
 #: --json, "known: ...") leave out: knobs for tests and diagnosis that a user has no reason to turn.
@@ -48,13 +49,20 @@ def listed_settings(settings: dict) -> dict:
 
 
 EXPOSE_RE = re.compile(r"^(auto|all|search|budget:([2-9]|[1-9][0-9]{1,3}))$")
-PER_CLIENT_SETTING_RE = re.compile(r"^expose\.([a-z0-9-]{1,32})$")
+#: A setting for one client (expose.cursor) or one server (redact.vault): the global one unless it is set.
+PER_KEY_SETTING_RE = re.compile(r"^(expose|redact)\.([A-Za-z0-9-]{1,32})$")
 
 
 def unknown_setting(key: str) -> str:
     """The message for a setting name Coffer does not know: the listed ones, and the nearest."""
     listed = sorted(listed_settings(DEFAULTS))
-    return f"unknown setting {key!r}{did_you_mean(key, listed)}; known: {', '.join(listed)}, expose.<client>"
+    return (f"unknown setting {key!r}{did_you_mean(key, listed)}; known: {', '.join(listed)}, expose.<client>, "
+            "redact.<server>")
+
+
+def redacts_output(settings: dict, server: str) -> bool:
+    """Whether known secret values are redacted from what ``server`` sends a client (redact, redact.<server>)."""
+    return (settings.get(f"redact.{server}") or settings["redact"]) == "on"
 
 
 def _positive_number(text: str) -> bool:
@@ -66,7 +74,7 @@ def _positive_number(text: str) -> bool:
 
 def check_setting(key: str, raw):
     """A setting's value from the CLI (text) or the vault (JSON), converted and range-checked, or CofferError.
-    ``key`` is a DEFAULTS key (vault.setting_key maps expose.<client> to expose)."""
+    ``key`` is a DEFAULTS key (vault.setting_key maps expose.<client> to expose, redact.<server> to redact)."""
     default = DEFAULTS[key]
     kind = type(default)
     if isinstance(raw, bool) or (not isinstance(raw, (str, int, float)) or
@@ -84,7 +92,7 @@ def check_setting(key: str, raw):
         raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
     if key == "embedder_api" and value not in ("openai", "ollama"):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
-    if key in ("memory", "ask_synthesis") and value not in ("on", "off"):
+    if key in ("memory", "ask_synthesis", "redact") and value not in ("on", "off"):
         raise CofferError(f"{key} must be on or off")
     if key == "serve_mode" and value not in ("service", "standalone"):
         raise CofferError("serve_mode must be service or standalone")

@@ -58,7 +58,9 @@ class Redactor:
     """Every secret value this process knows: the secret store's values and what ${VAR} references expanded to.
 
     ``redact(text)`` replaces each with *** — applied to every log record, to stored stderr and status details, and
-    to CLI output.  Values shorter than MIN_LENGTH are not redacted (they would blank out ordinary words).
+    to CLI output; ``redact.scrub(message)`` does the same to what goes to a client (results, errors, notifications:
+    an upstream that echoes its environment must not hand a token to the agent, and through it to the model's
+    provider).  Values shorter than MIN_LENGTH are not redacted (they would blank out ordinary words).
     """
 
     MIN_LENGTH = 4
@@ -92,6 +94,47 @@ class Redactor:
             if value in text:
                 text = text.replace(value, "***")
         return text
+
+    def scrub(self, value):
+        """A JSON value (a message for a client) with every known secret in its strings and keys replaced: the
+        same object, untouched, when none holds one -- the usual case, which costs one look at each string."""
+        values = self._values
+        if not values or not _holds_secret(value, values, 0):
+            return value
+        return _scrubbed(value, self, 0)
+
+
+def _holds_secret(value, values: tuple, depth: int) -> bool:
+    if isinstance(value, str):
+        for secret in values:
+            if secret in value:
+                return True
+        return False
+    if depth > 200:
+        return False
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _holds_secret(key, values, depth) or _holds_secret(item, values, depth + 1):
+                return True
+        return False
+    if isinstance(value, list):
+        for item in value:
+            if _holds_secret(item, values, depth + 1):
+                return True
+    return False
+
+
+def _scrubbed(value, redactor: Redactor, depth: int):
+    if isinstance(value, str):
+        return redactor(value)
+    if depth > 200:
+        return value
+    if isinstance(value, dict):
+        return {redactor(key) if isinstance(key, str) else key: _scrubbed(item, redactor, depth + 1)
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed(item, redactor, depth + 1) for item in value]
+    return value
 
 
 redact = Redactor()

@@ -29,7 +29,7 @@ from coffer_src.names import (
     exposed_names,
 )
 from coffer_src.secret_store import SecretStore
-from coffer_src.settings import DEFAULTS, PER_CLIENT_SETTING_RE, check_setting, unknown_setting
+from coffer_src.settings import DEFAULTS, PER_KEY_SETTING_RE, check_setting, unknown_setting
 from coffer_src.terminal import ServerLog, redact
 from coffer_src.vault_rows import (
     SHARING_MODES,
@@ -424,14 +424,15 @@ class Vault:
         return current
 
     def set_setting(self, key: str, raw: str) -> None:
-        """Change a setting; for a per-client one (expose.cursor), an empty value removes the override."""
+        """Change a setting; for a per-client or per-server one (expose.cursor, redact.vault), an empty value removes
+        the override."""
         if setting_key(key) not in DEFAULTS:
             raise CofferError(unknown_setting(key))
         with self.transaction() as db:
             old = self.setting(key)
             if key != setting_key(key) and raw == "":
                 db.execute("DELETE FROM settings WHERE key=?", (key,))
-                self._audit(db, "config", key, f"{old!r} -> (the global expose)")
+                self._audit(db, "config", key, f"{old!r} -> (the global {setting_key(key)})")
                 return
             value = check_setting(setting_key(key), raw)
             db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, json.dumps(value)))
@@ -934,8 +935,10 @@ class _VaultTransaction(_Transaction):
 
 
 def setting_key(key: str) -> str:
-    """The DEFAULTS entry a setting name is checked against: expose.<client> is an expose setting."""
-    return "expose" if PER_CLIENT_SETTING_RE.match(key) else key
+    """The DEFAULTS entry a setting name is checked against: expose.<client> is an expose setting, redact.<server>
+    a redact setting."""
+    match = PER_KEY_SETTING_RE.match(key)
+    return match.group(1) if match else key
 
 
 class Invocation(NamedTuple):

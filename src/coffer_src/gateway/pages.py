@@ -32,8 +32,8 @@ def _signed(payload: str) -> str:
 
 
 def check_cursor(key: str, cursor) -> tuple[int, str, str] | None:
-    """(offset, digests of the items before and at it) from a client's cursor for list ``key``; None for no cursor; RpcError
-    (-32602) for anything Coffer did not hand out for that list."""
+    """(offset, digests of the items before and at it) from a client's cursor for list ``key``; None for no
+    cursor; RpcError (-32602) for anything Coffer did not hand out for that list."""
     if cursor is None:
         return None
     if not isinstance(cursor, str) or len(cursor) > CURSOR_MAX_CHARS or cursor.count(".") != 4:

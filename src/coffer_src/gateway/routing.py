@@ -24,6 +24,7 @@ from coffer_src.jsonrpc import (
 )
 from coffer_src.modern import INPUT_REQUIRED_METHODS
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL, SEPARATOR
+from coffer_src.settings import redacts_output
 from coffer_src.upstream.supervisor import Ticket, Upstream
 
 
@@ -264,6 +265,7 @@ class CallRouter:
         queued before the client sees it, so the log's order is the order of causes), shaped for the client's era;
         an input_required answer from a 2026-07-28 upstream is bridged instead."""
         session, upstream, method = self.session, call.upstream, call.method
+        verbatim = not redacts_output(self.hub.settings, upstream.name)
         response = reply.response
         if response is None:
             if call.kind:
@@ -290,9 +292,9 @@ class CallRouter:
                 self.record(upstream.name, call.capability, call.kind, call.started, "ok")
         if result is None:
             response["id"] = msg_id  # a fresh, normalized reply (see normalized_reply): Coffer's to change
-            session.send(response)
+            session.send(response, verbatim)
         else:
-            session.respond(msg_id, method, result, call.capability in self.hub.catalogue.wrapped_outputs)
+            session.respond(msg_id, method, result, call.capability in self.hub.catalogue.wrapped_outputs, verbatim)
 
     def fail(self, call: ForwardedCall, msg_id, text: str) -> None:
         """Answer ``msg_id`` for ``call`` with Coffer's own failure (the upstream never answered usefully)."""

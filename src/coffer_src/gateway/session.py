@@ -69,6 +69,8 @@ from coffer_src.modern import (
     shape_modern_result,
 )
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL
+from coffer_src.settings import redacts_output
+from coffer_src.terminal import redact
 from coffer_src.threads import start_thread
 from coffer_src.upstream.definitions import SERVER_REQUEST_NEEDS, normalized_reply
 from coffer_src.upstream.supervisor import Upstream
@@ -201,10 +203,14 @@ class ClientSession:
         return f"{prefix}{next(self._ids)}"
 
     # -- the client stream ---------------------------------------------------------------------------------
-    def send(self, message: dict) -> None:
-        """Queue one message for the client, in its era's error shape."""
+    def send(self, message: dict, verbatim: bool = False) -> None:
+        """Queue one message for the client, in its era's error shape, with every known secret value redacted --
+        unless ``verbatim``: it comes from a server whose output the user chose to pass unredacted (redact.<server>
+        off: a password manager's job is to return secrets)."""
         if self.client_era == "modern" and "error" in message:
             message = modern_error(message)
+        if not verbatim:
+            message = redact.scrub(message)
         self.stream.send(message)
 
     def _lost_client(self) -> None:
@@ -332,7 +338,7 @@ class ClientSession:
         if result is not None:
             self.respond(msg_id, method, result)
 
-    def respond(self, msg_id, method: str, result: dict, wrapped: bool = False) -> None:
+    def respond(self, msg_id, method: str, result: dict, wrapped: bool = False, verbatim: bool = False) -> None:
         """Send a result in the client's era: a 2026-07-28 client gets resultType, Coffer's serverInfo and cache
         hints; a handshake-era client never sees 2026 fields, and gets non-object structuredContent wrapped (a
         2025 client rejects anything else), as it got the tool's outputSchema wrapped (``wrapped``)."""
@@ -349,7 +355,7 @@ class ClientSession:
             except ValueError as exc:
                 self.send(rpc_error(msg_id, INTERNAL_ERROR, f"the upstream's answer cannot be bridged: {exc}"))
                 return
-        self.send(rpc_result(msg_id, result))
+        self.send(rpc_result(msg_id, result), verbatim)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def _initialize(self, msg_id, params):
@@ -372,6 +378,7 @@ class ClientSession:
         self.client_capabilities = capabilities
         self.client_info = client_info
         self.client_name = str(client_info.get("name") or "unknown")[:64]
+        self.hub.vault.secrets.values()  # every stored value is known to the redactor before anything is sent
         self.discovery_deadline = time.monotonic() + float(self.hub.settings["discovery_timeout"])
         self.hub.begin(self)
         self.initialized = True
@@ -680,7 +687,8 @@ class ClientSession:
         elif method == "notifications/elicitation/complete" and ("elicitation" not in self.client_capabilities
                                                                  or self.client_era == "modern"):
             return
-        self.send({"jsonrpc": "2.0", "method": method, "params": params})
+        self.send({"jsonrpc": "2.0", "method": method, "params": params},
+                  not redacts_output(self.hub.settings, upstream.name))
 
     def upstream_request(self, upstream: Upstream, message: dict) -> None:
         """A server->client request (sampling, elicitation, roots): relay it under an id of Coffer's own to a
@@ -706,7 +714,7 @@ class ClientSession:
         relayed = {"jsonrpc": "2.0", "id": ours, "method": message["method"]}
         if isinstance(params, dict):
             relayed["params"] = params
-        self.send(relayed)
+        self.send(relayed, not redacts_output(self.hub.settings, upstream.name))
 
     # -- what the client sends that is not a request ----------------------------------------------------------
     def request_client_async(self, method: str, params: dict, callback=None) -> tuple[str, OwnRequest]:
