@@ -15,47 +15,47 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        106  errors                Errors: the one exception root every Coffer error derives from.
        154  resources             Package data: the word lists and web assets that ship inside coffer.py.
        181  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       406  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       669  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       771  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1313  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1482  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1805  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      1907  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2044  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      3079  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3472  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3759  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4539  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5101  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5236  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5508  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5689  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6290  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6365  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6852  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6951  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7344  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7703  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7881  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8465  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8872  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9337  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9450  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9765  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-      9827  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10381  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10731  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11068  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11812  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12129  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12477  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12835  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12996  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13165  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13833  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14578  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14858  cli                   Command line: coffer's commands.
+       405  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       668  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       770  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1312  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1481  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1804  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      1906  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2043  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      3078  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3471  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3758  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4538  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5100  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5235  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5507  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5688  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6289  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6364  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6851  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6950  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7343  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7702  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7880  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8464  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8871  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9336  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9449  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9764  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+      9826  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10380  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10730  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11067  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11811  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12128  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12476  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12834  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     12995  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13164  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13832  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14577  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14857  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -247,6 +247,7 @@ class Redactor:
 
     def __init__(self):
         self._values: tuple[str, ...] = ()
+        self._search = None   # one compiled alternation of every value: a string is looked at once, in C
         self._lock = threading.Lock()
 
     def add(self, *values) -> None:
@@ -261,6 +262,7 @@ class Redactor:
         if fresh:
             with self._lock:  # longest first, so a secret containing another is replaced whole
                 self._values = tuple(sorted(set(self._values) | fresh, key=len, reverse=True))
+                self._search = re.compile("|".join(map(re.escape, self._values))).search
 
     def add_named(self, pairs) -> None:
         """Register (name, value) pairs from the secret store or expanded ${NAME} references: a value counts as a
@@ -278,28 +280,25 @@ class Redactor:
     def scrub(self, value):
         """A JSON value (a message for a client) with every known secret in its strings and keys replaced: the
         same object, untouched, when none holds one -- the usual case, which costs one look at each string."""
-        values = self._values
-        if not values or not _holds_secret(value, values, 0):
+        search = self._search
+        if search is None or not _holds_secret(value, search, 0):
             return value
         return _scrubbed(value, self, 0)
 
 
-def _holds_secret(value, values: tuple, depth: int) -> bool:
+def _holds_secret(value, search, depth: int) -> bool:
     if isinstance(value, str):
-        for secret in values:
-            if secret in value:
-                return True
-        return False
+        return search(value) is not None
     if depth > 200:
         return False
     if isinstance(value, dict):
         for key, item in value.items():
-            if _holds_secret(key, values, depth) or _holds_secret(item, values, depth + 1):
+            if search(key) is not None or _holds_secret(item, search, depth + 1):
                 return True
         return False
     if isinstance(value, list):
         for item in value:
-            if _holds_secret(item, values, depth + 1):
+            if _holds_secret(item, search, depth + 1):
                 return True
     return False
 

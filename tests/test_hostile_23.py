@@ -277,3 +277,56 @@ def test_a_page_cursor_resumes_after_its_item_when_the_list_changed_meanwhile():
     assert [t["name"] for t in second["tools"]] == ["t4", "t5", "t6", "t7"]  # nothing repeated, nothing skipped
     gone = [t for t in items if t["name"] != "t3"]  # the item the page ended on is gone: continue at its place
     assert [t["name"] for t in page_of("tools", gone, position, 4)["tools"]] == ["t4", "t5", "t6", "t7"]
+
+
+# -- 6. a token reaches the agent --------------------------------------------------------------------------------------
+
+GITHUB_TOKEN = "ghp_" + "A1b2C3d4" * 4          # given literally to --env: moved to the store, resolved at start
+DEPLOY_KEY = "dk_" + "Qw3Er4Ty5" * 3            # a ${DEPLOY_KEY} resolved from Coffer's own environment
+STORED_ONLY = "sk-live-" + "Zz9Yy8Xx7" * 3      # in the store, used by no server
+
+
+def secret_set(name, value):
+    import subprocess
+    subprocess.run([PY, COFFER, "secret", "set", name], input=value, text=True, check=True, capture_output=True)
+
+
+def test_known_secret_values_never_reach_the_client_unless_the_server_opts_out(home):
+    cli("add", "h", "--env", f"GITHUB_TOKEN={GITHUB_TOKEN}", "--env", "DEPLOY_KEY=${DEPLOY_KEY}", "--",
+        *HOSTILE, "--mode", "leak", "--name", "h")
+    secret_set("OTHER_API_KEY", STORED_ONLY)
+    env = {"DEPLOY_KEY": DEPLOY_KEY}
+    logs = []
+
+    async def on_log(params):
+        logs.append(params)
+
+    async def body(client):
+        await client.set_logging_level("debug")
+        seen = {}
+        for how in ("result", "split", "log"):
+            seen[how] = text_of(await client.call_tool("h__leak", {"var": "GITHUB_TOKEN", "how": how}))
+        seen["env"] = text_of(await client.call_tool("h__env", {}))
+        seen["deploy"] = text_of(await client.call_tool("h__leak", {"var": "DEPLOY_KEY"}))
+        seen["echo"] = text_of(await client.call_tool("h__echo", {"text": f"stored: {STORED_ONLY}"}))
+        try:
+            await client.call_tool("h__leak", {"var": "GITHUB_TOKEN", "how": "error"})
+            seen["error"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the SDK raises the JSON-RPC error
+            seen["error"] = f"{exc} {getattr(getattr(exc, 'error', None), 'data', '')}"
+        return seen
+
+    seen = run(body, env=env, mode="legacy", logging_callback=on_log)
+    everything = json.dumps(seen) + json.dumps([log.model_dump(mode="json") for log in logs])
+    for secret in (GITHUB_TOKEN, DEPLOY_KEY, STORED_ONLY, GITHUB_TOKEN[:len(GITHUB_TOKEN) // 2]):
+        assert secret not in everything, f"{secret[:8]}... reached the client: {everything[:600]}"
+    assert seen["result"] == "the value is ***" and seen["split"] == "the value is ***."
+    assert "***" in seen["env"] and "***" in seen["error"] and seen["echo"] == "stored: ***"
+    assert any("***" in json.dumps(log.data) for log in logs), logs
+
+    cli("config", "redact.h", "off")  # a server whose job is to return secrets
+
+    async def opted_out(client):
+        return text_of(await client.call_tool("h__leak", {"var": "GITHUB_TOKEN"}))
+
+    assert run(opted_out, env=env) == f"the value is {GITHUB_TOKEN}"
