@@ -31,31 +31,31 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5235  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
       5507  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
       5688  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6289  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6364  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6851  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6950  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7343  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7702  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7880  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8464  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8871  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9336  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9449  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9764  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-      9826  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10380  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10730  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11067  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11811  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12128  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12476  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12834  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     12995  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13164  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13832  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14577  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14857  cli                   Command line: coffer's commands.
+      6304  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6379  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6866  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      6965  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7358  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7717  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7895  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8479  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8886  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9351  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9464  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9779  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+      9841  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10397  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10755  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11092  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11837  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12154  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12502  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12860  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13021  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13190  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13858  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14603  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14883  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5774,6 +5774,19 @@ class UpstreamEvents(Protocol):
         or later, with ``upstream.respond``."""
 
 
+def failure_fix(name: str, detail: str | None) -> str:
+    """The command that fixes a server's failed start, from what the failure says (`coffer list`, a call's error)."""
+    detail = detail or ""
+    if "coffer auth" in detail:
+        return f"coffer auth {name}"
+    if "coffer secret set" in detail:
+        return "coffer secret set " + detail.rpartition("coffer secret set ")[2].split(")")[0].split()[0]
+    if "not found on PATH" in detail or "No such file" in detail:
+        return (f"install it, or register it with its absolute path: coffer add {name} --replace -- "
+                "/absolute/path/to/the/command ...")
+    return f"coffer doctor (it starts {name} and says why it fails); a new session starts it again"
+
+
 class Upstream:
     """One registered server: its connection and restarts (here), its requests (``requests``, a RequestTable)
     and its lists (``listing``, an UpstreamLists).  What it has to say goes to ``events`` (UpstreamEvents).
@@ -5914,9 +5927,11 @@ class Upstream:
             argv = [expand(arg) for arg in cfg["command"]]
             transport = StdioTransport(self.name, argv, env, cfg.get("cwd"), on_message, on_close,
                                        self._on_stderr, self._on_unusable, limit)
-        for name in sorted(set(missing)):
-            self.log.warning("${%s} is set neither in Coffer's environment nor in its secret store; using an empty "
-                             "value (coffer secret set %s)", name, name)
+        if missing:  # starting it with an empty token fails the same way five times over: say what to set, once
+            names = sorted(set(missing))
+            raise UpstreamFailure(f"{', '.join('${' + n + '}' for n in names)} is set neither in Coffer's environment "
+                                  f"nor in its secret store: set {' and '.join(names)} "
+                                  f"(coffer secret set {names[0]})", permanent=True)
         return transport
 
     def _start(self) -> None:
@@ -10366,14 +10381,16 @@ class Hub:
                 session.lists_changed(changed)
 
     def discovering(self, kind: str | None = None) -> list[str]:
-        """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream
-        counts as started once its lists are in the catalogue (on_ready's rebuild), not when it turns ready:
-        the ticker may release a waiting call in between, and it must find the upstream's tools."""
+        """Upstreams still starting; with ``kind`` (a list waiting), only those with no remembered list of that kind
+        and that did not fail at their last start: a list never waits for a server that will most likely fail
+        again (its tools are announced with list_changed if it comes up).  An upstream counts as started once its
+        lists are in the catalogue (on_ready's rebuild), not when it turns ready: the ticker may release a
+        waiting call in between, and it must find the upstream's tools."""
         catalogued = self._catalogued
         return [up.name for up in self.upstreams.values()
                 if up.state not in ("failed", "stopped")
                 and (not up.ready_at or catalogued.get(up.name) != up.ready_at)
-                and not (kind and kind in up.remembered)]
+                and not (kind and (kind in up.remembered or up.config.get("status") == "failed"))]
 
     def report_missing(self, missing: list[str]) -> None:
         """Say once per process which servers are still starting when a list stops waiting for them."""
@@ -10562,6 +10579,14 @@ class CallRouter:
             self.record(server, name, kind, started, "timeout", "server still starting")
             raise RpcError(REQUEST_TIMEOUT, f"upstream '{server}' was not ready within {waited:.0f}s; {name} "
                                             f"is answered once it has started")
+        upstream = self.session.upstream_named(server)
+        if upstream is not None and upstream.state == "failed":
+            # A tool the client was shown, of a server that failed: say why and what fixes it, as `coffer list`
+            # does; "unknown tool, search for it" would send the agent looking for something that is not there.
+            detail = upstream.last_error or "no reason given"
+            self.record(server, name, kind, started, "error", "server failed")
+            raise RpcError(UPSTREAM_ERROR, f"{kind} {name} is unavailable: its server {server!r} failed to start "
+                                           f"({detail[:500]}); the user can fix it: {failure_fix(server, detail)}")
         if server in self.hub.disabled_servers:
             self.record(server, name, kind, started, "denied", "server is disabled")
             raise RpcError(INVALID_PARAMS, f"{kind} {name!r} belongs to server {server!r}, which is disabled in Coffer "
@@ -11596,11 +11621,12 @@ class ClientSession:
         return self._paged(msg_id, params, "prompts", lambda: self.hub.catalogue.prompts, "prompts/list", "prompt")
 
     def _resources_list(self, msg_id, params):
-        return self._paged(msg_id, params, "resources", lambda: self.hub.catalogue.resources, "resources/list")
+        return self._paged(msg_id, params, "resources", lambda: self.hub.catalogue.resources, "resources/list",
+                           "resource")
 
     def _templates_list(self, msg_id, params):
         return self._paged(msg_id, params, "resourceTemplates", lambda: self.hub.catalogue.templates,
-                           "resources/templates/list")
+                           "resources/templates/list", "template")
 
     # -- the client's logging level --------------------------------------------------------------------------
     def _set_level(self, msg_id, params):
@@ -15109,6 +15135,8 @@ def cmd_list(vault: Vault, args) -> int:
         for s in servers:
             if s["status"] in ("failed", "damaged") and s["detail"]:
                 say(f"\n{s['name']} {s['status']}: {s['detail']}")
+                if s["status"] == "failed":
+                    say(f"  fix: {failure_fix(s['name'], s['detail'])}")
             if s["awaiting_approval"]:
                 say(f"\n{s['name']}: {s['awaiting_approval']} changed definition(s) held back until you run "
                     f"`coffer approve {s['name']}`")

@@ -73,6 +73,7 @@ from coffer_src.settings import listed_settings, unknown_setting
 from coffer_src.terminal import ServerLog, _print_table, clip, configure_logging, printable, redact, say, say_json
 from coffer_src.transport.remote import probe_transport
 from coffer_src.transport.stdio import UpstreamFailure
+from coffer_src.upstream.supervisor import failure_fix
 from coffer_src.vault import Vault, _state, coffer_home, setting_key, utcnow
 from coffer_src.vault_rows import SHARING_MODES
 
@@ -320,6 +321,8 @@ def cmd_list(vault: Vault, args) -> int:
         for s in servers:
             if s["status"] in ("failed", "damaged") and s["detail"]:
                 say(f"\n{s['name']} {s['status']}: {s['detail']}")
+                if s["status"] == "failed":
+                    say(f"  fix: {failure_fix(s['name'], s['detail'])}")
             if s["awaiting_approval"]:
                 say(f"\n{s['name']}: {s['awaiting_approval']} changed definition(s) held back until you run "
                     f"`coffer approve {s['name']}`")

@@ -560,14 +560,16 @@ class Hub:
                 session.lists_changed(changed)
 
     def discovering(self, kind: str | None = None) -> list[str]:
-        """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream
-        counts as started once its lists are in the catalogue (on_ready's rebuild), not when it turns ready:
-        the ticker may release a waiting call in between, and it must find the upstream's tools."""
+        """Upstreams still starting; with ``kind`` (a list waiting), only those with no remembered list of that kind
+        and that did not fail at their last start: a list never waits for a server that will most likely fail
+        again (its tools are announced with list_changed if it comes up).  An upstream counts as started once its
+        lists are in the catalogue (on_ready's rebuild), not when it turns ready: the ticker may release a
+        waiting call in between, and it must find the upstream's tools."""
         catalogued = self._catalogued
         return [up.name for up in self.upstreams.values()
                 if up.state not in ("failed", "stopped")
                 and (not up.ready_at or catalogued.get(up.name) != up.ready_at)
-                and not (kind and kind in up.remembered)]
+                and not (kind and (kind in up.remembered or up.config.get("status") == "failed"))]
 
     def report_missing(self, missing: list[str]) -> None:
         """Say once per process which servers are still starting when a list stops waiting for them."""

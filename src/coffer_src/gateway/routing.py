@@ -25,7 +25,7 @@ from coffer_src.jsonrpc import (
 from coffer_src.modern import INPUT_REQUIRED_METHODS
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL, SEPARATOR
 from coffer_src.settings import redacts_output
-from coffer_src.upstream.supervisor import Ticket, Upstream
+from coffer_src.upstream.supervisor import Ticket, Upstream, failure_fix
 
 
 def require_str(params: dict, key: str) -> str:
@@ -199,6 +199,14 @@ class CallRouter:
             self.record(server, name, kind, started, "timeout", "server still starting")
             raise RpcError(REQUEST_TIMEOUT, f"upstream '{server}' was not ready within {waited:.0f}s; {name} "
                                             f"is answered once it has started")
+        upstream = self.session.upstream_named(server)
+        if upstream is not None and upstream.state == "failed":
+            # A tool the client was shown, of a server that failed: say why and what fixes it, as `coffer list`
+            # does; "unknown tool, search for it" would send the agent looking for something that is not there.
+            detail = upstream.last_error or "no reason given"
+            self.record(server, name, kind, started, "error", "server failed")
+            raise RpcError(UPSTREAM_ERROR, f"{kind} {name} is unavailable: its server {server!r} failed to start "
+                                           f"({detail[:500]}); the user can fix it: {failure_fix(server, detail)}")
         if server in self.hub.disabled_servers:
             self.record(server, name, kind, started, "denied", "server is disabled")
             raise RpcError(INVALID_PARAMS, f"{kind} {name!r} belongs to server {server!r}, which is disabled in Coffer "

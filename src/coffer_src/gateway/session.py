@@ -591,11 +591,12 @@ class ClientSession:
         return self._paged(msg_id, params, "prompts", lambda: self.hub.catalogue.prompts, "prompts/list", "prompt")
 
     def _resources_list(self, msg_id, params):
-        return self._paged(msg_id, params, "resources", lambda: self.hub.catalogue.resources, "resources/list")
+        return self._paged(msg_id, params, "resources", lambda: self.hub.catalogue.resources, "resources/list",
+                           "resource")
 
     def _templates_list(self, msg_id, params):
         return self._paged(msg_id, params, "resourceTemplates", lambda: self.hub.catalogue.templates,
-                           "resources/templates/list")
+                           "resources/templates/list", "template")
 
     # -- the client's logging level --------------------------------------------------------------------------
     def _set_level(self, msg_id, params):
