@@ -205,7 +205,7 @@ class CallRouter:
             # does; "unknown tool, search for it" would send the agent looking for something that is not there.
             detail = upstream.last_error or "no reason given"
             self.record(server, name, kind, started, "error", "server failed")
-            raise RpcError(UPSTREAM_ERROR, f"{kind} {name} is unavailable: its server {server!r} failed to start "
+            raise RpcError(INVALID_PARAMS, f"{kind} {name} is unavailable: its server {server!r} failed to start "
                                            f"({detail[:500]}); the user can fix it: {failure_fix(server, detail)}")
         if server in self.hub.disabled_servers:
             self.record(server, name, kind, started, "denied", "server is disabled")
