@@ -15,47 +15,47 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        106  errors                Errors: the one exception root every Coffer error derives from.
        154  resources             Package data: the word lists and web assets that ship inside coffer.py.
        181  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       405  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       668  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       770  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1312  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1481  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1804  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      1906  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2043  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      3078  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3471  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3758  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4538  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5100  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5235  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5507  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5688  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6304  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6379  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6866  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      6965  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7358  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7717  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7895  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8479  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8886  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9351  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9464  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9779  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-      9841  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10397  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10755  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11092  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11837  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12154  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12502  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12860  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13021  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13190  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13858  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14603  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14883  cli                   Command line: coffer's commands.
+       426  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       689  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       791  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1333  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1502  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1858  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      1960  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2097  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      3132  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3525  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3812  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4592  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5154  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5289  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5561  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5742  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6358  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6433  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6920  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7019  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7412  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7771  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7949  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8533  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8940  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9405  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9518  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9833  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+      9895  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10451  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10809  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11146  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11891  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12208  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12556  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     12914  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13075  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13244  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     13912  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14688  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     14971  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -321,19 +321,40 @@ redact = Redactor()
 _SECRET_NAME_RE = re.compile(r"(?i)key|token|secret|passw|pwd|auth|cred|cookie|session|private|signature|bearer")
 _TOKEN_PREFIXES = ("sk-", "pk-", "ghp_", "gho_", "ghs_", "ghu_", "github_pat_", "xox", "glpat-", "AKIA", "ASIA",
                    "AIza", "ya29.", "eyJ", "shpat_", "sq0", "rk_", "whsec_", "npm_", "pypi-")
+_PLAIN_VALUE_RE = re.compile(r"(?i)^(?:-?\d+(?:\.\d+)?|true|false|yes|no|on|off|none|null|enabled|disabled|"
+                             r"debug|info|warn|warning|error|v?\d+(?:\.\d+)+(?:[-+.][\w.]+)?)$")
+_PATH_RE = re.compile(r"^(?:[/~]|\.{1,2}[/\\]|[A-Za-z]:[/\\]|\\\\|file:)")
+_TOKEN_ALPHABET_RE = re.compile(r"^[A-Za-z0-9_\-.+/=~]+$")
+_HEX_RE = re.compile(r"^[0-9a-fA-F]+$")
+
+
+def plainly_not_secret(value: str) -> bool:
+    """A value no credential looks like: empty, a number, a version, a boolean or level word, a file path, or a
+    URL that carries no user:password@."""
+    if not value or _PLAIN_VALUE_RE.match(value) or _PATH_RE.match(value):
+        return True
+    scheme, sep, rest = value.partition("://")
+    return bool(sep) and scheme.isalpha() and "@" not in rest.partition("/")[0]
 
 
 def looks_secret(name: str, value: str) -> bool:
-    """Whether a named value is a credential: by its name, or by its shape (a known token prefix, or a long
-    mixed string that is not a path or an address)."""
+    """Whether a named value is a credential, by the one rule Coffer uses everywhere (what --env, --header, a
+    command's arguments and an import move to the secret store; which resolved ${NAME} values are redacted): by
+    its name (KEY, TOKEN, SECRET, PASSWORD, AUTH...) unless the value is plainly something else (a path, a number,
+    a plain URL...), or by its shape (a known token prefix, a URL holding user:password@, or a long
+    random-looking string)."""
+    if not isinstance(value, str) or plainly_not_secret(value):
+        return False
     if _SECRET_NAME_RE.search(name or ""):
         return True
     if len(value) < 8 or any(c.isspace() for c in value):
         return False
-    if value.startswith(_TOKEN_PREFIXES):
+    if value.startswith(_TOKEN_PREFIXES) or ":" in value.partition("://")[2].partition("/")[0].rpartition("@")[0]:
         return True
-    mixed = sum(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit)) >= 2
-    return len(value) >= 16 and mixed and not value.startswith(("/", "~", ".", "http://", "https://", "file:"))
+    if len(value) < 20 or not _TOKEN_ALPHABET_RE.match(value) or "==" in value.rstrip("="):
+        return False
+    classes = sum(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit))
+    return classes == 3 or (len(value) >= 32 and _HEX_RE.match(value) is not None)
 
 
 class _TerminalFormatter(logging.Formatter):
@@ -1590,7 +1611,8 @@ class SecretStore:
 
     Any thread, any process: a read re-parses the file only when its mtime or size changed; a write replaces it
     atomically (write a private temporary file, then rename), so no reader ever sees half of it.  Every value read
-    is registered with the redactor, so it never reaches a log or the terminal.
+    (but a plain number, word or path a user kept there) is registered with the redactor, so it never reaches a
+    log, the terminal or a client.
     """
 
     MAX_BYTES = 1 << 20
@@ -1627,7 +1649,7 @@ class SecretStore:
             values = data
         except (OSError, ValueError) as exc:
             problem = f"the secret store {self.path} is damaged ({exc}); fix or remove it"
-        redact.add_named(values.items())
+        redact.add(*(value for value in values.values() if not plainly_not_secret(value)))
         with self._lock:
             self._values, self._stamp, self._problem = values, stamp, problem
         if problem:
@@ -1674,7 +1696,7 @@ class SecretStore:
             write_private_file(self.path, json.dumps(values, indent=1, sort_keys=True).encode("utf-8"))
         except OSError as exc:
             raise CofferError(f"cannot write the secret store {self.path}: {exc.strerror or exc}") from None
-        redact.add_named(values.items())
+        redact.add(*(value for value in values.values() if not plainly_not_secret(value)))
         with self._lock:
             self._stamp = None  # re-read on next use, whoever wrote last
 
@@ -1693,26 +1715,27 @@ def secret_name_for(server: str, key: str) -> str:
 
 def plan_literals(server: str, values: dict[str, str], secrets: SecretStore, header: bool = False,
                   overwrite: bool = False, planned: dict | None = None) -> tuple[dict[str, str], dict[str, str]]:
-    """The one rule for literal --env/--header values (add, import): each goes to the secret store and the
-    definition keeps a ${NAME} reference.  Returns (the mapping with references, {name: value} to store), and
-    writes nothing: the caller stores them only once the definition is accepted (``save_secrets``).
+    """The one rule for literal --env/--header values (add, import): each that looks like a credential
+    (terminal.looks_secret, by its name or its shape) goes to the secret store and the definition keeps a ${NAME}
+    reference; a path, a mode, a number stays as it is, readable in `coffer show`.  Returns (the mapping with
+    references, {name: value} to store), and writes nothing: the caller stores them only once the definition is
+    accepted (``save_secrets``).
 
-    Any value that holds no ${...} reference counts as literal: Coffer cannot tell a token from a setting, and a
-    setting in the store costs nothing.  For an Authorization-style header only the credential moves
-    ("Bearer ${NAME}"), so the stored definition still reads as what it is.  A name already holding another
-    value gets a numbered twin, unless ``overwrite`` (the server's definition is being replaced).  ``planned``
-    shares names across calls of one run (an import of many servers).
+    For an Authorization-style header only the credential moves ("Bearer ${NAME}"), so the stored definition still
+    reads as what it is.  A name already holding another value gets a numbered twin, unless ``overwrite`` (the
+    server's definition is being replaced).  ``planned`` shares names across calls of one run (an import of many
+    servers).
     """
     planned = {} if planned is None else planned
     result, mine = {}, {}
     for key, value in values.items():
-        if value == "" or ENV_REF_RE.search(value):
-            result[key] = value
-            continue
         scheme, credential = "", value
         match = _AUTH_SCHEME_RE.match(value) if header else None
         if match:
             scheme, credential = match.group(1) + " ", match.group(2)
+        if value == "" or ENV_REF_RE.search(value) or not looks_secret(key, credential):
+            result[key] = value
+            continue
         base = secret_name_for(server, key)
         name, n = base, 1
         while True:
@@ -1725,6 +1748,37 @@ def plan_literals(server: str, values: dict[str, str], secrets: SecretStore, hea
         planned[name] = mine[name] = credential
         result[key] = f"{scheme}${{{name}}}"
     return result, mine
+
+
+_ARGUMENT_ASSIGNMENT_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]{0,127})(=|:\s*)(.+)$", re.S)
+
+
+def plan_argument_literals(server: str, argv: list[str], secrets: SecretStore, overwrite: bool = False,
+                           planned: dict | None = None) -> tuple[list[str], dict[str, str]]:
+    """A command line with the credentials among its arguments moved to the store, by the rule of --env values:
+    ``--token VALUE``, ``--token=VALUE``, ``-e NAME=VALUE`` (docker), ``--header 'Authorization: Bearer VALUE'`` and
+    a bare argument shaped like a token become ${NAME} references (Coffer expands them when it starts the server).
+    Returns (the new argv, {name: value} to store); writes nothing.  The program itself (argv[0]) is left alone."""
+    planned = {} if planned is None else planned
+    result, moved = list(argv[:1]), {}
+    for index, arg in enumerate(argv[1:], 1):
+        previous = argv[index - 1] if index > 1 else ""
+        flag = previous.lstrip("-") if previous.startswith("-") and "=" not in previous else ""
+        key, separator, value = "", "", arg
+        if arg.startswith("-") and "=" in arg:
+            key, _, value = arg.partition("=")
+            separator, key = "=", key.lstrip("-")
+        elif (assignment := _ARGUMENT_ASSIGNMENT_RE.match(arg)) and not arg.startswith("-") and "://" not in arg:
+            key, separator, value = assignment.groups()  # NAME=VALUE, or a header line "Name: value"
+        name = key or flag or "ARG"
+        refs, found = ({name: value}, {}) if ENV_REF_RE.search(value) else plan_literals(
+            server, {name: value}, secrets, header=True, overwrite=overwrite, planned=planned)
+        if not found:
+            result.append(arg)
+            continue
+        moved.update(found)
+        result.append(arg[:len(arg) - len(value)] + refs[name])
+    return result, moved
 
 
 _SECRET_QUERY_RE = re.compile(r"(?i)^(?:.*[_-])?(?:key|token|secret|password|passwd|pwd|auth|signature|sig|"
@@ -13930,6 +13984,7 @@ class PlannedServer:
     overwrite: bool = False
     env: dict = dataclasses.field(default_factory=dict)        # with secrets replaced by ${NAME}
     headers: dict = dataclasses.field(default_factory=dict)
+    command: list | None = None                                # argv with secret-looking arguments as ${NAME}
     secrets: dict = dataclasses.field(default_factory=dict)    # NAME -> value (never printed)
 
 
@@ -14227,31 +14282,45 @@ def entry_to_server(client: str, name: str, raw, file: ClientFile, ctx: ClientCo
 SECRET_SET_HINT = "coffer secret set {name}"   # the command that stores one secret (issue 15's CLI)
 
 
-def _resolve_whole_reference(value: str, store) -> str:
-    """A value that is exactly one ${NAME} kept in the secret store, as the value it stands for."""
-    name = whole_reference(value)
-    if name is not None:
-        stored = store.get(name)
-        if stored is not None:
-            return stored
-    return value
+def _resolved(value: str, store) -> str:
+    """``value`` with each ${NAME} the secret store holds (and has no default) replaced by what it stands for:
+    a definition Coffer keeps and the client entry it came from then read alike, whichever of them holds the
+    literal and whichever the reference."""
+    if "${" not in value:
+        return value
+
+    def stored(match):
+        held = store.get(match.group(1)) if match.group(2) is None else None
+        return held if held is not None else match.group(0)
+
+    return ENV_REF_RE.sub(stored, value)
+
+
+def resolved_identity(identity: tuple, store) -> tuple:
+    """An identity (ImportedServer.identity) with the secret store's references resolved, for comparing."""
+    if identity[0] == "stdio":
+        return ("stdio", tuple(_resolved(a, store) for a in identity[1]),
+                tuple(sorted((k, _resolved(v, store)) for k, v in identity[2])))
+    return ("remote", _resolved(identity[1] or "", store))
 
 
 def coffer_identity(server: dict, store) -> tuple:
     """ImportedServer.identity() of a server already in the vault, its secret references resolved."""
     if server["transport"] == "stdio":
-        env = {k: _resolve_whole_reference(v, store) for k, v in (server.get("env") or {}).items()}
-        return ("stdio", tuple(server.get("command") or ()), tuple(sorted(env.items())))
-    return ("remote", server.get("url"))
+        identity = ("stdio", tuple(server.get("command") or ()), tuple(sorted((server.get("env") or {}).items())))
+    else:
+        identity = ("remote", server.get("url"))
+    return resolved_identity(identity, store)
 
 
 def same_definition(server: dict, imported: ImportedServer, store) -> bool:
-    if coffer_identity(server, store) != imported.identity():
+    if coffer_identity(server, store) != resolved_identity(imported.identity(), store):
         return False
     if imported.kind == "stdio":
         return (server.get("cwd") or None) == imported.cwd
-    headers = {k: _resolve_whole_reference(v, store) for k, v in (server.get("headers") or {}).items()}
-    return server["transport"] == imported.kind and headers == imported.headers
+    headers = {k: _resolved(v, store) for k, v in (server.get("headers") or {}).items()}
+    return server["transport"] == imported.kind and headers == {k: _resolved(v, store)
+                                                                 for k, v in imported.headers.items()}
 
 
 def legal_server_name(raw: str) -> tuple[str, str | None]:
@@ -14273,22 +14342,31 @@ def _numbered(name: str, n: int) -> str:
 
 
 def _move_secrets(planned: PlannedServer, store, planned_secrets: dict) -> None:
-    """Every literal env/header value (and a URL's credentials) goes to the secret store, by the same rule as
-    `coffer add` (plan_literals); the definition keeps a ${NAME} for it."""
+    """Every secret-looking env/header value and command argument (and a URL's credentials) goes to the secret
+    store, by the same rule as `coffer add` (plan_literals, plan_argument_literals); the definition keeps a
+    ${NAME} for it.  Paths, modes and other settings stay as they are."""
     server = planned.server
     planned.env, found_env = plan_literals(planned.name, server.env, store, planned=planned_secrets)
     planned.headers, found_headers = plan_literals(planned.name, server.headers, store, header=True,
                                                    planned=planned_secrets)
+    found_args: dict = {}
+    if server.command:
+        planned.command, found_args = plan_argument_literals(planned.name, server.command, store,
+                                                             planned=planned_secrets)
+    if found_args:
+        server.notes.append(f"{', '.join('${' + n + '}' for n in found_args)} came from its arguments, where other "
+                            "local users can read it while it runs (ps): prefer its environment if it takes one")
     found_url = {}
     if server.url:
         server.url, found_url = plan_url_literals(planned.name, server.url, store, planned=planned_secrets)
-    planned.secrets.update({**found_env, **found_headers, **found_url})
+    planned.secrets.update({**found_env, **found_headers, **found_args, **found_url})
 
 
 def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overwrite: bool = False) -> ImportPlan:
     plan = ImportPlan()
     existing = {s["name"].lower(): s for s in vault.servers()}
     existing_ids = {coffer_identity(s, store): s["name"] for s in existing.values()}
+    on_path: dict[str, bool] = {}
     seen: dict[tuple, str] = {}                  # identity -> "name from client (path)" in this run
     planned_names: set[str] = set()
     planned_secrets: dict[str, str] = {}
@@ -14319,7 +14397,7 @@ def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overw
                 skip(str(exc))
                 continue
             name, renamed_because = legal_server_name(raw_name)
-            identity = server.identity()
+            identity = resolved_identity(server.identity(), store)
             current = existing.get(name.lower())
             if current is not None and same_definition(current, server, store):
                 skip("already in Coffer with the same definition", name)
@@ -14342,8 +14420,15 @@ def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overw
                     f"; {name!r} is taken by another server in this import"
                 name = _numbered(name, n)
                 current = None   # the new name is free in Coffer: an insert, never an overwrite
-            planned = PlannedServer(server, name, renamed_because, overwrite=current is not None)
+            planned = PlannedServer(server, name, renamed_because, overwrite=current is not None,
+                                    command=server.command)
             _move_secrets(planned, store, planned_secrets)
+            program = (server.command or [""])[0]
+            if program and not os.path.dirname(program):
+                found = on_path.setdefault(program, shutil.which(program) is not None)
+                if not found:  # as `coffer add` says it
+                    server.notes.append(f"{program!r} is not on PATH here; the server will fail to start until it "
+                                        "is installed")
             plan.added.append(planned)
             planned_names.add(name.lower())
             seen[identity] = f"{name!r} from {file.client} ({file.path})"
@@ -14362,7 +14447,7 @@ def apply_import(vault, store, plan: ImportPlan) -> None:
             detail = f"{server.kind} from {server.client} {server.path}"
             if planned.secrets:
                 detail += f"; secrets to the store: {', '.join(sorted(planned.secrets))}"
-            vault.put_server(db, planned.name, command=server.command, url=server.url, env=planned.env,
+            vault.put_server(db, planned.name, command=planned.command, url=server.url, env=planned.env,
                              headers=planned.headers, cwd=server.cwd, transport=server.kind,
                              replace=planned.overwrite, action="import-overwrite" if planned.overwrite else "import",
                              detail=detail)
@@ -14525,7 +14610,7 @@ def registered_in_coffer(vault, store, file: ClientFile, servers: dict, ctx: Cli
         if name == COFFER_ENTRY:
             continue
         try:
-            identity = entry_to_server(file.client, name, raw, file, ctx).identity()
+            identity = resolved_identity(entry_to_server(file.client, name, raw, file, ctx).identity(), store)
         except ConfigProblem:
             continue
         if identity in identities:
@@ -14856,9 +14941,12 @@ def print_doctor(report: dict) -> None:
 
 # -- show -----------------------------------------------------------------------------------------------------
 
-def _shown(value: str) -> str:
-    """A stored env/header value as ``coffer show`` prints it: references as written, literals never."""
-    return value if (not value or ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
+def _shown(key: str, value: str) -> str:
+    """A stored env/header value as ``coffer show`` prints it: references and plain settings (a path, a mode) as
+    written, a literal that looks like a credential never."""
+    if not value or ENV_REF_RE.search(value) or not looks_secret(key, value):
+        return value
+    return f"<literal, {len(value)} characters>"
 
 
 def show_server(vault, name: str) -> dict:
@@ -14870,8 +14958,8 @@ def show_server(vault, name: str) -> dict:
                     for row in vault.capabilities(name)]
     return {"name": server["name"], "transport": server["transport"], "command": server.get("command"),
             "url": server.get("url"), "cwd": server.get("cwd"),
-            "env": {k: _shown(v) for k, v in (server.get("env") or {}).items()},
-            "headers": {k: _shown(v) for k, v in (server.get("headers") or {}).items()},
+            "env": {k: _shown(k, v) for k, v in (server.get("env") or {}).items()},
+            "headers": {k: _shown(k, v) for k, v in (server.get("headers") or {}).items()},
             "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
             "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
             "status_at": server.get("status_at"), "sharing": server.get("sharing", "shared"),
@@ -14901,7 +14989,7 @@ def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
         say(f"! {problem.client}: {short(problem.path)}: {problem.reason} (file left as it is)")
     for planned in plan.added:
         server = planned.server
-        target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in server.command)
+        target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in planned.command)
         verb = "replace" if planned.overwrite else "add"
         say(f"+ {verb} {planned.name} ({server.kind}) from {server.client} {short(server.path)}: {target}")
         if planned.renamed_because:
@@ -15083,7 +15171,11 @@ def cmd_add(vault: Vault, args) -> int:
     headers, _ = plan_literals(args.name, headers, vault.secrets, header=True, overwrite=args.replace,
                                planned=planned)
     url = plan_url_literals(args.name, args.url, vault.secrets, args.replace, planned)[0] if args.url else None
-    earlier = vault.add_server(args.name, command=args.command or None, url=url, env=env, headers=headers,
+    in_env = set(planned)
+    command = plan_argument_literals(args.name, args.command, vault.secrets, args.replace, planned)[0] \
+        if args.command else None
+    in_arguments = [name for name in planned if name not in in_env]
+    earlier = vault.add_server(args.name, command=command, url=url, env=env, headers=headers,
                                cwd=args.cwd, policy=args.policy, timeout=args.timeout,
                                inherit_env=args.inherit_env, replace=args.replace, **remote_add_options(args))
     save_secrets(vault.secrets, planned)  # only now: a refused definition leaves the store as it was
@@ -15092,8 +15184,13 @@ def cmd_add(vault: Vault, args) -> int:
         say(f"kept the earlier choices for {earlier} of {args.name}'s tools, prompts and resources "
             "(coffer show / coffer enable to change them)")
     if moved:
-        say(f"moved {len(moved)} literal value(s) into Coffer's secret store: "
+        say(f"moved {len(moved)} secret-looking value(s) into Coffer's secret store: "
             f"{', '.join('${' + name + '}' for name in moved)} (coffer secret list)")
+    if in_arguments:
+        ServerLog(cli_log, args.name).warning(
+            "%s came from its command's arguments: Coffer passes %s back as an argument when it starts the server, "
+            "where other local users can read it (ps); prefer --env if the server takes it from its environment",
+            ", ".join("${" + name + "}" for name in in_arguments), "it" if len(in_arguments) == 1 else "them")
     say(f"added {args.name}: {_command_text(vault.server(args.name))}")
     if args.url:
         if url_origin(args.url) and url_origin(args.url)[0] == "http" and not is_loopback_url(args.url) and headers:
@@ -15690,9 +15787,15 @@ def main(argv: list[str] | None = None) -> int:
         args.command = trailing
     if getattr(args, "limit", 1) is not None and getattr(args, "limit", 1) < 1:
         parser.error("--limit must be at least 1")
-    vault = None
+    vault = scratch = None
     try:
-        vault = Vault()
+        if getattr(args, "dry_run", False) and not os.path.exists(os.path.join(coffer_home(), "coffer.db")):
+            # A dry run writes nothing, not even the vault it would plan against: an empty one, out of the way.
+            scratch = tempfile.TemporaryDirectory(prefix="coffer-dry-run-")
+            vault = Vault(scratch.name)
+            vault.home, vault.secrets = coffer_home(), SecretStore(coffer_home())
+        else:
+            vault = Vault()
         return args.handler(vault, args)
     except KeyboardInterrupt:
         print("coffer: interrupted", file=sys.stderr)
@@ -15716,6 +15819,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if vault is not None:
             vault.close()
+        if scratch is not None:
+            scratch.cleanup()
 
 
 if __name__ == "__main__":

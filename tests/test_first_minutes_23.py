@@ -126,3 +126,31 @@ def test_a_server_whose_variable_is_unset_fails_at_once_saying_what_to_set(home,
     assert not spawns.exists(), "the server was started with an empty value"
     assert servers()["h"]["status"] == "failed"
     assert "fix: coffer secret set COFFER_TEST_NEVER_SET" in cli("list").stdout
+
+
+# -- 11. only secret-looking values move; import warns about a missing command; --dry-run writes nothing ----------
+
+API_KEY = "sk-" + "Rt5Yu6Io7" * 3
+
+
+def test_import_moves_only_secret_looking_values_warns_about_commands_and_a_dry_run_writes_nothing(home, tmp_path):
+    config = tmp_path / "claude_desktop_config.json"
+    config.write_text(json.dumps({"mcpServers": {
+        "memory": {"command": PY, "args": ["-c", "pass"],
+                   "env": {"MEMORY_FILE_PATH": "/home/me/memory.jsonl", "MODE": "quiet", "API_KEY": API_KEY}},
+        "gone": {"command": "no-such-command-for-coffer-23", "args": []}}}))
+    dry = cli("import", str(config), "--dry-run")
+    assert not home.exists(), f"--dry-run created {sorted(p.name for p in home.iterdir())}"
+    assert "no-such-command-for-coffer-23" in dry.stdout and "not on PATH" in dry.stdout, dry.stdout
+    assert "MEMORY_API_KEY" in dry.stdout and "MEMORY_MEMORY_FILE_PATH" not in dry.stdout
+    cli("import", str(config))
+    shown = json.loads(cli("show", "memory", "--json").stdout)
+    assert shown["env"] == {"MEMORY_FILE_PATH": "/home/me/memory.jsonl", "MODE": "quiet",
+                            "API_KEY": "${MEMORY_API_KEY}"}
+    assert json.loads(cli("secret", "list", "--json").stdout)["secrets"] == ["MEMORY_API_KEY"]
+    # `coffer add` by the same rule
+    added = cli("add", "other", "--env", "DATA_DIR=/srv/data", "--env", f"SERVICE_TOKEN={API_KEY}x",
+                "--", PY, "-c", "pass")
+    assert "${OTHER_SERVICE_TOKEN}" in added.stdout and "DATA_DIR" not in added.stdout
+    assert json.loads(cli("show", "other", "--json").stdout)["env"] == {
+        "DATA_DIR": "/srv/data", "SERVICE_TOKEN": "${OTHER_SERVICE_TOKEN}"}

@@ -330,3 +330,44 @@ def test_known_secret_values_never_reach_the_client_unless_the_server_opts_out(h
         return text_of(await client.call_tool("h__leak", {"var": "GITHUB_TOKEN"}))
 
     assert run(opted_out, env=env) == f"the value is {GITHUB_TOKEN}"
+
+
+# -- 7. tokens in command arguments ------------------------------------------------------------------------------------
+
+ARG_TOKEN = "ghp_" + "Zq8Wx7Ev6" * 4
+
+
+def vault_bytes(home):
+    return b"".join(path.read_bytes() for path in home.glob("coffer.db*"))
+
+
+def test_a_token_in_command_arguments_moves_to_the_store_and_is_never_printed(home, tmp_path):
+    added = cli("add", "x", "--", *HOSTILE, "--mode", "argv", "--name", "x", "--token", ARG_TOKEN)
+    said = added.stdout + added.stderr
+    assert ARG_TOKEN not in said
+    assert "${X_TOKEN}" in said and "ps" in said and "--env" in said, said  # where it went, and the warning
+    for args in (("list",), ("list", "--json"), ("show", "x"), ("show", "x", "--json"), ("audit",),
+                 ("audit", "--json")):
+        shown = cli(*args)
+        assert ARG_TOKEN not in shown.stdout + shown.stderr, f"`coffer {' '.join(args)}` shows the token"
+    assert ARG_TOKEN.encode() not in vault_bytes(home)
+    cli("config", "redact.x", "off")  # to see exactly what the server was started with
+
+    async def body(client):
+        return json.loads(text_of(await client.call_tool("x__argv", {})))
+
+    assert run(body)[-2:] == ["--token", ARG_TOKEN]  # the server still gets it, as an argument
+    cli("remove", "x")
+    assert ARG_TOKEN.encode() not in vault_bytes(home)
+
+    # an imported entry with a token in its args: the same, and the plan never prints it
+    config = tmp_path / "claude_desktop_config.json"
+    config.write_text(json.dumps({"mcpServers": {"gh": {"command": "docker", "args": [
+        "run", "-i", "--rm", "-e", f"GITHUB_PERSONAL_ACCESS_TOKEN={ARG_TOKEN}", "ghcr.io/github/github-mcp-server"]}}}))
+    for extra in (("--dry-run",), ("--dry-run", "--json"), ()):
+        planned = cli("import", str(config), *extra)
+        assert ARG_TOKEN not in planned.stdout + planned.stderr
+    assert "GH_GITHUB_PERSONAL_ACCESS_TOKEN" in planned.stdout and "ps" in planned.stdout, planned.stdout
+    assert ARG_TOKEN.encode() not in vault_bytes(home)
+    shown = json.loads(cli("show", "gh", "--json").stdout)
+    assert "GITHUB_PERSONAL_ACCESS_TOKEN=${GH_GITHUB_PERSONAL_ACCESS_TOKEN}" in shown["command"]

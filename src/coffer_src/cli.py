@@ -12,6 +12,7 @@ import shlex
 import shutil
 import sqlite3
 import sys
+import tempfile
 from datetime import datetime, timezone
 
 from coffer_src import __version__
@@ -62,8 +63,10 @@ from coffer_src.oauth import (
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
 from coffer_src.secret_store import (
     SECRET_MAX_CHARS,
+    SecretStore,
     expand_vars,
     parse_env_assignment,
+    plan_argument_literals,
     plan_literals,
     plan_url_literals,
     save_secrets,
@@ -87,7 +90,7 @@ def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
         say(f"! {problem.client}: {short(problem.path)}: {problem.reason} (file left as it is)")
     for planned in plan.added:
         server = planned.server
-        target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in server.command)
+        target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in planned.command)
         verb = "replace" if planned.overwrite else "add"
         say(f"+ {verb} {planned.name} ({server.kind}) from {server.client} {short(server.path)}: {target}")
         if planned.renamed_because:
@@ -269,7 +272,11 @@ def cmd_add(vault: Vault, args) -> int:
     headers, _ = plan_literals(args.name, headers, vault.secrets, header=True, overwrite=args.replace,
                                planned=planned)
     url = plan_url_literals(args.name, args.url, vault.secrets, args.replace, planned)[0] if args.url else None
-    earlier = vault.add_server(args.name, command=args.command or None, url=url, env=env, headers=headers,
+    in_env = set(planned)
+    command = plan_argument_literals(args.name, args.command, vault.secrets, args.replace, planned)[0] \
+        if args.command else None
+    in_arguments = [name for name in planned if name not in in_env]
+    earlier = vault.add_server(args.name, command=command, url=url, env=env, headers=headers,
                                cwd=args.cwd, policy=args.policy, timeout=args.timeout,
                                inherit_env=args.inherit_env, replace=args.replace, **remote_add_options(args))
     save_secrets(vault.secrets, planned)  # only now: a refused definition leaves the store as it was
@@ -278,8 +285,13 @@ def cmd_add(vault: Vault, args) -> int:
         say(f"kept the earlier choices for {earlier} of {args.name}'s tools, prompts and resources "
             "(coffer show / coffer enable to change them)")
     if moved:
-        say(f"moved {len(moved)} literal value(s) into Coffer's secret store: "
+        say(f"moved {len(moved)} secret-looking value(s) into Coffer's secret store: "
             f"{', '.join('${' + name + '}' for name in moved)} (coffer secret list)")
+    if in_arguments:
+        ServerLog(cli_log, args.name).warning(
+            "%s came from its command's arguments: Coffer passes %s back as an argument when it starts the server, "
+            "where other local users can read it (ps); prefer --env if the server takes it from its environment",
+            ", ".join("${" + name + "}" for name in in_arguments), "it" if len(in_arguments) == 1 else "them")
     say(f"added {args.name}: {_command_text(vault.server(args.name))}")
     if args.url:
         if url_origin(args.url) and url_origin(args.url)[0] == "http" and not is_loopback_url(args.url) and headers:
@@ -876,9 +888,15 @@ def main(argv: list[str] | None = None) -> int:
         args.command = trailing
     if getattr(args, "limit", 1) is not None and getattr(args, "limit", 1) < 1:
         parser.error("--limit must be at least 1")
-    vault = None
+    vault = scratch = None
     try:
-        vault = Vault()
+        if getattr(args, "dry_run", False) and not os.path.exists(os.path.join(coffer_home(), "coffer.db")):
+            # A dry run writes nothing, not even the vault it would plan against: an empty one, out of the way.
+            scratch = tempfile.TemporaryDirectory(prefix="coffer-dry-run-")
+            vault = Vault(scratch.name)
+            vault.home, vault.secrets = coffer_home(), SecretStore(coffer_home())
+        else:
+            vault = Vault()
         return args.handler(vault, args)
     except KeyboardInterrupt:
         print("coffer: interrupted", file=sys.stderr)
@@ -902,6 +920,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if vault is not None:
             vault.close()
+        if scratch is not None:
+            scratch.cleanup()
 
 
 if __name__ == "__main__":

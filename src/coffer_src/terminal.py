@@ -141,19 +141,40 @@ redact = Redactor()
 _SECRET_NAME_RE = re.compile(r"(?i)key|token|secret|passw|pwd|auth|cred|cookie|session|private|signature|bearer")
 _TOKEN_PREFIXES = ("sk-", "pk-", "ghp_", "gho_", "ghs_", "ghu_", "github_pat_", "xox", "glpat-", "AKIA", "ASIA",
                    "AIza", "ya29.", "eyJ", "shpat_", "sq0", "rk_", "whsec_", "npm_", "pypi-")
+_PLAIN_VALUE_RE = re.compile(r"(?i)^(?:-?\d+(?:\.\d+)?|true|false|yes|no|on|off|none|null|enabled|disabled|"
+                             r"debug|info|warn|warning|error|v?\d+(?:\.\d+)+(?:[-+.][\w.]+)?)$")
+_PATH_RE = re.compile(r"^(?:[/~]|\.{1,2}[/\\]|[A-Za-z]:[/\\]|\\\\|file:)")
+_TOKEN_ALPHABET_RE = re.compile(r"^[A-Za-z0-9_\-.+/=~]+$")
+_HEX_RE = re.compile(r"^[0-9a-fA-F]+$")
+
+
+def plainly_not_secret(value: str) -> bool:
+    """A value no credential looks like: empty, a number, a version, a boolean or level word, a file path, or a
+    URL that carries no user:password@."""
+    if not value or _PLAIN_VALUE_RE.match(value) or _PATH_RE.match(value):
+        return True
+    scheme, sep, rest = value.partition("://")
+    return bool(sep) and scheme.isalpha() and "@" not in rest.partition("/")[0]
 
 
 def looks_secret(name: str, value: str) -> bool:
-    """Whether a named value is a credential: by its name, or by its shape (a known token prefix, or a long
-    mixed string that is not a path or an address)."""
+    """Whether a named value is a credential, by the one rule Coffer uses everywhere (what --env, --header, a
+    command's arguments and an import move to the secret store; which resolved ${NAME} values are redacted): by
+    its name (KEY, TOKEN, SECRET, PASSWORD, AUTH...) unless the value is plainly something else (a path, a number,
+    a plain URL...), or by its shape (a known token prefix, a URL holding user:password@, or a long
+    random-looking string)."""
+    if not isinstance(value, str) or plainly_not_secret(value):
+        return False
     if _SECRET_NAME_RE.search(name or ""):
         return True
     if len(value) < 8 or any(c.isspace() for c in value):
         return False
-    if value.startswith(_TOKEN_PREFIXES):
+    if value.startswith(_TOKEN_PREFIXES) or ":" in value.partition("://")[2].partition("/")[0].rpartition("@")[0]:
         return True
-    mixed = sum(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit)) >= 2
-    return len(value) >= 16 and mixed and not value.startswith(("/", "~", ".", "http://", "https://", "file:"))
+    if len(value) < 20 or not _TOKEN_ALPHABET_RE.match(value) or "==" in value.rstrip("="):
+        return False
+    classes = sum(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit))
+    return classes == 3 or (len(value) >= 32 and _HEX_RE.match(value) is not None)
 
 
 class _TerminalFormatter(logging.Formatter):

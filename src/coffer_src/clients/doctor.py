@@ -29,7 +29,7 @@ from coffer_src.errors import CofferError
 from coffer_src.names import NAME_MAX_LENGTH_MIN
 from coffer_src.probe import ServerProbe
 from coffer_src.secret_store import ENV_REF_RE, expand_vars, references
-from coffer_src.terminal import ServerLog, say
+from coffer_src.terminal import ServerLog, looks_secret, say
 from coffer_src.vault import MIGRATIONS, PRIVATE_FILES, SCHEMA_PARTS, _state
 
 doctor_log = logging.getLogger(__name__)
@@ -277,9 +277,12 @@ def print_doctor(report: dict) -> None:
 
 # -- show -----------------------------------------------------------------------------------------------------
 
-def _shown(value: str) -> str:
-    """A stored env/header value as ``coffer show`` prints it: references as written, literals never."""
-    return value if (not value or ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
+def _shown(key: str, value: str) -> str:
+    """A stored env/header value as ``coffer show`` prints it: references and plain settings (a path, a mode) as
+    written, a literal that looks like a credential never."""
+    if not value or ENV_REF_RE.search(value) or not looks_secret(key, value):
+        return value
+    return f"<literal, {len(value)} characters>"
 
 
 def show_server(vault, name: str) -> dict:
@@ -291,8 +294,8 @@ def show_server(vault, name: str) -> dict:
                     for row in vault.capabilities(name)]
     return {"name": server["name"], "transport": server["transport"], "command": server.get("command"),
             "url": server.get("url"), "cwd": server.get("cwd"),
-            "env": {k: _shown(v) for k, v in (server.get("env") or {}).items()},
-            "headers": {k: _shown(v) for k, v in (server.get("headers") or {}).items()},
+            "env": {k: _shown(k, v) for k, v in (server.get("env") or {}).items()},
+            "headers": {k: _shown(k, v) for k, v in (server.get("headers") or {}).items()},
             "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
             "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
             "status_at": server.get("status_at"), "sharing": server.get("sharing", "shared"),

@@ -31,7 +31,13 @@ from coffer_src.clients.files import (
 )
 from coffer_src.errors import CofferError
 from coffer_src.names import ENV_KEY_RE, ENV_NAME_PATTERN, RESERVED_SERVER, SERVER_NAME_MAX, SERVER_NAME_RULE
-from coffer_src.secret_store import plan_literals, plan_url_literals, whole_reference, write_private_file
+from coffer_src.secret_store import (
+    ENV_REF_RE,
+    plan_argument_literals,
+    plan_literals,
+    plan_url_literals,
+    write_private_file,
+)
 from coffer_src.vault import utcnow
 
 CLIENTS = ("claude-desktop", "claude-code", "cursor", "vscode", "windsurf", "zed", "codex", "gemini")
@@ -95,6 +101,7 @@ class PlannedServer:
     overwrite: bool = False
     env: dict = dataclasses.field(default_factory=dict)        # with secrets replaced by ${NAME}
     headers: dict = dataclasses.field(default_factory=dict)
+    command: list | None = None                                # argv with secret-looking arguments as ${NAME}
     secrets: dict = dataclasses.field(default_factory=dict)    # NAME -> value (never printed)
 
 
@@ -392,31 +399,45 @@ def entry_to_server(client: str, name: str, raw, file: ClientFile, ctx: ClientCo
 SECRET_SET_HINT = "coffer secret set {name}"   # the command that stores one secret (issue 15's CLI)
 
 
-def _resolve_whole_reference(value: str, store) -> str:
-    """A value that is exactly one ${NAME} kept in the secret store, as the value it stands for."""
-    name = whole_reference(value)
-    if name is not None:
-        stored = store.get(name)
-        if stored is not None:
-            return stored
-    return value
+def _resolved(value: str, store) -> str:
+    """``value`` with each ${NAME} the secret store holds (and has no default) replaced by what it stands for:
+    a definition Coffer keeps and the client entry it came from then read alike, whichever of them holds the
+    literal and whichever the reference."""
+    if "${" not in value:
+        return value
+
+    def stored(match):
+        held = store.get(match.group(1)) if match.group(2) is None else None
+        return held if held is not None else match.group(0)
+
+    return ENV_REF_RE.sub(stored, value)
+
+
+def resolved_identity(identity: tuple, store) -> tuple:
+    """An identity (ImportedServer.identity) with the secret store's references resolved, for comparing."""
+    if identity[0] == "stdio":
+        return ("stdio", tuple(_resolved(a, store) for a in identity[1]),
+                tuple(sorted((k, _resolved(v, store)) for k, v in identity[2])))
+    return ("remote", _resolved(identity[1] or "", store))
 
 
 def coffer_identity(server: dict, store) -> tuple:
     """ImportedServer.identity() of a server already in the vault, its secret references resolved."""
     if server["transport"] == "stdio":
-        env = {k: _resolve_whole_reference(v, store) for k, v in (server.get("env") or {}).items()}
-        return ("stdio", tuple(server.get("command") or ()), tuple(sorted(env.items())))
-    return ("remote", server.get("url"))
+        identity = ("stdio", tuple(server.get("command") or ()), tuple(sorted((server.get("env") or {}).items())))
+    else:
+        identity = ("remote", server.get("url"))
+    return resolved_identity(identity, store)
 
 
 def same_definition(server: dict, imported: ImportedServer, store) -> bool:
-    if coffer_identity(server, store) != imported.identity():
+    if coffer_identity(server, store) != resolved_identity(imported.identity(), store):
         return False
     if imported.kind == "stdio":
         return (server.get("cwd") or None) == imported.cwd
-    headers = {k: _resolve_whole_reference(v, store) for k, v in (server.get("headers") or {}).items()}
-    return server["transport"] == imported.kind and headers == imported.headers
+    headers = {k: _resolved(v, store) for k, v in (server.get("headers") or {}).items()}
+    return server["transport"] == imported.kind and headers == {k: _resolved(v, store)
+                                                                 for k, v in imported.headers.items()}
 
 
 def legal_server_name(raw: str) -> tuple[str, str | None]:
@@ -438,22 +459,31 @@ def _numbered(name: str, n: int) -> str:
 
 
 def _move_secrets(planned: PlannedServer, store, planned_secrets: dict) -> None:
-    """Every literal env/header value (and a URL's credentials) goes to the secret store, by the same rule as
-    `coffer add` (plan_literals); the definition keeps a ${NAME} for it."""
+    """Every secret-looking env/header value and command argument (and a URL's credentials) goes to the secret
+    store, by the same rule as `coffer add` (plan_literals, plan_argument_literals); the definition keeps a
+    ${NAME} for it.  Paths, modes and other settings stay as they are."""
     server = planned.server
     planned.env, found_env = plan_literals(planned.name, server.env, store, planned=planned_secrets)
     planned.headers, found_headers = plan_literals(planned.name, server.headers, store, header=True,
                                                    planned=planned_secrets)
+    found_args: dict = {}
+    if server.command:
+        planned.command, found_args = plan_argument_literals(planned.name, server.command, store,
+                                                             planned=planned_secrets)
+    if found_args:
+        server.notes.append(f"{', '.join('${' + n + '}' for n in found_args)} came from its arguments, where other "
+                            "local users can read it while it runs (ps): prefer its environment if it takes one")
     found_url = {}
     if server.url:
         server.url, found_url = plan_url_literals(planned.name, server.url, store, planned=planned_secrets)
-    planned.secrets.update({**found_env, **found_headers, **found_url})
+    planned.secrets.update({**found_env, **found_headers, **found_args, **found_url})
 
 
 def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overwrite: bool = False) -> ImportPlan:
     plan = ImportPlan()
     existing = {s["name"].lower(): s for s in vault.servers()}
     existing_ids = {coffer_identity(s, store): s["name"] for s in existing.values()}
+    on_path: dict[str, bool] = {}
     seen: dict[tuple, str] = {}                  # identity -> "name from client (path)" in this run
     planned_names: set[str] = set()
     planned_secrets: dict[str, str] = {}
@@ -484,7 +514,7 @@ def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overw
                 skip(str(exc))
                 continue
             name, renamed_because = legal_server_name(raw_name)
-            identity = server.identity()
+            identity = resolved_identity(server.identity(), store)
             current = existing.get(name.lower())
             if current is not None and same_definition(current, server, store):
                 skip("already in Coffer with the same definition", name)
@@ -507,8 +537,15 @@ def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overw
                     f"; {name!r} is taken by another server in this import"
                 name = _numbered(name, n)
                 current = None   # the new name is free in Coffer: an insert, never an overwrite
-            planned = PlannedServer(server, name, renamed_because, overwrite=current is not None)
+            planned = PlannedServer(server, name, renamed_because, overwrite=current is not None,
+                                    command=server.command)
             _move_secrets(planned, store, planned_secrets)
+            program = (server.command or [""])[0]
+            if program and not os.path.dirname(program):
+                found = on_path.setdefault(program, shutil.which(program) is not None)
+                if not found:  # as `coffer add` says it
+                    server.notes.append(f"{program!r} is not on PATH here; the server will fail to start until it "
+                                        "is installed")
             plan.added.append(planned)
             planned_names.add(name.lower())
             seen[identity] = f"{name!r} from {file.client} ({file.path})"
@@ -527,7 +564,7 @@ def apply_import(vault, store, plan: ImportPlan) -> None:
             detail = f"{server.kind} from {server.client} {server.path}"
             if planned.secrets:
                 detail += f"; secrets to the store: {', '.join(sorted(planned.secrets))}"
-            vault.put_server(db, planned.name, command=server.command, url=server.url, env=planned.env,
+            vault.put_server(db, planned.name, command=planned.command, url=server.url, env=planned.env,
                              headers=planned.headers, cwd=server.cwd, transport=server.kind,
                              replace=planned.overwrite, action="import-overwrite" if planned.overwrite else "import",
                              detail=detail)
@@ -690,7 +727,7 @@ def registered_in_coffer(vault, store, file: ClientFile, servers: dict, ctx: Cli
         if name == COFFER_ENTRY:
             continue
         try:
-            identity = entry_to_server(file.client, name, raw, file, ctx).identity()
+            identity = resolved_identity(entry_to_server(file.client, name, raw, file, ctx).identity(), store)
         except ConfigProblem:
             continue
         if identity in identities:
