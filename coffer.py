@@ -44,18 +44,18 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       9518  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
       9833  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
       9895  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10451  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10809  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11146  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11891  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12208  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12556  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     12914  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13075  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13244  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     13912  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14688  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     14971  cli                   Command line: coffer's commands.
+     10531  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10889  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11226  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11973  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12290  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12640  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13028  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13247  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13416  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     14084  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14860  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15152  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -9917,11 +9917,12 @@ RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout
 SHARED_CLIENT_CAPABILITIES = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
 
 
-class PerClientServer:
-    """A server that runs one instance per client session: what the catalogue lists for it (its lists remembered
-    from its last start) until a session's own instance is asked; the session starts that on first use."""
+class RememberedServer:
+    """A server with no instance running in the hub: what the catalogue lists for it, from its lists remembered
+    at its last start, until an instance is asked for."""
 
-    per_client = True
+    per_client = False   # True: each client session runs an instance of its own (PerClientServer)
+    dormant = False      # True: stopped for want of calls; the hub starts it again on the next one
     spawns = 0
     ready_at = 0.0
     generation = 0
@@ -9936,11 +9937,24 @@ class PerClientServer:
         self.state = "idle"
 
     def learn(self, lists: dict) -> bool:
-        """A session's instance listed these: remember them for every session's catalogue.  True if they changed."""
+        """An instance listed these: remember them for every session's catalogue.  True if they changed."""
         kept = {kind: items for kind, items in lists.items() if kind in ("tool", "prompt") and items}
         changed = kept != self.remembered
         self.remembered = kept
         return changed
+
+
+class PerClientServer(RememberedServer):
+    """A server that runs one instance per client session; a session starts its own on first use."""
+
+    per_client = True
+
+
+class DormantServer(RememberedServer):
+    """A shared server stopped after upstream_idle_stop seconds without a call; its tools stay listed, and the
+    next call starts it again (and waits for it, as a call to a starting server does)."""
+
+    dormant = True
 
 
 class Hub:
@@ -9975,6 +9989,7 @@ class Hub:
         self.disabled_servers: set[str] = set()
         self.upstreams: dict[str, Upstream] = {}
         self.per_client: dict[str, PerClientServer] = {}   # shared mode: servers each session runs its own of
+        self.dormant: dict[str, DormantServer] = {}         # shared mode: servers stopped while unused
         self._progress: dict[str, object] = {}             # Coffer's progress token upstream -> its session
         self._progress_ids = itertools.count(1)
         self.configs: dict[str, dict] = {}
@@ -10199,6 +10214,10 @@ class Hub:
             if now - last_reload >= 1.0:
                 last_reload = now
                 try:
+                    self._stop_idle()
+                except Exception:  # noqa: BLE001 - the ticker also guards every timeout
+                    hub_log.exception("could not stop an idle upstream")
+                try:
                     self._reload_if_vault_changed()
                 except Exception:  # noqa: BLE001 - the ticker also guards every timeout
                     hub_log.exception("could not apply vault changes")
@@ -10245,14 +10264,69 @@ class Hub:
                 for session in self.sessions:
                     session.drop_private(name)
                 changed = True
+        for name, placeholder in self.dormant.items():
+            old, new = self.configs.get(name), configs.get(name)
+            if new is None or any(old.get(k) != new.get(k) for k in RESTART_KEYS):
+                with self.lock:
+                    self.dormant = {key: p for key, p in self.dormant.items() if key != name}
+                changed = True
         self.configs = configs
         for name, config in configs.items():
-            if name not in self.upstreams and name not in self.per_client:
+            if name not in self.upstreams and name not in self.per_client and name not in self.dormant:
                 self._add_upstream(config)
         if changed:
             self.rebuild()
 
+    # -- idle upstreams (shared mode) -----------------------------------------------------------------------------
+    def _stop_idle(self) -> None:
+        """Stop each shared upstream that has had no call for upstream_idle_stop seconds (and has nothing in
+        flight); what it listed stays in the catalogue."""
+        limit = str(self.settings.get("upstream_idle_stop", "off"))
+        if not self.shared or limit == "off":
+            return
+        now = time.time()
+        for name, upstream in self.upstreams.items():
+            last = getattr(upstream, "last_call", None)
+            if last is None or upstream.state != "ready" or now - last < float(limit) or \
+                    not upstream.requests.idle():
+                continue
+            with self.lock:
+                if self.upstreams.get(name) is not upstream:
+                    continue
+                placeholder = DormantServer(self.configs.get(name) or upstream.config,
+                                            {kind: items for kind, items in upstream.lists.items()
+                                             if kind in ("tool", "prompt") and items})
+                self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
+                self.dormant = {**self.dormant, name: placeholder}
+            ServerLog(hub_log, name).info("stopped after %gs without a call; the next call starts it again",
+                                          float(limit))
+            start_thread(upstream.stop, f"coffer-{name}-stop")
+            self.rebuild()
+
+    def wake(self, name: str) -> Upstream | None:
+        """Start a dormant server again for a call (the call waits for its start); the running upstream."""
+        with self.lock:
+            placeholder = self.dormant.get(name)
+            if placeholder is None:
+                return self.upstreams.get(name)
+            self.dormant = {key: p for key, p in self.dormant.items() if key != name}
+            self.remembered[name] = placeholder.remembered
+        self._add_upstream(placeholder.config)
+        self.rebuild()
+        return self.upstreams.get(name)
+
     # -- events from upstreams (see upstream.supervisor: the upstream events interface) -----------------------
+    def _retired(self, upstream: Upstream) -> bool:
+        """A shared instance switched to per-client, still finishing its calls: what it lists now is what every
+        client's own instance will list, so the catalogue learns it from here (no client has to start one
+        just to find out); nothing else it does concerns the hub any more."""
+        placeholder = self.per_client.get(upstream.name)
+        if placeholder is None or self.upstreams.get(upstream.name) is upstream:
+            return False
+        if upstream.ready_at and placeholder.learn(upstream.lists):
+            self.rebuild()
+        return True
+
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
             with self.vault_lock:
@@ -10265,10 +10339,14 @@ class Hub:
                 with self.vault_lock:
                     self.states = {**{(upstream.name, kind, name): CapabilityState(False) for name in items},
                                    **self.states}
-        if notify:
+        if notify and not self._retired(upstream):
             self.rebuild()
 
     def on_ready(self, upstream: Upstream) -> None:
+        if self._retired(upstream):
+            return
+        if getattr(upstream, "last_call", None) is None:
+            upstream.last_call = time.time()  # idle since it came up (see _stop_idle)
         self._remember_transport(upstream)
         if upstream.era != upstream.config.get("era"):
             try:
@@ -10305,6 +10383,8 @@ class Hub:
                 ServerLog(hub_log, upstream.name).warning("could not remember its transport: %s", exc)
 
     def on_down(self, upstream: Upstream) -> None:
+        if self.per_client.get(upstream.name) is not None and self.upstreams.get(upstream.name) is not upstream:
+            return  # a retired shared instance (see _retired) ending: its clients have their own
         for session in self.sessions:
             session.upstream_down(upstream)
         self.record_status(upstream, upstream.state)
@@ -10423,7 +10503,7 @@ class Hub:
                 self._rebuilds_done = self._rebuilds_wanted
                 force, self._force_tools_notice = self._force_tools_notice, False
             live = [up for up in self.upstreams.values() if up.state not in ("failed", "stopped")]
-            live += list(self.per_client.values())
+            live += [*self.per_client.values(), *self.dormant.values()]
             catalogue = Catalogue(live, self.states, self.settings["name_max_length"])
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new
@@ -11475,6 +11555,8 @@ class ClientSession:
     def instance_of(self, upstream):
         """The upstream a call of this session goes to: the shared one, or this session's own instance of a
         per-client server (started now if this is its first use; a call waits for its start)."""
+        if getattr(upstream, "dormant", False):
+            return self.hub.wake(upstream.name) or upstream
         if not getattr(upstream, "per_client", False):
             return upstream
         with self.lock:
@@ -12386,8 +12468,10 @@ class Relay:
             if msg_id is not None and self.current is not None:
                 self.current.pending[_id_key(msg_id)] = msg_id
             return
+        if b'"method"' not in line:
+            return  # an answer to a request of the service's: nothing to keep
         try:
-            message = decode_json(line)
+            message = json.loads(line)
         except ValueError:  # the service answers it with a parse error, under each request's own id
             if self.current is not None:
                 for msg_id in request_ids_in_unreadable(line):
@@ -12574,6 +12658,7 @@ service_log = logging.getLogger('coffer.service.server')
 #: re-attaches): a client that stops reading costs the service this much memory, never a stuck upstream.
 MAX_UNREAD_BYTES = 64 << 20
 MAX_CONNECTIONS = 256
+DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 LOG_BYTES, LOG_BACKUPS = 2 << 20, 3
 
 
@@ -12611,10 +12696,7 @@ class SocketOutput:
                 raise BrokenPipeError("the session's connection is closed")
             if not self.queue:
                 try:
-                    _, writable, _ = select.select([], [self.conn], [], 0)
-                    if writable:
-                        sent = self.conn.send(data)
-                        data = data[sent:]
+                    data = data[self._send_now(data):]
                 except OSError:
                     self.closed = True
                     raise
@@ -12630,6 +12712,16 @@ class SocketOutput:
 
     def flush(self) -> None:
         pass
+
+    def _send_now(self, data: bytes) -> int:
+        """Send what the socket takes without waiting: MSG_DONTWAIT where there is one, else after select()."""
+        if DONTWAIT:
+            try:
+                return self.conn.send(data, DONTWAIT)
+            except BlockingIOError:
+                return 0
+        _, writable, _ = select.select([], [self.conn], [], 0)
+        return self.conn.send(data) if writable else 0
 
     def _drain(self) -> None:
         while True:
@@ -12832,6 +12924,8 @@ class Service:
         op = request.get("op")
         if op == "status":
             return {"status": self.status()}
+        if op == "tools":
+            return {"tools": self.tools()}
         if op == "stop":
             self.stopping.set()
             return {"ok": True}
@@ -12853,6 +12947,25 @@ class Service:
         for session in sessions:
             session.stream.send({"coffer": "handover"})
 
+    def tools(self) -> dict:
+        """Every usable tool of the catalogue by server, as a client can call it, and each server's state: what
+        `coffer tools`, `call` and `doctor` read from a running service instead of starting servers themselves."""
+        catalogue = self.hub.catalogue
+        by_server: dict[str, list] = {}
+        for tool in catalogue.tools:
+            route = catalogue.tool_routes.get(tool["name"])
+            if route is not None:
+                by_server.setdefault(route.upstream.name, []).append(tool)
+        servers = {}
+        for name, config in self.hub.configs.items():
+            upstream = self.hub.upstreams.get(name) or self.hub.per_client.get(name) or self.hub.dormant.get(name)
+            state = getattr(upstream, "state", None) or config.get("status") or "not started"
+            if getattr(upstream, "per_client", False) or getattr(upstream, "dormant", False):
+                state = "ready"  # listed from its last start; a call starts an instance
+            servers[name] = {"state": state, "error": getattr(upstream, "last_error", None) or "",
+                             "tools": by_server.get(name, [])}
+        return servers
+
     def status(self) -> dict:
         with self.lock:
             sessions = list(self.sessions)
@@ -12863,11 +12976,12 @@ class Service:
                 users[name] += 1
         for upstream in self.hub.upstreams.values():
             users[upstream.name] = sum(1 for s in sessions if s.calls.used(upstream))
-        for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items()]:
+        for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items(), *self.hub.dormant.items()]:
             transport = getattr(upstream, "transport", None)
             pid = transport.pid if isinstance(transport, StdioTransport) else None
             last = getattr(upstream, "last_call", None)
-            upstreams.append({"name": name, "state": upstream.state, "pid": pid, "rss_mb": rss_mb(pid),
+            state = "stopped (idle)" if getattr(upstream, "dormant", False) else upstream.state
+            upstreams.append({"name": name, "state": state, "pid": pid, "rss_mb": rss_mb(pid),
                               "sharing": "per-client" if getattr(upstream, "per_client", False) else "shared",
                               "sessions": users.get(name, 0), "last_call": iso_timestamp(last) if last else None})
         return {"service": {"pid": os.getpid(), "version": __version__, "uptime_s": round(time.time() -
@@ -12987,6 +13101,64 @@ def spawn_service(home: str) -> None:
     subprocess.Popen(own_command("service", "run"), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, cwd=home, env={**os.environ, "COFFER_HOME": home}, close_fds=True,
                      **detached_popen_options())
+
+
+class ServiceSession:
+    """The CLI as one more client of a running service (`coffer call`): no server is started for it."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.reader = conn.makefile("rb")
+        self.next_id = 0
+
+    def request(self, method: str, params: dict, timeout: float | None = None) -> dict:
+        """Send a request and wait for its answer; a request of the service meanwhile is refused, a notification
+        skipped.  Returns the JSON-RPC answer."""
+        self.next_id += 1
+        msg_id = self.next_id
+        self.conn.settimeout(timeout)
+        self.conn.sendall(encode_line({"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params}))
+        while True:
+            line = self.reader.readline(MAX_CLI_ANSWER)
+            if not line:
+                raise CofferError("the Coffer service closed the connection")
+            message = decode_json(line)
+            if not isinstance(message, dict):
+                continue
+            if message.get("id") == msg_id and "method" not in message:
+                return message
+            if "method" in message and "id" in message:
+                self.conn.sendall(encode_line(rpc_error(message["id"], METHOD_NOT_FOUND,
+                                                        "the coffer CLI cannot answer this")))
+
+    def close(self) -> None:
+        self.reader.close()
+        self.conn.close()
+
+
+#: The largest answer the CLI reads from the service in one line.
+MAX_CLI_ANSWER = 256 << 20
+
+
+def open_service_session(home: str) -> ServiceSession | None:
+    """A session with the running service, initialized, or None when no service runs."""
+    connected = connect(home, {"coffer": 1, "kind": "session", "version": __version__, "pid": os.getpid()})
+    if connected is None:
+        return None
+    session = ServiceSession(connected[0])
+    answer = session.request("initialize", {"protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+                                            "clientInfo": {"name": "coffer-cli", "version": __version__}}, 30)
+    if "result" not in answer:
+        session.close()
+        return None
+    session.conn.sendall(encode_line({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+    return session
+
+
+def service_tools(home: str) -> dict | None:
+    """server -> {state, error, tools} from the running service, or None when none runs."""
+    answer = control(home, {"op": "tools"}, timeout=30)
+    return answer.get("tools") if answer and isinstance(answer.get("tools"), dict) else None
 
 
 def service_running(home: str) -> dict | None:
@@ -14872,7 +15044,16 @@ def schema_problems(tables: dict[str, set[str]], path: str, read_only: bool) -> 
 
 
 def probe_all(vault) -> Callable:
-    """probe(server) -> (ok, exposed tool names, error), from one ServerProbe that starts every server at once."""
+    """probe(server) -> (ok, exposed tool names, error): what the running service sees, or else what one
+    ServerProbe that starts every server at once finds."""
+    running = service_tools(vault.home)
+    if running is not None:
+        def probe_live(server):
+            live = running.get(server["name"])
+            if live is None:
+                return False, [], "not started (disabled or damaged)"
+            return live["state"] == "ready", [tool["name"] for tool in live["tools"]], live["error"] or live["state"]
+        return probe_live
     results = {result.name: result for result in ServerProbe(vault).run()}
 
     def probe(server):
@@ -15222,6 +15403,10 @@ def cmd_list(vault: Vault, args) -> int:
                 "tools": counts.get(s["name"], 0),
                 "awaiting_approval": held.get(s["name"], 0)}
                for s in vault.servers()]
+    live = {u["name"]: u for u in (service_running(vault.home) or {}).get("upstreams", [])}
+    for server in servers:  # what the running service sees now, over what was recorded last
+        if server["name"] in live and server["status"] != "damaged":
+            server["status"] = live[server["name"]]["state"]
     if args.json:
         say_json({"servers": servers})
     elif not servers:
@@ -15269,8 +15454,13 @@ def cmd_tools(vault: Vault, args) -> int:
     """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
     server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
     failed = []
+    running = None if args.cached else service_tools(vault.home)
     if args.cached:
         tools = cached_tools(vault)
+    elif running is not None:  # the running service's catalogue: no server is started for this
+        tools = [tool for server in running.values() for tool in server["tools"]]
+        failed = [ProbeResult(name, server["state"], server["error"], [], 0.0) for name, server in running.items()
+                  if server["state"] == "failed"]
     else:
         interactive = sys.stderr.isatty()
 
@@ -15389,11 +15579,22 @@ def cmd_call(vault: Vault, args) -> int:
     if not isinstance(arguments, dict):
         raise CofferError("arguments must be a JSON object, e.g. '{\"timezone\": \"UTC\"}'")
     server = args.tool.partition(SEPARATOR)[0]
-    with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
+    session = open_service_session(vault.home)
+    if session is not None:  # the running service: its servers are warm, nothing starts for this call
         try:
-            result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
-        except UpstreamFailure as exc:
-            raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
+            answer = session.request("tools/call", {"name": args.tool, "arguments": arguments},
+                                     float(vault.settings()["call_timeout"]) + 10)
+        finally:
+            session.close()
+        if "error" in answer:
+            raise CofferError(printable(str(answer["error"].get("message") or answer["error"])))
+        result = answer.get("result")
+    else:
+        with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
+            try:
+                result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
+            except UpstreamFailure as exc:
+                raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
     say_json(result)
     return 1 if isinstance(result, dict) and result.get("isError") else 0
 

@@ -23,7 +23,11 @@ official MCP Python SDK), so machine speed cancels out and the ratios travel:
 5. knowledge       ``coffer__ask`` over 10k generated Markdown passages: index time and ask latency in-process
                    (``KnowledgeBase``) and through ``coffer serve``, for both engines (SQLite FTS5, and Coffer's own
                    BM25F as a Python without FTS5 runs it);
-6. peer            FastMCP's multi-server proxy fronting the same upstreams, in rows 1-3.
+6. peer            FastMCP's multi-server proxy fronting the same upstreams, in rows 1-3;
+7. service         the shared service behind a plain `coffer serve` (evals/bench_service.py): the relay hop
+                   against `serve --standalone`, four sessions sharing eight upstreams, memory.
+
+Rows 1-5 measure `coffer serve --standalone` (the gateway in the client's own process), as earlier rounds did.
 
 Targets are printed as PASS/MISS next to the numbers; a miss never changes the exit status, because a benchmark
 on a loaded CI runner is evidence, not a verdict.
@@ -99,6 +103,8 @@ def ensure_bytecode() -> None:
 
 
 sys.path.insert(0, str(ROOT))
+# Rows 1-5 run the gateway in the client's process; section 7 sets the mode per path.
+os.environ.setdefault("COFFER_SERVE_MODE", "standalone")
 import coffer  # noqa: E402  (the module under test lives at the repository root, not in a package)
 
 # Targets: (key in results, label, comparison, threshold).  Evaluated after the run, printed PASS/MISS.
@@ -983,8 +989,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m evals.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke test (about a minute)")
     parser.add_argument("--json", action="store_true", help="print all results as JSON on stdout")
-    parser.add_argument("--only", default="call,modern,throughput,startup,search,knowledge",
-                        help="comma-separated sections to run (call, modern, throughput, startup, search, knowledge)")
+    parser.add_argument("--only", default="call,modern,throughput,startup,search,knowledge,service",
+                        help="comma-separated sections to run (call, modern, throughput, startup, search, knowledge, "
+                             "service)")
     parser.add_argument("--no-fastmcp", action="store_true", help="skip the FastMCP peer rows")
     parser.add_argument("--fastmcp", action="store_true",
                         help="with --quick: include FastMCP's shared proxy (left out by default: +~25 s)")
@@ -1318,6 +1325,11 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
                      "bm25f: the engine of a Python without FTS5 (the gateway started with its FTS5 probe answered "
                      f"no). Watcher poll (changed(), every 2 s in serve): {polls}.")
 
+    if "service" in args.sections:
+        mark("service")
+        from evals.bench_service import bench_service
+        await bench_service(args, report, workdir, errlog)
+
     if args.profile:
         mark("profile")
         out = Path(args.profile).resolve()
@@ -1332,8 +1344,9 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
 
 
 def evaluate_targets(report: Report, quick: bool = False) -> None:
+    from evals.bench_service import TARGETS as SERVICE_TARGETS
     rows, verdicts = [], {}
-    for key, label, op, threshold in TARGETS:
+    for key, label, op, threshold in TARGETS + SERVICE_TARGETS:
         value = report.data
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None

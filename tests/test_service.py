@@ -397,3 +397,40 @@ def test_a_newer_coffer_takes_over_without_dropping_a_session(service_home, tmp_
         assert failures == [], failures[:3]
     finally:
         old.close()
+
+
+def test_an_idle_shared_upstream_is_stopped_listed_still_and_started_again_on_demand(service_home, tmp_path,
+                                                                                    raw_gateway):
+    log = tmp_path / "spawns"
+    cli("add", "a", "--", *FAKE, "--spawn-log", str(log))
+    cli("config", "upstream_idle_stop", "1")
+    gw = raw_gateway()
+    gw.initialize()
+    assert gw.request("tools/call", {"name": "a__echo", "arguments": {"text": "one"}})["result"]
+    first = int(spawns(log)[0])
+    wait_until(lambda: not alive(first), what="the idle upstream to be stopped")
+    upstream = next(u for u in status(service_home)["upstreams"] if u["name"] == "a")
+    assert upstream["state"] == "stopped (idle)" and upstream["pid"] is None
+    assert "a__echo" in [t["name"] for t in gw.request("tools/list")["result"]["tools"]]
+    again = gw.request("tools/call", {"name": "a__echo", "arguments": {"text": "two"}}, timeout=60)
+    assert again["result"]["content"][0]["text"] == "two"
+    assert len(spawns(log)) == 2
+
+
+def test_the_cli_uses_the_running_service_and_starts_no_server(service_home, tmp_path, raw_gateway):
+    log = tmp_path / "spawns"
+    cli("add", "a", "--", *FAKE, "--spawn-log", str(log))
+    gw = raw_gateway()
+    gw.initialize()
+    assert gw.request("tools/list")["result"]["tools"]
+    assert len(spawns(log)) == 1
+    called = json.loads(cli("call", "a__echo", '{"text": "via the service"}').stdout)
+    assert called["content"][0]["text"] == "via the service"
+    tools = json.loads(cli("tools", "--json").stdout)["tools"]
+    assert "a__echo" in [t["name"] for t in tools]
+    listed = json.loads(cli("list", "--json").stdout)["servers"]
+    assert [(s["name"], s["status"]) for s in listed] == [("a", "ready")]
+    cli("doctor", "--json", check=False)
+    assert len(spawns(log)) == 1, "the CLI started a server of its own instead of asking the service"
+    sessions = status(service_home)["sessions"]
+    assert [s["client"] for s in sessions] == ["raw-test"]  # the CLI's own session has ended

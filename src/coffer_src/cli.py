@@ -71,7 +71,7 @@ from coffer_src.secret_store import (
     plan_url_literals,
     save_secrets,
 )
-from coffer_src.service.commands import add_service_commands
+from coffer_src.service.commands import add_service_commands, open_service_session, service_running, service_tools
 from coffer_src.settings import listed_settings, unknown_setting
 from coffer_src.terminal import ServerLog, _print_table, clip, configure_logging, printable, redact, say, say_json
 from coffer_src.transport.remote import probe_transport
@@ -323,6 +323,10 @@ def cmd_list(vault: Vault, args) -> int:
                 "tools": counts.get(s["name"], 0),
                 "awaiting_approval": held.get(s["name"], 0)}
                for s in vault.servers()]
+    live = {u["name"]: u for u in (service_running(vault.home) or {}).get("upstreams", [])}
+    for server in servers:  # what the running service sees now, over what was recorded last
+        if server["name"] in live and server["status"] != "damaged":
+            server["status"] = live[server["name"]]["state"]
     if args.json:
         say_json({"servers": servers})
     elif not servers:
@@ -370,8 +374,13 @@ def cmd_tools(vault: Vault, args) -> int:
     """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
     server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
     failed = []
+    running = None if args.cached else service_tools(vault.home)
     if args.cached:
         tools = cached_tools(vault)
+    elif running is not None:  # the running service's catalogue: no server is started for this
+        tools = [tool for server in running.values() for tool in server["tools"]]
+        failed = [ProbeResult(name, server["state"], server["error"], [], 0.0) for name, server in running.items()
+                  if server["state"] == "failed"]
     else:
         interactive = sys.stderr.isatty()
 
@@ -490,11 +499,22 @@ def cmd_call(vault: Vault, args) -> int:
     if not isinstance(arguments, dict):
         raise CofferError("arguments must be a JSON object, e.g. '{\"timezone\": \"UTC\"}'")
     server = args.tool.partition(SEPARATOR)[0]
-    with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
+    session = open_service_session(vault.home)
+    if session is not None:  # the running service: its servers are warm, nothing starts for this call
         try:
-            result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
-        except UpstreamFailure as exc:
-            raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
+            answer = session.request("tools/call", {"name": args.tool, "arguments": arguments},
+                                     float(vault.settings()["call_timeout"]) + 10)
+        finally:
+            session.close()
+        if "error" in answer:
+            raise CofferError(printable(str(answer["error"].get("message") or answer["error"])))
+        result = answer.get("result")
+    else:
+        with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
+            try:
+                result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
+            except UpstreamFailure as exc:
+                raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
     say_json(result)
     return 1 if isinstance(result, dict) and result.get("isError") else 0
 

@@ -29,6 +29,7 @@ from coffer_src.errors import CofferError
 from coffer_src.names import NAME_MAX_LENGTH_MIN
 from coffer_src.probe import ServerProbe
 from coffer_src.secret_store import ENV_REF_RE, expand_vars, references
+from coffer_src.service.commands import service_tools
 from coffer_src.terminal import ServerLog, looks_secret, say
 from coffer_src.vault import MIGRATIONS, PRIVATE_FILES, SCHEMA_PARTS, _state
 
@@ -208,7 +209,16 @@ def schema_problems(tables: dict[str, set[str]], path: str, read_only: bool) -> 
 
 
 def probe_all(vault) -> Callable:
-    """probe(server) -> (ok, exposed tool names, error), from one ServerProbe that starts every server at once."""
+    """probe(server) -> (ok, exposed tool names, error): what the running service sees, or else what one
+    ServerProbe that starts every server at once finds."""
+    running = service_tools(vault.home)
+    if running is not None:
+        def probe_live(server):
+            live = running.get(server["name"])
+            if live is None:
+                return False, [], "not started (disabled or damaged)"
+            return live["state"] == "ready", [tool["name"] for tool in live["tools"]], live["error"] or live["state"]
+        return probe_live
     results = {result.name: result for result in ServerProbe(vault).run()}
 
     def probe(server):

@@ -42,11 +42,12 @@ RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout
 SHARED_CLIENT_CAPABILITIES = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
 
 
-class PerClientServer:
-    """A server that runs one instance per client session: what the catalogue lists for it (its lists remembered
-    from its last start) until a session's own instance is asked; the session starts that on first use."""
+class RememberedServer:
+    """A server with no instance running in the hub: what the catalogue lists for it, from its lists remembered
+    at its last start, until an instance is asked for."""
 
-    per_client = True
+    per_client = False   # True: each client session runs an instance of its own (PerClientServer)
+    dormant = False      # True: stopped for want of calls; the hub starts it again on the next one
     spawns = 0
     ready_at = 0.0
     generation = 0
@@ -61,11 +62,24 @@ class PerClientServer:
         self.state = "idle"
 
     def learn(self, lists: dict) -> bool:
-        """A session's instance listed these: remember them for every session's catalogue.  True if they changed."""
+        """An instance listed these: remember them for every session's catalogue.  True if they changed."""
         kept = {kind: items for kind, items in lists.items() if kind in ("tool", "prompt") and items}
         changed = kept != self.remembered
         self.remembered = kept
         return changed
+
+
+class PerClientServer(RememberedServer):
+    """A server that runs one instance per client session; a session starts its own on first use."""
+
+    per_client = True
+
+
+class DormantServer(RememberedServer):
+    """A shared server stopped after upstream_idle_stop seconds without a call; its tools stay listed, and the
+    next call starts it again (and waits for it, as a call to a starting server does)."""
+
+    dormant = True
 
 
 class Hub:
@@ -100,6 +114,7 @@ class Hub:
         self.disabled_servers: set[str] = set()
         self.upstreams: dict[str, Upstream] = {}
         self.per_client: dict[str, PerClientServer] = {}   # shared mode: servers each session runs its own of
+        self.dormant: dict[str, DormantServer] = {}         # shared mode: servers stopped while unused
         self._progress: dict[str, object] = {}             # Coffer's progress token upstream -> its session
         self._progress_ids = itertools.count(1)
         self.configs: dict[str, dict] = {}
@@ -324,6 +339,10 @@ class Hub:
             if now - last_reload >= 1.0:
                 last_reload = now
                 try:
+                    self._stop_idle()
+                except Exception:  # noqa: BLE001 - the ticker also guards every timeout
+                    hub_log.exception("could not stop an idle upstream")
+                try:
                     self._reload_if_vault_changed()
                 except Exception:  # noqa: BLE001 - the ticker also guards every timeout
                     hub_log.exception("could not apply vault changes")
@@ -370,14 +389,69 @@ class Hub:
                 for session in self.sessions:
                     session.drop_private(name)
                 changed = True
+        for name, placeholder in self.dormant.items():
+            old, new = self.configs.get(name), configs.get(name)
+            if new is None or any(old.get(k) != new.get(k) for k in RESTART_KEYS):
+                with self.lock:
+                    self.dormant = {key: p for key, p in self.dormant.items() if key != name}
+                changed = True
         self.configs = configs
         for name, config in configs.items():
-            if name not in self.upstreams and name not in self.per_client:
+            if name not in self.upstreams and name not in self.per_client and name not in self.dormant:
                 self._add_upstream(config)
         if changed:
             self.rebuild()
 
+    # -- idle upstreams (shared mode) -----------------------------------------------------------------------------
+    def _stop_idle(self) -> None:
+        """Stop each shared upstream that has had no call for upstream_idle_stop seconds (and has nothing in
+        flight); what it listed stays in the catalogue."""
+        limit = str(self.settings.get("upstream_idle_stop", "off"))
+        if not self.shared or limit == "off":
+            return
+        now = time.time()
+        for name, upstream in self.upstreams.items():
+            last = getattr(upstream, "last_call", None)
+            if last is None or upstream.state != "ready" or now - last < float(limit) or \
+                    not upstream.requests.idle():
+                continue
+            with self.lock:
+                if self.upstreams.get(name) is not upstream:
+                    continue
+                placeholder = DormantServer(self.configs.get(name) or upstream.config,
+                                            {kind: items for kind, items in upstream.lists.items()
+                                             if kind in ("tool", "prompt") and items})
+                self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
+                self.dormant = {**self.dormant, name: placeholder}
+            ServerLog(hub_log, name).info("stopped after %gs without a call; the next call starts it again",
+                                          float(limit))
+            start_thread(upstream.stop, f"coffer-{name}-stop")
+            self.rebuild()
+
+    def wake(self, name: str) -> Upstream | None:
+        """Start a dormant server again for a call (the call waits for its start); the running upstream."""
+        with self.lock:
+            placeholder = self.dormant.get(name)
+            if placeholder is None:
+                return self.upstreams.get(name)
+            self.dormant = {key: p for key, p in self.dormant.items() if key != name}
+            self.remembered[name] = placeholder.remembered
+        self._add_upstream(placeholder.config)
+        self.rebuild()
+        return self.upstreams.get(name)
+
     # -- events from upstreams (see upstream.supervisor: the upstream events interface) -----------------------
+    def _retired(self, upstream: Upstream) -> bool:
+        """A shared instance switched to per-client, still finishing its calls: what it lists now is what every
+        client's own instance will list, so the catalogue learns it from here (no client has to start one
+        just to find out); nothing else it does concerns the hub any more."""
+        placeholder = self.per_client.get(upstream.name)
+        if placeholder is None or self.upstreams.get(upstream.name) is upstream:
+            return False
+        if upstream.ready_at and placeholder.learn(upstream.lists):
+            self.rebuild()
+        return True
+
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
             with self.vault_lock:
@@ -390,10 +464,14 @@ class Hub:
                 with self.vault_lock:
                     self.states = {**{(upstream.name, kind, name): CapabilityState(False) for name in items},
                                    **self.states}
-        if notify:
+        if notify and not self._retired(upstream):
             self.rebuild()
 
     def on_ready(self, upstream: Upstream) -> None:
+        if self._retired(upstream):
+            return
+        if getattr(upstream, "last_call", None) is None:
+            upstream.last_call = time.time()  # idle since it came up (see _stop_idle)
         self._remember_transport(upstream)
         if upstream.era != upstream.config.get("era"):
             try:
@@ -430,6 +508,8 @@ class Hub:
                 ServerLog(hub_log, upstream.name).warning("could not remember its transport: %s", exc)
 
     def on_down(self, upstream: Upstream) -> None:
+        if self.per_client.get(upstream.name) is not None and self.upstreams.get(upstream.name) is not upstream:
+            return  # a retired shared instance (see _retired) ending: its clients have their own
         for session in self.sessions:
             session.upstream_down(upstream)
         self.record_status(upstream, upstream.state)
@@ -548,7 +628,7 @@ class Hub:
                 self._rebuilds_done = self._rebuilds_wanted
                 force, self._force_tools_notice = self._force_tools_notice, False
             live = [up for up in self.upstreams.values() if up.state not in ("failed", "stopped")]
-            live += list(self.per_client.values())
+            live += [*self.per_client.values(), *self.dormant.values()]
             catalogue = Catalogue(live, self.states, self.settings["name_max_length"])
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new

@@ -391,6 +391,8 @@ class ClientSession:
     def instance_of(self, upstream):
         """The upstream a call of this session goes to: the shared one, or this session's own instance of a
         per-client server (started now if this is its first use; a call waits for its start)."""
+        if getattr(upstream, "dormant", False):
+            return self.hub.wake(upstream.name) or upstream
         if not getattr(upstream, "per_client", False):
             return upstream
         with self.lock:

@@ -14,10 +14,12 @@ from coffer_src import __version__
 from coffer_src.errors import CofferError
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
+from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, decode_json, encode_line, rpc_error
 from coffer_src.resources import own_command
 from coffer_src.service.channel import (
     ChannelError,
     StartLock,
+    connect,
     control,
     detached_popen_options,
     process_alive,
@@ -93,6 +95,64 @@ def spawn_service(home: str) -> None:
     subprocess.Popen(own_command("service", "run"), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, cwd=home, env={**os.environ, "COFFER_HOME": home}, close_fds=True,
                      **detached_popen_options())
+
+
+class ServiceSession:
+    """The CLI as one more client of a running service (`coffer call`): no server is started for it."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.reader = conn.makefile("rb")
+        self.next_id = 0
+
+    def request(self, method: str, params: dict, timeout: float | None = None) -> dict:
+        """Send a request and wait for its answer; a request of the service meanwhile is refused, a notification
+        skipped.  Returns the JSON-RPC answer."""
+        self.next_id += 1
+        msg_id = self.next_id
+        self.conn.settimeout(timeout)
+        self.conn.sendall(encode_line({"jsonrpc": "2.0", "id": msg_id, "method": method, "params": params}))
+        while True:
+            line = self.reader.readline(MAX_CLI_ANSWER)
+            if not line:
+                raise CofferError("the Coffer service closed the connection")
+            message = decode_json(line)
+            if not isinstance(message, dict):
+                continue
+            if message.get("id") == msg_id and "method" not in message:
+                return message
+            if "method" in message and "id" in message:
+                self.conn.sendall(encode_line(rpc_error(message["id"], METHOD_NOT_FOUND,
+                                                        "the coffer CLI cannot answer this")))
+
+    def close(self) -> None:
+        self.reader.close()
+        self.conn.close()
+
+
+#: The largest answer the CLI reads from the service in one line.
+MAX_CLI_ANSWER = 256 << 20
+
+
+def open_service_session(home: str) -> ServiceSession | None:
+    """A session with the running service, initialized, or None when no service runs."""
+    connected = connect(home, {"coffer": 1, "kind": "session", "version": __version__, "pid": os.getpid()})
+    if connected is None:
+        return None
+    session = ServiceSession(connected[0])
+    answer = session.request("initialize", {"protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+                                            "clientInfo": {"name": "coffer-cli", "version": __version__}}, 30)
+    if "result" not in answer:
+        session.close()
+        return None
+    session.conn.sendall(encode_line({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+    return session
+
+
+def service_tools(home: str) -> dict | None:
+    """server -> {state, error, tools} from the running service, or None when none runs."""
+    answer = control(home, {"op": "tools"}, timeout=30)
+    return answer.get("tools") if answer and isinstance(answer.get("tools"), dict) else None
 
 
 def service_running(home: str) -> dict | None:

@@ -21,7 +21,6 @@ from typing import Callable
 
 from coffer_src.jsonrpc import (
     INTERNAL_ERROR,
-    decode_json,
     encode_line,
     request_id_in,
     request_ids_in_unreadable,
@@ -194,8 +193,10 @@ class Relay:
             if msg_id is not None and self.current is not None:
                 self.current.pending[_id_key(msg_id)] = msg_id
             return
+        if b'"method"' not in line:
+            return  # an answer to a request of the service's: nothing to keep
         try:
-            message = decode_json(line)
+            message = json.loads(line)
         except ValueError:  # the service answers it with a parse error, under each request's own id
             if self.current is not None:
                 for msg_id in request_ids_in_unreadable(line):

@@ -42,6 +42,7 @@ service_log = logging.getLogger(__name__)
 #: re-attaches): a client that stops reading costs the service this much memory, never a stuck upstream.
 MAX_UNREAD_BYTES = 64 << 20
 MAX_CONNECTIONS = 256
+DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 LOG_BYTES, LOG_BACKUPS = 2 << 20, 3
 
 
@@ -79,10 +80,7 @@ class SocketOutput:
                 raise BrokenPipeError("the session's connection is closed")
             if not self.queue:
                 try:
-                    _, writable, _ = select.select([], [self.conn], [], 0)
-                    if writable:
-                        sent = self.conn.send(data)
-                        data = data[sent:]
+                    data = data[self._send_now(data):]
                 except OSError:
                     self.closed = True
                     raise
@@ -98,6 +96,16 @@ class SocketOutput:
 
     def flush(self) -> None:
         pass
+
+    def _send_now(self, data: bytes) -> int:
+        """Send what the socket takes without waiting: MSG_DONTWAIT where there is one, else after select()."""
+        if DONTWAIT:
+            try:
+                return self.conn.send(data, DONTWAIT)
+            except BlockingIOError:
+                return 0
+        _, writable, _ = select.select([], [self.conn], [], 0)
+        return self.conn.send(data) if writable else 0
 
     def _drain(self) -> None:
         while True:
@@ -300,6 +308,8 @@ class Service:
         op = request.get("op")
         if op == "status":
             return {"status": self.status()}
+        if op == "tools":
+            return {"tools": self.tools()}
         if op == "stop":
             self.stopping.set()
             return {"ok": True}
@@ -321,6 +331,25 @@ class Service:
         for session in sessions:
             session.stream.send({"coffer": "handover"})
 
+    def tools(self) -> dict:
+        """Every usable tool of the catalogue by server, as a client can call it, and each server's state: what
+        `coffer tools`, `call` and `doctor` read from a running service instead of starting servers themselves."""
+        catalogue = self.hub.catalogue
+        by_server: dict[str, list] = {}
+        for tool in catalogue.tools:
+            route = catalogue.tool_routes.get(tool["name"])
+            if route is not None:
+                by_server.setdefault(route.upstream.name, []).append(tool)
+        servers = {}
+        for name, config in self.hub.configs.items():
+            upstream = self.hub.upstreams.get(name) or self.hub.per_client.get(name) or self.hub.dormant.get(name)
+            state = getattr(upstream, "state", None) or config.get("status") or "not started"
+            if getattr(upstream, "per_client", False) or getattr(upstream, "dormant", False):
+                state = "ready"  # listed from its last start; a call starts an instance
+            servers[name] = {"state": state, "error": getattr(upstream, "last_error", None) or "",
+                             "tools": by_server.get(name, [])}
+        return servers
+
     def status(self) -> dict:
         with self.lock:
             sessions = list(self.sessions)
@@ -331,11 +360,12 @@ class Service:
                 users[name] += 1
         for upstream in self.hub.upstreams.values():
             users[upstream.name] = sum(1 for s in sessions if s.calls.used(upstream))
-        for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items()]:
+        for name, upstream in [*self.hub.upstreams.items(), *self.hub.per_client.items(), *self.hub.dormant.items()]:
             transport = getattr(upstream, "transport", None)
             pid = transport.pid if isinstance(transport, StdioTransport) else None
             last = getattr(upstream, "last_call", None)
-            upstreams.append({"name": name, "state": upstream.state, "pid": pid, "rss_mb": rss_mb(pid),
+            state = "stopped (idle)" if getattr(upstream, "dormant", False) else upstream.state
+            upstreams.append({"name": name, "state": state, "pid": pid, "rss_mb": rss_mb(pid),
                               "sharing": "per-client" if getattr(upstream, "per_client", False) else "shared",
                               "sessions": users.get(name, 0), "last_call": iso_timestamp(last) if last else None})
         return {"service": {"pid": os.getpid(), "version": __version__, "uptime_s": round(time.time() -
