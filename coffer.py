@@ -54,8 +54,8 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      13247  probe                 Probes: starting a server once to see what it offers, from the command line.
      13416  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
      14084  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14860  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15152  cli                   Command line: coffer's commands.
+     14947  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15300  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -14651,16 +14651,34 @@ def coffer_launch_command() -> list[str]:
     return [os.path.abspath(sys.executable), module, "serve"]  # not realpath: a venv's python is its own
 
 
-def coffer_entry(client: str, vault) -> dict:
+def coffer_entry(client: str, vault, project: bool = False) -> tuple[dict, list[str]]:
+    """Coffer's entry for a client's config, and what the user should know about it.
+
+    A user's own file gets an absolute command (desktop apps start servers with a minimal PATH) and, with a
+    non-default COFFER_HOME, that home.  A project's file is shared (teams commit it): it gets the portable
+    ``coffer serve`` and no per-user path or home -- unless no ``coffer`` is on PATH, when it gets this machine's
+    path and the note says why."""
+    notes = []
     argv = coffer_launch_command()
+    if project and shutil.which("coffer"):
+        argv = ["coffer", "serve"]
+        notes.append("a project file is shared, so the entry is the portable `coffer serve` (a client started "
+                     "from a desktop launcher may not find `coffer` on its PATH: then use the user-scope install)")
+    elif project:
+        notes.append(f"`coffer` is not on PATH here, so the project file holds this machine's path to it "
+                     f"({argv[0]}); install Coffer as a command (pipx install coffer-mcp) for an entry that works "
+                     "for everyone")
     entry: dict = {"command": argv[0], "args": argv[1:]}
-    if os.environ.get("COFFER_HOME"):   # a non-default vault: the client must start Coffer on the same one
+    if os.environ.get("COFFER_HOME") and project:
+        notes.append(f"COFFER_HOME ({vault.home}) is yours alone, so it is not written into a shared file: set it "
+                     "in the client's environment, or use the user-scope install")
+    elif os.environ.get("COFFER_HOME"):   # a non-default vault: the client must start Coffer on the same one
         entry["env"] = {"COFFER_HOME": vault.home}
     if client in ("claude-code", "vscode"):
         entry = {"type": "stdio", **entry}
     elif client == "zed":
         entry = {"source": "custom", **entry}
-    return entry
+    return entry, notes
 
 
 def install_target(client: str, ctx: ClientContext, project: bool) -> ClientFile:
@@ -14693,19 +14711,25 @@ def _write_private(path: str, data: str) -> None:
     write_private_file(path, data.encode("utf-8"))
 
 
-def write_config_file(path: str, text: str) -> str | None:
-    """Back up ``path`` next to itself, then replace it atomically (through a symlink, keeping its mode)."""
+def write_config_file(path: str, text: str, backups: str) -> str | None:
+    """Back up ``path`` (privately, into the directory ``backups`` under COFFER_HOME: never beside a file a team
+    commits), then replace it atomically (through a symlink, keeping its mode)."""
     target = os.path.realpath(path)
     backup = None
     mode = 0o600
     if os.path.exists(target):
         mode = stat.S_IMODE(os.stat(target).st_mode)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        backup, n = f"{path}.coffer-backup-{stamp}", 1
+        digest = hashlib.sha256(target.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        base = os.path.join(backups, f"{os.path.basename(path)}-{digest}.coffer-backup-{stamp}")
+        backup, n = base, 1
         while os.path.exists(backup):
             n += 1
-            backup = f"{path}.coffer-backup-{stamp}-{n}"
-        shutil.copy2(target, backup)
+            backup = f"{base}-{n}"
+        with open(target, "rb") as handle:
+            original = handle.read()
+        os.makedirs(backups, mode=0o700, exist_ok=True)
+        write_private_file(backup, original)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     write_private_file(target, text.encode("utf-8"), mode)
     return backup
@@ -14723,6 +14747,8 @@ class EditResult:
     restored: list = dataclasses.field(default_factory=list)     # servers uninstall put back
     kept_out: list = dataclasses.field(default_factory=list)     # (name, why) uninstall could not put back
     stash: str | None = None
+    renamed: list = dataclasses.field(default_factory=list)      # what a --replace moved: sentences for the user
+    notes: list = dataclasses.field(default_factory=list)        # what the user should know about the entry
 
 
 def _toml_block(name: str, entry: dict) -> str:
@@ -14790,37 +14816,80 @@ def registered_in_coffer(vault, store, file: ClientFile, servers: dict, ctx: Cli
     return found
 
 
+def _local_scopes(client: str, file: ClientFile, ctx: ClientContext) -> list[ClientFile]:
+    """Claude Code's local scope for the current project (projects[<dir>].mcpServers in the user's own file): what
+    a user-scope install --replace and uninstall cover too, since that client runs those servers beside Coffer."""
+    if client != "claude-code" or file.scope != "user":
+        return []
+    return [f for f in client_files(client, ctx, project=True) if f.scope == "local" and f.path == file.path]
+
+
+def _moved_names(vault, removed: dict) -> list[str]:
+    """Sentences for the entries --replace takes out that Coffer serves under another name: the agent's tool names
+    change, and the old prefix may now reach a different server."""
+    names = {s["name"] for s in vault.servers()}
+    moved = []
+    for entry, served in sorted(removed.items()):
+        if entry == served:
+            continue
+        text = f"{entry} is served as {served}: its tools are now {served}__<tool>"
+        legal = legal_server_name(entry)[0]
+        if legal != served and legal in names:
+            text += f", and {legal}__<tool> now reaches another server ({legal}, imported from another client)"
+        moved.append(text)
+    return moved
+
+
+def _stash_removed(vault, file: ClientFile, document, servers: dict, names, client: str) -> str:
+    """Keep the entries --replace takes out (they may hold literal secrets) in a private file, never coffer.db."""
+    path = stash_path(vault, file)
+    stash = _read_stash(path)
+    for name in names:
+        stash["entries"][name] = {"toml": document.server_text(name)} if file.fmt == "toml" else servers[name]
+    stash.update(client=client, path=file.path, container=list(file.container), saved_at=utcnow())
+    _write_private(path, json.dumps(stash, indent=2, ensure_ascii=False))
+    return path
+
+
 def install_client(vault, store, client: str, ctx: ClientContext, project: bool = False, replace: bool = False,
                    dry_run: bool = False) -> EditResult:
     file = install_target(client, ctx, project)
     try:
         text = read_config_text(file.path)
         document, servers = load_client_file(file, text) if text is not None else (None, {})
+        local = []   # (ClientFile, its servers, {entry: Coffer name}) of the local scope --replace covers too
+        for scope in (_local_scopes(client, file, ctx) if replace and text is not None else []):
+            scope_servers = load_client_file(scope, text)[1]
+            found = registered_in_coffer(vault, store, scope, scope_servers, ctx)
+            if found:
+                local.append((scope, scope_servers, found))
     except ConfigProblem as exc:
         raise CofferError(f"{file.path}: {exc}; not rewritten") from None
-    entry = coffer_entry(client, vault)
+    entry, notes = coffer_entry(client, vault, project)
     current = servers.get(COFFER_ENTRY)
     put = {} if current == entry else {COFFER_ENTRY: entry}
     removed = registered_in_coffer(vault, store, file, servers, ctx) if replace else {}
-    result = EditResult(client, file.path, changed=bool(put or removed), removed=sorted(removed))
+    result = EditResult(client, file.path, changed=bool(put or removed or local), removed=sorted(removed),
+                        notes=notes if put else [])
+    for scope, _, found in local:
+        result.removed += [f"{name} (local scope of {scope.project_root})" for name in sorted(found)]
+    result.renamed = _moved_names(vault, {**removed, **{k: v for _, _, found in local for k, v in found.items()}})
     if not result.changed:
         return result
     try:
         result.text, _ = _edit_servers(file, text, put, list(removed))
+        for scope, _, found in local:
+            result.text, _ = _edit_servers(scope, result.text, {}, list(found))
     except ConfigProblem as exc:
         raise CofferError(f"{file.path}: {exc}; not rewritten") from None
     if dry_run:
         return result
     if removed:
-        # The removed entries may hold literal secrets: they go to a private file, never to coffer.db.
-        result.stash = stash_path(vault, file)
-        stash = _read_stash(result.stash)
-        for name in removed:
-            stash["entries"][name] = ({"toml": document.server_text(name)} if file.fmt == "toml"
-                                      else servers[name])
-        stash.update(client=client, path=file.path, container=list(file.container), saved_at=utcnow())
-        _write_private(result.stash, json.dumps(stash, indent=2, ensure_ascii=False))
-    result.backup = write_config_file(file.path, result.text)
+        result.stash = _stash_removed(vault, file, document, servers, removed, client)
+    for scope, scope_servers, found in local:
+        stashed = _stash_removed(vault, scope, document, scope_servers, found, client)
+        result.stash = result.stash or stashed
+    result.backup = write_config_file(file.path, result.text, os.path.join(vault.home, "backups"))
     return result
 
 
@@ -14833,33 +14902,51 @@ def uninstall_client(vault, store, client: str, ctx: ClientContext, project: boo
     except ConfigProblem as exc:
         raise CofferError(f"{file.path}: {exc}; not rewritten") from None
     result = EditResult(client, file.path, changed=False, stash=stash_path(vault, file))
-    stash = _read_stash(result.stash)
     drop = [COFFER_ENTRY] if COFFER_ENTRY in servers else []
-    put = {}
-    for name, entry in stash["entries"].items():
-        if name in servers:
-            result.kept_out.append((name, "an entry of that name is in the file again"))
-        elif isinstance(entry, dict):
-            put[name] = entry
-            result.restored.append(name)
-    result.changed = bool(drop or put)
+    scopes = [(file, servers, drop)]
+    try:
+        for scope in (_local_scopes(client, file, ctx) if text is not None else []):
+            if os.path.exists(stash_path(vault, scope)):
+                scopes.append((scope, load_client_file(scope, text)[1], []))
+    except ConfigProblem as exc:
+        raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    edits = []   # (scope, what to put back, stash, names restored)
+    for scope, scope_servers, scope_drop in scopes:
+        stash = _read_stash(stash_path(vault, scope))
+        put, restored = {}, []
+        for name, entry in stash["entries"].items():
+            if name in scope_servers:
+                result.kept_out.append((name, "an entry of that name is in the file again"))
+            elif isinstance(entry, dict):
+                put[name] = entry
+                restored.append(name)
+        result.restored += restored if scope is file else [f"{n} (local scope of {scope.project_root})"
+                                                            for n in restored]
+        edits.append((scope, put, scope_drop, stash, restored))
+    result.changed = any(put or scope_drop for _, put, scope_drop, _, _ in edits)
     if result.changed:
         try:
-            result.text, _ = _edit_servers(file, text, put, drop)
+            result.text = text
+            for scope, put, scope_drop, _, _ in edits:
+                if put or scope_drop:
+                    result.text, _ = _edit_servers(scope, result.text, put, scope_drop)
         except ConfigProblem as exc:
             raise CofferError(f"{file.path}: {exc}; not rewritten") from None
     if dry_run:
         return result
     if result.changed:
-        result.backup = write_config_file(file.path, result.text)
-    if os.path.exists(result.stash):
-        remaining = {name: entry for name, entry in stash["entries"].items()
-                     if name not in result.restored and name not in dict(result.kept_out)}
-        if remaining:
-            stash["entries"] = remaining
-            _write_private(result.stash, json.dumps(stash, indent=2, ensure_ascii=False))
-        else:
-            os.unlink(result.stash)
+        result.backup = write_config_file(file.path, result.text, os.path.join(vault.home, "backups"))
+    kept_out = dict(result.kept_out)
+    for scope, _, _, stash, restored in edits:
+        path = stash_path(vault, scope)
+        if os.path.exists(path):
+            remaining = {name: entry for name, entry in stash["entries"].items()
+                         if name not in restored and name not in kept_out}
+            if remaining:
+                stash["entries"] = remaining
+                _write_private(path, json.dumps(stash, indent=2, ensure_ascii=False))
+            else:
+                os.unlink(path)
     return result
 
 
@@ -14879,7 +14966,9 @@ def _problem(problem: str, fix: str, severity: str = "error") -> dict:
 def client_report(vault, store, ctx: ClientContext) -> list[dict]:
     reports = []
     for client in CLIENTS:
-        for file in client_files(client, ctx):
+        files = client_files(client, ctx)
+        user_install = False  # Claude Code's local scope runs beside the user scope's entries
+        for file in files:
             exists = os.path.exists(file.path)
             if file.scope != "user" and not exists:
                 continue
@@ -14895,15 +14984,63 @@ def client_report(vault, store, ctx: ClientContext) -> list[dict]:
             if file.scope == "local" and not servers:
                 continue
             report["installed"] = COFFER_ENTRY in servers
+            if file.scope == "user":
+                user_install = report["installed"]
             duplicates = registered_in_coffer(vault, store, file, servers, ctx)
             report["duplicates"] = sorted(duplicates)
-            if report["installed"] and duplicates:
-                flag = " --project" if file.scope == "project" else ""
+            beside = report["installed"] or (file.scope == "local" and user_install)
+            if beside and duplicates:
+                if file.scope == "local":   # keyed by the project's directory: the install must run there
+                    fix = f"cd {shlex.quote(file.project_root or ctx.cwd)} && coffer install {client} --replace"
+                else:
+                    fix = f"coffer install {client}{' --project' if file.scope == 'project' else ''} --replace"
+                where = f" (its local scope for {file.project_root})" if file.scope == "local" else ""
                 report["problems"].append(_problem(
-                    f"{client} runs {', '.join(sorted(duplicates))} beside Coffer, so the agent sees them twice",
-                    f"coffer install {client}{flag} --replace", "warning"))
+                    f"{client}{where} runs {', '.join(sorted(duplicates))} beside Coffer, so the agent sees them "
+                    "twice", fix, "warning"))
             reports.append(report)
     return reports
+
+
+def knowledge_report(vault, settings: dict) -> dict:
+    """The knowledge sources and memory, read without opening the knowledge base (a doctor changes nothing)."""
+    problems, sources = [], []
+    memory = settings.get("memory", "off")
+    try:
+        tables = vault.table_columns()
+        rows = vault.db.execute("SELECT name, root, kind, indexed_at FROM knowledge_sources ORDER BY name").fetchall() \
+            if "knowledge_sources" in tables else []
+        counts = dict(vault.db.execute("SELECT source, count(*) FROM knowledge_passages GROUP BY source").fetchall()) \
+            if "knowledge_passages" in tables else {}
+    except (CofferError, sqlite3.Error) as exc:
+        return {"ok": False, "memory": memory, "sources": [], "problems": [_problem(
+            f"the knowledge sources cannot be read: {exc}", "coffer doctor --json shows the vault's state")]}
+    for row in rows:
+        name, root, kind = row["name"], row["root"], row["kind"]
+        passages = counts.get(name, 0)
+        sources.append({"name": name, "root": root, "kind": kind, "passages": passages,
+                        "indexed_at": row["indexed_at"]})
+        if kind == "memory":
+            continue
+        if not os.path.isdir(root):
+            problems.append(_problem(f"knowledge source {name}: its folder {root} is gone",
+                                     f"restore it, or: coffer knowledge remove {name}"))
+        elif not os.access(root, os.R_OK | os.X_OK):
+            problems.append(_problem(f"knowledge source {name}: its folder {root} cannot be read",
+                                     f"chmod u+rx {shlex.quote(root)}"))
+        elif not row["indexed_at"]:
+            problems.append(_problem(f"knowledge source {name} was never indexed",
+                                     f"coffer knowledge reindex {name}", "warning"))
+        elif not passages:
+            problems.append(_problem(f"knowledge source {name} holds no passages (no file matched its globs)",
+                                     f"coffer knowledge remove {name} && coffer knowledge add {shlex.quote(root)} "
+                                     "--glob '**/*.md'", "warning"))
+    memory_dir = os.path.join(vault.home, "memory")
+    if memory == "on" and os.path.isdir(memory_dir) and not os.access(memory_dir, os.W_OK | os.X_OK):
+        problems.append(_problem(f"memory is on but {memory_dir} cannot be written: coffer__remember fails",
+                                 f"chmod u+rwx {shlex.quote(memory_dir)}"))
+    return {"ok": not any(p["severity"] == "error" for p in problems), "memory": memory, "sources": sources,
+            "problems": problems}
 
 
 def server_report(vault, store, server: dict, installed_clients: set, probe, settings: dict) -> dict:
@@ -15093,8 +15230,9 @@ def run_doctor(vault, store, ctx: ClientContext, probe=None) -> dict:
     for thread in threads:
         thread.join()
     vault_state = vault_report(vault)
-    return {"ok": all(r["ok"] for r in reports) and vault_state["ok"], "servers": reports, "clients": clients,
-            "vault": vault_state}
+    knowledge = knowledge_report(vault, settings)
+    return {"ok": all(r["ok"] for r in reports) and vault_state["ok"] and knowledge["ok"], "servers": reports,
+            "clients": clients, "knowledge": knowledge, "vault": vault_state}
 
 
 def print_doctor(report: dict) -> None:
@@ -15111,8 +15249,18 @@ def print_doctor(report: dict) -> None:
     for client in report["clients"]:
         state = ("Coffer installed" if client["installed"] else "Coffer not installed") if client["found"] \
             else "no config"
-        say(f"  {client['client']:<15} {state:<21} {client['path']}")
+        say(f"  {client['client']:<15} {state:<21} {client['path']} ({client['scope']} scope)")
+        if client["duplicates"]:
+            say(f"      also runs, and Coffer serves: {', '.join(client['duplicates'])}")
         for problem in client["problems"]:
+            say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+    knowledge = report.get("knowledge")
+    if knowledge is not None:
+        say(f"knowledge: memory {knowledge['memory']}" + ("" if knowledge["sources"] else
+                                                          "; no sources (coffer knowledge add PATH)"))
+        for source in knowledge["sources"]:
+            say(f"  {source['name']:<15} {source['passages']} passages  {source['root']}")
+        for problem in knowledge["problems"]:
             say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
     vault_state = report["vault"]
     say(f"vault: {vault_state['path']} {'ok' if vault_state['ok'] else ''}".rstrip())
@@ -15233,6 +15381,10 @@ def _print_edit(result: EditResult, verb: str, dry_run: bool) -> None:
     say(f"{prefix}{verb} {result.client}: {result.path}")
     if result.removed:
         say(f"  {'would remove' if dry_run else 'removed'} (now served through Coffer): {', '.join(result.removed)}")
+    for moved in result.renamed:
+        say(f"  names moved: {moved}")
+    for note in result.notes:
+        say(f"  note: {note}")
     if result.restored:
         say(f"  {'would put back' if dry_run else 'put back'}: {', '.join(result.restored)}")
     for name, why in result.kept_out:

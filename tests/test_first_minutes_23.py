@@ -154,3 +154,124 @@ def test_import_moves_only_secret_looking_values_warns_about_commands_and_a_dry_
     assert "${OTHER_SERVICE_TOKEN}" in added.stdout and "DATA_DIR" not in added.stdout
     assert json.loads(cli("show", "other", "--json").stdout)["env"] == {
         "DATA_DIR": "/srv/data", "SERVICE_TOKEN": "${OTHER_SERVICE_TOKEN}"}
+
+
+# -- 12-15. install --replace, renames, Claude Code's local scope, project files ------------------------------------
+
+@pytest.fixture
+def machine(tmp_path):
+    """A user's machine: HOME, the client config dirs and COFFER_HOME inside tmp, a project directory to work in."""
+    home, project = tmp_path / "home", tmp_path / "work" / "project"
+    project.mkdir(parents=True)
+    (home / ".config").mkdir(parents=True)
+    env = {**os.environ, "HOME": str(home), "USERPROFILE": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+           "APPDATA": str(home / "AppData" / "Roaming"), "CODEX_HOME": str(home / ".codex"),
+           "COFFER_HOME": str(tmp_path / "coffer-home")}
+    env.pop("FLATPAK_XDG_CONFIG_HOME", None)
+
+    def run(*args, check=True, cwd=project):
+        proc = subprocess.run([PY, COFFER, *args], capture_output=True, text=True, timeout=180, env=env, cwd=cwd)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"coffer {' '.join(args)} exited {proc.returncode}: {proc.stderr}{proc.stdout}")
+        return proc
+
+    class Machine:
+        pass
+
+    m = Machine()
+    m.home, m.project, m.env, m.run, m.coffer_home = home, project, env, run, tmp_path / "coffer-home"
+    return m
+
+
+def write_json(path, value):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2))
+    return path
+
+
+def test_install_replace_recognises_every_server_imported_from_that_file(machine):
+    vscode = write_json(machine.project / ".vscode" / "mcp.json", {
+        "inputs": [{"type": "promptString", "id": "api-token", "description": "token", "password": True}],
+        "servers": {"memory": {"type": "stdio", "command": PY, "args": ["-c", "pass"],
+                               "env": {"MEMORY_FILE_PATH": str(machine.project / "memory.jsonl"),
+                                       "API_TOKEN": "${input:api-token}"}},
+                    "tokened": {"type": "stdio", "command": PY, "args": ["-c", "pass", "--token", "ghp_" + "x1Y2" * 8],
+                                "env": {"SECRET_KEY": "sk-" + "Lm4Nb5Vc6" * 3}}}})
+    imported = machine.run("import", "vscode")
+    assert "${API_TOKEN}" in imported.stdout  # the input is now a reference the user sets, as the plan says:
+    subprocess.run([PY, COFFER, "secret", "set", "API_TOKEN"], input="tok-" + "9" * 20, text=True, check=True,
+                   env=machine.env, capture_output=True)
+    machine.run("install", "vscode", "--project")
+    again = machine.run("install", "vscode", "--project")
+    assert "already as wanted" in again.stdout
+    replaced = machine.run("install", "vscode", "--project", "--replace")
+    assert "already as wanted" not in replaced.stdout, replaced.stdout
+    servers = json.loads(vscode.read_text())["servers"]
+    assert set(servers) == {"coffer"}, servers
+
+
+def test_install_replace_says_which_tool_names_moved_when_import_renamed_a_server(machine):
+    write_json(machine.home / ".config" / "Claude" / "claude_desktop_config.json", {"mcpServers": {
+        "filesystem": {"command": PY, "args": ["-c", "pass", "/home/me/a"]}}})
+    cursor = write_json(machine.home / ".cursor" / "mcp.json", {"mcpServers": {
+        "filesystem": {"command": PY, "args": ["-c", "pass", "/home/me/b"]}}})
+    imported = machine.run("import", "claude-desktop", "cursor")
+    assert "filesystem-2" in imported.stdout
+    out = machine.run("install", "cursor", "--replace").stdout
+    assert set(json.loads(cursor.read_text())["mcpServers"]) == {"coffer"}
+    assert "filesystem is served as filesystem-2" in out, out
+    assert "filesystem-2__" in out and "filesystem__<tool> now reaches another server" in out, out
+
+
+def test_claude_code_local_scope_is_replaced_doctor_says_so_and_its_fix_works(machine, tmp_path):
+    project = str(machine.project)
+    claude = write_json(machine.home / ".claude.json", {"numStartups": 3, "mcpServers": {}, "projects": {
+        project: {"mcpServers": {"local-a": {"type": "stdio", "command": PY, "args": ["-c", "pass", "local"]}}}}})
+    machine.run("import", "claude-code")
+    machine.run("install", "claude-code")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.md").write_text("# Deploys\nWe deploy on Tuesdays.\n")
+    machine.run("knowledge", "add", str(notes))
+    (notes / "a.md").unlink()
+    notes.rmdir()
+    doctor = machine.run("doctor", check=False)
+    assert "local scope" in doctor.stdout and "also runs, and Coffer serves: local-a" in doctor.stdout, doctor.stdout
+    report = json.loads(machine.run("doctor", "--json", check=False).stdout)
+    local = next(c for c in report["clients"] if c["scope"] == "local")
+    assert local["duplicates"] == ["local-a"]
+    fix = local["problems"][0]["fix"]
+    assert fix.endswith("coffer install claude-code --replace") and project in fix
+    knowledge = report["knowledge"]
+    assert any("is gone" in p["problem"] for p in knowledge["problems"]), knowledge
+    assert "knowledge" in doctor.stdout and "is gone" in doctor.stdout
+    machine.run("install", "claude-code", "--replace", cwd=project)   # the suggested fix, run where it says
+    assert json.loads(claude.read_text())["projects"][project]["mcpServers"] == {}
+    after = json.loads(machine.run("doctor", "--json", check=False).stdout)
+    assert not [c for c in after["clients"] if c["duplicates"]], after["clients"]
+    machine.run("uninstall", "claude-code", cwd=project)   # and uninstall puts it back
+    assert "local-a" in json.loads(claude.read_text())["projects"][project]["mcpServers"]
+
+
+def test_a_project_install_writes_a_portable_entry_and_keeps_backups_out_of_the_repository(machine, tmp_path):
+    cursor = write_json(machine.project / ".cursor" / "mcp.json", {"mcpServers": {
+        "team": {"command": "npx", "args": ["-y", "some-team-server"]}}})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "coffer").write_text(f"#!/bin/sh\nexec {PY} {COFFER} \"$@\"\n")
+    (bin_dir / "coffer").chmod(0o755)
+    machine.env["PATH"] = f"{bin_dir}{os.pathsep}{machine.env['PATH']}"
+    out = machine.run("install", "cursor", "--project").stdout
+    entry = json.loads(cursor.read_text())["mcpServers"]["coffer"]
+    assert entry == {"command": "coffer", "args": ["serve"]}, entry   # no per-user path, no COFFER_HOME
+    assert "COFFER_HOME" in out  # ...and it says why the user's own home is not written there
+    in_repo = [p.name for p in machine.project.rglob("*") if "backup" in p.name]
+    assert not in_repo, in_repo
+    backup = [line.split("backup: ", 1)[1] for line in out.splitlines() if "backup: " in line][0]
+    assert backup.startswith(str(machine.coffer_home)), backup
+    # without a `coffer` on PATH the entry cannot be portable: it says why
+    machine.env["PATH"] = os.pathsep.join(d for d in machine.env["PATH"].split(os.pathsep)[1:]
+                                          if not os.path.exists(os.path.join(d, "coffer")))
+    machine.run("uninstall", "cursor", "--project")
+    out = machine.run("install", "cursor", "--project").stdout
+    assert "not on PATH" in out and "pipx install coffer-mcp" in out, out

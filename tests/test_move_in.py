@@ -6,6 +6,7 @@ Every CLI run is a subprocess with HOME, XDG_CONFIG_HOME, APPDATA, CODEX_HOME an
 nothing of the machine's own clients is read or written.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -295,8 +296,11 @@ def entry_of(path: Path, *keys):
     return value
 
 
-def backups(path: Path):
-    return sorted(path.parent.glob(path.name + ".coffer-backup-*"))
+def backups(world, path: Path):
+    """Backups of a client config: kept privately under COFFER_HOME, never beside the file (issue 23)."""
+    assert not list(path.parent.glob(path.name + ".coffer-backup-*")), "a backup was left beside the file"
+    digest = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:8]
+    return sorted((world.coffer_home / "backups").glob(f"{path.name}-{digest}.coffer-backup-*"))
 
 
 def test_install_claude_code_replace_then_uninstall_restores(world):
@@ -310,8 +314,11 @@ def test_install_claude_code_replace_then_uninstall_restores(world):
     assert entry["type"] == "stdio" and os.path.isabs(entry["command"]) and entry["args"][-1] == "serve"
     assert entry["env"] == {"COFFER_HOME": str(world.coffer_home)}
     assert set(after["mcpServers"]) == {"coffer"}
-    assert after["numStartups"] == 42 and after["projects"] == original["projects"]
-    assert len(backups(claude)) == 1 and json.loads(backups(claude)[0].read_text()) == original
+    # the local scope of this project runs beside the user scope: --replace covers it too (issue 23)
+    assert "local-echo (local scope of" in out
+    assert after["projects"][str(world.project)]["mcpServers"] == {}
+    assert after["numStartups"] == 42 and after["projects"]["/somewhere/else"] == original["projects"]["/somewhere/else"]
+    assert len(backups(world, claude)) == 1 and json.loads(backups(world, claude)[0].read_text()) == original
     stash = [line for line in out.splitlines() if "kept (private, 0600) in" in line][0].split(" in ")[1].split(";")[0]
     assert Path(stash).is_relative_to(world.coffer_home)
     if os.name != "nt":
@@ -320,7 +327,7 @@ def test_install_claude_code_replace_then_uninstall_restores(world):
     own = {(x["name"], x["source"]): x["reason"] for x in import_json(world, "claude-code")["skipped"]}
     assert own[("coffer", "claude-code")] == "Coffer's own entry"
     second = world.run("install", "claude-code", "--replace").stdout
-    assert "nothing changed" in second and len(backups(claude)) == 1
+    assert "nothing changed" in second and len(backups(world, claude)) == 1
     assert json.loads(claude.read_text()) == after
 
     world.run("uninstall", "claude-code")
@@ -370,7 +377,7 @@ def test_project_install_and_a_file_that_does_not_parse_is_never_rewritten(world
     broken = world.files["cursor-project"].read_bytes()
     proc = world.run("install", "cursor", "--project", check=False)
     assert proc.returncode == 1 and "not rewritten" in proc.stderr and "Traceback" not in proc.stderr
-    assert world.files["cursor-project"].read_bytes() == broken and not backups(world.files["cursor-project"])
+    assert world.files["cursor-project"].read_bytes() == broken and not backups(world, world.files["cursor-project"])
     fresh = world.run("install", "claude-code", "--project", "--dry-run").stdout
     assert "dry run" in fresh and "coffer" not in json.dumps(entry_of(world.files["claude-code-project"],
                                                                        "mcpServers"))

@@ -153,6 +153,10 @@ def _print_edit(result: EditResult, verb: str, dry_run: bool) -> None:
     say(f"{prefix}{verb} {result.client}: {result.path}")
     if result.removed:
         say(f"  {'would remove' if dry_run else 'removed'} (now served through Coffer): {', '.join(result.removed)}")
+    for moved in result.renamed:
+        say(f"  names moved: {moved}")
+    for note in result.notes:
+        say(f"  note: {note}")
     if result.restored:
         say(f"  {'would put back' if dry_run else 'put back'}: {', '.join(result.restored)}")
     for name, why in result.kept_out:
