@@ -42,20 +42,20 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       8940  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
       9405  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
       9518  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9833  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-      9895  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10531  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10889  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11226  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11973  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12290  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12640  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     13028  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13247  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13416  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     14084  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14947  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15300  cli                   Command line: coffer's commands.
+      9860  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+      9922  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10557  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10915  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11252  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     11994  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12311  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12661  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13049  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13268  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13437  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     14105  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14968  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15321  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -9640,6 +9640,23 @@ def client_family(client_name: str) -> str | None:
     return next((family for needle, family in CLIENT_FAMILIES if needle in name), None)
 
 
+def knowledge_tools_for(has_sources: bool, memory: bool) -> list[dict]:
+    """Coffer's knowledge tools a client is shown: coffer__ask once there is something to ask (a source, or memory
+    on), coffer__remember while memory is on."""
+    return ([ASK_TOOL_DEFINITION] if has_sources or memory else []) + ([REMEMBER_TOOL_DEFINITION] if memory else [])
+
+
+def tools_for_client(tools: list[dict], knowledge_tools: list[dict], mode: str, usage: dict[str, int]) -> list[dict]:
+    """What a client is shown, for an expose ``mode`` (expose_mode): Coffer's own tools first, then the catalogue,
+    within the budget.  The one rule for the gateway's tools/list and `coffer tools --client`."""
+    builtins = [SEARCH_TOOL_DEFINITION] + knowledge_tools
+    if mode == "search":
+        return builtins
+    if mode.startswith("budget:"):
+        tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, usage)
+    return builtins + tools
+
+
 def expose_mode(settings: dict, family: str | None) -> str:
     """all, search or budget:N for this client: its own expose.<family> setting, else the global one; auto means
     a budget of the client's known cap, else all."""
@@ -9650,15 +9667,25 @@ def expose_mode(settings: dict, family: str | None) -> str:
     return value
 
 
+def _caution(tool: dict) -> int:
+    """0 for a tool its annotations say only reads, 2 for one that may destroy, 1 otherwise: what a budget picks
+    first among tools used alike (a listed read-only tool is the safe way to show a server exists)."""
+    annotations = tool.get("annotations") if isinstance(tool.get("annotations"), dict) else {}
+    if annotations.get("readOnlyHint") is True:
+        return 0
+    return 2 if annotations.get("destructiveHint") is not False else 1
+
+
 def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dict]:
     """At most ``cap - 1`` tools (coffer__search_tools takes the last place), in catalogue order: first the most
     used tool of each server (so every server stays visible), then the most used of the rest over the last 90
-    days; ties go to catalogue order, so the same inputs always give the same list."""
+    days; among tools used alike, read-only ones (annotations) before the rest and destructive ones last, then
+    catalogue order, so the same inputs always give the same list."""
     room = cap - 1
     if len(tools) <= room:
         return tools
     order = {id(tool): i for i, tool in enumerate(tools)}
-    key = lambda tool: (-usage.get(tool["name"], 0), order[id(tool)])  # noqa: E731
+    key = lambda tool: (-usage.get(tool["name"], 0), _caution(tool), order[id(tool)])  # noqa: E731
     best_of_server: dict[str, dict] = {}
     for tool in sorted(tools, key=key):
         best_of_server.setdefault(tool["name"].partition(SEPARATOR)[0], tool)
@@ -10131,8 +10158,7 @@ class Hub:
                 self.knowledge = None
         if self.knowledge is not None:
             self.knowledge.memory_enabled = memory
-        tools = ([ASK_TOOL_DEFINITION] if has_sources or memory else []) + ([REMEMBER_TOOL_DEFINITION] if memory
-                                                                            else [])
+        tools = knowledge_tools_for(has_sources, memory)
         changed = [t["name"] for t in tools] != [t["name"] for t in self.knowledge_tools]
         self.knowledge_tools = tools if self.knowledge is not None else []
         return changed
@@ -11735,13 +11761,8 @@ class ClientSession:
         """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
         catalogue = self.hub.catalogue
         tools = catalogue.tools if self.client_era == "modern" else catalogue.handshake_tools
-        builtins = [SEARCH_TOOL_DEFINITION] + self.hub.knowledge_tools
-        mode = expose_mode(self.hub.settings, client_family(self.client_name))
-        if mode == "search":
-            return builtins
-        if mode.startswith("budget:"):
-            tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, self.hub.usage)
-        return builtins + tools
+        return tools_for_client(tools, self.hub.knowledge_tools,
+                                expose_mode(self.hub.settings, client_family(self.client_name)), self.hub.usage)
 
     def _paged(self, msg_id, params, key: str, items, method: str, kind: str | None = None):
         """A list request: answered (after discovery) with the page its cursor points at (gateway/pages.py)."""
@@ -15587,10 +15608,12 @@ def cached_tools(vault: Vault) -> list[dict]:
             by_server[row["server"]].append(row)
     tools = []
     seniority = vault.seniority()
-    for server, rows in by_server.items():
+    for server, rows in sorted(by_server.items(), key=lambda item: list(servers).index(item[0])):  # as registered
         if not servers[server]["enabled"]:
             continue
-        names = exposed_names(server, [row["name"] for row in rows], max_length, seniority.get((server, "tool")))
+        ranks = seniority.get((server, "tool")) or {}
+        rows.sort(key=lambda row: ranks.get(row["name"], len(ranks)))  # the order a client lists them in
+        names = exposed_names(server, [row["name"] for row in rows], max_length, ranks)
         for row in rows:
             state = _state(row)
             try:
@@ -15606,6 +15629,11 @@ def cmd_tools(vault: Vault, args) -> int:
     """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
     server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
     failed = []
+    family = client_family(args.client) if args.client else None
+    if args.client and family is None:
+        known = sorted({family for _, family in CLIENT_FAMILIES})
+        raise CofferError(f"unknown client {args.client!r}{did_you_mean(args.client.lower(), known)}; known: "
+                          f"{', '.join(known)}")
     running = None if args.cached else service_tools(vault.home)
     if args.cached:
         tools = cached_tools(vault)
@@ -15624,10 +15652,9 @@ def cmd_tools(vault: Vault, args) -> int:
         results = ServerProbe(vault, progress=progress).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
-    mode = expose_mode(vault.settings(), client_family(args.client or ""))
-    if mode.startswith("budget:"):
-        tools = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
-    tools = [SEARCH_TOOL_DEFINITION] + (tools if mode != "search" else [])
+    settings = vault.settings()
+    knowledge = knowledge_tools_for(vault.has_knowledge_sources(), settings["memory"] == "on")
+    tools = tools_for_client(tools, knowledge, expose_mode(settings, family), vault.tool_usage())
     if args.json:
         say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
                                              for r in failed]})

@@ -275,3 +275,32 @@ def test_a_project_install_writes_a_portable_entry_and_keeps_backups_out_of_the_
     machine.run("uninstall", "cursor", "--project")
     out = machine.run("install", "cursor", "--project").stdout
     assert "not on PATH" in out and "pipx install coffer-mcp" in out, out
+
+
+# -- 16. what a client really gets -----------------------------------------------------------------------------------
+
+def test_tools_for_a_client_shows_what_it_gets_and_its_budget_picks_read_only_tools(home):
+    cli("add", "h", "--", *HOSTILE, "--name", "h", "--mode", "annotated", "--count", "60")
+    cli("config", "memory", "on")
+
+    async def as_cursor(client):
+        return [t.name for t in (await client.list_tools()).tools]
+
+    async def body(client):
+        return await as_cursor(client)
+
+    cli("tools")  # once, so --cached has something
+    cursor_gets = anyio.run(lambda: _listed_as("Cursor", body))
+    assert "coffer__ask" in cursor_gets and "coffer__remember" in cursor_gets
+    assert len(cursor_gets) <= 40
+    assert "h__reader" in cursor_gets, "the budget's pick for a server is a write tool, not its read-only one"
+    shown = json.loads(cli("tools", "--cached", "--client", "cursor", "--json").stdout)["tools"]
+    assert [t["name"] for t in shown] == cursor_gets
+    refused = cli("tools", "--cached", "--client", "crusor", check=False)
+    assert refused.returncode != 0 and "did you mean cursor" in refused.stderr, refused.stderr
+
+
+async def _listed_as(client_name, body):
+    async with Client(gateway_params(), client_info=types.Implementation(name=client_name, version="1"),
+                      mode="legacy") as client:
+        return await body(client)

@@ -33,7 +33,13 @@ from coffer_src.clients.move_in import (
     uninstall_client,
 )
 from coffer_src.errors import CofferError, NotListedYet, VaultError
-from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
+from coffer_src.gateway.builtins import (
+    CLIENT_FAMILIES,
+    client_family,
+    expose_mode,
+    knowledge_tools_for,
+    tools_for_client,
+)
 from coffer_src.jsonrpc import decode_json
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
@@ -359,10 +365,12 @@ def cached_tools(vault: Vault) -> list[dict]:
             by_server[row["server"]].append(row)
     tools = []
     seniority = vault.seniority()
-    for server, rows in by_server.items():
+    for server, rows in sorted(by_server.items(), key=lambda item: list(servers).index(item[0])):  # as registered
         if not servers[server]["enabled"]:
             continue
-        names = exposed_names(server, [row["name"] for row in rows], max_length, seniority.get((server, "tool")))
+        ranks = seniority.get((server, "tool")) or {}
+        rows.sort(key=lambda row: ranks.get(row["name"], len(ranks)))  # the order a client lists them in
+        names = exposed_names(server, [row["name"] for row in rows], max_length, ranks)
         for row in rows:
             state = _state(row)
             try:
@@ -378,6 +386,11 @@ def cmd_tools(vault: Vault, args) -> int:
     """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
     server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
     failed = []
+    family = client_family(args.client) if args.client else None
+    if args.client and family is None:
+        known = sorted({family for _, family in CLIENT_FAMILIES})
+        raise CofferError(f"unknown client {args.client!r}{did_you_mean(args.client.lower(), known)}; known: "
+                          f"{', '.join(known)}")
     running = None if args.cached else service_tools(vault.home)
     if args.cached:
         tools = cached_tools(vault)
@@ -396,10 +409,9 @@ def cmd_tools(vault: Vault, args) -> int:
         results = ServerProbe(vault, progress=progress).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
-    mode = expose_mode(vault.settings(), client_family(args.client or ""))
-    if mode.startswith("budget:"):
-        tools = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
-    tools = [SEARCH_TOOL_DEFINITION] + (tools if mode != "search" else [])
+    settings = vault.settings()
+    knowledge = knowledge_tools_for(vault.has_knowledge_sources(), settings["memory"] == "on")
+    tools = tools_for_client(tools, knowledge, expose_mode(settings, family), vault.tool_usage())
     if args.json:
         say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
                                              for r in failed]})

@@ -125,6 +125,23 @@ def client_family(client_name: str) -> str | None:
     return next((family for needle, family in CLIENT_FAMILIES if needle in name), None)
 
 
+def knowledge_tools_for(has_sources: bool, memory: bool) -> list[dict]:
+    """Coffer's knowledge tools a client is shown: coffer__ask once there is something to ask (a source, or memory
+    on), coffer__remember while memory is on."""
+    return ([ASK_TOOL_DEFINITION] if has_sources or memory else []) + ([REMEMBER_TOOL_DEFINITION] if memory else [])
+
+
+def tools_for_client(tools: list[dict], knowledge_tools: list[dict], mode: str, usage: dict[str, int]) -> list[dict]:
+    """What a client is shown, for an expose ``mode`` (expose_mode): Coffer's own tools first, then the catalogue,
+    within the budget.  The one rule for the gateway's tools/list and `coffer tools --client`."""
+    builtins = [SEARCH_TOOL_DEFINITION] + knowledge_tools
+    if mode == "search":
+        return builtins
+    if mode.startswith("budget:"):
+        tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, usage)
+    return builtins + tools
+
+
 def expose_mode(settings: dict, family: str | None) -> str:
     """all, search or budget:N for this client: its own expose.<family> setting, else the global one; auto means
     a budget of the client's known cap, else all."""
@@ -135,15 +152,25 @@ def expose_mode(settings: dict, family: str | None) -> str:
     return value
 
 
+def _caution(tool: dict) -> int:
+    """0 for a tool its annotations say only reads, 2 for one that may destroy, 1 otherwise: what a budget picks
+    first among tools used alike (a listed read-only tool is the safe way to show a server exists)."""
+    annotations = tool.get("annotations") if isinstance(tool.get("annotations"), dict) else {}
+    if annotations.get("readOnlyHint") is True:
+        return 0
+    return 2 if annotations.get("destructiveHint") is not False else 1
+
+
 def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dict]:
     """At most ``cap - 1`` tools (coffer__search_tools takes the last place), in catalogue order: first the most
     used tool of each server (so every server stays visible), then the most used of the rest over the last 90
-    days; ties go to catalogue order, so the same inputs always give the same list."""
+    days; among tools used alike, read-only ones (annotations) before the rest and destructive ones last, then
+    catalogue order, so the same inputs always give the same list."""
     room = cap - 1
     if len(tools) <= room:
         return tools
     order = {id(tool): i for i, tool in enumerate(tools)}
-    key = lambda tool: (-usage.get(tool["name"], 0), order[id(tool)])  # noqa: E731
+    key = lambda tool: (-usage.get(tool["name"], 0), _caution(tool), order[id(tool)])  # noqa: E731
     best_of_server: dict[str, dict] = {}
     for tool in sorted(tools, key=key):
         best_of_server.setdefault(tool["name"].partition(SEPARATOR)[0], tool)

@@ -17,11 +17,7 @@ import time
 
 from coffer_src.catalogue import Catalogue
 from coffer_src.errors import CofferError
-from coffer_src.gateway.builtins import (
-    ASK_TOOL_DEFINITION,
-    CLIENT_SIDE_CAPABILITIES,
-    REMEMBER_TOOL_DEFINITION,
-)
+from coffer_src.gateway.builtins import CLIENT_SIDE_CAPABILITIES, knowledge_tools_for
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.search.semantic import Embedder, SemanticRanker
@@ -256,8 +252,7 @@ class Hub:
                 self.knowledge = None
         if self.knowledge is not None:
             self.knowledge.memory_enabled = memory
-        tools = ([ASK_TOOL_DEFINITION] if has_sources or memory else []) + ([REMEMBER_TOOL_DEFINITION] if memory
-                                                                            else [])
+        tools = knowledge_tools_for(has_sources, memory)
         changed = [t["name"] for t in tools] != [t["name"] for t in self.knowledge_tools]
         self.knowledge_tools = tools if self.knowledge is not None else []
         return changed

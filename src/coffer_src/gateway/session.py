@@ -20,11 +20,10 @@ from coffer_src.gateway.bridge import EraBridge
 from coffer_src.gateway.builtins import (
     CLIENT_SIDE_CAPABILITIES,
     INSTRUCTIONS,
-    SEARCH_TOOL_DEFINITION,
     BuiltinTools,
-    budget_tools,
     client_family,
     expose_mode,
+    tools_for_client,
 )
 from coffer_src.gateway.calls import OwnRequest, RelayedRequest, Waiting
 from coffer_src.gateway.hub import Hub
@@ -571,13 +570,8 @@ class ClientSession:
         """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
         catalogue = self.hub.catalogue
         tools = catalogue.tools if self.client_era == "modern" else catalogue.handshake_tools
-        builtins = [SEARCH_TOOL_DEFINITION] + self.hub.knowledge_tools
-        mode = expose_mode(self.hub.settings, client_family(self.client_name))
-        if mode == "search":
-            return builtins
-        if mode.startswith("budget:"):
-            tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, self.hub.usage)
-        return builtins + tools
+        return tools_for_client(tools, self.hub.knowledge_tools,
+                                expose_mode(self.hub.settings, client_family(self.client_name)), self.hub.usage)
 
     def _paged(self, msg_id, params, key: str, items, method: str, kind: str | None = None):
         """A list request: answered (after discovery) with the page its cursor points at (gateway/pages.py)."""
