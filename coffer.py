@@ -26,36 +26,36 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       3132  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
       3525  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
       3812  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4592  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5154  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5289  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5561  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5742  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6358  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6433  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6920  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      7019  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7412  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7771  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7949  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8533  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8940  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9405  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9518  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9860  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-      9922  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10557  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10915  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11252  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     11994  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12311  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12661  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     13049  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13268  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13437  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     14105  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14968  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15321  cli                   Command line: coffer's commands.
+      4606  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5168  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5303  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5575  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5756  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6372  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6447  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6934  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7033  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7426  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7785  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7963  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8547  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8954  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9419  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9532  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9874  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+      9936  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10571  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10929  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11266  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     12008  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12325  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12675  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13063  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13282  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13461  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     14129  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     14992  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15345  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -3838,6 +3838,11 @@ def _require_secure(url, what: str) -> str:
     return url
 
 
+#: Headers Coffer itself sends on every exchange: what is left of a request's headers is the user's (--header).
+_PROTOCOL_HEADERS = frozenset({"accept", "content-type", "cache-control", "mcp-protocol-version", "mcp-session-id",
+                               "last-event-id", "user-agent"})
+
+
 def authorized_exchange(name: str, auth, method: str, url: str, *, headers: dict, body: bytes | None = None,
                         timeout: float, max_bytes: int = _METADATA_BYTES, stream: bool = False) -> HttpReply:
     """One exchange with a remote upstream, carrying its OAuth token when it has one: refreshed before expiry,
@@ -3865,7 +3870,16 @@ def authorized_exchange(name: str, auth, method: str, url: str, *, headers: dict
                                   "give them with --header")
         if attempt == 2:
             raise NeedsLogin(name, "it refused a freshly refreshed token")
-        auth.unauthorized(bearer or {}, sent.get("Authorization"))  # returns only when a new token is ready
+        try:
+            auth.unauthorized(bearer or {}, sent.get("Authorization"))  # returns only when a new token is ready
+        except NeedsLogin:
+            own = sorted(key for key in headers if key.lower() not in _PROTOCOL_HEADERS)
+            if not own:
+                raise
+            # A server given a static key in a header of its own: the key is the likelier culprit than a login.
+            raise NeedsLogin(name, f"or, if it takes a key: it refused the one in its {', '.join(own)[:200]} header "
+                                   f"(HTTP 401); check that value (coffer show {name}) and set it again with "
+                                   f"coffer add {name} --replace --url ... --header NAME=VALUE") from None
     raise AssertionError("unreachable")
 
 
@@ -13352,8 +13366,13 @@ class ServerProbe:
     leaf) guards the vault's connection, which every upstream's events use.
     """
 
-    def __init__(self, vault: Vault, names: list[str] | None = None, progress=None):
+    WAITING_EVERY = 3.0  # seconds between two `waiting` calls while servers are still starting
+
+    def __init__(self, vault: Vault, names: list[str] | None = None, progress=None, waiting=None):
+        """``progress(result)`` runs as each server settles; ``waiting(names, seconds)`` every WAITING_EVERY
+        seconds while some have not (a person at a terminal wants to know what the command waits for)."""
         self.vault = vault
+        self.waiting = waiting or (lambda names, seconds: None)
         self.settings = vault.settings()
         # A server that exits at once is tried twice here, not max_restarts times: a person is waiting.
         self.settings["max_restarts"] = min(2, int(self.settings["max_restarts"]))
@@ -13370,6 +13389,7 @@ class ServerProbe:
         """Start every server at once and wait for each to be ready or failed, at most ``timeout`` (init_timeout)."""
         timeout = float(self.settings["init_timeout"]) if timeout is None else timeout
         started = time.monotonic()
+        said = started
         finished: dict[str, ProbeResult] = {}
         for upstream in self.upstreams:
             upstream.start()
@@ -13383,9 +13403,13 @@ class ServerProbe:
                         if upstream.name not in finished and state is not None:
                             finished[upstream.name] = self._result(upstream, state, started)
                             self.progress(finished[upstream.name])
-                    remaining = started + timeout - time.monotonic()
+                    now = time.monotonic()
+                    remaining = started + timeout - now
                     if remaining <= 0 or len(finished) == len(self.upstreams):
                         break
+                    if now - said >= self.WAITING_EVERY:
+                        said = now
+                        self.waiting([up.name for up in self.upstreams if up.name not in finished], now - started)
                     self.done.wait(min(remaining, 0.5))
             for upstream in self.upstreams:
                 if upstream.name not in finished:
@@ -15336,7 +15360,11 @@ def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
     home = os.path.expanduser("~")
     short = lambda path: path.replace(home, "~", 1) if path.startswith(home + os.sep) else path  # noqa: E731
     for problem in plan.problems:
-        say(f"! {problem.client}: {short(problem.path)}: {problem.reason} (file left as it is)")
+        if problem.reason == "no such file":
+            say(f"! nothing imported from {short(problem.path)}: there is no such file")
+        else:
+            say(f"! {problem.client if problem.client != '?' else 'not imported'}: {short(problem.path)} "
+                f"{problem.reason}; the file is left as it is")
     for planned in plan.added:
         server = planned.server
         target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in planned.command)
@@ -15352,7 +15380,7 @@ def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
         say(f"- skip {skipped.name} from {skipped.client} {short(skipped.path)}: {skipped.reason}")
     if not plan.files_read and not plan.problems:
         say("no MCP client configs found (looked for: " + ", ".join(CLIENTS) + ")")
-    elif not plan.added:
+    elif not plan.added and not plan.problems:
         say("nothing to import")
     elif dry_run:
         say(f"dry run: {len(plan.added)} server(s) would be imported; nothing was changed")
@@ -15559,9 +15587,19 @@ def cmd_add(vault: Vault, args) -> int:
 
 
 def cmd_remove(vault: Vault, args) -> int:
+    server = vault.server(args.name) if args.name in {s["name"] for s in vault.servers()} else None
     vault.remove_server(args.name)
     vault.secrets.delete(oauth_secret_name(args.name))  # a login belongs to that server only
     say(f"removed {args.name}")
+    stored = set(vault.secrets.names())
+    left = sorted({name for name, _ in references(server) if name in stored}) if server and \
+        not server.get("damaged") else []
+    if left:
+        used = {name for other in vault.servers() if not other.get("damaged") for name, _ in references(other)}
+        shared = [name for name in left if name in used]
+        say(f"its secrets stay in the store: {', '.join(left)}"
+            + (f" ({', '.join(shared)} still used by another server)" if shared else "")
+            + "; coffer secret rm NAME removes one")
     return 0
 
 
@@ -15649,7 +15687,11 @@ def cmd_tools(vault: Vault, args) -> int:
                 what = f"{len(result.tools)} tools" if result.state == "ready" else result.state
                 print(printable(f"  {result.name}: {what} ({result.seconds:g}s)"), file=sys.stderr)
 
-        results = ServerProbe(vault, progress=progress).run()
+        def waiting(names: list[str], seconds: float) -> None:
+            print(printable(f"coffer: still waiting for {', '.join(names)} ({seconds:.0f}s of "
+                            f"{vault.settings()['init_timeout']:g}s)"), file=sys.stderr, flush=True)
+
+        results = ServerProbe(vault, progress=progress, waiting=waiting).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
     settings = vault.settings()
@@ -15766,16 +15808,25 @@ def cmd_call(vault: Vault, args) -> int:
         finally:
             session.close()
         if "error" in answer:
-            raise CofferError(printable(str(answer["error"].get("message") or answer["error"])))
+            raise _call_error(vault, args.tool, str(answer["error"].get("message") or answer["error"]))
         result = answer.get("result")
     else:
         with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
             try:
                 result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
             except UpstreamFailure as exc:
-                raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
+                raise _call_error(vault, args.tool, str(exc).replace("tools/call failed: ", "")) from None
     say_json(result)
     return 1 if isinstance(result, dict) and result.get("isError") else 0
+
+
+def _call_error(vault: Vault, tool: str, message: str) -> CofferError:
+    """A failed `coffer call` for a person: a mistyped name gets the names it may have meant (the gateway's advice
+    to call coffer__search_tools is for agents)."""
+    if message.startswith("Unknown tool"):
+        names = [t["name"] for t in cached_tools(vault)] + [SEARCH_TOOL]
+        return CofferError(f"unknown tool {tool!r}{did_you_mean(tool, names)} (coffer tools lists them)")
+    return CofferError(printable(message))
 
 
 def _ms(value) -> str:
@@ -15887,7 +15938,7 @@ def report_remote_added(vault: Vault, name: str, store) -> None:
         probe = probe_transport(name, url, headers, auth, timeout=10.0)
     except NeedsLogin as exc:
         vault.record_status(name, "failed", str(exc))  # `list` and the agent's instructions say so at once
-        say(f"{name} needs a login: run `coffer auth {name}`")
+        say(str(exc) if headers else f"{name} needs a login: run `coffer auth {name}`")
         return
     except UpstreamFailure as exc:
         say(f"could not ask {name} which transport it speaks now ({clip(printable(redact(str(exc))), 300)}); "
@@ -16152,6 +16203,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging("info" if argv[:1] == ["serve"] else "warning")
     trailing: list[str] = []
+    if argv[:1] == ["add"] and "--" not in argv and "--url" not in argv and not {"-h", "--help"} & set(argv):
+        _, extra = build_parser().parse_known_args(argv)
+        if extra:  # `coffer add time uvx mcp-server-time`: argparse would only say "unrecognized arguments"
+            name = argv[1] if len(argv) > 1 else "NAME"
+            print(printable(f"coffer: error: put -- before the server's command: coffer add {name} [options] -- "
+                            f"{' '.join(extra)}"), file=sys.stderr)
+            return 2
     if argv[:1] == ["add"] and "--" in argv:
         split = argv.index("--")
         argv, trailing = argv[:split], argv[split + 1:]

@@ -304,3 +304,41 @@ async def _listed_as(client_name, body):
     async with Client(gateway_params(), client_info=types.Implementation(name=client_name, version="1"),
                       mode="legacy") as client:
         return await body(client)
+
+
+# -- 17. messages a person reads ---------------------------------------------------------------------------------------
+
+def test_messages_say_what_a_person_needs(home, tmp_path):
+    from fixtures.hostile_http import HostileHttp, status
+
+    cli("add", "h", "--", *HOSTILE, "--name", "h")
+    cli("tools")
+    mistyped = cli("call", "h__ecoh", "{}", check=False)
+    assert mistyped.returncode == 1
+    assert "did you mean h__echo" in mistyped.stderr and "search_tools" not in mistyped.stderr, mistyped.stderr
+
+    no_dashes = cli("add", "t", "uvx", "mcp-server-time", check=False)
+    assert no_dashes.returncode == 2 and "put -- before the server's command" in no_dashes.stderr, no_dashes.stderr
+    assert "coffer add t [options] -- uvx mcp-server-time" in no_dashes.stderr
+
+    cli("config", "init_timeout", "8")
+    cli("add", "slow", "--", *HOSTILE, "--name", "slow", "--wait-file", str(tmp_path / "never"))
+    waited = cli("tools", check=False)
+    assert "still waiting for slow" in waited.stderr, waited.stderr
+    cli("remove", "slow")
+
+    server = HostileHttp()
+    try:
+        server.routes["/mcp"] = status(401)
+        added = cli("add", "k", "--url", server.url("/mcp"), "--header", "X-Api-Key=sk-" + "Wq1Er2Ty3" * 3)
+        said = added.stdout + added.stderr
+        assert "X-Api-Key" in said and "coffer auth k" in said, said
+    finally:
+        server.close()
+
+    removed = cli("remove", "k")
+    assert "K_X_API_KEY" in removed.stdout and "coffer secret rm" in removed.stdout, removed.stdout
+
+    missing = cli("import", "/no/such/file", check=False)
+    lines = [line for line in missing.stdout.splitlines() if line.strip()]
+    assert lines == ["! nothing imported from /no/such/file: there is no such file"], missing.stdout

@@ -75,6 +75,7 @@ from coffer_src.secret_store import (
     plan_argument_literals,
     plan_literals,
     plan_url_literals,
+    references,
     save_secrets,
 )
 from coffer_src.service.commands import add_service_commands, open_service_session, service_running, service_tools
@@ -93,7 +94,11 @@ def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
     home = os.path.expanduser("~")
     short = lambda path: path.replace(home, "~", 1) if path.startswith(home + os.sep) else path  # noqa: E731
     for problem in plan.problems:
-        say(f"! {problem.client}: {short(problem.path)}: {problem.reason} (file left as it is)")
+        if problem.reason == "no such file":
+            say(f"! nothing imported from {short(problem.path)}: there is no such file")
+        else:
+            say(f"! {problem.client if problem.client != '?' else 'not imported'}: {short(problem.path)} "
+                f"{problem.reason}; the file is left as it is")
     for planned in plan.added:
         server = planned.server
         target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in planned.command)
@@ -109,7 +114,7 @@ def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
         say(f"- skip {skipped.name} from {skipped.client} {short(skipped.path)}: {skipped.reason}")
     if not plan.files_read and not plan.problems:
         say("no MCP client configs found (looked for: " + ", ".join(CLIENTS) + ")")
-    elif not plan.added:
+    elif not plan.added and not plan.problems:
         say("nothing to import")
     elif dry_run:
         say(f"dry run: {len(plan.added)} server(s) would be imported; nothing was changed")
@@ -316,9 +321,19 @@ def cmd_add(vault: Vault, args) -> int:
 
 
 def cmd_remove(vault: Vault, args) -> int:
+    server = vault.server(args.name) if args.name in {s["name"] for s in vault.servers()} else None
     vault.remove_server(args.name)
     vault.secrets.delete(oauth_secret_name(args.name))  # a login belongs to that server only
     say(f"removed {args.name}")
+    stored = set(vault.secrets.names())
+    left = sorted({name for name, _ in references(server) if name in stored}) if server and \
+        not server.get("damaged") else []
+    if left:
+        used = {name for other in vault.servers() if not other.get("damaged") for name, _ in references(other)}
+        shared = [name for name in left if name in used]
+        say(f"its secrets stay in the store: {', '.join(left)}"
+            + (f" ({', '.join(shared)} still used by another server)" if shared else "")
+            + "; coffer secret rm NAME removes one")
     return 0
 
 
@@ -406,7 +421,11 @@ def cmd_tools(vault: Vault, args) -> int:
                 what = f"{len(result.tools)} tools" if result.state == "ready" else result.state
                 print(printable(f"  {result.name}: {what} ({result.seconds:g}s)"), file=sys.stderr)
 
-        results = ServerProbe(vault, progress=progress).run()
+        def waiting(names: list[str], seconds: float) -> None:
+            print(printable(f"coffer: still waiting for {', '.join(names)} ({seconds:.0f}s of "
+                            f"{vault.settings()['init_timeout']:g}s)"), file=sys.stderr, flush=True)
+
+        results = ServerProbe(vault, progress=progress, waiting=waiting).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
     settings = vault.settings()
@@ -523,16 +542,25 @@ def cmd_call(vault: Vault, args) -> int:
         finally:
             session.close()
         if "error" in answer:
-            raise CofferError(printable(str(answer["error"].get("message") or answer["error"])))
+            raise _call_error(vault, args.tool, str(answer["error"].get("message") or answer["error"]))
         result = answer.get("result")
     else:
         with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
             try:
                 result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
             except UpstreamFailure as exc:
-                raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
+                raise _call_error(vault, args.tool, str(exc).replace("tools/call failed: ", "")) from None
     say_json(result)
     return 1 if isinstance(result, dict) and result.get("isError") else 0
+
+
+def _call_error(vault: Vault, tool: str, message: str) -> CofferError:
+    """A failed `coffer call` for a person: a mistyped name gets the names it may have meant (the gateway's advice
+    to call coffer__search_tools is for agents)."""
+    if message.startswith("Unknown tool"):
+        names = [t["name"] for t in cached_tools(vault)] + [SEARCH_TOOL]
+        return CofferError(f"unknown tool {tool!r}{did_you_mean(tool, names)} (coffer tools lists them)")
+    return CofferError(printable(message))
 
 
 def _ms(value) -> str:
@@ -644,7 +672,7 @@ def report_remote_added(vault: Vault, name: str, store) -> None:
         probe = probe_transport(name, url, headers, auth, timeout=10.0)
     except NeedsLogin as exc:
         vault.record_status(name, "failed", str(exc))  # `list` and the agent's instructions say so at once
-        say(f"{name} needs a login: run `coffer auth {name}`")
+        say(str(exc) if headers else f"{name} needs a login: run `coffer auth {name}`")
         return
     except UpstreamFailure as exc:
         say(f"could not ask {name} which transport it speaks now ({clip(printable(redact(str(exc))), 300)}); "
@@ -909,6 +937,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging("info" if argv[:1] == ["serve"] else "warning")
     trailing: list[str] = []
+    if argv[:1] == ["add"] and "--" not in argv and "--url" not in argv and not {"-h", "--help"} & set(argv):
+        _, extra = build_parser().parse_known_args(argv)
+        if extra:  # `coffer add time uvx mcp-server-time`: argparse would only say "unrecognized arguments"
+            name = argv[1] if len(argv) > 1 else "NAME"
+            print(printable(f"coffer: error: put -- before the server's command: coffer add {name} [options] -- "
+                            f"{' '.join(extra)}"), file=sys.stderr)
+            return 2
     if argv[:1] == ["add"] and "--" in argv:
         split = argv.index("--")
         argv, trailing = argv[:split], argv[split + 1:]
