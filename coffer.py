@@ -23,39 +23,39 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       1858  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
       1960  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
       2097  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      3132  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      3525  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      3812  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      4606  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5168  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5303  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      5575  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      5756  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6372  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6447  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      6934  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      7033  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7426  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      7785  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      7963  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8547  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8954  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9419  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9532  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9874  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-      9936  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10571  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10929  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11266  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     12008  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12325  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12675  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     13063  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13282  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13461  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     14129  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     14992  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15345  cli                   Command line: coffer's commands.
+      3158  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      3551  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      3838  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      4632  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5194  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5329  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      5601  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      5782  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6398  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      6473  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      6960  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      7059  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      7452  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      7811  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      7989  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+      8573  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8980  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9445  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9558  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9900  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+      9962  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10597  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10955  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11292  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     12034  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12351  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12701  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13089  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13308  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13487  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     14155  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     15018  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15371  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -2716,7 +2716,7 @@ class Vault:
             server, kind, name = self.resolve(target, db)
             db.execute("UPDATE capabilities SET enabled=? WHERE server=? AND kind=? AND name=?",
                        (int(enabled), server, kind, name))
-            self._audit(db, verb, target if kind in ("tool", "prompt") else f"{server}:{name}", kind)
+            self._audit(db, verb, target if kind in ("tool", "prompt") else qualify_uri(server, name), kind)
             return f"{kind} {target}" + (f" ({server}:{name})" if kind in ("tool", "prompt") and
                                          target != f"{server}{SEPARATOR}{name}" else "")
 
@@ -2745,7 +2745,8 @@ class Vault:
                                                                           row["definition"])))
                 db.execute("UPDATE capabilities SET approved=fingerprint, approved_definition=definition WHERE"
                            " server=? AND kind=? AND name=?", (row["server"], row["kind"], row["name"]))
-                self._audit(db, "approve", f"{row['server']}:{row['name']}", row["kind"])
+                self._audit(db, "approve", label if row["kind"] in ("tool", "prompt")
+                            else qualify_uri(row["server"], row["name"]), row["kind"])
             return approved
 
     def sync_capabilities(self, server: str, kind: str, definitions: dict[str, dict],
@@ -2768,6 +2769,15 @@ class Vault:
                 " WHERE server=? AND kind=?", (server, kind))}
             seniority = self._seniority(db, server, kind)
             labels = exposed_names(server, definitions, max_length, seniority) if kind in ("tool", "prompt") else {}
+            before = self._exposed(db, server, kind, max_length) if kind in ("tool", "prompt") else {}
+
+            def target(name: str) -> str:
+                """How the audit names a capability: as a client and the CLI do (server__tool, a resource's
+                coffer+server:uri), so a row's target is something `coffer enable/disable` takes."""
+                if kind in ("tool", "prompt"):
+                    return labels.get(name) or before.get(name) or f"{server}{SEPARATOR}{name}"
+                return qualify_uri(server, name)
+
             added = [name for name in definitions if name not in known]
             # A server's first catalogue (or any large addition) is one row with the count and the names, not a
             # row per tool: an upstream listing 10,000 tools must not flood the audit log.
@@ -2784,7 +2794,7 @@ class Vault:
                                " VALUES (?,?,?,?,1,?,?,?,?,?,?)",
                                (server, kind, name, default, fp, text, now, now, fp, text))
                     if srv is not None and not one_row:
-                        self._audit(db, "upstream-added", f"{server}:{name}",
+                        self._audit(db, "upstream-added", target(name),
                                     f"{kind}; {'enabled' if default else 'disabled'} by policy", actor="upstream")
                     continue
                 approved = row["approved"]
@@ -2795,19 +2805,19 @@ class Vault:
                     approved_sql = "approved=?, approved_definition=?,"
                     approved_args = (fp, text)
                     if approved is not None and approved != fp:
-                        self._audit(db, "upstream-changed", f"{server}:{name}", f"{kind}; trusted (trust-updates)",
+                        self._audit(db, "upstream-changed", target(name), f"{kind}; trusted (trust-updates)",
                                     actor="upstream")
                 else:
                     approved_sql, approved_args = "", ()
                     if fp != row["fingerprint"] and fp != approved:
                         label = labels.get(name, name)
-                        self._audit(db, "upstream-changed", f"{server}:{name}",
+                        self._audit(db, "upstream-changed", target(name),
                                     f"{kind}; quarantined until `coffer approve {label}`", actor="upstream")
                         ServerLog(vault_log, server).warning(
                             "%s %s changed its definition since it was approved; it is hidden until you review it "
                             "with `coffer approve %s`", kind, label, label)
                 if not row["present"]:
-                    self._audit(db, "upstream-restored", f"{server}:{name}", kind, actor="upstream")
+                    self._audit(db, "upstream-restored", target(name), kind, actor="upstream")
                 db.execute(f"UPDATE capabilities SET present=1, fingerprint=?, definition=?, {approved_sql}"
                            " last_seen=? WHERE server=? AND kind=? AND name=?",
                            (fp, text, *approved_args, now, server, kind, name))
@@ -2815,9 +2825,9 @@ class Vault:
                 if name not in definitions and row["present"]:
                     db.execute("UPDATE capabilities SET present=0 WHERE server=? AND kind=? AND name=?",
                                (server, kind, name))
-                    self._audit(db, "upstream-removed", f"{server}:{name}", kind, actor="upstream")
+                    self._audit(db, "upstream-removed", target(name), kind, actor="upstream")
             for name, why in (rejected or {}).items():
-                self._audit(db, "upstream-rejected", f"{server}:{storable(name)[:200]}", f"{kind}; {why}",
+                self._audit(db, "upstream-rejected", f"{server}{SEPARATOR}{storable(name)[:200]}", f"{kind}; {why}",
                             actor="upstream")
             return {row["name"]: _state(row) for row in db.execute(
                 "SELECT name, enabled, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
@@ -2887,24 +2897,40 @@ class Vault:
                                (limit,)).fetchall()
         return [dict(row) for row in reversed(rows)]
 
-    def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
-                   server: str | None = None) -> list[dict]:
-        """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
-        name or its prefix (``upstream`` matches upstream-added, -changed...), ``server`` a server's rows."""
+    #: ``--kind`` words that stand for more than their own action: an import adds servers too.
+    AUDIT_ACTION_GROUPS = {"add": ("add", "import", "import-overwrite")}
+
+    @classmethod
+    def _audit_where(cls, since: str | None, action: str | None, server: str | None) -> tuple[str, list]:
         where, args = [], []
         if since:
             where.append("ts >= ?")
             args.append(since)
         if action:
-            where.append("(action = ? OR action LIKE ?)")
-            args += [action, action.replace("%", "") + "-%"]
-        if server:
-            where.append("(target = ? OR target LIKE ? OR target LIKE ?)")
-            args += [server, f"{server}:%", f"{server}{SEPARATOR}%"]
-        sql = ("SELECT ts, actor, action, target, detail FROM audit" + (" WHERE " + " AND ".join(where) if where
-                                                                         else "") + " ORDER BY id DESC LIMIT ?")
-        rows = self.db.execute(sql, (*args, limit)).fetchall()
+            actions = cls.AUDIT_ACTION_GROUPS.get(action, (action,))
+            where.append("(" + " OR ".join("action = ? OR action LIKE ?" for _ in actions) + ")")
+            for name in actions:
+                args += [name, name.replace("%", "") + "-%"]
+        if server:  # ('_' is LIKE's any-character: the separator is escaped)
+            where.append("(target = ? OR target LIKE ? ESCAPE '!' OR target LIKE ? ESCAPE '!' OR target LIKE ?"
+                         " ESCAPE '!')")
+            args += [server, f"{server}:%", f"{server}{SEPARATOR.replace('_', '!_')}%", f"coffer+{server}:%"]
+        return (" WHERE " + " AND ".join(where) if where else ""), args
+
+    def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
+                   server: str | None = None) -> list[dict]:
+        """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
+        name or its prefix (``upstream`` matches upstream-added, -changed...; ``add`` imports too), ``server`` a
+        server's rows."""
+        where, args = self._audit_where(since, action, server)
+        rows = self.db.execute(f"SELECT ts, actor, action, target, detail FROM audit{where} ORDER BY id DESC LIMIT ?",
+                               (*args, limit)).fetchall()
         return [dict(row) for row in reversed(rows)]
+
+    def audit_count(self, since: str | None = None, action: str | None = None, server: str | None = None) -> int:
+        """How many audit rows audit_rows would show without its limit."""
+        where, args = self._audit_where(since, action, server)
+        return self.db.execute(f"SELECT count(*) FROM audit{where}", args).fetchone()[0]
 
     def prune(self) -> tuple[int, int]:
         """Apply retention.  Runs when ``serve`` starts, so a long-lived vault never grows without bound."""
@@ -15844,22 +15870,43 @@ def cmd_log(vault: Vault, args) -> int:
     return 0
 
 
+_RELATIVE_SINCE_RE = re.compile(r"^(\d{1,5})\s*(m|min|h|d|w)$")
+
+
+def audit_since(text: str) -> str:
+    """--since as the audit's timestamps: a date, a time, today, yesterday, or a span back from now (30m, 24h,
+    7d, 2w)."""
+    now = datetime.now(timezone.utc)
+    word = text.strip().lower()
+    local_midnight = datetime.now().replace(hour=0, minute=0, second=0, microsecond=0).astimezone(timezone.utc)
+    relative = _RELATIVE_SINCE_RE.match(word)
+    try:
+        if word in ("today", "yesterday"):
+            moment = local_midnight - timedelta(days=1 if word == "yesterday" else 0)
+        elif relative:
+            unit = {"m": "minutes", "min": "minutes", "h": "hours", "d": "days", "w": "weeks"}[relative.group(2)]
+            moment = now - timedelta(**{unit: int(relative.group(1))})
+        elif "T" in text or " " in text.strip():
+            moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00")).astimezone(timezone.utc)
+        else:
+            return datetime.fromisoformat(text.strip()).date().isoformat()
+    except (ValueError, OverflowError):
+        raise CofferError(f"--since {text!r}: use a date (2026-11-30), a time (2026-11-30T12:00), today, yesterday "
+                          "or a span such as 24h or 7d") from None
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def cmd_audit(vault: Vault, args) -> int:
-    since = args.since
-    if since:
-        try:
-            since = datetime.fromisoformat(since.replace("Z", "+00:00")).astimezone(timezone.utc).isoformat(
-                timespec="milliseconds").replace("+00:00", "Z") if "T" in since or " " in since else \
-                datetime.fromisoformat(since).date().isoformat()
-        except ValueError:
-            raise CofferError(f"--since {since!r}: use a date like 2026-11-30 or a time like 2026-11-30T12:00") \
-                from None
+    since = audit_since(args.since) if args.since else None
     rows = vault.audit_rows(args.limit, since, args.kind, args.server)
+    total = vault.audit_count(since, args.kind, args.server)
     if args.json:
-        say_json({"audit": rows})
+        say_json({"audit": rows, "total": total})
     else:
-        _print_table([[r["ts"], r["actor"], r["action"], r["target"] or "", r["detail"] or ""] for r in rows],
-                     ["TIME", "ACTOR", "ACTION", "TARGET", "DETAIL"])
+        _print_table([[r["ts"], r["actor"], r["action"], r["target"] or "", clip(r["detail"] or "", 400)]
+                      for r in rows], ["TIME", "ACTOR", "ACTION", "TARGET", "DETAIL"])
+        if total > len(rows):
+            say(f"showing the newest {len(rows)} of {total} rows (--limit N shows more)")
     return 0
 
 
@@ -16187,8 +16234,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = command(name, handler, text)
         p.add_argument("--json", action="store_true")
         p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--since", metavar="DATE", help="only rows from this date or time on (2026-11-30[T12:00])")
-    p.add_argument("--kind", metavar="ACTION", help="only this action (add, disable, approve, upstream, ...)")
+    p.add_argument("--since", metavar="WHEN", help="only rows from then on: a date or time (2026-11-30[T12:00]), "
+                                                   "today, yesterday, or a span such as 24h or 7d")
+    p.add_argument("--kind", metavar="ACTION", help="only this action (add, which covers imports; disable, approve, "
+                                                    "upstream, ...)")
     p.add_argument("--server", metavar="NAME", help="only rows about this server")
     p = command("config", cmd_config, "show or change a setting")
     p.add_argument("key", nargs="?")

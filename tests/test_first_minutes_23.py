@@ -342,3 +342,25 @@ def test_messages_say_what_a_person_needs(home, tmp_path):
     missing = cli("import", "/no/such/file", check=False)
     lines = [line for line in missing.stdout.splitlines() if line.strip()]
     assert lines == ["! nothing imported from /no/such/file: there is no such file"], missing.stdout
+
+
+# -- 18. coffer audit --------------------------------------------------------------------------------------------------
+
+def test_audit_counts_what_it_hides_names_tools_as_clients_do_and_understands_kinds_and_spans(home, tmp_path):
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"imported": {"command": PY, "args": ["-c", "pass"]}}}))
+    cli("import", str(config))
+    cli("add", "h", "--", *HOSTILE, "--name", "h")
+    cli("tools", check=False)  # (imported is no MCP server: it fails, h lists its tools)
+    cli("disable", "h__echo")
+    out = cli("audit", "--limit", "3").stdout
+    assert "showing the newest 3 of" in out, out[-300:]
+    rows = json.loads(cli("audit", "--json", "--limit", "1000").stdout)["audit"]
+    targets = {row["target"] for row in rows if row["action"] in ("upstream-added", "disable")}
+    assert "h__echo" in targets and not any(":" in target for target in targets), targets
+    added = json.loads(cli("audit", "--json", "--kind", "add").stdout)["audit"]
+    assert {row["target"] for row in added} >= {"h", "imported"}, added
+    for span in ("yesterday", "7d", "24h", "today"):
+        recent = json.loads(cli("audit", "--json", "--limit", "1000", "--since", span).stdout)["audit"]
+        assert len(recent) == len(rows), span
+    assert json.loads(cli("audit", "--json", "--since", "2999-01-01").stdout)["audit"] == []

@@ -567,13 +567,14 @@ def test_choices_survive_upstream_upgrades(home, raw_gateway, tmp_path):
 
     audit = json.loads(cli("audit", "--json", "--limit", "1000").stdout)["audit"]
     actions = {(row["action"], row["target"]) for row in audit}
-    assert ("upstream-removed", "up:fail") in actions
-    assert ("upstream-added", "up:newtool") in actions
-    assert ("upstream-changed", "up:echo") in actions
-    assert ("upstream-restored", "up:fail") in actions
-    added = next(row for row in audit if row["action"] == "upstream-added" and row["target"] == "up:newtool")
+    # every row names a tool as a client and the CLI do (issue 23: one naming style)
+    assert ("upstream-removed", "up__fail") in actions
+    assert ("upstream-added", "up__newtool") in actions
+    assert ("upstream-changed", "up__echo") in actions
+    assert ("upstream-restored", "up__fail") in actions
+    added = next(row for row in audit if row["action"] == "upstream-added" and row["target"] == "up__newtool")
     assert "disabled by policy" in added["detail"]
-    assert ("disable", "up__fail") in actions and ("approve", "up:echo") in actions
+    assert ("disable", "up__fail") in actions and ("approve", "up__echo") in actions
 
 
 def test_a_request_bigger_than_the_pipe_and_the_calls_behind_it_arrive_whole_and_in_order(home, raw_gateway,

@@ -13,7 +13,7 @@ import shutil
 import sqlite3
 import sys
 import tempfile
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from coffer_src import __version__
 from coffer_src.clients.doctor import _command_text, print_doctor, run_doctor, show_server
@@ -578,22 +578,43 @@ def cmd_log(vault: Vault, args) -> int:
     return 0
 
 
+_RELATIVE_SINCE_RE = re.compile(r"^(\d{1,5})\s*(m|min|h|d|w)$")
+
+
+def audit_since(text: str) -> str:
+    """--since as the audit's timestamps: a date, a time, today, yesterday, or a span back from now (30m, 24h,
+    7d, 2w)."""
+    now = datetime.now(timezone.utc)
+    word = text.strip().lower()
+    local_midnight = datetime.now().replace(hour=0, minute=0, second=0, microsecond=0).astimezone(timezone.utc)
+    relative = _RELATIVE_SINCE_RE.match(word)
+    try:
+        if word in ("today", "yesterday"):
+            moment = local_midnight - timedelta(days=1 if word == "yesterday" else 0)
+        elif relative:
+            unit = {"m": "minutes", "min": "minutes", "h": "hours", "d": "days", "w": "weeks"}[relative.group(2)]
+            moment = now - timedelta(**{unit: int(relative.group(1))})
+        elif "T" in text or " " in text.strip():
+            moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00")).astimezone(timezone.utc)
+        else:
+            return datetime.fromisoformat(text.strip()).date().isoformat()
+    except (ValueError, OverflowError):
+        raise CofferError(f"--since {text!r}: use a date (2026-11-30), a time (2026-11-30T12:00), today, yesterday "
+                          "or a span such as 24h or 7d") from None
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def cmd_audit(vault: Vault, args) -> int:
-    since = args.since
-    if since:
-        try:
-            since = datetime.fromisoformat(since.replace("Z", "+00:00")).astimezone(timezone.utc).isoformat(
-                timespec="milliseconds").replace("+00:00", "Z") if "T" in since or " " in since else \
-                datetime.fromisoformat(since).date().isoformat()
-        except ValueError:
-            raise CofferError(f"--since {since!r}: use a date like 2026-11-30 or a time like 2026-11-30T12:00") \
-                from None
+    since = audit_since(args.since) if args.since else None
     rows = vault.audit_rows(args.limit, since, args.kind, args.server)
+    total = vault.audit_count(since, args.kind, args.server)
     if args.json:
-        say_json({"audit": rows})
+        say_json({"audit": rows, "total": total})
     else:
-        _print_table([[r["ts"], r["actor"], r["action"], r["target"] or "", r["detail"] or ""] for r in rows],
-                     ["TIME", "ACTOR", "ACTION", "TARGET", "DETAIL"])
+        _print_table([[r["ts"], r["actor"], r["action"], r["target"] or "", clip(r["detail"] or "", 400)]
+                      for r in rows], ["TIME", "ACTOR", "ACTION", "TARGET", "DETAIL"])
+        if total > len(rows):
+            say(f"showing the newest {len(rows)} of {total} rows (--limit N shows more)")
     return 0
 
 
@@ -921,8 +942,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = command(name, handler, text)
         p.add_argument("--json", action="store_true")
         p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--since", metavar="DATE", help="only rows from this date or time on (2026-11-30[T12:00])")
-    p.add_argument("--kind", metavar="ACTION", help="only this action (add, disable, approve, upstream, ...)")
+    p.add_argument("--since", metavar="WHEN", help="only rows from then on: a date or time (2026-11-30[T12:00]), "
+                                                   "today, yesterday, or a span such as 24h or 7d")
+    p.add_argument("--kind", metavar="ACTION", help="only this action (add, which covers imports; disable, approve, "
+                                                    "upstream, ...)")
     p.add_argument("--server", metavar="NAME", help="only rows about this server")
     p = command("config", cmd_config, "show or change a setting")
     p.add_argument("key", nargs="?")

@@ -27,6 +27,7 @@ from coffer_src.names import (
     check_server_name,
     did_you_mean,
     exposed_names,
+    qualify_uri,
 )
 from coffer_src.secret_store import SecretStore
 from coffer_src.settings import DEFAULTS, PER_KEY_SETTING_RE, check_setting, unknown_setting
@@ -651,7 +652,7 @@ class Vault:
             server, kind, name = self.resolve(target, db)
             db.execute("UPDATE capabilities SET enabled=? WHERE server=? AND kind=? AND name=?",
                        (int(enabled), server, kind, name))
-            self._audit(db, verb, target if kind in ("tool", "prompt") else f"{server}:{name}", kind)
+            self._audit(db, verb, target if kind in ("tool", "prompt") else qualify_uri(server, name), kind)
             return f"{kind} {target}" + (f" ({server}:{name})" if kind in ("tool", "prompt") and
                                          target != f"{server}{SEPARATOR}{name}" else "")
 
@@ -680,7 +681,8 @@ class Vault:
                                                                           row["definition"])))
                 db.execute("UPDATE capabilities SET approved=fingerprint, approved_definition=definition WHERE"
                            " server=? AND kind=? AND name=?", (row["server"], row["kind"], row["name"]))
-                self._audit(db, "approve", f"{row['server']}:{row['name']}", row["kind"])
+                self._audit(db, "approve", label if row["kind"] in ("tool", "prompt")
+                            else qualify_uri(row["server"], row["name"]), row["kind"])
             return approved
 
     def sync_capabilities(self, server: str, kind: str, definitions: dict[str, dict],
@@ -703,6 +705,15 @@ class Vault:
                 " WHERE server=? AND kind=?", (server, kind))}
             seniority = self._seniority(db, server, kind)
             labels = exposed_names(server, definitions, max_length, seniority) if kind in ("tool", "prompt") else {}
+            before = self._exposed(db, server, kind, max_length) if kind in ("tool", "prompt") else {}
+
+            def target(name: str) -> str:
+                """How the audit names a capability: as a client and the CLI do (server__tool, a resource's
+                coffer+server:uri), so a row's target is something `coffer enable/disable` takes."""
+                if kind in ("tool", "prompt"):
+                    return labels.get(name) or before.get(name) or f"{server}{SEPARATOR}{name}"
+                return qualify_uri(server, name)
+
             added = [name for name in definitions if name not in known]
             # A server's first catalogue (or any large addition) is one row with the count and the names, not a
             # row per tool: an upstream listing 10,000 tools must not flood the audit log.
@@ -719,7 +730,7 @@ class Vault:
                                " VALUES (?,?,?,?,1,?,?,?,?,?,?)",
                                (server, kind, name, default, fp, text, now, now, fp, text))
                     if srv is not None and not one_row:
-                        self._audit(db, "upstream-added", f"{server}:{name}",
+                        self._audit(db, "upstream-added", target(name),
                                     f"{kind}; {'enabled' if default else 'disabled'} by policy", actor="upstream")
                     continue
                 approved = row["approved"]
@@ -730,19 +741,19 @@ class Vault:
                     approved_sql = "approved=?, approved_definition=?,"
                     approved_args = (fp, text)
                     if approved is not None and approved != fp:
-                        self._audit(db, "upstream-changed", f"{server}:{name}", f"{kind}; trusted (trust-updates)",
+                        self._audit(db, "upstream-changed", target(name), f"{kind}; trusted (trust-updates)",
                                     actor="upstream")
                 else:
                     approved_sql, approved_args = "", ()
                     if fp != row["fingerprint"] and fp != approved:
                         label = labels.get(name, name)
-                        self._audit(db, "upstream-changed", f"{server}:{name}",
+                        self._audit(db, "upstream-changed", target(name),
                                     f"{kind}; quarantined until `coffer approve {label}`", actor="upstream")
                         ServerLog(vault_log, server).warning(
                             "%s %s changed its definition since it was approved; it is hidden until you review it "
                             "with `coffer approve %s`", kind, label, label)
                 if not row["present"]:
-                    self._audit(db, "upstream-restored", f"{server}:{name}", kind, actor="upstream")
+                    self._audit(db, "upstream-restored", target(name), kind, actor="upstream")
                 db.execute(f"UPDATE capabilities SET present=1, fingerprint=?, definition=?, {approved_sql}"
                            " last_seen=? WHERE server=? AND kind=? AND name=?",
                            (fp, text, *approved_args, now, server, kind, name))
@@ -750,9 +761,9 @@ class Vault:
                 if name not in definitions and row["present"]:
                     db.execute("UPDATE capabilities SET present=0 WHERE server=? AND kind=? AND name=?",
                                (server, kind, name))
-                    self._audit(db, "upstream-removed", f"{server}:{name}", kind, actor="upstream")
+                    self._audit(db, "upstream-removed", target(name), kind, actor="upstream")
             for name, why in (rejected or {}).items():
-                self._audit(db, "upstream-rejected", f"{server}:{storable(name)[:200]}", f"{kind}; {why}",
+                self._audit(db, "upstream-rejected", f"{server}{SEPARATOR}{storable(name)[:200]}", f"{kind}; {why}",
                             actor="upstream")
             return {row["name"]: _state(row) for row in db.execute(
                 "SELECT name, enabled, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
@@ -822,24 +833,40 @@ class Vault:
                                (limit,)).fetchall()
         return [dict(row) for row in reversed(rows)]
 
-    def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
-                   server: str | None = None) -> list[dict]:
-        """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
-        name or its prefix (``upstream`` matches upstream-added, -changed...), ``server`` a server's rows."""
+    #: ``--kind`` words that stand for more than their own action: an import adds servers too.
+    AUDIT_ACTION_GROUPS = {"add": ("add", "import", "import-overwrite")}
+
+    @classmethod
+    def _audit_where(cls, since: str | None, action: str | None, server: str | None) -> tuple[str, list]:
         where, args = [], []
         if since:
             where.append("ts >= ?")
             args.append(since)
         if action:
-            where.append("(action = ? OR action LIKE ?)")
-            args += [action, action.replace("%", "") + "-%"]
-        if server:
-            where.append("(target = ? OR target LIKE ? OR target LIKE ?)")
-            args += [server, f"{server}:%", f"{server}{SEPARATOR}%"]
-        sql = ("SELECT ts, actor, action, target, detail FROM audit" + (" WHERE " + " AND ".join(where) if where
-                                                                         else "") + " ORDER BY id DESC LIMIT ?")
-        rows = self.db.execute(sql, (*args, limit)).fetchall()
+            actions = cls.AUDIT_ACTION_GROUPS.get(action, (action,))
+            where.append("(" + " OR ".join("action = ? OR action LIKE ?" for _ in actions) + ")")
+            for name in actions:
+                args += [name, name.replace("%", "") + "-%"]
+        if server:  # ('_' is LIKE's any-character: the separator is escaped)
+            where.append("(target = ? OR target LIKE ? ESCAPE '!' OR target LIKE ? ESCAPE '!' OR target LIKE ?"
+                         " ESCAPE '!')")
+            args += [server, f"{server}:%", f"{server}{SEPARATOR.replace('_', '!_')}%", f"coffer+{server}:%"]
+        return (" WHERE " + " AND ".join(where) if where else ""), args
+
+    def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
+                   server: str | None = None) -> list[dict]:
+        """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
+        name or its prefix (``upstream`` matches upstream-added, -changed...; ``add`` imports too), ``server`` a
+        server's rows."""
+        where, args = self._audit_where(since, action, server)
+        rows = self.db.execute(f"SELECT ts, actor, action, target, detail FROM audit{where} ORDER BY id DESC LIMIT ?",
+                               (*args, limit)).fetchall()
         return [dict(row) for row in reversed(rows)]
+
+    def audit_count(self, since: str | None = None, action: str | None = None, server: str | None = None) -> int:
+        """How many audit rows audit_rows would show without its limit."""
+        where, args = self._audit_where(since, action, server)
+        return self.db.execute(f"SELECT count(*) FROM audit{where}", args).fetchone()[0]
 
     def prune(self) -> tuple[int, int]:
         """Apply retention.  Runs when ``serve`` starts, so a long-lived vault never grows without bound."""
