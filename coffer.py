@@ -38,24 +38,24 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       7452  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
       7811  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
       7989  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      8573  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      8980  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-      9445  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-      9558  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-      9900  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-      9962  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     10597  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     10955  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11292  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     12034  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     12351  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     12701  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     13089  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     13308  probe                 Probes: starting a server once to see what it offers, from the command line.
-     13487  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     14155  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     15018  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15371  cli                   Command line: coffer's commands.
+      8581  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+      8994  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+      9476  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+      9589  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+      9937  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+      9999  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     10634  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     10999  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     11336  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     12078  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     12395  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     12745  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     13133  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     13352  probe                 Probes: starting a server once to see what it offers, from the command line.
+     13531  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     14199  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     15062  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     15415  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -8484,7 +8484,15 @@ def read_document(absolute: str, limits: KnowledgeLimits) -> tuple[str | None, s
         return None, digest, "too large"
     if b"\x00" in data[:8192]:
         return None, digest, "binary"
-    text = data.decode("utf-8", errors="replace")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        # Not UTF-8: an older editor's Windows-1252 or Latin-1 (which decodes any byte), rather than a file full of
+        # replacement characters that no question can match.
+        try:
+            text = data.decode("cp1252")
+        except UnicodeDecodeError:
+            text = data.decode("latin-1")
     if text.startswith("\ufeff"):
         text = text[1:]
     return text, digest, ""
@@ -8876,7 +8884,8 @@ class PassageVectors:
 
     EMBED_CHUNK = 256          # passages embedded (and saved) per embedder call
 
-    def __init__(self, embedder: Embedder, db_path: str, reader, query_timeout: float, build_timeout: float):
+    def __init__(self, embedder: Embedder, db_path: str, reader, query_timeout: float, build_timeout: float,
+                 background: bool = True):
         self.embedder, self.db_path, self._reader = embedder, db_path, reader
         self.query_timeout, self.build_timeout = query_timeout, build_timeout
         self._vectors: dict[str, array.array] = {}   # text hash -> vector, of current passages; under _embed_lock
@@ -8891,19 +8900,23 @@ class PassageVectors:
         self._worker = EmbeddingWorker("coffer-knowledge-embedder", self._embed_missing,
                                        "knowledge: passage vectors unavailable (%s); answering lexically until "
                                        "they are", knowledge_ranking_log)
-        self._worker.wake()
+        self._background = background   # False: only ``ensure`` embeds (a CLI command, in the foreground)
+        if background:
+            self._worker.wake()
 
     def wake(self) -> None:
         """Passages changed: embed the new ones on the worker's thread."""
-        self._worker.wake()
+        if self._background:
+            self._worker.wake()
 
     def close(self, timeout: float = 1.0) -> bool:
         """End the worker's thread (see EmbeddingWorker.close); True when it has ended."""
         return self._worker.close(timeout)
 
-    def ensure(self) -> None:
-        """Embed what is missing now, on this thread; raises EmbedderError."""
-        self._embed_missing()
+    def ensure(self, progress=None) -> None:
+        """Embed what is missing now, on this thread (``progress(done, total)`` after each chunk); raises
+        EmbedderError."""
+        self._embed_missing(progress)
 
     def hybrid(self, question, lexical, top_k, wanted, engine):
         """(ranked, ranker, note): the lexical ranking fused with the semantic one, or the lexical alone with a
@@ -8930,12 +8943,12 @@ class PassageVectors:
         semantic = semantic[:KNOWLEDGE_CANDIDATES]
         return fuse(lexical, semantic, top_k, KNOWLEDGE_HYBRID_ALPHA, full_spread=0), engine + "+hybrid", None
 
-    def _embed_missing(self) -> None:
+    def _embed_missing(self, progress=None) -> None:
         """Embed passages without a cached vector (saving them), then index every passage that has one."""
         with self._embed_lock:
-            self._embed_missing_locked()
+            self._embed_missing_locked(progress or (lambda done, total: None))
 
-    def _embed_missing_locked(self) -> None:
+    def _embed_missing_locked(self, progress) -> None:
         db = Vault._connect(self.db_path)
         db.executescript(EMBEDDING_SCHEMA)
         try:
@@ -8971,6 +8984,7 @@ class PassageVectors:
                     db.executemany("INSERT OR REPLACE INTO embeddings(model, text_hash, dim, vector, created_at)"
                                    " VALUES (?,?,?,?,?)",
                                    [(key, h, len(v), v.tobytes(), utcnow()) for h, v in new.items()])
+                progress(min(start + self.EMBED_CHUNK, len(pending)), len(pending))
         finally:
             db.close()
         ids = [doc for doc in hashes if hashes[doc] in self._vectors]
@@ -9057,7 +9071,7 @@ class KnowledgeBase:
 
     def __init__(self, db_path: str, home: str, *, embedder: Embedder | None = None, engine: str = "auto",
                  query_timeout: float = 1.0, build_timeout: float = 120.0,
-                 limits: KnowledgeLimits = KnowledgeLimits()):
+                 limits: KnowledgeLimits = KnowledgeLimits(), background_embedding: bool = True):
         if engine not in ("auto", "fts5", "bm25f"):
             raise CofferError(f"knowledge engine must be auto, fts5 or bm25f, not {engine!r}")
         if engine == "fts5" and not fts5_available():
@@ -9081,8 +9095,8 @@ class KnowledgeBase:
         # sets this from 'coffer config memory'); an explicit sources=['memory'] always reaches them.
         self.memory_enabled = True
         # Last: the vectors' worker thread starts embedding at once.
-        self._vectors = PassageVectors(embedder, db_path, self._reader, query_timeout, build_timeout) \
-            if embedder is not None else None
+        self._vectors = PassageVectors(embedder, db_path, self._reader, query_timeout, build_timeout,
+                                       background_embedding) if embedder is not None else None
         self._ranking = PassageRanker(self.engine, self._reader, self._vectors)
 
     # -- connections ---------------------------------------------------------------------------------------
@@ -9413,12 +9427,29 @@ class KnowledgeBase:
             raise CofferError(f"unknown knowledge source {unknown[0]!r}; known: {', '.join(sorted(known)) or 'none'}")
         return frozenset(sources)
 
-    def ensure_vectors(self) -> None:
-        """Embed what is missing now, on this thread (the background thread does the same on its own); raises
-        EmbedderError.  For callers that want hybrid answers at once: evals, tests, ``coffer knowledge reindex``."""
+    def ensure_vectors(self, progress=None) -> None:
+        """Embed what is missing now, on this thread (the background thread does the same on its own;
+        ``progress(done, total)`` after each chunk); raises EmbedderError.  For callers that want hybrid answers at
+        once: `coffer knowledge add` and `reindex`, evals, tests."""
         if self._vectors is None:
             raise CofferError("no embedder is configured")
-        self._vectors.ensure()
+        self._vectors.ensure(progress)
+
+    def vector_counts(self) -> dict[str, int]:
+        """source -> how many of its passages have a vector of the configured embedder ({} without one)."""
+        if self._vectors is None:
+            return {}
+        db = self._reader()
+        try:
+            cached = {row[0] for row in db.execute("SELECT text_hash FROM embeddings WHERE model=?",
+                                                   (self._vectors.embedder.cache_key,))}
+        except sqlite3.Error:
+            return {}
+        counts: collections.Counter = collections.Counter()
+        for row in db.execute("SELECT source, heading, text FROM knowledge_passages"):
+            if text_hash(passage_embedding_text(row["heading"], row["text"])) in cached:
+                counts[row["source"]] += 1
+        return dict(counts)
 
     # -- memory --------------------------------------------------------------------------------------------
     def _ensure_memory_source(self) -> None:
@@ -9626,10 +9657,11 @@ ASK_TOOL_DEFINITION = {
         "type": "object",
         "properties": {
             "passages": {"type": "array", "items": {"type": "object", "properties": {
-                "source": {"type": "string"}, "path": {"type": "string"}, "heading": {"type": "string"},
-                "lines": {"type": "array", "items": {"type": "integer"}}, "text": {"type": "string"},
-                "score": {"type": "number"}}}},
+                "source": {"type": "string"}, "path": {"type": "string"}, "file": {"type": "string"},
+                "heading": {"type": "string"}, "lines": {"type": "array", "items": {"type": "integer"}},
+                "text": {"type": "string"}, "score": {"type": "number"}}}},
             "total_searched": {"type": "integer"},
+            "ranker": {"type": "string"},
             "answer": {"type": "string"},
         },
         "required": ["passages", "total_searched"],
@@ -9881,7 +9913,12 @@ class BuiltinTools:
             synthesis = self._sample_text(self._answer_prompt(question, hits), 600, claims.deadline)
         if wanted and synthesis is None and (claims.is_ask_round or "sampling" in self.session.client_capabilities):
             notes.append("no answer from the client's model; passages only")
-        payload = {"passages": [hit.to_dict() for hit in hits], "total_searched": answer.total_searched}
+        # Each passage with the absolute path of its file (an agent can open it), and which ranker answered, as
+        # coffer__search_tools says.
+        roots = {source.name: source.root for source in self.hub.knowledge.sources()}
+        payload = {"passages": [{**hit.to_dict(), "file": os.path.join(roots.get(hit.source, ""), *hit.path.split("/"))}
+                                for hit in hits],
+                   "total_searched": answer.total_searched, "ranker": answer.ranker}
         if synthesis:
             payload["answer"] = synthesis
         self._record(ASK_TOOL, started, "ok", "; ".join(notes) or None)
@@ -10656,6 +10693,13 @@ class CallRouter:
                 lambda: session.tools.remember(arguments or {}, started))
             self.hub.workers.submit(session.answer, msg_id, "tools/call", work)
             return None
+        if name in (ASK_TOOL, REMEMBER_TOOL):  # Coffer's own tool, turned off: say how to turn it on
+            self.record("coffer", name, "tool", started, "error", "turned off")
+            return tool_error_result(
+                f"{name} is off: memory is off in Coffer; the user can turn it on with `coffer config memory on`"
+                if name == REMEMBER_TOOL else
+                f"{name} has nothing to search yet: the user can add a folder of notes with `coffer knowledge add "
+                "PATH`, or turn memory on with `coffer config memory on`")
         return self._route_named(msg_id, params, name, "tool", "tools/call", started)
 
     def prompts_get(self, msg_id, params):
@@ -16053,8 +16097,39 @@ def cmd_auth(vault: Vault, args) -> int:
 
 
 def open_knowledge(vault: Vault) -> KnowledgeBase:
-    """The knowledge base for a CLI command: no embedder (a running gateway embeds in the background)."""
-    return KnowledgeBase(vault.path, vault.home)
+    """The knowledge base for a CLI command, with the configured embedder (if any) but no background thread:
+    `knowledge add` and `reindex` embed in the foreground (embed_now), `list` counts the vectors."""
+    embedder = Embedder.from_settings(vault.settings(), vault.secrets)
+    return KnowledgeBase(vault.path, vault.home, embedder=embedder, background_embedding=False)
+
+
+def embed_now(kb: KnowledgeBase) -> None:
+    """Embed the passages that have no vector yet, now, with a progress bar on a terminal: the first session then
+    answers with hybrid ranking instead of lexically while vectors are built in the background."""
+    if kb.embedder is None:
+        return
+    interactive = sys.stderr.isatty()
+    shown = [0]
+
+    def progress(done: int, total: int) -> None:
+        shown[0] = total
+        if interactive:
+            bar = "#" * (30 * done // max(total, 1))
+            print(f"\rembedding passages [{bar:<30}] {done}/{total}", end="", file=sys.stderr, flush=True)
+
+    try:
+        kb.ensure_vectors(progress)
+    except (EmbedderError, CofferError) as exc:
+        if interactive and shown[0]:
+            print(file=sys.stderr)
+        say(f"could not embed the passages now ({clip(printable(str(exc)), 200)}); a running gateway embeds them "
+            "in the background, and coffer__ask answers lexically until then")
+        return
+    if interactive and shown[0]:
+        print(file=sys.stderr)
+    if shown[0]:
+        say(f"embedded {shown[0]} passages with {kb.embedder.model or kb.embedder.url} (coffer__ask ranks them "
+            "hybrid from the first question)")
 
 
 def cmd_knowledge(vault: Vault, args) -> int:
@@ -16070,6 +16145,7 @@ def cmd_knowledge(vault: Vault, args) -> int:
             say(f"added knowledge source {stats.source}: {stats.passages_added} passages from {stats.files_seen} files"
                 + (f" (skipped: {', '.join(f'{n} {why}' for why, n in stats.skipped.items())})" if stats.skipped
                    else ""))
+            embed_now(kb)
             if vault.setting("memory") != "on":
                 say("agents find it with coffer__ask (memory notes too, after: coffer config memory on)")
         elif args.action == "remove":
@@ -16082,15 +16158,24 @@ def cmd_knowledge(vault: Vault, args) -> int:
             for stats in kb.reindex(args.target):
                 say(f"{stats.source}: {stats.files_seen} files, {stats.files_added} added, {stats.files_changed} "
                     f"changed, {stats.files_removed} removed, {stats.files_unchanged} unchanged ({stats.seconds:g}s)")
+            embed_now(kb)
         else:
             rows = [source._asdict() for source in kb.sources()]
+            vectors = kb.vector_counts() if kb.embedder is not None else None
+            for row in rows:
+                row["vectors"] = vectors.get(row["name"], 0) if vectors is not None else None
             if args.json:
                 say_json({"sources": rows})
             elif not rows:
                 say("no knowledge sources yet: coffer knowledge add PATH")
             else:
-                _print_table([[r["name"], r["files"], r["passages"], r["indexed_at"] or "", r["root"]] for r in rows],
-                             ["NAME", "FILES", "PASSAGES", "INDEXED", "ROOT"])
+                _print_table([[r["name"], r["files"], r["passages"],
+                               *([r["vectors"]] if vectors is not None else []), r["indexed_at"] or "", r["root"]]
+                              for r in rows],
+                             ["NAME", "FILES", "PASSAGES", *(["VECTORS"] if vectors is not None else []), "INDEXED",
+                              "ROOT"])
+                if vectors is None:
+                    say("(no embedder configured: coffer__ask ranks lexically; see coffer config embedder_url)")
     finally:
         kb.close()
     return 0

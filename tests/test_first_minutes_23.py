@@ -364,3 +364,64 @@ def test_audit_counts_what_it_hides_names_tools_as_clients_do_and_understands_ki
         recent = json.loads(cli("audit", "--json", "--limit", "1000", "--since", span).stdout)["audit"]
         assert len(recent) == len(rows), span
     assert json.loads(cli("audit", "--json", "--since", "2999-01-01").stdout)["audit"] == []
+
+
+# -- 19. knowledge and memory -----------------------------------------------------------------------------------------
+
+def test_knowledge_and_memory_answer_a_new_user_well(home, tmp_path):
+    from fixtures.hostile_http import HostileHttp, embeddings
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "desserts.txt").write_bytes("Crème brûlée is served on Fridays at the café.\n".encode("latin-1"))
+    (notes / "deploys.md").write_text("# Deploys\n\nWe deploy on Tuesdays, never on Fridays.\n")
+    server = HostileHttp()
+    try:
+        server.routes["/v1/embeddings"] = embeddings(dim=8)
+        cli("config", "embedder_url", server.url("/v1"))
+        cli("config", "embedder_model", "test-embed")
+        added = cli("knowledge", "add", str(notes), "--glob", "*.md", "--glob", "*.txt")
+        assert server.seen("POST"), "knowledge add did not embed the passages"
+        assert "embedded" in added.stdout, added.stdout
+        listed = json.loads(cli("knowledge", "list", "--json").stdout)["sources"]
+        assert [(s["passages"], s["vectors"]) for s in listed] == [(2, 2)], listed
+        cli("config", "embedder_url", "")
+    finally:
+        server.close()
+
+    async def body(client):
+        asked = await client.call_tool("coffer__ask", {"question": "When is crème brûlée served?"})
+        remembered = await client.call_tool("coffer__remember", {"text": "We deploy on Tuesdays."})
+        return asked, remembered
+
+    asked, remembered = run(body, mode="legacy")
+    answer = asked.structured_content
+    assert answer["ranker"], answer
+    first = answer["passages"][0]
+    assert "Crème brûlée" in first["text"] and "\ufffd" not in first["text"], first  # Latin-1, decoded
+    assert os.path.isabs(first["file"]) and open(first["file"], "rb").read().startswith(b"Cr")
+    assert remembered.is_error and "coffer config memory on" in text_of(remembered), text_of(remembered)
+    readme = (ROOT / "README.md").read_text()
+    assert "## Knowledge and memory" in readme
+    section = readme.split("## Knowledge and memory", 1)[1].split("\n## ", 1)[0]
+    for needed in ("coffer knowledge add", "coffer__ask", "coffer config memory on", "coffer__remember",
+                   "embedder"):
+        assert needed in section, needed
+
+
+# -- 8. an install line that works today, and a release ready for PyPI ----------------------------------------------
+
+def test_the_first_install_line_works_today_and_a_tag_releases_to_pypi():
+    readme = (ROOT / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    block = install.split("```sh", 1)[1].split("```", 1)[0]
+    first = next(line for line in block.splitlines() if line.strip())
+    assert "coffer-mcp" not in first.split("#")[0], f"the first install line needs PyPI: {first}"
+    assert "pipx install ./coffer" in first or "coffer.py" in first, first
+    assert "python3 coffer/coffer.py --version" in block
+    version = subprocess.run([PY, COFFER, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    assert version.startswith("coffer ")  # what the release checks its tag against
+    workflow = (ROOT / ".github" / "workflows" / "release.yml").read_text()
+    for step in ('tags: ["v*"]', "tools/amalgamate.py --check", "python -m build", "twine check",
+                 "pypa/gh-action-pypi-publish", "id-token: write", '"coffer ${GITHUB_REF_NAME#v}"'):
+        assert step in workflow, step

@@ -67,6 +67,7 @@ from coffer_src.oauth import (
     revoke_grant,
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
+from coffer_src.search.semantic import Embedder, EmbedderError
 from coffer_src.secret_store import (
     SECRET_MAX_CHARS,
     SecretStore,
@@ -761,8 +762,39 @@ def cmd_auth(vault: Vault, args) -> int:
 
 
 def open_knowledge(vault: Vault) -> KnowledgeBase:
-    """The knowledge base for a CLI command: no embedder (a running gateway embeds in the background)."""
-    return KnowledgeBase(vault.path, vault.home)
+    """The knowledge base for a CLI command, with the configured embedder (if any) but no background thread:
+    `knowledge add` and `reindex` embed in the foreground (embed_now), `list` counts the vectors."""
+    embedder = Embedder.from_settings(vault.settings(), vault.secrets)
+    return KnowledgeBase(vault.path, vault.home, embedder=embedder, background_embedding=False)
+
+
+def embed_now(kb: KnowledgeBase) -> None:
+    """Embed the passages that have no vector yet, now, with a progress bar on a terminal: the first session then
+    answers with hybrid ranking instead of lexically while vectors are built in the background."""
+    if kb.embedder is None:
+        return
+    interactive = sys.stderr.isatty()
+    shown = [0]
+
+    def progress(done: int, total: int) -> None:
+        shown[0] = total
+        if interactive:
+            bar = "#" * (30 * done // max(total, 1))
+            print(f"\rembedding passages [{bar:<30}] {done}/{total}", end="", file=sys.stderr, flush=True)
+
+    try:
+        kb.ensure_vectors(progress)
+    except (EmbedderError, CofferError) as exc:
+        if interactive and shown[0]:
+            print(file=sys.stderr)
+        say(f"could not embed the passages now ({clip(printable(str(exc)), 200)}); a running gateway embeds them "
+            "in the background, and coffer__ask answers lexically until then")
+        return
+    if interactive and shown[0]:
+        print(file=sys.stderr)
+    if shown[0]:
+        say(f"embedded {shown[0]} passages with {kb.embedder.model or kb.embedder.url} (coffer__ask ranks them "
+            "hybrid from the first question)")
 
 
 def cmd_knowledge(vault: Vault, args) -> int:
@@ -778,6 +810,7 @@ def cmd_knowledge(vault: Vault, args) -> int:
             say(f"added knowledge source {stats.source}: {stats.passages_added} passages from {stats.files_seen} files"
                 + (f" (skipped: {', '.join(f'{n} {why}' for why, n in stats.skipped.items())})" if stats.skipped
                    else ""))
+            embed_now(kb)
             if vault.setting("memory") != "on":
                 say("agents find it with coffer__ask (memory notes too, after: coffer config memory on)")
         elif args.action == "remove":
@@ -790,15 +823,24 @@ def cmd_knowledge(vault: Vault, args) -> int:
             for stats in kb.reindex(args.target):
                 say(f"{stats.source}: {stats.files_seen} files, {stats.files_added} added, {stats.files_changed} "
                     f"changed, {stats.files_removed} removed, {stats.files_unchanged} unchanged ({stats.seconds:g}s)")
+            embed_now(kb)
         else:
             rows = [source._asdict() for source in kb.sources()]
+            vectors = kb.vector_counts() if kb.embedder is not None else None
+            for row in rows:
+                row["vectors"] = vectors.get(row["name"], 0) if vectors is not None else None
             if args.json:
                 say_json({"sources": rows})
             elif not rows:
                 say("no knowledge sources yet: coffer knowledge add PATH")
             else:
-                _print_table([[r["name"], r["files"], r["passages"], r["indexed_at"] or "", r["root"]] for r in rows],
-                             ["NAME", "FILES", "PASSAGES", "INDEXED", "ROOT"])
+                _print_table([[r["name"], r["files"], r["passages"],
+                               *([r["vectors"]] if vectors is not None else []), r["indexed_at"] or "", r["root"]]
+                              for r in rows],
+                             ["NAME", "FILES", "PASSAGES", *(["VECTORS"] if vectors is not None else []), "INDEXED",
+                              "ROOT"])
+                if vectors is None:
+                    say("(no embedder configured: coffer__ask ranks lexically; see coffer config embedder_url)")
     finally:
         kb.close()
     return 0

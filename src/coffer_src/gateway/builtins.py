@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from coffer_src.errors import CofferError
@@ -71,10 +72,11 @@ ASK_TOOL_DEFINITION = {
         "type": "object",
         "properties": {
             "passages": {"type": "array", "items": {"type": "object", "properties": {
-                "source": {"type": "string"}, "path": {"type": "string"}, "heading": {"type": "string"},
-                "lines": {"type": "array", "items": {"type": "integer"}}, "text": {"type": "string"},
-                "score": {"type": "number"}}}},
+                "source": {"type": "string"}, "path": {"type": "string"}, "file": {"type": "string"},
+                "heading": {"type": "string"}, "lines": {"type": "array", "items": {"type": "integer"}},
+                "text": {"type": "string"}, "score": {"type": "number"}}}},
             "total_searched": {"type": "integer"},
+            "ranker": {"type": "string"},
             "answer": {"type": "string"},
         },
         "required": ["passages", "total_searched"],
@@ -326,7 +328,12 @@ class BuiltinTools:
             synthesis = self._sample_text(self._answer_prompt(question, hits), 600, claims.deadline)
         if wanted and synthesis is None and (claims.is_ask_round or "sampling" in self.session.client_capabilities):
             notes.append("no answer from the client's model; passages only")
-        payload = {"passages": [hit.to_dict() for hit in hits], "total_searched": answer.total_searched}
+        # Each passage with the absolute path of its file (an agent can open it), and which ranker answered, as
+        # coffer__search_tools says.
+        roots = {source.name: source.root for source in self.hub.knowledge.sources()}
+        payload = {"passages": [{**hit.to_dict(), "file": os.path.join(roots.get(hit.source, ""), *hit.path.split("/"))}
+                                for hit in hits],
+                   "total_searched": answer.total_searched, "ranker": answer.ranker}
         if synthesis:
             payload["answer"] = synthesis
         self._record(ASK_TOOL, started, "ok", "; ".join(notes) or None)

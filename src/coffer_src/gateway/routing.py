@@ -76,6 +76,13 @@ class CallRouter:
                 lambda: session.tools.remember(arguments or {}, started))
             self.hub.workers.submit(session.answer, msg_id, "tools/call", work)
             return None
+        if name in (ASK_TOOL, REMEMBER_TOOL):  # Coffer's own tool, turned off: say how to turn it on
+            self.record("coffer", name, "tool", started, "error", "turned off")
+            return tool_error_result(
+                f"{name} is off: memory is off in Coffer; the user can turn it on with `coffer config memory on`"
+                if name == REMEMBER_TOOL else
+                f"{name} has nothing to search yet: the user can add a folder of notes with `coffer knowledge add "
+                "PATH`, or turn memory on with `coffer config memory on`")
         return self._route_named(msg_id, params, name, "tool", "tools/call", started)
 
     def prompts_get(self, msg_id, params):
