@@ -304,7 +304,7 @@ def test_known_secret_values_never_reach_the_client_unless_the_server_opts_out(h
     async def body(client):
         await client.set_logging_level("debug")
         seen = {}
-        for how in ("result", "split", "log"):
+        for how in ("result", "split", "log", "escaped"):
             seen[how] = text_of(await client.call_tool("h__leak", {"var": "GITHUB_TOKEN", "how": how}))
         seen["env"] = text_of(await client.call_tool("h__env", {}))
         seen["deploy"] = text_of(await client.call_tool("h__leak", {"var": "DEPLOY_KEY"}))
@@ -320,7 +320,7 @@ def test_known_secret_values_never_reach_the_client_unless_the_server_opts_out(h
     everything = json.dumps(seen) + json.dumps([log.model_dump(mode="json") for log in logs])
     for secret in (GITHUB_TOKEN, DEPLOY_KEY, STORED_ONLY, GITHUB_TOKEN[:len(GITHUB_TOKEN) // 2]):
         assert secret not in everything, f"{secret[:8]}... reached the client: {everything[:600]}"
-    assert seen["result"] == "the value is ***" and seen["split"] == "the value is ***."
+    assert seen["result"] == seen["escaped"] == "the value is ***" and seen["split"] == "the value is ***."
     assert "***" in seen["env"] and "***" in seen["error"] and seen["echo"] == "stored: ***"
     assert any("***" in json.dumps(log.data) for log in logs), logs
 
