@@ -1032,7 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
             vault = Vault(scratch.name)
             vault.home, vault.secrets = coffer_home(), SecretStore(coffer_home())
         else:
-            vault = Vault()
+            vault = Vault() if getattr(args, "opens_vault", True) else None
         return args.handler(vault, args)
     except KeyboardInterrupt:
         print("coffer: interrupted", file=sys.stderr)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import logging.handlers
 import os
 import select
 import signal
@@ -47,17 +46,19 @@ LOG_BYTES, LOG_BACKUPS = 2 << 20, 3
 
 
 def build_id() -> str:
-    """What tells two Coffers apart: the version and the code itself (two copies of one version may differ)."""
-    import hashlib
+    """What tells two Coffers apart: the version and the code itself (two copies of one version may differ).  A
+    checksum, not a digest: it tells builds apart, it guards nothing, and a relay need not load hashlib for it."""
     import sys
+    import zlib
     module = sys.modules.get(ClientSession.__module__)
     path = getattr(module, "__file__", None)
     try:
         with open(path, "rb") as handle:
-            digest = hashlib.sha256(handle.read()).hexdigest()[:16]
+            code = handle.read()
+        checksum = f"{zlib.crc32(code):08x}{len(code):x}"
     except (OSError, TypeError):
-        digest = "unknown"
-    return f"{__version__}+{digest}"
+        checksum = "unknown"
+    return f"{__version__}+{checksum}"
 
 
 class SocketOutput:
@@ -149,6 +150,7 @@ def log_to_file(home: str) -> str:
     path = os.path.join(folder, "service.log")
     if not os.path.exists(path):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    import logging.handlers  # here: the rest of Coffer never needs it, and it costs memory to import
     handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS,
                                                    encoding="utf-8")
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -270,7 +272,8 @@ class Service:
                 send_line(conn, {"coffer": 1, "error": "not a Coffer client of this service"})
                 return
             kind = hello.get("kind")
-            answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid()}
+            answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid(),
+                      "serve_mode": self.hub.settings.get("serve_mode", "service")}
             if kind == "control":
                 send_line(conn, {**answer, **self.control(hello)})
             elif kind == "session" and not self.handing_over:
