@@ -8,10 +8,9 @@ import subprocess
 import anyio
 import mcp_types as types
 import pytest
+from conftest import COFFER, HOSTILE, PY, ROOT, cli
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-
-from conftest import COFFER, HOSTILE, PY, ROOT, cli
 
 
 def gateway_params(env=None):

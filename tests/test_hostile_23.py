@@ -8,10 +8,9 @@ import os
 import anyio
 import mcp_types as types
 import pytest
+from conftest import COFFER, HOSTILE, PY, cli
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-
-from conftest import COFFER, HOSTILE, PY, cli
 
 CONTROL_CHARS = frozenset(chr(c) for c in [*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0)])
 

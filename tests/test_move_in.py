@@ -317,7 +317,8 @@ def test_install_claude_code_replace_then_uninstall_restores(world):
     # the local scope of this project runs beside the user scope: --replace covers it too (issue 23)
     assert "local-echo (local scope of" in out
     assert after["projects"][str(world.project)]["mcpServers"] == {}
-    assert after["numStartups"] == 42 and after["projects"]["/somewhere/else"] == original["projects"]["/somewhere/else"]
+    assert after["numStartups"] == 42
+    assert after["projects"]["/somewhere/else"] == original["projects"]["/somewhere/else"]
     assert len(backups(world, claude)) == 1 and json.loads(backups(world, claude)[0].read_text()) == original
     stash = [line for line in out.splitlines() if "kept (private, 0600) in" in line][0].split(" in ")[1].split(";")[0]
     assert Path(stash).is_relative_to(world.coffer_home)
