@@ -106,6 +106,7 @@ def env_of(gw, server):
 
 def test_each_upstream_gets_a_minimal_environment_plus_its_own(home, watched_gateway):
     add_hostile("a", opts=("--env", "A_TOKEN=${A_SECRET}"))
+    cli("config", "redact.a", "off")  # a's environment comes back in a tool result: not redacted, to be read
     add_hostile("b")
     gw = session(watched_gateway, env=GATEWAY_ENV)
     a_env, b_env = env_of(gw, "a"), env_of(gw, "b")
@@ -737,7 +738,11 @@ def test_a_huge_tool_list_is_capped_per_server(home, watched_gateway):
     add_hostile("good")
     gw = session(watched_gateway)
     healthy(gw)
-    names = tool_names(gw.request("tools/list"))
+    page = gw.request("tools/list")["result"]
+    names = [tool["name"] for tool in page["tools"]]
+    while page.get("nextCursor"):  # long lists come in pages (list_page_size)
+        page = gw.request("tools/list", {"cursor": page["nextCursor"]})["result"]
+        names += [tool["name"] for tool in page["tools"]]
     assert 0 < sum(n.startswith("m__") for n in names) <= 1000
     assert "good__echo" in names
 
