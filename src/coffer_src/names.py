@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import difflib
-import hashlib
 import re
 import urllib.parse
 
+from coffer_src.digests import sha256
 from coffer_src.errors import CofferError
 from coffer_src.terminal import clip, printable
 
@@ -55,7 +55,7 @@ def _natural_name(server: str, name: str, max_length: int) -> str | None:
 
 
 def _shortened_name(server: str, name: str, max_length: int, width: int, digest: str | None = None) -> str:
-    digest = digest or hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+    digest = digest or sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
     safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
     room = max(1, max_length - len(server) - len(SEPARATOR) - width - 1)
     return f"{server}{SEPARATOR}{safe[:room].rstrip('_') or 'x'}_{digest[:width]}"
@@ -87,7 +87,7 @@ def exposed_names(server: str, names, max_length: int, seniority: dict | None = 
     for name in sorted(names, key=lambda n: seniority.get(n, last)):  # stable: the rest keep the order given
         exposed = _natural_name(server, name, max_length)
         if exposed is None or exposed in taken:
-            digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+            digest = sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
             exposed = next((form for form in (_shortened_name(server, name, max_length, width, digest)
                                               for width in _DIGEST_WIDTHS) if form not in taken), None)
             count = 2

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
 import logging
 import os
 import re
-import secrets
 import threading
 import time
 import urllib.parse
 from typing import NamedTuple
 
+from coffer_src import __version__
+from coffer_src.digests import same_secret, sha256, token_urlsafe
 from coffer_src.errors import CofferError, CofferException
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, decode_json, encode_line
+from coffer_src.modern import MODERN_PROTOCOL_VERSIONS, Envelope, stamp_envelope
 from coffer_src.names import is_loopback_url, origin_text, same_origin, url_origin
 from coffer_src.terminal import _UNPRINTABLE_RE, ServerLog, printable, redact
 from coffer_src.transport.http import (
@@ -25,8 +25,11 @@ from coffer_src.transport.http import (
     HttpReply,
     _close_reply,
     _reply_text,
-    initialize_or_stream,
+    discover_initialize_or_stream,
+    message_version,
+    read_sse_events,
     remote_http,
+    standard_headers,
 )
 from coffer_src.transport.stdio import UpstreamFailure
 
@@ -71,8 +74,8 @@ def authorized_exchange(name: str, auth, method: str, url: str, *, headers: dict
         if reply.status == 403:
             if bearer is not None and bearer.get("error") == "insufficient_scope":
                 scope = printable(bearer.get("scope", ""))[:200]
-                raise NeedsLogin(name, f"it asks for more permissions{f' (scope {scope})' if scope else ''}; "
-                                       f"add --scope to `coffer auth {name}`")
+                auth.insufficient_scope(scope)  # the next `coffer auth` asks for it, with what was granted
+                raise NeedsLogin(name, f"it asks for more permissions{f' (scope {scope})' if scope else ''}")
             return reply
         if challenges and bearer is None:
             schemes = ", ".join(sorted(challenges))[:100]
@@ -194,6 +197,7 @@ class AuthServerMetadata(NamedTuple):
     token_auth_methods: list[str] | None = None
     client_id_metadata_documents: bool = False
     iss_parameter: bool = False
+    metadata_issuer: str = ""           # the issuer as the metadata document spells it (RFC 9207 compares to it)
 
 
 def _first_metadata(urls: list[str], what: str) -> tuple[str, dict] | None:
@@ -276,7 +280,8 @@ def discover_authorization_server(issuer: str) -> AuthServerMetadata:
     return AuthServerMetadata(
         issuer=issuer, token_auth_methods=_str_list(document.get("token_endpoint_auth_methods_supported")),
         client_id_metadata_documents=document.get("client_id_metadata_document_supported") is True,
-        iss_parameter=document.get("authorization_response_iss_parameter_supported") is True, **endpoints)
+        iss_parameter=document.get("authorization_response_iss_parameter_supported") is True,
+        metadata_issuer=document["issuer"], **endpoints)
 
 
 # -- OAuth: the saved login ------------------------------------------------------------------------------------
@@ -299,6 +304,7 @@ class OAuthGrant(NamedTuple):
     redirect_uri: str | None = None
     revocation_endpoint: str | None = None
     scope: str | None = None
+    wanted_scope: str | None = None         # what the server asked for more of (403 insufficient_scope)
     expires_at: float | None = None
     lifetime: float | None = None
     obtained_at: float = 0.0
@@ -418,8 +424,9 @@ class OAuthCredentials:
     browser: whatever needs a person raises NeedsLogin.  The token goes only to the server's own origin.
 
     Threads: any HTTP worker thread of the upstream.  One lock (``_lock``) serialises reading the saved login and
-    refreshing it, so requests that find the token due together cause one refresh; it is held across the token
-    request on purpose (the others wait for its result instead of spending a single-use refresh token again).
+    writing it back (a refresh, a step-up's wanted scope), so requests that find the token due together cause one
+    refresh; it is held across the token request on purpose (the others wait for its result instead of spending a
+    single-use refresh token again).
     Inside it only the SecretStore's and the Redactor's own locks are taken; ``_warned`` is written under it.
     Other processes (a second `coffer serve`, `coffer auth`) share the store: before refreshing, and before giving
     up on invalid_grant, the store is read again in case one of them already refreshed (refresh tokens may be
@@ -480,6 +487,17 @@ class OAuthCredentials:
             if sent_authorization != f"Bearer {grant.access_token}":
                 return  # another thread or process has refreshed meanwhile
             self._refresh(grant)
+
+    def insufficient_scope(self, scope: str) -> None:
+        """The server refused the token for want of ``scope`` (a step-up): remember it in the saved login, so
+        the next `coffer auth` asks for it along with what was granted."""
+        with self._lock:
+            grant = self._load()
+            if grant is None or not scope:
+                return
+            wanted = _scope_union(grant.wanted_scope, scope)
+            if wanted != grant.wanted_scope:
+                self.store.set(oauth_secret_name(self.server), grant._replace(wanted_scope=wanted).to_text())
 
     def _refresh(self, grant: OAuthGrant) -> OAuthGrant:
         latest = self._load()
@@ -579,7 +597,9 @@ def choose_client(server: str, metadata: AuthServerMetadata, oauth: dict, store,
 
 def register_client(metadata: AuthServerMetadata, redirect_uri: str, scope: str | None) -> ClientIdentity:
     """Dynamic Client Registration (RFC 7591) as a public client: Coffer keeps no secret it does not need."""
-    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri],
+    # application_type "native" (OpenID Connect Registration, required by MCP's SEP-837): a program on the user's
+    # machine with a loopback redirect URI, which an authorization server defaulting to "web" would refuse.
+    request = {"client_name": "Coffer", "redirect_uris": [redirect_uri], "application_type": "native",
                "grant_types": ["authorization_code", "refresh_token"],
                "response_types": ["code"], "token_endpoint_auth_method": "none"}
     if scope:
@@ -673,8 +693,8 @@ def _open_receiver(previous: OAuthGrant | None) -> LoopbackReceiver:
 
 
 def _pkce_pair() -> tuple[str, str]:
-    verifier = secrets.token_urlsafe(64)  # 86 characters of the unreserved set (RFC 7636 §4.1)
-    challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode("ascii")).digest()).rstrip(b"=")
+    verifier = token_urlsafe(64)  # 86 characters of the unreserved set (RFC 7636 §4.1)
+    challenge = base64.urlsafe_b64encode(sha256(verifier.encode("ascii")).digest()).rstrip(b"=")
     return verifier, challenge.decode("ascii")
 
 
@@ -692,16 +712,100 @@ def _read_pasted_callback(receiver: LoopbackReceiver, stdin) -> None:
 
 
 def login_challenge(name: str, url: str, headers: dict) -> dict[str, dict[str, str]]:
-    """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  POST initialize first
-    (Streamable HTTP); on 400/404/405 a GET (HTTP+SSE).  Raises OAuthFailure when it wants no login."""
-    posted, stream = initialize_or_stream(remote_http, url, headers, 15.0)
-    reply = stream or posted
+    """Ask the server, without a token, what it wants: its WWW-Authenticate challenges.  The probe Coffer starts a
+    server with (server/discover, then initialize, then a GET for HTTP+SSE); a server that lets the session begin
+    unauthenticated is asked what a session asks next -- its lists -- since many ask for the login only there.
+    Raises OAuthFailure when nothing asks for a login."""
+    probed = discover_initialize_or_stream(remote_http, url, headers, 15.0)
+    reply = probed.stream or probed.initialize or probed.discover
     _close_reply(reply)
+    if probed.discover.status in (401, 403):
+        reply = probed.discover  # asked for a login at once (initialize may be let through, or unknown)
+    elif reply.ok and probed.stream is None:
+        reply = _later_refusal(url, headers, probed.discovered) or reply
     if reply.status in (401, 403):
         return parse_www_authenticate(reply.headers.get("www-authenticate"))
     if reply.ok:
         raise OAuthFailure(f"'{name}' answered without asking for a login: nothing to do")
     raise OAuthFailure(f"'{name}' answered HTTP {reply.status} instead of asking for a login: {_reply_text(reply)}")
+
+
+def _rpc_post(url: str, headers: dict, message: dict) -> tuple[HttpReply, dict | None]:
+    """One JSON-RPC POST of the login probe: the reply (closed) and the answer to ``message`` it held, if any."""
+    reply = remote_http("POST", url, body=encode_line(message), timeout=15.0, stream=True, headers={
+        "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+        **standard_headers(message, message_version(message)), **headers})
+    answer = None
+    try:
+        if reply.ok and reply.stream is not None:
+            kind = reply.headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind == "application/json":
+                items = [decode_json(reply.stream.read(_METADATA_BYTES))]
+            elif kind == "text/event-stream":
+                items = [decode_json(event.data) for event in read_sse_events(reply.stream.readline, _METADATA_BYTES)
+                         if event.kind == "message" and not event.oversized]
+            else:
+                items = []
+            answer = next((item for item in items if isinstance(item, dict) and "id" in message
+                           and item.get("id") == message["id"]), None)
+    except (ValueError, OSError):
+        answer = None
+    finally:
+        _close_reply(reply)
+    return reply, answer
+
+
+def _later_refusal(url: str, headers: dict, discovered: dict | None) -> HttpReply | None:
+    """The first 401 or 403 of the requests a session makes after it began (the lists of what the server
+    announces), or None when every one was let through.  ``discovered``: a 2026-07-28 server's DiscoverResult;
+    None for a handshake-era one, whose session is begun (and ended) here."""
+    envelope = Envelope(MODERN_PROTOCOL_VERSIONS[-1], {}, {"name": "coffer", "version": __version__}, None)
+    session_headers = dict(headers)
+    if discovered is not None:
+        capabilities = discovered.get("capabilities")
+    else:
+        reply, answer = _rpc_post(url, headers, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
+            "clientInfo": {"name": "coffer", "version": __version__}}})
+        if not reply.ok:
+            return reply if reply.status in (401, 403) else None
+        result = answer.get("result") if isinstance(answer, dict) else None
+        if not isinstance(result, dict):
+            return None
+        capabilities = result.get("capabilities")
+        session = reply.headers.get("mcp-session-id")
+        if session and len(session) < 1024:
+            session_headers["Mcp-Session-Id"] = session
+        version = result.get("protocolVersion")
+        session_headers["MCP-Protocol-Version"] = version if isinstance(version, str) else LATEST_PROTOCOL_VERSION
+        reply, _ = _rpc_post(url, session_headers, {"jsonrpc": "2.0", "method": "notifications/initialized"})
+        if reply.status in (401, 403):
+            return reply
+    capabilities = capabilities if isinstance(capabilities, dict) else {}
+    try:
+        for number, (method, capability) in enumerate((("tools/list", "tools"), ("resources/list", "resources"),
+                                                       ("prompts/list", "prompts")), start=2):
+            if capability not in capabilities:
+                continue
+            params = stamp_envelope({}, envelope) if discovered is not None else {}
+            reply, _ = _rpc_post(url, session_headers, {"jsonrpc": "2.0", "id": number, "method": method,
+                                                        "params": params})
+            if reply.status in (401, 403):
+                return reply
+        return None
+    finally:
+        if "Mcp-Session-Id" in session_headers:
+            try:
+                remote_http("DELETE", url, headers=session_headers, timeout=5.0)
+            except UpstreamFailure:
+                pass
+
+
+def _scope_union(*scopes: str | None) -> str | None:
+    """Space-separated scopes, each once, in the order first met (SEP-2350: a new login keeps what was asked
+    before and adds what the server now asks for)."""
+    merged = list(dict.fromkeys(word for scope in scopes if scope for word in scope.split()))
+    return " ".join(merged) or None
 
 
 def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings: dict, *, out,
@@ -723,20 +827,22 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
     else:  # MCP 2025-03-26 servers: the authorization server is the MCP server's origin
         issuer, resource = origin_text(url), canonical_resource(url)
     metadata = discover_authorization_server(issuer)
-    if scope is None:
-        scope = bearer.get("scope") or (" ".join(resource_metadata.scopes_supported)
-                                         if resource_metadata and resource_metadata.scopes_supported else None)
     key = oauth_secret_name(name)
     try:
         text = store.get(key)
         previous = OAuthGrant.from_text(text) if text else None
     except (ValueError, TypeError):
         previous = None
+    if scope is None:
+        scope = bearer.get("scope") or (" ".join(resource_metadata.scopes_supported)
+                                         if resource_metadata and resource_metadata.scopes_supported else None)
+        if previous is not None and previous.server_url == url:  # a new login for more: keep what was granted
+            scope = _scope_union(previous.scope, scope, previous.wanted_scope)
     receiver = _open_receiver(previous)
     try:
         client = choose_client(name, metadata, oauth, store, settings, receiver.redirect_uri, scope, previous)
         verifier, challenge = _pkce_pair()
-        state = secrets.token_urlsafe(32)
+        state = token_urlsafe(32)
         params = {"response_type": "code", "client_id": client.client_id, "redirect_uri": receiver.redirect_uri,
                   "code_challenge": challenge, "code_challenge_method": "S256", "state": state,
                   "resource": resource}
@@ -764,7 +870,7 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
         receiver.close()
     if answer is None:
         raise OAuthFailure(f"no answer from the browser within {timeout:g} s")
-    if not hmac.compare_digest(str(answer.get("state", "")).encode("utf-8", "replace"), state.encode("ascii")):
+    if not same_secret(str(answer.get("state", "")).encode("utf-8", "replace"), state.encode("ascii")):
         raise OAuthFailure("the browser came back with a different state than this login sent: refused (it was "
                            "not the answer to this login; possibly a cross-site request forgery)")
     if answer.get("error"):
@@ -772,8 +878,9 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
         raise OAuthFailure(f"the authorization server refused: {printable(answer['error'])[:60]}"
                            + (f": {detail}" if detail else ""))
     if "iss" in answer or metadata.iss_parameter:  # RFC 9207: the answer must come from the server we asked
-        if not _issuers_match(str(answer.get("iss", "")), metadata.issuer):
-            raise OAuthFailure("the authorization answer names another issuer than the server asked: refused")
+        if answer.get("iss") != (metadata.metadata_issuer or metadata.issuer):  # exactly: no normalising (§2.4)
+            raise OAuthFailure("the authorization answer names another issuer than the server asked, or none: "
+                               "refused")
     code = answer.get("code")
     if not isinstance(code, str) or not 0 < len(code) <= 4096:
         raise OAuthFailure("the authorization server sent no code")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import re
 
+from coffer_src.digests import sha256
 from coffer_src.names import RESERVED_SERVER, SERVER_NAME_RE
 
 TRANSPORTS = ("stdio", "http", "sse", "auto")
@@ -27,7 +27,7 @@ _UNPINNED_FIELDS = {"tool": ("_meta",), "prompt": ("_meta",), "resource": ("_met
 
 def fingerprint(definition: dict, kind: str = "tool") -> str:
     pinned = {k: v for k, v in definition.items() if k not in _UNPINNED_FIELDS.get(kind, ())}
-    return hashlib.sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
+    return sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
 
 
 # C0 and C1 control characters but newline and tab: an ESC or an OSC 52 sequence in a description would be obeyed

@@ -7,7 +7,6 @@ only when re-reading the result gives exactly the intended structure.  Everythin
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from coffer_src.clients.files import (
     read_config_text,
     render_toml_server,
 )
+from coffer_src.digests import sha256
 from coffer_src.errors import CofferError
 from coffer_src.names import ENV_KEY_RE, ENV_NAME_PATTERN, RESERVED_SERVER, SERVER_NAME_MAX, SERVER_NAME_RULE
 from coffer_src.secret_store import (
@@ -634,7 +634,7 @@ def install_target(client: str, ctx: ClientContext, project: bool) -> ClientFile
 
 
 def stash_path(vault, file: ClientFile) -> str:
-    digest = hashlib.sha256(f"{file.path}\0{'/'.join(file.container)}".encode()).hexdigest()[:12]
+    digest = sha256(f"{file.path}\0{'/'.join(file.container)}".encode()).hexdigest()[:12]
     return os.path.join(vault.home, "replaced", f"{file.client}-{digest}.json")
 
 
@@ -665,7 +665,7 @@ def write_config_file(path: str, text: str, backups: str) -> str | None:
     if os.path.exists(target):
         mode = stat.S_IMODE(os.stat(target).st_mode)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        digest = hashlib.sha256(target.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        digest = sha256(target.encode("utf-8", "surrogatepass")).hexdigest()[:8]
         base = os.path.join(backups, f"{os.path.basename(path)}-{digest}.coffer-backup-{stamp}")
         backup, n = base, 1
         while os.path.exists(backup):

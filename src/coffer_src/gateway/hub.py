@@ -12,13 +12,14 @@ import itertools
 import logging
 import os
 import sqlite3
-import sys
 import threading
 import time
 
 from coffer_src.catalogue import Catalogue
 from coffer_src.errors import CofferError
 from coffer_src.gateway.builtins import CLIENT_SIDE_CAPABILITIES, knowledge_tools_for
+from coffer_src.gateway.sharing import DormantServer, PerClientServer, Sharing, return_freed_memory
+from coffer_src.invocations import InvocationLog
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.search.semantic import Embedder, SemanticRanker
@@ -27,7 +28,7 @@ from coffer_src.terminal import ServerLog
 from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.transport.stdio import StdioTransport, process_table
 from coffer_src.upstream.supervisor import Upstream, record_upstream_status
-from coffer_src.vault import CapabilityState, InvocationLog, Vault, setting_key
+from coffer_src.vault import CapabilityState, Vault, setting_key
 
 hub_log = logging.getLogger(__name__)
 
@@ -37,65 +38,6 @@ RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout
 #: What a shared upstream is told its client can do: everything a client may offer, since any session may call it;
 #: a request it makes goes to the session whose call it serves, which answers or refuses for its own client.
 SHARED_CLIENT_CAPABILITIES = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
-
-
-_LIBC_TRIM = None
-
-
-def return_freed_memory() -> None:
-    """Hand the heap a catalogue build freed back to the operating system (glibc keeps it, by default, for the
-    process's next allocation; the service lives for hours between builds).  Elsewhere a no-op."""
-    global _LIBC_TRIM
-    if _LIBC_TRIM is None:
-        _LIBC_TRIM = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-                _LIBC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-            except (OSError, AttributeError):
-                pass
-    if _LIBC_TRIM:
-        _LIBC_TRIM(0)
-
-
-class RememberedServer:
-    """A server with no instance running in the hub: what the catalogue lists for it, from its lists remembered
-    at its last start, until an instance is asked for."""
-
-    per_client = False   # True: each client session runs an instance of its own (PerClientServer)
-    dormant = False      # True: stopped for want of calls; the hub starts it again on the next one
-    spawns = 0
-    ready_at = 0.0
-    generation = 0
-
-    def __init__(self, config: dict, remembered: dict):
-        self.config = config
-        self.name: str = config["name"]
-        self.remembered = remembered
-        self.lists = {kind: {} for kind in ("tool", "prompt", "resource", "template")}
-        self.era = config.get("era")
-        self.capabilities = config.get("capabilities") or {}
-        self.state = "idle"
-
-    def learn(self, lists: dict) -> bool:
-        """An instance listed these: remember them for every session's catalogue.  True if they changed."""
-        kept = {kind: items for kind, items in lists.items() if kind in ("tool", "prompt") and items}
-        changed = kept != self.remembered
-        self.remembered = kept
-        return changed
-
-
-class PerClientServer(RememberedServer):
-    """A server that runs one instance per client session; a session starts its own on first use."""
-
-    per_client = True
-
-
-class DormantServer(RememberedServer):
-    """A shared server stopped after upstream_idle_stop seconds without a call; its tools stay listed, and the
-    next call starts it again (and waits for it, as a call to a starting server does)."""
-
-    dormant = True
 
 
 class Hub:
@@ -129,6 +71,7 @@ class Hub:
         self.log = InvocationLog(vault.path)
         self.disabled_servers: set[str] = set()
         self.upstreams: dict[str, Upstream] = {}
+        self.sharing = Sharing(self)
         self.per_client: dict[str, PerClientServer] = {}   # shared mode: servers each session runs its own of
         self.dormant: dict[str, DormantServer] = {}         # shared mode: servers stopped while unused
         self._progress: dict[str, object] = {}             # Coffer's progress token upstream -> its session
@@ -149,6 +92,7 @@ class Hub:
         self.knowledge_tools: list[dict] = []
         self._upstream_client: tuple[dict, dict | None, str] | None = None  # what upstreams are started with
         self._reported_missing = False
+        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see rebuild)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
@@ -309,6 +253,20 @@ class Hub:
         login = [name for name in failed if "needs login" in (self.configs[name].get("status_detail") or "")]
         return login, [name for name in failed if name not in login]
 
+    def restart(self, name: str, config: dict) -> None:
+        """Start a server afresh (`coffer` page's restart): the running instance leaves the pool and stops, a new
+        one starts with its lists remembered (a client's list stays complete meanwhile)."""
+        with self.lock:
+            old = self.upstreams.get(name)
+            if old is not None:
+                self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
+                lists = {kind: items for kind, items in old.lists.items() if kind in ("tool", "prompt") and items}
+                self.remembered[name] = lists or old.remembered
+        if old is not None:
+            start_thread(old.stop, f"coffer-{name}-stop")
+        self._add_upstream(config)
+        self.rebuild()
+
     def _add_upstream(self, config: dict) -> None:
         caps, info, version = self._upstream_client or ({}, None, LATEST_PROTOCOL_VERSION)
         if self.shared and config.get("sharing") == "per-client":
@@ -351,10 +309,13 @@ class Hub:
                             transport.remember_family(table)
                     except Exception:  # noqa: BLE001 - bookkeeping for shutdown; never the ticker's death
                         hub_log.exception("could not read the process table")
+            if self._trim_at is not None and now >= self._trim_at:
+                self._trim_at = None
+                return_freed_memory()
             if now - last_reload >= 1.0:
                 last_reload = now
                 try:
-                    self._stop_idle()
+                    self.sharing.stop_idle()
                 except Exception:  # noqa: BLE001 - the ticker also guards every timeout
                     hub_log.exception("could not stop an idle upstream")
                 try:
@@ -402,7 +363,7 @@ class Hub:
                 with self.lock:
                     self.per_client = {key: p for key, p in self.per_client.items() if key != name}
                 for session in self.sessions:
-                    session.drop_private(name)
+                    session.instances.drop(name)
                 changed = True
         for name, placeholder in self.dormant.items():
             old, new = self.configs.get(name), configs.get(name)
@@ -417,55 +378,14 @@ class Hub:
         if changed:
             self.rebuild()
 
-    # -- idle upstreams (shared mode) -----------------------------------------------------------------------------
-    def _stop_idle(self) -> None:
-        """Stop each shared upstream that has had no call for upstream_idle_stop seconds (and has nothing in
-        flight); what it listed stays in the catalogue."""
-        limit = str(self.settings.get("upstream_idle_stop", "off"))
-        if not self.shared or limit == "off":
-            return
-        now = time.time()
-        for name, upstream in self.upstreams.items():
-            last = getattr(upstream, "last_call", None)
-            if last is None or upstream.state != "ready" or now - last < float(limit) or \
-                    not upstream.requests.idle():
-                continue
-            with self.lock:
-                if self.upstreams.get(name) is not upstream:
-                    continue
-                placeholder = DormantServer(self.configs.get(name) or upstream.config,
-                                            {kind: items for kind, items in upstream.lists.items()
-                                             if kind in ("tool", "prompt") and items})
-                self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
-                self.dormant = {**self.dormant, name: placeholder}
-            ServerLog(hub_log, name).info("stopped after %gs without a call; the next call starts it again",
-                                          float(limit))
-            start_thread(upstream.stop, f"coffer-{name}-stop")
-            self.rebuild()
-
     def wake(self, name: str) -> Upstream | None:
-        """Start a dormant server again for a call (the call waits for its start); the running upstream."""
-        with self.lock:
-            placeholder = self.dormant.get(name)
-            if placeholder is None:
-                return self.upstreams.get(name)
-            self.dormant = {key: p for key, p in self.dormant.items() if key != name}
-            self.remembered[name] = placeholder.remembered
-        self._add_upstream(placeholder.config)
-        self.rebuild()
-        return self.upstreams.get(name)
+        return self.sharing.wake(name)
 
-    # -- events from upstreams (see upstream.supervisor: the upstream events interface) -----------------------
+    def make_per_client(self, name: str, reason: str) -> None:
+        self.sharing.make_per_client(name, reason)
+
     def _retired(self, upstream: Upstream) -> bool:
-        """A shared instance switched to per-client, still finishing its calls: what it lists now is what every
-        client's own instance will list, so the catalogue learns it from here (no client has to start one
-        just to find out); nothing else it does concerns the hub any more."""
-        placeholder = self.per_client.get(upstream.name)
-        if placeholder is None or self.upstreams.get(upstream.name) is upstream:
-            return False
-        if upstream.ready_at and placeholder.learn(upstream.lists):
-            self.rebuild()
-        return True
+        return self.sharing.retired(upstream)
 
     def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
         try:
@@ -485,8 +405,8 @@ class Hub:
     def on_ready(self, upstream: Upstream) -> None:
         if self._retired(upstream):
             return
-        if getattr(upstream, "last_call", None) is None:
-            upstream.last_call = time.time()  # idle since it came up (see _stop_idle)
+        if getattr(upstream, "idle_since", None) is None:
+            upstream.idle_since = time.time()  # see _stop_idle
         self._remember_transport(upstream)
         if upstream.era != upstream.config.get("era"):
             try:
@@ -591,40 +511,6 @@ class Hub:
             return
         session.upstream_request(upstream, message)
 
-    def make_per_client(self, name: str, reason: str) -> None:
-        """Switch a shared server to one instance per client: recorded (and shown by `coffer show`), its shared
-        instance stopped once its calls are answered; the next call of each session starts that session's own."""
-        with self.lock:
-            upstream = self.upstreams.get(name)
-            config = self.configs.get(name)
-            if upstream is None or config is None:
-                return  # already switched (a retiring instance may ask again), or gone
-            config = self.configs[name] = {**config, "sharing": "per-client", "sharing_reason": reason}
-            self.upstreams = {key: up for key, up in self.upstreams.items() if key != name}
-            lists = {kind: items for kind, items in upstream.lists.items() if kind in ("tool", "prompt") and items}
-            placeholder = PerClientServer(config, lists or upstream.remembered)
-            self.per_client = {**self.per_client, name: placeholder}
-        ServerLog(hub_log, name).info("runs once per client from now on: %s", reason)
-        if not placeholder.remembered:  # nothing known of it yet: each client's own instance will say what it offers
-            for session in self.sessions:
-                if session.initialized:
-                    session.instance_of(placeholder)
-        try:
-            with self.vault_lock:
-                self.vault.set_sharing(name, "per-client", reason)
-        except CofferError as exc:
-            ServerLog(hub_log, name).warning("could not record that it runs per client: %s", exc)
-        start_thread(self._retire, f"coffer-{name}-retire", upstream)
-        self.rebuild()
-
-    def _retire(self, upstream: Upstream) -> None:
-        """Stop a shared instance that was switched to per-client once nothing is waiting on it (bounded)."""
-        deadline = time.monotonic() + upstream.call_timeout
-        while time.monotonic() < deadline and any(s.oldest_call_to(upstream) is not None for s in self.sessions):
-            if self._stopping.wait(0.2):
-                break
-        upstream.stop()
-
     # -- the catalogue -------------------------------------------------------------------------------------
     def rebuild(self, force: bool = False) -> None:
         """Swap in a fresh catalogue (and search index); tell every session which lists changed.
@@ -653,8 +539,8 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
-        if self.shared:
-            return_freed_memory()
+        if self.shared:  # what the build and the listing it came from leave freed, once they are gone (ticker)
+            self._trim_at = time.monotonic() + 1.0
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind`` (a list waiting), only those with no remembered list of that kind

@@ -11,10 +11,9 @@ rest stays callable by name and findable with coffer__search_tools (the instruct
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 
+from coffer_src.digests import hmac_sha256, same_secret, sha256
 from coffer_src.jsonrpc import INVALID_PARAMS, RpcError
 
 #: What identifies an item of each list a client pages through.
@@ -24,11 +23,11 @@ _PAGE_KEY = os.urandom(32)
 
 
 def _digest(text) -> str:
-    return hashlib.sha256(str(text).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return sha256(str(text).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _signed(payload: str) -> str:
-    return f"{payload}.{hmac.new(_PAGE_KEY, payload.encode('ascii'), hashlib.sha256).hexdigest()[:32]}"
+    return f"{payload}.{hmac_sha256(_PAGE_KEY, payload.encode('ascii')).hex()[:32]}"
 
 
 def check_cursor(key: str, cursor) -> tuple[int, str, str] | None:
@@ -39,7 +38,7 @@ def check_cursor(key: str, cursor) -> tuple[int, str, str] | None:
     if not isinstance(cursor, str) or len(cursor) > CURSOR_MAX_CHARS or cursor.count(".") != 4:
         raise RpcError(INVALID_PARAMS, "Invalid params: not a cursor Coffer gave out")
     payload, _, mac = cursor.rpartition(".")
-    if not hmac.compare_digest(_signed(payload).encode("ascii", "replace"), cursor.encode("ascii", "replace")):
+    if not same_secret(_signed(payload).encode("ascii", "replace"), cursor.encode("ascii", "replace")):
         raise RpcError(INVALID_PARAMS, "Invalid params: not a cursor Coffer gave out")
     listed, offset, before, at = payload.split(".")
     if listed != key:

@@ -118,7 +118,7 @@ class CallRouter:
                 self._deny(blocked, "resource", started)
             if log_kind:
                 self.record("", uri, log_kind, started, "error", "unknown resource")
-            raise RpcError(INVALID_PARAMS, f"Unknown resource: {uri}")
+            raise RpcError(INVALID_PARAMS, f"Unknown resource: {uri}", {"uri": uri})
         return route
 
     def resources_read(self, msg_id, params):
@@ -141,40 +141,51 @@ class CallRouter:
     def subscription(self, method: str):
         def handler(msg_id, params):
             uri = require_str(params, "uri")
-            upstream, original = self.resource_route(uri, time.monotonic(), None)
-            with self.session.lock:  # remembered so a restarted upstream is subscribed again
-                subscribed = self.subscriptions.setdefault(upstream.name, set())
-                subscribed.add(original) if method == "resources/subscribe" else subscribed.discard(original)
-            if upstream.era == "modern":
-                return {}  # a 2026-07-28 server has no resources/subscribe (updates need a listen stream of its own)
-            if method == "resources/unsubscribe" and self.hub.subscribed_elsewhere(self.session, upstream, original):
-                return {}  # another client still wants its updates
-            self.forward(msg_id, upstream, method, {**params, "uri": original}, uri, None, time.monotonic())
+
+            def work():  # once the upstream that may own the URI has started, as resources/read waits
+                upstream, original = self.resource_route(uri, time.monotonic(), None)
+                with self.session.lock:  # remembered so a restarted upstream is subscribed again
+                    subscribed = self.subscriptions.setdefault(upstream.name, set())
+                    subscribed.add(original) if method == "resources/subscribe" else subscribed.discard(original)
+                if upstream.era == "modern":
+                    return {}  # a 2026-07-28 server has no resources/subscribe (updates need a listen stream)
+                if method == "resources/unsubscribe" and self.hub.subscribed_elsewhere(self.session, upstream,
+                                                                                       original):
+                    return {}  # another client still wants its updates
+                self.forward(msg_id, upstream, method, {**params, "uri": original}, uri, None, time.monotonic())
+                return None
+
+            return self.session.after_discovery(msg_id, work, method=method)
         return handler
 
     def complete(self, msg_id, params):
         ref = params.get("ref")
         if not isinstance(ref, dict):
             raise RpcError(INVALID_PARAMS, "'ref' must be an object")
-        catalogue = self.hub.catalogue
         if ref.get("type") not in ("ref/prompt", "ref/resource"):
             raise RpcError(INVALID_PARAMS, "ref.type must be 'ref/prompt' or 'ref/resource'")
         key = "name" if ref["type"] == "ref/prompt" else "uri"
         target = ref.get(key)
         if not isinstance(target, str):
             raise RpcError(INVALID_PARAMS, f"ref.{key} must be a string")
-        if key == "name":
-            route = catalogue.prompt_routes.get(target)
-        else:
-            route = catalogue.template_by_text.get(target) or catalogue.route_resource(target)
-        if route is None:
-            raise RpcError(INVALID_PARAMS, f"Unknown completion target: {ref.get(key)}")
-        upstream, original = route
-        if "completions" not in upstream.capabilities:
-            return {"completion": {"values": [], "hasMore": False}}
-        self.forward(msg_id, upstream, "completion/complete", {**params, "ref": {**ref, key: original}},
-                     str(ref.get(key)), None, time.monotonic())
-        return None
+
+        def work():  # once the upstream that may own the target has started
+            catalogue = self.hub.catalogue
+            if key == "name":
+                route = catalogue.prompt_routes.get(target)
+            else:
+                route = catalogue.template_by_text.get(target) or catalogue.route_resource(target)
+            if route is None:
+                raise RpcError(INVALID_PARAMS, f"Unknown completion target: {target}")
+            upstream, original = route
+            if "completions" not in upstream.capabilities:
+                return {"completion": {"values": [], "hasMore": False}}
+            self.forward(msg_id, upstream, "completion/complete", {**params, "ref": {**ref, key: original}},
+                         target, None, time.monotonic())
+            return None
+
+        return self.session.after_discovery(msg_id, work, kind="prompt" if key == "name" else None,
+                                            method="completion/complete")
 
     def _deny(self, capability: str, kind: str, started: float):
         """A disabled or quarantined capability: logged as denied, and an error that says what the user can do."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import re
 from typing import NamedTuple
 
 from coffer_src import __version__
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, decode_json, encode_line
+from coffer_src.modern import META_PROTOCOL_VERSION, MODERN_PROTOCOL_VERSIONS, Envelope, stamp_envelope
 from coffer_src.names import origin_text, same_origin, url_origin
 from coffer_src.terminal import printable, redact
 from coffer_src.transport.stdio import UpstreamFailure
@@ -196,6 +198,18 @@ class SseEvent(NamedTuple):
     oversized: int = 0
 
 
+class SseCursor:
+    """Where a stream stands for resuming it (WHATWG HTML §9.2 "last event ID" and "reconnection time"): the id of
+    the last event dispatched, even one with no data (a server's priming event), and the ``retry`` it asked for,
+    in seconds.  Owned by the thread reading the stream."""
+
+    __slots__ = ("last_id", "retry")
+
+    def __init__(self):
+        self.last_id: str | None = None
+        self.retry: float | None = None
+
+
 def _bounded_lines(readline, limit: int):
     """(line, length) per line of a stream; a line longer than ``limit`` keeps only its first pieces."""
     while True:
@@ -218,15 +232,19 @@ def _bounded_lines(readline, limit: int):
             return
 
 
-def read_sse_events(readline, max_event_bytes: int):
+def read_sse_events(readline, max_event_bytes: int, cursor: SseCursor | None = None):
     """Parse a text/event-stream (WHATWG HTML §9.2) from ``readline(limit)``.  Memory stays under about
     ``max_event_bytes`` whatever the server sends; an unfinished last event is dropped, as the standard says.
-    Lines end with LF or CRLF (a lone CR is not treated as a line end)."""
+    Lines end with LF or CRLF (a lone CR is not treated as a line end).  With ``cursor``, the event ids and the
+    ``retry`` the server sends are kept there, for resuming the stream."""
     kind, data, size, head = "", [], 0, b""
+    event_id = cursor.last_id if cursor is not None else None
     for raw, length in _bounded_lines(readline, max_event_bytes):
         line = raw[:-1] if raw.endswith(b"\n") else raw
         line = line[:-1] if line.endswith(b"\r") else line
         if not line:
+            if cursor is not None:
+                cursor.last_id = event_id  # set at every dispatch, an event without data included
             if head:
                 yield SseEvent(kind or "message", head, size)
             elif data and (data[0] or len(data) > 1):  # an event with empty data is not dispatched
@@ -249,7 +267,11 @@ def read_sse_events(readline, max_event_bytes: int):
                 data.append(value)
         elif name == b"event":
             kind = value[:64].decode("utf-8", "replace")
-        # id and retry serve resumption, which the 2024-11-05 transport does not define: a drop is a new session.
+        elif name == b"id" and cursor is not None and b"\0" not in value and len(value) <= 1024:
+            event_id = value.decode("utf-8", "replace")
+        elif name == b"retry" and cursor is not None and value.isdigit() and len(value) <= 9:
+            cursor.retry = int(value) / 1000.0
+        # (The 2024-11-05 transport defines no resumption: for it, a drop is a new session.)
 
 
 def _messages_of(data: bytes, server_log, on_unusable=None) -> list[dict]:
@@ -270,12 +292,75 @@ def _messages_of(data: bytes, server_log, on_unusable=None) -> list[dict]:
 # -- which transport a server speaks ------------------------------------------------------------------------
 
 FALLBACK_TO_GET = (400, 404, 405)   # what an HTTP+SSE server answers a Streamable HTTP POST (MCP 2025-11-25)
+_TOKEN_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")   # an HTTP field name (RFC 9110 §5.1)
+NAMED_METHODS = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
 
 
 def _probe_initialize() -> bytes:
     return encode_line({"jsonrpc": "2.0", "id": "coffer-probe", "method": "initialize", "params": {
         "protocolVersion": LATEST_PROTOCOL_VERSION, "capabilities": {},
         "clientInfo": {"name": "coffer", "version": __version__}}})
+
+
+def probe_discover_message() -> dict:
+    """The server/discover Coffer asks first (2026-07-28), carrying the envelope a stateless server requires."""
+    envelope = Envelope(MODERN_PROTOCOL_VERSIONS[-1], {}, {"name": "coffer", "version": __version__}, None)
+    return {"jsonrpc": "2.0", "id": "coffer-probe", "method": "server/discover",
+            "params": stamp_envelope({}, envelope)}
+
+
+def message_version(message: dict) -> str | None:
+    """The 2026-07-28 protocol version a message's envelope names, or None (a handshake-era message)."""
+    params = message.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    version = meta.get(META_PROTOCOL_VERSION) if isinstance(meta, dict) else None
+    return version if isinstance(version, str) and version in MODERN_PROTOCOL_VERSIONS else None
+
+
+def header_value(value) -> str | None:
+    """A JSON value as a 2026-07-28 header value (basic/transports "Value Encoding"): a string as it is when it is
+    visible ASCII with inner spaces only, else ``=?base64?<UTF-8, base64>?=``; numbers and booleans as JSON writes
+    them; None for anything a header cannot carry (null, objects, arrays)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        text = encode_line(value).decode("ascii").strip()
+    elif isinstance(value, str):
+        text = value
+    else:
+        return None
+    if text == text.strip(" ") and all(0x20 <= ord(c) <= 0x7e for c in text):
+        return text
+    return "=?base64?" + base64.b64encode(text.encode("utf-8")).decode("ascii") + "?="
+
+
+def valid_header_name(name) -> bool:
+    """Whether an ``x-mcp-header`` annotation can name a header: a non-empty HTTP token."""
+    return isinstance(name, str) and bool(_TOKEN_RE.match(name)) and len(name) <= 100
+
+
+def standard_headers(message: dict, version: str | None, param_names: dict | None = None) -> dict:
+    """The headers a 2026-07-28 client sends with a POST (basic/transports, "Standard MCP Request Headers"):
+    MCP-Protocol-Version, Mcp-Method mirroring the method, Mcp-Name mirroring the name or URI a request acts on,
+    and Mcp-Param-<Name> for each tool argument its definition marks with ``x-mcp-header`` (``param_names``:
+    argument -> header name).  Empty for a handshake-era message (``version`` None)."""
+    if version is None:
+        return {}
+    headers = {"MCP-Protocol-Version": version}
+    method = message.get("method")
+    if not isinstance(method, str):
+        return headers
+    headers["Mcp-Method"] = method if method.isascii() and method.isprintable() else header_value(method)
+    params = message.get("params") if isinstance(message.get("params"), dict) else {}
+    key = NAMED_METHODS.get(method)
+    if key is not None and isinstance(params.get(key), str):
+        headers["Mcp-Name"] = header_value(params[key])
+    arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
+    for argument, name in (param_names or {}).items():
+        value = header_value(arguments.get(argument))
+        if value is not None:
+            headers[f"Mcp-Param-{name}"] = value
+    return headers
 
 
 def initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> tuple[HttpReply, HttpReply | None]:
@@ -291,3 +376,73 @@ def initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> t
         return posted, None
     return posted, exchange("GET", url, timeout=timeout, stream=True, headers={"Accept": "text/event-stream",
                                                                                **headers})
+
+
+def discover_answer(reply: HttpReply, max_bytes: int = _METADATA_BYTES) -> dict | None:
+    """The result of a server/discover probe's streamed 2xx reply when it names a 2026-07-28 version Coffer
+    speaks, else None.  Reads the JSON body, or the SSE stream until the answer; closes the reply."""
+    try:
+        kind = _content_type(reply)
+        if kind == "application/json":
+            items = [decode_json(reply.stream.read(max_bytes))]
+        elif kind == "text/event-stream":
+            items = []
+            for event in read_sse_events(reply.stream.readline, max_bytes):
+                if event.kind == "message" and not event.oversized:
+                    items.append(decode_json(event.data))
+                    if isinstance(items[-1], dict) and items[-1].get("id") == "coffer-probe":
+                        break
+        else:
+            return None
+    except (ValueError, *stream_errors()):
+        return None
+    finally:
+        _close_reply(reply)
+    for item in items:
+        result = item.get("result") if isinstance(item, dict) and item.get("id") == "coffer-probe" else None
+        versions = result.get("supportedVersions") if isinstance(result, dict) else None
+        if isinstance(versions, list) and any(v in MODERN_PROTOCOL_VERSIONS for v in versions):
+            return result
+    return None
+
+
+def _names_modern_version(reply: HttpReply) -> bool:
+    """Whether an error reply is a -32022 whose ``supported`` versions include one Coffer speaks."""
+    try:
+        error = decode_json(reply.body).get("error") if reply.body.strip() else None
+    except (ValueError, AttributeError):
+        return False
+    data = error.get("data") if isinstance(error, dict) and error.get("code") == -32022 else None
+    supported = data.get("supported") if isinstance(data, dict) else None
+    return isinstance(supported, list) and any(v in MODERN_PROTOCOL_VERSIONS for v in supported)
+
+
+class ProbeReplies(NamedTuple):
+    """What the transport probe got: ``discovered`` (a 2026-07-28 server's DiscoverResult) settles it; else the
+    replies of server/discover, then initialize, then the GET (each None when an earlier answer settled it)."""
+    discovered: dict | None
+    discover: HttpReply
+    initialize: HttpReply | None = None
+    stream: HttpReply | None = None
+
+
+def discover_initialize_or_stream(exchange, url: str, headers: dict, timeout: float) -> ProbeReplies:
+    """The probe for a remote server, 2026-07-28 first as for a stdio one: POST server/discover with the headers
+    that revision requires; a DiscoverResult naming a version Coffer speaks means a 2026-07-28 Streamable HTTP
+    server; anything else -- a refusal included, which initialize then meets in its own words -- falls back to the
+    2025-11-25 procedure (initialize_or_stream).  The GET's stream, when there is one, is open: the caller reads
+    and closes it."""
+    message = probe_discover_message()
+    for _ in range(2):  # once more when a -32022 names the version asked (a server may refuse the first try)
+        discover = exchange("POST", url, body=encode_line(message), timeout=timeout, stream=True, headers={
+            "Content-Type": "application/json", "Accept": "application/json, text/event-stream",
+            **standard_headers(message, message_version(message)), **headers})
+        if discover.ok:
+            result = discover_answer(discover)
+            if result is not None:
+                return ProbeReplies(result, discover)
+        _close_reply(discover)
+        if not _names_modern_version(discover):
+            break
+    posted, stream = initialize_or_stream(exchange, url, headers, timeout)
+    return ProbeReplies(None, discover, posted, stream)

@@ -10,7 +10,7 @@ import time
 import urllib.parse
 from typing import NamedTuple
 
-from coffer_src.jsonrpc import UPSTREAM_ERROR, encode_line, request_id_in, rpc_error
+from coffer_src.jsonrpc import UPSTREAM_ERROR, decode_json, encode_line, request_id_in, rpc_error
 from coffer_src.names import origin_text, same_origin, url_origin
 from coffer_src.oauth import OAuthCredentials, authorized_exchange
 from coffer_src.terminal import ServerLog, printable
@@ -20,6 +20,7 @@ from coffer_src.transport.http import (
     _SESSION_ID_RE,
     HttpReply,
     OriginRefused,
+    SseCursor,
     SseEvent,
     _close_reply,
     _content_type,
@@ -27,10 +28,12 @@ from coffer_src.transport.http import (
     _reply_text,
     abort_stream,
     close_stream,
-    initialize_or_stream,
+    discover_initialize_or_stream,
+    message_version,
     read_sse_events,
     remote_http,
     settle_stream,
+    standard_headers,
     stream_errors,
 )
 from coffer_src.transport.stdio import Transport, UpstreamFailure
@@ -55,32 +58,48 @@ class HttpTransport(Transport):
     that may carry the server's own requests and notifications before the response.  Bodies and events are bounded
     by max_message_bytes.  A request waits until the notifications sent before it have been delivered (so
     notifications/initialized arrives before the first list request), and one whose reply holds no answer fails at
-    once.  With ``auth`` (OAuthCredentials) each request carries the server's bearer token, refreshed and retried
-    once on 401.  ``close`` ends the server's own stream and the pool's workers.
+    once -- unless the server closed an SSE stream that named event ids: that stream is resumed as the spec says
+    (wait its ``retry``, GET with Last-Event-ID), a few times at most.  An error status whose JSON body answers the
+    request is that request's answer (a 2026-07-28 server says -32022 or -32601 with a 400 or 404).  With ``auth``
+    (OAuthCredentials) each request carries the server's bearer token, refreshed and retried once on 401.
+    ``close`` ends the server's own stream, the streams of requests still waiting, and the pools' workers.
+
+    Both eras: a message whose envelope names 2026-07-28 (and everything after the first one) goes with that
+    revision's headers -- MCP-Protocol-Version, Mcp-Method, Mcp-Name, and Mcp-Param-<Name> for the tool arguments
+    ``param_names(tool)`` (argument -> header name, from the tool's definition) marks -- and no session; a
+    handshake-era message carries the session and the version its initialize agreed.
 
     Threads: ``send`` runs on any thread; each POST and the handling of its reply on a worker of the pool (so
     ``on_message`` runs on many threads at once); notifications on a pool of one, in order; the server's own GET
-    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended`` and ``_released``: ``send``
-    queues a message only while the transport is open, so nothing is queued on a closed pool (where it would wait
-    for its timeout); ``on_close`` and the release of the pools happen once each, also when the server ended the
-    connection first; and a notification keeps its place in line (the newest one's ``_delivered`` is the one a
-    later request waits for).  ``session_id`` and ``protocol_version`` are written once, by the initialize reply,
-    before any other request is sent (the Upstream waits for that reply); ``_listening`` only by that reply's
-    worker.
+    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended``, ``_released`` and
+    ``_streams``: ``send`` queues a message only while the transport is open, so nothing is queued on a closed
+    pool (where it would wait for its timeout); ``on_close`` and the release of the pools happen once each, also
+    when the server ended the connection first; a notification keeps its place in line (the newest one's
+    ``_delivered`` is the one a later request waits for); and every open reply stream is known, so ``close`` can
+    end it.  ``session_id`` and ``protocol_version`` are written once, by the initialize reply, before any other
+    request is sent (the Upstream waits for that reply); ``modern_version`` by the reply to the first
+    2026-07-28 request the server answered (the start thread's server/discover, before any other request);
+    ``_listening`` only by the initialize reply's worker.
     """
 
     POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)
+    RESUME_ATTEMPTS = 5  # reconnections of one request's closed SSE stream before it fails
+    RESUME_DELAY = 1.0   # seconds before one, when the server named no retry
+
+    speaks_discover = True
 
     def __init__(self, name, url, headers, on_message, on_close, timeout, on_unusable=None, max_body=64 << 20,
-                 auth=None, on_failure=None):
+                 auth=None, on_failure=None, param_names=None):
         self.name, self.url, self.headers = name, url, headers
         self.on_message, self.on_close = on_message, on_close
         self.on_failure = on_failure or (lambda request_id, text: on_message(rpc_error(request_id, UPSTREAM_ERROR,
                                                                                       text)))
         self.on_unusable = on_unusable or (lambda head, why: None)
+        self.param_names = param_names or (lambda tool: None)
         self.timeout, self.max_body, self.auth = timeout, max_body, auth
         self.session_id: str | None = None
         self.protocol_version: str | None = None
+        self.modern_version: str | None = None
         self.log = ServerLog(remote_log, name)
         self._lock = threading.Lock()
         self._closed = False        # no more messages: closed, or ended by the server
@@ -88,7 +107,9 @@ class HttpTransport(Transport):
         self._released = False      # the pools and the stream are let go
         self._listening = False
         self._stream = None                      # the server's own GET stream, while open
+        self._streams: set = set()               # the reply streams of requests, while read
         self._delivered: threading.Event | None = None   # the last notification's POST is done
+        self._stopped = threading.Event()        # set by close: a resumption waiting its retry gives up
         self._pool = WorkerPool(f"coffer-{name}-http", self.POOL_SIZE)
         self._notices = WorkerPool(f"coffer-{name}-notify", 1)  # in order, never behind slow calls
 
@@ -120,9 +141,18 @@ class HttpTransport(Transport):
             self.close_reason = reason
         self.on_close()
 
-    def _request_headers(self) -> dict:
+    def _request_headers(self, message: dict | None = None) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         headers.update(self.headers)
+        version = message_version(message) if message is not None else None
+        if version is None and self.protocol_version is None:
+            version = self.modern_version
+        if version is not None:  # 2026-07-28: stateless, every POST says what it is
+            params = message.get("params") if message is not None else None
+            tool = params.get("name") if message is not None and message.get("method") == "tools/call" and \
+                isinstance(params, dict) else None
+            headers.update(standard_headers(message or {}, version, self.param_names(tool) if tool else None))
+            return headers
         if self.session_id:
             headers["Mcp-Session-Id"] = self.session_id
         if self.protocol_version:
@@ -141,8 +171,9 @@ class HttpTransport(Transport):
 
     def _exchange(self, message: dict, body: bytes) -> None:
         initializing = message.get("method") == "initialize"
+        probing = initializing or message.get("method") == "server/discover"
         try:
-            reply = authorized_exchange(self.name, self.auth, "POST", self.url, headers=self._request_headers(),
+            reply = authorized_exchange(self.name, self.auth, "POST", self.url, headers=self._request_headers(message),
                                         body=body, timeout=self.timeout, stream=True)
         except UpstreamFailure as exc:
             self._fail(message, str(exc))
@@ -155,6 +186,8 @@ class HttpTransport(Transport):
             self._end("expired its HTTP session")
             return
         if not reply.ok:
+            if self._error_answer(reply, message.get("id")):
+                return
             text = f"HTTP {reply.status}: {_reply_text(reply)}".rstrip(": ")
             if initializing and reply.status in (401, 403, 404, 405):
                 hints = {401: " (it wants credentials: check --header)", 403: " (the credentials were refused)",
@@ -165,6 +198,11 @@ class HttpTransport(Transport):
             self._fail(message, text)
             return
         answered = "id" not in message
+        cursor = SseCursor()
+        if not self._track(reply.stream):
+            _close_reply(reply)
+            self._fail(message, "the connection was closed")
+            return
         try:
             session = reply.headers.get("mcp-session-id")
             if session and initializing:
@@ -173,7 +211,13 @@ class HttpTransport(Transport):
                     self._fail(message, str(self.fatal))
                     return
                 self.session_id = session
-            answered = self._consume(reply, message.get("id")) or answered
+            try:
+                answered = self._consume(reply, message.get("id"), cursor, message_version(message)) or answered
+            except stream_errors():
+                if cursor.last_id is None or probing:
+                    raise
+            if not answered and cursor.last_id is not None and not probing:
+                answered = self._resume(message, cursor)
             if not answered:
                 kind = _content_type(reply) or "no content type"
                 text = f"the server's reply ({printable(kind)[:60]}) held no answer"
@@ -185,18 +229,49 @@ class HttpTransport(Transport):
         except stream_errors() as exc:
             self._fail(message, f"{self.name} broke off its reply: {exc.__class__.__name__}")
         finally:
+            self._untrack(reply.stream)
             _close_reply(reply)
+
+    def _track(self, stream) -> bool:
+        with self._lock:
+            if self._released:
+                return False
+            self._streams.add(stream)
+        return True
+
+    def _untrack(self, stream) -> None:
+        with self._lock:
+            self._streams.discard(stream)
+
+    def _error_answer(self, reply: HttpReply, request_id) -> bool:
+        """An error status whose JSON body is the JSON-RPC error answering ``request_id``: delivered as the answer
+        (a 2026-07-28 server answers an unsupported version, a missing envelope or an unknown method this way)."""
+        if request_id is None or _content_type(reply) != "application/json" or not reply.body.strip():
+            return False
+        try:
+            payload = decode_json(reply.body)
+        except ValueError:
+            return False
+        items = payload if isinstance(payload, list) else [payload]
+        answer = next((item for item in items if isinstance(item, dict) and item.get("id") == request_id
+                       and "method" not in item and isinstance(item.get("error"), dict)), None)
+        if answer is None:
+            return False
+        self.on_message(answer)
+        return True
 
     def _fatal(self, exc: UpstreamFailure, message: dict) -> None:
         """Retrying cannot fix this (a login only a person can give, an origin refused).  At start the Upstream
         reports it at once; once running, the connection ends so the server's status says so too (its restart
         then fails at once, for the same reason)."""
         self.fatal = exc
-        if message.get("method") != "initialize":
+        if message.get("method") not in ("initialize", "server/discover"):
             self._end(str(exc))
 
-    def _consume(self, reply: HttpReply, request_id=None) -> bool:
-        """Deliver what a reply holds; True when it held the answer to ``request_id``."""
+    def _consume(self, reply: HttpReply, request_id=None, cursor: SseCursor | None = None,
+                 version: str | None = None) -> bool:
+        """Deliver what a reply holds; True when it held the answer to ``request_id`` (a request in the
+        2026-07-28 ``version``, when it names one)."""
         answered = False
         kind = _content_type(reply)
         if kind == "application/json":
@@ -205,24 +280,60 @@ class HttpTransport(Transport):
                 raise UpstreamFailure(f"a reply larger than max_message_bytes ({self.max_body} bytes)")
             if data.strip():
                 for item in _messages_of(data, self.log, self.on_unusable):
-                    answered = self._deliver(item, request_id) or answered
+                    answered = self._deliver(item, request_id, version) or answered
         elif kind == "text/event-stream":
-            for event in read_sse_events(reply.stream.readline, self.max_body):
+            for event in read_sse_events(reply.stream.readline, self.max_body, cursor):
                 if event.oversized:
                     self.on_unusable(event.data, f"an event of {event.oversized} bytes, more than "
                                                  f"max_message_bytes ({self.max_body})")
                     answered = answered or request_id_in(event.data) == request_id
                 elif event.kind == "message":
                     for item in _messages_of(event.data, self.log, self.on_unusable):
-                        answered = self._deliver(item, request_id) or answered
+                        answered = self._deliver(item, request_id, version) or answered
+                if answered and request_id is not None:
+                    break  # the answer ends the request's stream (a resumed GET stays open otherwise)
         return answered
 
-    def _deliver(self, item: dict, request_id=None) -> bool:
+    def _resume(self, message: dict, cursor: SseCursor) -> bool:
+        """The server closed the request's SSE stream before the answer, having named event ids: reconnect the
+        way the transport spec says -- wait the ``retry`` it last asked for, then GET with Last-Event-ID --
+        until the answer arrives, at most RESUME_ATTEMPTS times.  True when it did."""
+        request_id = message.get("id")
+        for _ in range(self.RESUME_ATTEMPTS):
+            if self._stopped.wait(self.RESUME_DELAY if cursor.retry is None else min(cursor.retry, self.timeout)):
+                return False
+            headers = self._request_headers()
+            headers["Accept"] = "text/event-stream"
+            headers.pop("Content-Type", None)
+            headers["Last-Event-ID"] = cursor.last_id
+            self.log.debug("resuming the stream of request %s after event %s", request_id, cursor.last_id)
+            reply = authorized_exchange(self.name, self.auth, "GET", self.url, headers=headers, timeout=self.timeout,
+                                        stream=True)
+            if not reply.ok or _content_type(reply) != "text/event-stream" or not self._track(reply.stream):
+                _close_reply(reply)
+                raise UpstreamFailure(f"its stream closed before the answer and could not be resumed (GET answered "
+                                      f"HTTP {reply.status})")
+            try:
+                if self._consume(reply, request_id, cursor, message_version(message)):
+                    return True
+            except stream_errors():
+                pass  # a broken resumed stream is resumed again, as a closed one is
+            finally:
+                self._untrack(reply.stream)
+                _close_reply(reply)
+        return False
+
+    def _deliver(self, item: dict, request_id=None, version: str | None = None) -> bool:
         is_answer = request_id is not None and item.get("id") == request_id and "method" not in item
         if is_answer and isinstance(item.get("result"), dict) and self.protocol_version is None and \
-                isinstance(item["result"].get("protocolVersion"), str):
-            self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
-            self._start_listening()
+                self.modern_version is None:
+            versions = item["result"].get("supportedVersions")
+            if version is not None:
+                if isinstance(versions, list) and version in versions:
+                    self.modern_version = version  # a DiscoverResult naming it: the server's era
+            elif isinstance(item["result"].get("protocolVersion"), str):
+                self.protocol_version = item["result"]["protocolVersion"][:32]  # the initialize reply only
+                self._start_listening()
         self.on_message(item)
         return is_answer
 
@@ -262,9 +373,11 @@ class HttpTransport(Transport):
                 return
             self._released = self._closed = True
             ended = self._ended
-        stream = self._stream
-        if stream is not None:
-            abort_stream(stream)
+            streams, self._streams = list(self._streams), set()
+        self._stopped.set()
+        for stream in [self._stream, *streams]:
+            if stream is not None:
+                abort_stream(stream)
         self._pool.close()
         self._notices.close()
         if self.session_id and not ended:  # a session the server ended needs no DELETE
@@ -491,12 +604,21 @@ class TransportProbe(NamedTuple):
 
 
 def probe_transport(name: str, url: str, headers: dict, auth=None, timeout: float = 10.0) -> TransportProbe:
-    """Which transport ``url`` speaks (MCP 2025-11-25 transports, backwards compatibility): POST an initialize;
-    a 2xx means Streamable HTTP; a 400, 404 or 405 means try GET, and an SSE stream that opens with an
-    ``endpoint`` event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
+    """Which transport ``url`` speaks: first a 2026-07-28 server/discover, whose DiscoverResult means Streamable
+    HTTP in that revision; else the MCP 2025-11-25 backwards-compatibility procedure: POST an initialize; a 2xx
+    means Streamable HTTP; a 400, 404 or 405 means try GET, and an SSE stream that opens with an ``endpoint``
+    event means HTTP+SSE.  Raises NeedsLogin or UpstreamFailure (saying what each attempt got)."""
     if url_origin(url) is None:
         raise UpstreamFailure(f"unsupported URL {url!r}")
-    reply, stream = initialize_or_stream(functools.partial(authorized_exchange, name, auth), url, headers, timeout)
+    probed = discover_initialize_or_stream(functools.partial(authorized_exchange, name, auth), url, headers,
+                                           timeout)
+    if probed.discovered is not None:
+        return TransportProbe("http", "Streamable HTTP (MCP 2026-07-28)")
+    reply, stream = probed.initialize or probed.discover, probed.stream
+    if not reply.ok and probed.discover.status in (401, 403) and (stream is None or not stream.ok):
+        if stream is not None:  # refused, and nothing else answered: the refusal is the answer (2026-07-28)
+            _close_reply(stream)
+        reply, stream = probed.discover, None
     if reply.ok:
         if _content_type(reply) not in ("application/json", "text/event-stream"):
             raise UpstreamFailure(f"{url} answered an MCP initialize with {printable(_content_type(reply))[:60]}"
@@ -557,6 +679,10 @@ class AutoTransport(Transport):
         return self.inner is not None and self.inner.send(message)
 
     @property
+    def speaks_discover(self) -> bool:
+        return getattr(self.inner, "speaks_discover", False)
+
+    @property
     def close_reason(self):
         return getattr(self.inner, "close_reason", None)
 
@@ -571,8 +697,11 @@ class AutoTransport(Transport):
 
 
 def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, on_message, on_close,
-                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_unusable=None):
-    """The transport for a remote server (``kind`` is the vault's transport: auto, http or sse).
+                          timeout: float, max_message_bytes: int = 64 << 20, on_failure=None, on_unusable=None,
+                          param_names=None):
+    """The transport for a remote server (``kind`` is the vault's transport: auto, http or sse); ``param_names``
+    (tool name -> {argument: header name}) is how a 2026-07-28 Streamable HTTP request finds the arguments its
+    tool's definition mirrors into headers.
 
     OAuth applies unless the server is configured with its own Authorization header: that header is the user's
     choice of credentials and is sent as is (a 401 then reports that it was refused).
@@ -585,7 +714,7 @@ def make_remote_transport(name: str, kind: str, url: str, headers: dict, store, 
             return SseTransport(name, url, headers, on_message, on_close, timeout, auth, max_message_bytes,
                                 on_failure, on_unusable)
         return HttpTransport(name, url, headers, on_message, on_close, timeout, on_unusable, max_message_bytes,
-                             auth=auth, on_failure=on_failure)
+                             auth=auth, on_failure=on_failure, param_names=param_names)
 
     if kind == "auto":
         return AutoTransport(name, url, headers, auth, min(timeout, 30.0), make)

@@ -52,6 +52,7 @@ class Transport:
     pid = None
     fatal: UpstreamFailure | None = None
     close_reason: str | None = None
+    speaks_discover = False     # a 2026-07-28 server may be behind it: ask server/discover before initialize
 
     def start(self) -> None:
         raise NotImplementedError
@@ -149,6 +150,8 @@ class StdioTransport(Transport):
     copy (``dict()`` of a dict is atomic under the GIL); a descendant missed by that race is found by ``close``'s
     own look at the process table.
     """
+
+    speaks_discover = True
 
     def __init__(self, name, argv, env, cwd, on_message, on_close, on_stderr, on_unusable=None, max_line=0):
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
@@ -336,6 +339,7 @@ class StdioTransport(Transport):
         try:
             for lines in read_line_bursts(self.proc.stdout.read, max_line=self.max_line):
                 handle_burst(lines, handle)
+                del lines  # not kept while the next read waits (see read_line_bursts)
         except (OSError, ValueError):
             pass
         except Exception:  # noqa: BLE001 - the connection is lost either way; say why, then restart it

@@ -5,6 +5,7 @@ from __future__ import annotations
 from coffer_src.errors import CofferException
 from coffer_src.jsonrpc import UPSTREAM_ERROR, dumps, rpc_error
 from coffer_src.terminal import printable
+from coffer_src.transport.http import valid_header_name
 from coffer_src.vault import storable
 from coffer_src.vault_rows import definition_without_controls
 
@@ -41,6 +42,33 @@ def _clean_strings(value, depth: int = 0):
     if isinstance(value, list):
         return [_clean_strings(v, depth + 1) for v in value]
     return value
+
+
+HEADER_TYPES = ("string", "integer", "boolean")   # what an x-mcp-header may mark (a value with one spelling)
+
+
+def header_parameters(tool: dict) -> dict[str, str]:
+    """{argument: header name} of a tool's top-level arguments marked ``x-mcp-header`` (MCP 2026-07-28: a client
+    mirrors their values into Mcp-Param-<Name> headers).  Rejected when a mark is invalid -- empty, not an HTTP
+    token, used twice (case-insensitively), or on an argument that is not a string, integer or boolean -- since
+    the spec has a client exclude such a tool rather than guess."""
+    schema = tool.get("inputSchema")
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    found: dict[str, str] = {}
+    seen: set[str] = set()
+    for argument, prop in (properties.items() if isinstance(properties, dict) else ()):
+        if not isinstance(prop, dict) or "x-mcp-header" not in prop:
+            continue
+        name = prop["x-mcp-header"]
+        if not valid_header_name(name):
+            raise Rejected(f"its argument {printable(str(argument))[:60]!r} has an invalid x-mcp-header")
+        if name.lower() in seen:
+            raise Rejected(f"two of its arguments name the x-mcp-header {name!r}")
+        if prop.get("type") not in HEADER_TYPES:
+            raise Rejected(f"its x-mcp-header {name!r} marks an argument that is not a string, integer or boolean")
+        seen.add(name.lower())
+        found[argument] = name
+    return found
 
 
 def check_definition(kind: str, item) -> dict:
@@ -89,6 +117,7 @@ def check_definition(kind: str, item) -> dict:
                                              all(isinstance(r, str) for r in schema["required"])):
                 schema = {k: v for k, v in schema.items() if k != "required"}
             item["inputSchema"] = schema if "type" in schema else {"type": "object", **schema}
+            header_parameters(item)  # an invalid x-mcp-header mark is refused (2026-07-28 server/tools)
         if "outputSchema" in item and not isinstance(item["outputSchema"], (dict, bool)):
             del item["outputSchema"]  # not a JSON Schema at all (2026-07-28 allows any schema; the catalogue wraps
             # a non-object one for a handshake-era client)

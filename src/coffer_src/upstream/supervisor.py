@@ -44,6 +44,7 @@ from coffer_src.upstream.definitions import (
     RELAYED_NOTIFICATIONS,
     SERVER_REQUEST_NEEDS,
     _clean_strings,
+    header_parameters,
 )
 from coffer_src.upstream.listing import UpstreamLists
 from coffer_src.upstream.requests import QueuedRequest, RequestTable
@@ -102,7 +103,7 @@ class UpstreamEvents(Protocol):
     never under its lock, and must not block for long: it may be the reader of the server's replies.
 
     Its implementers: the gateway's hub (gateway/hub.py: keeps the catalogue and the vault, passes each client
-    session what concerns it) and gateway/session.PrivateEvents (a client session's own instance of a server that
+    session what concerns it) and gateway/instances.PrivateEvents (a client session's own instance of a server that
     runs once per client), probe.ServerProbe (starts servers for the CLI and records what they offer) and
     probe.GatewayClient (the CLI's connection to a `coffer serve` it runs as an upstream).  Status goes to the
     vault through record_upstream_status, whoever the owner is.
@@ -273,7 +274,8 @@ class Upstream:
             transport = make_remote_transport(self.name, cfg["transport"], expand(cfg["url"]), headers, self.secrets,
                                               on_message, on_close,
                                               max(float(self.settings["init_timeout"]), self.call_timeout), limit,
-                                              on_failure=self._fail_request, on_unusable=self._on_unusable)
+                                              on_failure=self._fail_request, on_unusable=self._on_unusable,
+                                              param_names=self._param_headers)
         else:
             own = {k: expand(v) for k, v in cfg["env"].items()}
             env = upstream_environment(own, cfg.get("inherit_env") or ())
@@ -298,7 +300,7 @@ class Upstream:
                 self.transport = transport
                 self.generation += 1
             transport.start()
-            self._open_session(isinstance(transport, StdioTransport))
+            self._open_session(transport)
             for kind in CAPABILITY_KINDS:
                 self.listing.refresh(kind, notify=False)
             if self._closed_generation == self.generation:
@@ -326,16 +328,19 @@ class Upstream:
         self.events.on_ready(self)
         self.requests.run_backlog(backlog)
 
-    def _open_session(self, stdio: bool) -> None:
-        """Begin the session the way the spec's stdio compatibility rule says: server/discover first (unless the
-        vault remembers a handshake-era server); a DiscoverResult or a recognised modern error means 2026-07-28,
-        anything else -- another error, silence, junk -- means initialize.  A remote server speaks the handshake era
-        here.  Sets era, capabilities and server_info, or raises UpstreamFailure."""
-        if stdio and self.era != "handshake":
+    def _open_session(self, transport: Transport) -> None:
+        """Begin the session the way the spec's compatibility rule says: server/discover first (unless the vault
+        remembers a handshake-era server, or the transport is the 2024-11-05 HTTP+SSE one, which predates it); a
+        DiscoverResult or a recognised modern error means 2026-07-28, anything else -- another error, silence,
+        junk -- means initialize.  Sets era, capabilities and server_info, or raises UpstreamFailure."""
+        probe = transport.speaks_discover
+        if probe and self.era != "handshake":
             verdict = self._discover()
             if verdict.era == "modern":
                 self._adopt_modern(verdict.result)
                 return
+            if transport.fatal is not None:
+                raise transport.fatal  # a login only a person can give: initialize would meet the same
             if self._closed_generation == self.generation:
                 self.era = "handshake"  # it died on server/discover: its next start goes straight to initialize
                 raise UpstreamFailure("exited when asked server/discover")
@@ -346,7 +351,7 @@ class Upstream:
         error = response.get("error")
         if error is not None:
             data = error.get("data") if isinstance(error.get("data"), dict) else {}
-            if stdio and error["code"] == UNSUPPORTED_PROTOCOL_VERSION and any(
+            if probe and error["code"] == UNSUPPORTED_PROTOCOL_VERSION and any(
                     v in MODERN_PROTOCOL_VERSIONS for v in (data.get("supported") or []) if isinstance(v, str)):
                 verdict = self._discover()  # a server that speaks only 2026-07-28 (or was locked so by our probe)
                 if verdict.era == "modern":
@@ -381,6 +386,12 @@ class Upstream:
         meta = result.get("_meta") if isinstance(result.get("_meta"), dict) else {}
         info = meta.get(META_SERVER_INFO)
         self.server_info = _clean_strings(info) if isinstance(info, dict) else {}
+
+    def _param_headers(self, tool) -> dict | None:
+        """{argument: header name} of the arguments a tool's definition mirrors into Mcp-Param-<Name> headers
+        (2026-07-28 ``x-mcp-header``; definitions.check_definition has refused a tool whose marks are invalid)."""
+        definition = self.lists.get("tool", {}).get(tool) if isinstance(tool, str) else None
+        return header_parameters(definition) if definition is not None else None
 
     def _start_failed(self, transport: Transport | None, exc: Exception) -> None:
         if not isinstance(exc, (UpstreamFailure, OSError, ValueError)):
