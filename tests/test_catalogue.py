@@ -76,7 +76,11 @@ def test_a_huge_tool_list_is_capped_per_server(home, watched_gateway):
     add_hostile("good")
     gw = open_session(watched_gateway)
     healthy(gw)
-    names = tool_names(gw.request("tools/list"))
+    page = gw.request("tools/list")["result"]
+    names = [tool["name"] for tool in page["tools"]]
+    while page.get("nextCursor"):  # long lists come in pages (list_page_size)
+        page = gw.request("tools/list", {"cursor": page["nextCursor"]})["result"]
+        names += [tool["name"] for tool in page["tools"]]
     assert 0 < sum(n.startswith("m__") for n in names) <= 1000
     assert "good__echo" in names
 
@@ -193,13 +197,14 @@ def test_choices_survive_upstream_upgrades(home, raw_gateway, tmp_path):
 
     audit = json.loads(cli("audit", "--json", "--limit", "1000").stdout)["audit"]
     actions = {(row["action"], row["target"]) for row in audit}
-    assert ("upstream-removed", "up:fail") in actions
-    assert ("upstream-added", "up:newtool") in actions
-    assert ("upstream-changed", "up:echo") in actions
-    assert ("upstream-restored", "up:fail") in actions
-    added = next(row for row in audit if row["action"] == "upstream-added" and row["target"] == "up:newtool")
+    # every row names a tool as a client and the CLI do (issue 23: one naming style)
+    assert ("upstream-removed", "up__fail") in actions
+    assert ("upstream-added", "up__newtool") in actions
+    assert ("upstream-changed", "up__echo") in actions
+    assert ("upstream-restored", "up__fail") in actions
+    added = next(row for row in audit if row["action"] == "upstream-added" and row["target"] == "up__newtool")
     assert "disabled by policy" in added["detail"]
-    assert ("disable", "up__fail") in actions and ("approve", "up:echo") in actions
+    assert ("disable", "up__fail") in actions and ("approve", "up__echo") in actions
 
 
 # -- definitions that are not what the spec says -----------------------------------------------------------------------

@@ -6,6 +6,7 @@ Every CLI run is a subprocess with HOME, XDG_CONFIG_HOME, APPDATA, CODEX_HOME an
 nothing of the machine's own clients is read or written.
 """
 
+import hashlib
 import json
 import os
 import stat
@@ -165,8 +166,8 @@ def test_dry_run_plans_every_client_and_changes_nothing(world):
     assert ("elsewhere", "claude-code") not in skipped  # another project's local servers are not this one's
     errors = {e["path"]: e["reason"] for e in plan["errors"]}
     assert "not valid JSON" in errors[str(world.files["cursor-project"])]
-    assert set(plan["secrets_moved"]) == {"MY_SERVER_API_KEY", "TEAM_DOCS_AUTHORIZATION", "CODEX_HTTP_X_ORG",
-                                          "CODEX_ECHO_MODE"}
+    # only what looks like a credential moves (issue 23): an org id and MODE=quiet stay readable where they are
+    assert set(plan["secrets_moved"]) == {"MY_SERVER_API_KEY", "TEAM_DOCS_AUTHORIZATION"}
     assert vault_servers(world) == {}
     assert not (world.coffer_home / "secrets.json").exists()
 
@@ -187,20 +188,18 @@ def test_import_moves_literals_to_the_secret_store_and_audits(world):
     # the same rule as `coffer add`: of an Authorization header only the credential moves ("Bearer ${NAME}")
     assert store["MY_SERVER_API_KEY"] == DESKTOP_SECRET
     assert "Bearer " + store["TEAM_DOCS_AUTHORIZATION"] == TEAM_SECRET
-    assert store["CODEX_HTTP_X_ORG"] == CODEX_ORG
     if os.name != "nt":
         assert stat.S_IMODE(store_path.stat().st_mode) == 0o600
     for path in world.coffer_home.glob("coffer.db*"):
         data = path.read_bytes()
         assert DESKTOP_SECRET.encode() not in data and b"team-literal-token" not in data
-        assert CODEX_ORG.encode() not in data
     shown = json.loads(world.run("show", "my-server", "--json").stdout)
     assert shown["env"] == {"API_KEY": "${MY_SERVER_API_KEY}"}
     codex_http = json.loads(world.run("show", "codex-http", "--json").stdout)
-    assert codex_http["headers"] == {"Authorization": "Bearer ${CODEX_TOKEN}", "X-Org": "${CODEX_HTTP_X_ORG}",
+    assert codex_http["headers"] == {"Authorization": "Bearer ${CODEX_TOKEN}", "X-Org": CODEX_ORG,
                                      "X-Key": "${CODEX_KEY}"}
     assert json.loads(world.run("show", "codex-echo", "--json").stdout)["env"] == {
-        "MODE": "${CODEX_ECHO_MODE}", "LANG": "${LANG}"}
+        "MODE": "quiet", "LANG": "${LANG}"}
     assert json.loads(world.run("show", "cursor-remote", "--json").stdout)["headers"] == {
         "Authorization": "Bearer ${CURSOR_TOKEN}"}
     assert json.loads(world.run("show", "gem-env", "--json").stdout)["env"] == {"K": "${GEM_KEY}"}
@@ -293,8 +292,11 @@ def entry_of(path: Path, *keys):
     return value
 
 
-def backups(path: Path):
-    return sorted(path.parent.glob(path.name + ".coffer-backup-*"))
+def backups(world, path: Path):
+    """Backups of a client config: kept privately under COFFER_HOME, never beside the file (issue 23)."""
+    assert not list(path.parent.glob(path.name + ".coffer-backup-*")), "a backup was left beside the file"
+    digest = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:8]
+    return sorted((world.coffer_home / "backups").glob(f"{path.name}-{digest}.coffer-backup-*"))
 
 
 def test_install_claude_code_replace_then_uninstall_restores(world):
@@ -308,8 +310,12 @@ def test_install_claude_code_replace_then_uninstall_restores(world):
     assert entry["type"] == "stdio" and os.path.isabs(entry["command"]) and entry["args"][-1] == "serve"
     assert entry["env"] == {"COFFER_HOME": str(world.coffer_home)}
     assert set(after["mcpServers"]) == {"coffer"}
-    assert after["numStartups"] == 42 and after["projects"] == original["projects"]
-    assert len(backups(claude)) == 1 and json.loads(backups(claude)[0].read_text()) == original
+    # the local scope of this project runs beside the user scope: --replace covers it too (issue 23)
+    assert "local-echo (local scope of" in out
+    assert after["projects"][str(world.project)]["mcpServers"] == {}
+    assert after["numStartups"] == 42
+    assert after["projects"]["/somewhere/else"] == original["projects"]["/somewhere/else"]
+    assert len(backups(world, claude)) == 1 and json.loads(backups(world, claude)[0].read_text()) == original
     stash = [line for line in out.splitlines() if "kept (private, 0600) in" in line][0].split(" in ")[1].split(";")[0]
     assert Path(stash).is_relative_to(world.coffer_home)
     if os.name != "nt":
@@ -318,7 +324,7 @@ def test_install_claude_code_replace_then_uninstall_restores(world):
     own = {(x["name"], x["source"]): x["reason"] for x in import_json(world, "claude-code")["skipped"]}
     assert own[("coffer", "claude-code")] == "Coffer's own entry"
     second = world.run("install", "claude-code", "--replace").stdout
-    assert "nothing changed" in second and len(backups(claude)) == 1
+    assert "nothing changed" in second and len(backups(world, claude)) == 1
     assert json.loads(claude.read_text()) == after
 
     world.run("uninstall", "claude-code")
@@ -367,7 +373,7 @@ def test_project_install_and_a_file_that_does_not_parse_is_never_rewritten(world
     broken = world.files["cursor-project"].read_bytes()
     proc = world.run("install", "cursor", "--project", check=False)
     assert proc.returncode == 1 and "not rewritten" in proc.stderr and "Traceback" not in proc.stderr
-    assert world.files["cursor-project"].read_bytes() == broken and not backups(world.files["cursor-project"])
+    assert world.files["cursor-project"].read_bytes() == broken and not backups(world, world.files["cursor-project"])
     fresh = world.run("install", "claude-code", "--project", "--dry-run").stdout
     assert "dry run" in fresh and "coffer" not in json.dumps(entry_of(world.files["claude-code-project"],
                                                                        "mcpServers"))

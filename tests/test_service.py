@@ -402,3 +402,45 @@ def test_the_cli_uses_the_running_service_and_starts_no_server(service_home, tmp
     assert len(spawns(log)) == 1, "the CLI started a server of its own instead of asking the service"
     sessions = status(service_home)["sessions"]
     assert [s["client"] for s in sessions] == ["raw-test"]  # the CLI's own session has ended
+
+
+def test_answers_queued_for_a_slow_relay_arrive_whole_and_never_interleaved():
+    """A relay that reads slowly: the service's output queues some answers while it sends others, from several
+    threads at once; every line must still arrive intact (a write must never cut into a chunk being sent)."""
+    import socket
+    import time
+
+    from coffer_src.service.server import SocketOutput
+
+    service_end, relay_end = socket.socketpair()
+    output = SocketOutput(service_end, "test")
+    lines = [(json.dumps({"id": n, "text": chr(65 + n % 26) * 300_000}) + "\n").encode() for n in range(40)]
+    received: list[bytes] = []
+
+    def slow_reader():
+        data = bytearray()
+        while data.count(b"\n") < len(lines):
+            time.sleep(0.0005)  # a slow client: the socket fills, and room opens a little at a time
+            chunk = relay_end.recv(16384)
+            if not chunk:
+                break
+            data += chunk
+        received.extend(bytes(data).splitlines(keepends=True))
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    def writer(part):
+        for line in lines[part::4]:
+            output.write(line)
+            time.sleep(0.003)  # answers come one by one: the queue empties, and a write finds a chunk mid-send
+
+    writers = [threading.Thread(target=writer, args=(part,)) for part in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+    reader.join(120)
+    output.close()
+    service_end.close()
+    relay_end.close()
+    assert sorted(received) == sorted(lines)

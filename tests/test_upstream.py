@@ -68,6 +68,7 @@ def env_of(gw, server):
 
 def test_each_upstream_gets_a_minimal_environment_plus_its_own(home, watched_gateway):
     add_hostile("a", opts=("--env", "A_TOKEN=${A_SECRET}"))
+    cli("config", "redact.a", "off")  # a's environment comes back in a tool result: not redacted, to be read
     add_hostile("b")
     gw = open_session(watched_gateway, env=GATEWAY_ENV)
     a_env, b_env = env_of(gw, "a"), env_of(gw, "b")

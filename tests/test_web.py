@@ -350,7 +350,7 @@ def test_a_changed_definition_is_shown_with_its_diff_and_approved(web_home, brow
 
     run_agent(steps)
     rows = audit_rows()
-    assert [(r["actor"], r["target"]) for r in rows if r["action"] == "approve"] == [("web", "a:echo")]
+    assert [(r["actor"], r["target"]) for r in rows if r["action"] == "approve"] == [("web", "a__echo")]
     assert [(r["actor"], r["target"]) for r in rows if r["action"] == "restart"] == [("web", "a")]
 
 

@@ -75,6 +75,7 @@ LAYERS = (
     "knowledge/base",
     "gateway/calls",
     "gateway/builtins",
+    "gateway/pages",
     "gateway/sharing",
     "gateway/hub",
     "gateway/routing",

@@ -80,6 +80,11 @@ class Catalogue:
         uri_count = collections.Counter(uri for up in upstreams for uri in up.lists["resource"])
         tpl_count = collections.Counter(t for up in upstreams for t in up.lists["template"])
         usual = CapabilityState(True)
+        seniority: dict[tuple[str, str], dict[str, int]] = {}  # (server, kind) -> {name: rank}: states are oldest first
+        for server, kind, name in states:
+            if kind in ("tool", "prompt"):
+                ranks = seniority.setdefault((server, kind), {})
+                ranks[name] = len(ranks)
 
         def allowed(up, kind, name, exposed):
             state = states.get((up.name, kind, name), usual)
@@ -92,7 +97,7 @@ class Catalogue:
             offered = self.lists_of(up)
             for kind, items, routes in (("tool", self.tools, self.tool_routes),
                                         ("prompt", self.prompts, self.prompt_routes)):
-                names = exposed_names(up.name, offered[kind], max_length)
+                names = exposed_names(up.name, offered[kind], max_length, seniority.get((up.name, kind)))
                 for name, definition in offered[kind].items():
                     exposed = names[name]
                     if not allowed(up, kind, name, exposed):

@@ -12,7 +12,8 @@ import shlex
 import shutil
 import sqlite3
 import sys
-from datetime import datetime, timezone
+import tempfile
+from datetime import datetime, timedelta, timezone
 
 from coffer_src import __version__
 from coffer_src.clients.doctor import _command_text, print_doctor, run_doctor, show_server
@@ -32,7 +33,13 @@ from coffer_src.clients.move_in import (
     uninstall_client,
 )
 from coffer_src.errors import CofferError, NotListedYet, VaultError
-from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
+from coffer_src.gateway.builtins import (
+    CLIENT_FAMILIES,
+    client_family,
+    expose_mode,
+    knowledge_tools_for,
+    tools_for_client,
+)
 from coffer_src.jsonrpc import decode_json
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
@@ -61,21 +68,31 @@ from coffer_src.oauth import (
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
 from coffer_src.search.feedback import evaluate_feedback, labelled_searches
-from coffer_src.search.semantic import Embedder
+from coffer_src.search.semantic import Embedder, EmbedderError
 from coffer_src.secret_store import (
     SECRET_MAX_CHARS,
+    SecretStore,
     expand_vars,
     parse_env_assignment,
+    plan_argument_literals,
     plan_literals,
     plan_url_literals,
+    references,
     save_secrets,
 )
-from coffer_src.service.commands import add_service_commands, open_service_session, service_running, service_tools
+from coffer_src.service.commands import (
+    add_service_commands,
+    flush_service_log,
+    open_service_session,
+    service_running,
+    service_tools,
+)
 from coffer_src.service.web import attach_web
 from coffer_src.settings import listed_settings, unknown_setting
 from coffer_src.terminal import ServerLog, _print_table, clip, configure_logging, printable, redact, say, say_json
 from coffer_src.transport.remote import probe_transport
 from coffer_src.transport.stdio import UpstreamFailure
+from coffer_src.upstream.supervisor import failure_fix
 from coffer_src.vault import Vault, _state, coffer_home, setting_key, utcnow
 from coffer_src.vault_rows import SHARING_MODES
 
@@ -86,10 +103,14 @@ def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
     home = os.path.expanduser("~")
     short = lambda path: path.replace(home, "~", 1) if path.startswith(home + os.sep) else path  # noqa: E731
     for problem in plan.problems:
-        say(f"! {problem.client}: {short(problem.path)}: {problem.reason} (file left as it is)")
+        if problem.reason == "no such file":
+            say(f"! nothing imported from {short(problem.path)}: there is no such file")
+        else:
+            say(f"! {problem.client if problem.client != '?' else 'not imported'}: {short(problem.path)} "
+                f"{problem.reason}; the file is left as it is")
     for planned in plan.added:
         server = planned.server
-        target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in server.command)
+        target = server.url if server.kind != "stdio" else " ".join(shlex.quote(p) for p in planned.command)
         verb = "replace" if planned.overwrite else "add"
         say(f"+ {verb} {planned.name} ({server.kind}) from {server.client} {short(server.path)}: {target}")
         if planned.renamed_because:
@@ -102,7 +123,7 @@ def print_import_plan(plan: ImportPlan, dry_run: bool) -> None:
         say(f"- skip {skipped.name} from {skipped.client} {short(skipped.path)}: {skipped.reason}")
     if not plan.files_read and not plan.problems:
         say("no MCP client configs found (looked for: " + ", ".join(CLIENTS) + ")")
-    elif not plan.added:
+    elif not plan.added and not plan.problems:
         say("nothing to import")
     elif dry_run:
         say(f"dry run: {len(plan.added)} server(s) would be imported; nothing was changed")
@@ -152,6 +173,10 @@ def _print_edit(result: EditResult, verb: str, dry_run: bool) -> None:
     say(f"{prefix}{verb} {result.client}: {result.path}")
     if result.removed:
         say(f"  {'would remove' if dry_run else 'removed'} (now served through Coffer): {', '.join(result.removed)}")
+    for moved in result.renamed:
+        say(f"  names moved: {moved}")
+    for note in result.notes:
+        say(f"  note: {note}")
     if result.restored:
         say(f"  {'would put back' if dry_run else 'put back'}: {', '.join(result.restored)}")
     for name, why in result.kept_out:
@@ -271,7 +296,11 @@ def cmd_add(vault: Vault, args) -> int:
     headers, _ = plan_literals(args.name, headers, vault.secrets, header=True, overwrite=args.replace,
                                planned=planned)
     url = plan_url_literals(args.name, args.url, vault.secrets, args.replace, planned)[0] if args.url else None
-    earlier = vault.add_server(args.name, command=args.command or None, url=url, env=env, headers=headers,
+    in_env = set(planned)
+    command = plan_argument_literals(args.name, args.command, vault.secrets, args.replace, planned)[0] \
+        if args.command else None
+    in_arguments = [name for name in planned if name not in in_env]
+    earlier = vault.add_server(args.name, command=command, url=url, env=env, headers=headers,
                                cwd=args.cwd, policy=args.policy, timeout=args.timeout,
                                inherit_env=args.inherit_env, replace=args.replace, **remote_add_options(args))
     save_secrets(vault.secrets, planned)  # only now: a refused definition leaves the store as it was
@@ -280,8 +309,13 @@ def cmd_add(vault: Vault, args) -> int:
         say(f"kept the earlier choices for {earlier} of {args.name}'s tools, prompts and resources "
             "(coffer show / coffer enable to change them)")
     if moved:
-        say(f"moved {len(moved)} literal value(s) into Coffer's secret store: "
+        say(f"moved {len(moved)} secret-looking value(s) into Coffer's secret store: "
             f"{', '.join('${' + name + '}' for name in moved)} (coffer secret list)")
+    if in_arguments:
+        ServerLog(cli_log, args.name).warning(
+            "%s came from its command's arguments: Coffer passes %s back as an argument when it starts the server, "
+            "where other local users can read it (ps); prefer --env if the server takes it from its environment",
+            ", ".join("${" + name + "}" for name in in_arguments), "it" if len(in_arguments) == 1 else "them")
     say(f"added {args.name}: {_command_text(vault.server(args.name))}")
     if args.url:
         if url_origin(args.url) and url_origin(args.url)[0] == "http" and not is_loopback_url(args.url) and headers:
@@ -296,9 +330,19 @@ def cmd_add(vault: Vault, args) -> int:
 
 
 def cmd_remove(vault: Vault, args) -> int:
+    server = vault.server(args.name) if args.name in {s["name"] for s in vault.servers()} else None
     vault.remove_server(args.name)
     vault.secrets.delete(oauth_secret_name(args.name))  # a login belongs to that server only
     say(f"removed {args.name}")
+    stored = set(vault.secrets.names())
+    left = sorted({name for name, _ in references(server) if name in stored}) if server and \
+        not server.get("damaged") else []
+    if left:
+        used = {name for other in vault.servers() if not other.get("damaged") for name, _ in references(other)}
+        shared = [name for name in left if name in used]
+        say(f"its secrets stay in the store: {', '.join(left)}"
+            + (f" ({', '.join(shared)} still used by another server)" if shared else "")
+            + "; coffer secret rm NAME removes one")
     return 0
 
 
@@ -327,6 +371,8 @@ def cmd_list(vault: Vault, args) -> int:
         for s in servers:
             if s["status"] in ("failed", "damaged") and s["detail"]:
                 say(f"\n{s['name']} {s['status']}: {s['detail']}")
+                if s["status"] == "failed":
+                    say(f"  fix: {failure_fix(s['name'], s['detail'])}")
             if s["awaiting_approval"]:
                 say(f"\n{s['name']}: {s['awaiting_approval']} changed definition(s) held back until you run "
                     f"`coffer approve {s['name']}`")
@@ -342,10 +388,13 @@ def cached_tools(vault: Vault) -> list[dict]:
         if row["kind"] == "tool" and row["present"] and row["server"] in servers:
             by_server[row["server"]].append(row)
     tools = []
-    for server, rows in by_server.items():
+    seniority = vault.seniority()
+    for server, rows in sorted(by_server.items(), key=lambda item: list(servers).index(item[0])):  # as registered
         if not servers[server]["enabled"]:
             continue
-        names = exposed_names(server, [row["name"] for row in rows], max_length)
+        ranks = seniority.get((server, "tool")) or {}
+        rows.sort(key=lambda row: ranks.get(row["name"], len(ranks)))  # the order a client lists them in
+        names = exposed_names(server, [row["name"] for row in rows], max_length, ranks)
         for row in rows:
             state = _state(row)
             try:
@@ -361,6 +410,11 @@ def cmd_tools(vault: Vault, args) -> int:
     """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
     server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
     failed = []
+    family = client_family(args.client) if args.client else None
+    if args.client and family is None:
+        known = sorted({family for _, family in CLIENT_FAMILIES})
+        raise CofferError(f"unknown client {args.client!r}{did_you_mean(args.client.lower(), known)}; known: "
+                          f"{', '.join(known)}")
     running = None if args.cached else service_tools(vault.home)
     if args.cached:
         tools = cached_tools(vault)
@@ -376,13 +430,16 @@ def cmd_tools(vault: Vault, args) -> int:
                 what = f"{len(result.tools)} tools" if result.state == "ready" else result.state
                 print(printable(f"  {result.name}: {what} ({result.seconds:g}s)"), file=sys.stderr)
 
-        results = ServerProbe(vault, progress=progress).run()
+        def waiting(names: list[str], seconds: float) -> None:
+            print(printable(f"coffer: still waiting for {', '.join(names)} ({seconds:.0f}s of "
+                            f"{vault.settings()['init_timeout']:g}s)"), file=sys.stderr, flush=True)
+
+        results = ServerProbe(vault, progress=progress, waiting=waiting).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
-    mode = expose_mode(vault.settings(), client_family(args.client or ""))
-    if mode.startswith("budget:"):
-        tools = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
-    tools = [SEARCH_TOOL_DEFINITION] + (tools if mode != "search" else [])
+    settings = vault.settings()
+    knowledge = knowledge_tools_for(vault.has_knowledge_sources(), settings["memory"] == "on")
+    tools = tools_for_client(tools, knowledge, expose_mode(settings, family), vault.tool_usage())
     if args.json:
         say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
                                              for r in failed]})
@@ -494,16 +551,25 @@ def cmd_call(vault: Vault, args) -> int:
         finally:
             session.close()
         if "error" in answer:
-            raise CofferError(printable(str(answer["error"].get("message") or answer["error"])))
+            raise _call_error(vault, args.tool, str(answer["error"].get("message") or answer["error"]))
         result = answer.get("result")
     else:
         with GatewayClient(vault, only=[server] if args.tool != SEARCH_TOOL else None) as client:
             try:
                 result = client.call("tools/call", {"name": args.tool, "arguments": arguments})
             except UpstreamFailure as exc:
-                raise CofferError(str(exc).replace("tools/call failed: ", "")) from None
+                raise _call_error(vault, args.tool, str(exc).replace("tools/call failed: ", "")) from None
     say_json(result)
     return 1 if isinstance(result, dict) and result.get("isError") else 0
+
+
+def _call_error(vault: Vault, tool: str, message: str) -> CofferError:
+    """A failed `coffer call` for a person: a mistyped name gets the names it may have meant (the gateway's advice
+    to call coffer__search_tools is for agents)."""
+    if message.startswith("Unknown tool"):
+        names = [t["name"] for t in cached_tools(vault)] + [SEARCH_TOOL]
+        return CofferError(f"unknown tool {tool!r}{did_you_mean(tool, names)} (coffer tools lists them)")
+    return CofferError(printable(message))
 
 
 def _ms(value) -> str:
@@ -511,6 +577,7 @@ def _ms(value) -> str:
 
 
 def cmd_log(vault: Vault, args) -> int:
+    flush_service_log(vault.home)
     rows = vault.invocations(args.limit)
     if args.json:
         say_json({"invocations": rows})
@@ -521,22 +588,43 @@ def cmd_log(vault: Vault, args) -> int:
     return 0
 
 
+_RELATIVE_SINCE_RE = re.compile(r"^(\d{1,5})\s*(m|min|h|d|w)$")
+
+
+def audit_since(text: str) -> str:
+    """--since as the audit's timestamps: a date, a time, today, yesterday, or a span back from now (30m, 24h,
+    7d, 2w)."""
+    now = datetime.now(timezone.utc)
+    word = text.strip().lower()
+    local_midnight = datetime.now().replace(hour=0, minute=0, second=0, microsecond=0).astimezone(timezone.utc)
+    relative = _RELATIVE_SINCE_RE.match(word)
+    try:
+        if word in ("today", "yesterday"):
+            moment = local_midnight - timedelta(days=1 if word == "yesterday" else 0)
+        elif relative:
+            unit = {"m": "minutes", "min": "minutes", "h": "hours", "d": "days", "w": "weeks"}[relative.group(2)]
+            moment = now - timedelta(**{unit: int(relative.group(1))})
+        elif "T" in text or " " in text.strip():
+            moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00")).astimezone(timezone.utc)
+        else:
+            return datetime.fromisoformat(text.strip()).date().isoformat()
+    except (ValueError, OverflowError):
+        raise CofferError(f"--since {text!r}: use a date (2026-11-30), a time (2026-11-30T12:00), today, yesterday "
+                          "or a span such as 24h or 7d") from None
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def cmd_audit(vault: Vault, args) -> int:
-    since = args.since
-    if since:
-        try:
-            since = datetime.fromisoformat(since.replace("Z", "+00:00")).astimezone(timezone.utc).isoformat(
-                timespec="milliseconds").replace("+00:00", "Z") if "T" in since or " " in since else \
-                datetime.fromisoformat(since).date().isoformat()
-        except ValueError:
-            raise CofferError(f"--since {since!r}: use a date like 2026-11-30 or a time like 2026-11-30T12:00") \
-                from None
+    since = audit_since(args.since) if args.since else None
     rows = vault.audit_rows(args.limit, since, args.kind, args.server)
+    total = vault.audit_count(since, args.kind, args.server)
     if args.json:
-        say_json({"audit": rows})
+        say_json({"audit": rows, "total": total})
     else:
-        _print_table([[r["ts"], r["actor"], r["action"], r["target"] or "", r["detail"] or ""] for r in rows],
-                     ["TIME", "ACTOR", "ACTION", "TARGET", "DETAIL"])
+        _print_table([[r["ts"], r["actor"], r["action"], r["target"] or "", clip(r["detail"] or "", 400)]
+                      for r in rows], ["TIME", "ACTOR", "ACTION", "TARGET", "DETAIL"])
+        if total > len(rows):
+            say(f"showing the newest {len(rows)} of {total} rows (--limit N shows more)")
     return 0
 
 
@@ -578,7 +666,7 @@ def cmd_config(vault: Vault, args) -> int:
     settings = vault.settings()
     if args.key and args.key not in settings:
         if setting_key(args.key) != args.key:
-            settings[args.key] = f"(not set: the global expose, {settings['expose']})"
+            settings[args.key] = f"(not set: the global {setting_key(args.key)}, {settings[setting_key(args.key)]})"
         else:
             raise CofferError(unknown_setting(args.key))
     if not args.key:
@@ -646,7 +734,7 @@ def report_remote_added(vault: Vault, name: str, store) -> None:
         probe = probe_transport(name, url, headers, auth, timeout=10.0)
     except NeedsLogin as exc:
         vault.record_status(name, "failed", str(exc))  # `list` and the agent's instructions say so at once
-        say(f"{name} needs a login: run `coffer auth {name}`")
+        say(str(exc) if headers else f"{name} needs a login: run `coffer auth {name}`")
         return
     except UpstreamFailure as exc:
         say(f"could not ask {name} which transport it speaks now ({clip(printable(redact(str(exc))), 300)}); "
@@ -714,8 +802,39 @@ def cmd_auth(vault: Vault, args) -> int:
 
 
 def open_knowledge(vault: Vault) -> KnowledgeBase:
-    """The knowledge base for a CLI command: no embedder (a running gateway embeds in the background)."""
-    return KnowledgeBase(vault.path, vault.home)
+    """The knowledge base for a CLI command, with the configured embedder (if any) but no background thread:
+    `knowledge add` and `reindex` embed in the foreground (embed_now), `list` counts the vectors."""
+    embedder = Embedder.from_settings(vault.settings(), vault.secrets)
+    return KnowledgeBase(vault.path, vault.home, embedder=embedder, background_embedding=False)
+
+
+def embed_now(kb: KnowledgeBase) -> None:
+    """Embed the passages that have no vector yet, now, with a progress bar on a terminal: the first session then
+    answers with hybrid ranking instead of lexically while vectors are built in the background."""
+    if kb.embedder is None:
+        return
+    interactive = sys.stderr.isatty()
+    shown = [0]
+
+    def progress(done: int, total: int) -> None:
+        shown[0] = total
+        if interactive:
+            bar = "#" * (30 * done // max(total, 1))
+            print(f"\rembedding passages [{bar:<30}] {done}/{total}", end="", file=sys.stderr, flush=True)
+
+    try:
+        kb.ensure_vectors(progress)
+    except (EmbedderError, CofferError) as exc:
+        if interactive and shown[0]:
+            print(file=sys.stderr)
+        say(f"could not embed the passages now ({clip(printable(str(exc)), 200)}); a running gateway embeds them "
+            "in the background, and coffer__ask answers lexically until then")
+        return
+    if interactive and shown[0]:
+        print(file=sys.stderr)
+    if shown[0]:
+        say(f"embedded {shown[0]} passages with {kb.embedder.model or kb.embedder.url} (coffer__ask ranks them "
+            "hybrid from the first question)")
 
 
 def cmd_knowledge(vault: Vault, args) -> int:
@@ -731,6 +850,7 @@ def cmd_knowledge(vault: Vault, args) -> int:
             say(f"added knowledge source {stats.source}: {stats.passages_added} passages from {stats.files_seen} files"
                 + (f" (skipped: {', '.join(f'{n} {why}' for why, n in stats.skipped.items())})" if stats.skipped
                    else ""))
+            embed_now(kb)
             if vault.setting("memory") != "on":
                 say("agents find it with coffer__ask (memory notes too, after: coffer config memory on)")
         elif args.action == "remove":
@@ -743,15 +863,24 @@ def cmd_knowledge(vault: Vault, args) -> int:
             for stats in kb.reindex(args.target):
                 say(f"{stats.source}: {stats.files_seen} files, {stats.files_added} added, {stats.files_changed} "
                     f"changed, {stats.files_removed} removed, {stats.files_unchanged} unchanged ({stats.seconds:g}s)")
+            embed_now(kb)
         else:
             rows = [source._asdict() for source in kb.sources()]
+            vectors = kb.vector_counts() if kb.embedder is not None else None
+            for row in rows:
+                row["vectors"] = vectors.get(row["name"], 0) if vectors is not None else None
             if args.json:
                 say_json({"sources": rows})
             elif not rows:
                 say("no knowledge sources yet: coffer knowledge add PATH")
             else:
-                _print_table([[r["name"], r["files"], r["passages"], r["indexed_at"] or "", r["root"]] for r in rows],
-                             ["NAME", "FILES", "PASSAGES", "INDEXED", "ROOT"])
+                _print_table([[r["name"], r["files"], r["passages"],
+                               *([r["vectors"]] if vectors is not None else []), r["indexed_at"] or "", r["root"]]
+                              for r in rows],
+                             ["NAME", "FILES", "PASSAGES", *(["VECTORS"] if vectors is not None else []), "INDEXED",
+                              "ROOT"])
+                if vectors is None:
+                    say("(no embedder configured: coffer__ask ranks lexically; see coffer config embedder_url)")
     finally:
         kb.close()
     return 0
@@ -895,8 +1024,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = command(name, handler, text)
         p.add_argument("--json", action="store_true")
         p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--since", metavar="DATE", help="only rows from this date or time on (2026-11-30[T12:00])")
-    p.add_argument("--kind", metavar="ACTION", help="only this action (add, disable, approve, upstream, ...)")
+    p.add_argument("--since", metavar="WHEN", help="only rows from then on: a date or time (2026-11-30[T12:00]), "
+                                                   "today, yesterday, or a span such as 24h or 7d")
+    p.add_argument("--kind", metavar="ACTION", help="only this action (add, which covers imports; disable, approve, "
+                                                    "upstream, ...)")
     p.add_argument("--server", metavar="NAME", help="only rows about this server")
     command("eval", cmd_eval, "score tool search on your own searches (coffer config search_feedback on): "
                               "recall and MRR, lexical and hybrid, and the searches that missed"
@@ -914,6 +1045,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging("info" if argv[:1] == ["serve"] else "warning")
     trailing: list[str] = []
+    if argv[:1] == ["add"] and "--" not in argv and "--url" not in argv and not {"-h", "--help"} & set(argv):
+        _, extra = build_parser().parse_known_args(argv)
+        if extra:  # `coffer add time uvx mcp-server-time`: argparse would only say "unrecognized arguments"
+            name = argv[1] if len(argv) > 1 else "NAME"
+            print(printable(f"coffer: error: put -- before the server's command: coffer add {name} [options] -- "
+                            f"{' '.join(extra)}"), file=sys.stderr)
+            return 2
     if argv[:1] == ["add"] and "--" in argv:
         split = argv.index("--")
         argv, trailing = argv[:split], argv[split + 1:]
@@ -929,9 +1067,15 @@ def main(argv: list[str] | None = None) -> int:
         args.command = trailing
     if getattr(args, "limit", 1) is not None and getattr(args, "limit", 1) < 1:
         parser.error("--limit must be at least 1")
-    vault = None
+    vault = scratch = None
     try:
-        vault = Vault() if getattr(args, "opens_vault", True) else None
+        if getattr(args, "dry_run", False) and not os.path.exists(os.path.join(coffer_home(), "coffer.db")):
+            # A dry run writes nothing, not even the vault it would plan against: an empty one, out of the way.
+            scratch = tempfile.TemporaryDirectory(prefix="coffer-dry-run-")
+            vault = Vault(scratch.name)
+            vault.home, vault.secrets = coffer_home(), SecretStore(coffer_home())
+        else:
+            vault = Vault() if getattr(args, "opens_vault", True) else None
         return args.handler(vault, args)
     except KeyboardInterrupt:
         print("coffer: interrupted", file=sys.stderr)
@@ -955,6 +1099,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if vault is not None:
             vault.close()
+        if scratch is not None:
+            scratch.cleanup()
 
 
 if __name__ == "__main__":

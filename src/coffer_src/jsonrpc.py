@@ -76,6 +76,25 @@ def decode_json(data):
         raise ValueError("nested too deeply") from None
 
 
+_lenient_decode = json.JSONDecoder().decode
+
+
+def request_ids_in_unreadable(data) -> list:
+    """The ids of the requests in a message decode_json refused that is JSON all the same once its bytes are taken
+    as they are (invalid UTF-8 inside a string, NaN, an out-of-range number), so each of them can be answered with
+    a parse error under its own id instead of an id nobody waits for.  [] when nothing can be read."""
+    if not isinstance(data, (bytes, bytearray)) or (
+            data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and nesting_depth(data) > MAX_JSON_DEPTH):
+        return []
+    try:
+        message = _lenient_decode(bytes(data).decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError):
+        return []
+    return [item["id"] for item in (message if isinstance(message, list) else [message])
+            if isinstance(item, dict) and isinstance(item.get("method"), str) and "id" in item
+            and valid_request_id(item["id"])]
+
+
 class EncodeError(CofferException, ValueError):
     """A message Coffer cannot write as JSON (nested too deeply to encode, or holding a non-JSON value)."""
 

@@ -54,11 +54,11 @@ def _natural_name(server: str, name: str, max_length: int) -> str | None:
     return full if len(full) <= max_length and EXPOSED_NAME_RE.match(full) else None
 
 
-def _shortened_name(server: str, name: str, max_length: int, width: int) -> str:
-    digest = sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:width]
+def _shortened_name(server: str, name: str, max_length: int, width: int, digest: str | None = None) -> str:
+    digest = digest or sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
     safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
     room = max(1, max_length - len(server) - len(SEPARATOR) - width - 1)
-    return f"{server}{SEPARATOR}{safe[:room].rstrip('_') or 'x'}_{digest}"
+    return f"{server}{SEPARATOR}{safe[:room].rstrip('_') or 'x'}_{digest[:width]}"
 
 
 def expose_name(server: str, name: str, max_length: int = NAME_MAX_LENGTH) -> str:
@@ -68,38 +68,32 @@ def expose_name(server: str, name: str, max_length: int = NAME_MAX_LENGTH) -> st
     return _natural_name(server, name, max_length) or _shortened_name(server, name, max_length, 6)
 
 
-def exposed_names(server: str, names, max_length: int) -> dict[str, str]:
-    """{upstream name: exposed name} for one server's tools (or prompts), collision-free by construction.
+def exposed_names(server: str, names, max_length: int, seniority: dict | None = None) -> dict[str, str]:
+    """{upstream name: exposed name} for one server's tools (or prompts): distinct by construction, whatever the
+    names, and stable: a name a client has been shown is never taken over by a tool that came later.
 
-    Server names hold no '_', so ``<server>__`` prefixes never collide and only one server's own names can.
-    The result depends only on the set of names, and an established name is never taken over: first every name
-    that must be shortened gets its six-digit form (in sorted order); then a name that fits keeps itself unless
-    one of those took it (a tool literally named like another's shortened form is itself shortened); every name
-    still unplaced takes the shortest longer hash that is free.  No tool is ever hidden by another.
+    Server names hold no '_', so ``<server>__`` prefixes never collide and only one server's own names can.  Names
+    are placed oldest first (``seniority``: name -> rank, lower = seen earlier, as the vault's rows are ordered;
+    names it does not hold come last, in the order given): each takes its own name when that fits and is free, else the
+    shortest free form of a readable prefix plus 6, 8, 10... hex digits of its hash.  So when a newcomer's
+    shortened name collides with an established one (a 24-bit collision is easy to make), or an upstream adds a
+    tool literally named like another's shortened form, the newcomer is the one that gets a longer name.  No tool
+    is ever hidden by another.
     """
+    seniority = seniority or {}
+    last = len(seniority)
     result: dict[str, str] = {}
     taken: set[str] = set()
-    natural = {name: _natural_name(server, name, max_length) for name in names}
-    pending = []
-    for name in sorted(n for n, full in natural.items() if full is None):
-        exposed = _shortened_name(server, name, max_length, _DIGEST_WIDTHS[0])
-        if exposed in taken:
-            pending.append(name)
-        else:
-            result[name] = exposed
-            taken.add(exposed)
-    for name, full in natural.items():
-        if full is not None:
-            if full in taken:
-                pending.append(name)
-            else:
-                result[name] = full
-                taken.add(full)
-    for name in sorted(pending):
-        for width in _DIGEST_WIDTHS[1:]:
-            exposed = _shortened_name(server, name, max_length, width)
-            if exposed not in taken:
-                break
+    for name in sorted(names, key=lambda n: seniority.get(n, last)):  # stable: the rest keep the order given
+        exposed = _natural_name(server, name, max_length)
+        if exposed is None or exposed in taken:
+            digest = sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+            exposed = next((form for form in (_shortened_name(server, name, max_length, width, digest)
+                                              for width in _DIGEST_WIDTHS) if form not in taken), None)
+            count = 2
+            while exposed is None or exposed in taken:  # every hash width taken: only a name made to collide
+                exposed = f"{_shortened_name(server, name, max_length, _DIGEST_WIDTHS[0], digest)}_{count}"
+                count += 1
         result[name] = exposed
         taken.add(exposed)
     return result

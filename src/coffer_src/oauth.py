@@ -51,6 +51,11 @@ def _require_secure(url, what: str) -> str:
     return url
 
 
+#: Headers Coffer itself sends on every exchange: what is left of a request's headers is the user's (--header).
+_PROTOCOL_HEADERS = frozenset({"accept", "content-type", "cache-control", "mcp-protocol-version", "mcp-session-id",
+                               "mcp-method", "mcp-name", "last-event-id", "user-agent"})
+
+
 def authorized_exchange(name: str, auth, method: str, url: str, *, headers: dict, body: bytes | None = None,
                         timeout: float, max_bytes: int = _METADATA_BYTES, stream: bool = False) -> HttpReply:
     """One exchange with a remote upstream, carrying its OAuth token when it has one: refreshed before expiry,
@@ -78,7 +83,17 @@ def authorized_exchange(name: str, auth, method: str, url: str, *, headers: dict
                                   "give them with --header")
         if attempt == 2:
             raise NeedsLogin(name, "it refused a freshly refreshed token")
-        auth.unauthorized(bearer or {}, sent.get("Authorization"))  # returns only when a new token is ready
+        try:
+            auth.unauthorized(bearer or {}, sent.get("Authorization"))  # returns only when a new token is ready
+        except NeedsLogin:
+            own = sorted(key for key in headers
+                         if key.lower() not in _PROTOCOL_HEADERS and not key.lower().startswith("mcp-param-"))
+            if not own:
+                raise
+            # A server given a static key in a header of its own: the key is the likelier culprit than a login.
+            raise NeedsLogin(name, f"or, if it takes a key: it refused the one in its {', '.join(own)[:200]} header "
+                                   f"(HTTP 401); check that value (coffer show {name}) and set it again with "
+                                   f"coffer add {name} --replace --url ... --header NAME=VALUE") from None
     raise AssertionError("unreachable")
 
 

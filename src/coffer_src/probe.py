@@ -89,8 +89,13 @@ class ServerProbe:
     leaf) guards the vault's connection, which every upstream's events use.
     """
 
-    def __init__(self, vault: Vault, names: list[str] | None = None, progress=None):
+    WAITING_EVERY = 3.0  # seconds between two `waiting` calls while servers are still starting
+
+    def __init__(self, vault: Vault, names: list[str] | None = None, progress=None, waiting=None):
+        """``progress(result)`` runs as each server settles; ``waiting(names, seconds)`` every WAITING_EVERY
+        seconds while some have not (a person at a terminal wants to know what the command waits for)."""
         self.vault = vault
+        self.waiting = waiting or (lambda names, seconds: None)
         self.settings = vault.settings()
         # A server that exits at once is tried twice here, not max_restarts times: a person is waiting.
         self.settings["max_restarts"] = min(2, int(self.settings["max_restarts"]))
@@ -107,6 +112,7 @@ class ServerProbe:
         """Start every server at once and wait for each to be ready or failed, at most ``timeout`` (init_timeout)."""
         timeout = float(self.settings["init_timeout"]) if timeout is None else timeout
         started = time.monotonic()
+        said = started
         finished: dict[str, ProbeResult] = {}
         for upstream in self.upstreams:
             upstream.start()
@@ -120,9 +126,13 @@ class ServerProbe:
                         if upstream.name not in finished and state is not None:
                             finished[upstream.name] = self._result(upstream, state, started)
                             self.progress(finished[upstream.name])
-                    remaining = started + timeout - time.monotonic()
+                    now = time.monotonic()
+                    remaining = started + timeout - now
                     if remaining <= 0 or len(finished) == len(self.upstreams):
                         break
+                    if now - said >= self.WAITING_EVERY:
+                        said = now
+                        self.waiting([up.name for up in self.upstreams if up.name not in finished], now - started)
                     self.done.wait(min(remaining, 0.5))
             for upstream in self.upstreams:
                 if upstream.name not in finished:
@@ -141,7 +151,8 @@ class ServerProbe:
         if state == "ready":
             with self.vault_lock:
                 states = self.vault.capability_states()
-            names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"])
+                seniority = self.vault.seniority().get((upstream.name, "tool"))
+            names = exposed_names(upstream.name, upstream.lists["tool"], self.settings["name_max_length"], seniority)
             tools = [dict(definition, name=names[name]) for name, definition in upstream.lists["tool"].items()
                      if states.get((upstream.name, "tool", name), CapabilityState(True)).usable]
         return ProbeResult(upstream.name, state, detail or (upstream.last_error or ""), tools,

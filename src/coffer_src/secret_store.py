@@ -14,7 +14,7 @@ from coffer_src.digests import sha256
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import decode_json
 from coffer_src.names import ENV_KEY_RE, ENV_NAME_PATTERN
-from coffer_src.terminal import redact
+from coffer_src.terminal import looks_secret, plainly_not_secret, redact
 
 secret_store_log = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ class SecretStore:
 
     Any thread, any process: a read re-parses the file only when its mtime or size changed; a write replaces it
     atomically (write a private temporary file, then rename), so no reader ever sees half of it.  Every value read
-    is registered with the redactor, so it never reaches a log or the terminal.
+    (but a plain number, word or path a user kept there) is registered with the redactor, so it never reaches a
+    log, the terminal or a client.
     """
 
     MAX_BYTES = 1 << 20
@@ -154,7 +155,7 @@ class SecretStore:
             values = data
         except (OSError, ValueError) as exc:
             problem = f"the secret store {self.path} is damaged ({exc}); fix or remove it"
-        redact.add_named(values.items())
+        redact.add(*(value for value in values.values() if not plainly_not_secret(value)))
         with self._lock:
             self._values, self._stamp, self._problem = values, stamp, problem
         if problem:
@@ -201,7 +202,7 @@ class SecretStore:
             write_private_file(self.path, json.dumps(values, indent=1, sort_keys=True).encode("utf-8"))
         except OSError as exc:
             raise CofferError(f"cannot write the secret store {self.path}: {exc.strerror or exc}") from None
-        redact.add_named(values.items())
+        redact.add(*(value for value in values.values() if not plainly_not_secret(value)))
         with self._lock:
             self._stamp = None  # re-read on next use, whoever wrote last
 
@@ -220,26 +221,27 @@ def secret_name_for(server: str, key: str) -> str:
 
 def plan_literals(server: str, values: dict[str, str], secrets: SecretStore, header: bool = False,
                   overwrite: bool = False, planned: dict | None = None) -> tuple[dict[str, str], dict[str, str]]:
-    """The one rule for literal --env/--header values (add, import): each goes to the secret store and the
-    definition keeps a ${NAME} reference.  Returns (the mapping with references, {name: value} to store), and
-    writes nothing: the caller stores them only once the definition is accepted (``save_secrets``).
+    """The one rule for literal --env/--header values (add, import): each that looks like a credential
+    (terminal.looks_secret, by its name or its shape) goes to the secret store and the definition keeps a ${NAME}
+    reference; a path, a mode, a number stays as it is, readable in `coffer show`.  Returns (the mapping with
+    references, {name: value} to store), and writes nothing: the caller stores them only once the definition is
+    accepted (``save_secrets``).
 
-    Any value that holds no ${...} reference counts as literal: Coffer cannot tell a token from a setting, and a
-    setting in the store costs nothing.  For an Authorization-style header only the credential moves
-    ("Bearer ${NAME}"), so the stored definition still reads as what it is.  A name already holding another
-    value gets a numbered twin, unless ``overwrite`` (the server's definition is being replaced).  ``planned``
-    shares names across calls of one run (an import of many servers).
+    For an Authorization-style header only the credential moves ("Bearer ${NAME}"), so the stored definition still
+    reads as what it is.  A name already holding another value gets a numbered twin, unless ``overwrite`` (the
+    server's definition is being replaced).  ``planned`` shares names across calls of one run (an import of many
+    servers).
     """
     planned = {} if planned is None else planned
     result, mine = {}, {}
     for key, value in values.items():
-        if value == "" or ENV_REF_RE.search(value):
-            result[key] = value
-            continue
         scheme, credential = "", value
         match = _AUTH_SCHEME_RE.match(value) if header else None
         if match:
             scheme, credential = match.group(1) + " ", match.group(2)
+        if value == "" or ENV_REF_RE.search(value) or not looks_secret(key, credential):
+            result[key] = value
+            continue
         base = secret_name_for(server, key)
         name, n = base, 1
         while True:
@@ -252,6 +254,37 @@ def plan_literals(server: str, values: dict[str, str], secrets: SecretStore, hea
         planned[name] = mine[name] = credential
         result[key] = f"{scheme}${{{name}}}"
     return result, mine
+
+
+_ARGUMENT_ASSIGNMENT_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]{0,127})(=|:\s*)(.+)$", re.S)
+
+
+def plan_argument_literals(server: str, argv: list[str], secrets: SecretStore, overwrite: bool = False,
+                           planned: dict | None = None) -> tuple[list[str], dict[str, str]]:
+    """A command line with the credentials among its arguments moved to the store, by the rule of --env values:
+    ``--token VALUE``, ``--token=VALUE``, ``-e NAME=VALUE`` (docker), ``--header 'Authorization: Bearer VALUE'`` and
+    a bare argument shaped like a token become ${NAME} references (Coffer expands them when it starts the server).
+    Returns (the new argv, {name: value} to store); writes nothing.  The program itself (argv[0]) is left alone."""
+    planned = {} if planned is None else planned
+    result, moved = list(argv[:1]), {}
+    for index, arg in enumerate(argv[1:], 1):
+        previous = argv[index - 1] if index > 1 else ""
+        flag = previous.lstrip("-") if previous.startswith("-") and "=" not in previous else ""
+        key, separator, value = "", "", arg
+        if arg.startswith("-") and "=" in arg:
+            key, _, value = arg.partition("=")
+            separator, key = "=", key.lstrip("-")
+        elif (assignment := _ARGUMENT_ASSIGNMENT_RE.match(arg)) and not arg.startswith("-") and "://" not in arg:
+            key, separator, value = assignment.groups()  # NAME=VALUE, or a header line "Name: value"
+        name = key or flag or "ARG"
+        refs, found = ({name: value}, {}) if ENV_REF_RE.search(value) else plan_literals(
+            server, {name: value}, secrets, header=True, overwrite=overwrite, planned=planned)
+        if not found:
+            result.append(arg)
+            continue
+        moved.update(found)
+        result.append(arg[:len(arg) - len(value)] + refs[name])
+    return result, moved
 
 
 _SECRET_QUERY_RE = re.compile(r"(?i)^(?:.*[_-])?(?:key|token|secret|password|passwd|pwd|auth|signature|sig|"

@@ -26,6 +26,7 @@ DEFAULTS = {
     "max_message_bytes": 64 << 20,  # a longer line, HTTP body or SSE event fails that message, not the gateway
     "max_list_pages": 100,          # pages Coffer follows when an upstream paginates one list
     "max_list_items": 10_000,       # tools (prompts, resources...) kept per list per upstream
+    "list_page_size": 1000,         # items per page of a list a client gets; more follow with nextCursor
     "probe_timeout": 10.0,          # seconds a new server has to answer server/discover before initialize is tried
     "mrtr_ttl": 300.0,              # seconds a 2026-07-28 client has to answer a question an upstream asked mid-call
     "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them
@@ -39,6 +40,7 @@ DEFAULTS = {
     "service_http_origins": "",     # browser origins (space-separated) allowed to call that endpoint: CORS
     "http_read_timeout": 10.0,      # seconds an HTTP client may send nothing mid-request, or between requests
     "http_session_idle": 3600.0,    # seconds an HTTP session may go unused before it ends
+    "redact": "on",                 # known secret values in what goes to a client become ***; redact.<server> off
 }
 #: Settings `coffer config KEY VALUE` changes and `coffer config KEY` shows, but the listings (`coffer config`,
 #: --json, "known: ...") leave out: knobs for tests and diagnosis that a user has no reason to turn.
@@ -52,7 +54,8 @@ def listed_settings(settings: dict) -> dict:
 
 
 EXPOSE_RE = re.compile(r"^(auto|all|search|budget:([2-9]|[1-9][0-9]{1,3}))$")
-PER_CLIENT_SETTING_RE = re.compile(r"^expose\.([a-z0-9-]{1,32})$")
+#: A setting for one client (expose.cursor) or one server (redact.vault): the global one unless it is set.
+PER_KEY_SETTING_RE = re.compile(r"^(expose|redact)\.([A-Za-z0-9-]{1,32})$")
 HTTP_ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):([0-9]{1,5})$")
 HTTP_ORIGIN_RE = re.compile(r"^https?://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253})(:[0-9]{1,5})?$")
 
@@ -60,7 +63,13 @@ HTTP_ORIGIN_RE = re.compile(r"^https?://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1
 def unknown_setting(key: str) -> str:
     """The message for a setting name Coffer does not know: the listed ones, and the nearest."""
     listed = sorted(listed_settings(DEFAULTS))
-    return f"unknown setting {key!r}{did_you_mean(key, listed)}; known: {', '.join(listed)}, expose.<client>"
+    return (f"unknown setting {key!r}{did_you_mean(key, listed)}; known: {', '.join(listed)}, expose.<client>, "
+            "redact.<server>")
+
+
+def redacts_output(settings: dict, server: str) -> bool:
+    """Whether known secret values are redacted from what ``server`` sends a client (redact, redact.<server>)."""
+    return (settings.get(f"redact.{server}") or settings["redact"]) == "on"
 
 
 def _positive_number(text: str) -> bool:
@@ -72,7 +81,7 @@ def _positive_number(text: str) -> bool:
 
 def check_setting(key: str, raw):
     """A setting's value from the CLI (text) or the vault (JSON), converted and range-checked, or CofferError.
-    ``key`` is a DEFAULTS key (vault.setting_key maps expose.<client> to expose)."""
+    ``key`` is a DEFAULTS key (vault.setting_key maps expose.<client> to expose, redact.<server> to redact)."""
     default = DEFAULTS[key]
     kind = type(default)
     if isinstance(raw, bool) or (not isinstance(raw, (str, int, float)) or
@@ -90,7 +99,7 @@ def check_setting(key: str, raw):
         raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
     if key == "embedder_api" and value not in ("openai", "ollama"):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
-    if key in ("memory", "ask_synthesis", "search_feedback") and value not in ("on", "off"):
+    if key in ("memory", "ask_synthesis", "search_feedback", "redact") and value not in ("on", "off"):
         raise CofferError(f"{key} must be on or off")
     if key == "serve_mode" and value not in ("service", "standalone"):
         raise CofferError("serve_mode must be service or standalone")

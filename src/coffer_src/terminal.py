@@ -58,13 +58,16 @@ class Redactor:
     """Every secret value this process knows: the secret store's values and what ${VAR} references expanded to.
 
     ``redact(text)`` replaces each with *** — applied to every log record, to stored stderr and status details, and
-    to CLI output.  Values shorter than MIN_LENGTH are not redacted (they would blank out ordinary words).
+    to CLI output; ``redact.scrub(message)`` does the same to what goes to a client (results, errors, notifications:
+    an upstream that echoes its environment must not hand a token to the agent, and through it to the model's
+    provider).  Values shorter than MIN_LENGTH are not redacted (they would blank out ordinary words).
     """
 
     MIN_LENGTH = 4
 
     def __init__(self):
         self._values: tuple[str, ...] = ()
+        self._search = None   # one compiled alternation of every value: a string is looked at once, in C
         self._lock = threading.Lock()
 
     def add(self, *values) -> None:
@@ -79,6 +82,7 @@ class Redactor:
         if fresh:
             with self._lock:  # longest first, so a secret containing another is replaced whole
                 self._values = tuple(sorted(set(self._values) | fresh, key=len, reverse=True))
+                self._search = re.compile("|".join(map(re.escape, self._values))).search
 
     def add_named(self, pairs) -> None:
         """Register (name, value) pairs from the secret store or expanded ${NAME} references: a value counts as a
@@ -93,25 +97,84 @@ class Redactor:
                 text = text.replace(value, "***")
         return text
 
+    def scrub(self, value):
+        """A JSON value (a message for a client) with every known secret in its strings and keys replaced: the
+        same object, untouched, when none holds one -- the usual case, which costs one look at each string."""
+        search = self._search
+        if search is None or not _holds_secret(value, search, 0):
+            return value
+        return _scrubbed(value, self, 0)
+
+
+def _holds_secret(value, search, depth: int) -> bool:
+    if isinstance(value, str):
+        return search(value) is not None
+    if depth > 200:
+        return False
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if search(key) is not None or _holds_secret(item, search, depth + 1):
+                return True
+        return False
+    if isinstance(value, list):
+        for item in value:
+            if _holds_secret(item, search, depth + 1):
+                return True
+    return False
+
+
+def _scrubbed(value, redactor: Redactor, depth: int):
+    if isinstance(value, str):
+        return redactor(value)
+    if depth > 200:
+        return value
+    if isinstance(value, dict):
+        return {redactor(key) if isinstance(key, str) else key: _scrubbed(item, redactor, depth + 1)
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed(item, redactor, depth + 1) for item in value]
+    return value
+
 
 redact = Redactor()
 
 _SECRET_NAME_RE = re.compile(r"(?i)key|token|secret|passw|pwd|auth|cred|cookie|session|private|signature|bearer")
 _TOKEN_PREFIXES = ("sk-", "pk-", "ghp_", "gho_", "ghs_", "ghu_", "github_pat_", "xox", "glpat-", "AKIA", "ASIA",
                    "AIza", "ya29.", "eyJ", "shpat_", "sq0", "rk_", "whsec_", "npm_", "pypi-")
+_PLAIN_VALUE_RE = re.compile(r"(?i)^(?:-?\d+(?:\.\d+)?|true|false|yes|no|on|off|none|null|enabled|disabled|"
+                             r"debug|info|warn|warning|error|v?\d+(?:\.\d+)+(?:[-+.][\w.]+)?)$")
+_PATH_RE = re.compile(r"^(?:[/~]|\.{1,2}[/\\]|[A-Za-z]:[/\\]|\\\\|file:)")
+_TOKEN_ALPHABET_RE = re.compile(r"^[A-Za-z0-9_\-.+/=~]+$")
+_HEX_RE = re.compile(r"^[0-9a-fA-F]+$")
+
+
+def plainly_not_secret(value: str) -> bool:
+    """A value no credential looks like: empty, a number, a version, a boolean or level word, a file path, or a
+    URL that carries no user:password@."""
+    if not value or _PLAIN_VALUE_RE.match(value) or _PATH_RE.match(value):
+        return True
+    scheme, sep, rest = value.partition("://")
+    return bool(sep) and scheme.isalpha() and "@" not in rest.partition("/")[0]
 
 
 def looks_secret(name: str, value: str) -> bool:
-    """Whether a named value is a credential: by its name, or by its shape (a known token prefix, or a long
-    mixed string that is not a path or an address)."""
+    """Whether a named value is a credential, by the one rule Coffer uses everywhere (what --env, --header, a
+    command's arguments and an import move to the secret store; which resolved ${NAME} values are redacted): by
+    its name (KEY, TOKEN, SECRET, PASSWORD, AUTH...) unless the value is plainly something else (a path, a number,
+    a plain URL...), or by its shape (a known token prefix, a URL holding user:password@, or a long
+    random-looking string)."""
+    if not isinstance(value, str) or plainly_not_secret(value):
+        return False
     if _SECRET_NAME_RE.search(name or ""):
         return True
     if len(value) < 8 or any(c.isspace() for c in value):
         return False
-    if value.startswith(_TOKEN_PREFIXES):
+    if value.startswith(_TOKEN_PREFIXES) or ":" in value.partition("://")[2].partition("/")[0].rpartition("@")[0]:
         return True
-    mixed = sum(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit)) >= 2
-    return len(value) >= 16 and mixed and not value.startswith(("/", "~", ".", "http://", "https://", "file:"))
+    if len(value) < 20 or not _TOKEN_ALPHABET_RE.match(value) or "==" in value.rstrip("="):
+        return False
+    classes = sum(any(test(c) for c in value) for test in (str.islower, str.isupper, str.isdigit))
+    return classes == 3 or (len(value) >= 32 and _HEX_RE.match(value) is not None)
 
 
 class _TerminalFormatter(logging.Formatter):

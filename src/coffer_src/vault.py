@@ -24,11 +24,19 @@ from coffer_src.names import (
     check_server_name,
     did_you_mean,
     exposed_names,
+    qualify_uri,
 )
 from coffer_src.secret_store import SecretStore
-from coffer_src.settings import DEFAULTS, PER_CLIENT_SETTING_RE, check_setting, unknown_setting
+from coffer_src.settings import DEFAULTS, PER_KEY_SETTING_RE, check_setting, unknown_setting
 from coffer_src.terminal import ServerLog, redact
-from coffer_src.vault_rows import SHARING_MODES, definition_diff, fingerprint, server_row, vault_json
+from coffer_src.vault_rows import (
+    SHARING_MODES,
+    definition_diff,
+    definition_without_controls,
+    fingerprint,
+    server_row,
+    vault_json,
+)
 
 vault_log = logging.getLogger(__name__)
 
@@ -288,6 +296,9 @@ class Vault:
     method (or inside ``with vault.transaction()``) reaches the caller as a VaultError, a CofferError.
     """
 
+    AUDIT_EACH_ADDED = 20          # more capabilities added at once than this are audited in one row
+    AUDIT_NAMES_CHARS = 64 << 10   # the names such a row lists, at most
+
     def __init__(self, home: str | None = None, actor: str = "cli"):
         self.home = home or coffer_home()
         self.actor = actor
@@ -429,14 +440,15 @@ class Vault:
         return current
 
     def set_setting(self, key: str, raw: str) -> None:
-        """Change a setting; for a per-client one (expose.cursor), an empty value removes the override."""
+        """Change a setting; for a per-client or per-server one (expose.cursor, redact.vault), an empty value removes
+        the override."""
         if setting_key(key) not in DEFAULTS:
             raise CofferError(unknown_setting(key))
         with self.transaction() as db:
             old = self.setting(key)
             if key != setting_key(key) and raw == "":
                 db.execute("DELETE FROM settings WHERE key=?", (key,))
-                self._audit(db, "config", key, f"{old!r} -> (the global expose)")
+                self._audit(db, "config", key, f"{old!r} -> (the global {setting_key(key)})")
                 return
             value = check_setting(setting_key(key), raw)
             db.execute("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, json.dumps(value)))
@@ -588,13 +600,13 @@ class Vault:
         names = [row["name"] for row in db.execute("SELECT name FROM servers")]
         listed: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
         for row in db.execute("SELECT server, kind, name FROM capabilities WHERE present=1 AND server IN"
-                              " (SELECT name FROM servers)"):
+                              " (SELECT name FROM servers) ORDER BY rowid"):
             if row["kind"] in ("tool", "prompt"):
                 listed[(row["server"], row["kind"])].append(row["name"])
             else:
                 names.append(row["name"])
         for (server, _), items in listed.items():
-            names.extend(exposed_names(server, items, max_length).values())
+            names.extend(exposed_names(server, items, max_length, {n: i for i, n in enumerate(items)}).values())
         return names
 
     def resolve(self, target: str, db=None) -> tuple[str, str, str]:
@@ -618,9 +630,10 @@ class Vault:
         if sep and registered:
             found = []
             for kind in kinds:
-                rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=?",
+                rows = db.execute("SELECT name, present FROM capabilities WHERE server=? AND kind=? ORDER BY rowid",
                                   (server, kind)).fetchall()
-                listed = exposed_names(server, [row["name"] for row in rows if row["present"]], max_length)
+                present = [row["name"] for row in rows if row["present"]]
+                listed = exposed_names(server, present, max_length, {n: i for i, n in enumerate(present)})
                 names = [name for name, exposed in listed.items() if exposed == target] or [
                     row["name"] for row in rows if not row["present"] and f"{server}{SEPARATOR}{row['name']}" == target]
                 found += [(server, kind, name) for name in names]
@@ -654,7 +667,7 @@ class Vault:
             server, kind, name = self.resolve(target, db)
             db.execute("UPDATE capabilities SET enabled=? WHERE server=? AND kind=? AND name=?",
                        (int(enabled), server, kind, name))
-            self._audit(db, verb, target if kind in ("tool", "prompt") else f"{server}:{name}", kind)
+            self._audit(db, verb, target if kind in ("tool", "prompt") else qualify_uri(server, name), kind)
             return f"{kind} {target}" + (f" ({server}:{name})" if kind in ("tool", "prompt") and
                                          target != f"{server}{SEPARATOR}{name}" else "")
 
@@ -677,13 +690,14 @@ class Vault:
                                   " NOT NULL AND approved != fingerprint", (server, kind, name)).fetchall()
             approved = []
             for row in rows:
-                label = (exposed_names(row["server"], [row["name"]], max_length)[row["name"]]
+                label = (self._exposed(db, row["server"], row["kind"], max_length).get(row["name"], row["name"])
                          if row["kind"] in ("tool", "prompt") else row["name"])
                 approved.append((f"{row['kind']} {label}", definition_diff(row["approved_definition"],
                                                                           row["definition"])))
                 db.execute("UPDATE capabilities SET approved=fingerprint, approved_definition=definition WHERE"
                            " server=? AND kind=? AND name=?", (row["server"], row["kind"], row["name"]))
-                self._audit(db, "approve", f"{row['server']}:{row['name']}", row["kind"])
+                self._audit(db, "approve", label if row["kind"] in ("tool", "prompt")
+                            else qualify_uri(row["server"], row["name"]), row["kind"])
             return approved
 
     def sync_capabilities(self, server: str, kind: str, definitions: dict[str, dict],
@@ -702,9 +716,26 @@ class Vault:
             default = 1 if (srv is None or srv["policy"] == "enabled") else 0
             trusting = srv is not None and srv["updates"] == "trust"
             known = {row["name"]: row for row in db.execute(
-                "SELECT name, enabled, present, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
-                (server, kind))}
-            labels = exposed_names(server, definitions, max_length) if kind in ("tool", "prompt") else {}
+                "SELECT name, enabled, present, fingerprint, approved, approved_definition FROM capabilities"
+                " WHERE server=? AND kind=?", (server, kind))}
+            seniority = self._seniority(db, server, kind)
+            labels = exposed_names(server, definitions, max_length, seniority) if kind in ("tool", "prompt") else {}
+            before = self._exposed(db, server, kind, max_length) if kind in ("tool", "prompt") else {}
+
+            def target(name: str) -> str:
+                """How the audit names a capability: as a client and the CLI do (server__tool, a resource's
+                coffer+server:uri), so a row's target is something `coffer enable/disable` takes."""
+                if kind in ("tool", "prompt"):
+                    return labels.get(name) or before.get(name) or f"{server}{SEPARATOR}{name}"
+                return qualify_uri(server, name)
+
+            added = [name for name in definitions if name not in known]
+            # A server's first catalogue (or any large addition) is one row with the count and the names, not a
+            # row per tool: an upstream listing 10,000 tools must not flood the audit log.
+            one_row = len(added) > 1 and (not known or len(added) > self.AUDIT_EACH_ADDED)
+            if srv is not None and one_row:
+                self._audit(db, "upstream-added", server, _added_detail(kind, added, default, first=not known),
+                            actor="upstream")
             for name, definition in definitions.items():
                 fp, text = fingerprint(definition, kind), vault_json(definition)
                 row = known.get(name)
@@ -713,28 +744,31 @@ class Vault:
                                " definition, first_seen, last_seen, approved, approved_definition)"
                                " VALUES (?,?,?,?,1,?,?,?,?,?,?)",
                                (server, kind, name, default, fp, text, now, now, fp, text))
-                    if srv is not None:
-                        self._audit(db, "upstream-added", f"{server}:{name}",
+                    if srv is not None and not one_row:
+                        self._audit(db, "upstream-added", target(name),
                                     f"{kind}; {'enabled' if default else 'disabled'} by policy", actor="upstream")
                     continue
                 approved = row["approved"]
+                if approved is not None and approved != fp and _only_controls_removed(row["approved_definition"],
+                                                                                      kind, fp):
+                    approved = None  # what was approved, as Coffer now shows it: not a change to review
                 if approved is None or trusting:
                     approved_sql = "approved=?, approved_definition=?,"
                     approved_args = (fp, text)
                     if approved is not None and approved != fp:
-                        self._audit(db, "upstream-changed", f"{server}:{name}", f"{kind}; trusted (trust-updates)",
+                        self._audit(db, "upstream-changed", target(name), f"{kind}; trusted (trust-updates)",
                                     actor="upstream")
                 else:
                     approved_sql, approved_args = "", ()
                     if fp != row["fingerprint"] and fp != approved:
                         label = labels.get(name, name)
-                        self._audit(db, "upstream-changed", f"{server}:{name}",
+                        self._audit(db, "upstream-changed", target(name),
                                     f"{kind}; quarantined until `coffer approve {label}`", actor="upstream")
                         ServerLog(vault_log, server).warning(
                             "%s %s changed its definition since it was approved; it is hidden until you review it "
                             "with `coffer approve %s`", kind, label, label)
                 if not row["present"]:
-                    self._audit(db, "upstream-restored", f"{server}:{name}", kind, actor="upstream")
+                    self._audit(db, "upstream-restored", target(name), kind, actor="upstream")
                 db.execute(f"UPDATE capabilities SET present=1, fingerprint=?, definition=?, {approved_sql}"
                            " last_seen=? WHERE server=? AND kind=? AND name=?",
                            (fp, text, *approved_args, now, server, kind, name))
@@ -742,9 +776,9 @@ class Vault:
                 if name not in definitions and row["present"]:
                     db.execute("UPDATE capabilities SET present=0 WHERE server=? AND kind=? AND name=?",
                                (server, kind, name))
-                    self._audit(db, "upstream-removed", f"{server}:{name}", kind, actor="upstream")
+                    self._audit(db, "upstream-removed", target(name), kind, actor="upstream")
             for name, why in (rejected or {}).items():
-                self._audit(db, "upstream-rejected", f"{server}:{storable(name)[:200]}", f"{kind}; {why}",
+                self._audit(db, "upstream-rejected", f"{server}{SEPARATOR}{storable(name)[:200]}", f"{kind}; {why}",
                             actor="upstream")
             return {row["name"]: _state(row) for row in db.execute(
                 "SELECT name, enabled, fingerprint, approved FROM capabilities WHERE server=? AND kind=?",
@@ -764,9 +798,31 @@ class Vault:
         return remembered
 
     def capability_states(self) -> dict[tuple[str, str, str], CapabilityState]:
+        """Every capability's state, oldest first (the order exposed names are given in: see seniority)."""
         return {(row["server"], row["kind"], row["name"]): _state(row)
                 for row in self.db.execute("SELECT server, kind, name, enabled, fingerprint, approved"
-                                           " FROM capabilities")}
+                                           " FROM capabilities ORDER BY rowid")}
+
+    @staticmethod
+    def _seniority(db, server: str, kind: str) -> dict[str, int]:
+        """name -> rank of one server's tools (or prompts) by when Coffer first saw them (exposed_names)."""
+        return {row["name"]: i for i, row in enumerate(db.execute(
+            "SELECT name FROM capabilities WHERE server=? AND kind=? ORDER BY rowid", (server, kind)))}
+
+    def _exposed(self, db, server: str, kind: str, max_length: int) -> dict[str, str]:
+        """{name: exposed name} of the tools (or prompts) a server lists now, as the catalogue names them."""
+        rows = db.execute("SELECT name FROM capabilities WHERE server=? AND kind=? AND present=1 ORDER BY rowid",
+                          (server, kind)).fetchall()
+        present = [row["name"] for row in rows]
+        return exposed_names(server, present, max_length, {name: i for i, name in enumerate(present)})
+
+    def seniority(self) -> dict[tuple[str, str], dict[str, int]]:
+        """(server, kind) -> {name: rank by first sight}: what exposed_names needs, for every server at once."""
+        ranks: dict[tuple[str, str], dict[str, int]] = {}
+        for row in self.db.execute("SELECT server, kind, name FROM capabilities ORDER BY rowid"):
+            names = ranks.setdefault((row["server"], row["kind"]), {})
+            names[row["name"]] = len(names)
+        return ranks
 
     def capabilities(self, server: str | None = None) -> list[dict]:
         sql = "SELECT * FROM capabilities" + (" WHERE server=?" if server else "") + " ORDER BY server, kind, name"
@@ -792,24 +848,40 @@ class Vault:
                                (limit,)).fetchall()
         return [dict(row) for row in reversed(rows)]
 
-    def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
-                   server: str | None = None) -> list[dict]:
-        """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
-        name or its prefix (``upstream`` matches upstream-added, -changed...), ``server`` a server's rows."""
+    #: ``--kind`` words that stand for more than their own action: an import adds servers too.
+    AUDIT_ACTION_GROUPS = {"add": ("add", "import", "import-overwrite")}
+
+    @classmethod
+    def _audit_where(cls, since: str | None, action: str | None, server: str | None) -> tuple[str, list]:
         where, args = [], []
         if since:
             where.append("ts >= ?")
             args.append(since)
         if action:
-            where.append("(action = ? OR action LIKE ?)")
-            args += [action, action.replace("%", "") + "-%"]
-        if server:
-            where.append("(target = ? OR target LIKE ? OR target LIKE ?)")
-            args += [server, f"{server}:%", f"{server}{SEPARATOR}%"]
-        sql = ("SELECT ts, actor, action, target, detail FROM audit" + (" WHERE " + " AND ".join(where) if where
-                                                                         else "") + " ORDER BY id DESC LIMIT ?")
-        rows = self.db.execute(sql, (*args, limit)).fetchall()
+            actions = cls.AUDIT_ACTION_GROUPS.get(action, (action,))
+            where.append("(" + " OR ".join("action = ? OR action LIKE ?" for _ in actions) + ")")
+            for name in actions:
+                args += [name, name.replace("%", "") + "-%"]
+        if server:  # ('_' is LIKE's any-character: the separator is escaped)
+            where.append("(target = ? OR target LIKE ? ESCAPE '!' OR target LIKE ? ESCAPE '!' OR target LIKE ?"
+                         " ESCAPE '!')")
+            args += [server, f"{server}:%", f"{server}{SEPARATOR.replace('_', '!_')}%", f"coffer+{server}:%"]
+        return (" WHERE " + " AND ".join(where) if where else ""), args
+
+    def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
+                   server: str | None = None) -> list[dict]:
+        """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
+        name or its prefix (``upstream`` matches upstream-added, -changed...; ``add`` imports too), ``server`` a
+        server's rows."""
+        where, args = self._audit_where(since, action, server)
+        rows = self.db.execute(f"SELECT ts, actor, action, target, detail FROM audit{where} ORDER BY id DESC LIMIT ?",
+                               (*args, limit)).fetchall()
         return [dict(row) for row in reversed(rows)]
+
+    def audit_count(self, since: str | None = None, action: str | None = None, server: str | None = None) -> int:
+        """How many audit rows audit_rows would show without its limit."""
+        where, args = self._audit_where(since, action, server)
+        return self.db.execute(f"SELECT count(*) FROM audit{where}", args).fetchone()[0]
 
     def prune(self) -> tuple[int, int]:
         """Apply retention.  Runs when ``serve`` starts, so a long-lived vault never grows without bound."""
@@ -824,6 +896,29 @@ class Vault:
             db.execute("DELETE FROM capabilities WHERE last_seen < ? AND server NOT IN (SELECT name FROM servers)",
                        (cut_aud.replace("+00:00", "Z"),))  # choices of servers removed long ago
         return n_inv, n_aud
+
+
+def _added_detail(kind: str, names: list[str], enabled: int, first: bool) -> str:
+    """The detail of one audit row for many capabilities added at once: what, how many, the policy, the names."""
+    shown, size = [], 0
+    for name in names:
+        size += len(name) + 2
+        if size > Vault.AUDIT_NAMES_CHARS:
+            break
+        shown.append(name)
+    more = f" (and {len(names) - len(shown)} more)" if len(shown) < len(names) else ""
+    return (f"{'first catalogue: ' if first else ''}{len(names)} {kind}s, {'enabled' if enabled else 'disabled'} "
+            f"by policy: {', '.join(shown)}{more}")
+
+
+def _only_controls_removed(approved_definition: str | None, kind: str, fp: str) -> bool:
+    """Whether the approved definition, with its control characters removed as Coffer now removes them at the
+    boundary, is the one listed now (a pin made before that rule must not hold the capability back)."""
+    try:
+        approved = json.loads(approved_definition) if approved_definition else None
+    except ValueError:
+        return False
+    return isinstance(approved, dict) and fingerprint(definition_without_controls(kind, approved), kind) == fp
 
 
 def _state(row) -> CapabilityState:
@@ -883,8 +978,10 @@ class _VaultTransaction(_Transaction):
 
 
 def setting_key(key: str) -> str:
-    """The DEFAULTS entry a setting name is checked against: expose.<client> is an expose setting."""
-    return "expose" if PER_CLIENT_SETTING_RE.match(key) else key
+    """The DEFAULTS entry a setting name is checked against: expose.<client> is an expose setting, redact.<server>
+    a redact setting."""
+    match = PER_KEY_SETTING_RE.match(key)
+    return match.group(1) if match else key
 
 
 class Invocation(NamedTuple):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 
 from coffer_src.digests import sha256
 from coffer_src.names import RESERVED_SERVER, SERVER_NAME_RE
@@ -27,6 +28,51 @@ _UNPINNED_FIELDS = {"tool": ("_meta",), "prompt": ("_meta",), "resource": ("_met
 def fingerprint(definition: dict, kind: str = "tool") -> str:
     pinned = {k: v for k, v in definition.items() if k not in _UNPINNED_FIELDS.get(kind, ())}
     return sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
+
+
+# C0 and C1 control characters but newline and tab: an ESC or an OSC 52 sequence in a description would be obeyed
+# by the terminal of a client that prints it (a clipboard write, a retitled window), and no client needs them.
+_CONTROLS_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_TEXT_KEYS = ("name", "title", "description")
+_INSTANCE_KEYS = frozenset({"const", "enum", "default", "examples"})  # data in a schema: never rewritten
+
+
+def without_controls(text: str) -> str:
+    """``text`` without C0/C1 control characters (newlines and tabs kept)."""
+    return _CONTROLS_RE.sub("", text) if _CONTROLS_RE.search(text) else text
+
+
+def _schema_without_controls(node, depth: int = 0):
+    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is)."""
+    if depth > 64:
+        return node
+    if isinstance(node, list):
+        return [_schema_without_controls(item, depth + 1) for item in node]
+    if not isinstance(node, dict):
+        return node
+    return {key: (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
+                  value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
+            for key, value in node.items()}
+
+
+def definition_without_controls(kind: str, item: dict) -> dict:
+    """A definition whose names, titles and descriptions (its schemas' too) hold no control characters; its
+    identifier (a tool's or prompt's name, a resource's URI) is left alone: one holding a control is rejected."""
+    item = dict(item)
+    for key in _TEXT_KEYS:
+        if isinstance(item.get(key), str) and not (key == "name" and kind in ("tool", "prompt")):
+            item[key] = without_controls(item[key])
+    annotations = item.get("annotations")
+    if isinstance(annotations, dict) and isinstance(annotations.get("title"), str):
+        item["annotations"] = {**annotations, "title": without_controls(annotations["title"])}
+    for key in ("inputSchema", "outputSchema"):
+        if isinstance(item.get(key), dict):
+            item[key] = _schema_without_controls(item[key])
+    if isinstance(item.get("arguments"), list):
+        item["arguments"] = [{k: without_controls(v) if k in _TEXT_KEYS and isinstance(v, str) else v
+                              for k, v in argument.items()} if isinstance(argument, dict) else argument
+                             for argument in item["arguments"]]
+    return item
 
 
 def definition_diff(before: str | None, after: str | None) -> str:

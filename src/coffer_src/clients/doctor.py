@@ -30,7 +30,7 @@ from coffer_src.names import NAME_MAX_LENGTH_MIN
 from coffer_src.probe import ServerProbe
 from coffer_src.secret_store import ENV_REF_RE, expand_vars, references
 from coffer_src.service.commands import service_tools
-from coffer_src.terminal import ServerLog, say
+from coffer_src.terminal import ServerLog, looks_secret, say
 from coffer_src.vault import MIGRATIONS, PRIVATE_FILES, SCHEMA_PARTS, _state
 
 doctor_log = logging.getLogger(__name__)
@@ -44,7 +44,9 @@ def _problem(problem: str, fix: str, severity: str = "error") -> dict:
 def client_report(vault, store, ctx: ClientContext) -> list[dict]:
     reports = []
     for client in CLIENTS:
-        for file in client_files(client, ctx):
+        files = client_files(client, ctx)
+        user_install = False  # Claude Code's local scope runs beside the user scope's entries
+        for file in files:
             exists = os.path.exists(file.path)
             if file.scope != "user" and not exists:
                 continue
@@ -60,15 +62,63 @@ def client_report(vault, store, ctx: ClientContext) -> list[dict]:
             if file.scope == "local" and not servers:
                 continue
             report["installed"] = COFFER_ENTRY in servers
+            if file.scope == "user":
+                user_install = report["installed"]
             duplicates = registered_in_coffer(vault, store, file, servers, ctx)
             report["duplicates"] = sorted(duplicates)
-            if report["installed"] and duplicates:
-                flag = " --project" if file.scope == "project" else ""
+            beside = report["installed"] or (file.scope == "local" and user_install)
+            if beside and duplicates:
+                if file.scope == "local":   # keyed by the project's directory: the install must run there
+                    fix = f"cd {shlex.quote(file.project_root or ctx.cwd)} && coffer install {client} --replace"
+                else:
+                    fix = f"coffer install {client}{' --project' if file.scope == 'project' else ''} --replace"
+                where = f" (its local scope for {file.project_root})" if file.scope == "local" else ""
                 report["problems"].append(_problem(
-                    f"{client} runs {', '.join(sorted(duplicates))} beside Coffer, so the agent sees them twice",
-                    f"coffer install {client}{flag} --replace", "warning"))
+                    f"{client}{where} runs {', '.join(sorted(duplicates))} beside Coffer, so the agent sees them "
+                    "twice", fix, "warning"))
             reports.append(report)
     return reports
+
+
+def knowledge_report(vault, settings: dict) -> dict:
+    """The knowledge sources and memory, read without opening the knowledge base (a doctor changes nothing)."""
+    problems, sources = [], []
+    memory = settings.get("memory", "off")
+    try:
+        tables = vault.table_columns()
+        rows = vault.db.execute("SELECT name, root, kind, indexed_at FROM knowledge_sources ORDER BY name").fetchall() \
+            if "knowledge_sources" in tables else []
+        counts = dict(vault.db.execute("SELECT source, count(*) FROM knowledge_passages GROUP BY source").fetchall()) \
+            if "knowledge_passages" in tables else {}
+    except (CofferError, sqlite3.Error) as exc:
+        return {"ok": False, "memory": memory, "sources": [], "problems": [_problem(
+            f"the knowledge sources cannot be read: {exc}", "coffer doctor --json shows the vault's state")]}
+    for row in rows:
+        name, root, kind = row["name"], row["root"], row["kind"]
+        passages = counts.get(name, 0)
+        sources.append({"name": name, "root": root, "kind": kind, "passages": passages,
+                        "indexed_at": row["indexed_at"]})
+        if kind == "memory":
+            continue
+        if not os.path.isdir(root):
+            problems.append(_problem(f"knowledge source {name}: its folder {root} is gone",
+                                     f"restore it, or: coffer knowledge remove {name}"))
+        elif not os.access(root, os.R_OK | os.X_OK):
+            problems.append(_problem(f"knowledge source {name}: its folder {root} cannot be read",
+                                     f"chmod u+rx {shlex.quote(root)}"))
+        elif not row["indexed_at"]:
+            problems.append(_problem(f"knowledge source {name} was never indexed",
+                                     f"coffer knowledge reindex {name}", "warning"))
+        elif not passages:
+            problems.append(_problem(f"knowledge source {name} holds no passages (no file matched its globs)",
+                                     f"coffer knowledge remove {name} && coffer knowledge add {shlex.quote(root)} "
+                                     "--glob '**/*.md'", "warning"))
+    memory_dir = os.path.join(vault.home, "memory")
+    if memory == "on" and os.path.isdir(memory_dir) and not os.access(memory_dir, os.W_OK | os.X_OK):
+        problems.append(_problem(f"memory is on but {memory_dir} cannot be written: coffer__remember fails",
+                                 f"chmod u+rwx {shlex.quote(memory_dir)}"))
+    return {"ok": not any(p["severity"] == "error" for p in problems), "memory": memory, "sources": sources,
+            "problems": problems}
 
 
 def server_report(vault, store, server: dict, installed_clients: set, probe, settings: dict) -> dict:
@@ -258,8 +308,9 @@ def run_doctor(vault, store, ctx: ClientContext, probe=None) -> dict:
     for thread in threads:
         thread.join()
     vault_state = vault_report(vault)
-    return {"ok": all(r["ok"] for r in reports) and vault_state["ok"], "servers": reports, "clients": clients,
-            "vault": vault_state}
+    knowledge = knowledge_report(vault, settings)
+    return {"ok": all(r["ok"] for r in reports) and vault_state["ok"] and knowledge["ok"], "servers": reports,
+            "clients": clients, "knowledge": knowledge, "vault": vault_state}
 
 
 def print_doctor(report: dict) -> None:
@@ -276,8 +327,18 @@ def print_doctor(report: dict) -> None:
     for client in report["clients"]:
         state = ("Coffer installed" if client["installed"] else "Coffer not installed") if client["found"] \
             else "no config"
-        say(f"  {client['client']:<15} {state:<21} {client['path']}")
+        say(f"  {client['client']:<15} {state:<21} {client['path']} ({client['scope']} scope)")
+        if client["duplicates"]:
+            say(f"      also runs, and Coffer serves: {', '.join(client['duplicates'])}")
         for problem in client["problems"]:
+            say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+    knowledge = report.get("knowledge")
+    if knowledge is not None:
+        say(f"knowledge: memory {knowledge['memory']}" + ("" if knowledge["sources"] else
+                                                          "; no sources (coffer knowledge add PATH)"))
+        for source in knowledge["sources"]:
+            say(f"  {source['name']:<15} {source['passages']} passages  {source['root']}")
+        for problem in knowledge["problems"]:
             say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
     vault_state = report["vault"]
     say(f"vault: {vault_state['path']} {'ok' if vault_state['ok'] else ''}".rstrip())
@@ -287,9 +348,12 @@ def print_doctor(report: dict) -> None:
 
 # -- show -----------------------------------------------------------------------------------------------------
 
-def _shown(value: str) -> str:
-    """A stored env/header value as ``coffer show`` prints it: references as written, literals never."""
-    return value if (not value or ENV_REF_RE.search(value)) else f"<literal, {len(value)} characters>"
+def shown_value(key: str, value: str) -> str:
+    """A stored env/header value as ``coffer show`` prints it: references and plain settings (a path, a mode) as
+    written, a literal that looks like a credential never."""
+    if not value or ENV_REF_RE.search(value) or not looks_secret(key, value):
+        return value
+    return f"<literal, {len(value)} characters>"
 
 
 def show_server(vault, name: str) -> dict:
@@ -301,8 +365,8 @@ def show_server(vault, name: str) -> dict:
                     for row in vault.capabilities(name)]
     return {"name": server["name"], "transport": server["transport"], "command": server.get("command"),
             "url": server.get("url"), "cwd": server.get("cwd"),
-            "env": {k: _shown(v) for k, v in (server.get("env") or {}).items()},
-            "headers": {k: _shown(v) for k, v in (server.get("headers") or {}).items()},
+            "env": {k: shown_value(k, v) for k, v in (server.get("env") or {}).items()},
+            "headers": {k: shown_value(k, v) for k, v in (server.get("headers") or {}).items()},
             "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
             "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
             "status_at": server.get("status_at"), "sharing": server.get("sharing", "shared"),

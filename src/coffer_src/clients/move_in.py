@@ -31,7 +31,13 @@ from coffer_src.clients.files import (
 from coffer_src.digests import sha256
 from coffer_src.errors import CofferError
 from coffer_src.names import ENV_KEY_RE, ENV_NAME_PATTERN, RESERVED_SERVER, SERVER_NAME_MAX, SERVER_NAME_RULE
-from coffer_src.secret_store import plan_literals, plan_url_literals, whole_reference, write_private_file
+from coffer_src.secret_store import (
+    ENV_REF_RE,
+    plan_argument_literals,
+    plan_literals,
+    plan_url_literals,
+    write_private_file,
+)
 from coffer_src.vault import utcnow
 
 CLIENTS = ("claude-desktop", "claude-code", "cursor", "vscode", "windsurf", "zed", "codex", "gemini")
@@ -95,6 +101,7 @@ class PlannedServer:
     overwrite: bool = False
     env: dict = dataclasses.field(default_factory=dict)        # with secrets replaced by ${NAME}
     headers: dict = dataclasses.field(default_factory=dict)
+    command: list | None = None                                # argv with secret-looking arguments as ${NAME}
     secrets: dict = dataclasses.field(default_factory=dict)    # NAME -> value (never printed)
 
 
@@ -392,31 +399,45 @@ def entry_to_server(client: str, name: str, raw, file: ClientFile, ctx: ClientCo
 SECRET_SET_HINT = "coffer secret set {name}"   # the command that stores one secret (issue 15's CLI)
 
 
-def _resolve_whole_reference(value: str, store) -> str:
-    """A value that is exactly one ${NAME} kept in the secret store, as the value it stands for."""
-    name = whole_reference(value)
-    if name is not None:
-        stored = store.get(name)
-        if stored is not None:
-            return stored
-    return value
+def _resolved(value: str, store) -> str:
+    """``value`` with each ${NAME} the secret store holds (and has no default) replaced by what it stands for:
+    a definition Coffer keeps and the client entry it came from then read alike, whichever of them holds the
+    literal and whichever the reference."""
+    if "${" not in value:
+        return value
+
+    def stored(match):
+        held = store.get(match.group(1)) if match.group(2) is None else None
+        return held if held is not None else match.group(0)
+
+    return ENV_REF_RE.sub(stored, value)
+
+
+def resolved_identity(identity: tuple, store) -> tuple:
+    """An identity (ImportedServer.identity) with the secret store's references resolved, for comparing."""
+    if identity[0] == "stdio":
+        return ("stdio", tuple(_resolved(a, store) for a in identity[1]),
+                tuple(sorted((k, _resolved(v, store)) for k, v in identity[2])))
+    return ("remote", _resolved(identity[1] or "", store))
 
 
 def coffer_identity(server: dict, store) -> tuple:
     """ImportedServer.identity() of a server already in the vault, its secret references resolved."""
     if server["transport"] == "stdio":
-        env = {k: _resolve_whole_reference(v, store) for k, v in (server.get("env") or {}).items()}
-        return ("stdio", tuple(server.get("command") or ()), tuple(sorted(env.items())))
-    return ("remote", server.get("url"))
+        identity = ("stdio", tuple(server.get("command") or ()), tuple(sorted((server.get("env") or {}).items())))
+    else:
+        identity = ("remote", server.get("url"))
+    return resolved_identity(identity, store)
 
 
 def same_definition(server: dict, imported: ImportedServer, store) -> bool:
-    if coffer_identity(server, store) != imported.identity():
+    if coffer_identity(server, store) != resolved_identity(imported.identity(), store):
         return False
     if imported.kind == "stdio":
         return (server.get("cwd") or None) == imported.cwd
-    headers = {k: _resolve_whole_reference(v, store) for k, v in (server.get("headers") or {}).items()}
-    return server["transport"] == imported.kind and headers == imported.headers
+    headers = {k: _resolved(v, store) for k, v in (server.get("headers") or {}).items()}
+    return server["transport"] == imported.kind and headers == {k: _resolved(v, store)
+                                                                 for k, v in imported.headers.items()}
 
 
 def legal_server_name(raw: str) -> tuple[str, str | None]:
@@ -438,22 +459,31 @@ def _numbered(name: str, n: int) -> str:
 
 
 def _move_secrets(planned: PlannedServer, store, planned_secrets: dict) -> None:
-    """Every literal env/header value (and a URL's credentials) goes to the secret store, by the same rule as
-    `coffer add` (plan_literals); the definition keeps a ${NAME} for it."""
+    """Every secret-looking env/header value and command argument (and a URL's credentials) goes to the secret
+    store, by the same rule as `coffer add` (plan_literals, plan_argument_literals); the definition keeps a
+    ${NAME} for it.  Paths, modes and other settings stay as they are."""
     server = planned.server
     planned.env, found_env = plan_literals(planned.name, server.env, store, planned=planned_secrets)
     planned.headers, found_headers = plan_literals(planned.name, server.headers, store, header=True,
                                                    planned=planned_secrets)
+    found_args: dict = {}
+    if server.command:
+        planned.command, found_args = plan_argument_literals(planned.name, server.command, store,
+                                                             planned=planned_secrets)
+    if found_args:
+        server.notes.append(f"{', '.join('${' + n + '}' for n in found_args)} came from its arguments, where other "
+                            "local users can read it while it runs (ps): prefer its environment if it takes one")
     found_url = {}
     if server.url:
         server.url, found_url = plan_url_literals(planned.name, server.url, store, planned=planned_secrets)
-    planned.secrets.update({**found_env, **found_headers, **found_url})
+    planned.secrets.update({**found_env, **found_headers, **found_args, **found_url})
 
 
 def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overwrite: bool = False) -> ImportPlan:
     plan = ImportPlan()
     existing = {s["name"].lower(): s for s in vault.servers()}
     existing_ids = {coffer_identity(s, store): s["name"] for s in existing.values()}
+    on_path: dict[str, bool] = {}
     seen: dict[tuple, str] = {}                  # identity -> "name from client (path)" in this run
     planned_names: set[str] = set()
     planned_secrets: dict[str, str] = {}
@@ -484,7 +514,7 @@ def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overw
                 skip(str(exc))
                 continue
             name, renamed_because = legal_server_name(raw_name)
-            identity = server.identity()
+            identity = resolved_identity(server.identity(), store)
             current = existing.get(name.lower())
             if current is not None and same_definition(current, server, store):
                 skip("already in Coffer with the same definition", name)
@@ -507,8 +537,15 @@ def plan_import(vault, store, files: list[ClientFile], ctx: ClientContext, overw
                     f"; {name!r} is taken by another server in this import"
                 name = _numbered(name, n)
                 current = None   # the new name is free in Coffer: an insert, never an overwrite
-            planned = PlannedServer(server, name, renamed_because, overwrite=current is not None)
+            planned = PlannedServer(server, name, renamed_because, overwrite=current is not None,
+                                    command=server.command)
             _move_secrets(planned, store, planned_secrets)
+            program = (server.command or [""])[0]
+            if program and not os.path.dirname(program):
+                found = on_path.setdefault(program, shutil.which(program) is not None)
+                if not found:  # as `coffer add` says it
+                    server.notes.append(f"{program!r} is not on PATH here; the server will fail to start until it "
+                                        "is installed")
             plan.added.append(planned)
             planned_names.add(name.lower())
             seen[identity] = f"{name!r} from {file.client} ({file.path})"
@@ -527,7 +564,7 @@ def apply_import(vault, store, plan: ImportPlan) -> None:
             detail = f"{server.kind} from {server.client} {server.path}"
             if planned.secrets:
                 detail += f"; secrets to the store: {', '.join(sorted(planned.secrets))}"
-            vault.put_server(db, planned.name, command=server.command, url=server.url, env=planned.env,
+            vault.put_server(db, planned.name, command=planned.command, url=server.url, env=planned.env,
                              headers=planned.headers, cwd=server.cwd, transport=server.kind,
                              replace=planned.overwrite, action="import-overwrite" if planned.overwrite else "import",
                              detail=detail)
@@ -559,16 +596,34 @@ def coffer_launch_command() -> list[str]:
     return [os.path.abspath(sys.executable), module, "serve"]  # not realpath: a venv's python is its own
 
 
-def coffer_entry(client: str, vault) -> dict:
+def coffer_entry(client: str, vault, project: bool = False) -> tuple[dict, list[str]]:
+    """Coffer's entry for a client's config, and what the user should know about it.
+
+    A user's own file gets an absolute command (desktop apps start servers with a minimal PATH) and, with a
+    non-default COFFER_HOME, that home.  A project's file is shared (teams commit it): it gets the portable
+    ``coffer serve`` and no per-user path or home -- unless no ``coffer`` is on PATH, when it gets this machine's
+    path and the note says why."""
+    notes = []
     argv = coffer_launch_command()
+    if project and shutil.which("coffer"):
+        argv = ["coffer", "serve"]
+        notes.append("a project file is shared, so the entry is the portable `coffer serve` (a client started "
+                     "from a desktop launcher may not find `coffer` on its PATH: then use the user-scope install)")
+    elif project:
+        notes.append(f"`coffer` is not on PATH here, so the project file holds this machine's path to it "
+                     f"({argv[0]}); install Coffer as a command (pipx install coffer-mcp) for an entry that works "
+                     "for everyone")
     entry: dict = {"command": argv[0], "args": argv[1:]}
-    if os.environ.get("COFFER_HOME"):   # a non-default vault: the client must start Coffer on the same one
+    if os.environ.get("COFFER_HOME") and project:
+        notes.append(f"COFFER_HOME ({vault.home}) is yours alone, so it is not written into a shared file: set it "
+                     "in the client's environment, or use the user-scope install")
+    elif os.environ.get("COFFER_HOME"):   # a non-default vault: the client must start Coffer on the same one
         entry["env"] = {"COFFER_HOME": vault.home}
     if client in ("claude-code", "vscode"):
         entry = {"type": "stdio", **entry}
     elif client == "zed":
         entry = {"source": "custom", **entry}
-    return entry
+    return entry, notes
 
 
 def install_target(client: str, ctx: ClientContext, project: bool) -> ClientFile:
@@ -601,19 +656,25 @@ def _write_private(path: str, data: str) -> None:
     write_private_file(path, data.encode("utf-8"))
 
 
-def write_config_file(path: str, text: str) -> str | None:
-    """Back up ``path`` next to itself, then replace it atomically (through a symlink, keeping its mode)."""
+def write_config_file(path: str, text: str, backups: str) -> str | None:
+    """Back up ``path`` (privately, into the directory ``backups`` under COFFER_HOME: never beside a file a team
+    commits), then replace it atomically (through a symlink, keeping its mode)."""
     target = os.path.realpath(path)
     backup = None
     mode = 0o600
     if os.path.exists(target):
         mode = stat.S_IMODE(os.stat(target).st_mode)
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        backup, n = f"{path}.coffer-backup-{stamp}", 1
+        digest = sha256(target.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        base = os.path.join(backups, f"{os.path.basename(path)}-{digest}.coffer-backup-{stamp}")
+        backup, n = base, 1
         while os.path.exists(backup):
             n += 1
-            backup = f"{path}.coffer-backup-{stamp}-{n}"
-        shutil.copy2(target, backup)
+            backup = f"{base}-{n}"
+        with open(target, "rb") as handle:
+            original = handle.read()
+        os.makedirs(backups, mode=0o700, exist_ok=True)
+        write_private_file(backup, original)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     write_private_file(target, text.encode("utf-8"), mode)
     return backup
@@ -631,6 +692,8 @@ class EditResult:
     restored: list = dataclasses.field(default_factory=list)     # servers uninstall put back
     kept_out: list = dataclasses.field(default_factory=list)     # (name, why) uninstall could not put back
     stash: str | None = None
+    renamed: list = dataclasses.field(default_factory=list)      # what a --replace moved: sentences for the user
+    notes: list = dataclasses.field(default_factory=list)        # what the user should know about the entry
 
 
 def _toml_block(name: str, entry: dict) -> str:
@@ -690,12 +753,47 @@ def registered_in_coffer(vault, store, file: ClientFile, servers: dict, ctx: Cli
         if name == COFFER_ENTRY:
             continue
         try:
-            identity = entry_to_server(file.client, name, raw, file, ctx).identity()
+            identity = resolved_identity(entry_to_server(file.client, name, raw, file, ctx).identity(), store)
         except ConfigProblem:
             continue
         if identity in identities:
             found[name] = identities[identity]
     return found
+
+
+def _local_scopes(client: str, file: ClientFile, ctx: ClientContext) -> list[ClientFile]:
+    """Claude Code's local scope for the current project (projects[<dir>].mcpServers in the user's own file): what
+    a user-scope install --replace and uninstall cover too, since that client runs those servers beside Coffer."""
+    if client != "claude-code" or file.scope != "user":
+        return []
+    return [f for f in client_files(client, ctx, project=True) if f.scope == "local" and f.path == file.path]
+
+
+def _moved_names(vault, removed: dict) -> list[str]:
+    """Sentences for the entries --replace takes out that Coffer serves under another name: the agent's tool names
+    change, and the old prefix may now reach a different server."""
+    names = {s["name"] for s in vault.servers()}
+    moved = []
+    for entry, served in sorted(removed.items()):
+        if entry == served:
+            continue
+        text = f"{entry} is served as {served}: its tools are now {served}__<tool>"
+        legal = legal_server_name(entry)[0]
+        if legal != served and legal in names:
+            text += f", and {legal}__<tool> now reaches another server ({legal}, imported from another client)"
+        moved.append(text)
+    return moved
+
+
+def _stash_removed(vault, file: ClientFile, document, servers: dict, names, client: str) -> str:
+    """Keep the entries --replace takes out (they may hold literal secrets) in a private file, never coffer.db."""
+    path = stash_path(vault, file)
+    stash = _read_stash(path)
+    for name in names:
+        stash["entries"][name] = {"toml": document.server_text(name)} if file.fmt == "toml" else servers[name]
+    stash.update(client=client, path=file.path, container=list(file.container), saved_at=utcnow())
+    _write_private(path, json.dumps(stash, indent=2, ensure_ascii=False))
+    return path
 
 
 def install_client(vault, store, client: str, ctx: ClientContext, project: bool = False, replace: bool = False,
@@ -704,31 +802,39 @@ def install_client(vault, store, client: str, ctx: ClientContext, project: bool 
     try:
         text = read_config_text(file.path)
         document, servers = load_client_file(file, text) if text is not None else (None, {})
+        local = []   # (ClientFile, its servers, {entry: Coffer name}) of the local scope --replace covers too
+        for scope in (_local_scopes(client, file, ctx) if replace and text is not None else []):
+            scope_servers = load_client_file(scope, text)[1]
+            found = registered_in_coffer(vault, store, scope, scope_servers, ctx)
+            if found:
+                local.append((scope, scope_servers, found))
     except ConfigProblem as exc:
         raise CofferError(f"{file.path}: {exc}; not rewritten") from None
-    entry = coffer_entry(client, vault)
+    entry, notes = coffer_entry(client, vault, project)
     current = servers.get(COFFER_ENTRY)
     put = {} if current == entry else {COFFER_ENTRY: entry}
     removed = registered_in_coffer(vault, store, file, servers, ctx) if replace else {}
-    result = EditResult(client, file.path, changed=bool(put or removed), removed=sorted(removed))
+    result = EditResult(client, file.path, changed=bool(put or removed or local), removed=sorted(removed),
+                        notes=notes if put else [])
+    for scope, _, found in local:
+        result.removed += [f"{name} (local scope of {scope.project_root})" for name in sorted(found)]
+    result.renamed = _moved_names(vault, {**removed, **{k: v for _, _, found in local for k, v in found.items()}})
     if not result.changed:
         return result
     try:
         result.text, _ = _edit_servers(file, text, put, list(removed))
+        for scope, _, found in local:
+            result.text, _ = _edit_servers(scope, result.text, {}, list(found))
     except ConfigProblem as exc:
         raise CofferError(f"{file.path}: {exc}; not rewritten") from None
     if dry_run:
         return result
     if removed:
-        # The removed entries may hold literal secrets: they go to a private file, never to coffer.db.
-        result.stash = stash_path(vault, file)
-        stash = _read_stash(result.stash)
-        for name in removed:
-            stash["entries"][name] = ({"toml": document.server_text(name)} if file.fmt == "toml"
-                                      else servers[name])
-        stash.update(client=client, path=file.path, container=list(file.container), saved_at=utcnow())
-        _write_private(result.stash, json.dumps(stash, indent=2, ensure_ascii=False))
-    result.backup = write_config_file(file.path, result.text)
+        result.stash = _stash_removed(vault, file, document, servers, removed, client)
+    for scope, scope_servers, found in local:
+        stashed = _stash_removed(vault, scope, document, scope_servers, found, client)
+        result.stash = result.stash or stashed
+    result.backup = write_config_file(file.path, result.text, os.path.join(vault.home, "backups"))
     return result
 
 
@@ -741,31 +847,49 @@ def uninstall_client(vault, store, client: str, ctx: ClientContext, project: boo
     except ConfigProblem as exc:
         raise CofferError(f"{file.path}: {exc}; not rewritten") from None
     result = EditResult(client, file.path, changed=False, stash=stash_path(vault, file))
-    stash = _read_stash(result.stash)
     drop = [COFFER_ENTRY] if COFFER_ENTRY in servers else []
-    put = {}
-    for name, entry in stash["entries"].items():
-        if name in servers:
-            result.kept_out.append((name, "an entry of that name is in the file again"))
-        elif isinstance(entry, dict):
-            put[name] = entry
-            result.restored.append(name)
-    result.changed = bool(drop or put)
+    scopes = [(file, servers, drop)]
+    try:
+        for scope in (_local_scopes(client, file, ctx) if text is not None else []):
+            if os.path.exists(stash_path(vault, scope)):
+                scopes.append((scope, load_client_file(scope, text)[1], []))
+    except ConfigProblem as exc:
+        raise CofferError(f"{file.path}: {exc}; not rewritten") from None
+    edits = []   # (scope, what to put back, stash, names restored)
+    for scope, scope_servers, scope_drop in scopes:
+        stash = _read_stash(stash_path(vault, scope))
+        put, restored = {}, []
+        for name, entry in stash["entries"].items():
+            if name in scope_servers:
+                result.kept_out.append((name, "an entry of that name is in the file again"))
+            elif isinstance(entry, dict):
+                put[name] = entry
+                restored.append(name)
+        result.restored += restored if scope is file else [f"{n} (local scope of {scope.project_root})"
+                                                            for n in restored]
+        edits.append((scope, put, scope_drop, stash, restored))
+    result.changed = any(put or scope_drop for _, put, scope_drop, _, _ in edits)
     if result.changed:
         try:
-            result.text, _ = _edit_servers(file, text, put, drop)
+            result.text = text
+            for scope, put, scope_drop, _, _ in edits:
+                if put or scope_drop:
+                    result.text, _ = _edit_servers(scope, result.text, put, scope_drop)
         except ConfigProblem as exc:
             raise CofferError(f"{file.path}: {exc}; not rewritten") from None
     if dry_run:
         return result
     if result.changed:
-        result.backup = write_config_file(file.path, result.text)
-    if os.path.exists(result.stash):
-        remaining = {name: entry for name, entry in stash["entries"].items()
-                     if name not in result.restored and name not in dict(result.kept_out)}
-        if remaining:
-            stash["entries"] = remaining
-            _write_private(result.stash, json.dumps(stash, indent=2, ensure_ascii=False))
-        else:
-            os.unlink(result.stash)
+        result.backup = write_config_file(file.path, result.text, os.path.join(vault.home, "backups"))
+    kept_out = dict(result.kept_out)
+    for scope, _, _, stash, restored in edits:
+        path = stash_path(vault, scope)
+        if os.path.exists(path):
+            remaining = {name: entry for name, entry in stash["entries"].items()
+                         if name not in restored and name not in kept_out}
+            if remaining:
+                stash["entries"] = remaining
+                _write_private(path, json.dumps(stash, indent=2, ensure_ascii=False))
+            else:
+                os.unlink(path)
     return result

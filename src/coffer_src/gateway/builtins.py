@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import dumps, tool_error_result
-from coffer_src.modern import META_CLIENT_CAPABILITIES, RequestClaims
+from coffer_src.modern import META_CLIENT_CAPABILITIES, RequestClaims, shape_handshake_tool
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, RESERVED_SERVER, SEARCH_TOOL, SEPARATOR
 from coffer_src.search.feedback import feedback_recorder
 from coffer_src.search.text import bounded_top_k
@@ -73,10 +74,11 @@ ASK_TOOL_DEFINITION = {
         "type": "object",
         "properties": {
             "passages": {"type": "array", "items": {"type": "object", "properties": {
-                "source": {"type": "string"}, "path": {"type": "string"}, "heading": {"type": "string"},
-                "lines": {"type": "array", "items": {"type": "integer"}}, "text": {"type": "string"},
-                "score": {"type": "number"}}}},
+                "source": {"type": "string"}, "path": {"type": "string"}, "file": {"type": "string"},
+                "heading": {"type": "string"}, "lines": {"type": "array", "items": {"type": "integer"}},
+                "text": {"type": "string"}, "score": {"type": "number"}}}},
             "total_searched": {"type": "integer"},
+            "ranker": {"type": "string"},
             "answer": {"type": "string"},
         },
         "required": ["passages", "total_searched"],
@@ -127,6 +129,23 @@ def client_family(client_name: str) -> str | None:
     return next((family for needle, family in CLIENT_FAMILIES if needle in name), None)
 
 
+def knowledge_tools_for(has_sources: bool, memory: bool) -> list[dict]:
+    """Coffer's knowledge tools a client is shown: coffer__ask once there is something to ask (a source, or memory
+    on), coffer__remember while memory is on."""
+    return ([ASK_TOOL_DEFINITION] if has_sources or memory else []) + ([REMEMBER_TOOL_DEFINITION] if memory else [])
+
+
+def tools_for_client(tools: list[dict], knowledge_tools: list[dict], mode: str, usage: dict[str, int]) -> list[dict]:
+    """What a client is shown, for an expose ``mode`` (expose_mode): Coffer's own tools first, then the catalogue,
+    within the budget.  The one rule for the gateway's tools/list and `coffer tools --client`."""
+    builtins = [SEARCH_TOOL_DEFINITION] + knowledge_tools
+    if mode == "search":
+        return builtins
+    if mode.startswith("budget:"):
+        tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, usage)
+    return builtins + tools
+
+
 def expose_mode(settings: dict, family: str | None) -> str:
     """all, search or budget:N for this client: its own expose.<family> setting, else the global one; auto means
     a budget of the client's known cap, else all."""
@@ -137,15 +156,25 @@ def expose_mode(settings: dict, family: str | None) -> str:
     return value
 
 
+def _caution(tool: dict) -> int:
+    """0 for a tool its annotations say only reads, 2 for one that may destroy, 1 otherwise: what a budget picks
+    first among tools used alike (a listed read-only tool is the safe way to show a server exists)."""
+    annotations = tool.get("annotations") if isinstance(tool.get("annotations"), dict) else {}
+    if annotations.get("readOnlyHint") is True:
+        return 0
+    return 2 if annotations.get("destructiveHint") is not False else 1
+
+
 def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dict]:
     """At most ``cap - 1`` tools (coffer__search_tools takes the last place), in catalogue order: first the most
     used tool of each server (so every server stays visible), then the most used of the rest over the last 90
-    days; ties go to catalogue order, so the same inputs always give the same list."""
+    days; among tools used alike, read-only ones (annotations) before the rest and destructive ones last, then
+    catalogue order, so the same inputs always give the same list."""
     room = cap - 1
     if len(tools) <= room:
         return tools
     order = {id(tool): i for i, tool in enumerate(tools)}
-    key = lambda tool: (-usage.get(tool["name"], 0), order[id(tool)])  # noqa: E731
+    key = lambda tool: (-usage.get(tool["name"], 0), _caution(tool), order[id(tool)])  # noqa: E731
     best_of_server: dict[str, dict] = {}
     for tool in sorted(tools, key=key):
         best_of_server.setdefault(tool["name"].partition(SEPARATOR)[0], tool)
@@ -179,14 +208,17 @@ class BuiltinTools:
             top_k = bounded_top_k(arguments.get("top_k"))
         except ValueError as exc:
             return fail(str(exc))
-        index = self.hub.catalogue.index
+        catalogue = self.hub.catalogue
+        index = catalogue.index
         if self.hub.semantic is not None:
             hits, ranker, note = self.hub.semantic.search(index, query, top_k)
         else:
             hits, ranker, note = index.search(query, top_k), "bm25", None
+        # Each tool exactly as tools/list shows it to this client (a handshake-era client gets an outputSchema that
+        # is not an object wrapped), plus its score.
+        handshake = self.session.client_era != "modern" and catalogue.handshake_tools is not catalogue.tools
         payload = {
-            "tools": [{"name": tool["name"], "description": tool.get("description") or "",
-                       "inputSchema": tool.get("inputSchema") or {"type": "object"}, "score": score}
+            "tools": [{**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
                       for tool, score in hits],
             "total_searched": len(index),
             "ranker": ranker,
@@ -321,7 +353,12 @@ class BuiltinTools:
             synthesis = self._sample_text(self._answer_prompt(question, hits), 600, claims.deadline)
         if wanted and synthesis is None and (claims.is_ask_round or "sampling" in self.session.client_capabilities):
             notes.append("no answer from the client's model; passages only")
-        payload = {"passages": [hit.to_dict() for hit in hits], "total_searched": answer.total_searched}
+        # Each passage with the absolute path of its file (an agent can open it), and which ranker answered, as
+        # coffer__search_tools says.
+        roots = {source.name: source.root for source in self.hub.knowledge.sources()}
+        payload = {"passages": [{**hit.to_dict(), "file": os.path.join(roots.get(hit.source, ""), *hit.path.split("/"))}
+                                for hit in hits],
+                   "total_searched": answer.total_searched, "ranker": answer.ranker}
         if synthesis:
             payload["answer"] = synthesis
         self._record(ASK_TOOL, started, "ok", "; ".join(notes) or None)

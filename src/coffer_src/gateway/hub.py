@@ -17,11 +17,7 @@ import time
 
 from coffer_src.catalogue import Catalogue
 from coffer_src.errors import CofferError
-from coffer_src.gateway.builtins import (
-    ASK_TOOL_DEFINITION,
-    CLIENT_SIDE_CAPABILITIES,
-    REMEMBER_TOOL_DEFINITION,
-)
+from coffer_src.gateway.builtins import CLIENT_SIDE_CAPABILITIES, knowledge_tools_for
 from coffer_src.gateway.sharing import DormantServer, PerClientServer, Sharing, return_freed_memory
 from coffer_src.invocations import InvocationLog
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
@@ -220,8 +216,7 @@ class Hub:
                 self.knowledge = None
         if self.knowledge is not None:
             self.knowledge.memory_enabled = memory
-        tools = ([ASK_TOOL_DEFINITION] if has_sources or memory else []) + ([REMEMBER_TOOL_DEFINITION] if memory
-                                                                            else [])
+        tools = knowledge_tools_for(has_sources, memory)
         changed = [t["name"] for t in tools] != [t["name"] for t in self.knowledge_tools]
         self.knowledge_tools = tools if self.knowledge is not None else []
         return changed
@@ -548,14 +543,16 @@ class Hub:
             self._trim_at = time.monotonic() + 1.0
 
     def discovering(self, kind: str | None = None) -> list[str]:
-        """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream
-        counts as started once its lists are in the catalogue (on_ready's rebuild), not when it turns ready:
-        the ticker may release a waiting call in between, and it must find the upstream's tools."""
+        """Upstreams still starting; with ``kind`` (a list waiting), only those with no remembered list of that kind
+        and that did not fail at their last start: a list never waits for a server that will most likely fail
+        again (its tools are announced with list_changed if it comes up).  An upstream counts as started once its
+        lists are in the catalogue (on_ready's rebuild), not when it turns ready: the ticker may release a
+        waiting call in between, and it must find the upstream's tools."""
         catalogued = self._catalogued
         return [up.name for up in self.upstreams.values()
                 if up.state not in ("failed", "stopped")
                 and (not up.ready_at or catalogued.get(up.name) != up.ready_at)
-                and not (kind and kind in up.remembered)]
+                and not (kind and (kind in up.remembered or up.config.get("status") == "failed"))]
 
     def report_missing(self, missing: list[str]) -> None:
         """Say once per process which servers are still starting when a list stops waiting for them."""

@@ -25,7 +25,8 @@ from coffer_src.jsonrpc import (
 from coffer_src.modern import INPUT_REQUIRED_METHODS
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL, SEPARATOR
 from coffer_src.search.feedback import feedback_recorder
-from coffer_src.upstream.supervisor import Ticket, Upstream
+from coffer_src.settings import redacts_output
+from coffer_src.upstream.supervisor import Ticket, Upstream, failure_fix
 
 
 def require_str(params: dict, key: str) -> str:
@@ -76,6 +77,13 @@ class CallRouter:
                 lambda: session.tools.remember(arguments or {}, started))
             self.hub.workers.submit(session.answer, msg_id, "tools/call", work)
             return None
+        if name in (ASK_TOOL, REMEMBER_TOOL):  # Coffer's own tool, turned off: say how to turn it on
+            self.record("coffer", name, "tool", started, "error", "turned off")
+            return tool_error_result(
+                f"{name} is off: memory is off in Coffer; the user can turn it on with `coffer config memory on`"
+                if name == REMEMBER_TOOL else
+                f"{name} has nothing to search yet: the user can add a folder of notes with `coffer knowledge add "
+                "PATH`, or turn memory on with `coffer config memory on`")
         return self._route_named(msg_id, params, name, "tool", "tools/call", started)
 
     def prompts_get(self, msg_id, params):
@@ -212,6 +220,14 @@ class CallRouter:
             self.record(server, name, kind, started, "timeout", "server still starting")
             raise RpcError(REQUEST_TIMEOUT, f"upstream '{server}' was not ready within {waited:.0f}s; {name} "
                                             f"is answered once it has started")
+        upstream = self.session.upstream_named(server)
+        if upstream is not None and upstream.state == "failed":
+            # A tool the client was shown, of a server that failed: say why and what fixes it, as `coffer list`
+            # does; "unknown tool, search for it" would send the agent looking for something that is not there.
+            detail = upstream.last_error or "no reason given"
+            self.record(server, name, kind, started, "error", "server failed")
+            raise RpcError(INVALID_PARAMS, f"{kind} {name} is unavailable: its server {server!r} failed to start "
+                                           f"({detail[:500]}); the user can fix it: {failure_fix(server, detail)}")
         if server in self.hub.disabled_servers:
             self.record(server, name, kind, started, "denied", "server is disabled")
             raise RpcError(INVALID_PARAMS, f"{kind} {name!r} belongs to server {server!r}, which is disabled in Coffer "
@@ -278,6 +294,7 @@ class CallRouter:
         queued before the client sees it, so the log's order is the order of causes), shaped for the client's era;
         an input_required answer from a 2026-07-28 upstream is bridged instead."""
         session, upstream, method = self.session, call.upstream, call.method
+        verbatim = not redacts_output(self.hub.settings, upstream.name)
         response = reply.response
         if response is None:
             if call.kind:
@@ -304,9 +321,9 @@ class CallRouter:
                 self.record(upstream.name, call.capability, call.kind, call.started, "ok")
         if result is None:
             response["id"] = msg_id  # a fresh, normalized reply (see normalized_reply): Coffer's to change
-            session.send(response)
+            session.send(response, verbatim)
         else:
-            session.respond(msg_id, method, result, call.capability in self.hub.catalogue.wrapped_outputs)
+            session.respond(msg_id, method, result, call.capability in self.hub.catalogue.wrapped_outputs, verbatim)
 
     def fail(self, call: ForwardedCall, msg_id, text: str) -> None:
         """Answer ``msg_id`` for ``call`` with Coffer's own failure (the upstream never answered usefully)."""

@@ -20,15 +20,15 @@ from coffer_src.gateway.bridge import EraBridge
 from coffer_src.gateway.builtins import (
     CLIENT_SIDE_CAPABILITIES,
     INSTRUCTIONS,
-    SEARCH_TOOL_DEFINITION,
     BuiltinTools,
-    budget_tools,
     client_family,
     expose_mode,
+    tools_for_client,
 )
 from coffer_src.gateway.calls import OwnRequest, RelayedRequest, Waiting
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.instances import SessionInstances
+from coffer_src.gateway.pages import check_cursor, page_of
 from coffer_src.gateway.routing import CallRouter
 from coffer_src.jsonrpc import (
     INTERNAL_ERROR,
@@ -48,6 +48,7 @@ from coffer_src.jsonrpc import (
     negotiate_version,
     read_line_bursts,
     request_id_in,
+    request_ids_in_unreadable,
     rpc_error,
     rpc_result,
     valid_request_id,
@@ -67,6 +68,8 @@ from coffer_src.modern import (
     shape_modern_result,
 )
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL
+from coffer_src.settings import redacts_output
+from coffer_src.terminal import redact
 from coffer_src.threads import start_thread
 from coffer_src.upstream.definitions import SERVER_REQUEST_NEEDS, normalized_reply
 from coffer_src.upstream.supervisor import Upstream
@@ -198,10 +201,14 @@ class ClientSession:
         return f"{prefix}{next(self._ids)}"
 
     # -- the client stream ---------------------------------------------------------------------------------
-    def send(self, message: dict) -> None:
-        """Queue one message for the client, in its era's error shape."""
+    def send(self, message: dict, verbatim: bool = False) -> None:
+        """Queue one message for the client, in its era's error shape, with every known secret value redacted --
+        unless ``verbatim``: it comes from a server whose output the user chose to pass unredacted (redact.<server>
+        off: a password manager's job is to return secrets)."""
         if self.client_era == "modern" and "error" in message:
             message = modern_error(message)
+        if not verbatim:
+            message = redact.scrub(message)
         self.stream.send(message)
 
     def _lost_client(self) -> None:
@@ -250,7 +257,9 @@ class ClientSession:
         try:
             message = decode_json(line)
         except ValueError as exc:
-            self.send(rpc_error(None, PARSE_ERROR, f"Parse error: {exc}"[:200]))
+            # Each request inside gets its answer under its own id (a client waits for that id, never for null).
+            for msg_id in request_ids_in_unreadable(line) or [None]:
+                self.send(rpc_error(msg_id, PARSE_ERROR, f"Parse error: {exc}"[:200]))
             return
         if isinstance(message, list):  # JSON-RPC batches (dropped by MCP 2025-06-18): answer each element
             if not message:
@@ -325,7 +334,7 @@ class ClientSession:
         if result is not None:
             self.respond(msg_id, method, result)
 
-    def respond(self, msg_id, method: str, result: dict, wrapped: bool = False) -> None:
+    def respond(self, msg_id, method: str, result: dict, wrapped: bool = False, verbatim: bool = False) -> None:
         """Send a result in the client's era: a 2026-07-28 client gets resultType, Coffer's serverInfo and cache
         hints; a handshake-era client never sees 2026 fields, and gets non-object structuredContent wrapped (a
         2025 client rejects anything else), as it got the tool's outputSchema wrapped (``wrapped``)."""
@@ -342,7 +351,7 @@ class ClientSession:
             except ValueError as exc:
                 self.send(rpc_error(msg_id, INTERNAL_ERROR, f"the upstream's answer cannot be bridged: {exc}"))
                 return
-        self.send(rpc_result(msg_id, result))
+        self.send(rpc_result(msg_id, result), verbatim)
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def _initialize(self, msg_id, params):
@@ -365,6 +374,7 @@ class ClientSession:
         self.client_capabilities = capabilities
         self.client_info = client_info
         self.client_name = str(client_info.get("name") or "unknown")[:64]
+        self.hub.vault.secrets.values()  # every stored value is known to the redactor before anything is sent
         self.discovery_deadline = time.monotonic() + float(self.hub.settings["discovery_timeout"])
         self.hub.begin(self)
         self.initialized = True
@@ -401,10 +411,15 @@ class ClientSession:
         """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
         instructions = INSTRUCTIONS
         knowledge_tools = self.hub.knowledge_tools
-        unlisted = len(self.hub.catalogue.tools) + 1 + len(knowledge_tools) - len(self.listed_tools())
+        listed = len(self.listed_tools())
+        unlisted = len(self.hub.catalogue.tools) + 1 + len(knowledge_tools) - listed
         if unlisted > 0:
             instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
                              f"by name and {SEARCH_TOOL} finds them.")
+        later = listed - int(self.hub.settings["list_page_size"])
+        if later > 0:
+            instructions += (f" tools/list has more than one page: {later} tools follow its first page (nextCursor);"
+                             f" every one is callable by name and {SEARCH_TOOL} finds them.")
         if knowledge_tools:
             instructions += (f" {ASK_TOOL} searches the user's own notes and docs"
                              + (f", and {REMEMBER_TOOL} keeps a fact for every agent" if len(knowledge_tools) > 1
@@ -515,28 +530,29 @@ class ClientSession:
         """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
         catalogue = self.hub.catalogue
         tools = catalogue.tools if self.client_era == "modern" else catalogue.handshake_tools
-        builtins = [SEARCH_TOOL_DEFINITION] + self.hub.knowledge_tools
-        mode = expose_mode(self.hub.settings, client_family(self.client_name))
-        if mode == "search":
-            return builtins
-        if mode.startswith("budget:"):
-            tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, self.hub.usage)
-        return builtins + tools
+        return tools_for_client(tools, self.hub.knowledge_tools,
+                                expose_mode(self.hub.settings, client_family(self.client_name)), self.hub.usage)
+
+    def _paged(self, msg_id, params, key: str, items, method: str, kind: str | None = None):
+        """A list request: answered (after discovery) with the page its cursor points at (gateway/pages.py)."""
+        position = check_cursor(key, params.get("cursor"))  # a bad cursor is refused at once, not after a wait
+        return self.after_discovery(msg_id, lambda: page_of(key, items(), position,
+                                                            int(self.hub.settings["list_page_size"])),
+                                    kind=kind, method=method)
 
     def _tools_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"tools": self.listed_tools()}, kind="tool", method="tools/list")
+        return self._paged(msg_id, params, "tools", self.listed_tools, "tools/list", "tool")
 
     def _prompts_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"prompts": self.hub.catalogue.prompts}, kind="prompt",
-                                    method="prompts/list")
+        return self._paged(msg_id, params, "prompts", lambda: self.hub.catalogue.prompts, "prompts/list", "prompt")
 
     def _resources_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"resources": self.hub.catalogue.resources},
-                                    method="resources/list")
+        return self._paged(msg_id, params, "resources", lambda: self.hub.catalogue.resources, "resources/list",
+                           "resource")
 
     def _templates_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"resourceTemplates": self.hub.catalogue.templates},
-                                    method="resources/templates/list")
+        return self._paged(msg_id, params, "resourceTemplates", lambda: self.hub.catalogue.templates,
+                           "resources/templates/list", "template")
 
     # -- the client's logging level --------------------------------------------------------------------------
     def _set_level(self, msg_id, params):
@@ -628,7 +644,8 @@ class ClientSession:
         elif method == "notifications/elicitation/complete" and ("elicitation" not in self.client_capabilities
                                                                  or self.client_era == "modern"):
             return
-        self.send({"jsonrpc": "2.0", "method": method, "params": params})
+        self.send({"jsonrpc": "2.0", "method": method, "params": params},
+                  not redacts_output(self.hub.settings, upstream.name))
 
     def upstream_request(self, upstream: Upstream, message: dict) -> None:
         """A server->client request (sampling, elicitation, roots): relay it under an id of Coffer's own to a
@@ -654,7 +671,7 @@ class ClientSession:
         relayed = {"jsonrpc": "2.0", "id": ours, "method": message["method"]}
         if isinstance(params, dict):
             relayed["params"] = params
-        self.send(relayed)
+        self.send(relayed, not redacts_output(self.hub.settings, upstream.name))
 
     # -- what the client sends that is not a request ----------------------------------------------------------
     def request_client_async(self, method: str, params: dict, callback=None) -> tuple[str, OwnRequest]:

@@ -46,8 +46,15 @@ from coffer_src.knowledge.documents import (
     split_passages,
     walk_source,
 )
-from coffer_src.knowledge.ranking import KnowledgeAnswer, KnowledgeHit, PassageRanker, PassageVectors, fts5_available
-from coffer_src.search.semantic import Embedder
+from coffer_src.knowledge.ranking import (
+    KnowledgeAnswer,
+    KnowledgeHit,
+    PassageRanker,
+    PassageVectors,
+    fts5_available,
+    passage_embedding_text,
+)
+from coffer_src.search.semantic import Embedder, text_hash
 from coffer_src.search.text import knowledge_terms
 from coffer_src.terminal import redact
 from coffer_src.vault import KNOWLEDGE_FTS_SCHEMA, KNOWLEDGE_SCHEMA, Vault, _Transaction, utcnow
@@ -109,7 +116,7 @@ class KnowledgeBase:
 
     def __init__(self, db_path: str, home: str, *, embedder: Embedder | None = None, engine: str = "auto",
                  query_timeout: float = 1.0, build_timeout: float = 120.0,
-                 limits: KnowledgeLimits = KnowledgeLimits()):
+                 limits: KnowledgeLimits = KnowledgeLimits(), background_embedding: bool = True):
         if engine not in ("auto", "fts5", "bm25f"):
             raise CofferError(f"knowledge engine must be auto, fts5 or bm25f, not {engine!r}")
         if engine == "fts5" and not fts5_available():
@@ -133,8 +140,8 @@ class KnowledgeBase:
         # sets this from 'coffer config memory'); an explicit sources=['memory'] always reaches them.
         self.memory_enabled = True
         # Last: the vectors' worker thread starts embedding at once.
-        self._vectors = PassageVectors(embedder, db_path, self._reader, query_timeout, build_timeout) \
-            if embedder is not None else None
+        self._vectors = PassageVectors(embedder, db_path, self._reader, query_timeout, build_timeout,
+                                       background_embedding) if embedder is not None else None
         self._ranking = PassageRanker(self.engine, self._reader, self._vectors)
 
     # -- connections ---------------------------------------------------------------------------------------
@@ -465,12 +472,29 @@ class KnowledgeBase:
             raise CofferError(f"unknown knowledge source {unknown[0]!r}; known: {', '.join(sorted(known)) or 'none'}")
         return frozenset(sources)
 
-    def ensure_vectors(self) -> None:
-        """Embed what is missing now, on this thread (the background thread does the same on its own); raises
-        EmbedderError.  For callers that want hybrid answers at once: evals, tests, ``coffer knowledge reindex``."""
+    def ensure_vectors(self, progress=None) -> None:
+        """Embed what is missing now, on this thread (the background thread does the same on its own;
+        ``progress(done, total)`` after each chunk); raises EmbedderError.  For callers that want hybrid answers at
+        once: `coffer knowledge add` and `reindex`, evals, tests."""
         if self._vectors is None:
             raise CofferError("no embedder is configured")
-        self._vectors.ensure()
+        self._vectors.ensure(progress)
+
+    def vector_counts(self) -> dict[str, int]:
+        """source -> how many of its passages have a vector of the configured embedder ({} without one)."""
+        if self._vectors is None:
+            return {}
+        db = self._reader()
+        try:
+            cached = {row[0] for row in db.execute("SELECT text_hash FROM embeddings WHERE model=?",
+                                                   (self._vectors.embedder.cache_key,))}
+        except sqlite3.Error:
+            return {}
+        counts: collections.Counter = collections.Counter()
+        for row in db.execute("SELECT source, heading, text FROM knowledge_passages"):
+            if text_hash(passage_embedding_text(row["heading"], row["text"])) in cached:
+                counts[row["source"]] += 1
+        return dict(counts)
 
     # -- memory --------------------------------------------------------------------------------------------
     def _ensure_memory_source(self) -> None:

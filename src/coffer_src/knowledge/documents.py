@@ -502,7 +502,15 @@ def read_document(absolute: str, limits: KnowledgeLimits) -> tuple[str | None, s
         return None, digest, "too large"
     if b"\x00" in data[:8192]:
         return None, digest, "binary"
-    text = data.decode("utf-8", errors="replace")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        # Not UTF-8: an older editor's Windows-1252 or Latin-1 (which decodes any byte), rather than a file full of
+        # replacement characters that no question can match.
+        try:
+            text = data.decode("cp1252")
+        except UnicodeDecodeError:
+            text = data.decode("latin-1")
     if text.startswith("\ufeff"):
         text = text[1:]
     return text, digest, ""

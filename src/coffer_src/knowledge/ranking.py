@@ -320,7 +320,8 @@ class PassageVectors:
 
     EMBED_CHUNK = 256          # passages embedded (and saved) per embedder call
 
-    def __init__(self, embedder: Embedder, db_path: str, reader, query_timeout: float, build_timeout: float):
+    def __init__(self, embedder: Embedder, db_path: str, reader, query_timeout: float, build_timeout: float,
+                 background: bool = True):
         self.embedder, self.db_path, self._reader = embedder, db_path, reader
         self.query_timeout, self.build_timeout = query_timeout, build_timeout
         self._vectors: dict[str, array.array] = {}   # text hash -> vector, of current passages; under _embed_lock
@@ -335,19 +336,23 @@ class PassageVectors:
         self._worker = EmbeddingWorker("coffer-knowledge-embedder", self._embed_missing,
                                        "knowledge: passage vectors unavailable (%s); answering lexically until "
                                        "they are", knowledge_ranking_log)
-        self._worker.wake()
+        self._background = background   # False: only ``ensure`` embeds (a CLI command, in the foreground)
+        if background:
+            self._worker.wake()
 
     def wake(self) -> None:
         """Passages changed: embed the new ones on the worker's thread."""
-        self._worker.wake()
+        if self._background:
+            self._worker.wake()
 
     def close(self, timeout: float = 1.0) -> bool:
         """End the worker's thread (see EmbeddingWorker.close); True when it has ended."""
         return self._worker.close(timeout)
 
-    def ensure(self) -> None:
-        """Embed what is missing now, on this thread; raises EmbedderError."""
-        self._embed_missing()
+    def ensure(self, progress=None) -> None:
+        """Embed what is missing now, on this thread (``progress(done, total)`` after each chunk); raises
+        EmbedderError."""
+        self._embed_missing(progress)
 
     def hybrid(self, question, lexical, top_k, wanted, engine):
         """(ranked, ranker, note): the lexical ranking fused with the semantic one, or the lexical alone with a
@@ -374,12 +379,12 @@ class PassageVectors:
         semantic = semantic[:KNOWLEDGE_CANDIDATES]
         return fuse(lexical, semantic, top_k, KNOWLEDGE_HYBRID_ALPHA, full_spread=0), engine + "+hybrid", None
 
-    def _embed_missing(self) -> None:
+    def _embed_missing(self, progress=None) -> None:
         """Embed passages without a cached vector (saving them), then index every passage that has one."""
         with self._embed_lock:
-            self._embed_missing_locked()
+            self._embed_missing_locked(progress or (lambda done, total: None))
 
-    def _embed_missing_locked(self) -> None:
+    def _embed_missing_locked(self, progress) -> None:
         db = Vault._connect(self.db_path)
         db.executescript(EMBEDDING_SCHEMA)
         try:
@@ -415,6 +420,7 @@ class PassageVectors:
                     db.executemany("INSERT OR REPLACE INTO embeddings(model, text_hash, dim, vector, created_at)"
                                    " VALUES (?,?,?,?,?)",
                                    [(key, h, len(v), v.tobytes(), utcnow()) for h, v in new.items()])
+                progress(min(start + self.EMBED_CHUNK, len(pending)), len(pending))
         finally:
             db.close()
         ids = [doc for doc in hashes if hashes[doc] in self._vectors]

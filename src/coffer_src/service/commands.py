@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from coffer_src import __version__
-from coffer_src.errors import CofferError
+from coffer_src.errors import CofferError, CofferException
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, decode_json, encode_line, rpc_error
@@ -165,6 +165,14 @@ def open_service_session(home: str) -> ServiceSession | None:
         return None
     session.conn.sendall(encode_line({"jsonrpc": "2.0", "method": "notifications/initialized"}))
     return session
+
+
+def flush_service_log(home: str) -> None:
+    """Have a running service write the invocations it has queued, so a `coffer log` right after a call shows it."""
+    try:
+        control(home, {"op": "flush_log"}, timeout=5)
+    except (OSError, CofferException) as exc:  # no answer: the log as it is on disk
+        commands_log.debug("the service did not flush its log: %r", exc)
 
 
 def service_tools(home: str) -> dict | None:
@@ -371,11 +379,11 @@ def add_service_commands(command, extend_service: Callable | None = None) -> Non
                    help="also serve Streamable HTTP at http://HOST:PORT/mcp for clients with a token (coffer token "
                         "add NAME); loopback unless you name another address; the service_http setting makes it "
                         "permanent")
+    p.set_defaults(extend_service=extend_service)
     p = command("token", cmd_token, "bearer tokens of HTTP clients: add NAME (shown once), list, rm NAME")
     p.add_argument("action", choices=("add", "list", "rm"))
     p.add_argument("name", nargs="?")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(extend_service=extend_service)
     p = command("open", cmd_open, "see and steer Coffer in your browser: servers, catalogue, changed definitions, "
                                   "activity, search, knowledge, sessions (starts the service if none runs)")
     p.add_argument("--no-browser", action="store_true",

@@ -19,7 +19,14 @@ import threading
 import time
 from typing import Callable
 
-from coffer_src.jsonrpc import INTERNAL_ERROR, encode_line, request_id_in, rpc_error, valid_request_id
+from coffer_src.jsonrpc import (
+    INTERNAL_ERROR,
+    encode_line,
+    request_id_in,
+    request_ids_in_unreadable,
+    rpc_error,
+    valid_request_id,
+)
 from coffer_src.service.channel import ChannelError, StartLock, connect, control
 
 relay_log = logging.getLogger(__name__)
@@ -198,8 +205,11 @@ class Relay:
             return  # an answer to a request of the service's: nothing to keep
         try:
             message = json.loads(line)
-        except ValueError:
-            return  # the service answers it with a parse error
+        except ValueError:  # the service answers it with a parse error, under each request's own id
+            if self.current is not None:
+                for msg_id in request_ids_in_unreadable(line):
+                    self.current.pending[_id_key(msg_id)] = msg_id
+            return
         for item in message if isinstance(message, list) else [message]:
             if not isinstance(item, dict):
                 continue

@@ -118,8 +118,9 @@ class SocketOutput:
                     self.wake.wait()
                 if self.closed and not self.queue:
                     return
-                data = self.queue.popleft()
-                self.queued -= len(data)
+                # The chunk stays at the head of the queue until it is sent, so that a write() meanwhile queues
+                # behind it instead of sending its bytes into the middle of this one.
+                data = self.queue[0]
             try:
                 self.conn.sendall(data)
             except OSError:
@@ -128,6 +129,9 @@ class SocketOutput:
                     self.queue.clear()
                     self.queued = 0
                 return
+            with self.lock:
+                self.queue.popleft()
+                self.queued -= len(data)
 
     def close(self) -> None:
         with self.lock:
@@ -353,6 +357,9 @@ class Service:
             return {"ok": True}
         if op == "handover":
             self.handover()
+            return {"ok": True}
+        if op == "flush_log":  # `coffer log` right after a call sees that call
+            self.hub.log.flush(3.0)
             return {"ok": True}
         if op == "http":
             return self._control_http(request.get("address"))

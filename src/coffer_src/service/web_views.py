@@ -25,7 +25,7 @@ import threading
 import time
 
 from coffer_src import __version__
-from coffer_src.clients.doctor import _command_text, _shown, server_report
+from coffer_src.clients.doctor import _command_text, server_report, shown_value
 from coffer_src.errors import CofferError, NotListedYet, VaultError
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.ranking import passage_embedding_text
@@ -317,8 +317,8 @@ class WebViews:
                 "last_call": last_calls.get(name),
                 "status_at": config.get("status_at"), "error": error, "problems": problems,
                 "stderr": list(getattr(upstream, "stderr_tail", ()))[-5:] if state in ("failed", "backoff") else [],
-                "env": {k: _shown(v) for k, v in (config.get("env") or {}).items()},
-                "headers": {k: _shown(v) for k, v in (config.get("headers") or {}).items()},
+                "env": {k: shown_value(k, v) for k, v in (config.get("env") or {}).items()},
+                "headers": {k: shown_value(k, v) for k, v in (config.get("headers") or {}).items()},
                 "secrets": sorted({ref for ref, _ in references(config)}),
                 "secrets_missing": sorted({ref for ref, has_default in references(config)
                                            if not has_default and ref not in stored and ref not in os.environ}),

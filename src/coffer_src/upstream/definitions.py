@@ -7,6 +7,7 @@ from coffer_src.jsonrpc import UPSTREAM_ERROR, dumps, rpc_error
 from coffer_src.terminal import printable
 from coffer_src.transport.http import valid_header_name
 from coffer_src.vault import storable
+from coffer_src.vault_rows import definition_without_controls
 
 # -- what an upstream may say, checked at the boundary -------------------------------------------------------
 # An upstream is code nobody here wrote.  Its definitions are validated before they reach the catalogue (one bad
@@ -74,7 +75,8 @@ def check_definition(kind: str, item) -> dict:
     """A tool, prompt, resource or template an upstream listed, repaired where that is safe, else Rejected.
 
     Repaired: a missing inputSchema (an object schema), a schema without "type", optional fields of the wrong type
-    (dropped), over-long descriptions (cut), lone surrogates in text (replaced).  Rejected: no usable identifier,
+    (dropped), over-long descriptions (cut), lone surrogates in text (replaced), control characters in names, titles
+    and descriptions (removed; an identifier holding one is rejected).  Rejected: no usable identifier,
     an inputSchema that is not an object schema, a definition over 1 MiB or nested over 64 levels.
     """
     if not isinstance(item, dict):
@@ -140,7 +142,7 @@ def check_definition(kind: str, item) -> dict:
         if "size" in item and not (isinstance(item["size"], int) and not isinstance(item["size"], bool)
                                    and item["size"] >= 0):
             del item["size"]
-    return item
+    return definition_without_controls(kind, item)
 
 
 def normalized_reply(message: dict) -> dict:

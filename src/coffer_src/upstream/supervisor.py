@@ -128,6 +128,19 @@ class UpstreamEvents(Protocol):
         or later, with ``upstream.respond``."""
 
 
+def failure_fix(name: str, detail: str | None) -> str:
+    """The command that fixes a server's failed start, from what the failure says (`coffer list`, a call's error)."""
+    detail = detail or ""
+    if "coffer auth" in detail:
+        return f"coffer auth {name}"
+    if "coffer secret set" in detail:
+        return "coffer secret set " + detail.rpartition("coffer secret set ")[2].split(")")[0].split()[0]
+    if "not found on PATH" in detail or "No such file" in detail:
+        return (f"install it, or register it with its absolute path: coffer add {name} --replace -- "
+                "/absolute/path/to/the/command ...")
+    return f"coffer doctor (it starts {name} and says why it fails); a new session starts it again"
+
+
 class Upstream:
     """One registered server: its connection and restarts (here), its requests (``requests``, a RequestTable)
     and its lists (``listing``, an UpstreamLists).  What it has to say goes to ``events`` (UpstreamEvents).
@@ -269,9 +282,11 @@ class Upstream:
             argv = [expand(arg) for arg in cfg["command"]]
             transport = StdioTransport(self.name, argv, env, cfg.get("cwd"), on_message, on_close,
                                        self._on_stderr, self._on_unusable, limit)
-        for name in sorted(set(missing)):
-            self.log.warning("${%s} is set neither in Coffer's environment nor in its secret store; using an empty "
-                             "value (coffer secret set %s)", name, name)
+        if missing:  # starting it with an empty token fails the same way five times over: say what to set, once
+            names = sorted(set(missing))
+            raise UpstreamFailure(f"{', '.join('${' + n + '}' for n in names)} is set neither in Coffer's environment "
+                                  f"nor in its secret store: set {' and '.join(names)} "
+                                  f"(coffer secret set {names[0]})", permanent=True)
         return transport
 
     def _start(self) -> None:
