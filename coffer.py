@@ -10,6 +10,74 @@ Register your MCP servers once; every agent (Claude Code, Codex, Cursor, Claude 
 One module, standard library only.  It is generated from the package src/coffer_src/ by tools/amalgamate.py;
 the modules below are in layer order: each uses only the standard library and the modules above it.
 
+Concurrency
+-----------
+Threads (all daemons), named as they show in a traceback, by who starts them:
+- the main thread: `coffer serve --standalone` reads its client (ClientSession.serve); the service runs its accept
+  loop (Service.run); the relay (`coffer serve` beside a service) its select loop; a CLI command its own work.
+- the hub: coffer-ticker (Hub.start: request timeouts, waiting requests, idle stops, vault reloads), coffer-work-1..4
+  (Hub.workers: requests that waited for discovery, searches off the reader, coffer__ask), coffer-log
+  (InvocationLog: owns its connection), coffer-client-gone (ClientSession: a standalone shutdown).
+- an upstream: coffer-<name>-start per start attempt (Upstream.start; discovery writes era, capabilities and
+  server_info before the move to ready), a threading.Timer per restart (Upstream) and listen reopening
+  (UpstreamLists), coffer-<name>-refresh (list passes), -close, -stop (hub, sharing, instances), -retire (Sharing);
+  an EraBridge Timer retries a load-shed call.  Stdio (StdioTransport.start): -out (stdout: replies and events),
+  -err, -wait (exit), -in (stdin writer).  Streamable HTTP (HttpTransport): -http-1..64 (a POST and its reply
+  each), -notify-1 (notifications in order), -sse (the server's stream).  HTTP+SSE (SseTransport.start): -sse
+  (the stream), -post (POSTs in order).
+- search and knowledge: coffer-embedder and coffer-knowledge-embedder (EmbeddingWorker, made by SemanticRanker and
+  PassageVectors: each owns its vector cache), coffer-knowledge-watcher (KnowledgeBase.start_watcher: reindexes).
+- the service: coffer-connection per channel connection (Service.run: a session's reader, or one control request)
+  and coffer-out-<pid> (SocketOutput: that session's writer); coffer-http-accept, coffer-http-housekeeping and
+  coffer-http per connection, coffer-http-busy (HttpEndpoint); coffer-web and a thread per page request
+  (WebServer.login_link, ThreadingHTTPServer).
+- the CLI: coffer-oauth-callback and coffer-oauth-paste (a login), coffer-doctor-<name>, the threads of the
+  upstreams a ServerProbe or GatewayClient starts; the relay's coffer-relay-client (Windows only).
+Ownership: the hub's shared maps (upstreams, per_client, dormant, sessions, states, catalogue, _catalogued,
+_progress) are replaced whole under their lock and read without one, from any thread; a session's records are its
+lock's, an upstream's its lock's; the rest belongs to the lock named below or to the one thread that writes it.
+
+Locks ("->": may be taken while holding it; a leaf takes no other lock of Coffer's; none is taken in reverse):
+- terminal, threads: Redactor._lock: the secret values, written by add() (redact() reads them without it); a leaf.
+  WorkerPool._lock: its counters; a leaf (the job queue is a SimpleQueue).
+- secret store, vault, oauth: SecretStore._lock: the parsed file's cache; a leaf (file I/O outside it).  A Vault
+  has no lock: its owner guards its connection (Hub.vault_lock, ServerProbe.vault_lock, WebViews.lock, the CLI's
+  one thread).  OAuthCredentials._lock: read, refresh and write back one saved login, held across the token
+  request on purpose -> SecretStore._lock, Redactor._lock.  LoopbackReceiver._lock: the first answer; a leaf.
+- transports: StdioTransport._send_lock (what goes to stdin, in order; a write under it never blocks) and
+  _close_lock (close and on_close once): leaves.  HttpTransport._lock (open/closed, open streams, the last
+  notification) -> its pools' WorkerPool._lock.  SseTransport._lock (open/closed, send against close): a leaf.
+- upstream: Upstream.lock (an RLock: request starts an idle server): state, transport, the request table, Tickets,
+  the lists' bookkeeping; a leaf, never held while calling out.  TokenBucket._lock: a leaf.
+- search: CollectorPause._lock (a class attribute): the collector's pause depth; a leaf.  SemanticRanker.lock: the
+  tools to embed and the published index; a leaf, no embedder request or database access under it.
+  FeedbackRecorder._lock: its connection and each session's last search; a leaf (a write waits BUSY_TIMEOUT_MS
+  at most).  _RECORDERS_LOCK: one recorder per coffer.db; a leaf.
+- catalogue: Catalogue._index_lock: the first search builds the index, once, holding it -> CollectorPause._lock;
+  taken with no other lock held.  The profiles branch's ProfileCatalogue._index_lock follows the same rule.
+- knowledge: KnowledgeBase._write_lock: the writer connection, one write transaction at a time (SQLite's write
+  lock inside); no lock of Coffer's under it.  PassageRanker._snapshot_lock: one snapshot build ->
+  KnowledgeBase._readers_lock (the reader connections; a leaf).  PassageVectors._embed_lock: one embedding round
+  at a time, held across embedder requests and cache writes -> Redactor._lock.
+- gateway: Hub._rebuild_lock: one catalogue build; sessions hear of it while it is held -> Hub.lock,
+  SemanticRanker.lock, a session's lock, a client stream's lock.  ClientSession.lock (an RLock): what it waits on,
+  relayed requests, calls in flight, the bridge's records -> Hub.lock (progress tokens); never held while sending
+  or calling an upstream.  Hub.lock (an RLock): the shared maps' writers, the rebuild counters; a leaf.
+  Hub.vault_lock: the hub's vault connection and the writers of states; a leaf, held across vault writes (which
+  may wait for SQLite's busy timeout).  ClientStream.out_lock: the held replies and the write to the client; a
+  leaf, held across that write on purpose (back-pressure; a list_changed writes it under _rebuild_lock too).
+- service: HttpClient.dispatching (one message handed to the session at a time, never held while an answer is
+  awaited) is the outermost lock: -> whatever the session's handling takes.  HttpEndpoint.lock (sessions,
+  connections) -> HttpClient.lock.  HttpClient.lock (each Exchange.cond wraps it): routing records, exchanges; a
+  leaf.  Service.lock (connections, sessions, endpoints, handover), SocketOutput.lock (and its wake condition:
+  the queue; its direct send does not wait where MSG_DONTWAIT exists), TokenStore.lock (its connection, held
+  across its writes), WebAccess.lock, WebServer.lock, WebViews.lock (the page's vault connection, the catalogue
+  snapshot), ActivityLog.lock, the relay's _out_lock (the client's stdout): leaves.  StartLock: a file lock
+  across processes, so that simultaneous first starts make one service.
+- CLI: ServerProbe.done (a condition: what settled) -> ServerProbe.vault_lock (its vault connection; a leaf).
+Events are signals, not locks: Hub._stopping and _stopped, EmbeddingWorker's wake and stopping, KnowledgeBase's
+_closed, the remote transports' _stopped and _delivered, InvocationLog's flush requests, replies' done events.
+
 Contents: the line of coffer.py where each module starts, the module, what it holds.
 
        143  errors                Errors: the one exception root every Coffer error derives from.
@@ -33,42 +101,42 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       5896  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
       6168  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
       6349  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6975  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      8233  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      8791  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      8899  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      9464  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      9845  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10036  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     10201  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     10379  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     10971  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     11384  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     11866  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     11979  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     12350  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     12412  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     12576  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     13117  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     13495  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     13832  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     13940  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     14604  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     14921  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     15279  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     15740  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     15883  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     16333  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     16775  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     17282  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     17645  probe                 Probes: starting a server once to see what it offers, from the command line.
-     17820  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     18488  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     19351  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     19704  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     19895  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     20422  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     22345  cli                   Command line: coffer's commands.
+      6976  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      8234  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      8792  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      8900  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      9465  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      9846  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10037  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     10202  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     10380  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     10972  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     11385  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     11867  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     11980  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     12351  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     12413  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     12577  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     13122  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     13500  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13837  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     13945  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     14612  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14929  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     15287  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15748  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     15891  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     16341  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     16783  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     17290  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     17653  probe                 Probes: starting a server once to see what it offers, from the command line.
+     17829  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     18497  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     19360  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     19713  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     19904  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     20431  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     22354  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -5086,15 +5154,15 @@ class HttpTransport(Transport):
 
     Threads: ``send`` runs on any thread; each POST and the handling of its reply on a worker of the pool (so
     ``on_message`` runs on many threads at once); notifications on a pool of one, in order; the server's own GET
-    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended``, ``_released`` and
-    ``_streams``: ``send`` queues a message only while the transport is open, so nothing is queued on a closed
-    pool (where it would wait for its timeout); ``on_close`` and the release of the pools happen once each, also
-    when the server ended the connection first; a notification keeps its place in line (the newest one's
-    ``_delivered`` is the one a later request waits for); and every open reply stream is known, so ``close`` can
-    end it.  ``session_id`` and ``protocol_version`` are written once, by the initialize reply, before any other
-    request is sent (the Upstream waits for that reply); ``modern_version`` by the reply to the first
-    2026-07-28 request the server answered (the start thread's server/discover, before any other request);
-    ``_listening`` only by the initialize reply's worker.
+    stream on coffer-<name>-sse.  ``_lock`` (under it only the pools' own locks, leaves, are taken, by a submit)
+    guards ``_closed``, ``_ended``, ``_released`` and ``_streams``: ``send`` queues a message only while the
+    transport is open, so nothing is queued on a closed pool (where it would wait for its timeout); ``on_close`` and
+    the release of the pools happen once each, also when the server ended the connection first; a notification keeps
+    its place in line (the newest one's ``_delivered`` is the one a later request waits for); and every open reply
+    stream is known, so ``close`` can end it.  ``session_id`` and ``protocol_version`` are written once, by the
+    initialize reply, before any other request is sent (the Upstream waits for that reply); ``modern_version`` by
+    the reply to the first 2026-07-28 request the server answered (the start thread's server/discover, before any
+    other request); ``_listening`` only by the initialize reply's worker.
     """
 
     POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)
@@ -6469,12 +6537,13 @@ class Upstream:
     ``transport`` and ``generation`` (replaced together), ``_closed_generation``, ``failures``, ``spawns``,
     ``ready_at``, ``last_error`` (written), ``_timer``, every Ticket's fields, the request table and the lists'
     bookkeeping (UpstreamLists).  It is never held while calling out (``on_reply``, the events, a transport's
-    start, send or close: those run on threads of their own or after it is released); the only lock taken inside
-    it is the Redactor's (``redact``), a leaf.  Lock order: the gateway's lock may be held when taking it, never
-    the reverse.  The other locks of this layer are leaves, each guarding its own object: TokenBucket's,
-    StdioTransport's ``_send_lock`` and ``_close_lock``, HttpTransport's and SseTransport's ``_lock``,
-    LoopbackReceiver's, and OAuthCredentials' ``_lock`` (held across a token refresh: it is taken by a
-    transport's start, sends and close, never under this lock).
+    start, send or close: those run on threads of their own or after it is released), and no other lock is taken
+    inside it: a leaf (``redact`` reads without a lock).  No lock of the hub or of a session is held when it is
+    taken; an HTTP client's ``dispatching`` may be.  The other locks of this layer guard their own objects:
+    TokenBucket's, StdioTransport's ``_send_lock`` and ``_close_lock``, SseTransport's ``_lock`` and
+    LoopbackReceiver's are leaves; HttpTransport's ``_lock`` takes its pools' WorkerPool locks (leaves);
+    OAuthCredentials' ``_lock`` (held across a token refresh: it is taken by a transport's start, sends and close,
+    never under this lock) takes the SecretStore's and the Redactor's.
 
     Read without the lock, on purpose (one reference each, read whole under the GIL):
     - ``state``, ``generation``, ``transport``, ``last_error`` where a stale value is harmless: a message for a
@@ -12609,10 +12678,14 @@ class Hub:
         expires parked exchanges and applies vault edits;
       - the worker pool answers what waited (discovery, a search that may wait for its embedding, coffer__ask);
       - the invocation log writes on its own thread; the semantic ranker and the knowledge base run their own.
-    Locks, always taken in this order and never the reverse: ``_rebuild_lock`` (one catalogue build at a time;
-    sessions are told of the change while it is held) → ``vault_lock`` (the shared SQLite connection, and the
-    writers of ``states``) → ``lock`` (the writers of ``upstreams``, ``sessions`` and ``_catalogued``, and the
-    rebuild counters) → a session's ``lock`` → an Upstream's lock → a session stream's ``out_lock`` (innermost).
+    Locks (the package docstring's Concurrency section has every lock of the program), never taken in the reverse
+    order: ``_rebuild_lock`` (one catalogue build at a time; sessions are told of the change while it is held, so
+    it may wait on a client stream's write) → the semantic ranker's lock, a session's ``lock``, a client stream's
+    lock, and ``lock``.  A session's ``lock`` → ``lock`` (forgetting a progress token).  ``lock`` (the writers of
+    ``upstreams``, ``per_client``, ``dormant``, ``sessions``, ``_catalogued`` and ``_progress``, and the rebuild
+    counters) is a leaf.  ``vault_lock`` (the shared SQLite connection, and the writers of ``states``) is a leaf,
+    held across the vault's writes; the ticker takes it every second.  No Upstream's lock is taken under any of
+    them.
     ``states``, ``upstreams``, ``sessions``, ``_catalogued`` and ``catalogue`` are replaced whole under their
     lock, never changed in place: a reader takes the current one with a plain attribute read and uses it without
     a lock, from any thread, whatever lock it already holds.
@@ -13963,8 +14036,9 @@ class ClientStream:
     Replies to one burst of requests are held and written once at its end (jsonrpc.handle_burst), or as soon as
     they pass FLUSH_BYTES.  The write happens under ``out_lock``, the innermost lock: nothing else is taken while
     it is held.  A client that stops reading makes that write block, on purpose: back-pressure, so the thread
-    delivering to this client (its reader, an upstream's reader, a worker) waits instead of piling replies up in
-    memory.  A failed write means the client is gone: ``on_gone`` runs once, and later writes are dropped.
+    delivering to this client (its reader, an upstream's reader, a worker; for a list_changed, the thread
+    rebuilding the catalogue, which holds the hub's ``_rebuild_lock`` meanwhile) waits instead of piling replies
+    up in memory.  A failed write means the client is gone: ``on_gone`` runs once, and later writes are dropped.
     """
 
     FLUSH_BYTES = 1 << 20
@@ -14026,8 +14100,10 @@ class ClientSession:
     Threads: the client's reader (``serve``) dispatches each message; the hub's upstream readers deliver their
     upstreams' answers, notifications and requests to it; the hub's ticker calls ``tick``; the hub's workers
     answer what waited.  ``lock`` (an RLock) guards this session's state: what it waits on (``_waiting``), what it
-    relayed (``client_requests``, ``own_requests``) and its router's and bridge's records; it is taken after the
-    hub's locks and before an Upstream's (see Hub).
+    relayed (``client_requests``, ``own_requests``) and its router's and bridge's records.  It may be taken under
+    the hub's ``_rebuild_lock`` (a list change for a listen stream) and an HTTP client's ``dispatching``; the one
+    lock taken under it is the hub's ``lock`` (forgetting a progress token); it is never held while sending to
+    the client or calling an upstream (see Hub).
     """
 
     MAX_BATCH = 10_000     # messages in one JSON-RPC batch line (each costs ~100x its bytes once parsed)
@@ -16436,8 +16512,8 @@ class HttpClient:
     ``dispatching`` makes the session read one message at a time, as a stdio session's one reader thread does
     (HTTP lets a client send requests concurrently); it is held only while a message is handed over, never while
     an answer is awaited, and is taken before any lock of the session or the hub.  ``lock`` guards the routing
-    records and every Exchange of this client; it is innermost (taken after the session's and the hub's locks,
-    and nothing is called while it is held but Exchange.push)."""
+    records and every Exchange of this client; it is innermost (it may be taken under ``dispatching``, the hub's
+    ``_rebuild_lock`` and the endpoint's ``lock``, and nothing is called while it is held but Exchange.push)."""
 
     def __init__(self, endpoint, holder: TokenHolder, era: str, session_id: str | None = None):
         self.endpoint = endpoint
@@ -17721,8 +17797,9 @@ class ServerProbe:
     a gateway would record it (capabilities, status: record_upstream_status), so `coffer list` reports the last
     attempt of any command.  It is its upstreams' events (UpstreamEvents).
 
-    Threads: each upstream's own; ``run`` waits on a condition the upstream events signal.  ``vault_lock`` (a
-    leaf) guards the vault's connection, which every upstream's events use.
+    Threads: each upstream's own; ``run`` waits on a condition the upstream events signal (``done``, which
+    guards ``settled``).  ``vault_lock`` (a leaf, also taken under ``done``) guards the vault's connection, which
+    every upstream's events use.
     """
 
     WAITING_EVERY = 3.0  # seconds between two `waiting` calls while servers are still starting

@@ -85,8 +85,9 @@ class ServerProbe:
     a gateway would record it (capabilities, status: record_upstream_status), so `coffer list` reports the last
     attempt of any command.  It is its upstreams' events (UpstreamEvents).
 
-    Threads: each upstream's own; ``run`` waits on a condition the upstream events signal.  ``vault_lock`` (a
-    leaf) guards the vault's connection, which every upstream's events use.
+    Threads: each upstream's own; ``run`` waits on a condition the upstream events signal (``done``, which
+    guards ``settled``).  ``vault_lock`` (a leaf, also taken under ``done``) guards the vault's connection, which
+    every upstream's events use.
     """
 
     WAITING_EVERY = 3.0  # seconds between two `waiting` calls while servers are still starting

@@ -51,10 +51,14 @@ class Hub:
         expires parked exchanges and applies vault edits;
       - the worker pool answers what waited (discovery, a search that may wait for its embedding, coffer__ask);
       - the invocation log writes on its own thread; the semantic ranker and the knowledge base run their own.
-    Locks, always taken in this order and never the reverse: ``_rebuild_lock`` (one catalogue build at a time;
-    sessions are told of the change while it is held) → ``vault_lock`` (the shared SQLite connection, and the
-    writers of ``states``) → ``lock`` (the writers of ``upstreams``, ``sessions`` and ``_catalogued``, and the
-    rebuild counters) → a session's ``lock`` → an Upstream's lock → a session stream's ``out_lock`` (innermost).
+    Locks (the package docstring's Concurrency section has every lock of the program), never taken in the reverse
+    order: ``_rebuild_lock`` (one catalogue build at a time; sessions are told of the change while it is held, so
+    it may wait on a client stream's write) → the semantic ranker's lock, a session's ``lock``, a client stream's
+    lock, and ``lock``.  A session's ``lock`` → ``lock`` (forgetting a progress token).  ``lock`` (the writers of
+    ``upstreams``, ``per_client``, ``dormant``, ``sessions``, ``_catalogued`` and ``_progress``, and the rebuild
+    counters) is a leaf.  ``vault_lock`` (the shared SQLite connection, and the writers of ``states``) is a leaf,
+    held across the vault's writes; the ticker takes it every second.  No Upstream's lock is taken under any of
+    them.
     ``states``, ``upstreams``, ``sessions``, ``_catalogued`` and ``catalogue`` are replaced whole under their
     lock, never changed in place: a reader takes the current one with a plain attribute read and uses it without
     a lock, from any thread, whatever lock it already holds.

@@ -84,8 +84,9 @@ class ClientStream:
     Replies to one burst of requests are held and written once at its end (jsonrpc.handle_burst), or as soon as
     they pass FLUSH_BYTES.  The write happens under ``out_lock``, the innermost lock: nothing else is taken while
     it is held.  A client that stops reading makes that write block, on purpose: back-pressure, so the thread
-    delivering to this client (its reader, an upstream's reader, a worker) waits instead of piling replies up in
-    memory.  A failed write means the client is gone: ``on_gone`` runs once, and later writes are dropped.
+    delivering to this client (its reader, an upstream's reader, a worker; for a list_changed, the thread
+    rebuilding the catalogue, which holds the hub's ``_rebuild_lock`` meanwhile) waits instead of piling replies
+    up in memory.  A failed write means the client is gone: ``on_gone`` runs once, and later writes are dropped.
     """
 
     FLUSH_BYTES = 1 << 20
@@ -147,8 +148,10 @@ class ClientSession:
     Threads: the client's reader (``serve``) dispatches each message; the hub's upstream readers deliver their
     upstreams' answers, notifications and requests to it; the hub's ticker calls ``tick``; the hub's workers
     answer what waited.  ``lock`` (an RLock) guards this session's state: what it waits on (``_waiting``), what it
-    relayed (``client_requests``, ``own_requests``) and its router's and bridge's records; it is taken after the
-    hub's locks and before an Upstream's (see Hub).
+    relayed (``client_requests``, ``own_requests``) and its router's and bridge's records.  It may be taken under
+    the hub's ``_rebuild_lock`` (a list change for a listen stream) and an HTTP client's ``dispatching``; the one
+    lock taken under it is the hub's ``lock`` (forgetting a progress token); it is never held while sending to
+    the client or calling an upstream (see Hub).
     """
 
     MAX_BATCH = 10_000     # messages in one JSON-RPC batch line (each costs ~100x its bytes once parsed)

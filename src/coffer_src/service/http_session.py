@@ -140,8 +140,8 @@ class HttpClient:
     ``dispatching`` makes the session read one message at a time, as a stdio session's one reader thread does
     (HTTP lets a client send requests concurrently); it is held only while a message is handed over, never while
     an answer is awaited, and is taken before any lock of the session or the hub.  ``lock`` guards the routing
-    records and every Exchange of this client; it is innermost (taken after the session's and the hub's locks,
-    and nothing is called while it is held but Exchange.push)."""
+    records and every Exchange of this client; it is innermost (it may be taken under ``dispatching``, the hub's
+    ``_rebuild_lock`` and the endpoint's ``lock``, and nothing is called while it is held but Exchange.push)."""
 
     def __init__(self, endpoint, holder: TokenHolder, era: str, session_id: str | None = None):
         self.endpoint = endpoint

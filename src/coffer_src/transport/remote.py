@@ -71,15 +71,15 @@ class HttpTransport(Transport):
 
     Threads: ``send`` runs on any thread; each POST and the handling of its reply on a worker of the pool (so
     ``on_message`` runs on many threads at once); notifications on a pool of one, in order; the server's own GET
-    stream on coffer-<name>-sse.  ``_lock`` (a leaf) guards ``_closed``, ``_ended``, ``_released`` and
-    ``_streams``: ``send`` queues a message only while the transport is open, so nothing is queued on a closed
-    pool (where it would wait for its timeout); ``on_close`` and the release of the pools happen once each, also
-    when the server ended the connection first; a notification keeps its place in line (the newest one's
-    ``_delivered`` is the one a later request waits for); and every open reply stream is known, so ``close`` can
-    end it.  ``session_id`` and ``protocol_version`` are written once, by the initialize reply, before any other
-    request is sent (the Upstream waits for that reply); ``modern_version`` by the reply to the first
-    2026-07-28 request the server answered (the start thread's server/discover, before any other request);
-    ``_listening`` only by the initialize reply's worker.
+    stream on coffer-<name>-sse.  ``_lock`` (under it only the pools' own locks, leaves, are taken, by a submit)
+    guards ``_closed``, ``_ended``, ``_released`` and ``_streams``: ``send`` queues a message only while the
+    transport is open, so nothing is queued on a closed pool (where it would wait for its timeout); ``on_close`` and
+    the release of the pools happen once each, also when the server ended the connection first; a notification keeps
+    its place in line (the newest one's ``_delivered`` is the one a later request waits for); and every open reply
+    stream is known, so ``close`` can end it.  ``session_id`` and ``protocol_version`` are written once, by the
+    initialize reply, before any other request is sent (the Upstream waits for that reply); ``modern_version`` by
+    the reply to the first 2026-07-28 request the server answered (the start thread's server/discover, before any
+    other request); ``_listening`` only by the initialize reply's worker.
     """
 
     POOL_SIZE = 64  # requests in flight at once to one server; more wait their turn (notifications never do)

@@ -162,12 +162,13 @@ class Upstream:
     ``transport`` and ``generation`` (replaced together), ``_closed_generation``, ``failures``, ``spawns``,
     ``ready_at``, ``last_error`` (written), ``_timer``, every Ticket's fields, the request table and the lists'
     bookkeeping (UpstreamLists).  It is never held while calling out (``on_reply``, the events, a transport's
-    start, send or close: those run on threads of their own or after it is released); the only lock taken inside
-    it is the Redactor's (``redact``), a leaf.  Lock order: the gateway's lock may be held when taking it, never
-    the reverse.  The other locks of this layer are leaves, each guarding its own object: TokenBucket's,
-    StdioTransport's ``_send_lock`` and ``_close_lock``, HttpTransport's and SseTransport's ``_lock``,
-    LoopbackReceiver's, and OAuthCredentials' ``_lock`` (held across a token refresh: it is taken by a
-    transport's start, sends and close, never under this lock).
+    start, send or close: those run on threads of their own or after it is released), and no other lock is taken
+    inside it: a leaf (``redact`` reads without a lock).  No lock of the hub or of a session is held when it is
+    taken; an HTTP client's ``dispatching`` may be.  The other locks of this layer guard their own objects:
+    TokenBucket's, StdioTransport's ``_send_lock`` and ``_close_lock``, SseTransport's ``_lock`` and
+    LoopbackReceiver's are leaves; HttpTransport's ``_lock`` takes its pools' WorkerPool locks (leaves);
+    OAuthCredentials' ``_lock`` (held across a token refresh: it is taken by a transport's start, sends and close,
+    never under this lock) takes the SecretStore's and the Redactor's.
 
     Read without the lock, on purpose (one reference each, read whole under the GIL):
     - ``state``, ``generation``, ``transport``, ``last_error`` where a stale value is harmless: a message for a
