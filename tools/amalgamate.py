@@ -52,6 +52,7 @@ LAYERS = (
     "settings",
     "vault_rows",
     "vault",
+    "invocation_log",
     "transport/stdio",
     "transport/http",
     "oauth",

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import collections
-import enum
 import functools
 import inspect
 import json
 import logging
 import os
-import queue
 import shlex
 import sqlite3
 import stat
-import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import NamedTuple
@@ -86,12 +83,26 @@ CREATE TABLE IF NOT EXISTS capabilities (
     approved_definition TEXT,                -- that definition, for the diff `coffer approve` shows
     PRIMARY KEY (server, kind, name)
 );
+CREATE TABLE IF NOT EXISTS profiles (        -- what one kind of agent sees (profiles.py): `coffer profile`
+    name TEXT PRIMARY KEY,
+    definition TEXT NOT NULL,                -- JSON: include, exclude, expose, pin, knowledge
+    created_at TEXT NOT NULL, updated_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS overrides (       -- a tool renamed, redescribed, annotated or given fixed arguments
+    profile TEXT NOT NULL DEFAULT '',        -- '' for every client, else the profile it applies in
+    server TEXT NOT NULL,
+    tool TEXT NOT NULL,                      -- the upstream's own name: an override survives renames of the prefix
+    override TEXT NOT NULL,                  -- JSON: name, description, annotations, fixed
+    updated_at TEXT NOT NULL,
+    PRIMARY KEY (profile, server, tool)
+);
 """
 LOGS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS invocations (
     id INTEGER PRIMARY KEY,
     ts TEXT NOT NULL, client TEXT, server TEXT, capability TEXT, kind TEXT,
-    duration_ms REAL, status TEXT NOT NULL, error TEXT
+    duration_ms REAL, status TEXT NOT NULL, error TEXT,
+    profile TEXT                             -- the profile the client's session used (NULL: none)
 );
 CREATE INDEX IF NOT EXISTS invocations_ts ON invocations(ts);
 CREATE TABLE IF NOT EXISTS audit (
@@ -166,6 +177,7 @@ MIGRATIONS = (
     ("servers", "sharing_reason", "TEXT"),
     ("capabilities", "approved", "TEXT"),
     ("capabilities", "approved_definition", "TEXT"),
+    ("invocations", "profile", "TEXT"),
 )
 
 
@@ -331,7 +343,8 @@ class Vault:
         tables = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         missing = [(t, c, d) for t, c, d in MIGRATIONS if t in tables and c not in
                    {row["name"] for row in self.db.execute(f"PRAGMA table_info({t})")}]
-        if tables >= {"settings", "servers", "capabilities", "invocations", "audit"} and not missing:
+        if tables >= {"settings", "servers", "capabilities", "profiles", "overrides", "invocations", "audit"} and \
+                not missing:
             return  # nothing to write: a read-only vault opens without a write
         script = SCHEMA + "".join(f"ALTER TABLE {t} ADD COLUMN {c} {d};\n" for t, c, d in missing)
         try:
@@ -883,118 +896,9 @@ class Invocation(NamedTuple):
     duration_ms: float
     status: str
     error: str | None
+    profile: str | None = None   # the client session's profile (see profiles.py); None: no profile
 
     def row(self) -> tuple:
         """The values as written: the time as ISO text, every text redacted, storable and cut to 500 characters."""
         return (iso_timestamp(self.ts),
                 *(storable(redact(value))[:500] if isinstance(value, str) else value for value in self[1:]))
-
-
-class _FlushRequest(NamedTuple):
-    """Queued by InvocationLog.flush behind the rows it waits for; ``written`` is set once they are."""
-    written: threading.Event
-
-
-class _LogSignal(enum.Enum):
-    CLOSE = "close"  # queued by InvocationLog.close: wakes the writer, which ends once nothing is pending
-
-
-class InvocationLog:
-    """Writes invocation rows on its own thread, in batches, so no tool call ever waits on SQLite.
-
-    If the vault is locked or read-only the rows are kept (up to a bound) and retried; a persistent failure is a
-    warning, never a failed call.  Every text is made storable first (a client name holding a lone surrogate must
-    not stop the logging of everything after it), and the thread survives any error in a batch: the batch is
-    reported and dropped, the log goes on.  Its queue carries Invocation rows, _FlushRequest and _LogSignal.
-    """
-
-    FLUSH_INTERVAL = 0.2
-    MAX_BUFFER = 50_000
-    _INSERT = (f"INSERT INTO invocations({', '.join(Invocation._fields)}) "
-               f"VALUES ({', '.join('?' * len(Invocation._fields))})")
-
-    def __init__(self, path: str):
-        self.path = path
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._warned = False
-        self._thread = threading.Thread(target=self._run, name="coffer-log", daemon=True)
-        self._thread.start()
-
-    def record(self, client, server, capability, kind, started: float, status: str, error: str | None = None):
-        duration = round((time.monotonic() - started) * 1000.0, 3)
-        self.queue.put(Invocation(time.time(), client, server, capability, kind, duration, status, error))
-
-    def flush(self, timeout: float = 5.0) -> None:
-        """Write everything recorded so far before returning (used first thing at shutdown)."""
-        request = _FlushRequest(threading.Event())
-        self.queue.put(request)
-        request.written.wait(timeout)
-
-    def close(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self.queue.put(_LogSignal.CLOSE)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        db = None
-        pending: list[Invocation] = []
-        waiters: list[threading.Event] = []
-
-        def take(item) -> None:
-            if isinstance(item, _FlushRequest):
-                waiters.append(item.written)
-            elif isinstance(item, Invocation):
-                pending.append(item)
-
-        while True:
-            try:
-                item = self.queue.get(timeout=self.FLUSH_INTERVAL if pending else None)
-                take(item)
-                if isinstance(item, Invocation):
-                    # Let the rest of this burst arrive: one commit per interval, not one per call.
-                    self._stop.wait(self.FLUSH_INTERVAL)
-                while len(pending) < 10_000:
-                    take(self.queue.get_nowait())
-            except queue.Empty:
-                pass
-            if pending:
-                try:
-                    if db is None:
-                        db = Vault._connect(self.path)
-                    db.execute("BEGIN IMMEDIATE")
-                    db.executemany(self._INSERT, [invocation.row() for invocation in pending])
-                    db.execute("COMMIT")
-                    pending.clear()
-                except sqlite3.Error as exc:
-                    self._rollback(db)
-                    problem = VaultError.wrap(exc, self.path)
-                    if not self._warned:
-                        vault_log.warning("invocation log not written yet (%s); will retry", problem)
-                        self._warned = True
-                    del pending[:-self.MAX_BUFFER]
-                    if self._stop.is_set():
-                        vault_log.warning("%d invocation rows could not be written: %s", len(pending), problem)
-                        break
-                    time.sleep(0.5)
-                except Exception:  # noqa: BLE001 - a bad row costs its batch, never the log itself
-                    self._rollback(db)
-                    vault_log.exception("invocation log: dropped a batch of %d rows it could not write",
-                                        len(pending))
-                    pending.clear()
-            if not pending:
-                for waiter in waiters:
-                    waiter.set()
-                waiters.clear()
-            if self._stop.is_set() and self.queue.empty() and not pending:
-                break
-        if db is not None:
-            db.close()
-
-    @staticmethod
-    def _rollback(db) -> None:
-        try:
-            if db is not None and db.in_transaction:
-                db.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass

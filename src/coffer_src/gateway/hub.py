@@ -22,6 +22,7 @@ from coffer_src.gateway.builtins import (
     CLIENT_SIDE_CAPABILITIES,
     REMEMBER_TOOL_DEFINITION,
 )
+from coffer_src.invocation_log import InvocationLog
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.search.semantic import Embedder, SemanticRanker
@@ -30,7 +31,7 @@ from coffer_src.terminal import ServerLog
 from coffer_src.threads import WorkerPool, start_thread
 from coffer_src.transport.stdio import StdioTransport, process_table
 from coffer_src.upstream.supervisor import Upstream, record_upstream_status
-from coffer_src.vault import CapabilityState, InvocationLog, Vault, setting_key
+from coffer_src.vault import CapabilityState, Vault, setting_key
 
 hub_log = logging.getLogger(__name__)
 
