@@ -53,6 +53,7 @@ LAYERS = (
     "vault_rows",
     "vault",
     "invocation_log",
+    "profiles",
     "transport/stdio",
     "transport/http",
     "oauth",
@@ -72,6 +73,7 @@ LAYERS = (
     "knowledge/base",
     "gateway/calls",
     "gateway/builtins",
+    "gateway/view",
     "gateway/hub",
     "gateway/routing",
     "gateway/bridge",
@@ -84,6 +86,7 @@ LAYERS = (
     "clients/files",
     "clients/move_in",
     "clients/doctor",
+    "profile_commands",
     "cli",
 )
 NOT_AMALGAMATED = {"__main__"}  # `python -m coffer_src` for development; coffer.py has its own __main__ block

@@ -60,6 +60,8 @@ from coffer_src.oauth import (
     revoke_grant,
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
+from coffer_src.profile_commands import add_profile_commands, effective_tools, print_overrides
+from coffer_src.profiles import ProfileStore
 from coffer_src.secret_store import (
     SECRET_MAX_CHARS,
     expand_vars,
@@ -161,8 +163,10 @@ def _print_edit(result: EditResult, verb: str, dry_run: bool) -> None:
 
 
 def cmd_install(vault, args) -> int:
+    if args.profile is not None:
+        ProfileStore(vault).profile(args.profile)  # an unknown profile would leave the client with no tools
     result = install_client(vault, vault.secrets, args.client, ClientContext.current(), project=args.project,
-                            replace=args.replace, dry_run=args.dry_run)
+                            replace=args.replace, dry_run=args.dry_run, profile=args.profile)
     _print_edit(result, "install Coffer into" if args.dry_run else "installed Coffer into", args.dry_run)
     if result.changed and not args.dry_run:
         say(f"  restart {args.client} to load it")
@@ -214,6 +218,9 @@ def cmd_show(vault, args) -> int:
         _print_table([[c["kind"], c["name"], c["state"]] for c in shown["capabilities"]], ["KIND", "NAME", "STATE"])
     else:
         say("  no capabilities seen yet (coffer tools starts it)")
+    if shown["overrides"]:
+        say()
+        print_overrides(shown["overrides"])
     return 0
 
 
@@ -235,6 +242,7 @@ def add_client_commands(command) -> None:
         if name == "install":
             p.add_argument("--replace", action="store_true",
                            help="also remove the servers Coffer now serves from that client's config")
+            p.add_argument("--profile", metavar="NAME", help="the client sees only this profile (coffer profile)")
     p = command("doctor", cmd_doctor, "check every server, client config and the vault; exit 1 if a server is broken")
     p.add_argument("--json", action="store_true")
     p = command("show", cmd_show, "a server's definition (secrets as references), status and capabilities")
@@ -358,7 +366,7 @@ def cmd_tools(vault: Vault, args) -> int:
     """The catalogue as a client sees it: every server started (at most init_timeout each, one progress line per
     server on a terminal), or with --cached what the last session saw.  Exit 1 if a server failed."""
     failed = []
-    running = None if args.cached else service_tools(vault.home)
+    running = None if args.cached else service_tools(vault.home, args.profile)
     if args.cached:
         tools = cached_tools(vault)
     elif running is not None:  # the running service's catalogue: no server is started for this
@@ -376,17 +384,24 @@ def cmd_tools(vault: Vault, args) -> int:
         results = ServerProbe(vault, progress=progress).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
-    mode = expose_mode(vault.settings(), client_family(args.client or ""))
+    overridden = {}
+    if running is None:  # a running service applies overrides and profiles itself
+        tools, overridden = effective_tools(vault, tools, args.profile)
+    profile = ProfileStore(vault).profile(args.profile) if args.profile else None
+    mode = expose_mode({"expose": profile.expose} if profile and profile.expose else vault.settings(),
+                       client_family(args.client or ""))
     if mode.startswith("budget:"):
         tools = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
     tools = [SEARCH_TOOL_DEFINITION] + (tools if mode != "search" else [])
     if args.json:
         say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
-                                             for r in failed]})
+                                             for r in failed], **({"overridden": overridden} if overridden else {})})
     else:
         for tool in tools:
             description = (tool.get("description") or "").strip().splitlines()
-            say(f"{tool['name']:<48}  {clip(description[0], 100) if description else ''}")
+            changed = overridden.get(tool["name"])
+            note = f"  [overridden: {', '.join(changed['overridden'])}]" if changed else ""
+            say(f"{tool['name']:<48}  {clip(description[0], 100) if description else ''}{note}")
     for result in failed:
         print(printable(redact(f"coffer: {result.name} {'did not start' if result.state == 'failed' else result.state}"
                                f": {result.detail or 'no reason given'}")), file=sys.stderr)
@@ -512,7 +527,8 @@ def cmd_log(vault: Vault, args) -> int:
     if args.json:
         say_json({"invocations": rows})
     else:
-        _print_table([[r["ts"], r["client"], r["server"] or "", r["capability"], r["kind"], _ms(r["duration_ms"]),
+        client = lambda r: f"{r['client']} ({r['profile']})" if r.get("profile") else r["client"]  # noqa: E731
+        _print_table([[r["ts"], client(r), r["server"] or "", r["capability"], r["kind"], _ms(r["duration_ms"]),
                        r["status"], r["error"] or ""] for r in rows],
                      ["TIME", "CLIENT", "SERVER", "CAPABILITY", "KIND", "DURATION", "STATUS", "ERROR"])
     return 0
@@ -824,6 +840,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--cached", action="store_true", help="what the last session saw, without starting servers")
     p.add_argument("--client", metavar="NAME", help="as this client is shown it (cursor, windsurf, vscode, ...)")
+    p.add_argument("--profile", metavar="NAME", help="as a client of this profile sees it (coffer profile)")
     command("enable", cmd_enable, "enable a server, tool, prompt or resource").add_argument("target")
     command("disable", lambda v, a: cmd_enable(v, a, False),
             "disable a server, tool, prompt or resource (kept across restarts and upgrades)").add_argument("target")
@@ -870,6 +887,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_service_commands(command)
     add_client_commands(command)
+    add_profile_commands(command)
     return parser
 
 

@@ -559,8 +559,9 @@ def coffer_launch_command() -> list[str]:
     return [os.path.abspath(sys.executable), module, "serve"]  # not realpath: a venv's python is its own
 
 
-def coffer_entry(client: str, vault) -> dict:
-    argv = coffer_launch_command()
+def coffer_entry(client: str, vault, profile: str | None = None) -> dict:
+    """Coffer's entry in a client's config: ``coffer serve`` (with ``--profile``: that profile's part only)."""
+    argv = coffer_launch_command() + (["--profile", profile] if profile else [])
     entry: dict = {"command": argv[0], "args": argv[1:]}
     if os.environ.get("COFFER_HOME"):   # a non-default vault: the client must start Coffer on the same one
         entry["env"] = {"COFFER_HOME": vault.home}
@@ -699,14 +700,14 @@ def registered_in_coffer(vault, store, file: ClientFile, servers: dict, ctx: Cli
 
 
 def install_client(vault, store, client: str, ctx: ClientContext, project: bool = False, replace: bool = False,
-                   dry_run: bool = False) -> EditResult:
+                   dry_run: bool = False, profile: str | None = None) -> EditResult:
     file = install_target(client, ctx, project)
     try:
         text = read_config_text(file.path)
         document, servers = load_client_file(file, text) if text is not None else (None, {})
     except ConfigProblem as exc:
         raise CofferError(f"{file.path}: {exc}; not rewritten") from None
-    entry = coffer_entry(client, vault)
+    entry = coffer_entry(client, vault, profile)
     current = servers.get(COFFER_ENTRY)
     put = {} if current == entry else {COFFER_ENTRY: entry}
     removed = registered_in_coffer(vault, store, file, servers, ctx) if replace else {}

@@ -163,7 +163,8 @@ class BuiltinTools:
         self.hub = session.hub
 
     def _record(self, tool: str, started: float, outcome: str, detail: str | None = None) -> None:
-        self.hub.log.record(self.session.client_name, RESERVED_SERVER, tool, "tool", started, outcome, detail)
+        self.hub.log.record(self.session.client_name, RESERVED_SERVER, tool, "tool", started, outcome, detail,
+                            self.session.view.name)
 
     def search(self, arguments: dict, started: float) -> dict:
         def fail(text):
@@ -177,7 +178,7 @@ class BuiltinTools:
             top_k = bounded_top_k(arguments.get("top_k"))
         except ValueError as exc:
             return fail(str(exc))
-        index = self.hub.catalogue.index
+        index = self.session.catalogue.index  # the client's profile's tools only, under their overridden names
         if self.hub.semantic is not None:
             hits, ranker, note = self.hub.semantic.search(index, query, top_k)
         else:
@@ -253,6 +254,7 @@ class BuiltinTools:
         claims, responses = claims or RequestClaims(), responses or {}
         try:
             top_k = bounded_top_k(arguments.get("top_k"))
+            sources = self.session.view.ask_sources(sources)  # within the client's profile
             answer = self.hub.knowledge.ask(question, top_k, sources)
             hits, notes = list(answer.passages), [answer.note] if answer.note else []
             queries = list(claims.queries)

@@ -24,11 +24,11 @@ from coffer_src.gateway.builtins import (
     BuiltinTools,
     budget_tools,
     client_family,
-    expose_mode,
 )
 from coffer_src.gateway.calls import OwnRequest, RelayedRequest, Waiting
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.routing import CallRouter
+from coffer_src.gateway.view import SessionView
 from coffer_src.jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -150,11 +150,13 @@ class ClientSession:
 
     MAX_BATCH = 10_000     # messages in one JSON-RPC batch line (each costs ~100x its bytes once parsed)
 
-    def __init__(self, hub: Hub, out=None, on_client_gone=None, stream=None):
+    def __init__(self, hub: Hub, out=None, on_client_gone=None, stream=None, profile: str | None = None):
         """``out``: where the client's bytes go (stdout, a socket); or ``stream``: an object with ClientStream's
         surface (send(message), flush(), gone) that takes the messages themselves, such as an HTTP transport
-        that answers each request on its own response."""
+        that answers each request on its own response.  ``profile``: the profile whose part of the catalogue
+        this client sees (None: all of it)."""
         self.hub = hub
+        self.view = SessionView(hub, profile)
         self.stream = stream if stream is not None else \
             ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
         self.on_client_gone = on_client_gone
@@ -193,6 +195,19 @@ class ClientSession:
                                 if method in self.handlers}
         self.modern_handlers.update({"server/discover": self._discover, "subscriptions/listen": self.bridge.listen})
         hub.attach(self)
+
+    @property
+    def catalogue(self):
+        """What this client sees and may call: the hub's catalogue, or its profile's view of it (gateway/view.py)."""
+        return self.view.catalogue
+
+    def use_profile(self, name: str | None) -> None:
+        """See the catalogue through profile ``name`` from now on (None: all of it); a client already listing is
+        told which lists changed.  (An HTTP endpoint may pick the profile after the session is made.)"""
+        old, self.view = self.view, SessionView(self.hub, name)
+        if self.initialized:
+            before, after = old.catalogue.fingerprint(), self.view.catalogue.fingerprint()
+            self.lists_changed([key for key in ("tools", "prompts", "resources") if before[key] != after[key]])
 
     def new_id(self, prefix: str) -> str:
         """An id Coffer gives something of this session's: a relayed request, a question, an exchange."""
@@ -437,8 +452,8 @@ class ClientSession:
     def instructions(self) -> str:
         """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
         instructions = INSTRUCTIONS
-        knowledge_tools = self.hub.knowledge_tools
-        unlisted = len(self.hub.catalogue.tools) + 1 + len(knowledge_tools) - len(self.listed_tools())
+        knowledge_tools = self.view.knowledge_tools
+        unlisted = len(self.catalogue.tools) + 1 + len(knowledge_tools) - len(self.listed_tools())
         if unlisted > 0:
             instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
                              f"by name and {SEARCH_TOOL} finds them.")
@@ -489,7 +504,9 @@ class ClientSession:
 
     # -- lists ---------------------------------------------------------------------------------------------
     def lists_changed(self, keys: list[str]) -> None:
-        """The hub swapped in a catalogue whose ``keys`` lists differ: tell the client, if it can hear of them."""
+        """The hub swapped in a catalogue whose ``keys`` lists differ: tell the client, if it can hear of them
+        (with a profile, of the lists its view changed: see SessionView.changed)."""
+        keys = self.view.changed(keys)
         if not self.initialized:
             return
         for key in keys:
@@ -552,30 +569,30 @@ class ClientSession:
             self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work)
 
     def listed_tools(self) -> list[dict]:
-        """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
-        catalogue = self.hub.catalogue
+        """The tools this client is shown (see expose_mode, and its profile's pins); the rest stay callable and
+        searchable."""
+        catalogue = self.catalogue
         tools = catalogue.tools if self.client_era == "modern" else catalogue.handshake_tools
-        builtins = [SEARCH_TOOL_DEFINITION] + self.hub.knowledge_tools
-        mode = expose_mode(self.hub.settings, client_family(self.client_name))
-        if mode == "search":
-            return builtins
+        builtins = [SEARCH_TOOL_DEFINITION] + self.view.knowledge_tools
+        mode = self.view.expose_mode(client_family(self.client_name))
+        listed = [] if mode == "search" else tools
         if mode.startswith("budget:"):
-            tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, self.hub.usage)
-        return builtins + tools
+            listed = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, self.hub.usage)
+        return builtins + self.view.pinned(listed, tools)
 
     def _tools_list(self, msg_id, params):
         return self.after_discovery(msg_id, lambda: {"tools": self.listed_tools()}, kind="tool", method="tools/list")
 
     def _prompts_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"prompts": self.hub.catalogue.prompts}, kind="prompt",
+        return self.after_discovery(msg_id, lambda: {"prompts": self.catalogue.prompts}, kind="prompt",
                                     method="prompts/list")
 
     def _resources_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"resources": self.hub.catalogue.resources},
+        return self.after_discovery(msg_id, lambda: {"resources": self.catalogue.resources},
                                     method="resources/list")
 
     def _templates_list(self, msg_id, params):
-        return self.after_discovery(msg_id, lambda: {"resourceTemplates": self.hub.catalogue.templates},
+        return self.after_discovery(msg_id, lambda: {"resourceTemplates": self.catalogue.templates},
                                     method="resources/templates/list")
 
     # -- the client's logging level --------------------------------------------------------------------------
@@ -603,7 +620,8 @@ class ClientSession:
         """This session as `coffer status` shows it."""
         version = self.client_info.get("version")
         return {"client": self.client_name, "version": version if isinstance(version, str) else None,
-                "era": self.client_era, "since": iso_timestamp(self.since), "calls": self.calls.calls_made}
+                "era": self.client_era, "since": iso_timestamp(self.since), "calls": self.calls.calls_made,
+                "profile": self.view.name}
 
     def upstream_ready(self, upstream: Upstream) -> None:
         """An upstream (re)started: give it this client's logging level and, after a restart, its subscriptions."""

@@ -32,7 +32,6 @@ from coffer_src.knowledge.documents import (
     _CONTROL_CHARS_RE,
     KNOWLEDGE_DEFAULT_GLOBS,
     KNOWLEDGE_SOURCE_RE,
-    MEMORY_SOURCE,
     ROOT_UNREADABLE,
     FoundFile,
     KnowledgeLimits,
@@ -47,6 +46,7 @@ from coffer_src.knowledge.documents import (
     walk_source,
 )
 from coffer_src.knowledge.ranking import KnowledgeAnswer, KnowledgeHit, PassageRanker, PassageVectors, fts5_available
+from coffer_src.names import MEMORY_SOURCE
 from coffer_src.search.semantic import Embedder
 from coffer_src.search.text import knowledge_terms
 from coffer_src.terminal import redact

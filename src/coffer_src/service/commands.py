@@ -15,6 +15,7 @@ from coffer_src.errors import CofferError
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, decode_json, encode_line, rpc_error
+from coffer_src.profiles import ProfileStore
 from coffer_src.resources import own_command
 from coffer_src.service.channel import (
     ChannelError,
@@ -46,11 +47,13 @@ def serve_mode(vault: Vault, args) -> str:
 
 
 def cmd_serve(vault: Vault, args) -> int:
+    if args.profile is not None:
+        ProfileStore(vault).profile(args.profile)  # an unknown profile is the user's typo: say so, serve nothing
     if serve_mode(vault, args) == "standalone":
         return serve_standalone(vault, args)
     home = vault.home
     vault.close()  # the relay needs none of it; the service has its own connection
-    relay = Relay(home, __version__, build_id(), lambda: spawn_service(home))
+    relay = Relay(home, __version__, build_id(), lambda: spawn_service(home), profile=args.profile)
     try:
         return relay.run()
     except ChannelError as exc:
@@ -67,7 +70,7 @@ def serve_standalone(vault: Vault, args) -> int:
         os._exit(0)  # the main thread is blocked reading a client that will never write again
 
     hub = Hub(vault, remember=not args.live, only=args.only)
-    session = ClientSession(hub, on_client_gone=client_gone)
+    session = ClientSession(hub, on_client_gone=client_gone, profile=args.profile)
 
     def on_signal(signum, frame):
         if not hub.stopping:  # a second signal must not interrupt the shutdown itself
@@ -149,9 +152,10 @@ def open_service_session(home: str) -> ServiceSession | None:
     return session
 
 
-def service_tools(home: str) -> dict | None:
-    """server -> {state, error, tools} from the running service, or None when none runs."""
-    answer = control(home, {"op": "tools"}, timeout=30)
+def service_tools(home: str, profile: str | None = None) -> dict | None:
+    """server -> {state, error, tools} from the running service (as ``profile`` sees them), or None when none
+    runs."""
+    answer = control(home, {"op": "tools", **({"profile": profile} if profile else {})}, timeout=30)
     return answer.get("tools") if answer and isinstance(answer.get("tools"), dict) else None
 
 
@@ -217,8 +221,9 @@ def cmd_status(vault: Vault, args) -> int:
         f"{service['rss_mb']} MB")
     say(f"sessions: {len(status['sessions'])}")
     for session in status["sessions"]:
-        say(f"  {session['client']} {session.get('version') or ''} ({session.get('era') or 'starting'}) since "
-            f"{session['since']}: {session['calls']} calls")
+        profile = f", profile {session['profile']}" if session.get("profile") else ""
+        say(f"  {session['client']} {session.get('version') or ''} ({session.get('era') or 'starting'}{profile}) "
+            f"since {session['since']}: {session['calls']} calls")
     say(f"upstreams: {len(status['upstreams'])}")
     for upstream in status["upstreams"]:
         memory = f", {upstream['rss_mb']} MB" if upstream.get("rss_mb") is not None else ""
@@ -236,6 +241,8 @@ def add_service_commands(command) -> None:
     p.add_argument("--live", action="store_true",
                    help="(standalone) list only what started servers offer now; by default a server still "
                         "starting is listed as it was at its last start, and a change is announced when it is up")
+    p.add_argument("--profile", metavar="NAME",
+                   help="see only what this profile includes (coffer profile list); default: everything")
     p.add_argument("--only", action="append", metavar="SERVER", help=argparse.SUPPRESS)
     p = command("service", cmd_service, "the user's shared Coffer service: start, stop, restart (or run it in the "
                                         "foreground)")

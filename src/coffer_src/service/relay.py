@@ -74,8 +74,9 @@ class Relay:
     """
 
     def __init__(self, home: str, version: str, build: str, start_service: Callable[[], None],
-                 client_in=None, client_out=None, attach_timeout: float = 15.0):
+                 client_in=None, client_out=None, attach_timeout: float = 15.0, profile: str | None = None):
         self.home = home
+        self.profile = profile                # the client's profile (`coffer serve --profile`), in every hello
         self.version, self.build = version, build
         self.start_service = start_service
         self.client_in = client_in if client_in is not None else os.fdopen(0, "rb", buffering=0, closefd=False)
@@ -93,8 +94,9 @@ class Relay:
 
     # -- attaching ----------------------------------------------------------------------------------------------
     def _hello(self, handover: bool) -> dict:
-        return {"coffer": 1, "kind": "session", "version": self.version, "build": self.build, "pid": os.getpid(),
-                "handover": handover}
+        hello = {"coffer": 1, "kind": "session", "version": self.version, "build": self.build, "pid": os.getpid(),
+                 "handover": handover}
+        return {**hello, "profile": self.profile} if self.profile is not None else hello
 
     def attach(self, first: bool) -> Attachment:
         """Connect to the service, starting it if none runs.  The first attach of a relay newer than (or

@@ -21,6 +21,7 @@ import time
 from coffer_src import __version__
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
+from coffer_src.profiles import PROFILE_NAME_RE
 from coffer_src.service.channel import (
     ChannelError,
     listen,
@@ -273,6 +274,9 @@ class Service:
             answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid()}
             if kind == "control":
                 send_line(conn, {**answer, **self.control(hello)})
+            elif kind == "session" and hello.get("profile") is not None and \
+                    not PROFILE_NAME_RE.match(str(hello["profile"])):
+                send_line(conn, {"coffer": 1, "error": "not a valid profile name"})
             elif kind == "session" and not self.handing_over:
                 send_line(conn, answer)
                 self._session(conn, hello)
@@ -292,7 +296,7 @@ class Service:
 
     def _session(self, conn: socket.socket, hello: dict) -> None:
         output = SocketOutput(conn, str(hello.get("pid", "?")))
-        session = ClientSession(self.hub, out=output)
+        session = ClientSession(self.hub, out=output, profile=hello.get("profile"))
         with self.lock:
             self.sessions[session] = conn
         try:
@@ -309,7 +313,8 @@ class Service:
         if op == "status":
             return {"status": self.status()}
         if op == "tools":
-            return {"tools": self.tools()}
+            profile = request.get("profile")
+            return {"tools": self.tools(profile if isinstance(profile, str) else None)}
         if op == "stop":
             self.stopping.set()
             return {"ok": True}
@@ -331,10 +336,11 @@ class Service:
         for session in sessions:
             session.stream.send({"coffer": "handover"})
 
-    def tools(self) -> dict:
-        """Every usable tool of the catalogue by server, as a client can call it, and each server's state: what
-        `coffer tools`, `call` and `doctor` read from a running service instead of starting servers themselves."""
-        catalogue = self.hub.catalogue
+    def tools(self, profile: str | None = None) -> dict:
+        """Every usable tool of the catalogue (or of ``profile``'s view of it) by server, as a client can call it,
+        and each server's state: what `coffer tools`, `call` and `doctor` read from a running service instead of
+        starting servers themselves."""
+        catalogue = self.hub.catalogue if profile is None else self.hub.views.catalogue(profile, self.hub.catalogue)
         by_server: dict[str, list] = {}
         for tool in catalogue.tools:
             route = catalogue.tool_routes.get(tool["name"])
