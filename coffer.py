@@ -12,53 +12,53 @@ the modules below are in layer order: each uses only the standard library and th
 
 Contents: the line of coffer.py where each module starts, the module, what it holds.
 
-       110  errors                Errors: the one exception root every Coffer error derives from.
-       158  resources             Package data: the word lists and web assets that ship inside coffer.py.
-       185  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       367  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       611  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       713  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1255  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1432  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1755  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      1848  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      1940  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
-      2819  invocation_log        Invocation log: who called what, when and how it ended, written on its own thread.
-      2939  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      3699  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4092  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4379  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5159  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      5721  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      5855  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      6127  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      6308  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      6909  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      6984  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      7471  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      7570  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      7963  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      8343  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      8560  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-      9143  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-      9550  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     10015  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     10128  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     10442  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     10625  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     11266  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     11632  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     11973  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     12719  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     13036  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     13385  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     13778  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     14003  probe                 Probes: starting a server once to see what it offers, from the command line.
-     14171  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     14839  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     15585  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     15892  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     16181  cli                   Command line: coffer's commands.
+       126  errors                Errors: the one exception root every Coffer error derives from.
+       174  resources             Package data: the word lists and web assets that ship inside coffer.py.
+       201  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
+       383  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       627  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       729  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1271  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1448  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1771  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      1864  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      1956  vault                 Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs.
+      2839  invocation_log        Invocation log: who called what, when and how it ended, written on its own thread.
+      2959  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      3719  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4112  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      4399  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5179  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      5741  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      5875  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      6147  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      6328  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      6929  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      8142  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      8629  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      8728  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      9121  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      9501  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+      9718  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     10301  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     10708  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     11173  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     11286  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     11600  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     11783  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12445  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     12811  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13152  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     13898  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14215  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14582  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15000  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     15240  probe                 Probes: starting a server once to see what it offers, from the command line.
+     15408  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     16076  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     16822  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     17129  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     17418  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -69,36 +69,30 @@ import base64
 import collections
 import contextlib
 import dataclasses
-import difflib
 import enum
 import errno
 import fnmatch
 import functools
 import gc
-import hashlib
 import heapq
-import hmac
+import importlib
 import inspect
 import itertools
 import json
 import logging
-import logging.handlers
 import math
 import operator
 import os
 import queue
 import re
-import secrets
 import select
 import selectors
 import shlex
 import shutil
 import signal
 import socket
-import sqlite3
 import stat
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -109,6 +103,28 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Protocol
+
+
+class _ImportedOnFirstUse:
+    """A standard-library module bound by name and imported when first used (tools/amalgamate.py LAZY_STDLIB):
+    most runs of coffer.py never need it.  After the import its names are copied in, so later uses cost what a
+    plain module's do."""
+
+    def __init__(self, name: str):
+        self.__dict__["_name"] = name
+
+    def __getattr__(self, attr: str):
+        module = importlib.import_module(self.__dict__["_name"])
+        self.__dict__.update(vars(module))
+        return getattr(module, attr)
+
+
+difflib = _ImportedOnFirstUse('difflib')
+hashlib = _ImportedOnFirstUse('hashlib')
+hmac = _ImportedOnFirstUse('hmac')
+secrets = _ImportedOnFirstUse('secrets')
+sqlite3 = _ImportedOnFirstUse('sqlite3')
+subprocess = _ImportedOnFirstUse('subprocess')
 
 __version__ = '0.1.0'
 
@@ -2126,6 +2142,7 @@ SCHEMA_PARTS = (
 )
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+VAULT_CACHE_KIB = 512  # SQLite page cache per vault connection (SQLite's default is 2 MB)
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
 
@@ -2244,6 +2261,9 @@ class Vault:
         db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA busy_timeout=10000")
+        # The vault's rows are few and read in full: a small page cache is enough, and a long-running service
+        # holds several connections for hours.
+        db.execute(f"PRAGMA cache_size=-{VAULT_CACHE_KIB}")
         if not uri:
             try:
                 db.execute("PRAGMA journal_mode=WAL")
@@ -6944,16 +6964,338 @@ def word_file_table(text: str) -> dict[str, tuple[str, ...]]:
     return table
 
 
-STOP_WORDS = frozenset(word_file_words('# Stop words of tool search: the words of a request that say nothing about which tool it wants ("please",\n# "using", "tool", "server", ...).  They are dropped from queries and from tool texts alike (search/text.py).\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a line, written as\n# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with \'#\' are comments;\n# blank lines are ignored; no word is listed twice.\na\nabout\nabove\nafter\nagain\nall\nalso\nam\nan\nand\nany\nare\nas\nat\nbe\nbeen\nbefore\nbeing\nbelow\nbetween\nboth\nbut\nby\ncan\ncould\ndid\ndo\ndoes\ndoing\ndown\nduring\neach\nfew\nfor\nfrom\nfurther\nhad\nhas\nhave\nhaving\nhe\nher\nhere\nhers\nhim\nhis\nhow\ni\nif\nin\ninto\nis\nit\nits\nitself\njust\nlet\nme\nmore\nmost\nmy\nno\nnor\nnot\nnow\nof\noff\non\nonce\nonly\nor\nother\nour\nours\nout\nover\nown\nplease\nsame\nshe\nshould\nso\nsome\nsuch\nthan\nthat\nthe\ntheir\ntheirs\nthem\nthen\nthere\nthese\nthey\nthis\nthose\nthrough\nto\ntoo\nunder\nuntil\nup\nvery\nwas\nwe\nwere\nwhat\nwhen\nwhere\nwhich\nwhile\nwho\nwhom\nwhy\nwill\nwith\nwould\nyou\nyour\nyours\nwant\nneed\nlike\nusing\nuse\nvia\ntool\ntools\nmcp\nserver\nhelp\nkindly\n# What is left of "what\'s", "don\'t", "I\'d", "we\'ve" once the apostrophe splits them:\ns\nt\nd\nm\nll\nre\nve\ndon\ndoesn\ndidn\nisn\naren\nwasn\nweren\nhaven\nhasn\nhadn\ncouldn\nshouldn\nwouldn\n'))
+STOP_WORDS = frozenset(word_file_words((
+    '# Stop words of tool search: the words of a request that say nothing about which tool it wants ('
+    '"please",\n'
+    '# "using", "tool", "server", ...).  They are dropped from queries and from tool texts alike (sea'
+    'rch/text.py).\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a l'
+    'ine, written as\n'
+    '# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with '
+    "'#' are comments;\n"
+    '# blank lines are ignored; no word is listed twice.\n'
+    'a\n'
+    'about\n'
+    'above\n'
+    'after\n'
+    'again\n'
+    'all\n'
+    'also\n'
+    'am\n'
+    'an\n'
+    'and\n'
+    'any\n'
+    'are\n'
+    'as\n'
+    'at\n'
+    'be\n'
+    'been\n'
+    'before\n'
+    'being\n'
+    'below\n'
+    'between\n'
+    'both\n'
+    'but\n'
+    'by\n'
+    'can\n'
+    'could\n'
+    'did\n'
+    'do\n'
+    'does\n'
+    'doing\n'
+    'down\n'
+    'during\n'
+    'each\n'
+    'few\n'
+    'for\n'
+    'from\n'
+    'further\n'
+    'had\n'
+    'has\n'
+    'have\n'
+    'having\n'
+    'he\n'
+    'her\n'
+    'here\n'
+    'hers\n'
+    'him\n'
+    'his\n'
+    'how\n'
+    'i\n'
+    'if\n'
+    'in\n'
+    'into\n'
+    'is\n'
+    'it\n'
+    'its\n'
+    'itself\n'
+    'just\n'
+    'let\n'
+    'me\n'
+    'more\n'
+    'most\n'
+    'my\n'
+    'no\n'
+    'nor\n'
+    'not\n'
+    'now\n'
+    'of\n'
+    'off\n'
+    'on\n'
+    'once\n'
+    'only\n'
+    'or\n'
+    'other\n'
+    'our\n'
+    'ours\n'
+    'out\n'
+    'over\n'
+    'own\n'
+    'please\n'
+    'same\n'
+    'she\n'
+    'should\n'
+    'so\n'
+    'some\n'
+    'such\n'
+    'than\n'
+    'that\n'
+    'the\n'
+    'their\n'
+    'theirs\n'
+    'them\n'
+    'then\n'
+    'there\n'
+    'these\n'
+    'they\n'
+    'this\n'
+    'those\n'
+    'through\n'
+    'to\n'
+    'too\n'
+    'under\n'
+    'until\n'
+    'up\n'
+    'very\n'
+    'was\n'
+    'we\n'
+    'were\n'
+    'what\n'
+    'when\n'
+    'where\n'
+    'which\n'
+    'while\n'
+    'who\n'
+    'whom\n'
+    'why\n'
+    'will\n'
+    'with\n'
+    'would\n'
+    'you\n'
+    'your\n'
+    'yours\n'
+    'want\n'
+    'need\n'
+    'like\n'
+    'using\n'
+    'use\n'
+    'via\n'
+    'tool\n'
+    'tools\n'
+    'mcp\n'
+    'server\n'
+    'help\n'
+    'kindly\n'
+    '# What is left of "what\'s", "don\'t", "I\'d", "we\'ve" once the apostrophe splits them:\n'
+    's\n'
+    't\n'
+    'd\n'
+    'm\n'
+    'll\n'
+    're\n'
+    've\n'
+    'don\n'
+    'doesn\n'
+    'didn\n'
+    'isn\n'
+    'aren\n'
+    'wasn\n'
+    'weren\n'
+    'haven\n'
+    'hasn\n'
+    'hadn\n'
+    'couldn\n'
+    'shouldn\n'
+    'wouldn\n'
+)))
 # Tool-search stop words minus the words that carry meaning in documentation ("development server", "--help").
-KNOWLEDGE_STOP_WORDS = STOP_WORDS - frozenset(word_file_words('# Stop words of tool search that the knowledge base keeps: in documentation they carry meaning ("development\n# server", "--help", "MCP tools").  Every word here must be in stop_words.txt.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a line, written as\n# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with \'#\' are comments;\n# blank lines are ignored; no word is listed twice.\nserver\nhelp\ntool\ntools\nmcp\n'))
+KNOWLEDGE_STOP_WORDS = STOP_WORDS - frozenset(word_file_words((
+    '# Stop words of tool search that the knowledge base keeps: in documentation they carry meaning ('
+    '"development\n'
+    '# server", "--help", "MCP tools").  Every word here must be in stop_words.txt.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a l'
+    'ine, written as\n'
+    '# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with '
+    "'#' are comments;\n"
+    '# blank lines are ignored; no word is listed twice.\n'
+    'server\n'
+    'help\n'
+    'tool\n'
+    'tools\n'
+    'mcp\n'
+)))
 
-_IRREGULAR = {word: terms[0] for word, terms in word_file_table('# Irregular forms: words the suffix stripper (search/text.py: stem, singular) would get wrong, and the index\n# term each stands for.  A word mapped to itself is kept from stripping ("news" is not the plural of "new").\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     WORD = TERM\n# WORD lowercase letters, longer than three (stem() leaves shorter words alone and never looks them up); TERM is\n# used as the word\'s index term as it is, so it is its own stem.  Lines starting with \'#\' are comments; blank\n# lines are ignored; no word is listed twice.\nchildren = child\npeople = person\nwomen = woman\ndata = data\nanalyses = analysis\nindices = index\nmedia = media\nnews = news\nstatus = status\nalias = alias\ncanvas = canvas\nhttps = http\n').items()}
+_IRREGULAR = {word: terms[0] for word, terms in word_file_table((
+    '# Irregular forms: words the suffix stripper (search/text.py: stem, singular) would get wrong, a'
+    'nd the index\n'
+    '# term each stands for.  A word mapped to itself is kept from stripping ("news" is not the plura'
+    'l of "new").\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     WORD = TERM\n'
+    '# WORD lowercase letters, longer than three (stem() leaves shorter words alone and never looks t'
+    'hem up); TERM is\n'
+    "# used as the word's index term as it is, so it is its own stem.  Lines starting with '#' are co"
+    'mments; blank\n'
+    '# lines are ignored; no word is listed twice.\n'
+    'children = child\n'
+    'people = person\n'
+    'women = woman\n'
+    'data = data\n'
+    'analyses = analysis\n'
+    'indices = index\n'
+    'media = media\n'
+    'news = news\n'
+    'status = status\n'
+    'alias = alias\n'
+    'canvas = canvas\n'
+    'https = http\n'
+)).items()}
 _EQUIVALENCE_GROUPS = [tuple(entry.split())
-                       for _, entry in word_file_entries('# Equivalences of tool search: groups of words an agent uses for one another ("delete" / "remove" / "drop").  A\n# query word also counts as the other words of its group, at EQUIVALENCE_WEIGHT (search/lexicon.py).  A word may\n# be in several groups ("save": write, download); it then stands for the words of each.\n#\n# Format (read by search/lexicon.py, checked by tests/test_lexicon_data.py): UTF-8 text, one group a line, its\n# words separated by spaces, each one an index term (a word the analyser keeps as one term of its own, not a stop\n# word), none twice in a group.  A line whose first non-blank character is \'#\' is a comment; blank lines are\n# ignored.\ncreate new add make generate insert build compose\ndelete remove drop erase destroy trash purge\nlist enumerate show browse\nsearch find query lookup look locate discover seek\nsend post notify message publish tell dm announce\nfetch get read retrieve load obtain open view\nupdate edit modify change patch set rename alter\nscreenshot capture snapshot screen\nrun execute exec invoke launch start trigger\nstop kill terminate halt cancel abort\nwrite save store put persist\nupload attach\ndownload save\nfile document doc\ndirectory folder dir\nissue ticket bug task\npull merge pr\nemail mail gmail inbox\nchat conversation channel slack\nweb internet online website site page url link\nimage picture photo img\ntranslate translation language\nweather forecast temperature\ntime timezone clock date\ncalendar event meeting schedule appointment\nrepo repository project\nuser person member people account profile\nnavigate go visit browse\nclick press tap\nremember memory recall note knowledge\nsql database db table\nconvert transform export\nsummarize summary tldr digest\nprice cost quote\nstock share ticker market\nmap location place address geocode direction route\nvideo youtube movie\nsong music track playlist\ndeploy release ship\nerror exception crash failure\ncomment reply review\ndialog popup modal\ncoordinates latitude longitude\nelevation altitude height\n')]
+                       for _, entry in word_file_entries((
+    '# Equivalences of tool search: groups of words an agent uses for one another ("delete" / "remove'
+    '" / "drop").  A\n'
+    '# query word also counts as the other words of its group, at EQUIVALENCE_WEIGHT (search/lexicon.'
+    'py).  A word may\n'
+    '# be in several groups ("save": write, download); it then stands for the words of each.\n'
+    '#\n'
+    '# Format (read by search/lexicon.py, checked by tests/test_lexicon_data.py): UTF-8 text, one gro'
+    'up a line, its\n'
+    '# words separated by spaces, each one an index term (a word the analyser keeps as one term of it'
+    's own, not a stop\n'
+    "# word), none twice in a group.  A line whose first non-blank character is '#' is a comment; bla"
+    'nk lines are\n'
+    '# ignored.\n'
+    'create new add make generate insert build compose\n'
+    'delete remove drop erase destroy trash purge\n'
+    'list enumerate show browse\n'
+    'search find query lookup look locate discover seek\n'
+    'send post notify message publish tell dm announce\n'
+    'fetch get read retrieve load obtain open view\n'
+    'update edit modify change patch set rename alter\n'
+    'screenshot capture snapshot screen\n'
+    'run execute exec invoke launch start trigger\n'
+    'stop kill terminate halt cancel abort\n'
+    'write save store put persist\n'
+    'upload attach\n'
+    'download save\n'
+    'file document doc\n'
+    'directory folder dir\n'
+    'issue ticket bug task\n'
+    'pull merge pr\n'
+    'email mail gmail inbox\n'
+    'chat conversation channel slack\n'
+    'web internet online website site page url link\n'
+    'image picture photo img\n'
+    'translate translation language\n'
+    'weather forecast temperature\n'
+    'time timezone clock date\n'
+    'calendar event meeting schedule appointment\n'
+    'repo repository project\n'
+    'user person member people account profile\n'
+    'navigate go visit browse\n'
+    'click press tap\n'
+    'remember memory recall note knowledge\n'
+    'sql database db table\n'
+    'convert transform export\n'
+    'summarize summary tldr digest\n'
+    'price cost quote\n'
+    'stock share ticker market\n'
+    'map location place address geocode direction route\n'
+    'video youtube movie\n'
+    'song music track playlist\n'
+    'deploy release ship\n'
+    'error exception crash failure\n'
+    'comment reply review\n'
+    'dialog popup modal\n'
+    'coordinates latitude longitude\n'
+    'elevation altitude height\n'
+))]
 # Shorthand an agent writes for words a tool's description spells out ("open a PR" = pull request): in a query
 # they also count as the full words, at TRANSLATION_WEIGHT.
-_ABBREVIATION_WORDS = word_file_table('# Shorthand an agent writes for words a tool\'s description spells out ("open a PR" = pull request): in a query\n# a key also counts as its words, at TRANSLATION_WEIGHT (search/lexicon.py).  Tool search only.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with \'#\' are comments; blank lines are ignored; no\n# key is listed twice.\npr = pull request\nprs = pull request\nmr = merge request\nmrs = merge request\nk8s = kubernetes\ngh = github\nrepo = repository\nrepos = repository\nenv = environment\nenvs = environment\nconfig = configuration\nconfigs = configuration\ncfg = configuration\nmsg = message\nmsgs = message\ndb = database\ndbs = database\ndir = directory\ndirs = directory\ndocs = documentation\nauth = authentication\ninfo = information\ndm = direct message\ndms = direct message\norg = organization\norgs = organization\npkg = package\npkgs = package\ndeps = dependency\nimg = image\nimgs = image\npic = picture\npics = picture\nvid = video\nvids = video\naddr = address\nstats = statistics\ntz = timezone\ncalc = calculate\ntxn = transaction\ntxns = transaction\nperf = performance\nprod = production\ndev = development\n')
+_ABBREVIATION_WORDS = word_file_table((
+    '# Shorthand an agent writes for words a tool\'s description spells out ("open a PR" = pull reques'
+    't): in a query\n'
+    '# a key also counts as its words, at TRANSLATION_WEIGHT (search/lexicon.py).  Tool search only.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice.\n'
+    'pr = pull request\n'
+    'prs = pull request\n'
+    'mr = merge request\n'
+    'mrs = merge request\n'
+    'k8s = kubernetes\n'
+    'gh = github\n'
+    'repo = repository\n'
+    'repos = repository\n'
+    'env = environment\n'
+    'envs = environment\n'
+    'config = configuration\n'
+    'configs = configuration\n'
+    'cfg = configuration\n'
+    'msg = message\n'
+    'msgs = message\n'
+    'db = database\n'
+    'dbs = database\n'
+    'dir = directory\n'
+    'dirs = directory\n'
+    'docs = documentation\n'
+    'auth = authentication\n'
+    'info = information\n'
+    'dm = direct message\n'
+    'dms = direct message\n'
+    'org = organization\n'
+    'orgs = organization\n'
+    'pkg = package\n'
+    'pkgs = package\n'
+    'deps = dependency\n'
+    'img = image\n'
+    'imgs = image\n'
+    'pic = picture\n'
+    'pics = picture\n'
+    'vid = video\n'
+    'vids = video\n'
+    'addr = address\n'
+    'stats = statistics\n'
+    'tz = timezone\n'
+    'calc = calculate\n'
+    'txn = transaction\n'
+    'txns = transaction\n'
+    'perf = performance\n'
+    'prod = production\n'
+    'dev = development\n'
+))
 
 EQUIVALENCE_WEIGHT = 0.35
 TRANSLATION_WEIGHT = 0.8
@@ -6961,21 +7303,837 @@ TRANSLATION_WEIGHT = 0.8
 # Common tool-domain words in other languages, mapped to English index terms: one table, one file a language.
 # CJK keys match as substrings.
 LEXICON = {
-    **word_file_table("# Chinese (zh) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Chinese in a request or a document meets English words.\n# Han words Japanese writes alike (保存, 更新, 最新, 最近, 内容, ...) are listed here, once for both languages.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n搜索 = search\n查找 = find\n查询 = query\n检索 = search\n天气 = weather\n文件 = file\n读取 = read\n创建 = create\n新建 = create\n删除 = delete\n发送 = send\n消息 = message\n邮件 = email\n翻译 = translate\n图片 = image\n图像 = image\n截图 = screenshot\n网页 = web page\n网站 = website\n日历 = calendar\n时间 = time\n时区 = timezone\n股票 = stock\n股价 = stock price\n价格 = price\n地图 = map\n地址 = address\n位置 = location\n问题 = issue\n仓库 = repository\n数据库 = database\n列出 = list\n列表 = list\n下载 = download\n上传 = upload\n运行 = run\n执行 = execute\n视频 = video\n音乐 = music\n笔记 = note\n任务 = task\n会议 = meeting\n提交 = commit\n代码 = code\n目录 = directory\n文件夹 = folder\n用户 = user\n评论 = comment\n合并 = merge\n分支 = branch\n总结 = summarize\n摘要 = summary\n转换 = convert\n生成 = generate\n图表 = chart\n新闻 = news\n热搜 = trending\n热门 = trending\n记忆 = memory\n浏览器 = browser\n点击 = click\n导航 = navigate\n链接 = link\n表格 = table\n文档 = document\n写入 = write\n保存 = save\n编辑 = edit\n修改 = update\n更新 = update\n获取 = get\n汇率 = exchange rate\n货币 = currency\n航班 = flight\n酒店 = hotel\n天 = day\n排行 = rank\n论文 = paper\n数学 = math\n计算 = calculate\n音频 = audio\n语音 = speech\n识别 = recognize\n时刻 = time\n几点 = time\n现在 = current\n当前 = current\n最新 = latest\n最近 = recent\n状态 = status\n差异 = diff\n扩容 = scale\n副本 = replica\n分红 = dividend\n股息 = dividend\n详细 = detail\n详情 = detail\n频道 = channel\n打开 = open\n开 = open\n按钮 = button\n页面 = page\n内容 = content\n表 = table\n提交记录 = commit log\n日志 = log\n显示 = show\n查看 = view\n数据 = data\n节点 = node\n命名空间 = namespace\n部署 = deploy\n容器 = container\n镜像 = image\n端口 = port\n转发 = forward\n"),
-    **word_file_table("# Japanese (ja) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Japanese in a request or a document meets English words.\n# Han words Chinese writes alike (保存, 更新, 最新, 最近, 内容, ...) are in lexicon_zh.txt, once for both.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n検索 = search\n天気 = weather\nファイル = file\n作成 = create\n削除 = delete\n送信 = send\nメッセージ = message\nメール = email\n翻訳 = translate\n画像 = image\n写真 = photo\nスクリーンショット = screenshot\n予定 = event\nカレンダー = calendar\n時刻 = time\n時間 = time\n株価 = stock price\n地図 = map\n一覧 = list\nリポジトリ = repository\nデータベース = database\n読み込 = read\n読む = read\n書き込 = write\n取得 = get\n課題 = issue\nイシュー = issue\n会議 = meeting\nブラウザ = browser\nクリック = click\nページ = page\nニュース = news\n動画 = video\n音楽 = music\n要約 = summarize\n変換 = convert\nファイル一覧 = file list\n現在 = current\n状態 = status\n差分 = diff\nブランチ = branch\n配当 = dividend\n詳細 = detail\nチャンネル = channel\n開いて = open\nボタン = button\nログ = log\n作成して = create\n読んで = read\n表示 = show\n一覧を = list\n取得して = get\nアップロード = upload\nダウンロード = download\nディレクトリ = directory\nフォルダ = folder\nフォルダー = folder\nツリー = tree\nスケール = scale\nレプリカ = replica\nデプロイ = deploy\nコンテナ = container\nイメージ = image\nポッド = pod\nノード = node\nユーザー = user\nユーザ = user\nアカウント = account\nパスワード = password\nプロジェクト = project\nタスク = task\nチケット = ticket\nコメント = comment\nプルリクエスト = pull request\nマージ = merge\nコミット = commit\nタグ = tag\nリリース = release\nビルド = build\nエラー = error\nバグ = bug\nドキュメント = document\nテーブル = table\nクエリ = query\nスキーマ = schema\nレコード = record\nスプレッドシート = spreadsheet\nシート = sheet\nグラフ = chart\nチャート = chart\nレポート = report\nリンク = link\nウェブ = web\nサイト = website\nタブ = tab\nフォーム = form\nテキスト = text\nノート = note\nメモ = note\nメモリ = memory\nスレッド = thread\nイベント = event\nスケジュール = schedule\nリマインダー = reminder\nタイムゾーン = timezone\nコード = code\nスクリプト = script\nコマンド = command\nターミナル = terminal\nプロセス = process\nサーバー = server\nサーバ = server\nポート = port\nキャッシュ = cache\nバックアップ = backup\nインストール = install\nパッケージ = package\nバージョン = version\nステータス = status\nログイン = login\nトークン = token\nインボイス = invoice\nカスタマー = customer\n天気予報 = weather forecast\n価格 = price\n株式 = stock\n編集 = edit\n実行 = run\n返信 = reply\n移動 = move\n複製 = copy\nコピー = copy\n名前変更 = rename\n比較 = compare\n説明 = explain\n開く = open\n追加 = add\n支払い = payment\n請求書 = invoice\n顧客 = customer\n注文 = order\n"),
-    **word_file_table("# Korean (ko) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Korean in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n파일 = file\n폴더 = folder\n디렉토리 = directory\n디렉터리 = directory\n트리 = tree\n검색 = search\n찾기 = find\n찾아 = find\n생성 = create\n만들 = create\n만드 = create\n삭제 = delete\n지워 = delete\n지우 = delete\n전송 = send\n보내 = send\n메시지 = message\n메일 = email\n번역 = translate\n이미지 = image\n사진 = photo\n스크린샷 = screenshot\n웹 = web\n페이지 = page\n캘린더 = calendar\n일정 = event\n시간 = time\n날씨 = weather\n주가 = stock price\n주식 = stock\n가격 = price\n지도 = map\n주소 = address\n위치 = location\n이슈 = issue\n저장소 = repository\n리포지토리 = repository\n데이터베이스 = database\n목록 = list\n다운로드 = download\n업로드 = upload\n실행 = run\n동영상 = video\n음악 = music\n노트 = note\n메모 = note\n메모리 = memory\n작업 = task\n회의 = meeting\n커밋 = commit\n코드 = code\n사용자 = user\n댓글 = comment\n병합 = merge\n브랜치 = branch\n요약 = summarize\n변환 = convert\n차트 = chart\n뉴스 = news\n브라우저 = browser\n클릭 = click\n링크 = link\n테이블 = table\n문서 = document\n저장 = save\n편집 = edit\n수정 = update\n업데이트 = update\n조회 = view\n열어 = open\n열기 = open\n읽어 = read\n읽기 = read\n로그 = log\n채널 = channel\n버튼 = button\n배포 = deploy\n컨테이너 = container\n노드 = node\n포트 = port\n상태 = status\n현재 = current\n최신 = latest\n최근 = recent\n환율 = exchange rate\n항공편 = flight\n호텔 = hotel\n결제 = payment\n청구서 = invoice\n고객 = customer\n주문 = order\n스케일 = scale\n복제본 = replica\n레플리카 = replica\n"),
-    **word_file_table("# Spanish (es) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Spanish in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\nbuscar = search\nbusca = search\ncrear = create\ncrea = create\nborrar = delete\neliminar = delete\nelimina = delete\nenviar = send\nenvía = send\nenvia = send\nmensaje = message\ncorreo = email\narchivo = file\narchivos = file\nfichero = file\nclima = weather\ntiempo = weather\ntraducir = translate\ntraduce = translate\nimagen = image\ncaptura = screenshot\ncalendario = calendar\nevento = event\nreunión = meeting\nleer = read\nlee = read\nescribir = write\nescribe = write\nlistar = list\nlista = list\nprecio = price\nacciones = stock\ncarpeta = folder\npágina = page\npagina = page\nnoticias = news\ntarea = task\nhora = time\n"),
-    **word_file_table('# German (de) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which German in a request or a document meets English words.\n# Verbs split over a clause ("lade ... hoch") are in german_separable_verbs.txt; a compound of two words listed\n# here ("Verzeichnisbaum" = directory tree) is understood without being listed.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with \'#\' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\nsuchen = search\nsuche = search\nerstellen = create\nerstelle = create\nlöschen = delete\nlösche = delete\nsenden = send\nsende = send\nnachricht = message\ndatei = file\ndateien = file\nwetter = weather\nübersetzen = translate\nübersetze = translate\nbild = image\nbildschirmfoto = screenshot\nkalender = calendar\ntermin = event\nlesen = read\nlies = read\nschreiben = write\nliste = list\nauflisten = list\npreis = price\naktie = stock\naktienkurs = stock price\nordner = folder\nseite = page\nnachrichten = news\naufgabe = task\nuhrzeit = time\nzeit = time\nbesprechung = meeting\naktuell = current\naktuelle = current\naktuellen = current\naktueller = current\njetzt = current\ngerade = current\nspät = time\nuhr = time\nverzeichnis = directory\nverzeichnisse = directory\nbaum = tree\naktien = stock\nkurs = price\nkurse = price\ninformationen = information\nbildschirm = screen\nfoto = photo\nrouten = route\nroutenplanung = directions\nplanung = plan\ndividende = dividend\ndividenden = dividend\nhistorie = history\nverlauf = history\nanmelde = login\nanmeldung = login\nknopf = button\nschaltfläche = button\nprotokoll = log\nprotokolle = log\nkanal = channel\nkanäle = channel\nadresse = address\nkoordinaten = coordinates\nprojekt = project\nänderung = change\nänderungen = change\nzweig = branch\nletzte = last\nletzten = latest\nneueste = latest\nneuigkeiten = news\nschlagzeilen = headlines\nneu = new\nneuen = new\nneuer = new\nneues = new\ntabelle = table\nzeile = row\nspalte = column\nbenutzer = user\nnutzer = user\nkonto = account\npasswort = password\nrechnung = invoice\nzahlung = payment\nbestellung = order\nkunde = customer\nkunden = customer\nkommentar = comment\nkommentare = comment\nantwort = reply\nantworte = reply\ngröße = size\ngrösse = size\ninhalt = content\ninhalte = content\nwiederherstellen = restore\nspeichere = save\nspeichern = save\nöffne = open\nöffnen = open\nverschiebe = move\nverschieben = move\numbenennen = rename\nbenenne = rename\nkopiere = copy\nkopieren = copy\nvergleiche = compare\nvergleichen = compare\nzusammenfassung = summary\nfasse = summarize\nerkläre = explain\nübersicht = overview\nabhängigkeiten = dependencies\ndatenbank = database\nabfrage = query\ntabellen = table\nzeitzone = timezone\nstadt = city\nwo = location\nentfernung = distance\nhöhe = elevation\nort = place\norte = place\n'),
-    **word_file_table("# French (fr) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which French in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\nrechercher = search\nchercher = search\ncherche = search\ncréer = create\ncrée = create\nsupprimer = delete\nsupprime = delete\nenvoyer = send\nenvoie = send\nfichier = file\nfichiers = file\nmétéo = weather\ntraduire = translate\ntraduis = translate\ncalendrier = calendar\névénement = event\nlire = read\nécrire = write\nlister = list\nprix = price\ndossier = folder\nactualités = news\ntâche = task\nheure = time\nréunion = meeting\ncourriel = email\n"),
-    **word_file_table("# Portuguese (pt) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Portuguese in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\narquivo = file\narquivos = file\ncriar = create\nexcluir = delete\napagar = delete\npesquisar = search\nprocurar = search\nprevisão = forecast\nmensagem = message\nmensagens = message\nusuário = user\nrepositório = repository\nbaixar = download\ntarefa = task\ntarefas = task\nreunião = meeting\ncomentário = comment\ntraduzir = translate\nimagem = image\nendereço = address\nlocalização = location\nnotícias = news\npreço = price\nplanilha = spreadsheet\nresumir = summarize\n"),
-    **word_file_table("# Italian (it) tool-domain words and the English index terms they stand for: part of the lexicon\n# (search/lexicon.py: LEXICON) through which Italian in a request or a document meets English words.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines are ignored; no\n# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\ncartella = folder\ncercare = search\ncreare = create\neliminare = delete\ninviare = send\ninvia = send\nmessaggio = message\nmessaggi = message\nutente = user\nimmagine = image\nindirizzo = address\nnotizie = news\nprezzo = price\nriunione = meeting\ncommento = comment\ntradurre = translate\ntraduci = translate\nscaricare = download\nscarica = download\ncaricare = upload\ncarica = upload\nriassumere = summarize\nriassumi = summarize\nmeteo = weather\nprevisioni = forecast\n"),
+    **word_file_table((
+    '# Chinese (zh) tool-domain words and the English index terms they stand for: part of the lexicon'
+    '\n'
+    '# (search/lexicon.py: LEXICON) through which Chinese in a request or a document meets English wo'
+    'rds.\n'
+    '# Han words Japanese writes alike (保存, 更新, 最新, 最近, 内容, ...) are listed here, once for both langu'
+    'ages.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n'
+    '搜索 = search\n'
+    '查找 = find\n'
+    '查询 = query\n'
+    '检索 = search\n'
+    '天气 = weather\n'
+    '文件 = file\n'
+    '读取 = read\n'
+    '创建 = create\n'
+    '新建 = create\n'
+    '删除 = delete\n'
+    '发送 = send\n'
+    '消息 = message\n'
+    '邮件 = email\n'
+    '翻译 = translate\n'
+    '图片 = image\n'
+    '图像 = image\n'
+    '截图 = screenshot\n'
+    '网页 = web page\n'
+    '网站 = website\n'
+    '日历 = calendar\n'
+    '时间 = time\n'
+    '时区 = timezone\n'
+    '股票 = stock\n'
+    '股价 = stock price\n'
+    '价格 = price\n'
+    '地图 = map\n'
+    '地址 = address\n'
+    '位置 = location\n'
+    '问题 = issue\n'
+    '仓库 = repository\n'
+    '数据库 = database\n'
+    '列出 = list\n'
+    '列表 = list\n'
+    '下载 = download\n'
+    '上传 = upload\n'
+    '运行 = run\n'
+    '执行 = execute\n'
+    '视频 = video\n'
+    '音乐 = music\n'
+    '笔记 = note\n'
+    '任务 = task\n'
+    '会议 = meeting\n'
+    '提交 = commit\n'
+    '代码 = code\n'
+    '目录 = directory\n'
+    '文件夹 = folder\n'
+    '用户 = user\n'
+    '评论 = comment\n'
+    '合并 = merge\n'
+    '分支 = branch\n'
+    '总结 = summarize\n'
+    '摘要 = summary\n'
+    '转换 = convert\n'
+    '生成 = generate\n'
+    '图表 = chart\n'
+    '新闻 = news\n'
+    '热搜 = trending\n'
+    '热门 = trending\n'
+    '记忆 = memory\n'
+    '浏览器 = browser\n'
+    '点击 = click\n'
+    '导航 = navigate\n'
+    '链接 = link\n'
+    '表格 = table\n'
+    '文档 = document\n'
+    '写入 = write\n'
+    '保存 = save\n'
+    '编辑 = edit\n'
+    '修改 = update\n'
+    '更新 = update\n'
+    '获取 = get\n'
+    '汇率 = exchange rate\n'
+    '货币 = currency\n'
+    '航班 = flight\n'
+    '酒店 = hotel\n'
+    '天 = day\n'
+    '排行 = rank\n'
+    '论文 = paper\n'
+    '数学 = math\n'
+    '计算 = calculate\n'
+    '音频 = audio\n'
+    '语音 = speech\n'
+    '识别 = recognize\n'
+    '时刻 = time\n'
+    '几点 = time\n'
+    '现在 = current\n'
+    '当前 = current\n'
+    '最新 = latest\n'
+    '最近 = recent\n'
+    '状态 = status\n'
+    '差异 = diff\n'
+    '扩容 = scale\n'
+    '副本 = replica\n'
+    '分红 = dividend\n'
+    '股息 = dividend\n'
+    '详细 = detail\n'
+    '详情 = detail\n'
+    '频道 = channel\n'
+    '打开 = open\n'
+    '开 = open\n'
+    '按钮 = button\n'
+    '页面 = page\n'
+    '内容 = content\n'
+    '表 = table\n'
+    '提交记录 = commit log\n'
+    '日志 = log\n'
+    '显示 = show\n'
+    '查看 = view\n'
+    '数据 = data\n'
+    '节点 = node\n'
+    '命名空间 = namespace\n'
+    '部署 = deploy\n'
+    '容器 = container\n'
+    '镜像 = image\n'
+    '端口 = port\n'
+    '转发 = forward\n'
+)),
+    **word_file_table((
+    '# Japanese (ja) tool-domain words and the English index terms they stand for: part of the lexico'
+    'n\n'
+    '# (search/lexicon.py: LEXICON) through which Japanese in a request or a document meets English w'
+    'ords.\n'
+    '# Han words Chinese writes alike (保存, 更新, 最新, 最近, 内容, ...) are in lexicon_zh.txt, once for both.'
+    '\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n'
+    '検索 = search\n'
+    '天気 = weather\n'
+    'ファイル = file\n'
+    '作成 = create\n'
+    '削除 = delete\n'
+    '送信 = send\n'
+    'メッセージ = message\n'
+    'メール = email\n'
+    '翻訳 = translate\n'
+    '画像 = image\n'
+    '写真 = photo\n'
+    'スクリーンショット = screenshot\n'
+    '予定 = event\n'
+    'カレンダー = calendar\n'
+    '時刻 = time\n'
+    '時間 = time\n'
+    '株価 = stock price\n'
+    '地図 = map\n'
+    '一覧 = list\n'
+    'リポジトリ = repository\n'
+    'データベース = database\n'
+    '読み込 = read\n'
+    '読む = read\n'
+    '書き込 = write\n'
+    '取得 = get\n'
+    '課題 = issue\n'
+    'イシュー = issue\n'
+    '会議 = meeting\n'
+    'ブラウザ = browser\n'
+    'クリック = click\n'
+    'ページ = page\n'
+    'ニュース = news\n'
+    '動画 = video\n'
+    '音楽 = music\n'
+    '要約 = summarize\n'
+    '変換 = convert\n'
+    'ファイル一覧 = file list\n'
+    '現在 = current\n'
+    '状態 = status\n'
+    '差分 = diff\n'
+    'ブランチ = branch\n'
+    '配当 = dividend\n'
+    '詳細 = detail\n'
+    'チャンネル = channel\n'
+    '開いて = open\n'
+    'ボタン = button\n'
+    'ログ = log\n'
+    '作成して = create\n'
+    '読んで = read\n'
+    '表示 = show\n'
+    '一覧を = list\n'
+    '取得して = get\n'
+    'アップロード = upload\n'
+    'ダウンロード = download\n'
+    'ディレクトリ = directory\n'
+    'フォルダ = folder\n'
+    'フォルダー = folder\n'
+    'ツリー = tree\n'
+    'スケール = scale\n'
+    'レプリカ = replica\n'
+    'デプロイ = deploy\n'
+    'コンテナ = container\n'
+    'イメージ = image\n'
+    'ポッド = pod\n'
+    'ノード = node\n'
+    'ユーザー = user\n'
+    'ユーザ = user\n'
+    'アカウント = account\n'
+    'パスワード = password\n'
+    'プロジェクト = project\n'
+    'タスク = task\n'
+    'チケット = ticket\n'
+    'コメント = comment\n'
+    'プルリクエスト = pull request\n'
+    'マージ = merge\n'
+    'コミット = commit\n'
+    'タグ = tag\n'
+    'リリース = release\n'
+    'ビルド = build\n'
+    'エラー = error\n'
+    'バグ = bug\n'
+    'ドキュメント = document\n'
+    'テーブル = table\n'
+    'クエリ = query\n'
+    'スキーマ = schema\n'
+    'レコード = record\n'
+    'スプレッドシート = spreadsheet\n'
+    'シート = sheet\n'
+    'グラフ = chart\n'
+    'チャート = chart\n'
+    'レポート = report\n'
+    'リンク = link\n'
+    'ウェブ = web\n'
+    'サイト = website\n'
+    'タブ = tab\n'
+    'フォーム = form\n'
+    'テキスト = text\n'
+    'ノート = note\n'
+    'メモ = note\n'
+    'メモリ = memory\n'
+    'スレッド = thread\n'
+    'イベント = event\n'
+    'スケジュール = schedule\n'
+    'リマインダー = reminder\n'
+    'タイムゾーン = timezone\n'
+    'コード = code\n'
+    'スクリプト = script\n'
+    'コマンド = command\n'
+    'ターミナル = terminal\n'
+    'プロセス = process\n'
+    'サーバー = server\n'
+    'サーバ = server\n'
+    'ポート = port\n'
+    'キャッシュ = cache\n'
+    'バックアップ = backup\n'
+    'インストール = install\n'
+    'パッケージ = package\n'
+    'バージョン = version\n'
+    'ステータス = status\n'
+    'ログイン = login\n'
+    'トークン = token\n'
+    'インボイス = invoice\n'
+    'カスタマー = customer\n'
+    '天気予報 = weather forecast\n'
+    '価格 = price\n'
+    '株式 = stock\n'
+    '編集 = edit\n'
+    '実行 = run\n'
+    '返信 = reply\n'
+    '移動 = move\n'
+    '複製 = copy\n'
+    'コピー = copy\n'
+    '名前変更 = rename\n'
+    '比較 = compare\n'
+    '説明 = explain\n'
+    '開く = open\n'
+    '追加 = add\n'
+    '支払い = payment\n'
+    '請求書 = invoice\n'
+    '顧客 = customer\n'
+    '注文 = order\n'
+)),
+    **word_file_table((
+    '# Korean (ko) tool-domain words and the English index terms they stand for: part of the lexicon\n'
+    '# (search/lexicon.py: LEXICON) through which Korean in a request or a document meets English wor'
+    'ds.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n'
+    '파일 = file\n'
+    '폴더 = folder\n'
+    '디렉토리 = directory\n'
+    '디렉터리 = directory\n'
+    '트리 = tree\n'
+    '검색 = search\n'
+    '찾기 = find\n'
+    '찾아 = find\n'
+    '생성 = create\n'
+    '만들 = create\n'
+    '만드 = create\n'
+    '삭제 = delete\n'
+    '지워 = delete\n'
+    '지우 = delete\n'
+    '전송 = send\n'
+    '보내 = send\n'
+    '메시지 = message\n'
+    '메일 = email\n'
+    '번역 = translate\n'
+    '이미지 = image\n'
+    '사진 = photo\n'
+    '스크린샷 = screenshot\n'
+    '웹 = web\n'
+    '페이지 = page\n'
+    '캘린더 = calendar\n'
+    '일정 = event\n'
+    '시간 = time\n'
+    '날씨 = weather\n'
+    '주가 = stock price\n'
+    '주식 = stock\n'
+    '가격 = price\n'
+    '지도 = map\n'
+    '주소 = address\n'
+    '위치 = location\n'
+    '이슈 = issue\n'
+    '저장소 = repository\n'
+    '리포지토리 = repository\n'
+    '데이터베이스 = database\n'
+    '목록 = list\n'
+    '다운로드 = download\n'
+    '업로드 = upload\n'
+    '실행 = run\n'
+    '동영상 = video\n'
+    '음악 = music\n'
+    '노트 = note\n'
+    '메모 = note\n'
+    '메모리 = memory\n'
+    '작업 = task\n'
+    '회의 = meeting\n'
+    '커밋 = commit\n'
+    '코드 = code\n'
+    '사용자 = user\n'
+    '댓글 = comment\n'
+    '병합 = merge\n'
+    '브랜치 = branch\n'
+    '요약 = summarize\n'
+    '변환 = convert\n'
+    '차트 = chart\n'
+    '뉴스 = news\n'
+    '브라우저 = browser\n'
+    '클릭 = click\n'
+    '링크 = link\n'
+    '테이블 = table\n'
+    '문서 = document\n'
+    '저장 = save\n'
+    '편집 = edit\n'
+    '수정 = update\n'
+    '업데이트 = update\n'
+    '조회 = view\n'
+    '열어 = open\n'
+    '열기 = open\n'
+    '읽어 = read\n'
+    '읽기 = read\n'
+    '로그 = log\n'
+    '채널 = channel\n'
+    '버튼 = button\n'
+    '배포 = deploy\n'
+    '컨테이너 = container\n'
+    '노드 = node\n'
+    '포트 = port\n'
+    '상태 = status\n'
+    '현재 = current\n'
+    '최신 = latest\n'
+    '최근 = recent\n'
+    '환율 = exchange rate\n'
+    '항공편 = flight\n'
+    '호텔 = hotel\n'
+    '결제 = payment\n'
+    '청구서 = invoice\n'
+    '고객 = customer\n'
+    '주문 = order\n'
+    '스케일 = scale\n'
+    '복제본 = replica\n'
+    '레플리카 = replica\n'
+)),
+    **word_file_table((
+    '# Spanish (es) tool-domain words and the English index terms they stand for: part of the lexicon'
+    '\n'
+    '# (search/lexicon.py: LEXICON) through which Spanish in a request or a document meets English wo'
+    'rds.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n'
+    'buscar = search\n'
+    'busca = search\n'
+    'crear = create\n'
+    'crea = create\n'
+    'borrar = delete\n'
+    'eliminar = delete\n'
+    'elimina = delete\n'
+    'enviar = send\n'
+    'envía = send\n'
+    'envia = send\n'
+    'mensaje = message\n'
+    'correo = email\n'
+    'archivo = file\n'
+    'archivos = file\n'
+    'fichero = file\n'
+    'clima = weather\n'
+    'tiempo = weather\n'
+    'traducir = translate\n'
+    'traduce = translate\n'
+    'imagen = image\n'
+    'captura = screenshot\n'
+    'calendario = calendar\n'
+    'evento = event\n'
+    'reunión = meeting\n'
+    'leer = read\n'
+    'lee = read\n'
+    'escribir = write\n'
+    'escribe = write\n'
+    'listar = list\n'
+    'lista = list\n'
+    'precio = price\n'
+    'acciones = stock\n'
+    'carpeta = folder\n'
+    'página = page\n'
+    'pagina = page\n'
+    'noticias = news\n'
+    'tarea = task\n'
+    'hora = time\n'
+)),
+    **word_file_table((
+    '# German (de) tool-domain words and the English index terms they stand for: part of the lexicon\n'
+    '# (search/lexicon.py: LEXICON) through which German in a request or a document meets English wor'
+    'ds.\n'
+    '# Verbs split over a clause ("lade ... hoch") are in german_separable_verbs.txt; a compound of t'
+    'wo words listed\n'
+    '# here ("Verzeichnisbaum" = directory tree) is understood without being listed.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n'
+    'suchen = search\n'
+    'suche = search\n'
+    'erstellen = create\n'
+    'erstelle = create\n'
+    'löschen = delete\n'
+    'lösche = delete\n'
+    'senden = send\n'
+    'sende = send\n'
+    'nachricht = message\n'
+    'datei = file\n'
+    'dateien = file\n'
+    'wetter = weather\n'
+    'übersetzen = translate\n'
+    'übersetze = translate\n'
+    'bild = image\n'
+    'bildschirmfoto = screenshot\n'
+    'kalender = calendar\n'
+    'termin = event\n'
+    'lesen = read\n'
+    'lies = read\n'
+    'schreiben = write\n'
+    'liste = list\n'
+    'auflisten = list\n'
+    'preis = price\n'
+    'aktie = stock\n'
+    'aktienkurs = stock price\n'
+    'ordner = folder\n'
+    'seite = page\n'
+    'nachrichten = news\n'
+    'aufgabe = task\n'
+    'uhrzeit = time\n'
+    'zeit = time\n'
+    'besprechung = meeting\n'
+    'aktuell = current\n'
+    'aktuelle = current\n'
+    'aktuellen = current\n'
+    'aktueller = current\n'
+    'jetzt = current\n'
+    'gerade = current\n'
+    'spät = time\n'
+    'uhr = time\n'
+    'verzeichnis = directory\n'
+    'verzeichnisse = directory\n'
+    'baum = tree\n'
+    'aktien = stock\n'
+    'kurs = price\n'
+    'kurse = price\n'
+    'informationen = information\n'
+    'bildschirm = screen\n'
+    'foto = photo\n'
+    'routen = route\n'
+    'routenplanung = directions\n'
+    'planung = plan\n'
+    'dividende = dividend\n'
+    'dividenden = dividend\n'
+    'historie = history\n'
+    'verlauf = history\n'
+    'anmelde = login\n'
+    'anmeldung = login\n'
+    'knopf = button\n'
+    'schaltfläche = button\n'
+    'protokoll = log\n'
+    'protokolle = log\n'
+    'kanal = channel\n'
+    'kanäle = channel\n'
+    'adresse = address\n'
+    'koordinaten = coordinates\n'
+    'projekt = project\n'
+    'änderung = change\n'
+    'änderungen = change\n'
+    'zweig = branch\n'
+    'letzte = last\n'
+    'letzten = latest\n'
+    'neueste = latest\n'
+    'neuigkeiten = news\n'
+    'schlagzeilen = headlines\n'
+    'neu = new\n'
+    'neuen = new\n'
+    'neuer = new\n'
+    'neues = new\n'
+    'tabelle = table\n'
+    'zeile = row\n'
+    'spalte = column\n'
+    'benutzer = user\n'
+    'nutzer = user\n'
+    'konto = account\n'
+    'passwort = password\n'
+    'rechnung = invoice\n'
+    'zahlung = payment\n'
+    'bestellung = order\n'
+    'kunde = customer\n'
+    'kunden = customer\n'
+    'kommentar = comment\n'
+    'kommentare = comment\n'
+    'antwort = reply\n'
+    'antworte = reply\n'
+    'größe = size\n'
+    'grösse = size\n'
+    'inhalt = content\n'
+    'inhalte = content\n'
+    'wiederherstellen = restore\n'
+    'speichere = save\n'
+    'speichern = save\n'
+    'öffne = open\n'
+    'öffnen = open\n'
+    'verschiebe = move\n'
+    'verschieben = move\n'
+    'umbenennen = rename\n'
+    'benenne = rename\n'
+    'kopiere = copy\n'
+    'kopieren = copy\n'
+    'vergleiche = compare\n'
+    'vergleichen = compare\n'
+    'zusammenfassung = summary\n'
+    'fasse = summarize\n'
+    'erkläre = explain\n'
+    'übersicht = overview\n'
+    'abhängigkeiten = dependencies\n'
+    'datenbank = database\n'
+    'abfrage = query\n'
+    'tabellen = table\n'
+    'zeitzone = timezone\n'
+    'stadt = city\n'
+    'wo = location\n'
+    'entfernung = distance\n'
+    'höhe = elevation\n'
+    'ort = place\n'
+    'orte = place\n'
+)),
+    **word_file_table((
+    '# French (fr) tool-domain words and the English index terms they stand for: part of the lexicon\n'
+    '# (search/lexicon.py: LEXICON) through which French in a request or a document meets English wor'
+    'ds.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n'
+    'rechercher = search\n'
+    'chercher = search\n'
+    'cherche = search\n'
+    'créer = create\n'
+    'crée = create\n'
+    'supprimer = delete\n'
+    'supprime = delete\n'
+    'envoyer = send\n'
+    'envoie = send\n'
+    'fichier = file\n'
+    'fichiers = file\n'
+    'météo = weather\n'
+    'traduire = translate\n'
+    'traduis = translate\n'
+    'calendrier = calendar\n'
+    'événement = event\n'
+    'lire = read\n'
+    'écrire = write\n'
+    'lister = list\n'
+    'prix = price\n'
+    'dossier = folder\n'
+    'actualités = news\n'
+    'tâche = task\n'
+    'heure = time\n'
+    'réunion = meeting\n'
+    'courriel = email\n'
+)),
+    **word_file_table((
+    '# Portuguese (pt) tool-domain words and the English index terms they stand for: part of the lexi'
+    'con\n'
+    '# (search/lexicon.py: LEXICON) through which Portuguese in a request or a document meets English'
+    ' words.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n'
+    'arquivo = file\n'
+    'arquivos = file\n'
+    'criar = create\n'
+    'excluir = delete\n'
+    'apagar = delete\n'
+    'pesquisar = search\n'
+    'procurar = search\n'
+    'previsão = forecast\n'
+    'mensagem = message\n'
+    'mensagens = message\n'
+    'usuário = user\n'
+    'repositório = repository\n'
+    'baixar = download\n'
+    'tarefa = task\n'
+    'tarefas = task\n'
+    'reunião = meeting\n'
+    'comentário = comment\n'
+    'traduzir = translate\n'
+    'imagem = image\n'
+    'endereço = address\n'
+    'localização = location\n'
+    'notícias = news\n'
+    'preço = price\n'
+    'planilha = spreadsheet\n'
+    'resumir = summarize\n'
+)),
+    **word_file_table((
+    '# Italian (it) tool-domain words and the English index terms they stand for: part of the lexicon'
+    '\n'
+    '# (search/lexicon.py: LEXICON) through which Italian in a request or a document meets English wo'
+    'rds.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice, in this file or another lexicon_*.txt (the lexicon is one table).\n'
+    'cartella = folder\n'
+    'cercare = search\n'
+    'creare = create\n'
+    'eliminare = delete\n'
+    'inviare = send\n'
+    'invia = send\n'
+    'messaggio = message\n'
+    'messaggi = message\n'
+    'utente = user\n'
+    'immagine = image\n'
+    'indirizzo = address\n'
+    'notizie = news\n'
+    'prezzo = price\n'
+    'riunione = meeting\n'
+    'commento = comment\n'
+    'tradurre = translate\n'
+    'traduci = translate\n'
+    'scaricare = download\n'
+    'scarica = download\n'
+    'caricare = upload\n'
+    'carica = upload\n'
+    'riassumere = summarize\n'
+    'riassumi = summarize\n'
+    'meteo = weather\n'
+    'previsioni = forecast\n'
+)),
 }
 _LEXICON_ENDINGS = frozenset(key[-3:] for key in LEXICON if len(key) >= 3)  # a compound ends in a lexicon word
 
 # German separable verbs: "Lade die Datei hoch" is hochladen (upload) with the particle at the clause's end.
 # Listed as infinitives; translations() rejoins a particle with an inflected verb form anywhere in the query.
-SEPARABLE_VERBS = word_file_table('# German separable verbs, as infinitives: "Lade die Datei hoch" is hochladen (upload) with its particle at the\n# clause\'s end.  translations() (search/text.py) rejoins a particle of german_particles.txt with an inflected verb\n# form anywhere in the text, so every verb here starts with one of those particles.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a line,\n#     KEY = WORD [WORD ...]\n# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of CJK characters,\n# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, the analyser keeps\n# it as a term of its own (not a stop word).  Lines starting with \'#\' are comments; blank lines are ignored; no\n# key is listed twice.\nhochladen = upload\nherunterladen = download\nrunterladen = download\nanlegen = create\nhinzufügen = add\nanzeigen = show\nansehen = view\nanschauen = view\nabrufen = fetch\naufrufen = open\numrechnen = convert\numwandeln = convert\nauflisten = list\nausführen = run\neinfügen = insert\neintragen = add\nzurücksetzen = reset\neinloggen = login\nanmelden = login\nabmelden = logout\naufnehmen = record\nabschicken = send\nabsenden = send\nweiterleiten = forward\nzusammenfassen = summarize\nnachschlagen = lookup\nnachsehen = check\nherausfinden = find\nzusammenführen = merge\nfestlegen = set\neinstellen = set\nabbrechen = cancel\nanhalten = stop\nausschalten = disable\neinschalten = enable\nabspielen = play\naufzeichnen = record\nhochskalieren = scale\nherunterfahren = shutdown\nneustarten = restart\nzurückrollen = rollback\nzurückgehen = back\nausfüllen = fill\nauswählen = select\nanklicken = click\nweiterschicken = forward\numbenennen = rename\n')
-_GERMAN_PARTICLES = tuple(word_file_words('# The particles German separable verbs split off ("hoch" of hochladen), in the order they are tried.\n#\n# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a line, written as\n# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with \'#\' are comments;\n# blank lines are ignored; no word is listed twice.\nhoch\nherunter\nrunter\nan\nab\nauf\naus\nein\nhinzu\num\nzu\nzurück\nweiter\nnach\nheraus\nzusammen\nfest\nneu\n'))
+SEPARABLE_VERBS = word_file_table((
+    '# German separable verbs, as infinitives: "Lade die Datei hoch" is hochladen (upload) with its p'
+    'article at the\n'
+    "# clause's end.  translations() (search/text.py) rejoins a particle of german_particles.txt with"
+    ' an inflected verb\n'
+    '# form anywhere in the text, so every verb here starts with one of those particles.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one entry a '
+    'line,\n'
+    '#     KEY = WORD [WORD ...]\n'
+    '# KEY is written as the analyser yields it (NFKC-normalised, lowercase): one word, or a run of C'
+    'JK characters,\n'
+    '# which matches anywhere inside a longer run.  Each WORD is an index term: written in a text, th'
+    'e analyser keeps\n'
+    "# it as a term of its own (not a stop word).  Lines starting with '#' are comments; blank lines "
+    'are ignored; no\n'
+    '# key is listed twice.\n'
+    'hochladen = upload\n'
+    'herunterladen = download\n'
+    'runterladen = download\n'
+    'anlegen = create\n'
+    'hinzufügen = add\n'
+    'anzeigen = show\n'
+    'ansehen = view\n'
+    'anschauen = view\n'
+    'abrufen = fetch\n'
+    'aufrufen = open\n'
+    'umrechnen = convert\n'
+    'umwandeln = convert\n'
+    'auflisten = list\n'
+    'ausführen = run\n'
+    'einfügen = insert\n'
+    'eintragen = add\n'
+    'zurücksetzen = reset\n'
+    'einloggen = login\n'
+    'anmelden = login\n'
+    'abmelden = logout\n'
+    'aufnehmen = record\n'
+    'abschicken = send\n'
+    'absenden = send\n'
+    'weiterleiten = forward\n'
+    'zusammenfassen = summarize\n'
+    'nachschlagen = lookup\n'
+    'nachsehen = check\n'
+    'herausfinden = find\n'
+    'zusammenführen = merge\n'
+    'festlegen = set\n'
+    'einstellen = set\n'
+    'abbrechen = cancel\n'
+    'anhalten = stop\n'
+    'ausschalten = disable\n'
+    'einschalten = enable\n'
+    'abspielen = play\n'
+    'aufzeichnen = record\n'
+    'hochskalieren = scale\n'
+    'herunterfahren = shutdown\n'
+    'neustarten = restart\n'
+    'zurückrollen = rollback\n'
+    'zurückgehen = back\n'
+    'ausfüllen = fill\n'
+    'auswählen = select\n'
+    'anklicken = click\n'
+    'weiterschicken = forward\n'
+    'umbenennen = rename\n'
+))
+_GERMAN_PARTICLES = tuple(word_file_words((
+    '# The particles German separable verbs split off ("hoch" of hochladen), in the order they are tr'
+    'ied.\n'
+    '#\n'
+    '# Format (search/lexicon.py reads it; tests/test_lexicon_data.py checks it): UTF-8, one word a l'
+    'ine, written as\n'
+    '# the analyser yields it (NFKC-normalised, lowercase, letters and digits).  Lines starting with '
+    "'#' are comments;\n"
+    '# blank lines are ignored; no word is listed twice.\n'
+    'hoch\n'
+    'herunter\n'
+    'runter\n'
+    'an\n'
+    'ab\n'
+    'auf\n'
+    'aus\n'
+    'ein\n'
+    'hinzu\n'
+    'um\n'
+    'zu\n'
+    'zurück\n'
+    'weiter\n'
+    'nach\n'
+    'heraus\n'
+    'zusammen\n'
+    'fest\n'
+    'neu\n'
+)))
 _GERMAN_PARTICLE_SET = frozenset(_GERMAN_PARTICLES)
 
 # The CJK keys of the lexicon by their first two characters (a one-character key by its one): a text's CJK runs
@@ -10647,6 +11805,25 @@ RESTART_KEYS = ("transport", "command", "url", "env", "headers", "cwd", "timeout
 SHARED_CLIENT_CAPABILITIES = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
 
 
+_LIBC_TRIM = None
+
+
+def return_freed_memory() -> None:
+    """Hand the heap a catalogue build freed back to the operating system (glibc keeps it, by default, for the
+    process's next allocation; the service lives for hours between builds).  Elsewhere a no-op."""
+    global _LIBC_TRIM
+    if _LIBC_TRIM is None:
+        _LIBC_TRIM = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+                _LIBC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                pass
+    if _LIBC_TRIM:
+        _LIBC_TRIM(0)
+
+
 class RememberedServer:
     """A server with no instance running in the hub: what the catalogue lists for it, from its lists remembered
     at its last start, until an instance is asked for."""
@@ -11250,6 +12427,8 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
+        if self.shared:
+            return_freed_memory()
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream
@@ -13081,6 +14260,10 @@ def _id_key(msg_id) -> str:
     return json.dumps(msg_id)
 
 
+class StandaloneWanted(Exception):  # noqa: N818 - a decision, not a failure: the caller serves in-process
+    """The user's serve_mode setting says standalone: this `coffer serve` runs the gateway itself."""
+
+
 class Attachment:
     """One connection to a service: its socket and the client requests it has not answered yet."""
 
@@ -13101,8 +14284,9 @@ class Relay:
     except on Windows, where a pipe cannot be selected: a second thread reads the client there.
     """
 
-    def __init__(self, home: str, version: str, build: str, start_service: Callable[[], None],
-                 client_in=None, client_out=None, attach_timeout: float = 15.0, profile: str | None = None):
+    def __init__(self, home: str, version: str, build: str, start_service: Callable[[bool], None],
+                 client_in=None, client_out=None, attach_timeout: float = 15.0, honour_setting: bool = True,
+                 profile: str | None = None):
         self.home = home
         self.profile = profile                # the client's profile (`coffer serve --profile`), in every hello
         self.version, self.build = version, build
@@ -13110,6 +14294,7 @@ class Relay:
         self.client_in = client_in if client_in is not None else os.fdopen(0, "rb", buffering=0, closefd=False)
         self.client_out = client_out if client_out is not None else os.fdopen(1, "wb", buffering=0, closefd=False)
         self.attach_timeout = attach_timeout
+        self.honour_setting = honour_setting  # the serve_mode setting may send this serve standalone
         self.current: Attachment | None = None
         self.draining: list[Attachment] = []
         self.setup: list[dict] = []           # the client's session-setup requests, in order, for a replay
@@ -13126,18 +14311,30 @@ class Relay:
                  "handover": handover}
         return {**hello, "profile": self.profile} if self.profile is not None else hello
 
+    def _connect(self) -> tuple | None:
+        """connect() with this relay's hello; ChannelError when the service refuses the session's profile (an
+        unknown one: `coffer serve --profile` then fails with the service's words)."""
+        connected = connect(self.home, self._hello(False))
+        if connected is not None and connected[1].get("refused") == "profile":
+            connected[0].close()
+            raise ChannelError(str(connected[1].get("error") or "the service refused this profile"))
+        return connected
+
     def attach(self, first: bool) -> Attachment:
         """Connect to the service, starting it if none runs.  The first attach of a relay newer than (or
         different from) the running service asks that service to hand over, and starts one of its own."""
         deadline = time.monotonic() + self.attach_timeout
-        connected = connect(self.home, self._hello(False))
+        connected = self._connect()
         if connected is not None:
             conn, answer = connected
+            if first and self.honour_setting and answer.get("serve_mode") == "standalone":
+                conn.close()
+                raise StandaloneWanted()
             if not first or answer.get("build") == self.build:
                 return Attachment(conn, answer)
             conn.close()
         with StartLock(self.home):
-            connected = connect(self.home, self._hello(False))
+            connected = self._connect()
             if connected is not None:
                 conn, answer = connected
                 if not first or answer.get("build") == self.build:
@@ -13146,9 +14343,9 @@ class Relay:
                 relay_log.info("the running Coffer service is version %s; this is %s: it hands over",
                                answer.get("version"), self.version)
                 control(self.home, {"op": "handover", "version": self.version, "build": self.build})
-            self.start_service()
+            self.start_service(first and self.honour_setting)
             while time.monotonic() < deadline:
-                connected = connect(self.home, self._hello(False))
+                connected = self._connect()
                 if connected is not None:
                     return Attachment(*connected)
                 time.sleep(0.02)
@@ -13408,17 +14605,19 @@ LOG_BYTES, LOG_BACKUPS = 2 << 20, 3
 
 
 def build_id() -> str:
-    """What tells two Coffers apart: the version and the code itself (two copies of one version may differ)."""
-    import hashlib
+    """What tells two Coffers apart: the version and the code itself (two copies of one version may differ).  A
+    checksum, not a digest: it tells builds apart, it guards nothing, and a relay need not load hashlib for it."""
     import sys
+    import zlib
     module = sys.modules.get(ClientSession.__module__)
     path = getattr(module, "__file__", None)
     try:
         with open(path, "rb") as handle:
-            digest = hashlib.sha256(handle.read()).hexdigest()[:16]
+            code = handle.read()
+        checksum = f"{zlib.crc32(code):08x}{len(code):x}"
     except (OSError, TypeError):
-        digest = "unknown"
-    return f"{__version__}+{digest}"
+        checksum = "unknown"
+    return f"{__version__}+{checksum}"
 
 
 class SocketOutput:
@@ -13510,6 +14709,7 @@ def log_to_file(home: str) -> str:
     path = os.path.join(folder, "service.log")
     if not os.path.exists(path):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    import logging.handlers  # here: the rest of Coffer never needs it, and it costs memory to import
     handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS,
                                                    encoding="utf-8")
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -13631,12 +14831,12 @@ class Service:
                 send_line(conn, {"coffer": 1, "error": "not a Coffer client of this service"})
                 return
             kind = hello.get("kind")
-            answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid()}
+            answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid(),
+                      "serve_mode": self.hub.settings.get("serve_mode", "service")}
             if kind == "control":
                 send_line(conn, {**answer, **self.control(hello)})
-            elif kind == "session" and hello.get("profile") is not None and \
-                    not PROFILE_NAME_RE.match(str(hello["profile"])):
-                send_line(conn, {"coffer": 1, "error": "not a valid profile name"})
+            elif kind == "session" and (refusal := self._profile_refusal(hello.get("profile"))):
+                send_line(conn, {"coffer": 1, "error": refusal, "refused": "profile"})
             elif kind == "session" and not self.handing_over:
                 send_line(conn, answer)
                 self._session(conn, hello)
@@ -13653,6 +14853,28 @@ class Service:
                 conn.close()
             except OSError:
                 pass
+
+    def _profile_refusal(self, name) -> str | None:
+        """Why a session may not use profile ``name`` (None: it may, or it asks for none).  A profile added a moment
+        ago is waited for until the hub has read it (its ticker reads vault changes every second), so the
+        client's first list is already the profile's."""
+        if name is None:
+            return None
+        if not isinstance(name, str) or not PROFILE_NAME_RE.match(name):
+            return "not a valid profile name"
+        if name in self.hub.views.profiles:
+            return None
+        try:
+            with self.hub.vault_lock:
+                stored = ProfileStore(self.vault).profiles()
+        except CofferError as exc:
+            return f"profiles cannot be read: {exc}"
+        if name not in stored:
+            return f"unknown profile {name!r}{did_you_mean(name, stored)}; `coffer profile list` shows them"
+        deadline = time.monotonic() + 5.0
+        while name not in self.hub.views.profiles and time.monotonic() < deadline and not self.stopping.is_set():
+            time.sleep(0.02)
+        return None
 
     def _session(self, conn: socket.socket, hello: dict) -> None:
         output = SocketOutput(conn, str(hello.get("pid", "?")))
@@ -13792,25 +15014,35 @@ commands_log = logging.getLogger('coffer.service.commands')
 SERVE_MODE_ENV = "COFFER_SERVE_MODE"
 
 
-def serve_mode(vault: Vault, args) -> str:
+def forced_mode(args) -> str | None:
+    """standalone or service when the command line or COFFER_SERVE_MODE decides; None: the serve_mode setting."""
     if args.standalone or args.only or args.live:
         return "standalone"  # `coffer call` and probes run their own gateway, as does whoever asks for one
     override = os.environ.get(SERVE_MODE_ENV, "").strip().lower()
-    if override in ("standalone", "service"):
-        return override
-    return str(vault.settings().get("serve_mode", "service"))
+    return override if override in ("standalone", "service") else None
 
 
-def cmd_serve(vault: Vault, args) -> int:
-    if args.profile is not None:
-        ProfileStore(vault).profile(args.profile)  # an unknown profile is the user's typo: say so, serve nothing
-    if serve_mode(vault, args) == "standalone":
-        return serve_standalone(vault, args)
-    home = vault.home
-    vault.close()  # the relay needs none of it; the service has its own connection
-    relay = Relay(home, __version__, build_id(), lambda: spawn_service(home), profile=args.profile)
+def cmd_serve(vault: Vault | None, args) -> int:
+    """`coffer serve`.  The relay opens no vault when a service runs (its hello carries the serve_mode setting):
+    an agent's every session then starts with as little as it can.  With --profile, the service refuses a
+    profile it does not know, and the relay says so."""
+    home = vault.home if vault is not None else coffer_home()
+    mode = forced_mode(args)
+    if mode == "standalone":
+        return serve_standalone(vault or Vault(home), args)
+
+    def start(check_setting: bool) -> None:
+        if check_setting:
+            with contextlib.closing(Vault(home)) as settings_vault:
+                if settings_vault.settings().get("serve_mode") == "standalone":
+                    raise StandaloneWanted()
+        spawn_service(home)
+
+    relay = Relay(home, __version__, build_id(), start, honour_setting=mode is None, profile=args.profile)
     try:
         return relay.run()
+    except StandaloneWanted:
+        return serve_standalone(vault or Vault(home), args)
     except ChannelError as exc:
         raise CofferError(str(exc)) from None
 
@@ -13819,6 +15051,8 @@ def serve_standalone(vault: Vault, args) -> int:
     """Today's `coffer serve`: the gateway in this process, for this one client (the same session code as the
     service runs)."""
     vault.actor = "gateway"
+    if args.profile is not None:
+        ProfileStore(vault).profile(args.profile)  # an unknown profile is the user's typo: say so, serve nothing
 
     def client_gone():
         hub.shutdown()
@@ -13850,9 +15084,11 @@ def serve_standalone(vault: Vault, args) -> int:
 def spawn_service(home: str) -> None:
     """Start the service in the background: detached from the caller's terminal and process group, its output
     in its own log (COFFER_HOME/logs/service.log), nothing of the caller's stdin or stdout."""
+    # glibc gives every thread that allocates an arena of its own; a service with a thread per upstream and per
+    # client would keep many half-empty ones resident.  Two suffice (other C libraries ignore the variable).
+    env = {**os.environ, "COFFER_HOME": home, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
     subprocess.Popen(own_command("service", "run"), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, cwd=home, env={**os.environ, "COFFER_HOME": home}, close_fds=True,
-                     **detached_popen_options())
+                     stderr=subprocess.DEVNULL, cwd=home, env=env, close_fds=True, **detached_popen_options())
 
 
 class ServiceSession:
@@ -13990,6 +15226,7 @@ def cmd_status(vault: Vault, args) -> int:
 def add_service_commands(command) -> None:
     p = command("serve", cmd_serve, "speak MCP on stdio for one client (what an agent's config runs): a thin relay "
                                     "to the user's shared Coffer service, started if none runs")
+    p.set_defaults(opens_vault=False)  # cmd_serve opens it only if it needs it
     p.add_argument("--standalone", action="store_true",
                    help="run the gateway in this process for this client alone (sandboxes, CI, one-shot use); "
                         "also the serve_mode setting, or COFFER_SERVE_MODE=standalone")
@@ -17023,7 +18260,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--limit must be at least 1")
     vault = None
     try:
-        vault = Vault()
+        vault = Vault() if getattr(args, "opens_vault", True) else None
         return args.handler(vault, args)
     except KeyboardInterrupt:
         print("coffer: interrupted", file=sys.stderr)

@@ -1381,4 +1381,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Run as `python -m evals.bench`, this module is __main__; section 7 (evals/bench_service.py) imports its
+    # helpers by name, which would load and run a second copy of it beside this one.
+    sys.modules.setdefault("evals.bench", sys.modules[__name__])
     sys.exit(main())

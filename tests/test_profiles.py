@@ -131,6 +131,9 @@ def test_two_profiles_see_and_call_only_their_own_tools_while_a_client_without_o
     profiles = {s["client"]: s["profile"] for s in seen["status"]["sessions"]}
     assert profiles == {"agent-coding": "coding", "agent-research": "research", "agent-all": None}
 
+    unknown = cli("serve", "--profile", "codng", check=False)  # the running service refuses it; the relay says so
+    assert unknown.returncode == 1 and "unknown profile 'codng'; did you mean coding?" in unknown.stderr
+
     rows = wait_until(lambda: [r for r in cli_json("log")["invocations"] if r["client"] == "agent-coding"]
                       if len(cli_json("log")["invocations"]) >= 8 else None, what="the invocation log")
     assert {(r["capability"], r["status"], r["profile"]) for r in rows} >= {

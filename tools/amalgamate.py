@@ -89,7 +89,27 @@ LAYERS = (
     "profile_commands",
     "cli",
 )
-NOT_AMALGAMATED = {"__main__"}  # `python -m coffer_src` for development; coffer.py has its own __main__ block
+NOT_AMALGAMATED = {"__main__"}
+#: Standard-library modules that cost a process real memory and start-up time to import and that most runs of
+#: coffer.py never use (the relay behind `coffer serve`, a quick `coffer list`): coffer.py binds each to a module
+#: object that imports it on first use.  Only `import X` may name them (a `from X import y` would load X at once).
+LAZY_STDLIB = ("difflib", "hashlib", "hmac", "secrets", "sqlite3", "subprocess")
+LAZY_HELPER = '''
+
+class _ImportedOnFirstUse:
+    """A standard-library module bound by name and imported when first used (tools/amalgamate.py LAZY_STDLIB):
+    most runs of coffer.py never need it.  After the import its names are copied in, so later uses cost what a
+    plain module's do."""
+
+    def __init__(self, name: str):
+        self.__dict__["_name"] = name
+
+    def __getattr__(self, attr: str):
+        module = importlib.import_module(self.__dict__["_name"])
+        self.__dict__.update(vars(module))
+        return getattr(module, attr)
+
+'''  # `python -m coffer_src` for development; coffer.py has its own __main__ block
 RULE = "# " + "=" * 108
 SUMMARY_MAX = 84  # a table-of-contents line (line number, module, summary) within 120 characters
 
@@ -231,7 +251,25 @@ def data_literal(call: ast.Call, module: Module) -> str:
     path = (PACKAGE_DIR / name).resolve()
     if PACKAGE_DIR.resolve() not in path.parents or not path.is_file():
         raise BuildError(f"{module.rel}:{call.lineno}: no data file src/{PACKAGE}/{name}")
-    return repr(path.read_text(encoding="utf-8"))
+    return text_literal(path.read_text(encoding="utf-8"))
+
+
+DATA_WIDTH = 96  # characters of data per line of the literal, so coffer.py stays readable at 120 columns
+
+
+def text_literal(text: str) -> str:
+    """A data file's text as a parenthesised run of string literals, one file line (or a slice of a long one)
+    per line of coffer.py: diffable and readable where it is embedded."""
+    pieces = []
+    for line in text.splitlines(keepends=True):
+        while len(line) > DATA_WIDTH:
+            pieces.append(line[:DATA_WIDTH])
+            line = line[DATA_WIDTH:]
+        pieces.append(line)
+    if len(pieces) <= 1:
+        return repr(text)
+    body = "\n".join("    " + repr(piece) for piece in pieces)
+    return f"(\n{body}\n)"
 
 
 def rewritten_lines(module: Module, drop: list[tuple[int, int]]) -> list[tuple[int, str]]:
@@ -276,7 +314,7 @@ def rewritten_lines(module: Module, drop: list[tuple[int, int]]) -> list[tuple[i
             col, cur_line = end_col, end_line
         tail_source = source[cur_line - 1]
         text += tail_source[col:]
-        out.append((line_no, text))
+        out.extend((line_no, piece) for piece in text.split("\n"))
         line_no = cur_line
     while out and not out[0][1].strip():
         out.pop(0)
@@ -340,6 +378,10 @@ def build() -> tuple[str, list[tuple[int, str, int]]]:
         for name, names in module_froms.items():
             froms.setdefault(name, set()).update(names)
         bodies.append(rewritten_lines(module, drop))
+    early = sorted(name for name in froms if name in LAZY_STDLIB)
+    if early:
+        raise BuildError(f"`from {early[0]} import ...` loads {early[0]} at start-up; it is imported on first use "
+                         f"(LAZY_STDLIB): write `import {early[0]}` and use {early[0]}.<name>")
     bound_by: dict[str, str] = {}
     for source, names in sorted(froms.items()):
         for name in names:
@@ -363,8 +405,13 @@ def build() -> tuple[str, list[tuple[int, str, int]]]:
     toc_at = len(head)
     head += [""] * len(modules)  # filled in once the start lines are known
     head += ['"""', "", "from __future__ import annotations", ""]
-    head += [f"import {name}" for name in sorted(plain)]
+    lazy = sorted(name for name in plain if name in LAZY_STDLIB)
+    eager = sorted(name for name in plain if name not in LAZY_STDLIB) + (["importlib"] if lazy else [])
+    head += [f"import {name}" for name in sorted(set(eager))]
     head += [f"from {name} import {', '.join(sorted(names))}" for name, names in sorted(froms.items())]
+    if lazy:
+        head += LAZY_HELPER.split("\n")
+        head += [f"{name} = _ImportedOnFirstUse({name!r})" for name in lazy]
     head += ["", f"__version__ = {version!r}"]
     lines: list[str] = list(head)
     origin: list[tuple[int, str, int]] = [(i + 1, "(generated)", 0) for i in range(len(head))]

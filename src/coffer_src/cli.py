@@ -912,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--limit must be at least 1")
     vault = None
     try:
-        vault = Vault()
+        vault = Vault() if getattr(args, "opens_vault", True) else None
         return args.handler(vault, args)
     except KeyboardInterrupt:
         print("coffer: interrupted", file=sys.stderr)

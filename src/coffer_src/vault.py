@@ -208,6 +208,7 @@ SCHEMA_PARTS = (
 )
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+VAULT_CACHE_KIB = 512  # SQLite page cache per vault connection (SQLite's default is 2 MB)
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
 
@@ -326,6 +327,9 @@ class Vault:
         db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA busy_timeout=10000")
+        # The vault's rows are few and read in full: a small page cache is enough, and a long-running service
+        # holds several connections for hours.
+        db.execute(f"PRAGMA cache_size=-{VAULT_CACHE_KIB}")
         if not uri:
             try:
                 db.execute("PRAGMA journal_mode=WAL")

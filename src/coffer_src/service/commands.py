@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -26,10 +27,10 @@ from coffer_src.service.channel import (
     process_alive,
     read_service_file,
 )
-from coffer_src.service.relay import Relay
+from coffer_src.service.relay import Relay, StandaloneWanted
 from coffer_src.service.server import build_id, run_service
 from coffer_src.terminal import say, say_json
-from coffer_src.vault import Vault
+from coffer_src.vault import Vault, coffer_home
 
 commands_log = logging.getLogger(__name__)
 
@@ -37,25 +38,35 @@ commands_log = logging.getLogger(__name__)
 SERVE_MODE_ENV = "COFFER_SERVE_MODE"
 
 
-def serve_mode(vault: Vault, args) -> str:
+def forced_mode(args) -> str | None:
+    """standalone or service when the command line or COFFER_SERVE_MODE decides; None: the serve_mode setting."""
     if args.standalone or args.only or args.live:
         return "standalone"  # `coffer call` and probes run their own gateway, as does whoever asks for one
     override = os.environ.get(SERVE_MODE_ENV, "").strip().lower()
-    if override in ("standalone", "service"):
-        return override
-    return str(vault.settings().get("serve_mode", "service"))
+    return override if override in ("standalone", "service") else None
 
 
-def cmd_serve(vault: Vault, args) -> int:
-    if args.profile is not None:
-        ProfileStore(vault).profile(args.profile)  # an unknown profile is the user's typo: say so, serve nothing
-    if serve_mode(vault, args) == "standalone":
-        return serve_standalone(vault, args)
-    home = vault.home
-    vault.close()  # the relay needs none of it; the service has its own connection
-    relay = Relay(home, __version__, build_id(), lambda: spawn_service(home), profile=args.profile)
+def cmd_serve(vault: Vault | None, args) -> int:
+    """`coffer serve`.  The relay opens no vault when a service runs (its hello carries the serve_mode setting):
+    an agent's every session then starts with as little as it can.  With --profile, the service refuses a
+    profile it does not know, and the relay says so."""
+    home = vault.home if vault is not None else coffer_home()
+    mode = forced_mode(args)
+    if mode == "standalone":
+        return serve_standalone(vault or Vault(home), args)
+
+    def start(check_setting: bool) -> None:
+        if check_setting:
+            with contextlib.closing(Vault(home)) as settings_vault:
+                if settings_vault.settings().get("serve_mode") == "standalone":
+                    raise StandaloneWanted()
+        spawn_service(home)
+
+    relay = Relay(home, __version__, build_id(), start, honour_setting=mode is None, profile=args.profile)
     try:
         return relay.run()
+    except StandaloneWanted:
+        return serve_standalone(vault or Vault(home), args)
     except ChannelError as exc:
         raise CofferError(str(exc)) from None
 
@@ -64,6 +75,8 @@ def serve_standalone(vault: Vault, args) -> int:
     """Today's `coffer serve`: the gateway in this process, for this one client (the same session code as the
     service runs)."""
     vault.actor = "gateway"
+    if args.profile is not None:
+        ProfileStore(vault).profile(args.profile)  # an unknown profile is the user's typo: say so, serve nothing
 
     def client_gone():
         hub.shutdown()
@@ -95,9 +108,11 @@ def serve_standalone(vault: Vault, args) -> int:
 def spawn_service(home: str) -> None:
     """Start the service in the background: detached from the caller's terminal and process group, its output
     in its own log (COFFER_HOME/logs/service.log), nothing of the caller's stdin or stdout."""
+    # glibc gives every thread that allocates an arena of its own; a service with a thread per upstream and per
+    # client would keep many half-empty ones resident.  Two suffice (other C libraries ignore the variable).
+    env = {**os.environ, "COFFER_HOME": home, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
     subprocess.Popen(own_command("service", "run"), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, cwd=home, env={**os.environ, "COFFER_HOME": home}, close_fds=True,
-                     **detached_popen_options())
+                     stderr=subprocess.DEVNULL, cwd=home, env=env, close_fds=True, **detached_popen_options())
 
 
 class ServiceSession:
@@ -235,6 +250,7 @@ def cmd_status(vault: Vault, args) -> int:
 def add_service_commands(command) -> None:
     p = command("serve", cmd_serve, "speak MCP on stdio for one client (what an agent's config runs): a thin relay "
                                     "to the user's shared Coffer service, started if none runs")
+    p.set_defaults(opens_vault=False)  # cmd_serve opens it only if it needs it
     p.add_argument("--standalone", action="store_true",
                    help="run the gateway in this process for this client alone (sandboxes, CI, one-shot use); "
                         "also the serve_mode setting, or COFFER_SERVE_MODE=standalone")

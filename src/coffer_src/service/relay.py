@@ -53,6 +53,10 @@ def _id_key(msg_id) -> str:
     return json.dumps(msg_id)
 
 
+class StandaloneWanted(Exception):  # noqa: N818 - a decision, not a failure: the caller serves in-process
+    """The user's serve_mode setting says standalone: this `coffer serve` runs the gateway itself."""
+
+
 class Attachment:
     """One connection to a service: its socket and the client requests it has not answered yet."""
 
@@ -73,8 +77,9 @@ class Relay:
     except on Windows, where a pipe cannot be selected: a second thread reads the client there.
     """
 
-    def __init__(self, home: str, version: str, build: str, start_service: Callable[[], None],
-                 client_in=None, client_out=None, attach_timeout: float = 15.0, profile: str | None = None):
+    def __init__(self, home: str, version: str, build: str, start_service: Callable[[bool], None],
+                 client_in=None, client_out=None, attach_timeout: float = 15.0, honour_setting: bool = True,
+                 profile: str | None = None):
         self.home = home
         self.profile = profile                # the client's profile (`coffer serve --profile`), in every hello
         self.version, self.build = version, build
@@ -82,6 +87,7 @@ class Relay:
         self.client_in = client_in if client_in is not None else os.fdopen(0, "rb", buffering=0, closefd=False)
         self.client_out = client_out if client_out is not None else os.fdopen(1, "wb", buffering=0, closefd=False)
         self.attach_timeout = attach_timeout
+        self.honour_setting = honour_setting  # the serve_mode setting may send this serve standalone
         self.current: Attachment | None = None
         self.draining: list[Attachment] = []
         self.setup: list[dict] = []           # the client's session-setup requests, in order, for a replay
@@ -98,18 +104,30 @@ class Relay:
                  "handover": handover}
         return {**hello, "profile": self.profile} if self.profile is not None else hello
 
+    def _connect(self) -> tuple | None:
+        """connect() with this relay's hello; ChannelError when the service refuses the session's profile (an
+        unknown one: `coffer serve --profile` then fails with the service's words)."""
+        connected = connect(self.home, self._hello(False))
+        if connected is not None and connected[1].get("refused") == "profile":
+            connected[0].close()
+            raise ChannelError(str(connected[1].get("error") or "the service refused this profile"))
+        return connected
+
     def attach(self, first: bool) -> Attachment:
         """Connect to the service, starting it if none runs.  The first attach of a relay newer than (or
         different from) the running service asks that service to hand over, and starts one of its own."""
         deadline = time.monotonic() + self.attach_timeout
-        connected = connect(self.home, self._hello(False))
+        connected = self._connect()
         if connected is not None:
             conn, answer = connected
+            if first and self.honour_setting and answer.get("serve_mode") == "standalone":
+                conn.close()
+                raise StandaloneWanted()
             if not first or answer.get("build") == self.build:
                 return Attachment(conn, answer)
             conn.close()
         with StartLock(self.home):
-            connected = connect(self.home, self._hello(False))
+            connected = self._connect()
             if connected is not None:
                 conn, answer = connected
                 if not first or answer.get("build") == self.build:
@@ -118,9 +136,9 @@ class Relay:
                 relay_log.info("the running Coffer service is version %s; this is %s: it hands over",
                                answer.get("version"), self.version)
                 control(self.home, {"op": "handover", "version": self.version, "build": self.build})
-            self.start_service()
+            self.start_service(first and self.honour_setting)
             while time.monotonic() < deadline:
-                connected = connect(self.home, self._hello(False))
+                connected = self._connect()
                 if connected is not None:
                     return Attachment(*connected)
                 time.sleep(0.02)

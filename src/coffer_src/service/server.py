@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import logging.handlers
 import os
 import select
 import signal
@@ -19,9 +18,11 @@ import threading
 import time
 
 from coffer_src import __version__
+from coffer_src.errors import CofferError
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
-from coffer_src.profiles import PROFILE_NAME_RE
+from coffer_src.names import did_you_mean
+from coffer_src.profiles import PROFILE_NAME_RE, ProfileStore
 from coffer_src.service.channel import (
     ChannelError,
     listen,
@@ -48,17 +49,19 @@ LOG_BYTES, LOG_BACKUPS = 2 << 20, 3
 
 
 def build_id() -> str:
-    """What tells two Coffers apart: the version and the code itself (two copies of one version may differ)."""
-    import hashlib
+    """What tells two Coffers apart: the version and the code itself (two copies of one version may differ).  A
+    checksum, not a digest: it tells builds apart, it guards nothing, and a relay need not load hashlib for it."""
     import sys
+    import zlib
     module = sys.modules.get(ClientSession.__module__)
     path = getattr(module, "__file__", None)
     try:
         with open(path, "rb") as handle:
-            digest = hashlib.sha256(handle.read()).hexdigest()[:16]
+            code = handle.read()
+        checksum = f"{zlib.crc32(code):08x}{len(code):x}"
     except (OSError, TypeError):
-        digest = "unknown"
-    return f"{__version__}+{digest}"
+        checksum = "unknown"
+    return f"{__version__}+{checksum}"
 
 
 class SocketOutput:
@@ -150,6 +153,7 @@ def log_to_file(home: str) -> str:
     path = os.path.join(folder, "service.log")
     if not os.path.exists(path):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    import logging.handlers  # here: the rest of Coffer never needs it, and it costs memory to import
     handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS,
                                                    encoding="utf-8")
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -271,12 +275,12 @@ class Service:
                 send_line(conn, {"coffer": 1, "error": "not a Coffer client of this service"})
                 return
             kind = hello.get("kind")
-            answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid()}
+            answer = {"coffer": 1, "version": __version__, "build": self.build, "pid": os.getpid(),
+                      "serve_mode": self.hub.settings.get("serve_mode", "service")}
             if kind == "control":
                 send_line(conn, {**answer, **self.control(hello)})
-            elif kind == "session" and hello.get("profile") is not None and \
-                    not PROFILE_NAME_RE.match(str(hello["profile"])):
-                send_line(conn, {"coffer": 1, "error": "not a valid profile name"})
+            elif kind == "session" and (refusal := self._profile_refusal(hello.get("profile"))):
+                send_line(conn, {"coffer": 1, "error": refusal, "refused": "profile"})
             elif kind == "session" and not self.handing_over:
                 send_line(conn, answer)
                 self._session(conn, hello)
@@ -293,6 +297,28 @@ class Service:
                 conn.close()
             except OSError:
                 pass
+
+    def _profile_refusal(self, name) -> str | None:
+        """Why a session may not use profile ``name`` (None: it may, or it asks for none).  A profile added a moment
+        ago is waited for until the hub has read it (its ticker reads vault changes every second), so the
+        client's first list is already the profile's."""
+        if name is None:
+            return None
+        if not isinstance(name, str) or not PROFILE_NAME_RE.match(name):
+            return "not a valid profile name"
+        if name in self.hub.views.profiles:
+            return None
+        try:
+            with self.hub.vault_lock:
+                stored = ProfileStore(self.vault).profiles()
+        except CofferError as exc:
+            return f"profiles cannot be read: {exc}"
+        if name not in stored:
+            return f"unknown profile {name!r}{did_you_mean(name, stored)}; `coffer profile list` shows them"
+        deadline = time.monotonic() + 5.0
+        while name not in self.hub.views.profiles and time.monotonic() < deadline and not self.stopping.is_set():
+            time.sleep(0.02)
+        return None
 
     def _session(self, conn: socket.socket, hello: dict) -> None:
         output = SocketOutput(conn, str(hello.get("pid", "?")))
