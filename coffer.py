@@ -39,26 +39,26 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       8728  search.index          Search index: the BM25F ranker behind coffer__search_tools.
       9121  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
       9501  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-      9718  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     10301  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     10708  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     11173  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     11286  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     11600  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     11783  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     12445  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     12811  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     13152  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     13898  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     14215  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     14582  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     15000  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     15240  probe                 Probes: starting a server once to see what it offers, from the command line.
-     15408  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     16076  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     16822  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     17129  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     17418  cli                   Command line: coffer's commands.
+      9719  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     10302  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     10709  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     11174  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     11287  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     11601  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     11786  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12449  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     12815  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13156  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     13902  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14219  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14586  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15004  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     15244  probe                 Probes: starting a server once to see what it offers, from the command line.
+     15412  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     16080  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     16826  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     17133  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     17422  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -9626,6 +9626,7 @@ class Catalogue(OverrideEffects):
         self.template_routes.sort(key=lambda route: -route.literal)  # stable: ties keep registration order
         self.base_tools, self.base_routes = self.tools, self.tool_routes  # before overrides (ProfileCatalogue)
         self.aliases: dict[str, str] = {}         # alias -> the exposed name it stands for
+        self.overrides = overrides or {}           # (server, tool) -> the global Override applied here
         if overrides:
             self._override(overrides)
         self._shape_for_handshake()
@@ -11620,7 +11621,7 @@ class ProfileCatalogue(Catalogue):
     Immutable like the catalogue it was made from (``parent``)."""
 
     def __init__(self, parent: Catalogue, profile: Profile, overrides: dict):
-        self.parent, self.profile = parent, profile
+        self.parent, self.profile, self.overrides = parent, profile, overrides
         sees = profile.sees
         base = self.base_routes = parent.base_routes
         done = apply_overrides(parent.base_tools,
@@ -11686,7 +11687,7 @@ class Views:
     def __init__(self):
         self.profiles: dict[str, Profile] = {}
         self.global_overrides: dict = {}                  # (server, tool) -> Override, for every client
-        self._profile_overrides: dict[str, dict] = {}     # profile -> (server, tool) -> the Override that applies
+        self._profile_overrides: dict[str, dict] = {}     # profile -> (server, tool) -> its own Override
         self._loaded = None
         self._views: dict[str, ProfileCatalogue] = {}
         self.lock = threading.Lock()
@@ -11701,8 +11702,7 @@ class Views:
         own: dict[str, dict] = {}
         for override in overrides:
             if override.profile is not None:
-                own.setdefault(override.profile, dict(global_overrides))[override.key] = \
-                    override.over(global_overrides.get(override.key))
+                own.setdefault(override.profile, {})[override.key] = override
         changed = global_overrides != self.global_overrides
         with self.lock:
             self._loaded = (profiles, overrides)
@@ -11711,12 +11711,15 @@ class Views:
         return changed, True
 
     def catalogue(self, name: str, parent: Catalogue) -> ProfileCatalogue:
-        """Profile ``name``'s view of ``parent``; a profile that does not exist (any more) sees nothing."""
+        """Profile ``name``'s view of ``parent``: the profile's own overrides over the global ones ``parent`` was
+        built with (so a view always agrees with its catalogue); a profile that does not exist sees nothing."""
         with self.lock:
             view = self._views.get(name)
             if view is None or view.parent is not parent:
-                view = ProfileCatalogue(parent, self.profiles.get(name) or Profile(name),
-                                        self._profile_overrides.get(name, self.global_overrides))
+                overrides = dict(parent.overrides)
+                for key, override in self._profile_overrides.get(name, {}).items():
+                    overrides[key] = override.over(parent.overrides.get(key))
+                view = ProfileCatalogue(parent, self.profiles.get(name) or Profile(name), overrides)
                 self._views[name] = view
             return view
 
@@ -11878,7 +11881,8 @@ class Hub:
     Locks, always taken in this order and never the reverse: ``_rebuild_lock`` (one catalogue build at a time;
     sessions are told of the change while it is held) → ``vault_lock`` (the shared SQLite connection, and the
     writers of ``states``) → ``lock`` (the writers of ``upstreams``, ``sessions`` and ``_catalogued``, and the
-    rebuild counters) → a session's ``lock`` → an Upstream's lock → a session stream's ``out_lock`` (innermost).
+    rebuild counters) → a session's ``lock`` → an Upstream's lock → a session stream's ``out_lock`` (innermost);
+    ``views.lock`` (gateway/view.py) is a leaf, taken under any of them.
     ``states``, ``upstreams``, ``sessions``, ``_catalogued`` and ``catalogue`` are replaced whole under their
     lock, never changed in place: a reader takes the current one with a plain attribute read and uses it without
     a lock, from any thread, whatever lock it already holds.

@@ -134,6 +134,7 @@ class Catalogue(OverrideEffects):
         self.template_routes.sort(key=lambda route: -route.literal)  # stable: ties keep registration order
         self.base_tools, self.base_routes = self.tools, self.tool_routes  # before overrides (ProfileCatalogue)
         self.aliases: dict[str, str] = {}         # alias -> the exposed name it stands for
+        self.overrides = overrides or {}           # (server, tool) -> the global Override applied here
         if overrides:
             self._override(overrides)
         self._shape_for_handshake()

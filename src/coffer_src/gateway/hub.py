@@ -119,7 +119,8 @@ class Hub:
     Locks, always taken in this order and never the reverse: ``_rebuild_lock`` (one catalogue build at a time;
     sessions are told of the change while it is held) → ``vault_lock`` (the shared SQLite connection, and the
     writers of ``states``) → ``lock`` (the writers of ``upstreams``, ``sessions`` and ``_catalogued``, and the
-    rebuild counters) → a session's ``lock`` → an Upstream's lock → a session stream's ``out_lock`` (innermost).
+    rebuild counters) → a session's ``lock`` → an Upstream's lock → a session stream's ``out_lock`` (innermost);
+    ``views.lock`` (gateway/view.py) is a leaf, taken under any of them.
     ``states``, ``upstreams``, ``sessions``, ``_catalogued`` and ``catalogue`` are replaced whole under their
     lock, never changed in place: a reader takes the current one with a plain attribute read and uses it without
     a lock, from any thread, whatever lock it already holds.

@@ -25,7 +25,7 @@ class ProfileCatalogue(Catalogue):
     Immutable like the catalogue it was made from (``parent``)."""
 
     def __init__(self, parent: Catalogue, profile: Profile, overrides: dict):
-        self.parent, self.profile = parent, profile
+        self.parent, self.profile, self.overrides = parent, profile, overrides
         sees = profile.sees
         base = self.base_routes = parent.base_routes
         done = apply_overrides(parent.base_tools,
@@ -91,7 +91,7 @@ class Views:
     def __init__(self):
         self.profiles: dict[str, Profile] = {}
         self.global_overrides: dict = {}                  # (server, tool) -> Override, for every client
-        self._profile_overrides: dict[str, dict] = {}     # profile -> (server, tool) -> the Override that applies
+        self._profile_overrides: dict[str, dict] = {}     # profile -> (server, tool) -> its own Override
         self._loaded = None
         self._views: dict[str, ProfileCatalogue] = {}
         self.lock = threading.Lock()
@@ -106,8 +106,7 @@ class Views:
         own: dict[str, dict] = {}
         for override in overrides:
             if override.profile is not None:
-                own.setdefault(override.profile, dict(global_overrides))[override.key] = \
-                    override.over(global_overrides.get(override.key))
+                own.setdefault(override.profile, {})[override.key] = override
         changed = global_overrides != self.global_overrides
         with self.lock:
             self._loaded = (profiles, overrides)
@@ -116,12 +115,15 @@ class Views:
         return changed, True
 
     def catalogue(self, name: str, parent: Catalogue) -> ProfileCatalogue:
-        """Profile ``name``'s view of ``parent``; a profile that does not exist (any more) sees nothing."""
+        """Profile ``name``'s view of ``parent``: the profile's own overrides over the global ones ``parent`` was
+        built with (so a view always agrees with its catalogue); a profile that does not exist sees nothing."""
         with self.lock:
             view = self._views.get(name)
             if view is None or view.parent is not parent:
-                view = ProfileCatalogue(parent, self.profiles.get(name) or Profile(name),
-                                        self._profile_overrides.get(name, self.global_overrides))
+                overrides = dict(parent.overrides)
+                for key, override in self._profile_overrides.get(name, {}).items():
+                    overrides[key] = override.over(parent.overrides.get(key))
+                view = ProfileCatalogue(parent, self.profiles.get(name) or Profile(name), overrides)
                 self._views[name] = view
             return view
 
