@@ -58,7 +58,7 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      16080  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
      16826  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
      17133  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     17422  cli                   Command line: coffer's commands.
+     17438  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -17187,19 +17187,35 @@ def overridden_tools(known: KnownCatalogue, profile: str | None = None) -> dict[
     return shown
 
 
-def effective_tools(vault, tools: list[dict], profile: str | None) -> tuple[list[dict], dict]:
+def effective_tools(vault, tools: list[dict], profile: str | None, applied: bool = False) -> tuple[list[dict], dict]:
     """`coffer tools`: ``tools`` (as servers list them now, by exposed name) as a client sees them with the
     overrides (and ``profile``) applied, and what was overridden.  With no override and no profile, ``tools``
-    as they are."""
+    as they are; ``applied``: they are already as a client sees them (a running service's)."""
     store = ProfileStore(vault)
     known = KnownCatalogue.of(vault, store)
     if profile is not None:
         store.profile(profile)  # CofferError for an unknown one
-    elif not known.overrides:
-        return tools, {}
+    if applied or (profile is None and not known.overrides):
+        return tools, overridden_tools(known, profile) if known.overrides else {}
     view = offline_catalogue(vault, profile, store)
     effective = {view.aliases.get(tool["name"], tool["name"]): tool for tool in view.tools}
     return [effective[tool["name"]] for tool in tools if tool["name"] in effective], overridden_tools(known, profile)
+
+
+def client_listing(vault, tools: list[dict], profile: str | None, client: str | None, overridden: dict) -> list:
+    """What `coffer tools` lists after coffer__search_tools: what the client's expose mode (its profile's, else
+    its own or the global setting) keeps of ``tools``, and the profile's pinned tools."""
+    chosen = ProfileStore(vault).profile(profile) if profile else None
+    mode = expose_mode({"expose": chosen.expose} if chosen and chosen.expose else vault.settings(),
+                       client_family(client or ""))
+    listed = [] if mode == "search" else tools
+    if mode.startswith("budget:"):
+        listed = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
+    if chosen is not None and chosen.pin:
+        pins, have = set(chosen.pin), {id(tool) for tool in listed}
+        listed = [tool for tool in tools if id(tool) in have or tool["name"] in pins
+                  or (overridden.get(tool["name"]) or {}).get("name_of") in pins]
+    return listed
 
 
 # -- coffer profile ---------------------------------------------------------------------------------------------------
@@ -17736,15 +17752,9 @@ def cmd_tools(vault: Vault, args) -> int:
         results = ServerProbe(vault, progress=progress).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
-    overridden = {}
-    if running is None:  # a running service applies overrides and profiles itself
-        tools, overridden = effective_tools(vault, tools, args.profile)
-    profile = ProfileStore(vault).profile(args.profile) if args.profile else None
-    mode = expose_mode({"expose": profile.expose} if profile and profile.expose else vault.settings(),
-                       client_family(args.client or ""))
-    if mode.startswith("budget:"):
-        tools = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
-    tools = [SEARCH_TOOL_DEFINITION] + (tools if mode != "search" else [])
+    # (a running service has applied the overrides and the profile itself)
+    tools, overridden = effective_tools(vault, tools, args.profile, applied=running is not None)
+    tools = [SEARCH_TOOL_DEFINITION] + client_listing(vault, tools, args.profile, args.client, overridden)
     if args.json:
         say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
                                              for r in failed], **({"overridden": overridden} if overridden else {})})

@@ -3,6 +3,7 @@ how overrides change a catalogue and its routes, which list changes a profiled s
 the development package; the end-to-end behaviour is in test_profiles.py."""
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from coffer_src.profiles import (
     parse_fixed,
     schema_problem,
 )
+from coffer_src.search.semantic import SemanticRanker
 from coffer_src.vault import CapabilityState, Vault
 
 ECHO = {"name": "echo", "description": "Echo", "inputSchema": {
@@ -176,3 +178,38 @@ def test_a_damaged_override_holds_its_tool_back(tmp_path):
     assert override_problem(overrides[("a", "echo")], ECHO).startswith("its override in coffer.db is damaged")
     assert json.loads(json.dumps(Override("a", "echo", name="x").definition())) == {"name": "x"}
     vault.close()
+
+
+def test_a_profile_view_is_ranked_with_the_vectors_its_tools_already_have(tmp_path):
+    """Hybrid search inside a profile uses the catalogue's embedded vectors; a tool the profile redescribes has
+    none yet, and its search says it answered with BM25 alone."""
+    class Words:
+        cache_key = "words-test"
+
+        def embed(self, texts, timeout):
+            vectors = []
+            for text in texts:
+                vector = [0.0] * 32
+                for word in text.lower().split():
+                    vector[sum(word.encode()) % 32] += 1.0
+                vectors.append(vector)
+            return vectors
+
+    vault = Vault(str(tmp_path / "home"))
+    ranker = SemanticRanker(Words(), vault.path, 1.0)
+    try:
+        parent = catalogue()
+        ranker.refresh(parent.tools)
+        deadline = time.monotonic() + 30
+        while ranker.index is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        view = ProfileCatalogue(parent, Profile("p", include=("time",)), {})
+        hits, ranker_used, note = ranker.search(view.index, "what time is it", 3)
+        assert ranker_used == "hybrid" and [tool["name"] for tool, _ in hits] == ["time__now"] and note is None
+        redescribed = ProfileCatalogue(parent, Profile("p", include=("time",)),
+                                       {("time", "now"): Override("time", "now", "p", description="Clock reading")})
+        hits, ranker_used, note = ranker.search(redescribed.index, "clock reading", 3)
+        assert ranker_used == "bm25" and [tool["name"] for tool, _ in hits] == ["time__now"] and note
+    finally:
+        ranker.close()
+        vault.close()

@@ -374,7 +374,7 @@ def test_json_everywhere_and_an_install_entry_for_a_profile(servers, tmp_path):
     assert shown["tools"] == ["a__big", "a__crash", "a__echo", "a__fail", "a__sample", "a__slow"]
     assert shown["overrides"][0]["description"] == "Say it back"
     listed = cli_json("tools", "--cached", "--profile", "coding")
-    assert [t["name"] for t in listed["tools"]] == ["coffer__search_tools"]  # expose search
+    assert [t["name"] for t in listed["tools"]] == ["coffer__search_tools", "a__echo"]  # expose search, a pin
     assert cli_json("override")["overrides"][0]["tool"] == "a__echo"
 
     # Expose search, but a pin is always listed; the profile's own description is what its client sees.

@@ -32,7 +32,7 @@ from coffer_src.clients.move_in import (
     uninstall_client,
 )
 from coffer_src.errors import CofferError, NotListedYet, VaultError
-from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION, budget_tools, client_family, expose_mode
+from coffer_src.gateway.builtins import SEARCH_TOOL_DEFINITION
 from coffer_src.jsonrpc import decode_json
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
@@ -60,7 +60,7 @@ from coffer_src.oauth import (
     revoke_grant,
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
-from coffer_src.profile_commands import add_profile_commands, effective_tools, print_overrides
+from coffer_src.profile_commands import add_profile_commands, client_listing, effective_tools, print_overrides
 from coffer_src.profiles import ProfileStore
 from coffer_src.secret_store import (
     SECRET_MAX_CHARS,
@@ -384,15 +384,9 @@ def cmd_tools(vault: Vault, args) -> int:
         results = ServerProbe(vault, progress=progress).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
-    overridden = {}
-    if running is None:  # a running service applies overrides and profiles itself
-        tools, overridden = effective_tools(vault, tools, args.profile)
-    profile = ProfileStore(vault).profile(args.profile) if args.profile else None
-    mode = expose_mode({"expose": profile.expose} if profile and profile.expose else vault.settings(),
-                       client_family(args.client or ""))
-    if mode.startswith("budget:"):
-        tools = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
-    tools = [SEARCH_TOOL_DEFINITION] + (tools if mode != "search" else [])
+    # (a running service has applied the overrides and the profile itself)
+    tools, overridden = effective_tools(vault, tools, args.profile, applied=running is not None)
+    tools = [SEARCH_TOOL_DEFINITION] + client_listing(vault, tools, args.profile, args.client, overridden)
     if args.json:
         say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
                                              for r in failed], **({"overridden": overridden} if overridden else {})})

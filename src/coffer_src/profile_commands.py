@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from coffer_src.catalogue import Catalogue
 from coffer_src.errors import CofferError
+from coffer_src.gateway.builtins import budget_tools, client_family, expose_mode
 from coffer_src.gateway.view import Views
 from coffer_src.names import SEPARATOR
 from coffer_src.probe import ServerProbe
@@ -72,19 +73,35 @@ def overridden_tools(known: KnownCatalogue, profile: str | None = None) -> dict[
     return shown
 
 
-def effective_tools(vault, tools: list[dict], profile: str | None) -> tuple[list[dict], dict]:
+def effective_tools(vault, tools: list[dict], profile: str | None, applied: bool = False) -> tuple[list[dict], dict]:
     """`coffer tools`: ``tools`` (as servers list them now, by exposed name) as a client sees them with the
     overrides (and ``profile``) applied, and what was overridden.  With no override and no profile, ``tools``
-    as they are."""
+    as they are; ``applied``: they are already as a client sees them (a running service's)."""
     store = ProfileStore(vault)
     known = KnownCatalogue.of(vault, store)
     if profile is not None:
         store.profile(profile)  # CofferError for an unknown one
-    elif not known.overrides:
-        return tools, {}
+    if applied or (profile is None and not known.overrides):
+        return tools, overridden_tools(known, profile) if known.overrides else {}
     view = offline_catalogue(vault, profile, store)
     effective = {view.aliases.get(tool["name"], tool["name"]): tool for tool in view.tools}
     return [effective[tool["name"]] for tool in tools if tool["name"] in effective], overridden_tools(known, profile)
+
+
+def client_listing(vault, tools: list[dict], profile: str | None, client: str | None, overridden: dict) -> list:
+    """What `coffer tools` lists after coffer__search_tools: what the client's expose mode (its profile's, else
+    its own or the global setting) keeps of ``tools``, and the profile's pinned tools."""
+    chosen = ProfileStore(vault).profile(profile) if profile else None
+    mode = expose_mode({"expose": chosen.expose} if chosen and chosen.expose else vault.settings(),
+                       client_family(client or ""))
+    listed = [] if mode == "search" else tools
+    if mode.startswith("budget:"):
+        listed = budget_tools(tools, int(mode.partition(":")[2]), vault.tool_usage())
+    if chosen is not None and chosen.pin:
+        pins, have = set(chosen.pin), {id(tool) for tool in listed}
+        listed = [tool for tool in tools if id(tool) in have or tool["name"] in pins
+                  or (overridden.get(tool["name"]) or {}).get("name_of") in pins]
+    return listed
 
 
 # -- coffer profile ---------------------------------------------------------------------------------------------------
