@@ -45,20 +45,20 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      11174  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
      11287  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
      11601  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     11786  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     12449  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     12815  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     13156  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     13902  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     14219  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     14586  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     15004  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     15244  probe                 Probes: starting a server once to see what it offers, from the command line.
-     15412  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     16080  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     16826  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     17133  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     17438  cli                   Command line: coffer's commands.
+     11795  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12458  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     12824  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13165  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     13911  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14228  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14595  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15013  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     15253  probe                 Probes: starting a server once to see what it offers, from the command line.
+     15421  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     16089  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     16835  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     17142  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     17447  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -11769,6 +11769,15 @@ class SessionView:
         return [tool for tool in tools if id(tool) in have or tool["name"] in pins
                 or aliases.get(tool["name"]) in pins]
 
+    def note(self) -> str:
+        """What the client's model reads of its profile in the instructions (so it does not hunt for tools the
+        user left out on purpose)."""
+        if self.name is None:
+            return ""
+        if self.name not in self.hub.views.profiles:
+            return f" Coffer profile {self.name} does not exist (any more): no tools are listed."
+        return f" This client uses Coffer profile {self.name}: it sees the tools the user chose for it, no others."
+
     def ask_sources(self, sources):
         """The knowledge sources a coffer__ask may search (CofferError for one outside the profile)."""
         profile = self.profile
@@ -13549,7 +13558,7 @@ class ClientSession:
 
     def instructions(self) -> str:
         """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
-        instructions = INSTRUCTIONS
+        instructions = INSTRUCTIONS + self.view.note()
         knowledge_tools = self.view.knowledge_tools
         unlisted = len(self.catalogue.tools) + 1 + len(knowledge_tools) - len(self.listed_tools())
         if unlisted > 0:

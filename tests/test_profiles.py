@@ -100,6 +100,7 @@ def test_two_profiles_see_and_call_only_their_own_tools_while_a_client_without_o
         coding = await connect(stack, "coding", "agent-coding")
         research = await connect(stack, "research", "agent-research", mode="2026-07-28")
         everything = await connect(stack, None, "agent-all")
+        seen["instructions"] = coding.instructions
         seen["coding"] = names(await coding.list_tools())
         seen["research"] = names(await research.list_tools())
         seen["all"] = names(await everything.list_tools())
@@ -118,6 +119,7 @@ def test_two_profiles_see_and_call_only_their_own_tools_while_a_client_without_o
 
     run(body)
     assert seen["coding"] == {"coffer__search_tools", "a__echo", "a__slow", "a__fail", "a__sample"}
+    assert "profile coding" in seen["instructions"]
     assert seen["research"] == {"coffer__search_tools", "time__get_current_time", "time__convert_time"}
     assert seen["all"] >= seen["coding"] | seen["research"] | {"a__crash", "a__big"}
     assert seen["echo"] == "from coding" and seen["time"]["timezone"] == "UTC"

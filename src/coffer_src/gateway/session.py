@@ -451,7 +451,7 @@ class ClientSession:
 
     def instructions(self) -> str:
         """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
-        instructions = INSTRUCTIONS
+        instructions = INSTRUCTIONS + self.view.note()
         knowledge_tools = self.view.knowledge_tools
         unlisted = len(self.catalogue.tools) + 1 + len(knowledge_tools) - len(self.listed_tools())
         if unlisted > 0:

@@ -173,6 +173,15 @@ class SessionView:
         return [tool for tool in tools if id(tool) in have or tool["name"] in pins
                 or aliases.get(tool["name"]) in pins]
 
+    def note(self) -> str:
+        """What the client's model reads of its profile in the instructions (so it does not hunt for tools the
+        user left out on purpose)."""
+        if self.name is None:
+            return ""
+        if self.name not in self.hub.views.profiles:
+            return f" Coffer profile {self.name} does not exist (any more): no tools are listed."
+        return f" This client uses Coffer profile {self.name}: it sees the tools the user chose for it, no others."
+
     def ask_sources(self, sources):
         """The knowledge sources a coffer__ask may search (CofferError for one outside the profile)."""
         profile = self.profile
