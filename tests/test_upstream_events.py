@@ -17,7 +17,7 @@ from conftest import FAKE
 
 from coffer_src.errors import VaultError
 from coffer_src.gateway.hub import Hub
-from coffer_src.gateway.session import PrivateEvents
+from coffer_src.gateway.instances import PrivateEvents
 from coffer_src.probe import GatewayClient, ServerProbe
 from coffer_src.terminal import ServerLog
 from coffer_src.transport.http import HttpReply, initialize_or_stream

@@ -14,7 +14,7 @@ import pytest
 from conftest import COFFER, FAKE, PY, cli
 
 from coffer_src.errors import CofferError, VaultError
-from coffer_src.invocation_log import InvocationLog
+from coffer_src.invocations import InvocationLog
 from coffer_src.modern import RequestClaims, RequestStateSealer
 from coffer_src.names import NAME_MAX_LENGTH_MIN, SERVER_NAME_MAX, SERVER_NAME_RULE, check_server_name, is_success
 from coffer_src.secret_store import SECRET_MAX_CHARS, SecretStore, references, whole_reference, write_private_file

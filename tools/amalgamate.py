@@ -43,6 +43,7 @@ DIST_NAME = "coffer"  # logger names and banners say coffer.<module>, as users s
 LAYERS = (
     "errors",
     "resources",
+    "digests",
     "terminal",
     "jsonrpc",
     "threads",
@@ -52,7 +53,7 @@ LAYERS = (
     "settings",
     "vault_rows",
     "vault",
-    "invocation_log",
+    "invocations",
     "profiles",
     "transport/stdio",
     "transport/http",
@@ -67,6 +68,7 @@ LAYERS = (
     "search/entities",
     "search/index",
     "search/semantic",
+    "search/explain",
     "catalogue",
     "knowledge/documents",
     "knowledge/ranking",
@@ -77,6 +79,7 @@ LAYERS = (
     "gateway/hub",
     "gateway/routing",
     "gateway/bridge",
+    "gateway/instances",
     "gateway/session",
     "service/channel",
     "service/relay",
@@ -87,6 +90,9 @@ LAYERS = (
     "clients/move_in",
     "clients/doctor",
     "profile_commands",
+    "service/web_activity",
+    "service/web_views",
+    "service/web",
     "cli",
 )
 NOT_AMALGAMATED = {"__main__"}

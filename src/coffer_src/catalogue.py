@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import collections
-import hashlib
 import re
 import threading
 from typing import NamedTuple
 
+from coffer_src.digests import sha256
 from coffer_src.jsonrpc import dumps
 from coffer_src.modern import shape_handshake_tool
 from coffer_src.names import QUALIFIED_URI_RE, exposed_names, qualify_uri
@@ -225,6 +225,6 @@ class Catalogue(OverrideEffects):
         return self._fingerprint
 
     def _fingerprints(self) -> dict:
-        return {key: hashlib.sha256(dumps(items).encode("utf-8", "surrogatepass")).hexdigest()
+        return {key: sha256(dumps(items).encode("utf-8", "surrogatepass")).hexdigest()
                 for key, items in (("tools", self.tools), ("prompts", self.prompts),
                                    ("resources", self.resources + self.templates))}

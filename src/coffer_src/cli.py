@@ -71,6 +71,7 @@ from coffer_src.secret_store import (
     save_secrets,
 )
 from coffer_src.service.commands import add_service_commands, open_service_session, service_running, service_tools
+from coffer_src.service.web import attach_web
 from coffer_src.settings import listed_settings, unknown_setting
 from coffer_src.terminal import ServerLog, _print_table, clip, configure_logging, printable, redact, say, say_json
 from coffer_src.transport.remote import probe_transport
@@ -879,7 +880,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key", nargs="?")
     p.add_argument("value", nargs="?")
     p.add_argument("--json", action="store_true")
-    add_service_commands(command)
+    add_service_commands(command, extend_service=attach_web)
     add_client_commands(command)
     add_profile_commands(command)
     return parser

@@ -169,6 +169,7 @@ def read_line_bursts(read, size: int = 1 << 16, max_line: int = 0):
             lines = [OversizedLine(line[:4096], len(line)) if isinstance(line, bytes) and len(line) > max_line
                      else line for line in lines]
         yield lines
+        lines = None  # not kept while the next read waits: a 10k-tool listing is one line of megabytes
 
 
 # Messages that arrive together are answered together: while a reader thread handles one burst of lines, a

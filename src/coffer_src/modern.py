@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -12,6 +10,7 @@ import time
 from typing import NamedTuple
 
 from coffer_src import __version__
+from coffer_src.digests import hmac_sha256, same_secret, sha256
 from coffer_src.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, LOG_LEVELS, PROTOCOL_VERSIONS, RpcError
 
 modern_log = logging.getLogger(__name__)
@@ -483,9 +482,10 @@ class RequestStateSealer:
 
     The spec makes an echoed requestState attacker-controlled (basic/patterns/mrtr.mdx, server requirements 4-5):
     the seal gives integrity, ``exp`` a short life, and m/t/a bind it to the request it answers (method, the name
-    or URI the client used, a digest of the arguments).  One ``coffer serve`` serves one client, so the process
-    key is the principal binding; a restart invalidates every state, as it must (the parked calls died with it).
-    Stateless and thread-safe: the client reader thread unseals, upstream reader threads seal.
+    or URI the client used, a digest of the arguments).  The key is the principal binding: each client session
+    has a sealer (and key) of its own, so a state sealed for one client never unseals for another; a restart
+    invalidates every state, as it must (the parked calls died with it).  Stateless and thread-safe: the client
+    reader thread unseals, upstream reader threads seal.
     """
 
     PREFIX = "c1."
@@ -505,7 +505,7 @@ class RequestStateSealer:
         else:
             target, arguments = params.get("name"), params.get("arguments") or {}
         canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        return str(target)[:1024], _b64u(hashlib.sha256(canonical.encode("ascii")).digest()[:16])
+        return str(target)[:1024], _b64u(sha256(canonical.encode("ascii")).digest()[:16])
 
     def seal(self, method: str, params, claims: RequestClaims | dict) -> str:
         """A requestState for ``claims`` bound to this request (a plain dict is sealed as it is: the gateway's
@@ -515,7 +515,7 @@ class RequestStateSealer:
         target, digest = self.binding(method, params)
         payload = {**claims, "v": 1, "m": method, "t": target, "a": digest, "exp": int(self._clock() + self.ttl)}
         body = json.dumps(payload, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-        mac = hmac.new(self._key, self._LABEL + body, hashlib.sha256).digest()
+        mac = hmac_sha256(self._key, self._LABEL + body)
         return f"{self.PREFIX}{_b64u(body)}.{_b64u(mac)}"
 
     def unseal(self, token, method: str, params) -> dict:
@@ -528,8 +528,8 @@ class RequestStateSealer:
                 raise ValueError("malformed")
             body_text, _, mac_text = token[len(self.PREFIX):].partition(".")
             body, mac = _b64u_decode(body_text), _b64u_decode(mac_text)
-            expected = hmac.new(self._key, self._LABEL + body, hashlib.sha256).digest()
-            if not hmac.compare_digest(mac, expected):
+            expected = hmac_sha256(self._key, self._LABEL + body)
+            if not same_secret(mac, expected):
                 raise ValueError("seal")
             claims = json.loads(body)
             if not isinstance(claims, dict) or claims.get("v") != 1:

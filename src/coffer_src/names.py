@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import difflib
-import hashlib
 import re
 import urllib.parse
 
+from coffer_src.digests import sha256
 from coffer_src.errors import CofferError
 from coffer_src.terminal import clip, printable
 
@@ -57,7 +57,7 @@ def _natural_name(server: str, name: str, max_length: int) -> str | None:
 
 
 def _shortened_name(server: str, name: str, max_length: int, width: int) -> str:
-    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:width]
+    digest = sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:width]
     safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
     room = max(1, max_length - len(server) - len(SEPARATOR) - width - 1)
     return f"{server}{SEPARATOR}{safe[:room].rstrip('_') or 'x'}_{digest}"

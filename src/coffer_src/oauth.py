@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
 import logging
 import os
 import re
-import secrets
 import threading
 import time
 import urllib.parse
 from typing import NamedTuple
 
+from coffer_src.digests import same_secret, sha256, token_urlsafe
 from coffer_src.errors import CofferError, CofferException
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, decode_json, encode_line
 from coffer_src.names import is_loopback_url, origin_text, same_origin, url_origin
@@ -659,8 +657,8 @@ def _open_receiver(previous: OAuthGrant | None) -> LoopbackReceiver:
 
 
 def _pkce_pair() -> tuple[str, str]:
-    verifier = secrets.token_urlsafe(64)  # 86 characters of the unreserved set (RFC 7636 §4.1)
-    challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode("ascii")).digest()).rstrip(b"=")
+    verifier = token_urlsafe(64)  # 86 characters of the unreserved set (RFC 7636 §4.1)
+    challenge = base64.urlsafe_b64encode(sha256(verifier.encode("ascii")).digest()).rstrip(b"=")
     return verifier, challenge.decode("ascii")
 
 
@@ -722,7 +720,7 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
     try:
         client = choose_client(name, metadata, oauth, store, settings, receiver.redirect_uri, scope, previous)
         verifier, challenge = _pkce_pair()
-        state = secrets.token_urlsafe(32)
+        state = token_urlsafe(32)
         params = {"response_type": "code", "client_id": client.client_id, "redirect_uri": receiver.redirect_uri,
                   "code_challenge": challenge, "code_challenge_method": "S256", "state": state,
                   "resource": resource}
@@ -750,7 +748,7 @@ def oauth_login(name: str, url: str, headers: dict, oauth: dict, store, settings
         receiver.close()
     if answer is None:
         raise OAuthFailure(f"no answer from the browser within {timeout:g} s")
-    if not hmac.compare_digest(str(answer.get("state", "")).encode("utf-8", "replace"), state.encode("ascii")):
+    if not same_secret(str(answer.get("state", "")).encode("utf-8", "replace"), state.encode("ascii")):
         raise OAuthFailure("the browser came back with a different state than this login sent: refused (it was "
                            "not the answer to this login; possibly a cross-site request forgery)")
     if answer.get("error"):

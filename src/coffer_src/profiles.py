@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import collections
 import fnmatch
-import hashlib
 import json
 import logging
 import re
 import sqlite3
 from typing import NamedTuple
 
+from coffer_src.digests import sha256
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import dumps
 from coffer_src.names import (
@@ -113,7 +113,7 @@ class Profile(NamedTuple):
     @property
     def digest(self) -> str:
         """Changes whenever what the profile lists could change (the view's fingerprint includes it)."""
-        return hashlib.sha256(json.dumps(self.definition(), sort_keys=True).encode()).hexdigest()[:16]
+        return sha256(json.dumps(self.definition(), sort_keys=True).encode()).hexdigest()[:16]
 
     def knowledge_sources(self, asked):
         """The sources a coffer__ask of this profile searches: ``asked`` (None: every one it may), within its own."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -11,6 +10,7 @@ import tempfile
 import threading
 import urllib.parse
 
+from coffer_src.digests import sha256
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import decode_json
 from coffer_src.names import ENV_KEY_RE, ENV_NAME_PATTERN
@@ -294,7 +294,7 @@ def resolution_digest(config: dict, secrets: SecretStore | None) -> str:
     names = sorted({name for name, _ in references(config)})
     values = [f"{name}={os.environ[name] if name in os.environ else (secrets.get(name) if secrets else None)}"
               for name in names]
-    return hashlib.sha256("\0".join(values).encode("utf-8", "surrogatepass")).hexdigest()
+    return sha256("\0".join(values).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 # -- an upstream's environment -------------------------------------------------------------------------------

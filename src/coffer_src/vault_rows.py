@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 
+from coffer_src.digests import sha256
 from coffer_src.names import RESERVED_SERVER, SERVER_NAME_RE
 
 TRANSPORTS = ("stdio", "http", "sse", "auto")
@@ -26,7 +26,7 @@ _UNPINNED_FIELDS = {"tool": ("_meta",), "prompt": ("_meta",), "resource": ("_met
 
 def fingerprint(definition: dict, kind: str = "tool") -> str:
     pinned = {k: v for k, v in definition.items() if k not in _UNPINNED_FIELDS.get(kind, ())}
-    return hashlib.sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
+    return sha256(json.dumps(pinned, sort_keys=True, ensure_ascii=True).encode("ascii")).hexdigest()[:16]
 
 
 def definition_diff(before: str | None, after: str | None) -> str:

@@ -7,7 +7,6 @@ only when re-reading the result gives exactly the intended structure.  Everythin
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from coffer_src.clients.files import (
     read_config_text,
     render_toml_server,
 )
+from coffer_src.digests import sha256
 from coffer_src.errors import CofferError
 from coffer_src.names import ENV_KEY_RE, ENV_NAME_PATTERN, RESERVED_SERVER, SERVER_NAME_MAX, SERVER_NAME_RULE
 from coffer_src.secret_store import plan_literals, plan_url_literals, whole_reference, write_private_file
@@ -580,7 +580,7 @@ def install_target(client: str, ctx: ClientContext, project: bool) -> ClientFile
 
 
 def stash_path(vault, file: ClientFile) -> str:
-    digest = hashlib.sha256(f"{file.path}\0{'/'.join(file.container)}".encode()).hexdigest()[:12]
+    digest = sha256(f"{file.path}\0{'/'.join(file.container)}".encode()).hexdigest()[:12]
     return os.path.join(vault.home, "replaced", f"{file.client}-{digest}.json")
 
 

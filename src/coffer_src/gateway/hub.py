@@ -24,7 +24,7 @@ from coffer_src.gateway.builtins import (
     REMEMBER_TOOL_DEFINITION,
 )
 from coffer_src.gateway.view import Views
-from coffer_src.invocation_log import InvocationLog
+from coffer_src.invocations import InvocationLog
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.profiles import ProfileStore
@@ -158,6 +158,7 @@ class Hub:
         self.knowledge_tools: list[dict] = []
         self._upstream_client: tuple[dict, dict | None, str] | None = None  # what upstreams are started with
         self._reported_missing = False
+        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see rebuild)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
@@ -366,6 +367,9 @@ class Hub:
                             transport.remember_family(table)
                     except Exception:  # noqa: BLE001 - bookkeeping for shutdown; never the ticker's death
                         hub_log.exception("could not read the process table")
+            if self._trim_at is not None and now >= self._trim_at:
+                self._trim_at = None
+                return_freed_memory()
             if now - last_reload >= 1.0:
                 last_reload = now
                 try:
@@ -418,7 +422,7 @@ class Hub:
                 with self.lock:
                     self.per_client = {key: p for key, p in self.per_client.items() if key != name}
                 for session in self.sessions:
-                    session.drop_private(name)
+                    session.instances.drop(name)
                 changed = True
         for name, placeholder in self.dormant.items():
             old, new = self.configs.get(name), configs.get(name)
@@ -442,8 +446,8 @@ class Hub:
             return
         now = time.time()
         for name, upstream in self.upstreams.items():
-            last = getattr(upstream, "last_call", None)
-            if last is None or upstream.state != "ready" or now - last < float(limit) or \
+            last = max(getattr(upstream, "last_call", None) or 0.0, getattr(upstream, "idle_since", None) or now)
+            if upstream.state != "ready" or now - last < float(limit) or \
                     not upstream.requests.idle():
                 continue
             with self.lock:
@@ -501,8 +505,8 @@ class Hub:
     def on_ready(self, upstream: Upstream) -> None:
         if self._retired(upstream):
             return
-        if getattr(upstream, "last_call", None) is None:
-            upstream.last_call = time.time()  # idle since it came up (see _stop_idle)
+        if getattr(upstream, "idle_since", None) is None:
+            upstream.idle_since = time.time()  # see _stop_idle
         self._remember_transport(upstream)
         if upstream.era != upstream.config.get("era"):
             try:
@@ -669,8 +673,8 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
-        if self.shared:
-            return_freed_memory()
+        if self.shared:  # what the build and the listing it came from leave freed, once they are gone (ticker)
+            self._trim_at = time.monotonic() + 1.0
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind``, only those with no remembered list of that kind.  An upstream

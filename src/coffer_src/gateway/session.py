@@ -27,6 +27,7 @@ from coffer_src.gateway.builtins import (
 )
 from coffer_src.gateway.calls import OwnRequest, RelayedRequest, Waiting
 from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.instances import SessionInstances
 from coffer_src.gateway.routing import CallRouter
 from coffer_src.gateway.view import SessionView
 from coffer_src.jsonrpc import (
@@ -175,8 +176,7 @@ class ClientSession:
         self.own_requests: dict[str, OwnRequest] = {}         # Coffer's own requests to the client
         self._ids = itertools.count(1)
         self.since = time.time()
-        self.private: dict[str, Upstream] = {}   # shared mode: this client's own instances of per-client servers
-        self._private_listed: frozenset[str] = frozenset()   # those whose lists are in the catalogue
+        self.instances = SessionInstances(self)  # shared mode: its own instances of per-client servers
         self.calls = CallRouter(self)
         self.bridge = EraBridge(self)
         self.tools = BuiltinTools(self)
@@ -237,6 +237,7 @@ class ClientSession:
                 if self.stream.gone:
                     break
                 handle_burst(lines, self.handle_line)
+                del lines  # not kept while the next read waits (see read_line_bursts)
         finally:
             self.close()
 
@@ -245,10 +246,7 @@ class ClientSession:
         forgets it (in-process, the hub itself stops next)."""
         self.hub.detach(self)
         self.calls.cancel_all("the client went away")
-        with self.lock:
-            private, self.private = list(self.private.values()), {}
-        for upstream in private:
-            start_thread(upstream.stop, f"coffer-{upstream.name}-stop")
+        self.instances.stop_all()
 
     def handle_line(self, line) -> None:
         if wire_log.isEnabledFor(logging.DEBUG):
@@ -391,51 +389,17 @@ class ClientSession:
             if not placeholder.remembered:  # never seen: this client's own instance lists what it offers
                 self.instance_of(placeholder)
 
-    # -- this client's own server instances (shared mode: servers that run once per client) ----------------------
     def instance_of(self, upstream):
-        """The upstream a call of this session goes to: the shared one, or this session's own instance of a
-        per-client server (started now if this is its first use; a call waits for its start)."""
-        if getattr(upstream, "dormant", False):
-            return self.hub.wake(upstream.name) or upstream
-        if not getattr(upstream, "per_client", False):
-            return upstream
-        with self.lock:
-            instance = self.private.get(upstream.name)
-            if instance is None:
-                caps = {k: v for k, v in self.client_capabilities.items() if k in CLIENT_SIDE_CAPABILITIES}
-                instance = Upstream(upstream.config, self.hub.settings, PrivateEvents(self), caps,
-                                    self.protocol_version, self.hub.vault.secrets, self.client_info or None)
-                instance.remembered = upstream.remembered
-                self.private[upstream.name] = instance
-                fresh = True
-            else:
-                fresh = False
-        if fresh:
-            instance.start()
-        return instance
-
-    def discovering(self, kind: str | None = None) -> list[str]:
-        """Servers this session still waits for: the hub's starting upstreams, and this session's own instances
-        of per-client servers until what they list is in the catalogue."""
-        own = [name for name, instance in self.private.items()
-               if instance.state not in ("failed", "stopped") and name not in self._private_listed
-               and not (kind and kind in instance.remembered)]
-        return self.hub.discovering(kind) + own
-
-    def private_listed(self, upstream: Upstream) -> None:
-        """This session's own instance of a per-client server is up and its lists are in the catalogue."""
-        self._private_listed = self._private_listed | {upstream.name}
-        self.release_waiting()
+        """The upstream a call of this session goes to (see SessionInstances.instance_of)."""
+        return self.instances.instance_of(upstream)
 
     def upstream_named(self, name: str):
-        return self.private.get(name) or self.hub.upstreams.get(name)
+        return self.instances.named(name)
 
-    def drop_private(self, name: str) -> None:
-        """The server's config changed (or it was removed): stop this session's own instance of it."""
-        with self.lock:
-            instance = self.private.pop(name, None)
-        if instance is not None:
-            start_thread(instance.stop, f"coffer-{name}-stop")
+    def discovering(self, kind: str | None = None) -> list[str]:
+        """Servers this session still waits for: the hub's starting upstreams, and its own instances of
+        per-client servers until what they list is in the catalogue."""
+        return self.hub.discovering(kind) + self.instances.starting(kind)
 
     def envelope_for(self, call) -> Envelope:
         """What a 2026-07-28 upstream is told of the client behind one request: a 2026-07-28 client's own envelope
@@ -767,41 +731,3 @@ class ClientSession:
             for upstream in list(self.hub.upstreams.values()):
                 if upstream.state == "ready":
                     upstream.notify(method)
-
-
-class PrivateEvents:
-    """The events of a session's own instance of a per-client server: its answers and questions concern that
-    session alone; what it lists is recorded for every session's catalogue, as a shared server's is."""
-
-    def __init__(self, session: ClientSession):
-        self.session = session
-        self.hub = session.hub
-
-    def on_ready(self, upstream: Upstream) -> None:
-        self.hub.record_status(upstream, "ready")
-        self.session.upstream_ready(upstream)
-        try:
-            self._learn(upstream)
-        finally:
-            self.session.private_listed(upstream)
-
-    def on_down(self, upstream: Upstream) -> None:
-        self.session.upstream_down(upstream)
-        self.hub.record_status(upstream, upstream.state)
-        self.session.release_waiting()
-
-    def on_list_changed(self, upstream: Upstream, kind: str, items: dict, notify: bool) -> None:
-        self.hub.on_list_changed(upstream, kind, items, False)
-        if notify:
-            self._learn(upstream)
-
-    def _learn(self, upstream: Upstream) -> None:
-        placeholder = self.hub.per_client.get(upstream.name)
-        if placeholder is not None and placeholder.learn(upstream.lists):
-            self.hub.rebuild()
-
-    def on_notification(self, upstream: Upstream, message: dict) -> None:
-        self.session.upstream_notification(upstream, message)
-
-    def on_request(self, upstream: Upstream, message: dict) -> None:
-        self.session.upstream_request(upstream, message)

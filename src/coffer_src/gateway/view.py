@@ -10,10 +10,10 @@ an error naming the profile, never reported as unknown.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 
 from coffer_src.catalogue import Catalogue
+from coffer_src.digests import sha256
 from coffer_src.gateway.builtins import expose_mode
 from coffer_src.names import ASK_TOOL, MEMORY_SOURCE, REMEMBER_TOOL, SEPARATOR
 from coffer_src.profiles import ALL_KNOWLEDGE, Profile, ProfileStore, apply_overrides
@@ -62,7 +62,7 @@ class ProfileCatalogue(Catalogue):
         """The lists' fingerprints, the tools' also covering the profile's own settings (expose, pins, knowledge):
         a change to them changes what its clients are listed."""
         lists = super()._fingerprints()
-        lists["tools"] = hashlib.sha256(f"{lists['tools']}:{self.profile.digest}".encode()).hexdigest()
+        lists["tools"] = sha256(f"{lists['tools']}:{self.profile.digest}".encode()).hexdigest()
         return lists
 
     def refusal(self, name: str, kind: str) -> str | None:

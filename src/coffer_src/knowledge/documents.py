@@ -5,15 +5,14 @@ Everything here works on files and text only (no database, no shared state), so 
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import os
 import re
-import secrets
 import stat
 import time
 from typing import NamedTuple
 
+from coffer_src.digests import sha256, token_hex
 from coffer_src.errors import CofferError
 from coffer_src.vault import iso_timestamp
 
@@ -497,7 +496,7 @@ def read_document(absolute: str, limits: KnowledgeLimits) -> tuple[str | None, s
             data = handle.read(limits.max_file_bytes + 1)
     except OSError as exc:
         return None, "", f"unreadable ({exc.strerror or exc})"
-    digest = hashlib.sha256(data).hexdigest()
+    digest = sha256(data).hexdigest()
     if len(data) > limits.max_file_bytes:
         return None, digest, "too large"
     if b"\x00" in data[:8192]:
@@ -543,7 +542,7 @@ class MemoryNotes:
     def write(self, text: str, tags: list[str], client: str) -> str:
         """Write a note checked by ``checked`` as a new file; returns its id."""
         now = time.time()
-        note_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + secrets.token_hex(3)
+        note_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)) + "-" + token_hex(3)
         body = text.replace("\r\n", "\n").strip("\n")
         content = (f"---\nid: {note_id}\ntime: {iso_timestamp(now)}\nclient: {json.dumps(client)}\n"
                    f"tags: {json.dumps(list(tags))}\n---\n{body}\n")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import array
 import collections
-import hashlib
 import heapq
 import logging
 import math
@@ -26,6 +25,7 @@ import sqlite3
 import threading
 import time
 
+from coffer_src.digests import sha256
 from coffer_src.errors import CofferError, CofferException
 from coffer_src.jsonrpc import EncodeError, decode_json, encode_line
 from coffer_src.names import SEPARATOR, origin_text
@@ -146,7 +146,7 @@ def embedding_text(tool: dict) -> str:
 
 
 def text_hash(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+    return sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
 def _dot_products():

@@ -12,12 +12,9 @@ not know with "refused": "profile"); "control" is one request and one reply (sta
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import os
-import secrets
 import socket
 import stat
 import struct
@@ -26,6 +23,7 @@ import tempfile
 import time
 from typing import NamedTuple
 
+from coffer_src.digests import same_secret, sha256, token_urlsafe
 from coffer_src.errors import CofferError
 
 channel_log = logging.getLogger(__name__)
@@ -59,7 +57,7 @@ def socket_path(home: str) -> str:
     inside = os.path.join(home, "service.sock")
     if len(inside.encode()) <= MAX_SOCKET_PATH:
         return inside
-    digest = hashlib.sha256(os.path.realpath(home).encode()).hexdigest()[:24]
+    digest = sha256(os.path.realpath(home).encode()).hexdigest()[:24]
     return os.path.join(private_runtime_dir(), f"{digest}.sock")
 
 
@@ -133,7 +131,7 @@ def listen(home: str) -> tuple[socket.socket, Address]:
     nothing answers on it and it is this user's socket).  Raises ChannelError when a live service holds it."""
     if not uses_unix_sockets():
         server = socket.create_server(("127.0.0.1", 0))
-        return server, Address(port=server.getsockname()[1], secret=secrets.token_urlsafe(32))
+        return server, Address(port=server.getsockname()[1], secret=token_urlsafe(32))
     path = socket_path(home)
     if os.path.lexists(path):
         info = os.lstat(path)
@@ -208,7 +206,7 @@ def secret_matches(hello: dict, address: Address) -> bool:
     if address.secret is None:
         return True
     offered = hello.get("secret")
-    return isinstance(offered, str) and hmac.compare_digest(offered.encode(), address.secret.encode())
+    return isinstance(offered, str) and same_secret(offered.encode(), address.secret.encode())
 
 
 def send_line(conn: socket.socket, value: dict) -> None:

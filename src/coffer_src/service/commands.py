@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 from coffer_src import __version__
 from coffer_src.errors import CofferError
@@ -212,7 +213,7 @@ def cmd_service(vault: Vault, args) -> int:
     home = vault.home
     if args.action == "run":
         vault.close()
-        return run_service(home)
+        return run_service(home, getattr(args, "extend_service", None))
     if args.action == "stop":
         say("stopped the Coffer service" if stop_service(home) else "no Coffer service was running")
         return 0
@@ -247,7 +248,55 @@ def cmd_status(vault: Vault, args) -> int:
     return 0
 
 
-def add_service_commands(command) -> None:
+#: Browsers that run in the terminal: webbrowser picks them on a machine without a display, and the page needs
+#: JavaScript, so for `coffer open` they count as no browser at all.
+CONSOLE_BROWSERS = frozenset({"www-browser", "links", "links2", "elinks", "lynx", "w3m"})
+
+
+def open_in_browser(url: str) -> bool:
+    """Open ``url`` in the user's graphical browser; False when there is none (or it refused)."""
+    import webbrowser
+    try:
+        browser = webbrowser.get()
+    except webbrowser.Error:
+        return False
+    if isinstance(browser, webbrowser.GenericBrowser) and os.path.basename(browser.name) in CONSOLE_BROWSERS:
+        return False
+    try:
+        return bool(browser.open(url))
+    except Exception as exc:  # noqa: BLE001 - a broken browser setup is "no browser": the address is printed
+        commands_log.debug("could not open a browser: %r", exc)
+        return False
+
+
+def cmd_open(vault: Vault, args) -> int:
+    """`coffer open`: the page in the browser, through a one-time login link from the service (started if none
+    runs).  With --no-browser, or no browser found, the link is printed on stdout and nothing is opened."""
+    home = vault.home
+    vault.close()
+    start_service(home)
+    answer = control(home, {"op": "web"}, timeout=30)
+    if answer is None:
+        raise CofferError("the Coffer service stopped before it answered; run `coffer open` again")
+    if not isinstance(answer.get("url"), str):
+        if "unknown control request" in str(answer.get("error", "")):
+            raise CofferError("the running Coffer service is an older version without the page; "
+                              "`coffer service restart` starts this one")
+        raise CofferError(f"the Coffer service could not open the page: {answer.get('error') or 'no address'}")
+    url = answer["url"]
+    if not args.no_browser and open_in_browser(url):
+        print(f"opened Coffer in your browser ({answer.get('origin') or 'loopback'}); the login link works once",
+              file=sys.stderr)
+        return 0
+    if not args.no_browser:
+        print("no browser found here: open this address (it works once, for 5 minutes):", file=sys.stderr)
+    print(url, flush=True)
+    return 0
+
+
+def add_service_commands(command, extend_service: Callable | None = None) -> None:
+    """Wire serve, service, status and open into build_parser; ``extend_service`` is given to run_service by
+    `coffer service run` (cli passes the web page's attach_web)."""
     p = command("serve", cmd_serve, "speak MCP on stdio for one client (what an agent's config runs): a thin relay "
                                     "to the user's shared Coffer service, started if none runs")
     p.set_defaults(opens_vault=False)  # cmd_serve opens it only if it needs it
@@ -263,5 +312,10 @@ def add_service_commands(command) -> None:
     p = command("service", cmd_service, "the user's shared Coffer service: start, stop, restart (or run it in the "
                                         "foreground)")
     p.add_argument("action", choices=("start", "stop", "restart", "run"))
+    p.set_defaults(extend_service=extend_service)
+    p = command("open", cmd_open, "see and steer Coffer in your browser: servers, catalogue, changed definitions, "
+                                  "activity, search, knowledge, sessions (starts the service if none runs)")
+    p.add_argument("--no-browser", action="store_true",
+                   help="only print the one-time login address (on stdout); open nothing")
     p = command("status", cmd_status, "the service, the sessions attached to it and each upstream")
     p.add_argument("--json", action="store_true")

@@ -16,10 +16,11 @@ import signal
 import socket
 import threading
 import time
+from typing import Callable
 
 from coffer_src import __version__
 from coffer_src.errors import CofferError
-from coffer_src.gateway.hub import Hub
+from coffer_src.gateway.hub import Hub, return_freed_memory
 from coffer_src.gateway.session import ClientSession
 from coffer_src.names import did_you_mean
 from coffer_src.profiles import PROFILE_NAME_RE, ProfileStore
@@ -187,6 +188,12 @@ class Service:
         self.address = None
         self.idle_since = time.monotonic()
         self.hub = Hub(vault, shared=True)
+        # What a later layer adds (the web page, service/web.py): more control ops by name (each called with the
+        # request, on that connection's thread, returning the reply), what else keeps the service from exiting
+        # idle, and what to close when it stops.
+        self.controls: dict[str, Callable[[dict], dict]] = {}
+        self.busy_checks: list[Callable[[], bool]] = []
+        self.closers: list[Callable[[], None]] = []
 
     # -- life ------------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -203,6 +210,7 @@ class Service:
             if hasattr(signal, name):
                 signal.signal(getattr(signal, name), lambda *_: self.stopping.set())
         self.hub.start()
+        return_freed_memory()  # what loading Coffer itself left behind (compiling coffer.py, when it had no bytecode)
         self.listener.settimeout(0.5)
         try:
             while not self.stopping.is_set():
@@ -225,6 +233,8 @@ class Service:
         finally:
             self._close_listener()
             remove_service_file(self.home, os.getpid())
+            for close in self.closers:
+                close()
             self.hub.shutdown()
             service_log.info("Coffer service stopped")
         return 0
@@ -232,7 +242,7 @@ class Service:
     def _check_idle(self) -> None:
         with self.lock:
             busy = bool(self.sessions) or self.connections
-        if busy:
+        if busy or any(check() for check in self.busy_checks):
             self.idle_since = time.monotonic()
             return
         limit = float(self.hub.settings.get("service_idle_exit", 600.0))
@@ -347,6 +357,8 @@ class Service:
         if op == "handover":
             self.handover()
             return {"ok": True}
+        if op in self.controls:
+            return self.controls[op](request)
         return {"error": f"unknown control request {printable(str(op))[:40]!r}"}
 
     def handover(self) -> None:
@@ -388,7 +400,7 @@ class Service:
         upstreams = []
         users: dict[str, int] = collections.Counter()
         for session in sessions:
-            for name in session.private:
+            for name in session.instances.running:
                 users[name] += 1
         for upstream in self.hub.upstreams.values():
             users[upstream.name] = sum(1 for s in sessions if s.calls.used(upstream))
@@ -437,11 +449,15 @@ def rss_mb(pid: int | None) -> float | None:
     return None
 
 
-def run_service(home: str) -> int:
-    """`coffer service run`: the service in this process, until it is stopped, idle or handed over."""
+def run_service(home: str, extend: Callable[[Service], None] | None = None) -> int:
+    """`coffer service run`: the service in this process, until it is stopped, idle or handed over; ``extend``
+    adds what a later layer brings (cli passes the web page's attach_web)."""
     log_to_file(home)
     vault = Vault(home, actor="service")
     try:
-        return Service(vault).run()
+        service = Service(vault)
+        if extend is not None:
+            extend(service)
+        return service.run()
     finally:
         vault.close()

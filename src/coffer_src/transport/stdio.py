@@ -336,6 +336,7 @@ class StdioTransport(Transport):
         try:
             for lines in read_line_bursts(self.proc.stdout.read, max_line=self.max_line):
                 handle_burst(lines, handle)
+                del lines  # not kept while the next read waits (see read_line_bursts)
         except (OSError, ValueError):
             pass
         except Exception:  # noqa: BLE001 - the connection is lost either way; say why, then restart it

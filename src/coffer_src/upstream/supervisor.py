@@ -102,7 +102,7 @@ class UpstreamEvents(Protocol):
     never under its lock, and must not block for long: it may be the reader of the server's replies.
 
     Its implementers: the gateway's hub (gateway/hub.py: keeps the catalogue and the vault, passes each client
-    session what concerns it) and gateway/session.PrivateEvents (a client session's own instance of a server that
+    session what concerns it) and gateway/instances.PrivateEvents (a client session's own instance of a server that
     runs once per client), probe.ServerProbe (starts servers for the CLI and records what they offer) and
     probe.GatewayClient (the CLI's connection to a `coffer serve` it runs as an upstream).  Status goes to the
     vault through record_upstream_status, whoever the owner is.

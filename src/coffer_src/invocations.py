@@ -1,4 +1,8 @@
-"""Invocation log: who called what, when and how it ended, written on its own thread."""
+"""Invocation log: who called what, when, how long, how it ended; never arguments.
+
+Rows are queued by the caller (a tool call never waits on SQLite) and written in batches on the log's own
+thread, to the invocations table of coffer.db (its schema is the vault's).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from typing import NamedTuple
 from coffer_src.errors import VaultError
 from coffer_src.vault import Invocation, Vault
 
-invocation_log = logging.getLogger(__name__)
+invocations_log = logging.getLogger(__name__)
 
 
 class _FlushRequest(NamedTuple):
@@ -98,16 +102,16 @@ class InvocationLog:
                     self._rollback(db)
                     problem = VaultError.wrap(exc, self.path)
                     if not self._warned:
-                        invocation_log.warning("invocation log not written yet (%s); will retry", problem)
+                        invocations_log.warning("invocation log not written yet (%s); will retry", problem)
                         self._warned = True
                     del pending[:-self.MAX_BUFFER]
                     if self._stop.is_set():
-                        invocation_log.warning("%d invocation rows could not be written: %s", len(pending), problem)
+                        invocations_log.warning("%d invocation rows could not be written: %s", len(pending), problem)
                         break
                     time.sleep(0.5)
                 except Exception:  # noqa: BLE001 - a bad row costs its batch, never the log itself
                     self._rollback(db)
-                    invocation_log.exception("invocation log: dropped a batch of %d rows it could not write",
+                    invocations_log.exception("invocation log: dropped a batch of %d rows it could not write",
                                         len(pending))
                     pending.clear()
             if not pending:
