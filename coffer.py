@@ -47,24 +47,24 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      11441  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
      11554  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
      11868  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     12062  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     12729  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     13095  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     13436  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     13544  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     14215  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     14533  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     14900  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     15333  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     15626  probe                 Probes: starting a server once to see what it offers, from the command line.
-     15794  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     16462  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     17208  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     17515  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     17820  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     18011  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     18550  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     20473  cli                   Command line: coffer's commands.
+     12070  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12737  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     13103  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13444  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     13552  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     14224  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14542  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14909  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15342  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     15635  probe                 Probes: starting a server once to see what it offers, from the command line.
+     15803  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     16471  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     17217  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     17524  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     17829  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     18020  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     18559  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     20482  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -11916,6 +11916,9 @@ class ProfileCatalogue(Catalogue):
         self._alias_withheld(overrides, sees)
         self.blocked_templates = [(regex, text) for regex, text in parent.blocked_templates if sees(text)]
         self.qualified = parent.qualified
+        self.servers = frozenset(route.upstream.name for routes in (self.tool_routes, self.prompt_routes,
+                                                                    self.resource_routes, self.template_by_text)
+                                 for route in routes.values())
         self._shape_for_handshake()
         self._index = None
         self._index_lock = threading.Lock()
@@ -12044,6 +12047,11 @@ class SessionView:
         if self.name not in self.hub.views.profiles:
             return f" Coffer profile {self.name} does not exist (any more): no tools are listed."
         return f" This client uses Coffer profile {self.name}: it sees the tools the user chose for it, no others."
+
+    def sees_server(self, name: str) -> bool:
+        """Whether this client sees anything of server ``name`` (what the server says in passing -- its log
+        messages, say -- is for the clients that do)."""
+        return self.name is None or name in self.catalogue.servers
 
     def ask_sources(self, sources):
         """The knowledge sources a coffer__ask may search (CofferError for one outside the profile)."""
@@ -14095,8 +14103,9 @@ class ClientSession:
 
     def upstream_notification(self, upstream: Upstream, message: dict) -> None:
         """Relay one of the notifications an upstream may send (see RELAYED_NOTIFICATIONS), as the client asked:
-        log messages at or above its logging level, resource updates only for what it subscribed to."""
-        if not self.initialized:
+        log messages at or above its logging level, resource updates only for what it subscribed to; nothing of a
+        server its profile leaves out."""
+        if not self.initialized or not self.view.sees_server(upstream.name):
             return
         method = message["method"]
         params = message.get("params") if isinstance(message.get("params"), dict) else {}

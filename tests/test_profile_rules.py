@@ -143,6 +143,7 @@ def test_a_profile_view_filters_lists_routes_and_search_and_names_itself_in_refu
     assert [p["name"] for p in view.prompts] == ["a__greet"] and [r["uri"] for r in view.resources] == [
         "file:///a/readme.md"]
     assert set(view.tool_routes) == {"say", "a__echo"} and len(view.index) == 1
+    assert view.servers == {"a"}  # what time says in passing (its log messages) is not for this client
     assert "profile 'coding'" in view.refusal("time__now", "tool")
     assert "profile 'coding'" in view.refusal("a__crash", "tool")
     assert view.refusal("no__such", "tool") is None  # unknown stays unknown
@@ -155,6 +156,7 @@ def test_a_profiled_session_hears_of_its_own_changes_only():
     hub.views.profiles = {"research": Profile("research", include=("time",))}
     view = SessionView(hub, "research")
     assert [t["name"] for t in view.catalogue.tools] == ["time__now"]
+    assert view.sees_server("time") and not view.sees_server("a") and SessionView(hub).sees_server("a")
     hub.catalogue = catalogue({("a", "echo"): Override("a", "echo", description="changed outside")})
     assert view.changed(["tools"]) == []  # a change outside the profile: not this client's business
     hub.catalogue = catalogue({("time", "now"): Override("time", "now", description="changed inside")})

@@ -610,8 +610,9 @@ class ClientSession:
 
     def upstream_notification(self, upstream: Upstream, message: dict) -> None:
         """Relay one of the notifications an upstream may send (see RELAYED_NOTIFICATIONS), as the client asked:
-        log messages at or above its logging level, resource updates only for what it subscribed to."""
-        if not self.initialized:
+        log messages at or above its logging level, resource updates only for what it subscribed to; nothing of a
+        server its profile leaves out."""
+        if not self.initialized or not self.view.sees_server(upstream.name):
             return
         method = message["method"]
         params = message.get("params") if isinstance(message.get("params"), dict) else {}

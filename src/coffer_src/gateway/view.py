@@ -53,6 +53,9 @@ class ProfileCatalogue(Catalogue):
         self._alias_withheld(overrides, sees)
         self.blocked_templates = [(regex, text) for regex, text in parent.blocked_templates if sees(text)]
         self.qualified = parent.qualified
+        self.servers = frozenset(route.upstream.name for routes in (self.tool_routes, self.prompt_routes,
+                                                                    self.resource_routes, self.template_by_text)
+                                 for route in routes.values())
         self._shape_for_handshake()
         self._index = None
         self._index_lock = threading.Lock()
@@ -181,6 +184,11 @@ class SessionView:
         if self.name not in self.hub.views.profiles:
             return f" Coffer profile {self.name} does not exist (any more): no tools are listed."
         return f" This client uses Coffer profile {self.name}: it sees the tools the user chose for it, no others."
+
+    def sees_server(self, name: str) -> bool:
+        """Whether this client sees anything of server ``name`` (what the server says in passing -- its log
+        messages, say -- is for the clients that do)."""
+        return self.name is None or name in self.catalogue.servers
 
     def ask_sources(self, sources):
         """The knowledge sources a coffer__ask may search (CofferError for one outside the profile)."""
