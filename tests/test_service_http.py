@@ -20,6 +20,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.exceptions import MCPError
 
 from coffer_src.service.http_wire import HostRule, decode_header_value, parameter_header_problem
 
@@ -109,11 +110,11 @@ class Reply(SimpleNamespace):
         return json.loads(self.body)
 
 
-def raw(port, method="POST", body=None, headers=None, token=None, host=None, read=True):
+def raw(port, method="POST", body=None, headers=None, token=None, host=None, read=True, path="/mcp"):
     """One request on a fresh connection, exactly as given (Host and all); the reply, or the open response."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else b"")
-    lines = [f"{method} /mcp HTTP/1.1", f"Host: {host if host is not None else f'127.0.0.1:{port}'}"]
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host if host is not None else f'127.0.0.1:{port}'}"]
     fields = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
     if token:
         fields["Authorization"] = f"Bearer {token}"
@@ -158,14 +159,14 @@ def next_frame(stream, timeout=30.0):
     raise TimeoutError("no message on the stream")
 
 
-def initialize(port, token, name="raw"):
+def initialize(port, token, name="raw", path="/mcp"):
     reply = raw(port, body={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
         "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": name, "version": "1"}}},
-        token=token)
+        token=token, path=path)
     assert reply.status == 200, reply
     session = reply.headers["mcp-session-id"]
     assert raw(port, body={"jsonrpc": "2.0", "method": "notifications/initialized"}, token=token,
-               headers={"Mcp-Session-Id": session}).status == 202
+               headers={"Mcp-Session-Id": session}, path=path).status == 202
     return session
 
 
@@ -220,6 +221,51 @@ def test_sdk_clients_of_both_eras_call_a_real_upstream_over_http(endpoint, tmp_p
     assert all(s["calls"] == 2 for s in sessions)
     rows = json.loads(cli("log", "--json").stdout)["invocations"]
     assert {row["client"] for row in rows if row["capability"] == "a__echo"} == {"agent"}
+
+
+def test_a_profile_path_shows_an_http_client_only_that_profiles_tools(endpoint):
+    cli("add", "a", "--", *FAKE, "--tools", "echo,fail")
+    cli("add", "b", "--", *FAKE, "--tools", "echo")
+    cli("profile", "add", "coding", "--include", "a")
+    ep = endpoint.start()
+    results = {}
+
+    async def session(mode, url):
+        async with bearer(endpoint.token) as http, sdk_client(url, endpoint.token, mode, "x", http) as client:
+            tools = {t.name for t in (await client.list_tools()).tools}
+            echoed = text_of(await client.call_tool("a__echo", {"text": "in"}))
+            try:
+                outside = await client.call_tool("b__echo", {"text": "out"})
+                outside = text_of(outside) if outside.is_error else "answered"
+            except MCPError as exc:
+                outside = str(exc)
+            results[(mode, url)] = (tools, echoed, outside)
+
+    async def main():
+        for mode in ("legacy", MODERN):
+            await session(mode, ep.url + "/p/coding")
+            await session(mode, ep.url)
+
+    anyio.run(main)
+    for mode in ("legacy", MODERN):
+        tools, echoed, outside = results[(mode, ep.url + "/p/coding")]
+        assert "a__echo" in tools and not any(name.startswith("b__") for name in tools) and echoed == "in"
+        assert "profile 'coding'" in outside, outside
+        tools, _, outside = results[(mode, ep.url)]
+        assert {"a__echo", "b__echo"} <= tools and outside == "answered"  # the plain endpoint sees everything
+    rows = json.loads(cli("log", "--json").stdout)["invocations"]
+    assert {row["profile"] for row in rows if row["capability"] == "a__echo"} == {"coding", None}
+    unknown = raw(ep.port, body={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "x", "version": "1"}}},
+        token=endpoint.token, path="/mcp/p/codeing")
+    assert unknown.status == 404 and b"coding" in unknown.body, "an unknown profile is refused, naming the close one"
+    assert raw(ep.port, body={}, token=endpoint.token, path="/mcp/p/../mcp").status == 404
+    scoped = initialize(ep.port, endpoint.token, path="/mcp/p/coding")
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    assert raw(ep.port, body=ping, token=endpoint.token, headers={"Mcp-Session-Id": scoped},
+               path="/mcp/p/coding").status == 200
+    assert raw(ep.port, body=ping, token=endpoint.token, headers={"Mcp-Session-Id": scoped}).status == 404, \
+        "a profile's session is not reachable at the endpoint that sees everything"
 
 
 def test_two_http_clients_and_a_stdio_relay_share_one_upstream_process(endpoint, tmp_path):

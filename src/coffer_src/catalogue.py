@@ -11,6 +11,7 @@ from coffer_src.digests import sha256
 from coffer_src.jsonrpc import dumps
 from coffer_src.modern import shape_handshake_tool
 from coffer_src.names import QUALIFIED_URI_RE, exposed_names, qualify_uri
+from coffer_src.profiles import OverrideEffects, apply_overrides
 from coffer_src.search.index import SearchIndex
 from coffer_src.upstream.supervisor import Upstream
 from coffer_src.vault import CapabilityState
@@ -40,7 +41,7 @@ def template_literal_length(template: str) -> int:
     return len(re.sub(r"\{[^}]*\}", "", template))
 
 
-class Catalogue:
+class Catalogue(OverrideEffects):
     """An immutable snapshot of what the client may see and call, rebuilt whenever anything changes.
 
     The hot path only does dictionary look-ups here.  Resource URIs are exposed unchanged, so URIs embedded in
@@ -49,6 +50,9 @@ class Catalogue:
     several templates is read through the most specific one: the template with the most literal characters
     (ties: registration order), so a catch-all ``{anything}`` can never capture reads meant for another server.
     Disabled and quarantined capabilities are left out, and remembered so a call to one gets the right error.
+    The global overrides (profiles.py) apply here, so every client and the search index see a tool's alias and
+    new description; its original name stays routable.  A session with a profile sees a ProfileCatalogue
+    (gateway/view.py) made from this one.
     """
 
     @staticmethod
@@ -63,7 +67,7 @@ class Catalogue:
             return up.lists
         return {**up.lists, **up.remembered}
 
-    def __init__(self, upstreams, states: dict, max_length: int):
+    def __init__(self, upstreams, states: dict, max_length: int, overrides: dict | None = None):
         self.tools: list[dict] = []
         self.tool_routes: dict[str, Route] = {}
         self.prompts: list[dict] = []
@@ -77,6 +81,7 @@ class Catalogue:
         self.quarantined: set[str] = set()
         self.blocked_templates: list[tuple[re.Pattern, str]] = []  # disabled or quarantined: (matcher, exposed)
         self.qualified: dict[tuple[str, str], str] = {}  # (server, uri) -> exposed uri, for notifications
+        self.withheld: dict[tuple[str, str], str] = {}   # (server, tool) -> exposed: disabled, quarantined tools
         uri_count = collections.Counter(uri for up in upstreams for uri in up.lists["resource"])
         tpl_count = collections.Counter(t for up in upstreams for t in up.lists["template"])
         usual = CapabilityState(True)
@@ -91,6 +96,8 @@ class Catalogue:
             if state.usable:
                 return True
             (self.disabled if not state.enabled else self.quarantined).add(exposed)
+            if kind == "tool":
+                self.withheld[(up.name, name)] = exposed
             return False
 
         for up in upstreams:
@@ -130,9 +137,42 @@ class Catalogue:
                 self.template_by_text[exposed] = Route(up, text)
                 self.template_by_text.setdefault(text, Route(up, text))
         self.template_routes.sort(key=lambda route: -route.literal)  # stable: ties keep registration order
-        # What a handshake-era (2025) client accepts: an outputSchema rooted at an object.  A 2026-07-28 upstream may
-        # declare any schema; such a tool is listed with its schema wrapped as {"result": ...}, and its results'
-        # structuredContent is wrapped the same way (wrapped_outputs).
+        self.base_tools, self.base_routes = self.tools, self.tool_routes  # before overrides (ProfileCatalogue)
+        self.aliases: dict[str, str] = {}         # alias -> the exposed name it stands for
+        self.overrides = overrides or {}           # (server, tool) -> the global Override applied here
+        if overrides:
+            self._override(overrides)
+        self._shape_for_handshake()
+        self._index: SearchIndex | None = None
+        self._index_lock = threading.Lock()
+        self._fingerprint: dict | None = None
+
+    def _override(self, overrides: dict) -> None:
+        """Apply the global overrides: a tool is listed under its alias (both names route to it), with its new
+        description, annotations and schema; one whose override no longer fits is held back (``held``)."""
+        base = self.base_routes = dict(self.tool_routes)
+        done = apply_overrides(self.tools, lambda name: (base[name].upstream.name, base[name].name), overrides,
+                               set(base) | self.disabled | self.quarantined)
+        self.tools, self.aliases, self.fixed, self.held = done.tools, done.aliases, done.fixed, done.held
+        for name in done.held:
+            self.tool_routes.pop(name, None)
+        for alias, name in done.aliases.items():
+            self.tool_routes[alias] = base[name]
+        self._alias_withheld(overrides)
+
+    def _alias_withheld(self, overrides: dict, sees=None) -> None:
+        """A disabled or quarantined tool called by its alias gets the error its own name gets (``aliases`` says
+        which name the user's command takes)."""
+        for key, exposed in self.withheld.items():
+            override = overrides.get(key)
+            if override is not None and override.name and (sees is None or sees(key[0], exposed, override.name)):
+                (self.disabled if exposed in self.disabled else self.quarantined).add(override.name)
+                self.aliases.setdefault(override.name, exposed)
+
+    def _shape_for_handshake(self) -> None:
+        """What a handshake-era (2025) client accepts: an outputSchema rooted at an object.  A 2026-07-28 upstream
+        may declare any schema; such a tool is listed with its schema wrapped as {"result": ...}, and its results'
+        structuredContent is wrapped the same way (wrapped_outputs, by every name the tool is called by)."""
         self.wrapped_outputs: set[str] = set()
         self.handshake_tools = self.tools
         if any("outputSchema" in tool and not (isinstance(tool["outputSchema"], dict)
@@ -144,8 +184,8 @@ class Catalogue:
                 self.handshake_tools.append(shaped)
                 if wrapped:
                     self.wrapped_outputs.add(tool["name"])
-        self._index: SearchIndex | None = None
-        self._index_lock = threading.Lock()
+                    if tool["name"] in self.aliases:
+                        self.wrapped_outputs.add(self.aliases[tool["name"]])
 
     @property
     def index(self) -> SearchIndex:
@@ -183,7 +223,13 @@ class Catalogue:
         return self.qualified.get((server, uri), uri)
 
     def fingerprint(self) -> dict:
-        """What the client sees, per list; comparing two of these tells which list_changed to send."""
+        """What the client sees, per list; comparing two of these tells which list_changed to send.  Computed once
+        (the hub and every profile's sessions compare it)."""
+        if self._fingerprint is None:
+            self._fingerprint = self._fingerprints()
+        return self._fingerprint
+
+    def _fingerprints(self) -> dict:
         return {key: sha256(dumps(items).encode("utf-8", "surrogatepass")).hexdigest()
                 for key, items in (("tools", self.tools), ("prompts", self.prompts),
                                    ("resources", self.resources + self.templates))}

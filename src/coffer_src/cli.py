@@ -36,9 +36,6 @@ from coffer_src.errors import CofferError, NotListedYet, VaultError
 from coffer_src.gateway.builtins import (
     CLIENT_FAMILIES,
     client_family,
-    expose_mode,
-    knowledge_tools_for,
-    tools_for_client,
 )
 from coffer_src.jsonrpc import decode_json
 from coffer_src.knowledge.base import KnowledgeBase
@@ -67,6 +64,8 @@ from coffer_src.oauth import (
     revoke_grant,
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
+from coffer_src.profile_commands import add_profile_commands, client_listing, effective_tools, print_overrides
+from coffer_src.profiles import ProfileStore
 from coffer_src.search.feedback import evaluate_feedback, labelled_searches
 from coffer_src.search.semantic import Embedder, EmbedderError
 from coffer_src.secret_store import (
@@ -189,8 +188,10 @@ def _print_edit(result: EditResult, verb: str, dry_run: bool) -> None:
 
 
 def cmd_install(vault, args) -> int:
+    if args.profile is not None:
+        ProfileStore(vault).profile(args.profile)  # an unknown profile would leave the client with no tools
     result = install_client(vault, vault.secrets, args.client, ClientContext.current(), project=args.project,
-                            replace=args.replace, dry_run=args.dry_run)
+                            replace=args.replace, dry_run=args.dry_run, profile=args.profile)
     _print_edit(result, "install Coffer into" if args.dry_run else "installed Coffer into", args.dry_run)
     if result.changed and not args.dry_run:
         say(f"  restart {args.client} to load it")
@@ -242,6 +243,9 @@ def cmd_show(vault, args) -> int:
         _print_table([[c["kind"], c["name"], c["state"]] for c in shown["capabilities"]], ["KIND", "NAME", "STATE"])
     else:
         say("  no capabilities seen yet (coffer tools starts it)")
+    if shown["overrides"]:
+        say()
+        print_overrides(shown["overrides"])
     return 0
 
 
@@ -263,6 +267,7 @@ def add_client_commands(command) -> None:
         if name == "install":
             p.add_argument("--replace", action="store_true",
                            help="also remove the servers Coffer now serves from that client's config")
+            p.add_argument("--profile", metavar="NAME", help="the client sees only this profile (coffer profile)")
     p = command("doctor", cmd_doctor, "check every server, client config and the vault; exit 1 if a server is broken")
     p.add_argument("--json", action="store_true")
     p = command("show", cmd_show, "a server's definition (secrets as references), status and capabilities")
@@ -415,7 +420,7 @@ def cmd_tools(vault: Vault, args) -> int:
         known = sorted({family for _, family in CLIENT_FAMILIES})
         raise CofferError(f"unknown client {args.client!r}{did_you_mean(args.client.lower(), known)}; known: "
                           f"{', '.join(known)}")
-    running = None if args.cached else service_tools(vault.home)
+    running = None if args.cached else service_tools(vault.home, args.profile)
     if args.cached:
         tools = cached_tools(vault)
     elif running is not None:  # the running service's catalogue: no server is started for this
@@ -437,16 +442,18 @@ def cmd_tools(vault: Vault, args) -> int:
         results = ServerProbe(vault, progress=progress, waiting=waiting).run()
         tools = [tool for result in results for tool in result.tools]
         failed = [result for result in results if result.state != "ready"]
-    settings = vault.settings()
-    knowledge = knowledge_tools_for(vault.has_knowledge_sources(), settings["memory"] == "on")
-    tools = tools_for_client(tools, knowledge, expose_mode(settings, family), vault.tool_usage())
+    # (a running service has applied the overrides and the profile itself)
+    tools, overridden = effective_tools(vault, tools, args.profile, applied=running is not None)
+    tools = client_listing(vault, tools, args.profile, family, overridden)
     if args.json:
         say_json({"tools": tools, "failed": [{"server": r.name, "state": r.state, "reason": r.detail}
-                                             for r in failed]})
+                                             for r in failed], **({"overridden": overridden} if overridden else {})})
     else:
         for tool in tools:
             description = (tool.get("description") or "").strip().splitlines()
-            say(f"{tool['name']:<48}  {clip(description[0], 100) if description else ''}")
+            changed = overridden.get(tool["name"])
+            note = f"  [overridden: {', '.join(changed['overridden'])}]" if changed else ""
+            say(f"{tool['name']:<48}  {clip(description[0], 100) if description else ''}{note}")
     for result in failed:
         print(printable(redact(f"coffer: {result.name} {'did not start' if result.state == 'failed' else result.state}"
                                f": {result.detail or 'no reason given'}")), file=sys.stderr)
@@ -582,7 +589,8 @@ def cmd_log(vault: Vault, args) -> int:
     if args.json:
         say_json({"invocations": rows})
     else:
-        _print_table([[r["ts"], r["client"], r["server"] or "", r["capability"], r["kind"], _ms(r["duration_ms"]),
+        client = lambda r: f"{r['client']} ({r['profile']})" if r.get("profile") else r["client"]  # noqa: E731
+        _print_table([[r["ts"], client(r), r["server"] or "", r["capability"], r["kind"], _ms(r["duration_ms"]),
                        r["status"], r["error"] or ""] for r in rows],
                      ["TIME", "CLIENT", "SERVER", "CAPABILITY", "KIND", "DURATION", "STATUS", "ERROR"])
     return 0
@@ -987,6 +995,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--cached", action="store_true", help="what the last session saw, without starting servers")
     p.add_argument("--client", metavar="NAME", help="as this client is shown it (cursor, windsurf, vscode, ...)")
+    p.add_argument("--profile", metavar="NAME", help="as a client of this profile sees it (coffer profile)")
     command("enable", cmd_enable, "enable a server, tool, prompt or resource").add_argument("target")
     command("disable", lambda v, a: cmd_enable(v, a, False),
             "disable a server, tool, prompt or resource (kept across restarts and upgrades)").add_argument("target")
@@ -1038,6 +1047,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_service_commands(command, extend_service=attach_web)
     add_client_commands(command)
+    add_profile_commands(command)
     return parser
 
 

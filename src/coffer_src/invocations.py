@@ -51,9 +51,11 @@ class InvocationLog:
         self._thread = threading.Thread(target=self._run, name="coffer-log", daemon=True)
         self._thread.start()
 
-    def record(self, client, server, capability, kind, started: float, status: str, error: str | None = None):
+    def record(self, client, server, capability, kind, started: float, status: str, error: str | None = None,
+               profile: str | None = None):
+        """Queue one row; ``profile`` is the profile the client's session uses (None: it sees everything)."""
         duration = round((time.monotonic() - started) * 1000.0, 3)
-        self.queue.put(Invocation(time.time(), client, server, capability, kind, duration, status, error))
+        self.queue.put(Invocation(time.time(), client, server, capability, kind, duration, status, error, profile))
 
     def flush(self, timeout: float = 5.0) -> None:
         """Write everything recorded so far before returning (used first thing at shutdown)."""

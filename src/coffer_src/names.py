@@ -15,6 +15,8 @@ RESERVED_SERVER = "coffer"
 SEARCH_TOOL = "coffer__search_tools"
 ASK_TOOL = "coffer__ask"
 REMEMBER_TOOL = "coffer__remember"
+#: The knowledge source coffer__ask calls the facts coffer__remember kept (a folder may not take the name).
+MEMORY_SOURCE = "memory"
 # A server name is the prefix of every name a client sees (<server>__<tool>), so it is short and holds no '_':
 # then no two servers' prefixes can collide.  These three say it once for every check, message and help text.
 SERVER_NAME_MAX = 24

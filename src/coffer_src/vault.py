@@ -91,12 +91,26 @@ CREATE TABLE IF NOT EXISTS capabilities (
     approved_definition TEXT,                -- that definition, for the diff `coffer approve` shows
     PRIMARY KEY (server, kind, name)
 );
+CREATE TABLE IF NOT EXISTS profiles (        -- what one kind of agent sees (profiles.py): `coffer profile`
+    name TEXT PRIMARY KEY,
+    definition TEXT NOT NULL,                -- JSON: include, exclude, expose, pin, knowledge
+    created_at TEXT NOT NULL, updated_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS overrides (       -- a tool renamed, redescribed, annotated or given fixed arguments
+    profile TEXT NOT NULL DEFAULT '',        -- '' for every client, else the profile it applies in
+    server TEXT NOT NULL,
+    tool TEXT NOT NULL,                      -- the upstream's own name: an override survives renames of the prefix
+    override TEXT NOT NULL,                  -- JSON: name, description, annotations, fixed
+    updated_at TEXT NOT NULL,
+    PRIMARY KEY (profile, server, tool)
+);
 """
 LOGS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS invocations (
     id INTEGER PRIMARY KEY,
     ts TEXT NOT NULL, client TEXT, server TEXT, capability TEXT, kind TEXT,
-    duration_ms REAL, status TEXT NOT NULL, error TEXT
+    duration_ms REAL, status TEXT NOT NULL, error TEXT,
+    profile TEXT                             -- the profile the client's session used (NULL: none)
 );
 CREATE INDEX IF NOT EXISTS invocations_ts ON invocations(ts);
 CREATE TABLE IF NOT EXISTS audit (
@@ -182,6 +196,7 @@ MIGRATIONS = (
     ("servers", "sharing_reason", "TEXT"),
     ("capabilities", "approved", "TEXT"),
     ("capabilities", "approved_definition", "TEXT"),
+    ("invocations", "profile", "TEXT"),
 )
 
 
@@ -356,7 +371,8 @@ class Vault:
         tables = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         missing = [(t, c, d) for t, c, d in MIGRATIONS if t in tables and c not in
                    {row["name"] for row in self.db.execute(f"PRAGMA table_info({t})")}]
-        required = {"settings", "servers", "capabilities", "invocations", "audit", "search_feedback"}
+        required = {"settings", "servers", "capabilities", "profiles", "overrides", "invocations", "audit",
+                    "search_feedback"}
         if tables >= required and not missing:
             return  # nothing to write: a read-only vault opens without a write
         script = SCHEMA + "".join(f"ALTER TABLE {t} ADD COLUMN {c} {d};\n" for t, c, d in missing)
@@ -996,6 +1012,7 @@ class Invocation(NamedTuple):
     duration_ms: float
     status: str
     error: str | None
+    profile: str | None = None   # the client session's profile (see profiles.py); None: no profile
 
     def row(self) -> tuple:
         """The values as written: the time as ISO text, every text redacted, storable and cut to 500 characters."""

@@ -28,6 +28,7 @@ from coffer_src.clients.move_in import (
 from coffer_src.errors import CofferError
 from coffer_src.names import NAME_MAX_LENGTH_MIN
 from coffer_src.probe import ServerProbe
+from coffer_src.profiles import KnownCatalogue, override_report, profiles_report
 from coffer_src.secret_store import ENV_REF_RE, expand_vars, references
 from coffer_src.service.commands import service_tools
 from coffer_src.terminal import ServerLog, looks_secret, say
@@ -309,8 +310,13 @@ def run_doctor(vault, store, ctx: ClientContext, probe=None) -> dict:
         thread.join()
     vault_state = vault_report(vault)
     knowledge = knowledge_report(vault, settings)
-    return {"ok": all(r["ok"] for r in reports) and vault_state["ok"] and knowledge["ok"], "servers": reports,
-            "clients": clients, "knowledge": knowledge, "vault": vault_state}
+    try:
+        profiles = profiles_report(vault)
+    except CofferError as exc:
+        profiles = {"ok": False, "problems": [_problem(f"profiles and overrides cannot be read: {exc}",
+                                                       "coffer doctor says what is wrong with the vault")]}
+    return {"ok": all(r["ok"] for r in reports) and vault_state["ok"] and knowledge["ok"] and profiles["ok"],
+            "servers": reports, "clients": clients, "knowledge": knowledge, "vault": vault_state, "profiles": profiles}
 
 
 def print_doctor(report: dict) -> None:
@@ -344,6 +350,11 @@ def print_doctor(report: dict) -> None:
     say(f"vault: {vault_state['path']} {'ok' if vault_state['ok'] else ''}".rstrip())
     for problem in vault_state["problems"]:
         say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
+    profiles = report.get("profiles") or {"problems": []}
+    if profiles["problems"]:
+        say("profiles and overrides:")
+    for problem in profiles["problems"]:
+        say(f"      {problem['severity']}: {problem['problem']}\n      fix: {problem['fix']}")
 
 
 # -- show -----------------------------------------------------------------------------------------------------
@@ -370,7 +381,15 @@ def show_server(vault, name: str) -> dict:
             "enabled": server["enabled"], "policy": server["policy"], "timeout": server.get("timeout"),
             "status": server.get("status") or "never started", "status_detail": server.get("status_detail"),
             "status_at": server.get("status_at"), "sharing": server.get("sharing", "shared"),
-            "sharing_reason": server.get("sharing_reason"), "capabilities": capabilities}
+            "sharing_reason": server.get("sharing_reason"), "capabilities": capabilities,
+            "overrides": server_overrides(vault, name)}
+
+
+def server_overrides(vault, name: str) -> list[dict]:
+    """The overrides of a server's tools as `coffer show` reports them: what each sets, whether it still fits,
+    the tool as clients see it."""
+    known = KnownCatalogue.of(vault)
+    return [override_report(override, known) for override in known.overrides if override.server == name]
 
 
 def _command_text(server: dict) -> str:

@@ -596,17 +596,19 @@ def coffer_launch_command() -> list[str]:
     return [os.path.abspath(sys.executable), module, "serve"]  # not realpath: a venv's python is its own
 
 
-def coffer_entry(client: str, vault, project: bool = False) -> tuple[dict, list[str]]:
-    """Coffer's entry for a client's config, and what the user should know about it.
+def coffer_entry(client: str, vault, project: bool = False, profile: str | None = None) -> tuple[dict, list[str]]:
+    """Coffer's entry for a client's config (with ``profile``: ``coffer serve --profile NAME``, that profile's part
+    only), and what the user should know about it.
 
     A user's own file gets an absolute command (desktop apps start servers with a minimal PATH) and, with a
     non-default COFFER_HOME, that home.  A project's file is shared (teams commit it): it gets the portable
     ``coffer serve`` and no per-user path or home -- unless no ``coffer`` is on PATH, when it gets this machine's
     path and the note says why."""
     notes = []
-    argv = coffer_launch_command()
+    suffix = ["--profile", profile] if profile else []
+    argv = coffer_launch_command() + suffix
     if project and shutil.which("coffer"):
-        argv = ["coffer", "serve"]
+        argv = ["coffer", "serve", *suffix]
         notes.append("a project file is shared, so the entry is the portable `coffer serve` (a client started "
                      "from a desktop launcher may not find `coffer` on its PATH: then use the user-scope install)")
     elif project:
@@ -797,7 +799,7 @@ def _stash_removed(vault, file: ClientFile, document, servers: dict, names, clie
 
 
 def install_client(vault, store, client: str, ctx: ClientContext, project: bool = False, replace: bool = False,
-                   dry_run: bool = False) -> EditResult:
+                   dry_run: bool = False, profile: str | None = None) -> EditResult:
     file = install_target(client, ctx, project)
     try:
         text = read_config_text(file.path)
@@ -810,7 +812,7 @@ def install_client(vault, store, client: str, ctx: ClientContext, project: bool 
                 local.append((scope, scope_servers, found))
     except ConfigProblem as exc:
         raise CofferError(f"{file.path}: {exc}; not rewritten") from None
-    entry, notes = coffer_entry(client, vault, project)
+    entry, notes = coffer_entry(client, vault, project, profile)
     current = servers.get(COFFER_ENTRY)
     put = {} if current == entry else {COFFER_ENTRY: entry}
     removed = registered_in_coffer(vault, store, file, servers, ctx) if replace else {}

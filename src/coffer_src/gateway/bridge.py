@@ -62,7 +62,7 @@ class EraBridge:
         offered = {kind for kind in ("tools", "prompts", "resources") if kind in session.advertised}
         resources = session.advertised.get("resources")
         honoured = wanted.honoured(offered, bool(isinstance(resources, dict) and resources.get("subscribe")))
-        catalogue = self.hub.catalogue
+        catalogue = session.catalogue
         routes = [(uri, catalogue.route_resource(uri)) for uri in honoured.uris]
         honoured = honoured._replace(uris=tuple(uri for uri, route in routes if route is not None))
         with session.lock:
@@ -83,7 +83,7 @@ class EraBridge:
         if stream is None:
             return
         for uri in set(stream.uris) - still:
-            route = self.hub.catalogue.route_resource(uri)
+            route = session.catalogue.route_resource(uri)
             if route is not None:
                 session.calls.subscribe_upstream(route, False)
 
@@ -290,13 +290,17 @@ class EraBridge:
             return None
         if claims.is_upstream_round:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says
             upstream = session.upstream_named(claims.upstream)
-            catalogue = self.hub.catalogue
+            catalogue = session.catalogue
             route = (catalogue.tool_routes if method == "tools/call" else catalogue.prompt_routes).get(
                 params.get("name")) if method != "resources/read" else catalogue.route_resource(params["uri"])
             if upstream is None or route is None or route.upstream.name != upstream.name:
                 raise RpcError(INVALID_PARAMS, "Invalid or expired requestState", {"reason": "invalid_request_state"})
             key = "uri" if method == "resources/read" else "name"
-            upstream_params = {k: v for k, v in params.items() if k != "requestState"}
+            upstream_params, refused = catalogue.with_fixed(params.get("name"), params) if method == "tools/call" \
+                else (params, None)
+            if refused:  # the round's retry carries what the client sent: the fixed arguments are filled in again
+                raise RpcError(INVALID_PARAMS, refused)
+            upstream_params = {k: v for k, v in upstream_params.items() if k != "requestState"}
             upstream_params[key] = route.name
             if claims.upstream_state is not None:
                 upstream_params["requestState"] = claims.upstream_state

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from typing import Callable
 
 from coffer_src.errors import CofferError
 from coffer_src.jsonrpc import dumps, tool_error_result
@@ -135,15 +136,16 @@ def knowledge_tools_for(has_sources: bool, memory: bool) -> list[dict]:
     return ([ASK_TOOL_DEFINITION] if has_sources or memory else []) + ([REMEMBER_TOOL_DEFINITION] if memory else [])
 
 
-def tools_for_client(tools: list[dict], knowledge_tools: list[dict], mode: str, usage: dict[str, int]) -> list[dict]:
+def tools_for_client(tools: list[dict], knowledge_tools: list[dict], mode: str, usage: dict[str, int],
+                     pinned: Callable[[list[dict], list[dict]], list[dict]] | None = None) -> list[dict]:
     """What a client is shown, for an expose ``mode`` (expose_mode): Coffer's own tools first, then the catalogue,
-    within the budget.  The one rule for the gateway's tools/list and `coffer tools --client`."""
+    within the budget, plus what ``pinned(listed, tools)`` adds (a profile's pinned tools).  The one rule for the
+    gateway's tools/list and `coffer tools --client/--profile`."""
     builtins = [SEARCH_TOOL_DEFINITION] + knowledge_tools
-    if mode == "search":
-        return builtins
+    listed = [] if mode == "search" else tools
     if mode.startswith("budget:"):
-        tools = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, usage)
-    return builtins + tools
+        listed = budget_tools(tools, int(mode.partition(":")[2]) - len(builtins) + 1, usage)
+    return builtins + (listed if pinned is None else pinned(listed, tools))
 
 
 def expose_mode(settings: dict, family: str | None) -> str:
@@ -194,7 +196,8 @@ class BuiltinTools:
         self.hub = session.hub
 
     def _record(self, tool: str, started: float, outcome: str, detail: str | None = None) -> None:
-        self.hub.log.record(self.session.client_name, RESERVED_SERVER, tool, "tool", started, outcome, detail)
+        self.hub.log.record(self.session.client_name, RESERVED_SERVER, tool, "tool", started, outcome, detail,
+                            self.session.view.name)
 
     def search(self, arguments: dict, started: float) -> dict:
         def fail(text):
@@ -208,7 +211,7 @@ class BuiltinTools:
             top_k = bounded_top_k(arguments.get("top_k"))
         except ValueError as exc:
             return fail(str(exc))
-        catalogue = self.hub.catalogue
+        catalogue = self.session.catalogue  # the client's profile's tools only, under their overridden names
         index = catalogue.index
         if self.hub.semantic is not None:
             hits, ranker, note = self.hub.semantic.search(index, query, top_k)
@@ -303,6 +306,7 @@ class BuiltinTools:
         claims, responses = claims or RequestClaims(), responses or {}
         try:
             top_k = bounded_top_k(arguments.get("top_k"))
+            sources = self.session.view.ask_sources(sources)  # within the client's profile
             answer = self.hub.knowledge.ask(question, top_k, sources)
             hits, notes = list(answer.passages), [answer.note] if answer.note else []
             queries = list(claims.queries)

@@ -19,9 +19,11 @@ from coffer_src.catalogue import Catalogue
 from coffer_src.errors import CofferError
 from coffer_src.gateway.builtins import CLIENT_SIDE_CAPABILITIES, knowledge_tools_for
 from coffer_src.gateway.sharing import DormantServer, PerClientServer, Sharing, return_freed_memory
+from coffer_src.gateway.view import Views
 from coffer_src.invocations import InvocationLog
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, rpc_error
 from coffer_src.knowledge.base import KnowledgeBase
+from coffer_src.profiles import ProfileStore
 from coffer_src.search.semantic import Embedder, SemanticRanker
 from coffer_src.secret_store import resolution_digest
 from coffer_src.terminal import ServerLog
@@ -56,8 +58,9 @@ class Hub:
     it may wait on a client stream's write) → the semantic ranker's lock, a session's ``lock``, a client stream's
     lock, and ``lock``.  A session's ``lock`` → ``lock`` (forgetting a progress token).  ``lock`` (the writers of
     ``upstreams``, ``per_client``, ``dormant``, ``sessions``, ``_catalogued`` and ``_progress``, and the rebuild
-    counters) is a leaf.  ``vault_lock`` (the shared SQLite connection, and the writers of ``states``) is a leaf,
-    held across the vault's writes; the ticker takes it every second.  No Upstream's lock is taken under any of
+    counters) is a leaf.  ``vault_lock`` (the shared SQLite connection, and the writers of ``states``) → ``views.lock``
+    (gateway/view.py: the profiles and overrides, reloaded under it), a leaf; ``vault_lock`` is held across the
+    vault's writes, and the ticker takes it every second.  No Upstream's lock is taken under any of
     them.
     ``states``, ``upstreams``, ``sessions``, ``_catalogued`` and ``catalogue`` are replaced whole under their
     lock, never changed in place: a reader takes the current one with a plain attribute read and uses it without
@@ -83,6 +86,7 @@ class Hub:
         self.configs: dict[str, dict] = {}
         self.remembered: dict[str, dict] = {}  # server -> kind -> {name: definition}, from the vault
         self.states = vault.capability_states()
+        self.views = Views()   # profiles and overrides, and each profile's view of the catalogue (gateway/view.py)
         self.catalogue = Catalogue([], self.states, self.settings["name_max_length"])
         self._fingerprint = self.catalogue.fingerprint()
         self._rebuild_lock = threading.Lock()
@@ -113,6 +117,11 @@ class Hub:
             hub_log.warning("retention pruning skipped: %s", exc)
         self.configs = self._serving(self.vault.servers(), report=True)
         self.remembered = self.vault.remembered_lists() if self.remember else {}
+        try:
+            with self.vault_lock:
+                self.views.load(ProfileStore(self.vault))
+        except CofferError as exc:  # a profiled session then sees nothing until the next change is read
+            hub_log.warning("profiles and overrides unavailable: %s", exc)
         self._update_knowledge()
         if self.shared:  # upstreams start with the service, not with a client: they are warm when one comes
             self._upstream_client = (SHARED_CLIENT_CAPABILITIES, None, LATEST_PROTOCOL_VERSION)
@@ -337,7 +346,8 @@ class Hub:
             states = self.vault.capability_states()
             configs = self._serving(self.vault.servers())
             settings = self.vault.settings()
-            changed = states != self.states
+            views_changed = any(self.views.load(ProfileStore(self.vault)))  # profiles, overrides
+            changed = states != self.states or views_changed
             self.states = states
         if self._update_knowledge():
             self._force_tools_notice = True
@@ -534,7 +544,7 @@ class Hub:
                 force, self._force_tools_notice = self._force_tools_notice, False
             live = [up for up in self.upstreams.values() if up.state not in ("failed", "stopped")]
             live += [*self.per_client.values(), *self.dormant.values()]
-            catalogue = Catalogue(live, self.states, self.settings["name_max_length"])
+            catalogue = Catalogue(live, self.states, self.settings["name_max_length"], self.views.global_overrides)
             old, new = self._fingerprint, catalogue.fingerprint()
             self.catalogue, self._fingerprint = catalogue, new
             if self.semantic is not None:

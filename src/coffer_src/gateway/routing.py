@@ -54,8 +54,9 @@ class CallRouter:
 
     def record(self, server: str, capability: str, kind: str, started: float, outcome: str,
                detail: str | None = None) -> None:
-        """One row of the invocation log for this session's client (never arguments or results)."""
-        self.hub.log.record(self.session.client_name, server, capability, kind, started, outcome, detail)
+        """One row of the invocation log for this session's client and profile (never arguments or results)."""
+        self.hub.log.record(self.session.client_name, server, capability, kind, started, outcome, detail,
+                            self.session.view.name)
 
     # -- the requests ----------------------------------------------------------------------------------------
     def tools_call(self, msg_id, params):
@@ -67,17 +68,19 @@ class CallRouter:
         session = self.session
         if name == SEARCH_TOOL:
             # A search may wait for its embedding, or build the index on its first use: off the reader thread.
-            background = self.hub.semantic is not None or not self.hub.catalogue.index_ready
+            background = self.hub.semantic is not None or not session.catalogue.index_ready
             return session.after_discovery(msg_id, lambda: session.tools.search(arguments or {}, started),
                                            background=background, kind="tool")
         if session.client_era == "modern" and "requestState" in params:
             return session.bridge.resume(msg_id, "tools/call", params, started)
-        if name in (ASK_TOOL, REMEMBER_TOOL) and any(t["name"] == name for t in self.hub.knowledge_tools):
+        if name in (ASK_TOOL, REMEMBER_TOOL) and any(t["name"] == name for t in session.view.knowledge_tools):
             work = (lambda: session.tools.ask(arguments or {}, started, params)) if name == ASK_TOOL else (
                 lambda: session.tools.remember(arguments or {}, started))
             self.hub.workers.submit(session.answer, msg_id, "tools/call", work)
             return None
-        if name in (ASK_TOOL, REMEMBER_TOOL):  # Coffer's own tool, turned off: say how to turn it on
+        if name in (ASK_TOOL, REMEMBER_TOOL) and not any(t["name"] == name for t in self.hub.knowledge_tools):
+            # Coffer's own tool, turned off: say how to turn it on (one the client's profile leaves out is refused
+            # below, naming the profile)
             self.record("coffer", name, "tool", started, "error", "turned off")
             return tool_error_result(
                 f"{name} is off: memory is off in Coffer; the user can turn it on with `coffer config memory on`"
@@ -95,27 +98,34 @@ class CallRouter:
 
     def _route_named(self, msg_id, params, name: str, kind: str, method: str, started: float,
                      retried: bool = False):
-        """Send a tool call or prompt fetch to the upstream that owns ``name``, under its original name."""
-        catalogue = self.hub.catalogue
+        """Send a tool call or prompt fetch to the upstream that owns ``name``, under its original name, with the
+        arguments the user fixed for it (profiles.py)."""
+        catalogue = self.session.catalogue
         route = (catalogue.tool_routes if kind == "tool" else catalogue.prompt_routes).get(name)
         if route is None:
             if name in catalogue.disabled or name in catalogue.quarantined:
                 self._deny(name, kind, started)
+            self._refuse(catalogue.refusal(name, kind), name, kind, started)
             retry = None if retried else (
                 lambda: self._route_named(msg_id, params, name, kind, method, started, True))
             return self._unknown(msg_id, name, kind, started, retry)
         upstream, original = route
         if kind == "tool" and self.hub.settings["search_feedback"] == "on":  # labels the session's last search
             feedback_recorder(self.hub.vault.path).called(self.session, name)
-        self.forward(msg_id, upstream, method, {**params, "name": original}, name, kind, started, params)
+        sent, (params, refused) = params, catalogue.with_fixed(name, params) if kind == "tool" else (params, None)
+        if refused:
+            self.record(upstream.name, name, kind, started, "denied", refused)
+            return tool_error_result(f"coffer: {refused}")
+        self.forward(msg_id, upstream, method, {**params, "name": original}, name, kind, started, sent)
         return None
 
     def resource_route(self, uri: str, started: float, log_kind):
-        catalogue = self.hub.catalogue
+        catalogue = self.session.catalogue
         if uri in catalogue.disabled or uri in catalogue.quarantined:
             self._deny(uri, "resource", started)
         route = catalogue.route_resource(uri)
         if route is None:
+            self._refuse(catalogue.refusal(uri, "resource"), uri, "resource", started)
             blocked = next((text for regex, text in catalogue.blocked_templates if regex.match(uri)), None)
             if blocked is not None:
                 self._deny(blocked, "resource", started)
@@ -134,7 +144,7 @@ class CallRouter:
             route = self.resource_route(uri, started, "resource")
             upstream, original = route
             # A templated URI carries the caller's values; the log keeps only what identifies the capability.
-            catalogue = self.hub.catalogue
+            catalogue = self.session.catalogue
             capability = uri if uri in catalogue.resource_routes else catalogue.template_of(route)
             self.forward(msg_id, upstream, "resources/read", {**params, "uri": original}, capability,
                          "resource", started, params)
@@ -173,7 +183,7 @@ class CallRouter:
             raise RpcError(INVALID_PARAMS, f"ref.{key} must be a string")
 
         def work():  # once the upstream that may own the target has started
-            catalogue = self.hub.catalogue
+            catalogue = self.session.catalogue
             if key == "name":
                 route = catalogue.prompt_routes.get(target)
             else:
@@ -192,8 +202,9 @@ class CallRouter:
 
     def _deny(self, capability: str, kind: str, started: float):
         """A disabled or quarantined capability: logged as denied, and an error that says what the user can do."""
+        capability = self.session.catalogue.aliases.get(capability, capability)  # the name the user's commands take
         server = capability.partition(SEPARATOR)[0] if kind in ("tool", "prompt") else ""
-        if capability in self.hub.catalogue.quarantined:
+        if capability in self.session.catalogue.quarantined:
             self.record(server, capability, kind, started, "denied", "definition changed; awaiting approval")
             raise RpcError(INVALID_PARAMS, f"{kind} {capability!r} changed its definition since it was approved, so "
                                            f"Coffer holds it back; the user can review the change and allow it "
@@ -201,6 +212,14 @@ class CallRouter:
         self.record(server, capability, kind, started, "denied", f"{kind} is disabled")
         raise RpcError(INVALID_PARAMS, f"{kind} {capability!r} is disabled in Coffer "
                                        f"(run `coffer enable {capability}` to allow it)")
+
+    def _refuse(self, refusal: str | None, name: str, kind: str, started: float) -> None:
+        """A known name this client may not use (outside its profile, or held back by an override that no longer
+        fits): logged as denied, and the error says why."""
+        if refusal is not None:
+            self.record(name.partition(SEPARATOR)[0] if kind in ("tool", "prompt") else "", name, kind, started,
+                        "denied", refusal[:200])
+            raise RpcError(INVALID_PARAMS, refusal)
 
     def _unknown(self, msg_id, name: str, kind: str, started: float, retry):
         """An unknown name: wait out discovery if its server is still starting, else a readable error."""
@@ -323,7 +342,7 @@ class CallRouter:
             response["id"] = msg_id  # a fresh, normalized reply (see normalized_reply): Coffer's to change
             session.send(response, verbatim)
         else:
-            session.respond(msg_id, method, result, call.capability in self.hub.catalogue.wrapped_outputs, verbatim)
+            session.respond(msg_id, method, result, call.capability in session.catalogue.wrapped_outputs, verbatim)
 
     def fail(self, call: ForwardedCall, msg_id, text: str) -> None:
         """Answer ``msg_id`` for ``call`` with Coffer's own failure (the upstream never answered usefully)."""

@@ -22,7 +22,6 @@ from coffer_src.gateway.builtins import (
     INSTRUCTIONS,
     BuiltinTools,
     client_family,
-    expose_mode,
     tools_for_client,
 )
 from coffer_src.gateway.calls import OwnRequest, RelayedRequest, Waiting
@@ -30,6 +29,7 @@ from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.instances import SessionInstances
 from coffer_src.gateway.pages import check_cursor, page_of
 from coffer_src.gateway.routing import CallRouter
+from coffer_src.gateway.view import SessionView
 from coffer_src.jsonrpc import (
     INTERNAL_ERROR,
     INVALID_PARAMS,
@@ -156,11 +156,13 @@ class ClientSession:
 
     MAX_BATCH = 10_000     # messages in one JSON-RPC batch line (each costs ~100x its bytes once parsed)
 
-    def __init__(self, hub: Hub, out=None, on_client_gone=None, stream=None):
+    def __init__(self, hub: Hub, out=None, on_client_gone=None, stream=None, profile: str | None = None):
         """``out``: where the client's bytes go (stdout, a socket); or ``stream``: an object with ClientStream's
         surface (send(message), flush(), gone) that takes the messages themselves, such as an HTTP transport
-        that answers each request on its own response."""
+        that answers each request on its own response.  ``profile``: the profile whose part of the catalogue
+        this client sees (None: all of it)."""
         self.hub = hub
+        self.view = SessionView(hub, profile)
         self.stream = stream if stream is not None else \
             ClientStream(out if out is not None else sys.stdout.buffer, self._lost_client)
         self.on_client_gone = on_client_gone
@@ -198,6 +200,19 @@ class ClientSession:
                                 if method in self.handlers}
         self.modern_handlers.update({"server/discover": self._discover, "subscriptions/listen": self.bridge.listen})
         hub.attach(self)
+
+    @property
+    def catalogue(self):
+        """What this client sees and may call: the hub's catalogue, or its profile's view of it (gateway/view.py)."""
+        return self.view.catalogue
+
+    def use_profile(self, name: str | None) -> None:
+        """See the catalogue through profile ``name`` from now on (None: all of it); a client already listing is
+        told which lists changed.  (An HTTP endpoint may pick the profile after the session is made.)"""
+        old, self.view = self.view, SessionView(self.hub, name)
+        if self.initialized:
+            before, after = old.catalogue.fingerprint(), self.view.catalogue.fingerprint()
+            self.lists_changed([key for key in ("tools", "prompts", "resources") if before[key] != after[key]])
 
     def new_id(self, prefix: str) -> str:
         """An id Coffer gives something of this session's: a relayed request, a question, an exchange."""
@@ -412,10 +427,10 @@ class ClientSession:
 
     def instructions(self) -> str:
         """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
-        instructions = INSTRUCTIONS
-        knowledge_tools = self.hub.knowledge_tools
+        instructions = INSTRUCTIONS + self.view.note()
+        knowledge_tools = self.view.knowledge_tools
         listed = len(self.listed_tools())
-        unlisted = len(self.hub.catalogue.tools) + 1 + len(knowledge_tools) - listed
+        unlisted = len(self.catalogue.tools) + 1 + len(knowledge_tools) - listed
         if unlisted > 0:
             instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
                              f"by name and {SEARCH_TOOL} finds them.")
@@ -467,7 +482,9 @@ class ClientSession:
 
     # -- lists ---------------------------------------------------------------------------------------------
     def lists_changed(self, keys: list[str]) -> None:
-        """The hub swapped in a catalogue whose ``keys`` lists differ: tell the client, if it can hear of them."""
+        """The hub swapped in a catalogue whose ``keys`` lists differ: tell the client, if it can hear of them
+        (with a profile, of the lists its view changed: see SessionView.changed)."""
+        keys = self.view.changed(keys)
         if not self.initialized:
             return
         for key in keys:
@@ -530,11 +547,13 @@ class ClientSession:
             self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work)
 
     def listed_tools(self) -> list[dict]:
-        """The tools this client is shown (see expose_mode); the rest stay callable and searchable."""
-        catalogue = self.hub.catalogue
+        """The tools this client is shown (see expose_mode, and its profile's pins); the rest stay callable and
+        searchable."""
+        catalogue = self.catalogue
         tools = catalogue.tools if self.client_era == "modern" else catalogue.handshake_tools
-        return tools_for_client(tools, self.hub.knowledge_tools,
-                                expose_mode(self.hub.settings, client_family(self.client_name)), self.hub.usage)
+        return tools_for_client(tools, self.view.knowledge_tools,
+                                self.view.expose_mode(client_family(self.client_name)), self.hub.usage,
+                                self.view.pinned)
 
     def _paged(self, msg_id, params, key: str, items, method: str, kind: str | None = None):
         """A list request: answered (after discovery) with the page its cursor points at (gateway/pages.py)."""
@@ -547,14 +566,14 @@ class ClientSession:
         return self._paged(msg_id, params, "tools", self.listed_tools, "tools/list", "tool")
 
     def _prompts_list(self, msg_id, params):
-        return self._paged(msg_id, params, "prompts", lambda: self.hub.catalogue.prompts, "prompts/list", "prompt")
+        return self._paged(msg_id, params, "prompts", lambda: self.catalogue.prompts, "prompts/list", "prompt")
 
     def _resources_list(self, msg_id, params):
-        return self._paged(msg_id, params, "resources", lambda: self.hub.catalogue.resources, "resources/list",
+        return self._paged(msg_id, params, "resources", lambda: self.catalogue.resources, "resources/list",
                            "resource")
 
     def _templates_list(self, msg_id, params):
-        return self._paged(msg_id, params, "resourceTemplates", lambda: self.hub.catalogue.templates,
+        return self._paged(msg_id, params, "resourceTemplates", lambda: self.catalogue.templates,
                            "resources/templates/list", "template")
 
     # -- the client's logging level --------------------------------------------------------------------------
@@ -582,7 +601,8 @@ class ClientSession:
         """This session as `coffer status` shows it."""
         version = self.client_info.get("version")
         return {"client": self.client_name, "version": version if isinstance(version, str) else None,
-                "era": self.client_era, "since": iso_timestamp(self.since), "calls": self.calls.calls_made}
+                "era": self.client_era, "since": iso_timestamp(self.since), "calls": self.calls.calls_made,
+                "profile": self.view.name}
 
     def upstream_ready(self, upstream: Upstream) -> None:
         """An upstream (re)started: give it this client's logging level and, after a restart, its subscriptions."""
@@ -607,8 +627,9 @@ class ClientSession:
 
     def upstream_notification(self, upstream: Upstream, message: dict) -> None:
         """Relay one of the notifications an upstream may send (see RELAYED_NOTIFICATIONS), as the client asked:
-        log messages at or above its logging level, resource updates only for what it subscribed to."""
-        if not self.initialized:
+        log messages at or above its logging level, resource updates only for what it subscribed to; nothing of a
+        server its profile leaves out."""
+        if not self.initialized or not self.view.sees_server(upstream.name):
             return
         method = message["method"]
         params = message.get("params") if isinstance(message.get("params"), dict) else {}

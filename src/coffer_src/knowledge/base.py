@@ -32,7 +32,6 @@ from coffer_src.knowledge.documents import (
     _CONTROL_CHARS_RE,
     KNOWLEDGE_DEFAULT_GLOBS,
     KNOWLEDGE_SOURCE_RE,
-    MEMORY_SOURCE,
     ROOT_UNREADABLE,
     FoundFile,
     KnowledgeLimits,
@@ -54,6 +53,7 @@ from coffer_src.knowledge.ranking import (
     fts5_available,
     passage_embedding_text,
 )
+from coffer_src.names import MEMORY_SOURCE
 from coffer_src.search.semantic import Embedder, text_hash
 from coffer_src.search.text import knowledge_terms
 from coffer_src.terminal import redact

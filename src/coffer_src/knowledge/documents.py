@@ -17,7 +17,6 @@ from coffer_src.errors import CofferError
 from coffer_src.vault import iso_timestamp
 
 KNOWLEDGE_DEFAULT_GLOBS = ("*.md", "*.markdown", "*.txt", "*.rst")
-MEMORY_SOURCE = "memory"
 KNOWLEDGE_SOURCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,47}$")
 MEMORY_ID_RE = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}$")
 MEMORY_TAG_RE = re.compile(r"^[\w.-]{1,32}$")

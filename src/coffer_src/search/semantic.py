@@ -304,6 +304,7 @@ class SemanticRanker:
         self.index: SemanticIndex | None = None
         self._index_for = None
         self._tools: list[dict] = []
+        self._views: dict[int, tuple[list, SemanticIndex]] = {}  # id(tools) -> a profile view's index (guarded)
         self._warned_not_ready = False
         self._load_cache()
         self._worker = EmbeddingWorker("coffer-embedder", self._embed_catalogue,
@@ -371,6 +372,23 @@ class SemanticRanker:
             raise EmbedderError(f"cached vectors of another dimension than {current}; re-embedding")
         return SemanticIndex(tools, vectors)
 
+    def _cached_index(self, tools: list[dict]) -> SemanticIndex | None:
+        """A semantic index of another list than the catalogue's (a profile's view of it) from the vectors
+        already embedded, or None while one is missing (its search is BM25's meanwhile)."""
+        with self.lock:
+            cached = self._views.get(id(tools))
+        if cached is not None and cached[0] is tools:
+            return cached[1]
+        vectors = [self.vectors.get(text_hash(embedding_text(tool))) for tool in tools]
+        if not vectors or any(vector is None for vector in vectors) or len({len(v) for v in vectors}) > 1:
+            return None
+        index = SemanticIndex(tools, vectors)
+        with self.lock:
+            if len(self._views) >= 32:
+                self._views.clear()
+            self._views[id(tools)] = (tools, index)
+        return index
+
     def search(self, lexical_index: SearchIndex, query: str, top_k: int):
         """Hybrid search, or BM25 with a note saying why not; the embedder reads what the lexical ranker reads
         (embedding_query).  A request that is nothing but arguments ("AAPL", a URL alone) is answered by BM25
@@ -379,6 +397,9 @@ class SemanticRanker:
         query = bounded_query(query)
         with self.lock:
             index = self.index if self._index_for is lexical_index.tools else None
+            other = lexical_index.tools is not self._tools
+        if index is None and other:
+            index = self._cached_index(lexical_index.tools)
         if index is None:
             if not self._warned_not_ready:
                 self._warned_not_ready = True

@@ -6,7 +6,8 @@ under the temporary directory instead.  Windows: loopback TCP on a port the OS p
 the connecting side must send first; both are in COFFER_HOME/service.json, which only the user can read.
 
 Every connection starts with one JSON line each way (the hello), then carries what its kind says: "session" is
-a client's MCP stream, byte for byte; "control" is one request and one reply (status, stop, handover).
+a client's MCP stream, byte for byte (its hello may name the client's "profile"; the service refuses one it does
+not know with "refused": "profile"); "control" is one request and one reply (status, tools, stop, handover).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from coffer_src.errors import CofferError, CofferException
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
 from coffer_src.jsonrpc import LATEST_PROTOCOL_VERSION, METHOD_NOT_FOUND, decode_json, encode_line, rpc_error
+from coffer_src.profiles import ProfileStore
 from coffer_src.resources import own_command
 from coffer_src.service.channel import (
     ChannelError,
@@ -50,7 +51,8 @@ def forced_mode(args) -> str | None:
 
 def cmd_serve(vault: Vault | None, args) -> int:
     """`coffer serve`.  The relay opens no vault when a service runs (its hello carries the serve_mode setting):
-    an agent's every session then starts with as little as it can."""
+    an agent's every session then starts with as little as it can.  With --profile, the service refuses a
+    profile it does not know, and the relay says so."""
     home = vault.home if vault is not None else coffer_home()
     mode = forced_mode(args)
     if mode == "standalone":
@@ -63,7 +65,7 @@ def cmd_serve(vault: Vault | None, args) -> int:
                     raise StandaloneWanted()
         spawn_service(home)
 
-    relay = Relay(home, __version__, build_id(), start, honour_setting=mode is None)
+    relay = Relay(home, __version__, build_id(), start, honour_setting=mode is None, profile=args.profile)
     try:
         return relay.run()
     except StandaloneWanted:
@@ -76,13 +78,15 @@ def serve_standalone(vault: Vault, args) -> int:
     """Today's `coffer serve`: the gateway in this process, for this one client (the same session code as the
     service runs)."""
     vault.actor = "gateway"
+    if args.profile is not None:
+        ProfileStore(vault).profile(args.profile)  # an unknown profile is the user's typo: say so, serve nothing
 
     def client_gone():
         hub.shutdown()
         os._exit(0)  # the main thread is blocked reading a client that will never write again
 
     hub = Hub(vault, remember=not args.live, only=args.only)
-    session = ClientSession(hub, on_client_gone=client_gone)
+    session = ClientSession(hub, on_client_gone=client_gone, profile=args.profile)
 
     def on_signal(signum, frame):
         if not hub.stopping:  # a second signal must not interrupt the shutdown itself
@@ -175,9 +179,10 @@ def flush_service_log(home: str) -> None:
         commands_log.debug("the service did not flush its log: %r", exc)
 
 
-def service_tools(home: str) -> dict | None:
-    """server -> {state, error, tools} from the running service, or None when none runs."""
-    answer = control(home, {"op": "tools"}, timeout=30)
+def service_tools(home: str, profile: str | None = None) -> dict | None:
+    """server -> {state, error, tools} from the running service (as ``profile`` sees them), or None when none
+    runs."""
+    answer = control(home, {"op": "tools", **({"profile": profile} if profile else {})}, timeout=30)
     return answer.get("tools") if answer and isinstance(answer.get("tools"), dict) else None
 
 
@@ -303,7 +308,8 @@ def cmd_status(vault: Vault, args) -> int:
     say(f"sessions: {len(status['sessions'])}")
     for session in status["sessions"]:
         over = " over HTTP" if session.get("transport") == "http" else ""
-        say(f"  {session['client']} {session.get('version') or ''} ({session.get('era') or 'starting'}{over}) "
+        profile = f", profile {session['profile']}" if session.get("profile") else ""
+        say(f"  {session['client']} {session.get('version') or ''} ({session.get('era') or 'starting'}{over}{profile}) "
             f"since {session['since']}: {session['calls']} calls")
     say(f"upstreams: {len(status['upstreams'])}")
     for upstream in status["upstreams"]:
@@ -371,6 +377,8 @@ def add_service_commands(command, extend_service: Callable | None = None) -> Non
     p.add_argument("--live", action="store_true",
                    help="(standalone) list only what started servers offer now; by default a server still "
                         "starting is listed as it was at its last start, and a change is announced when it is up")
+    p.add_argument("--profile", metavar="NAME",
+                   help="see only what this profile includes (coffer profile list); default: everything")
     p.add_argument("--only", action="append", metavar="SERVER", help=argparse.SUPPRESS)
     p = command("service", cmd_service, "the user's shared Coffer service: start, stop, restart (or run it in the "
                                         "foreground)")

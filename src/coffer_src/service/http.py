@@ -54,6 +54,7 @@ from coffer_src.modern import (
     is_enveloped,
     parse_envelope,
 )
+from coffer_src.profiles import PROFILE_NAME_RE
 from coffer_src.service.http_session import ERROR_STATUS, HEADER_MISMATCH, JSON_HEADERS, HttpClient
 from coffer_src.service.http_wire import (
     ClientGone,
@@ -111,7 +112,7 @@ class HttpEndpoint:
         self.tokens = TokenStore(self.home)
         self.lock = threading.Lock()
         self.sessions: dict[str, HttpClient] = {}     # handshake era, by Mcp-Session-Id
-        self.modern: dict[str, HttpClient] = {}       # 2026-07-28, by token digest
+        self.modern: dict[str, HttpClient] = {}       # 2026-07-28, by token digest (and /p/<profile>)
         self.connections = 0
         self.listener: socket.socket | None = None
         self.stopping = threading.Event()
@@ -339,8 +340,7 @@ class HttpEndpoint:
         if rule.cors(origin):
             headers += [("Access-Control-Allow-Origin", origin.strip()), ("Vary", "Origin"),
                         ("Access-Control-Expose-Headers", "Mcp-Session-Id, WWW-Authenticate")]
-        if request.path != "/mcp":
-            raise HttpProblem(404, "Not Found: the MCP endpoint is /mcp")
+        profile_in_path(request.path)  # 404 for any other path
         if request.method == "OPTIONS":
             return None
         authorization = request.header("authorization") or ""
@@ -376,7 +376,8 @@ class HttpEndpoint:
             raise HttpProblem(400, "Bad Request: no Mcp-Session-Id header (initialize opens a session)")
         with self.lock:
             client = self.sessions.get(session_id)
-        if client is None or client.holder.digest != holder.digest or client.ended:
+        if client is None or client.holder.digest != holder.digest or client.ended or \
+                client.profile != profile_in_path(request.path):
             raise HttpProblem(404, "Session not found")  # another token's session does not exist for this one
         return client
 
@@ -432,7 +433,7 @@ class HttpEndpoint:
             if full:
                 raise HttpProblem(503, f"Service Unavailable: {MAX_HTTP_SESSIONS} HTTP sessions are open; end one "
                                        "(DELETE) or wait for an idle one to expire")
-            client = HttpClient(self, holder, "handshake", secrets.token_urlsafe(24))
+            client = HttpClient(self, holder, "handshake", secrets.token_urlsafe(24), self._profile(request))
             client.post(conn, request, items, False, headers, opening=True)
             return
         if any(item.get("method") == "initialize" for item in items):
@@ -480,12 +481,12 @@ class HttpEndpoint:
         if method == "subscriptions/listen" and not request.accepts("text/event-stream"):
             raise HttpProblem(406, "Not Acceptable: a listen stream is text/event-stream")
         try:
-            self._modern_client(holder).post(conn, request, [message], False, headers)
+            self._modern_client(holder, self._profile(request)).post(conn, request, [message], False, headers)
         except HttpProblem as problem:
             if problem.status != 404:
                 raise
             # the token's session ended (idle, just now) between finding it and using it: a new one serves
-            self._modern_client(holder).post(conn, request, [message], False, headers)
+            self._modern_client(holder, self._profile(request)).post(conn, request, [message], False, headers)
 
     def _header_problem(self, request: HttpRequest, message: dict, params: dict, meta: dict) -> str | None:
         for name in ROUTING_HEADERS:
@@ -519,22 +520,46 @@ class HttpEndpoint:
             self._schemas = (catalogue, schemas)
         return schemas.get(name)
 
-    def _modern_client(self, holder: TokenHolder) -> HttpClient:
+    def _profile(self, request: HttpRequest) -> str | None:
+        """The profile a request's path names (/mcp/p/NAME; None for /mcp), once the service knows it: 404 for
+        one that does not exist."""
+        profile = profile_in_path(request.path)
+        refusal = self.service.profile_refusal(profile)
+        if refusal is not None:
+            raise HttpProblem(404, f"Not Found: {refusal}"[:300])
+        return profile
+
+    def _modern_client(self, holder: TokenHolder, profile: str | None) -> HttpClient:
+        key = holder.digest if profile is None else f"{holder.digest}/p/{profile}"
         with self.lock:
-            client = self.modern.get(holder.digest)
+            client = self.modern.get(key)
             if client is not None and not client.ended:
                 return client
-        client = HttpClient(self, holder, "modern")
+        client = HttpClient(self, holder, "modern", profile=profile)
         with self.lock:
-            existing = self.modern.get(holder.digest)
+            existing = self.modern.get(key)
             if existing is not None and not existing.ended:
                 fresh, client = client, existing
             else:
-                self.modern[holder.digest] = client
+                self.modern[key] = client
                 fresh = None
         if fresh is not None:
             fresh.end()  # another request of this token made the session first
         return client
+
+
+#: The MCP endpoint, for every tool (/mcp) or for the clients of one profile (/mcp/p/NAME).
+_PROFILE_PATH = "/mcp/p/"
+
+
+def profile_in_path(path: str) -> str | None:
+    """The profile an endpoint path names (None for /mcp); HttpProblem 404 for a path that is neither."""
+    if path == "/mcp":
+        return None
+    name = path[len(_PROFILE_PATH):] if path.startswith(_PROFILE_PATH) else ""
+    if not PROFILE_NAME_RE.match(name):
+        raise HttpProblem(404, "Not Found: the MCP endpoint is /mcp (or /mcp/p/PROFILE for one profile's tools)")
+    return name
 
 
 def _check_message(item) -> None:

@@ -79,9 +79,9 @@ class NamedSession(ClientSession):
     """A ClientSession named by the token its client presented: that name, not what the client says of itself,
     is the client in the invocation log, `coffer status` and client-aware listing."""
 
-    def __init__(self, hub: Hub, stream, name: str):
+    def __init__(self, hub: Hub, stream, name: str, profile: str | None = None):
         self._token_name = name
-        super().__init__(hub, stream=stream)
+        super().__init__(hub, stream=stream, profile=profile)
 
     @property
     def client_name(self) -> str:
@@ -143,9 +143,11 @@ class HttpClient:
     records and every Exchange of this client; it is innermost (it may be taken under ``dispatching``, the hub's
     ``_rebuild_lock`` and the endpoint's ``lock``, and nothing is called while it is held but Exchange.push)."""
 
-    def __init__(self, endpoint, holder: TokenHolder, era: str, session_id: str | None = None):
+    def __init__(self, endpoint, holder: TokenHolder, era: str, session_id: str | None = None,
+                 profile: str | None = None):
         self.endpoint = endpoint
         self.holder = holder
+        self.profile = profile           # /mcp/p/<profile>: the requests of this session come there, no others
         self.era = era                   # "handshake" (Mcp-Session-Id) or "modern" (one per token)
         self.session_id = session_id
         self.lock = threading.Lock()
@@ -158,7 +160,7 @@ class HttpClient:
         self.ended = False
         self.last_used = time.monotonic()
         self._ids = itertools.count(1)
-        self.session = NamedSession(endpoint.hub, self, holder.name)
+        self.session = NamedSession(endpoint.hub, self, holder.name, profile)
 
     # -- the session's stream -------------------------------------------------------------------------------------
     @property

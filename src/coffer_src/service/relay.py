@@ -85,8 +85,10 @@ class Relay:
     """
 
     def __init__(self, home: str, version: str, build: str, start_service: Callable[[bool], None],
-                 client_in=None, client_out=None, attach_timeout: float = 15.0, honour_setting: bool = True):
+                 client_in=None, client_out=None, attach_timeout: float = 15.0, honour_setting: bool = True,
+                 profile: str | None = None):
         self.home = home
+        self.profile = profile                # the client's profile (`coffer serve --profile`), in every hello
         self.version, self.build = version, build
         self.start_service = start_service
         self.client_in = client_in if client_in is not None else os.fdopen(0, "rb", buffering=0, closefd=False)
@@ -105,14 +107,24 @@ class Relay:
 
     # -- attaching ----------------------------------------------------------------------------------------------
     def _hello(self, handover: bool) -> dict:
-        return {"coffer": 1, "kind": "session", "version": self.version, "build": self.build, "pid": os.getpid(),
-                "handover": handover}
+        hello = {"coffer": 1, "kind": "session", "version": self.version, "build": self.build, "pid": os.getpid(),
+                 "handover": handover}
+        return {**hello, "profile": self.profile} if self.profile is not None else hello
+
+    def _connect(self) -> tuple | None:
+        """connect() with this relay's hello; ChannelError when the service refuses the session's profile (an
+        unknown one: `coffer serve --profile` then fails with the service's words)."""
+        connected = connect(self.home, self._hello(False))
+        if connected is not None and connected[1].get("refused") == "profile":
+            connected[0].close()
+            raise ChannelError(str(connected[1].get("error") or "the service refused this profile"))
+        return connected
 
     def attach(self, first: bool) -> Attachment:
         """Connect to the service, starting it if none runs.  The first attach of a relay newer than (or
         different from) the running service asks that service to hand over, and starts one of its own."""
         deadline = time.monotonic() + self.attach_timeout
-        connected = connect(self.home, self._hello(False))
+        connected = self._connect()
         if connected is not None:
             conn, answer = connected
             if first and self.honour_setting and answer.get("serve_mode") == "standalone":
@@ -122,7 +134,7 @@ class Relay:
                 return Attachment(conn, answer)
             conn.close()
         with StartLock(self.home):
-            connected = connect(self.home, self._hello(False))
+            connected = self._connect()
             if connected is not None:
                 conn, answer = connected
                 if not first or answer.get("build") == self.build:
@@ -133,7 +145,7 @@ class Relay:
                 control(self.home, {"op": "handover", "version": self.version, "build": self.build})
             self.start_service(first and self.honour_setting)
             while time.monotonic() < deadline:
-                connected = connect(self.home, self._hello(False))
+                connected = self._connect()
                 if connected is not None:
                     return Attachment(*connected)
                 time.sleep(0.02)

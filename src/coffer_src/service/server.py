@@ -23,6 +23,8 @@ from coffer_src.errors import CofferError
 from coffer_src.gateway.hub import Hub
 from coffer_src.gateway.session import ClientSession
 from coffer_src.gateway.sharing import return_freed_memory
+from coffer_src.names import did_you_mean
+from coffer_src.profiles import PROFILE_NAME_RE, ProfileStore
 from coffer_src.service.channel import (
     ChannelError,
     listen,
@@ -315,6 +317,8 @@ class Service:
                       "serve_mode": self.hub.settings.get("serve_mode", "service")}
             if kind == "control":
                 send_line(conn, {**answer, **self.control(hello)})
+            elif kind == "session" and (refusal := self.profile_refusal(hello.get("profile"))):
+                send_line(conn, {"coffer": 1, "error": refusal, "refused": "profile"})
             elif kind == "session" and not self.handing_over:
                 send_line(conn, answer)
                 self._session(conn, hello)
@@ -332,9 +336,31 @@ class Service:
             except OSError:
                 pass
 
+    def profile_refusal(self, name) -> str | None:
+        """Why a session may not use profile ``name`` (None: it may, or it asks for none).  A profile added a moment
+        ago is waited for until the hub has read it (its ticker reads vault changes every second), so the
+        client's first list is already the profile's."""
+        if name is None:
+            return None
+        if not isinstance(name, str) or not PROFILE_NAME_RE.match(name):
+            return "not a valid profile name"
+        if name in self.hub.views.profiles:
+            return None
+        try:
+            with self.hub.vault_lock:
+                stored = ProfileStore(self.vault).profiles()
+        except CofferError as exc:
+            return f"profiles cannot be read: {exc}"
+        if name not in stored:
+            return f"unknown profile {name!r}{did_you_mean(name, stored)}; `coffer profile list` shows them"
+        deadline = time.monotonic() + 5.0
+        while name not in self.hub.views.profiles and time.monotonic() < deadline and not self.stopping.is_set():
+            time.sleep(0.02)
+        return None
+
     def _session(self, conn: socket.socket, hello: dict) -> None:
         output = SocketOutput(conn, str(hello.get("pid", "?")))
-        session = ClientSession(self.hub, out=output)
+        session = ClientSession(self.hub, out=output, profile=hello.get("profile"))
         with self.lock:
             self.sessions[session] = conn
         try:
@@ -351,7 +377,8 @@ class Service:
         if op == "status":
             return {"status": self.status()}
         if op == "tools":
-            return {"tools": self.tools()}
+            profile = request.get("profile")
+            return {"tools": self.tools(profile if isinstance(profile, str) else None)}
         if op == "stop":
             self.stopping.set()
             return {"ok": True}
@@ -396,10 +423,11 @@ class Service:
         for session in sessions:
             session.stream.send({"coffer": "handover"})
 
-    def tools(self) -> dict:
-        """Every usable tool of the catalogue by server, as a client can call it, and each server's state: what
-        `coffer tools`, `call` and `doctor` read from a running service instead of starting servers themselves."""
-        catalogue = self.hub.catalogue
+    def tools(self, profile: str | None = None) -> dict:
+        """Every usable tool of the catalogue (or of ``profile``'s view of it) by server, as a client can call it,
+        and each server's state: what `coffer tools`, `call` and `doctor` read from a running service instead of
+        starting servers themselves."""
+        catalogue = self.hub.catalogue if profile is None else self.hub.views.catalogue(profile, self.hub.catalogue)
         by_server: dict[str, list] = {}
         for tool in catalogue.tools:
             route = catalogue.tool_routes.get(tool["name"])
