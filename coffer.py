@@ -54,7 +54,7 @@ Locks ("->": may be taken while holding it; a leaf takes no other lock of Coffer
   FeedbackRecorder._lock: its connection and each session's last search; a leaf (a write waits BUSY_TIMEOUT_MS
   at most).  _RECORDERS_LOCK: one recorder per coffer.db; a leaf.
 - catalogue: Catalogue._index_lock: the first search builds the index, once, holding it -> CollectorPause._lock;
-  taken with no other lock held.  The profiles branch's ProfileCatalogue._index_lock follows the same rule.
+  taken with no other lock held.  ProfileCatalogue._index_lock (gateway/view.py) follows the same rule.
 - knowledge: KnowledgeBase._write_lock: the writer connection, one write transaction at a time (SQLite's write
   lock inside); no lock of Coffer's under it.  PassageRanker._snapshot_lock: one snapshot build ->
   KnowledgeBase._readers_lock (the reader connections; a leaf).  PassageVectors._embed_lock: one embedding round
@@ -63,8 +63,8 @@ Locks ("->": may be taken while holding it; a leaf takes no other lock of Coffer
   SemanticRanker.lock, a session's lock, a client stream's lock.  ClientSession.lock (an RLock): what it waits on,
   relayed requests, calls in flight, the bridge's records -> Hub.lock (progress tokens); never held while sending
   or calling an upstream.  Hub.lock (an RLock): the shared maps' writers, the rebuild counters; a leaf.
-  Hub.vault_lock: the hub's vault connection and the writers of states; a leaf, held across vault writes (which
-  may wait for SQLite's busy timeout).  ClientStream.out_lock: the held replies and the write to the client; a
+  Hub.vault_lock: the hub's vault connection and the writers of states, held across vault writes (which may wait
+  for SQLite's busy timeout) -> Views.lock (the profiles and overrides, reloaded under it; a leaf).  ClientStream.out_lock: the held replies and the write to the client; a
   leaf, held across that write on purpose (back-pressure; a list_changed writes it under _rebuild_lock too).
 - service: HttpClient.dispatching (one message handed to the session at a time, never held while an answer is
   awaited) is the outermost lock: -> whatever the session's handling takes.  HttpEndpoint.lock (sessions,
