@@ -61,8 +61,9 @@ Locks ("->": may be taken while holding it; a leaf takes no other lock of Coffer
   relayed requests, calls in flight, the bridge's records -> Hub.lock (progress tokens); never held while sending
   or calling an upstream.  Hub.lock (an RLock): the shared maps' writers, the rebuild counters; a leaf.
   Hub.vault_lock: the hub's vault connection and the writers of states, held across vault writes (which may wait
-  for SQLite's busy timeout) -> Views.lock (the profiles and overrides, reloaded under it; a leaf).  ClientStream.out_lock: the held replies and the write to the client; a
-  leaf, held across that write on purpose (back-pressure; a list_changed writes it under _rebuild_lock too).
+  for SQLite's busy timeout) -> Views.lock (the profiles and overrides, reloaded under it; a leaf).
+  ClientStream.out_lock: the held replies and the write to the client; a leaf, held across that write on purpose
+  (back-pressure; a list_changed writes it under _rebuild_lock too).
 - service: HttpClient.dispatching (one message handed to the session at a time, never held while an answer is
   awaited) is the outermost lock: -> whatever the session's handling takes.  HttpEndpoint.lock (sessions,
   connections) -> HttpClient.lock.  HttpClient.lock (each Exchange.cond wraps it): routing records, exchanges; a
