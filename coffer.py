@@ -35,39 +35,39 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       6080  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
       6691  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       7949  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      8507  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      8615  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      9180  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      9561  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-      9752  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-      9917  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     10090  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     10674  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     11081  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     11546  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     11659  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     11994  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     12158  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     12698  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     13060  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     13397  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     13505  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     14155  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     14472  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     14827  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     15281  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     15424  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     15874  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     16316  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     16823  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     17178  probe                 Probes: starting a server once to see what it offers, from the command line.
-     17342  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     18010  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     18755  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     19044  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     19235  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     19762  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     21685  cli                   Command line: coffer's commands.
+      8556  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      8664  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+      9245  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      9626  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+      9817  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+      9982  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     10155  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     10739  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     11146  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     11611  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     11724  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     12059  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     12223  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12763  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     13125  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13462  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     13570  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     14220  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14537  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14892  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15346  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     15489  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     15939  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     16381  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     16888  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     17243  probe                 Probes: starting a server once to see what it offers, from the command line.
+     17407  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     18075  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     18820  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     19109  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     19300  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     19827  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     21750  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -7957,9 +7957,9 @@ del _key, _english
 # Search text analysis: tokens, stems, translations and the analysed texts of a tool.
 # ============================================================================================================
 # Threads: the analysis runs on any thread at once (a catalogue's index build, the knowledge base's indexing, the
-# queries of worker threads) and takes no lock.  Its memos are the functools caches (thread-safe) and two dicts,
-# _TOKEN_STEMS and _ANALYSED_TEXTS, whose every entry is a pure function of its key and which are filled and
-# emptied by single dict operations: a race computes an entry twice, or empties the dict under another thread,
+# queries of worker threads) and takes no lock.  Its memos are the functools caches (thread-safe) and three dicts,
+# _TOKEN_STEMS, _TOKEN_SURFACES and _ANALYSED_TEXTS, whose every entry is a pure function of its key and which are
+# filled and emptied by single dict operations: a race computes an entry twice, or empties the dict under another thread,
 # which then recomputes what it looks up.
 
 SEARCH_QUERY_MAX_CHARS = 2_000
@@ -8099,8 +8099,8 @@ def _words(text: str) -> list[str]:
 
 class TextTerms(NamedTuple):
     """What one text contributes to the index: stems (the index terms, what ``tokenize`` returns), the English
-    stems of its foreign tool-domain words, and the text itself (its surface words, ``surface_words``, are
-    needed only when a query compares exact words, so they are derived then, not at build time)."""
+    stems of its foreign tool-domain words, and the text itself (a tool's surface words are read from its texts
+    together: surface_word_sets)."""
 
     stems: tuple[str, ...]
     foreign: tuple[str, ...]
@@ -8149,6 +8149,54 @@ class _TokenStems(dict):
 
 
 _TOKEN_STEMS = _TokenStems()
+
+
+class _TokenSurfaces(dict):
+    """token -> its surface words, plural-folded (``singular``), stop words dropped: what _TokenStems is to
+    stems, for surface_word_sets.  Emptied when it outgrows LIMIT, as _TokenStems is."""
+
+    LIMIT = 1 << 17
+
+    def __missing__(self, token: str) -> tuple[str, ...]:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        if token == _BATCH_SEPARATOR:
+            found: tuple[str, ...] = (_BATCH_SEPARATOR,)
+        else:
+            found = tuple(map(singular, itertools.filterfalse(STOP_WORDS.__contains__, _token_words(token))))
+        self[token] = found
+        return found
+
+
+_TOKEN_SURFACES = _TokenSurfaces()
+
+
+def surface_word_sets(documents: Iterable[tuple[str, ...]]) -> list[frozenset | None]:
+    """For each document (a tuple of texts), the set of its texts' surface words, plural-folded: ``singular`` of
+    each of their ``surface_words``; None for a document with a text outside ASCII (read it with
+    document_surface_words when needed: NFKC and CJK bigrams cost far more).  The ASCII documents (nearly all)
+    are read as analyse_texts reads texts, in batches: one split of their joined texts and one pass of token
+    look-ups, in C."""
+    joined = list(map(" ".join, documents))  # ASCII texts: a space between them changes no token
+    found: list[frozenset | None] = [None] * len(joined)
+    batch = [i for i, text in enumerate(joined) if text.isascii() and _BATCH_SEPARATOR not in text]
+    for start in range(0, len(batch), _BATCH_TEXTS):
+        chunk = batch[start:start + _BATCH_TEXTS]
+        text = f" {_BATCH_SEPARATOR} ".join(map(joined.__getitem__, chunk))
+        tokens = text.encode("ascii").translate(_ASCII_BATCH_TOKENS).decode("ascii").split()
+        words = tuple(itertools.chain.from_iterable(map(_TOKEN_SURFACES.__getitem__, tokens)))
+        begin, cut = 0, words.index
+        for i in chunk[:-1]:
+            end = cut(_BATCH_SEPARATOR, begin)
+            found[i] = frozenset(words[begin:end])
+            begin = end + 1
+        found[chunk[-1]] = frozenset(words[begin:])
+    return found
+
+
+def document_surface_words(texts: Iterable[str]) -> frozenset:
+    """The surface words of these texts, plural-folded, as surface_word_sets gives them for one document."""
+    return frozenset(map(singular, itertools.chain.from_iterable(map(surface_words, texts))))
 
 
 class _AnalysedTexts(dict):
@@ -8296,6 +8344,7 @@ def forget_analysed_texts() -> None:
                    _word_terms):  # _word_terms: the knowledge section's, below
         cached.cache_clear()
     _TOKEN_STEMS.clear()
+    _TOKEN_SURFACES.clear()
     _ANALYSED_TEXTS.clear()
 
 
@@ -8630,10 +8679,10 @@ _FREE_TEXT_PARAMETERS = frozenset(stem(w) for w in "query q search keyword keywo
 # reach English tools.
 #
 # Threads and locks: a SearchIndex is built on one thread and then searched from many at once, without a lock.
-# What it fills in lazily (postings and idf, exact-word sets, surface words, entity tools, phrase partners, the
-# web-search tools) is a pure function of the immutable build, written by single dict or list stores, so two
-# threads filling one entry store the same value; ``postings`` stores a term's idf before its postings, so a
-# thread that finds the postings finds the idf.  CollectorPause's lock is a leaf: nothing is taken while it is held
+# What it fills in lazily (postings and idf, exact-word splits, the surface words of a tool with a text outside
+# ASCII, entity tools, phrase partners, the web-search tools) is a pure function of the immutable build, written by
+# single dict or list stores, so two threads filling one entry store the same value; ``postings`` stores a term's
+# idf and naming tools before its postings, so a thread that finds the postings finds them.  CollectorPause's lock is a leaf: nothing is taken while it is held
 # (a caller may hold its own lock around a build, as the catalogue does).  The text analysis underneath is
 # lock-free (search/text.py).
 
@@ -8683,7 +8732,6 @@ class CollectorPause:
 
 
 _NO_POSTINGS: tuple[list[int], list[float]] = ([], [])
-_TEXT_OF = operator.attrgetter("text")
 
 
 def _add(scores: dict[int, float], ids: list[int], values: list[float], weight: float,
@@ -8725,6 +8773,16 @@ def _best_with_server_boost(scores: dict[int, float], server_of: list[int], rank
     ranked = sorted((-(scores[doc_id] + boost * server_best[server_of[doc_id]]), rank_of[doc_id], doc_id)
                     for doc_id in candidates if scores[doc_id] > 0.0)
     return [(doc_id, -negative) for negative, _, doc_id in ranked[:limit]]
+
+
+def _inverted_lists(sets: list) -> dict[str, list[int]]:
+    """word -> the positions of the sets holding it, ascending.  Every (word, position) pair is appended in C
+    (map over the flattened sets, consumed by a zero-length deque): a big catalogue has hundreds of thousands."""
+    found: dict[str, list[int]] = collections.defaultdict(list)
+    positions = itertools.chain.from_iterable(map(itertools.repeat, range(len(sets)), map(len, sets)))
+    collections.deque(map(list.append, map(found.__getitem__, itertools.chain.from_iterable(sets)), positions),
+                      maxlen=0)
+    return dict(found)
 
 
 class QueryReading(NamedTuple):
@@ -8817,11 +8875,14 @@ class SearchIndex:
         self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
         # term -> the tools holding it, ascending: a query's first use of a term then counts its frequencies in
         # those tools only, instead of testing every tool of a big catalogue for it.
-        holders: dict[str, list[int]] = collections.defaultdict(list)
-        for doc_id, terms in enumerate(self._doc_sets):
-            for term in terms:
-                holders[term].append(doc_id)
-        self._holders = dict(holders)
+        self._holders = _inverted_lists(self._doc_sets)
+        # plural-folded surface word -> the tools whose name, title, description or parameters hold it,
+        # ascending: a query's exact words then split a term's postings by set look-ups (split_postings).
+        surface_sets = surface_word_sets(zip(*(columns[position] for position in (0, 2, 3, 4, 5))))
+        self._surface_holders = _inverted_lists([words or () for words in surface_sets])
+        # The few tools with a text outside ASCII are read when a query first needs them (_doc_surfaces).
+        self._unread_surfaces = frozenset(doc_id for doc_id, words in enumerate(surface_sets) if words is None)
+        self._surfaces: dict[int, frozenset] = {}
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
         self._field_params = []
@@ -8831,6 +8892,7 @@ class SearchIndex:
             self._field_params.append((weight, b, sum(lengths) / len(lengths) if lengths else 1.0))
         self._postings: dict[str, tuple[list[int], list[float]]] = {}
         self._idf: dict[str, float] = {}
+        self._name_holders: dict[str, list[int]] = {}  # term -> the tools whose name holds it, with its postings
         full_names = [str(tool.get("name", "")) for tool in self.tools]
         self._rank_of = [0] * n
         for rank, doc_id in enumerate(sorted(range(n), key=full_names.__getitem__)):
@@ -8838,7 +8900,6 @@ class SearchIndex:
         servers: dict[str, int] = {}
         self._server_of = [servers.setdefault(name.partition(SEPARATOR)[0], len(servers)) if SEPARATOR in name
                            else -1 for name in full_names]
-        self._surfaces: list[frozenset | None] = [None] * n
         self._exact: dict[tuple[str, frozenset], tuple[list, list, list, list]] = {}
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
@@ -8908,12 +8969,11 @@ class SearchIndex:
         Computed from the term's postings on first use."""
         if term in self._partners:
             return self._partners[term]
-        holders, pairs = 0, {}
-        for doc_id in self.postings(term)[0]:
+        self.postings(term)
+        named = self._name_holders.get(term, ())
+        holders, pairs = len(named), {}
+        for doc_id in named:
             words = self._texts[doc_id][0].stems
-            if term not in words:
-                continue
-            holders += 1
             for i, word in enumerate(words):
                 if word == term:
                     for neighbour in {words[j] for j in (i - 1, i + 1) if 0 <= j < len(words)} - {term}:
@@ -8946,6 +9006,8 @@ class SearchIndex:
             for position, (weight, b, average) in enumerate(self._field_params):
                 column = list(map(operator.itemgetter(position), fields))
                 counts = list(map(tuple.count, column, itertools.repeat(term)))
+                if position == 0:  # the tools naming it, for phrase_partner
+                    self._name_holders[term] = list(itertools.compress(holders, counts))
                 for i in itertools.compress(range(len(counts)), counts):
                     tf[i] += counts[i] * weight / (1.0 - b + b * len(column[i]) / average)
             found = (holders, [idf * value / (k1 + value) for value in tf])
@@ -8955,13 +9017,16 @@ class SearchIndex:
 
     def split_postings(self, term: str, surfaces: frozenset) -> tuple[list[int], list[float], list[int], list[float]]:
         """The term's postings (ids, weights) in two parts: the tools that also hold one of these exact
-        (plural-folded) words, and the others; computed from the term's postings on first use, so it costs what
-        the postings cost."""
+        (plural-folded) words, and the others; computed from the term's postings on first use."""
         key = (term, surfaces)
         found = self._exact.get(key)
         if found is None:
             ids, weights = self.postings(term)
-            exact = [not surfaces.isdisjoint(self._doc_surfaces(doc_id)) for doc_id in ids]
+            holding = set().union(*map(self._surface_holders.get, surfaces, itertools.repeat(())))
+            for doc_id in self._unread_surfaces.intersection(ids) if self._unread_surfaces else ():
+                if not surfaces.isdisjoint(self._doc_surfaces(doc_id)):
+                    holding.add(doc_id)
+            exact = list(map(holding.__contains__, ids))
             others = list(map(operator.not_, exact))
             found = self._exact[key] = (list(itertools.compress(ids, exact)), list(itertools.compress(weights, exact)),
                                         list(itertools.compress(ids, others)),
@@ -8969,10 +9034,10 @@ class SearchIndex:
         return found
 
     def _doc_surfaces(self, doc_id: int) -> frozenset:
-        found = self._surfaces[doc_id]
+        found = self._surfaces.get(doc_id)
         if found is None:
-            found = self._surfaces[doc_id] = frozenset(map(singular, itertools.chain.from_iterable(
-                map(surface_words, map(_TEXT_OF, self._texts[doc_id][:5])))))
+            found = self._surfaces[doc_id] = document_surface_words(
+                terms.text for terms in self._texts[doc_id][:5])
         return found
 
     def _virtual_idf(self, holders: int) -> float:

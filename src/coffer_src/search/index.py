@@ -8,10 +8,10 @@ matches at reduced weight, and a small cross-lingual lexicon (search/words/) let
 reach English tools.
 
 Threads and locks: a SearchIndex is built on one thread and then searched from many at once, without a lock.
-What it fills in lazily (postings and idf, exact-word sets, surface words, entity tools, phrase partners, the
-web-search tools) is a pure function of the immutable build, written by single dict or list stores, so two
-threads filling one entry store the same value; ``postings`` stores a term's idf before its postings, so a
-thread that finds the postings finds the idf.  CollectorPause's lock is a leaf: nothing is taken while it is held
+What it fills in lazily (postings and idf, exact-word splits, the surface words of a tool with a text outside
+ASCII, entity tools, phrase partners, the web-search tools) is a pure function of the immutable build, written by
+single dict or list stores, so two threads filling one entry store the same value; ``postings`` stores a term's
+idf and naming tools before its postings, so a thread that finds the postings finds them.  CollectorPause's lock is a leaf: nothing is taken while it is held
 (a caller may hold its own lock around a build, as the catalogue does).  The text analysis underneath is
 lock-free (search/text.py)."""
 
@@ -51,7 +51,8 @@ from coffer_src.search.text import (
     inflection_stem,
     singular,
     stem,
-    surface_words,
+    document_surface_words,
+    surface_word_sets,
     translated_words,
     verb_senses,
 )
@@ -102,7 +103,6 @@ class CollectorPause:
 
 
 _NO_POSTINGS: tuple[list[int], list[float]] = ([], [])
-_TEXT_OF = operator.attrgetter("text")
 
 
 def _add(scores: dict[int, float], ids: list[int], values: list[float], weight: float,
@@ -144,6 +144,16 @@ def _best_with_server_boost(scores: dict[int, float], server_of: list[int], rank
     ranked = sorted((-(scores[doc_id] + boost * server_best[server_of[doc_id]]), rank_of[doc_id], doc_id)
                     for doc_id in candidates if scores[doc_id] > 0.0)
     return [(doc_id, -negative) for negative, _, doc_id in ranked[:limit]]
+
+
+def _inverted_lists(sets: list) -> dict[str, list[int]]:
+    """word -> the positions of the sets holding it, ascending.  Every (word, position) pair is appended in C
+    (map over the flattened sets, consumed by a zero-length deque): a big catalogue has hundreds of thousands."""
+    found: dict[str, list[int]] = collections.defaultdict(list)
+    positions = itertools.chain.from_iterable(map(itertools.repeat, range(len(sets)), map(len, sets)))
+    collections.deque(map(list.append, map(found.__getitem__, itertools.chain.from_iterable(sets)), positions),
+                      maxlen=0)
+    return dict(found)
 
 
 class QueryReading(NamedTuple):
@@ -236,11 +246,14 @@ class SearchIndex:
         self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
         # term -> the tools holding it, ascending: a query's first use of a term then counts its frequencies in
         # those tools only, instead of testing every tool of a big catalogue for it.
-        holders: dict[str, list[int]] = collections.defaultdict(list)
-        for doc_id, terms in enumerate(self._doc_sets):
-            for term in terms:
-                holders[term].append(doc_id)
-        self._holders = dict(holders)
+        self._holders = _inverted_lists(self._doc_sets)
+        # plural-folded surface word -> the tools whose name, title, description or parameters hold it,
+        # ascending: a query's exact words then split a term's postings by set look-ups (split_postings).
+        surface_sets = surface_word_sets(zip(*(columns[position] for position in (0, 2, 3, 4, 5))))
+        self._surface_holders = _inverted_lists([words or () for words in surface_sets])
+        # The few tools with a text outside ASCII are read when a query first needs them (_doc_surfaces).
+        self._unread_surfaces = frozenset(doc_id for doc_id, words in enumerate(surface_sets) if words is None)
+        self._surfaces: dict[int, frozenset] = {}
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
         self._field_params = []
@@ -250,6 +263,7 @@ class SearchIndex:
             self._field_params.append((weight, b, sum(lengths) / len(lengths) if lengths else 1.0))
         self._postings: dict[str, tuple[list[int], list[float]]] = {}
         self._idf: dict[str, float] = {}
+        self._name_holders: dict[str, list[int]] = {}  # term -> the tools whose name holds it, with its postings
         full_names = [str(tool.get("name", "")) for tool in self.tools]
         self._rank_of = [0] * n
         for rank, doc_id in enumerate(sorted(range(n), key=full_names.__getitem__)):
@@ -257,7 +271,6 @@ class SearchIndex:
         servers: dict[str, int] = {}
         self._server_of = [servers.setdefault(name.partition(SEPARATOR)[0], len(servers)) if SEPARATOR in name
                            else -1 for name in full_names]
-        self._surfaces: list[frozenset | None] = [None] * n
         self._exact: dict[tuple[str, frozenset], tuple[list, list, list, list]] = {}
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
@@ -327,12 +340,11 @@ class SearchIndex:
         Computed from the term's postings on first use."""
         if term in self._partners:
             return self._partners[term]
-        holders, pairs = 0, {}
-        for doc_id in self.postings(term)[0]:
+        self.postings(term)
+        named = self._name_holders.get(term, ())
+        holders, pairs = len(named), {}
+        for doc_id in named:
             words = self._texts[doc_id][0].stems
-            if term not in words:
-                continue
-            holders += 1
             for i, word in enumerate(words):
                 if word == term:
                     for neighbour in {words[j] for j in (i - 1, i + 1) if 0 <= j < len(words)} - {term}:
@@ -365,6 +377,8 @@ class SearchIndex:
             for position, (weight, b, average) in enumerate(self._field_params):
                 column = list(map(operator.itemgetter(position), fields))
                 counts = list(map(tuple.count, column, itertools.repeat(term)))
+                if position == 0:  # the tools naming it, for phrase_partner
+                    self._name_holders[term] = list(itertools.compress(holders, counts))
                 for i in itertools.compress(range(len(counts)), counts):
                     tf[i] += counts[i] * weight / (1.0 - b + b * len(column[i]) / average)
             found = (holders, [idf * value / (k1 + value) for value in tf])
@@ -374,13 +388,16 @@ class SearchIndex:
 
     def split_postings(self, term: str, surfaces: frozenset) -> tuple[list[int], list[float], list[int], list[float]]:
         """The term's postings (ids, weights) in two parts: the tools that also hold one of these exact
-        (plural-folded) words, and the others; computed from the term's postings on first use, so it costs what
-        the postings cost."""
+        (plural-folded) words, and the others; computed from the term's postings on first use."""
         key = (term, surfaces)
         found = self._exact.get(key)
         if found is None:
             ids, weights = self.postings(term)
-            exact = [not surfaces.isdisjoint(self._doc_surfaces(doc_id)) for doc_id in ids]
+            holding = set().union(*map(self._surface_holders.get, surfaces, itertools.repeat(())))
+            for doc_id in self._unread_surfaces.intersection(ids) if self._unread_surfaces else ():
+                if not surfaces.isdisjoint(self._doc_surfaces(doc_id)):
+                    holding.add(doc_id)
+            exact = list(map(holding.__contains__, ids))
             others = list(map(operator.not_, exact))
             found = self._exact[key] = (list(itertools.compress(ids, exact)), list(itertools.compress(weights, exact)),
                                         list(itertools.compress(ids, others)),
@@ -388,10 +405,10 @@ class SearchIndex:
         return found
 
     def _doc_surfaces(self, doc_id: int) -> frozenset:
-        found = self._surfaces[doc_id]
+        found = self._surfaces.get(doc_id)
         if found is None:
-            found = self._surfaces[doc_id] = frozenset(map(singular, itertools.chain.from_iterable(
-                map(surface_words, map(_TEXT_OF, self._texts[doc_id][:5])))))
+            found = self._surfaces[doc_id] = document_surface_words(
+                terms.text for terms in self._texts[doc_id][:5])
         return found
 
     def _virtual_idf(self, holders: int) -> float:
