@@ -37,37 +37,37 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       7949  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       8556  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       8664  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      9245  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      9626  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-      9817  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-      9982  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     10155  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     10739  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     11146  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     11611  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     11724  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     12059  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     12223  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     12763  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     13125  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     13462  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     13570  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     14220  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     14537  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     14892  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     15346  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     15489  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     15939  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     16381  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     16888  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     17243  probe                 Probes: starting a server once to see what it offers, from the command line.
-     17407  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     18075  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     18820  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     19109  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     19300  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     19827  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     21750  cli                   Command line: coffer's commands.
+      9238  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      9619  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+      9810  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+      9975  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     10148  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     10732  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     11139  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     11604  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     11717  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     12052  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     12216  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12756  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     13118  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13455  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     13563  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     14213  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14530  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14885  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15339  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     15482  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     15932  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     16374  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     16881  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     17236  probe                 Probes: starting a server once to see what it offers, from the command line.
+     17400  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     18068  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     18813  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     19102  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     19293  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     19820  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     21743  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -8679,12 +8679,12 @@ _FREE_TEXT_PARAMETERS = frozenset(stem(w) for w in "query q search keyword keywo
 # reach English tools.
 #
 # Threads and locks: a SearchIndex is built on one thread and then searched from many at once, without a lock.
-# What it fills in lazily (postings and idf, exact-word splits, the surface words of a tool with a text outside
-# ASCII, entity tools, phrase partners, the web-search tools) is a pure function of the immutable build, written by
-# single dict or list stores, so two threads filling one entry store the same value; ``postings`` stores a term's
-# idf and naming tools before its postings, so a thread that finds the postings finds them.  CollectorPause's lock is a leaf: nothing is taken while it is held
-# (a caller may hold its own lock around a build, as the catalogue does).  The text analysis underneath is
-# lock-free (search/text.py).
+# What it fills in lazily (postings and idf, exact-word splits, surface words, entity tools, phrase partners, the
+# web-search tools) is a pure function of the immutable build, written by single dict or list stores, so two
+# threads filling one entry store the same value; ``postings`` stores a term's idf and naming tools before its
+# postings, so a thread that finds the postings finds them.  CollectorPause's lock is a leaf: nothing is taken
+# while it is held (a caller may hold its own lock around a build, as the catalogue does).  The text analysis
+# underneath is lock-free (search/text.py).
 
 # BM25's term-frequency saturation: one constant for tool search and the knowledge base.
 BM25_K1 = 1.2
@@ -8732,6 +8732,7 @@ class CollectorPause:
 
 
 _NO_POSTINGS: tuple[list[int], list[float]] = ([], [])
+_TEXT_OF = operator.attrgetter("text")
 
 
 def _add(scores: dict[int, float], ids: list[int], values: list[float], weight: float,
@@ -8876,13 +8877,7 @@ class SearchIndex:
         # term -> the tools holding it, ascending: a query's first use of a term then counts its frequencies in
         # those tools only, instead of testing every tool of a big catalogue for it.
         self._holders = _inverted_lists(self._doc_sets)
-        # plural-folded surface word -> the tools whose name, title, description or parameters hold it,
-        # ascending: a query's exact words then split a term's postings by set look-ups (split_postings).
-        surface_sets = surface_word_sets(zip(*(columns[position] for position in (0, 2, 3, 4, 5))))
-        self._surface_holders = _inverted_lists([words or () for words in surface_sets])
-        # The few tools with a text outside ASCII are read when a query first needs them (_doc_surfaces).
-        self._unread_surfaces = frozenset(doc_id for doc_id, words in enumerate(surface_sets) if words is None)
-        self._surfaces: dict[int, frozenset] = {}
+        self._surfaces: list[frozenset | None] = [None] * n  # each tool's surface words, read on first use
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
         self._field_params = []
@@ -9017,27 +9012,25 @@ class SearchIndex:
 
     def split_postings(self, term: str, surfaces: frozenset) -> tuple[list[int], list[float], list[int], list[float]]:
         """The term's postings (ids, weights) in two parts: the tools that also hold one of these exact
-        (plural-folded) words, and the others; computed from the term's postings on first use."""
+        (plural-folded) words, and the others; computed from the term's postings on first use.  The holders whose
+        surface words no query has needed yet are read together, in C (surface_word_sets), and kept: a common
+        term's first use reads thousands of tools."""
         key = (term, surfaces)
         found = self._exact.get(key)
         if found is None:
             ids, weights = self.postings(term)
-            holding = set().union(*map(self._surface_holders.get, surfaces, itertools.repeat(())))
-            for doc_id in self._unread_surfaces.intersection(ids) if self._unread_surfaces else ():
-                if not surfaces.isdisjoint(self._doc_surfaces(doc_id)):
-                    holding.add(doc_id)
-            exact = list(map(holding.__contains__, ids))
-            others = list(map(operator.not_, exact))
+            sets = self._surfaces
+            unread = list(itertools.compress(ids, map(operator.is_, map(sets.__getitem__, ids),
+                                                     itertools.repeat(None))))
+            if unread:
+                texts = [tuple(map(_TEXT_OF, self._texts[doc_id][:5])) for doc_id in unread]
+                for doc_id, words, doc_texts in zip(unread, surface_word_sets(texts), texts):
+                    sets[doc_id] = document_surface_words(doc_texts) if words is None else words
+            others = list(map(surfaces.isdisjoint, map(sets.__getitem__, ids)))
+            exact = list(map(operator.not_, others))
             found = self._exact[key] = (list(itertools.compress(ids, exact)), list(itertools.compress(weights, exact)),
                                         list(itertools.compress(ids, others)),
                                         list(itertools.compress(weights, others)))
-        return found
-
-    def _doc_surfaces(self, doc_id: int) -> frozenset:
-        found = self._surfaces.get(doc_id)
-        if found is None:
-            found = self._surfaces[doc_id] = document_surface_words(
-                terms.text for terms in self._texts[doc_id][:5])
         return found
 
     def _virtual_idf(self, holders: int) -> float:

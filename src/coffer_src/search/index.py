@@ -8,12 +8,12 @@ matches at reduced weight, and a small cross-lingual lexicon (search/words/) let
 reach English tools.
 
 Threads and locks: a SearchIndex is built on one thread and then searched from many at once, without a lock.
-What it fills in lazily (postings and idf, exact-word splits, the surface words of a tool with a text outside
-ASCII, entity tools, phrase partners, the web-search tools) is a pure function of the immutable build, written by
-single dict or list stores, so two threads filling one entry store the same value; ``postings`` stores a term's
-idf and naming tools before its postings, so a thread that finds the postings finds them.  CollectorPause's lock is a leaf: nothing is taken while it is held
-(a caller may hold its own lock around a build, as the catalogue does).  The text analysis underneath is
-lock-free (search/text.py)."""
+What it fills in lazily (postings and idf, exact-word splits, surface words, entity tools, phrase partners, the
+web-search tools) is a pure function of the immutable build, written by single dict or list stores, so two
+threads filling one entry store the same value; ``postings`` stores a term's idf and naming tools before its
+postings, so a thread that finds the postings finds them.  CollectorPause's lock is a leaf: nothing is taken
+while it is held (a caller may hold its own lock around a build, as the catalogue does).  The text analysis
+underneath is lock-free (search/text.py)."""
 
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ from coffer_src.search.text import (
     analyse_texts,
     bounded_query,
     bounded_top_k,
+    document_surface_words,
     inflection_stem,
     singular,
     stem,
-    document_surface_words,
     surface_word_sets,
     translated_words,
     verb_senses,
@@ -103,6 +103,7 @@ class CollectorPause:
 
 
 _NO_POSTINGS: tuple[list[int], list[float]] = ([], [])
+_TEXT_OF = operator.attrgetter("text")
 
 
 def _add(scores: dict[int, float], ids: list[int], values: list[float], weight: float,
@@ -247,13 +248,7 @@ class SearchIndex:
         # term -> the tools holding it, ascending: a query's first use of a term then counts its frequencies in
         # those tools only, instead of testing every tool of a big catalogue for it.
         self._holders = _inverted_lists(self._doc_sets)
-        # plural-folded surface word -> the tools whose name, title, description or parameters hold it,
-        # ascending: a query's exact words then split a term's postings by set look-ups (split_postings).
-        surface_sets = surface_word_sets(zip(*(columns[position] for position in (0, 2, 3, 4, 5))))
-        self._surface_holders = _inverted_lists([words or () for words in surface_sets])
-        # The few tools with a text outside ASCII are read when a query first needs them (_doc_surfaces).
-        self._unread_surfaces = frozenset(doc_id for doc_id, words in enumerate(surface_sets) if words is None)
-        self._surfaces: dict[int, frozenset] = {}
+        self._surfaces: list[frozenset | None] = [None] * n  # each tool's surface words, read on first use
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
         self._field_params = []
@@ -388,27 +383,25 @@ class SearchIndex:
 
     def split_postings(self, term: str, surfaces: frozenset) -> tuple[list[int], list[float], list[int], list[float]]:
         """The term's postings (ids, weights) in two parts: the tools that also hold one of these exact
-        (plural-folded) words, and the others; computed from the term's postings on first use."""
+        (plural-folded) words, and the others; computed from the term's postings on first use.  The holders whose
+        surface words no query has needed yet are read together, in C (surface_word_sets), and kept: a common
+        term's first use reads thousands of tools."""
         key = (term, surfaces)
         found = self._exact.get(key)
         if found is None:
             ids, weights = self.postings(term)
-            holding = set().union(*map(self._surface_holders.get, surfaces, itertools.repeat(())))
-            for doc_id in self._unread_surfaces.intersection(ids) if self._unread_surfaces else ():
-                if not surfaces.isdisjoint(self._doc_surfaces(doc_id)):
-                    holding.add(doc_id)
-            exact = list(map(holding.__contains__, ids))
-            others = list(map(operator.not_, exact))
+            sets = self._surfaces
+            unread = list(itertools.compress(ids, map(operator.is_, map(sets.__getitem__, ids),
+                                                     itertools.repeat(None))))
+            if unread:
+                texts = [tuple(map(_TEXT_OF, self._texts[doc_id][:5])) for doc_id in unread]
+                for doc_id, words, doc_texts in zip(unread, surface_word_sets(texts), texts):
+                    sets[doc_id] = document_surface_words(doc_texts) if words is None else words
+            others = list(map(surfaces.isdisjoint, map(sets.__getitem__, ids)))
+            exact = list(map(operator.not_, others))
             found = self._exact[key] = (list(itertools.compress(ids, exact)), list(itertools.compress(weights, exact)),
                                         list(itertools.compress(ids, others)),
                                         list(itertools.compress(weights, others)))
-        return found
-
-    def _doc_surfaces(self, doc_id: int) -> frozenset:
-        found = self._surfaces.get(doc_id)
-        if found is None:
-            found = self._surfaces[doc_id] = document_surface_words(
-                terms.text for terms in self._texts[doc_id][:5])
         return found
 
     def _virtual_idf(self, holders: int) -> float:
