@@ -37,37 +37,37 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       7949  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       8556  search.entities       Search entities: typed values in a query, matched to what parameters accept.
       8664  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-      9238  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-      9619  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-      9810  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-      9975  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     10148  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     10732  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     11139  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     11604  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     11717  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     12052  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     12216  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     12756  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     13118  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     13455  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     13563  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     14213  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     14530  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     14885  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     15339  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     15482  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     15932  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     16374  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     16881  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     17236  probe                 Probes: starting a server once to see what it offers, from the command line.
-     17400  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     18068  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     18813  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     19102  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     19293  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     19820  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     21743  cli                   Command line: coffer's commands.
+      9232  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+      9613  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+      9804  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+      9969  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     10142  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     10726  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     11133  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     11598  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     11711  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     12046  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     12210  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     12750  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     13112  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     13449  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     13557  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     14207  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     14524  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     14879  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     15333  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     15476  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     15926  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     16368  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     16875  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     17230  probe                 Probes: starting a server once to see what it offers, from the command line.
+     17394  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     18062  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     18807  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     19096  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     19287  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     19814  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     21737  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -8776,16 +8776,6 @@ def _best_with_server_boost(scores: dict[int, float], server_of: list[int], rank
     return [(doc_id, -negative) for negative, _, doc_id in ranked[:limit]]
 
 
-def _inverted_lists(sets: list) -> dict[str, list[int]]:
-    """word -> the positions of the sets holding it, ascending.  Every (word, position) pair is appended in C
-    (map over the flattened sets, consumed by a zero-length deque): a big catalogue has hundreds of thousands."""
-    found: dict[str, list[int]] = collections.defaultdict(list)
-    positions = itertools.chain.from_iterable(map(itertools.repeat, range(len(sets)), map(len, sets)))
-    collections.deque(map(list.append, map(found.__getitem__, itertools.chain.from_iterable(sets)), positions),
-                      maxlen=0)
-    return dict(found)
-
-
 class QueryReading(NamedTuple):
     """See SearchIndex.reading."""
 
@@ -8876,7 +8866,11 @@ class SearchIndex:
         self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
         # term -> the tools holding it, ascending: a query's first use of a term then counts its frequencies in
         # those tools only, instead of testing every tool of a big catalogue for it.
-        self._holders = _inverted_lists(self._doc_sets)
+        holders: dict[str, list[int]] = collections.defaultdict(list)
+        for doc_id, terms in enumerate(self._doc_sets):
+            for term in terms:
+                holders[term].append(doc_id)
+        self._holders = dict(holders)
         self._surfaces: list[frozenset | None] = [None] * n  # each tool's surface words, read on first use
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.

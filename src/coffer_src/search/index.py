@@ -147,16 +147,6 @@ def _best_with_server_boost(scores: dict[int, float], server_of: list[int], rank
     return [(doc_id, -negative) for negative, _, doc_id in ranked[:limit]]
 
 
-def _inverted_lists(sets: list) -> dict[str, list[int]]:
-    """word -> the positions of the sets holding it, ascending.  Every (word, position) pair is appended in C
-    (map over the flattened sets, consumed by a zero-length deque): a big catalogue has hundreds of thousands."""
-    found: dict[str, list[int]] = collections.defaultdict(list)
-    positions = itertools.chain.from_iterable(map(itertools.repeat, range(len(sets)), map(len, sets)))
-    collections.deque(map(list.append, map(found.__getitem__, itertools.chain.from_iterable(sets)), positions),
-                      maxlen=0)
-    return dict(found)
-
-
 class QueryReading(NamedTuple):
     """See SearchIndex.reading."""
 
@@ -247,7 +237,11 @@ class SearchIndex:
         self._doc_sets = list(map(frozenset, map(itertools.chain.from_iterable, self._doc_fields)))
         # term -> the tools holding it, ascending: a query's first use of a term then counts its frequencies in
         # those tools only, instead of testing every tool of a big catalogue for it.
-        self._holders = _inverted_lists(self._doc_sets)
+        holders: dict[str, list[int]] = collections.defaultdict(list)
+        for doc_id, terms in enumerate(self._doc_sets):
+            for term in terms:
+                holders[term].append(doc_id)
+        self._holders = dict(holders)
         self._surfaces: list[frozenset | None] = [None] * n  # each tool's surface words, read on first use
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
