@@ -371,11 +371,11 @@ def add_service_commands(command, extend_service: Callable | None = None) -> Non
                    help="also serve Streamable HTTP at http://HOST:PORT/mcp for clients with a token (coffer token "
                         "add NAME); loopback unless you name another address; the service_http setting makes it "
                         "permanent")
+    p.set_defaults(extend_service=extend_service)
     p = command("token", cmd_token, "bearer tokens of HTTP clients: add NAME (shown once), list, rm NAME")
     p.add_argument("action", choices=("add", "list", "rm"))
     p.add_argument("name", nargs="?")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(extend_service=extend_service)
     p = command("open", cmd_open, "see and steer Coffer in your browser: servers, catalogue, changed definitions, "
                                   "activity, search, knowledge, sessions (starts the service if none runs)")
     p.add_argument("--no-browser", action="store_true",
