@@ -105,42 +105,42 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       7140  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
       7767  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       9025  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9583  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9691  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10256  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10658  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10849  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11014  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11237  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11828  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12241  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12723  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12836  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13210  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13272  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13436  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13635  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14188  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14585  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     14926  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15034  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15722  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16040  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16410  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     16897  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17040  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17490  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     17934  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18465  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18835  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19011  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19679  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20544  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     20915  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21225  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21416  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     21943  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     23866  cli                   Command line: coffer's commands.
+      9632  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9740  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10308  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10710  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10901  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11066  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11289  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11880  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12293  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12775  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12888  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13262  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13324  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13488  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13687  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14240  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14637  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     14978  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15086  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15774  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16092  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16462  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     16949  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17092  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17542  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     17986  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18517  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     18887  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19063  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19731  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20596  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     20967  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21277  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21468  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     21995  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     23918  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -9102,9 +9102,9 @@ del _key, _english
 # Search text analysis: tokens, stems, translations and the analysed texts of a tool.
 # ============================================================================================================
 # Threads: the analysis runs on any thread at once (a catalogue's index build, the knowledge base's indexing, the
-# queries of worker threads) and takes no lock.  Its memos are the functools caches (thread-safe) and two dicts,
-# _TOKEN_STEMS and _ANALYSED_TEXTS, whose every entry is a pure function of its key and which are filled and
-# emptied by single dict operations: a race computes an entry twice, or empties the dict under another thread,
+# queries of worker threads) and takes no lock.  Its memos are the functools caches (thread-safe) and three dicts,
+# _TOKEN_STEMS, _TOKEN_SURFACES and _ANALYSED_TEXTS, whose every entry is a pure function of its key and which are
+# filled and emptied by single dict operations: a race computes an entry twice, or empties the dict under another thread,
 # which then recomputes what it looks up.
 
 SEARCH_QUERY_MAX_CHARS = 2_000
@@ -9244,8 +9244,8 @@ def _words(text: str) -> list[str]:
 
 class TextTerms(NamedTuple):
     """What one text contributes to the index: stems (the index terms, what ``tokenize`` returns), the English
-    stems of its foreign tool-domain words, and the text itself (its surface words, ``surface_words``, are
-    needed only when a query compares exact words, so they are derived then, not at build time)."""
+    stems of its foreign tool-domain words, and the text itself (a tool's surface words are read from its texts
+    together: surface_word_sets)."""
 
     stems: tuple[str, ...]
     foreign: tuple[str, ...]
@@ -9294,6 +9294,54 @@ class _TokenStems(dict):
 
 
 _TOKEN_STEMS = _TokenStems()
+
+
+class _TokenSurfaces(dict):
+    """token -> its surface words, plural-folded (``singular``), stop words dropped: what _TokenStems is to
+    stems, for surface_word_sets.  Emptied when it outgrows LIMIT, as _TokenStems is."""
+
+    LIMIT = 1 << 17
+
+    def __missing__(self, token: str) -> tuple[str, ...]:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        if token == _BATCH_SEPARATOR:
+            found: tuple[str, ...] = (_BATCH_SEPARATOR,)
+        else:
+            found = tuple(map(singular, itertools.filterfalse(STOP_WORDS.__contains__, _token_words(token))))
+        self[token] = found
+        return found
+
+
+_TOKEN_SURFACES = _TokenSurfaces()
+
+
+def surface_word_sets(documents: Iterable[tuple[str, ...]]) -> list[frozenset | None]:
+    """For each document (a tuple of texts), the set of its texts' surface words, plural-folded: ``singular`` of
+    each of their ``surface_words``; None for a document with a text outside ASCII (read it with
+    document_surface_words when needed: NFKC and CJK bigrams cost far more).  The ASCII documents (nearly all)
+    are read as analyse_texts reads texts, in batches: one split of their joined texts and one pass of token
+    look-ups, in C."""
+    joined = list(map(" ".join, documents))  # ASCII texts: a space between them changes no token
+    found: list[frozenset | None] = [None] * len(joined)
+    batch = [i for i, text in enumerate(joined) if text.isascii() and _BATCH_SEPARATOR not in text]
+    for start in range(0, len(batch), _BATCH_TEXTS):
+        chunk = batch[start:start + _BATCH_TEXTS]
+        text = f" {_BATCH_SEPARATOR} ".join(map(joined.__getitem__, chunk))
+        tokens = text.encode("ascii").translate(_ASCII_BATCH_TOKENS).decode("ascii").split()
+        words = tuple(itertools.chain.from_iterable(map(_TOKEN_SURFACES.__getitem__, tokens)))
+        begin, cut = 0, words.index
+        for i in chunk[:-1]:
+            end = cut(_BATCH_SEPARATOR, begin)
+            found[i] = frozenset(words[begin:end])
+            begin = end + 1
+        found[chunk[-1]] = frozenset(words[begin:])
+    return found
+
+
+def document_surface_words(texts: Iterable[str]) -> frozenset:
+    """The surface words of these texts, plural-folded, as surface_word_sets gives them for one document."""
+    return frozenset(map(singular, itertools.chain.from_iterable(map(surface_words, texts))))
 
 
 class _AnalysedTexts(dict):
@@ -9441,6 +9489,7 @@ def forget_analysed_texts() -> None:
                    _word_terms):  # _word_terms: the knowledge section's, below
         cached.cache_clear()
     _TOKEN_STEMS.clear()
+    _TOKEN_SURFACES.clear()
     _ANALYSED_TEXTS.clear()
 
 
@@ -9775,12 +9824,12 @@ _FREE_TEXT_PARAMETERS = frozenset(stem(w) for w in "query q search keyword keywo
 # reach English tools.
 #
 # Threads and locks: a SearchIndex is built on one thread and then searched from many at once, without a lock.
-# What it fills in lazily (postings and idf, exact-word sets, surface words, entity tools, phrase partners, the
+# What it fills in lazily (postings and idf, exact-word splits, surface words, entity tools, phrase partners, the
 # web-search tools) is a pure function of the immutable build, written by single dict or list stores, so two
-# threads filling one entry store the same value; ``postings`` stores a term's idf before its postings, so a
-# thread that finds the postings finds the idf.  CollectorPause's lock is a leaf: nothing is taken while it is held
-# (a caller may hold its own lock around a build, as the catalogue does).  The text analysis underneath is
-# lock-free (search/text.py).
+# threads filling one entry store the same value; ``postings`` stores a term's idf and naming tools before its
+# postings, so a thread that finds the postings finds them.  CollectorPause's lock is a leaf: nothing is taken
+# while it is held (a caller may hold its own lock around a build, as the catalogue does).  The text analysis
+# underneath is lock-free (search/text.py).
 
 # BM25's term-frequency saturation: one constant for tool search and the knowledge base.
 BM25_K1 = 1.2
@@ -9967,6 +10016,7 @@ class SearchIndex:
             for term in terms:
                 holders[term].append(doc_id)
         self._holders = dict(holders)
+        self._surfaces: list[frozenset | None] = [None] * n  # each tool's surface words, read on first use
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
         self._field_params = []
@@ -9976,6 +10026,7 @@ class SearchIndex:
             self._field_params.append((weight, b, sum(lengths) / len(lengths) if lengths else 1.0))
         self._postings: dict[str, tuple[list[int], list[float]]] = {}
         self._idf: dict[str, float] = {}
+        self._name_holders: dict[str, list[int]] = {}  # term -> the tools whose name holds it, with its postings
         full_names = [str(tool.get("name", "")) for tool in self.tools]
         self._rank_of = [0] * n
         for rank, doc_id in enumerate(sorted(range(n), key=full_names.__getitem__)):
@@ -9983,7 +10034,6 @@ class SearchIndex:
         servers: dict[str, int] = {}
         self._server_of = [servers.setdefault(name.partition(SEPARATOR)[0], len(servers)) if SEPARATOR in name
                            else -1 for name in full_names]
-        self._surfaces: list[frozenset | None] = [None] * n
         self._exact: dict[tuple[str, frozenset], tuple[list, list, list, list]] = {}
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
@@ -10053,12 +10103,11 @@ class SearchIndex:
         Computed from the term's postings on first use."""
         if term in self._partners:
             return self._partners[term]
-        holders, pairs = 0, {}
-        for doc_id in self.postings(term)[0]:
+        self.postings(term)
+        named = self._name_holders.get(term, ())
+        holders, pairs = len(named), {}
+        for doc_id in named:
             words = self._texts[doc_id][0].stems
-            if term not in words:
-                continue
-            holders += 1
             for i, word in enumerate(words):
                 if word == term:
                     for neighbour in {words[j] for j in (i - 1, i + 1) if 0 <= j < len(words)} - {term}:
@@ -10091,6 +10140,8 @@ class SearchIndex:
             for position, (weight, b, average) in enumerate(self._field_params):
                 column = list(map(operator.itemgetter(position), fields))
                 counts = list(map(tuple.count, column, itertools.repeat(term)))
+                if position == 0:  # the tools naming it, for phrase_partner
+                    self._name_holders[term] = list(itertools.compress(holders, counts))
                 for i in itertools.compress(range(len(counts)), counts):
                     tf[i] += counts[i] * weight / (1.0 - b + b * len(column[i]) / average)
             found = (holders, [idf * value / (k1 + value) for value in tf])
@@ -10100,24 +10151,25 @@ class SearchIndex:
 
     def split_postings(self, term: str, surfaces: frozenset) -> tuple[list[int], list[float], list[int], list[float]]:
         """The term's postings (ids, weights) in two parts: the tools that also hold one of these exact
-        (plural-folded) words, and the others; computed from the term's postings on first use, so it costs what
-        the postings cost."""
+        (plural-folded) words, and the others; computed from the term's postings on first use.  The holders whose
+        surface words no query has needed yet are read together, in C (surface_word_sets), and kept: a common
+        term's first use reads thousands of tools."""
         key = (term, surfaces)
         found = self._exact.get(key)
         if found is None:
             ids, weights = self.postings(term)
-            exact = [not surfaces.isdisjoint(self._doc_surfaces(doc_id)) for doc_id in ids]
-            others = list(map(operator.not_, exact))
+            sets = self._surfaces
+            unread = list(itertools.compress(ids, map(operator.is_, map(sets.__getitem__, ids),
+                                                     itertools.repeat(None))))
+            if unread:
+                texts = [tuple(map(_TEXT_OF, self._texts[doc_id][:5])) for doc_id in unread]
+                for doc_id, words, doc_texts in zip(unread, surface_word_sets(texts), texts):
+                    sets[doc_id] = document_surface_words(doc_texts) if words is None else words
+            others = list(map(surfaces.isdisjoint, map(sets.__getitem__, ids)))
+            exact = list(map(operator.not_, others))
             found = self._exact[key] = (list(itertools.compress(ids, exact)), list(itertools.compress(weights, exact)),
                                         list(itertools.compress(ids, others)),
                                         list(itertools.compress(weights, others)))
-        return found
-
-    def _doc_surfaces(self, doc_id: int) -> frozenset:
-        found = self._surfaces[doc_id]
-        if found is None:
-            found = self._surfaces[doc_id] = frozenset(map(singular, itertools.chain.from_iterable(
-                map(surface_words, map(_TEXT_OF, self._texts[doc_id][:5])))))
         return found
 
     def _virtual_idf(self, holders: int) -> float:

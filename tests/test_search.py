@@ -347,6 +347,24 @@ def test_every_tool_keeps_its_own_words_whatever_its_neighbours_hold():
     assert german and all(int(name[len("s__tool"):]) % len(odd) == 5 for name in german)
 
 
+def test_a_tools_exact_words_are_its_own_whatever_its_neighbours_hold():
+    # A word's first use reads the surface words of every tool holding it at once (ASCII tools as one batch, the
+    # others one by one); the tool that says "located" must still outrank its twin that says "location", next to
+    # any odd text.
+    odd = ["", "   ", "\x01", "a\x01b \x02 c", "ABC-123\x00", "Lade die Datei hoch", "读取文件 readFile",
+           "Löscht eine Datei", "no words at all: !!!", "\x02\x02", "PDFs and URLs"]
+    tools = []
+    for pair in range(40):
+        text = odd[pair % len(odd)]
+        for word in ("located", "location"):
+            tools.append(tool(f"s__{word}{pair}", f"shows where it is {word} {text}", arg=odd[(pair + 3) % len(odd)]))
+    index = SearchIndex(tools)
+    order = [index.tools[doc_id]["name"] for doc_id, _ in index.rank("located", len(tools))]
+    assert len(order) == len(tools)
+    for pair in range(40):
+        assert order.index(f"s__located{pair}") < order.index(f"s__location{pair}"), pair
+
+
 def test_an_index_build_leaves_the_garbage_collector_as_it_found_it():
     # The build pauses the collector; an application embedding coffer must find it as it left it.
     catalogue = [tool(f"s__t{i}", f"tool number {i} reads files") for i in range(200)]

@@ -8,12 +8,12 @@ matches at reduced weight, and a small cross-lingual lexicon (search/words/) let
 reach English tools.
 
 Threads and locks: a SearchIndex is built on one thread and then searched from many at once, without a lock.
-What it fills in lazily (postings and idf, exact-word sets, surface words, entity tools, phrase partners, the
+What it fills in lazily (postings and idf, exact-word splits, surface words, entity tools, phrase partners, the
 web-search tools) is a pure function of the immutable build, written by single dict or list stores, so two
-threads filling one entry store the same value; ``postings`` stores a term's idf before its postings, so a
-thread that finds the postings finds the idf.  CollectorPause's lock is a leaf: nothing is taken while it is held
-(a caller may hold its own lock around a build, as the catalogue does).  The text analysis underneath is
-lock-free (search/text.py)."""
+threads filling one entry store the same value; ``postings`` stores a term's idf and naming tools before its
+postings, so a thread that finds the postings finds them.  CollectorPause's lock is a leaf: nothing is taken
+while it is held (a caller may hold its own lock around a build, as the catalogue does).  The text analysis
+underneath is lock-free (search/text.py)."""
 
 from __future__ import annotations
 
@@ -48,10 +48,11 @@ from coffer_src.search.text import (
     analyse_texts,
     bounded_query,
     bounded_top_k,
+    document_surface_words,
     inflection_stem,
     singular,
     stem,
-    surface_words,
+    surface_word_sets,
     translated_words,
     verb_senses,
 )
@@ -241,6 +242,7 @@ class SearchIndex:
             for term in terms:
                 holders[term].append(doc_id)
         self._holders = dict(holders)
+        self._surfaces: list[frozenset | None] = [None] * n  # each tool's surface words, read on first use
         # A field's average length over the tools that have it: over all tools, a field few of them fill (a
         # title, translations) would look far longer than average wherever it occurs and weigh next to nothing.
         self._field_params = []
@@ -250,6 +252,7 @@ class SearchIndex:
             self._field_params.append((weight, b, sum(lengths) / len(lengths) if lengths else 1.0))
         self._postings: dict[str, tuple[list[int], list[float]]] = {}
         self._idf: dict[str, float] = {}
+        self._name_holders: dict[str, list[int]] = {}  # term -> the tools whose name holds it, with its postings
         full_names = [str(tool.get("name", "")) for tool in self.tools]
         self._rank_of = [0] * n
         for rank, doc_id in enumerate(sorted(range(n), key=full_names.__getitem__)):
@@ -257,7 +260,6 @@ class SearchIndex:
         servers: dict[str, int] = {}
         self._server_of = [servers.setdefault(name.partition(SEPARATOR)[0], len(servers)) if SEPARATOR in name
                            else -1 for name in full_names]
-        self._surfaces: list[frozenset | None] = [None] * n
         self._exact: dict[tuple[str, frozenset], tuple[list, list, list, list]] = {}
         self._entity_tools: dict[str, list[tuple[int, float]]] = {}
         self._entity_strength_maps: dict[str, dict[int, float]] = {}
@@ -327,12 +329,11 @@ class SearchIndex:
         Computed from the term's postings on first use."""
         if term in self._partners:
             return self._partners[term]
-        holders, pairs = 0, {}
-        for doc_id in self.postings(term)[0]:
+        self.postings(term)
+        named = self._name_holders.get(term, ())
+        holders, pairs = len(named), {}
+        for doc_id in named:
             words = self._texts[doc_id][0].stems
-            if term not in words:
-                continue
-            holders += 1
             for i, word in enumerate(words):
                 if word == term:
                     for neighbour in {words[j] for j in (i - 1, i + 1) if 0 <= j < len(words)} - {term}:
@@ -365,6 +366,8 @@ class SearchIndex:
             for position, (weight, b, average) in enumerate(self._field_params):
                 column = list(map(operator.itemgetter(position), fields))
                 counts = list(map(tuple.count, column, itertools.repeat(term)))
+                if position == 0:  # the tools naming it, for phrase_partner
+                    self._name_holders[term] = list(itertools.compress(holders, counts))
                 for i in itertools.compress(range(len(counts)), counts):
                     tf[i] += counts[i] * weight / (1.0 - b + b * len(column[i]) / average)
             found = (holders, [idf * value / (k1 + value) for value in tf])
@@ -374,24 +377,25 @@ class SearchIndex:
 
     def split_postings(self, term: str, surfaces: frozenset) -> tuple[list[int], list[float], list[int], list[float]]:
         """The term's postings (ids, weights) in two parts: the tools that also hold one of these exact
-        (plural-folded) words, and the others; computed from the term's postings on first use, so it costs what
-        the postings cost."""
+        (plural-folded) words, and the others; computed from the term's postings on first use.  The holders whose
+        surface words no query has needed yet are read together, in C (surface_word_sets), and kept: a common
+        term's first use reads thousands of tools."""
         key = (term, surfaces)
         found = self._exact.get(key)
         if found is None:
             ids, weights = self.postings(term)
-            exact = [not surfaces.isdisjoint(self._doc_surfaces(doc_id)) for doc_id in ids]
-            others = list(map(operator.not_, exact))
+            sets = self._surfaces
+            unread = list(itertools.compress(ids, map(operator.is_, map(sets.__getitem__, ids),
+                                                     itertools.repeat(None))))
+            if unread:
+                texts = [tuple(map(_TEXT_OF, self._texts[doc_id][:5])) for doc_id in unread]
+                for doc_id, words, doc_texts in zip(unread, surface_word_sets(texts), texts):
+                    sets[doc_id] = document_surface_words(doc_texts) if words is None else words
+            others = list(map(surfaces.isdisjoint, map(sets.__getitem__, ids)))
+            exact = list(map(operator.not_, others))
             found = self._exact[key] = (list(itertools.compress(ids, exact)), list(itertools.compress(weights, exact)),
                                         list(itertools.compress(ids, others)),
                                         list(itertools.compress(weights, others)))
-        return found
-
-    def _doc_surfaces(self, doc_id: int) -> frozenset:
-        found = self._surfaces[doc_id]
-        if found is None:
-            found = self._surfaces[doc_id] = frozenset(map(singular, itertools.chain.from_iterable(
-                map(surface_words, map(_TEXT_OF, self._texts[doc_id][:5])))))
         return found
 
     def _virtual_idf(self, holders: int) -> float:

@@ -1,9 +1,9 @@
 """Search text analysis: tokens, stems, translations and the analysed texts of a tool.
 
 Threads: the analysis runs on any thread at once (a catalogue's index build, the knowledge base's indexing, the
-queries of worker threads) and takes no lock.  Its memos are the functools caches (thread-safe) and two dicts,
-_TOKEN_STEMS and _ANALYSED_TEXTS, whose every entry is a pure function of its key and which are filled and
-emptied by single dict operations: a race computes an entry twice, or empties the dict under another thread,
+queries of worker threads) and takes no lock.  Its memos are the functools caches (thread-safe) and three dicts,
+_TOKEN_STEMS, _TOKEN_SURFACES and _ANALYSED_TEXTS, whose every entry is a pure function of its key and which are
+filled and emptied by single dict operations: a race computes an entry twice, or empties the dict under another thread,
 which then recomputes what it looks up."""
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ def _words(text: str) -> list[str]:
 
 class TextTerms(NamedTuple):
     """What one text contributes to the index: stems (the index terms, what ``tokenize`` returns), the English
-    stems of its foreign tool-domain words, and the text itself (its surface words, ``surface_words``, are
-    needed only when a query compares exact words, so they are derived then, not at build time)."""
+    stems of its foreign tool-domain words, and the text itself (a tool's surface words are read from its texts
+    together: surface_word_sets)."""
 
     stems: tuple[str, ...]
     foreign: tuple[str, ...]
@@ -220,6 +220,54 @@ class _TokenStems(dict):
 
 
 _TOKEN_STEMS = _TokenStems()
+
+
+class _TokenSurfaces(dict):
+    """token -> its surface words, plural-folded (``singular``), stop words dropped: what _TokenStems is to
+    stems, for surface_word_sets.  Emptied when it outgrows LIMIT, as _TokenStems is."""
+
+    LIMIT = 1 << 17
+
+    def __missing__(self, token: str) -> tuple[str, ...]:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        if token == _BATCH_SEPARATOR:
+            found: tuple[str, ...] = (_BATCH_SEPARATOR,)
+        else:
+            found = tuple(map(singular, itertools.filterfalse(STOP_WORDS.__contains__, _token_words(token))))
+        self[token] = found
+        return found
+
+
+_TOKEN_SURFACES = _TokenSurfaces()
+
+
+def surface_word_sets(documents: Iterable[tuple[str, ...]]) -> list[frozenset | None]:
+    """For each document (a tuple of texts), the set of its texts' surface words, plural-folded: ``singular`` of
+    each of their ``surface_words``; None for a document with a text outside ASCII (read it with
+    document_surface_words when needed: NFKC and CJK bigrams cost far more).  The ASCII documents (nearly all)
+    are read as analyse_texts reads texts, in batches: one split of their joined texts and one pass of token
+    look-ups, in C."""
+    joined = list(map(" ".join, documents))  # ASCII texts: a space between them changes no token
+    found: list[frozenset | None] = [None] * len(joined)
+    batch = [i for i, text in enumerate(joined) if text.isascii() and _BATCH_SEPARATOR not in text]
+    for start in range(0, len(batch), _BATCH_TEXTS):
+        chunk = batch[start:start + _BATCH_TEXTS]
+        text = f" {_BATCH_SEPARATOR} ".join(map(joined.__getitem__, chunk))
+        tokens = text.encode("ascii").translate(_ASCII_BATCH_TOKENS).decode("ascii").split()
+        words = tuple(itertools.chain.from_iterable(map(_TOKEN_SURFACES.__getitem__, tokens)))
+        begin, cut = 0, words.index
+        for i in chunk[:-1]:
+            end = cut(_BATCH_SEPARATOR, begin)
+            found[i] = frozenset(words[begin:end])
+            begin = end + 1
+        found[chunk[-1]] = frozenset(words[begin:])
+    return found
+
+
+def document_surface_words(texts: Iterable[str]) -> frozenset:
+    """The surface words of these texts, plural-folded, as surface_word_sets gives them for one document."""
+    return frozenset(map(singular, itertools.chain.from_iterable(map(surface_words, texts))))
 
 
 class _AnalysedTexts(dict):
@@ -367,6 +415,7 @@ def forget_analysed_texts() -> None:
                    _word_terms):  # _word_terms: the knowledge section's, below
         cached.cache_clear()
     _TOKEN_STEMS.clear()
+    _TOKEN_SURFACES.clear()
     _ANALYSED_TEXTS.clear()
 
 
