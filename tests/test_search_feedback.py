@@ -15,7 +15,8 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
-from coffer_src.vault import SCHEMA, Vault, utcnow
+from coffer_src.vault import Vault, utcnow
+from coffer_src.vault_schema import SCHEMA
 
 from conftest import COFFER, FAKE, PY, ROOT, TIME_SERVER, cli
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from coffer_src.invocations import InvocationLog
-from coffer_src.vault import SCHEMA, Vault
+from coffer_src.vault import Vault
+from coffer_src.vault_schema import SCHEMA
 
 from conftest import (
     COFFER,

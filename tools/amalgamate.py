@@ -52,6 +52,7 @@ LAYERS = (
     "secret_store",
     "settings",
     "vault_rows",
+    "vault_schema",
     "vault",
     "invocations",
     "profiles",
@@ -97,6 +98,8 @@ LAYERS = (
     "clients/move_in",
     "clients/doctor",
     "profile_commands",
+    "knowledge_commands",
+    "remote_commands",
     "service/web_activity",
     "service/web_views",
     "service/web",
@@ -106,7 +109,7 @@ NOT_AMALGAMATED = {"__main__"}
 #: Standard-library modules that cost a process real memory and start-up time to import and that most runs of
 #: coffer.py never use (the relay behind `coffer serve`, a quick `coffer list`): coffer.py binds each to a module
 #: object that imports it on first use.  Only `import X` may name them (a `from X import y` would load X at once).
-LAZY_STDLIB = ("difflib", "hashlib", "hmac", "secrets", "sqlite3", "subprocess")
+LAZY_STDLIB = ("difflib", "hashlib", "hmac", "html", "ipaddress", "secrets", "sqlite3", "subprocess", "tempfile")
 LAZY_HELPER = '''
 
 class _ImportedOnFirstUse:

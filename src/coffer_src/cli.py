@@ -38,11 +38,8 @@ from coffer_src.gateway.builtins import (
     client_family,
 )
 from coffer_src.jsonrpc import decode_json
-from coffer_src.knowledge.base import KnowledgeBase
-from coffer_src.knowledge.documents import KNOWLEDGE_DEFAULT_GLOBS
+from coffer_src.knowledge_commands import add_knowledge_commands, vault_audit
 from coffer_src.names import (
-    ENV_KEY_RE,
-    REMOTE_TRANSPORTS,
     SEARCH_TOOL,
     SEPARATOR,
     SERVER_NAME_RULE,
@@ -55,23 +52,22 @@ from coffer_src.names import (
     url_origin,
 )
 from coffer_src.oauth import (
-    NeedsLogin,
-    OAuthCredentials,
-    OAuthFailure,
-    OAuthGrant,
-    oauth_login,
     oauth_secret_name,
-    revoke_grant,
 )
 from coffer_src.probe import GatewayClient, ProbeResult, ServerProbe
 from coffer_src.profile_commands import add_profile_commands, client_listing, effective_tools, print_overrides
 from coffer_src.profiles import ProfileStore
+from coffer_src.remote_commands import (
+    add_auth_command,
+    add_remote_arguments,
+    remote_add_options,
+    report_remote_added,
+)
 from coffer_src.search.feedback import evaluate_feedback, labelled_searches
-from coffer_src.search.semantic import Embedder, EmbedderError
+from coffer_src.search.semantic import Embedder
 from coffer_src.secret_store import (
     SECRET_MAX_CHARS,
     SecretStore,
-    expand_vars,
     parse_env_assignment,
     plan_argument_literals,
     plan_literals,
@@ -89,10 +85,9 @@ from coffer_src.service.commands import (
 from coffer_src.service.web import attach_web
 from coffer_src.settings import listed_settings, unknown_setting
 from coffer_src.terminal import ServerLog, _print_table, clip, configure_logging, printable, redact, say, say_json
-from coffer_src.transport.remote import probe_transport
 from coffer_src.transport.stdio import UpstreamFailure
 from coffer_src.upstream.supervisor import failure_fix
-from coffer_src.vault import Vault, _state, coffer_home, setting_key, utcnow
+from coffer_src.vault import Vault, _state, coffer_home, setting_key
 from coffer_src.vault_rows import SHARING_MODES
 
 cli_log = logging.getLogger(__name__)
@@ -534,14 +529,6 @@ def cmd_secret(vault: Vault, args) -> int:
     return 0
 
 
-def vault_audit(vault: Vault, action: str, target: str, detail: str | None = None) -> None:
-    """An audit row for a change made outside coffer.db (the secret store): the name, never the value."""
-    try:
-        vault.audit(action, target, detail)
-    except CofferError:
-        pass  # a read-only vault cannot record it; the change itself was made
-
-
 def cmd_call(vault: Vault, args) -> int:
     try:
         arguments = decode_json(args.arguments) if args.arguments is not None else {}
@@ -687,244 +674,6 @@ def cmd_config(vault: Vault, args) -> int:
     return 0
 
 
-def add_remote_arguments(p) -> None:
-    """The `coffer add` options for remote servers (call from build_parser after --url/--header)."""
-    p.add_argument("--transport", choices=REMOTE_TRANSPORTS, default=None,
-                   help="with --url: auto (default) asks the server; http = Streamable HTTP; sse = the legacy "
-                        "HTTP+SSE transport (2024-11-05)")
-    p.add_argument("--oauth-client-id", metavar="ID",
-                   help="with --url: an OAuth client you registered with the server's provider (else Coffer uses a "
-                        "client metadata document or registers itself)")
-    p.add_argument("--oauth-client-secret-env", metavar="VAR",
-                   help="the variable (environment, then `coffer secret`) holding that client's secret; the secret "
-                        "itself is never stored by Coffer")
-
-
-def add_auth_command(command) -> None:
-    """`coffer auth NAME [--logout]` (call from build_parser: ``add_auth_command(command)``)."""
-    p = command("auth", cmd_auth, "log in to an OAuth-protected remote server in your browser (or --logout)")
-    p.add_argument("name")
-    p.add_argument("--logout", action="store_true", help="forget the saved login (and revoke it where possible)")
-    p.add_argument("--scope", help="ask for these scopes (space-separated) instead of what the server suggests")
-    p.add_argument("--oauth-client-id", metavar="ID", help="use (and remember) this pre-registered OAuth client")
-    p.add_argument("--oauth-client-secret-env", metavar="VAR", help="the variable holding its secret")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the browser (default 300)")
-    p.add_argument("--no-browser", action="store_true", help="only print the address to open")
-
-
-def remote_add_options(args) -> dict:
-    """What cmd_add passes to Vault.add_server for a remote server: transport and the OAuth client settings."""
-    if not args.url:
-        if args.transport or args.oauth_client_id or args.oauth_client_secret_env:
-            raise CofferError("--transport and --oauth-* go with --url")
-        return {}
-    if args.oauth_client_secret_env and not ENV_KEY_RE.match(args.oauth_client_secret_env):
-        raise CofferError("--oauth-client-secret-env takes a variable name, not a secret")
-    if args.oauth_client_secret_env and not args.oauth_client_id:
-        raise CofferError("--oauth-client-secret-env goes with --oauth-client-id")
-    oauth = {key: value for key, value in (("client_id", args.oauth_client_id),
-                                           ("client_secret_env", args.oauth_client_secret_env)) if value}
-    return {"transport": args.transport or "auto", "oauth": oauth or None}
-
-
-def report_remote_added(vault: Vault, name: str, store) -> None:
-    """After `coffer add --url`: ask the server which transport it speaks (transport auto) and whether it needs
-    a login, and say so.  Nothing here is fatal: an unreachable server is detected at its first start."""
-    server = vault.server(name)
-    if server["transport"] != "auto":
-        return
-    missing: list[str] = []
-    url = expand_vars(server["url"], missing=missing, secrets=store)
-    headers = {k: expand_vars(v, missing=missing, secrets=store) for k, v in server["headers"].items()}
-    own_authorization = any(key.lower() == "authorization" for key in headers)
-    auth = None if own_authorization else OAuthCredentials(name, url, store)
-    try:
-        probe = probe_transport(name, url, headers, auth, timeout=10.0)
-    except NeedsLogin as exc:
-        vault.record_status(name, "failed", str(exc))  # `list` and the agent's instructions say so at once
-        say(str(exc) if headers else f"{name} needs a login: run `coffer auth {name}`")
-        return
-    except UpstreamFailure as exc:
-        say(f"could not ask {name} which transport it speaks now ({clip(printable(redact(str(exc))), 300)}); "
-              "it will be detected at its first start")
-        return
-    vault.set_transport(name, probe.kind)
-    say(f"{name} speaks {probe.detail}")
-
-
-def cmd_auth(vault: Vault, args) -> int:
-    server = vault.server(args.name)
-    if server["transport"] == "stdio":
-        raise CofferError(f"{args.name} is a local (stdio) server: it takes credentials from --env, not a login")
-    store = vault.secrets
-    key = oauth_secret_name(args.name)
-    if args.logout:
-        text = store.get(key)
-        if text is None:
-            say(f"{args.name} had no saved login")
-            return 0
-        try:
-            grant = OAuthGrant.from_text(text)
-            redact.add(*grant.secret_values())
-            outcome = revoke_grant(grant, store)
-        except (ValueError, TypeError):
-            outcome = "the saved login was damaged"
-        store.delete(key)
-        vault.set_oauth(args.name, dict(server.get("oauth") or {}, login_at=None))
-        say(f"logged out of {args.name} ({outcome})")
-        return 0
-    missing: list[str] = []
-    url = expand_vars(server["url"], missing=missing, secrets=store)
-    headers = {k: expand_vars(v, missing=missing, secrets=store) for k, v in server["headers"].items()}
-    if any(k.lower() == "authorization" for k in headers):
-        raise CofferError(f"{args.name} is configured with its own Authorization header (--header); remove it "
-                          "to log in with OAuth")
-    oauth = dict(server.get("oauth") or {})
-    if args.oauth_client_id:
-        oauth["client_id"] = args.oauth_client_id
-        oauth.pop("client_secret_env", None)
-    if args.oauth_client_secret_env:
-        if not ENV_KEY_RE.match(args.oauth_client_secret_env):
-            raise CofferError("--oauth-client-secret-env takes a variable name, not a secret")
-        oauth["client_secret_env"] = args.oauth_client_secret_env
-    interactive = sys.stdin is not None and sys.stdin.isatty()
-    try:
-        grant = oauth_login(args.name, url, headers, oauth, store, vault.settings(), out=sys.stderr,
-                            open_browser=(lambda address: False) if args.no_browser else None,
-                            stdin=sys.stdin if interactive else None, timeout=args.timeout, scope=args.scope)
-    except UpstreamFailure as exc:
-        raise CofferError(f"login to {args.name} failed: {exc}") from None
-    except OAuthFailure as exc:
-        raise CofferError(f"login to {args.name} failed: {exc}") from None
-    if server["transport"] == "auto":
-        try:
-            probe = probe_transport(args.name, url, headers, OAuthCredentials(args.name, url, store), 15.0)
-            vault.set_transport(args.name, probe.kind)
-        except UpstreamFailure as exc:
-            ServerLog(cli_log, args.name).warning("logged in, but could not ask which transport it speaks: %s", exc)
-    # Last, so a running gateway restarts the server once, with the new token (it compares the oauth column).
-    vault.set_oauth(args.name, dict(oauth, login_at=utcnow()))
-    vault.record_status(args.name, "logged in", "waiting for its next start")
-    say(f"logged in to {args.name}" + (f" (scopes: {clip(printable(grant.scope), 300)})" if grant.scope else ""))
-    return 0
-
-
-def open_knowledge(vault: Vault) -> KnowledgeBase:
-    """The knowledge base for a CLI command, with the configured embedder (if any) but no background thread:
-    `knowledge add` and `reindex` embed in the foreground (embed_now), `list` counts the vectors."""
-    embedder = Embedder.from_settings(vault.settings(), vault.secrets)
-    return KnowledgeBase(vault.path, vault.home, embedder=embedder, background_embedding=False)
-
-
-def embed_now(kb: KnowledgeBase) -> None:
-    """Embed the passages that have no vector yet, now, with a progress bar on a terminal: the first session then
-    answers with hybrid ranking instead of lexically while vectors are built in the background."""
-    if kb.embedder is None:
-        return
-    interactive = sys.stderr.isatty()
-    shown = [0]
-
-    def progress(done: int, total: int) -> None:
-        shown[0] = total
-        if interactive:
-            bar = "#" * (30 * done // max(total, 1))
-            print(f"\rembedding passages [{bar:<30}] {done}/{total}", end="", file=sys.stderr, flush=True)
-
-    try:
-        kb.ensure_vectors(progress)
-    except (EmbedderError, CofferError) as exc:
-        if interactive and shown[0]:
-            print(file=sys.stderr)
-        say(f"could not embed the passages now ({clip(printable(str(exc)), 200)}); a running gateway embeds them "
-            "in the background, and coffer__ask answers lexically until then")
-        return
-    if interactive and shown[0]:
-        print(file=sys.stderr)
-    if shown[0]:
-        say(f"embedded {shown[0]} passages with {kb.embedder.model or kb.embedder.url} (coffer__ask ranks them "
-            "hybrid from the first question)")
-
-
-def cmd_knowledge(vault: Vault, args) -> int:
-    if vault.read_only and args.action != "list":
-        vault.transaction()  # says why
-    kb = open_knowledge(vault)
-    try:
-        if args.action == "add":
-            if not args.target:
-                raise CofferError("coffer knowledge add PATH [--name NAME] [--glob PATTERN]...")
-            stats = kb.add_source(args.target, args.name, args.glob or None)
-            vault_audit(vault, "knowledge-add", stats.source, os.path.abspath(os.path.expanduser(args.target)))
-            say(f"added knowledge source {stats.source}: {stats.passages_added} passages from {stats.files_seen} files"
-                + (f" (skipped: {', '.join(f'{n} {why}' for why, n in stats.skipped.items())})" if stats.skipped
-                   else ""))
-            embed_now(kb)
-            if vault.setting("memory") != "on":
-                say("agents find it with coffer__ask (memory notes too, after: coffer config memory on)")
-        elif args.action == "remove":
-            if not args.target:
-                raise CofferError("coffer knowledge remove NAME")
-            kb.remove_source(args.target)
-            vault_audit(vault, "knowledge-remove", args.target)
-            say(f"removed knowledge source {args.target}")
-        elif args.action == "reindex":
-            for stats in kb.reindex(args.target):
-                say(f"{stats.source}: {stats.files_seen} files, {stats.files_added} added, {stats.files_changed} "
-                    f"changed, {stats.files_removed} removed, {stats.files_unchanged} unchanged ({stats.seconds:g}s)")
-            embed_now(kb)
-        else:
-            rows = [source._asdict() for source in kb.sources()]
-            vectors = kb.vector_counts() if kb.embedder is not None else None
-            for row in rows:
-                row["vectors"] = vectors.get(row["name"], 0) if vectors is not None else None
-            if args.json:
-                say_json({"sources": rows})
-            elif not rows:
-                say("no knowledge sources yet: coffer knowledge add PATH")
-            else:
-                _print_table([[r["name"], r["files"], r["passages"],
-                               *([r["vectors"]] if vectors is not None else []), r["indexed_at"] or "", r["root"]]
-                              for r in rows],
-                             ["NAME", "FILES", "PASSAGES", *(["VECTORS"] if vectors is not None else []), "INDEXED",
-                              "ROOT"])
-                if vectors is None:
-                    say("(no embedder configured: coffer__ask ranks lexically; see coffer config embedder_url)")
-    finally:
-        kb.close()
-    return 0
-
-
-def cmd_memory(vault: Vault, args) -> int:
-    if vault.read_only and args.action == "rm":
-        vault.transaction()
-    kb = open_knowledge(vault)
-    try:
-        if args.action == "list":
-            notes = kb.memories()
-            if args.json:
-                say_json({"memories": [note._asdict() for note in notes]})
-            elif not notes:
-                say("no memories yet" + ("" if vault.setting("memory") == "on" else
-                                         " (agents can keep some after: coffer config memory on)"))
-            else:
-                _print_table([[n.id, n.time, n.client, ",".join(n.tags), clip(n.text.splitlines()[0], 60)
-                               if n.text else ""] for n in notes], ["ID", "CREATED", "CLIENT", "TAGS", "TEXT"])
-            return 0
-        if not args.id:
-            raise CofferError(f"coffer memory {args.action} ID (coffer memory list shows them)")
-        if args.action == "show":
-            note = kb.memory(args.id)
-            say_json(note._asdict()) if args.json else say(note.text)
-        elif not kb.forget(args.id):
-            raise CofferError(f"no memory {args.id!r}")
-        else:
-            vault_audit(vault, "memory-remove", args.id)
-            say(f"forgot {args.id}")
-    finally:
-        kb.close()
-    return 0
-
-
 EPILOG = """
 examples:
   coffer add time -- uvx mcp-server-time
@@ -1012,19 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("set", "list", "rm"))
     p.add_argument("name", nargs="?")
     p.add_argument("--json", action="store_true")
-    p = command("knowledge", cmd_knowledge, "folders of notes and docs agents search with coffer__ask: "
-                                            "add PATH [--name N] [--glob G]..., list, remove NAME, reindex [NAME]")
-    p.add_argument("action", choices=("add", "list", "remove", "reindex"))
-    p.add_argument("target", nargs="?", metavar="PATH|NAME")
-    p.add_argument("--name", help="the source's name (default: the folder's name)")
-    p.add_argument("--glob", action="append", metavar="PATTERN",
-                   help=f"which files (default: {' '.join(KNOWLEDGE_DEFAULT_GLOBS)}); repeatable")
-    p.add_argument("--json", action="store_true")
-    p = command("memory", cmd_memory, "facts agents kept with coffer__remember (coffer config memory on): "
-                                      "list, show ID, rm ID")
-    p.add_argument("action", choices=("list", "show", "rm"))
-    p.add_argument("id", nargs="?")
-    p.add_argument("--json", action="store_true")
+    add_knowledge_commands(command)
     p = command("call", cmd_call, "call one tool through the gateway and print its result (for scripts)")
     p.add_argument("tool")
     p.add_argument("arguments", nargs="?", help="a JSON object (default {})")

@@ -15,7 +15,7 @@ import time
 from typing import NamedTuple
 
 from coffer_src.errors import VaultError
-from coffer_src.vault import Invocation, Vault
+from coffer_src.vault import Invocation, connect_vault_db
 
 invocations_log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class InvocationLog:
             if pending:
                 try:
                     if db is None:
-                        db = Vault._connect(self.path)
+                        db = connect_vault_db(self.path)
                     db.execute("BEGIN IMMEDIATE")
                     db.executemany(self._INSERT, [invocation.row() for invocation in pending])
                     db.execute("COMMIT")

@@ -1,4 +1,4 @@
-"""Vault: coffer.db, its schema, servers, choices, settings, invocation and audit logs."""
+"""Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from coffer_src.vault_rows import (
     server_row,
     vault_json,
 )
+from coffer_src.vault_schema import MIGRATIONS, SCHEMA
 
 vault_log = logging.getLogger(__name__)
 
@@ -49,184 +50,6 @@ def iso_timestamp(epoch_seconds: float) -> str:
     return datetime.fromtimestamp(epoch_seconds, timezone.utc).isoformat(timespec="milliseconds").replace(
         "+00:00", "Z")
 
-
-# -- the schema: every table Coffer keeps in coffer.db, whoever writes it --------------------------------------
-
-SERVERS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS servers (
-    name TEXT PRIMARY KEY,
-    transport TEXT NOT NULL,                 -- 'stdio'; remote: 'http', 'sse', or 'auto' (not yet detected)
-    command TEXT,                            -- JSON argv, unexpanded
-    url TEXT,
-    env TEXT NOT NULL DEFAULT '{}',          -- JSON, unexpanded: ${VAR} references, literal values never
-    headers TEXT NOT NULL DEFAULT '{}',      -- JSON, unexpanded, like env
-    cwd TEXT,
-    enabled INTEGER NOT NULL DEFAULT 1,
-    policy TEXT NOT NULL DEFAULT 'enabled',  -- what a capability seen for the first time gets
-    timeout REAL,                            -- per-call timeout in seconds; NULL = the global default
-    position INTEGER NOT NULL,
-    created_at TEXT NOT NULL,
-    status TEXT, status_detail TEXT, status_at TEXT,
-    capabilities TEXT,                       -- JSON: what the server advertised at its last initialize
-    inherit_env TEXT NOT NULL DEFAULT '[]',  -- JSON: names of Coffer's environment variables it also gets
-    updates TEXT NOT NULL DEFAULT 'pin',     -- 'pin': a changed definition waits for `coffer approve`; 'trust'
-    oauth TEXT,                              -- JSON: OAuth client settings (client_id, client_secret_env, login_at);
-                                             -- names and a time only: tokens live in the secret store
-    era TEXT,                                -- 'handshake' or 'modern' (MCP 2026-07-28) at its last start; NULL: probe
-    sharing TEXT NOT NULL DEFAULT 'shared',  -- the service runs one instance for every client, or 'per-client'
-    sharing_reason TEXT                      -- why it runs per client: the user's choice, or what Coffer saw
-);
-CREATE TABLE IF NOT EXISTS capabilities (
-    server TEXT NOT NULL,
-    kind TEXT NOT NULL,                      -- tool, prompt, resource, template
-    name TEXT NOT NULL,                      -- the upstream's own name or URI
-    enabled INTEGER NOT NULL,
-    present INTEGER NOT NULL DEFAULT 1,      -- 0 once the upstream stops listing it; the choice is kept
-    fingerprint TEXT,                        -- of the definition the upstream lists now
-    definition TEXT,                         -- last advertised definition (schemas, never call data)
-    first_seen TEXT NOT NULL,
-    last_seen TEXT NOT NULL,
-    approved TEXT,                           -- fingerprint the user accepted; differs from fingerprint = quarantined
-    approved_definition TEXT,                -- that definition, for the diff `coffer approve` shows
-    PRIMARY KEY (server, kind, name)
-);
-CREATE TABLE IF NOT EXISTS profiles (        -- what one kind of agent sees (profiles.py): `coffer profile`
-    name TEXT PRIMARY KEY,
-    definition TEXT NOT NULL,                -- JSON: include, exclude, expose, pin, knowledge
-    created_at TEXT NOT NULL, updated_at TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS overrides (       -- a tool renamed, redescribed, annotated or given fixed arguments
-    profile TEXT NOT NULL DEFAULT '',        -- '' for every client, else the profile it applies in
-    server TEXT NOT NULL,
-    tool TEXT NOT NULL,                      -- the upstream's own name: an override survives renames of the prefix
-    override TEXT NOT NULL,                  -- JSON: name, description, annotations, fixed
-    updated_at TEXT NOT NULL,
-    PRIMARY KEY (profile, server, tool)
-);
-"""
-LOGS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS invocations (
-    id INTEGER PRIMARY KEY,
-    ts TEXT NOT NULL, client TEXT, server TEXT, capability TEXT, kind TEXT,
-    duration_ms REAL, status TEXT NOT NULL, error TEXT,
-    profile TEXT                             -- the profile the client's session used (NULL: none)
-);
-CREATE INDEX IF NOT EXISTS invocations_ts ON invocations(ts);
-CREATE TABLE IF NOT EXISTS audit (
-    id INTEGER PRIMARY KEY,
-    ts TEXT NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL, target TEXT, detail TEXT
-);
-CREATE INDEX IF NOT EXISTS audit_ts ON audit(ts);
-CREATE TABLE IF NOT EXISTS search_feedback (  -- only while `coffer config search_feedback on` (search/feedback.py)
-    id INTEGER PRIMARY KEY, key TEXT NOT NULL UNIQUE, ts TEXT NOT NULL, client TEXT,
-    query TEXT NOT NULL, ranker TEXT NOT NULL,   -- the query as searched, secrets redacted; 'hybrid' or 'bm25'
-    returned TEXT NOT NULL,                      -- JSON: the tool names returned, best first
-    chosen TEXT, chosen_ts TEXT                  -- the first tool the same session called after it, and when
-);
-CREATE INDEX IF NOT EXISTS search_feedback_ts ON search_feedback(ts);
-"""
-SCHEMA = SERVERS_SCHEMA + LOGS_SCHEMA  # what every Vault creates on open
-# The knowledge base (knowledge/base.py) keeps its sources, files and passages here, its embedding cache too.
-KNOWLEDGE_SOURCES_SCHEMA = """
-CREATE TABLE IF NOT EXISTS knowledge_sources (
-    name TEXT PRIMARY KEY,
-    root TEXT NOT NULL,                      -- absolute path as the user gave it (memory: COFFER_HOME/memory)
-    globs TEXT NOT NULL,                     -- JSON list of glob patterns, relative to root
-    kind TEXT NOT NULL DEFAULT 'folder',     -- 'folder' or 'memory'
-    created_at TEXT NOT NULL,
-    indexed_at TEXT,
-    last_stats TEXT                          -- JSON of the last ReindexStats (counts only, never text)
-);
-"""
-KNOWLEDGE_INDEX_SCHEMA = """
-CREATE TABLE IF NOT EXISTS knowledge_files (
-    id INTEGER PRIMARY KEY,
-    source TEXT NOT NULL,
-    path TEXT NOT NULL,                      -- relative to the source root, '/'-separated
-    mtime_ns INTEGER NOT NULL, size INTEGER NOT NULL,
-    sha256 TEXT NOT NULL,                    -- '' when never read (over the size bound)
-    skipped TEXT,                            -- why it has no passages (binary, too large, unreadable), or NULL
-    indexed_at TEXT NOT NULL,
-    UNIQUE (source, path)
-);
-CREATE TABLE IF NOT EXISTS knowledge_passages (
-    id INTEGER PRIMARY KEY,
-    file_id INTEGER NOT NULL,
-    source TEXT NOT NULL, path TEXT NOT NULL,
-    heading TEXT NOT NULL,                   -- heading path, 'Title > Section > Subsection'
-    first_line INTEGER NOT NULL, last_line INTEGER NOT NULL,
-    text TEXT NOT NULL,
-    heading_terms TEXT NOT NULL, body_terms TEXT NOT NULL, path_terms TEXT NOT NULL  -- analysed, space-joined
-);
-CREATE INDEX IF NOT EXISTS knowledge_passages_file ON knowledge_passages(file_id);
-CREATE INDEX IF NOT EXISTS knowledge_passages_source ON knowledge_passages(source);
-CREATE TABLE IF NOT EXISTS knowledge_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-INSERT OR IGNORE INTO knowledge_meta(key, value) VALUES ('generation', 0), ('fts_synced', 1);
-"""
-KNOWLEDGE_SCHEMA = KNOWLEDGE_SOURCES_SCHEMA + KNOWLEDGE_INDEX_SCHEMA  # what a KnowledgeBase creates on open
-# The FTS5 table holds Coffer's analysed terms, not the raw text: FTS5's own tokenizer then only splits on the
-# spaces, and both ranking paths agree on what a term is.  rowid = knowledge_passages.id.
-KNOWLEDGE_FTS_SCHEMA = """
-CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts USING fts5(
-    heading, body, path, source UNINDEXED, tokenize = 'unicode61 remove_diacritics 0');
-CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_vocab USING fts5vocab(knowledge_fts, 'row');
-CREATE VIRTUAL TABLE IF NOT EXISTS knowledge_fts_columns USING fts5vocab(knowledge_fts, 'col');
-"""
-# Vectors of tool descriptions and passages, by embedding model and text (search/semantic.py, knowledge).
-EMBEDDING_SCHEMA = """
-CREATE TABLE IF NOT EXISTS embeddings (
-    model TEXT NOT NULL, text_hash TEXT NOT NULL, dim INTEGER NOT NULL, vector BLOB NOT NULL, created_at TEXT,
-    PRIMARY KEY (model, text_hash)
-);
-"""
-CLIENT_TOKENS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS client_tokens (   -- HTTP clients: HMAC-SHA256(salt, token), never the token itself
-    name TEXT PRIMARY KEY, salt TEXT NOT NULL, digest TEXT NOT NULL, created TEXT NOT NULL, last_used TEXT);
-"""
-# Columns added after the first release: (table, column, declaration).  A vault written by an earlier Coffer gains
-# them on open; an approved fingerprint of NULL means "accept what is listed next" (no quarantine on upgrade).
-MIGRATIONS = (
-    ("servers", "capabilities", "TEXT"),
-    ("servers", "inherit_env", "TEXT NOT NULL DEFAULT '[]'"),
-    ("servers", "updates", "TEXT NOT NULL DEFAULT 'pin'"),
-    ("servers", "oauth", "TEXT"),
-    ("servers", "era", "TEXT"),
-    ("servers", "sharing", "TEXT NOT NULL DEFAULT 'shared'"),
-    ("servers", "sharing_reason", "TEXT"),
-    ("capabilities", "approved", "TEXT"),
-    ("capabilities", "approved_definition", "TEXT"),
-    ("invocations", "profile", "TEXT"),
-)
-
-
-class SchemaPart(NamedTuple):
-    """One part of coffer.db's schema, as `coffer doctor` checks it and says how to repair it."""
-    name: str           # what a user calls it
-    script: str         # its CREATE statements
-    optional: bool      # absent until first used: missing entirely is not a problem
-    repair: str         # the fix for a damaged one ({path}: coffer.db; {drop}: a command that drops ``drops``)
-    drops: str = ""     # the schema whose tables the repair drops (a derived index goes with its source tables)
-
-
-_KNOWLEDGE_REBUILD = "drop the index, then rebuild it from your folders with coffer knowledge reindex: {drop}"
-SCHEMA_PARTS = (
-    SchemaPart("the servers, choices and settings", SERVERS_SCHEMA, False,
-               "restore {path} from a backup, or move it away and register your servers again (coffer import)"),
-    SchemaPart("the invocation and audit logs", LOGS_SCHEMA, False,
-               "drop the damaged logs (the next coffer command creates them again, empty): {drop}", LOGS_SCHEMA),
-    SchemaPart("the knowledge sources", KNOWLEDGE_SOURCES_SCHEMA, True,
-               "restore {path} from a backup, or drop the knowledge tables and add your folders again (coffer "
-               "knowledge add PATH): {drop}", KNOWLEDGE_SCHEMA + KNOWLEDGE_FTS_SCHEMA),
-    SchemaPart("the knowledge index", KNOWLEDGE_INDEX_SCHEMA, True, _KNOWLEDGE_REBUILD,
-               KNOWLEDGE_INDEX_SCHEMA + KNOWLEDGE_FTS_SCHEMA),
-    SchemaPart("the knowledge full-text index", KNOWLEDGE_FTS_SCHEMA, True, _KNOWLEDGE_REBUILD,
-               KNOWLEDGE_INDEX_SCHEMA + KNOWLEDGE_FTS_SCHEMA),
-    SchemaPart("the embedding cache", EMBEDDING_SCHEMA, True,
-               "drop the cache (vectors are computed again when needed): {drop}", EMBEDDING_SCHEMA),
-    SchemaPart("the HTTP client tokens", CLIENT_TOKENS_SCHEMA, True,
-               "drop them, then give each HTTP client a new one (coffer token add NAME): {drop}", CLIENT_TOKENS_SCHEMA),
-)
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
 VAULT_CACHE_KIB = 512  # SQLite page cache per vault connection (SQLite's default is 2 MB)
@@ -246,6 +69,52 @@ def storable(text):
         return text
     except UnicodeEncodeError:
         return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def connect_vault_db(path: str, uri: bool = False) -> sqlite3.Connection:
+    """A connection to coffer.db as every part of Coffer opens one (the vault, the logs, the knowledge base, the
+    caches): rows by name, autocommit, a busy timeout, WAL, a small page cache."""
+    db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
+    db.row_factory = sqlite3.Row
+    db.execute("PRAGMA busy_timeout=10000")
+    # The vault's rows are few and read in full: a small page cache is enough, and a long-running service
+    # holds several connections for hours.
+    db.execute(f"PRAGMA cache_size=-{VAULT_CACHE_KIB}")
+    if not uri:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError:
+            pass  # another process is switching it right now (WAL is persistent), or the file is read-only
+        db.execute("PRAGMA synchronous=NORMAL")
+    return db
+
+
+def cannot_write(exc: sqlite3.Error) -> bool:
+    """Whether a SQLite error says the file cannot be written here (a read-only vault)."""
+    text = str(exc).lower()
+    return "readonly" in text or "read-only" in text or "unable to open" in text
+
+
+#: --kind NAME in `coffer audit` also covers these actions.
+AUDIT_ACTION_GROUPS = {"add": ("add", "import", "import-overwrite")}
+
+
+def _audit_filter(since: str | None, action: str | None, server: str | None) -> tuple[str, list]:
+    """The WHERE clause and its arguments of Vault.audit_rows and audit_count."""
+    where, args = [], []
+    if since:
+        where.append("ts >= ?")
+        args.append(since)
+    if action:
+        actions = AUDIT_ACTION_GROUPS.get(action, (action,))
+        where.append("(" + " OR ".join("action = ? OR action LIKE ?" for _ in actions) + ")")
+        for name in actions:
+            args += [name, name.replace("%", "") + "-%"]
+    if server:  # ('_' is LIKE's any-character: the separator is escaped)
+        where.append("(target = ? OR target LIKE ? ESCAPE '!' OR target LIKE ? ESCAPE '!' OR target LIKE ?"
+                     " ESCAPE '!')")
+        args += [server, f"{server}:%", f"{server}{SEPARATOR.replace('_', '!_')}%", f"coffer+{server}:%"]
+    return (" WHERE " + " AND ".join(where) if where else ""), args
 
 
 class CapabilityState(NamedTuple):
@@ -332,10 +201,10 @@ class Vault:
             except OSError:
                 pass  # a race with another process, or a read-only home: connecting says which
         try:
-            self.db = self._connect(self.path)
+            self.db = connect_vault_db(self.path)
             self._migrate()
         except sqlite3.OperationalError as exc:
-            if not self._cannot_write(exc):
+            if not cannot_write(exc):
                 raise
             self._open_read_only(exc)
         for notice in filter(None, [_private_path(self.home, True)] +
@@ -345,27 +214,6 @@ class Vault:
             vault_log.warning("coffer.db in %s was EMPTY (0 bytes): it now holds a new, empty vault. Your servers, "
                               "choices and logs are gone unless you restore the file from a backup.", self.home)
         self.secrets.values()  # registers the stored secrets with the redactor before anything is printed
-
-    @staticmethod
-    def _connect(path: str, uri: bool = False) -> sqlite3.Connection:
-        db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
-        db.row_factory = sqlite3.Row
-        db.execute("PRAGMA busy_timeout=10000")
-        # The vault's rows are few and read in full: a small page cache is enough, and a long-running service
-        # holds several connections for hours.
-        db.execute(f"PRAGMA cache_size=-{VAULT_CACHE_KIB}")
-        if not uri:
-            try:
-                db.execute("PRAGMA journal_mode=WAL")
-            except sqlite3.OperationalError:
-                pass  # another process is switching it right now (WAL is persistent), or the file is read-only
-            db.execute("PRAGMA synchronous=NORMAL")
-        return db
-
-    @staticmethod
-    def _cannot_write(exc: sqlite3.Error) -> bool:
-        text = str(exc).lower()
-        return "readonly" in text or "read-only" in text or "unable to open" in text
 
     def _migrate(self) -> None:
         tables = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -388,7 +236,7 @@ class Vault:
         last = cause
         for suffix in ("?mode=ro", "?immutable=1"):  # immutable: a read-only directory where -shm cannot exist
             try:
-                self.db = self._connect(location + suffix, uri=True)
+                self.db = connect_vault_db(location + suffix, uri=True)
                 self.db.execute("SELECT count(*) FROM servers").fetchone()
                 break
             except sqlite3.Error as exc:
@@ -865,38 +713,19 @@ class Vault:
         return [dict(row) for row in reversed(rows)]
 
     #: ``--kind`` words that stand for more than their own action: an import adds servers too.
-    AUDIT_ACTION_GROUPS = {"add": ("add", "import", "import-overwrite")}
-
-    @classmethod
-    def _audit_where(cls, since: str | None, action: str | None, server: str | None) -> tuple[str, list]:
-        where, args = [], []
-        if since:
-            where.append("ts >= ?")
-            args.append(since)
-        if action:
-            actions = cls.AUDIT_ACTION_GROUPS.get(action, (action,))
-            where.append("(" + " OR ".join("action = ? OR action LIKE ?" for _ in actions) + ")")
-            for name in actions:
-                args += [name, name.replace("%", "") + "-%"]
-        if server:  # ('_' is LIKE's any-character: the separator is escaped)
-            where.append("(target = ? OR target LIKE ? ESCAPE '!' OR target LIKE ? ESCAPE '!' OR target LIKE ?"
-                         " ESCAPE '!')")
-            args += [server, f"{server}:%", f"{server}{SEPARATOR.replace('_', '!_')}%", f"coffer+{server}:%"]
-        return (" WHERE " + " AND ".join(where) if where else ""), args
-
     def audit_rows(self, limit: int = 50, since: str | None = None, action: str | None = None,
                    server: str | None = None) -> list[dict]:
         """The newest ``limit`` audit rows, oldest first; ``since`` an ISO date or time, ``action`` an action
         name or its prefix (``upstream`` matches upstream-added, -changed...; ``add`` imports too), ``server`` a
         server's rows."""
-        where, args = self._audit_where(since, action, server)
+        where, args = _audit_filter(since, action, server)
         rows = self.db.execute(f"SELECT ts, actor, action, target, detail FROM audit{where} ORDER BY id DESC LIMIT ?",
                                (*args, limit)).fetchall()
         return [dict(row) for row in reversed(rows)]
 
     def audit_count(self, since: str | None = None, action: str | None = None, server: str | None = None) -> int:
         """How many audit rows audit_rows would show without its limit."""
-        where, args = self._audit_where(since, action, server)
+        where, args = _audit_filter(since, action, server)
         return self.db.execute(f"SELECT count(*) FROM audit{where}", args).fetchone()[0]
 
     def prune(self) -> tuple[int, int]:
@@ -952,7 +781,7 @@ class _Transaction:
         try:
             self.db.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
-            if Vault._cannot_write(exc):
+            if cannot_write(exc):
                 raise VaultError(f"the vault cannot be written ({exc}): this command would change it") from None
             raise
         return self.db

@@ -32,7 +32,8 @@ from coffer_src.profiles import KnownCatalogue, override_report, profiles_report
 from coffer_src.secret_store import ENV_REF_RE, expand_vars, references
 from coffer_src.service.commands import service_tools
 from coffer_src.terminal import ServerLog, looks_secret, say
-from coffer_src.vault import MIGRATIONS, PRIVATE_FILES, SCHEMA_PARTS, _state
+from coffer_src.vault import PRIVATE_FILES, _state
+from coffer_src.vault_schema import MIGRATIONS, SCHEMA_PARTS
 
 doctor_log = logging.getLogger(__name__)
 

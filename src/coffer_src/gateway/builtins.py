@@ -130,6 +130,32 @@ def client_family(client_name: str) -> str | None:
     return next((family for needle, family in CLIENT_FAMILIES if needle in name), None)
 
 
+def client_instructions(note: str, catalogue_size: int, listed: int, page_size: int, knowledge_tools: list[dict],
+                        login: list[str], failed: list[str]) -> str:
+    """What a client's model reads about Coffer (initialize's instructions): how to find tools, ``note`` (its
+    profile), how many of the ``catalogue_size`` tools are not among the ``listed`` or past the first page, its
+    knowledge tools, and the servers waiting for a ``login`` or ``failed`` at their last start."""
+    instructions = INSTRUCTIONS + note
+    unlisted = catalogue_size + 1 + len(knowledge_tools) - listed
+    if unlisted > 0:
+        instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
+                         f"by name and {SEARCH_TOOL} finds them.")
+    later = listed - page_size
+    if later > 0:
+        instructions += (f" tools/list has more than one page: {later} tools follow its first page (nextCursor);"
+                         f" every one is callable by name and {SEARCH_TOOL} finds them.")
+    if knowledge_tools:
+        instructions += (f" {ASK_TOOL} searches the user's own notes and docs"
+                         + (f", and {REMEMBER_TOOL} keeps a fact for every agent" if len(knowledge_tools) > 1
+                            else "") + ".")
+    if login:
+        instructions += (" Waiting for the user to log in (in a terminal: coffer auth NAME): "
+                         + ", ".join(login)[:200] + ".")
+    if failed:
+        instructions += " Failed at their last start: " + ", ".join(failed)[:200] + "."
+    return instructions[:800]
+
+
 def knowledge_tools_for(has_sources: bool, memory: bool) -> list[dict]:
     """Coffer's knowledge tools a client is shown: coffer__ask once there is something to ask (a source, or memory
     on), coffer__remember while memory is on."""

@@ -19,9 +19,9 @@ import time
 from coffer_src.gateway.bridge import EraBridge
 from coffer_src.gateway.builtins import (
     CLIENT_SIDE_CAPABILITIES,
-    INSTRUCTIONS,
     BuiltinTools,
     client_family,
+    client_instructions,
     tools_for_client,
 )
 from coffer_src.gateway.calls import OwnRequest, RelayedRequest, Waiting
@@ -67,7 +67,6 @@ from coffer_src.modern import (
     shape_handshake_result,
     shape_modern_result,
 )
-from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, SEARCH_TOOL
 from coffer_src.settings import redacts_output
 from coffer_src.terminal import redact
 from coffer_src.threads import start_thread
@@ -427,28 +426,10 @@ class ClientSession:
 
     def instructions(self) -> str:
         """What the client's model reads about Coffer: how to find tools, what is unlisted, failing or waiting."""
-        instructions = INSTRUCTIONS + self.view.note()
-        knowledge_tools = self.view.knowledge_tools
-        listed = len(self.listed_tools())
-        unlisted = len(self.catalogue.tools) + 1 + len(knowledge_tools) - listed
-        if unlisted > 0:
-            instructions += (f" To fit this client, {unlisted} tools are not listed; every one is still callable "
-                             f"by name and {SEARCH_TOOL} finds them.")
-        later = listed - int(self.hub.settings["list_page_size"])
-        if later > 0:
-            instructions += (f" tools/list has more than one page: {later} tools follow its first page (nextCursor);"
-                             f" every one is callable by name and {SEARCH_TOOL} finds them.")
-        if knowledge_tools:
-            instructions += (f" {ASK_TOOL} searches the user's own notes and docs"
-                             + (f", and {REMEMBER_TOOL} keeps a fact for every agent" if len(knowledge_tools) > 1
-                                else "") + ".")
         login, failed = self.hub.failed_servers()
-        if login:
-            instructions += (" Waiting for the user to log in (in a terminal: coffer auth NAME): "
-                             + ", ".join(login)[:200] + ".")
-        if failed:
-            instructions += " Failed at their last start: " + ", ".join(failed)[:200] + "."
-        return instructions[:800]
+        return client_instructions(self.view.note(), len(self.catalogue.tools), len(self.listed_tools()),
+                                   int(self.hub.settings["list_page_size"]), self.view.knowledge_tools, login,
+                                   failed)
 
     def _dispatch_modern(self, msg_id, method: str, params: dict) -> None:
         """One request of a 2026-07-28 client: the envelope checked in the spec's order, the session started by

@@ -57,7 +57,8 @@ from coffer_src.names import MEMORY_SOURCE
 from coffer_src.search.semantic import Embedder, text_hash
 from coffer_src.search.text import knowledge_terms
 from coffer_src.terminal import redact
-from coffer_src.vault import KNOWLEDGE_FTS_SCHEMA, KNOWLEDGE_SCHEMA, Vault, _Transaction, utcnow
+from coffer_src.vault import _Transaction, connect_vault_db, utcnow
+from coffer_src.vault_schema import KNOWLEDGE_FTS_SCHEMA, KNOWLEDGE_SCHEMA
 
 knowledge_log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class KnowledgeBase:
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
-        self._writer = Vault._connect(db_path)
+        self._writer = connect_vault_db(db_path)
         self._writer.executescript(KNOWLEDGE_SCHEMA)
         if fts5_available():
             self._prepare_fts()
@@ -148,7 +149,7 @@ class KnowledgeBase:
     def _reader(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = self._local.db = Vault._connect(self.db_path)
+            db = self._local.db = connect_vault_db(self.db_path)
             with self._readers_lock:
                 self._readers.append(db)
         return db

@@ -40,7 +40,8 @@ from coffer_src.search.semantic import (
     text_hash,
 )
 from coffer_src.search.text import knowledge_terms, translations
-from coffer_src.vault import EMBEDDING_SCHEMA, Vault, _Transaction, utcnow
+from coffer_src.vault import _Transaction, connect_vault_db, utcnow
+from coffer_src.vault_schema import EMBEDDING_SCHEMA
 
 knowledge_ranking_log = logging.getLogger(__name__)
 
@@ -328,7 +329,7 @@ class PassageVectors:
         self._semantic: tuple[list[int], SemanticIndex] | None = None  # (passage id per row, index)
         self._embed_lock = threading.Lock()   # the worker thread and ensure embed one at a time
         try:
-            db = Vault._connect(self.db_path)
+            db = connect_vault_db(self.db_path)
             db.executescript(EMBEDDING_SCHEMA)
             db.close()
         except sqlite3.Error as exc:
@@ -385,7 +386,7 @@ class PassageVectors:
             self._embed_missing_locked(progress or (lambda done, total: None))
 
     def _embed_missing_locked(self, progress) -> None:
-        db = Vault._connect(self.db_path)
+        db = connect_vault_db(self.db_path)
         db.executescript(EMBEDDING_SCHEMA)
         try:
             rows = db.execute("SELECT id, heading, text FROM knowledge_passages ORDER BY id").fetchall()

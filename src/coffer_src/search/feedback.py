@@ -26,7 +26,7 @@ from coffer_src.search.index import SearchIndex
 from coffer_src.search.semantic import Embedder, EmbedderError, SemanticRanker
 from coffer_src.search.text import SEARCH_QUERY_MAX_CHARS
 from coffer_src.terminal import redact
-from coffer_src.vault import Vault, storable, utcnow
+from coffer_src.vault import Vault, connect_vault_db, storable, utcnow
 from coffer_src.vault_rows import vault_json
 
 feedback_log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class FeedbackRecorder:
         The caller holds the lock."""
         try:
             if self._db is None:
-                self._db = Vault._connect(self.path)
+                self._db = connect_vault_db(self.path)
                 self._db.execute(f"PRAGMA busy_timeout={self.BUSY_TIMEOUT_MS}")
             self._db.execute(sql, args)
             return True

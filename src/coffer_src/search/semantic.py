@@ -36,7 +36,8 @@ from coffer_src.terminal import redact
 from coffer_src.threads import Backoff, start_thread
 from coffer_src.transport.http import remote_http
 from coffer_src.transport.stdio import UpstreamFailure
-from coffer_src.vault import EMBEDDING_SCHEMA, Vault, _Transaction, utcnow
+from coffer_src.vault import _Transaction, connect_vault_db, utcnow
+from coffer_src.vault_schema import EMBEDDING_SCHEMA
 
 # The lexical share of the hybrid blend (see fuse), one for each kind of search.  Tool search: chosen on the
 # tool-search eval sets (evals.run --embedder).  Documentation passages are long and a question's exact words
@@ -317,7 +318,7 @@ class SemanticRanker:
         return self._worker.close(timeout)
 
     def _connect(self):
-        db = Vault._connect(self.db_path)
+        db = connect_vault_db(self.db_path)
         db.executescript(EMBEDDING_SCHEMA)
         return db
 

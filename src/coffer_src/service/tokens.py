@@ -10,18 +10,17 @@ threads at once).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import re
-import secrets
 import sqlite3
 import threading
 import time
 from typing import NamedTuple
 
+from coffer_src.digests import hmac_sha256, same_secret, token_hex, token_urlsafe
 from coffer_src.errors import CofferError, VaultError
-from coffer_src.vault import CLIENT_TOKENS_SCHEMA, Vault, _Transaction, utcnow
+from coffer_src.vault import _Transaction, cannot_write, connect_vault_db, utcnow
+from coffer_src.vault_schema import CLIENT_TOKENS_SCHEMA
 
 TOKEN_PREFIX = "coffer_"
 TOKEN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -39,7 +38,7 @@ class TokenHolder(NamedTuple):
 
 
 def token_digest(salt: str, token: str) -> str:
-    return hmac.new(bytes.fromhex(salt), token.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+    return hmac_sha256(bytes.fromhex(salt), token.encode("utf-8", "surrogatepass")).hex()
 
 
 def check_token_name(name: str) -> str:
@@ -58,7 +57,7 @@ class TokenStore:
         self.lock = threading.Lock()
         self._touched: dict[str, float] = {}
         try:
-            self.db = Vault._connect(self.path)
+            self.db = connect_vault_db(self.path)
         except sqlite3.Error as exc:
             raise VaultError.wrap(exc, self.path) from exc
         self._ready = False
@@ -70,7 +69,7 @@ class TokenStore:
         try:
             self.db.executescript(CLIENT_TOKENS_SCHEMA)
         except sqlite3.OperationalError as exc:
-            if not Vault._cannot_write(exc):
+            if not cannot_write(exc):
                 raise
         self._ready = True
 
@@ -81,8 +80,8 @@ class TokenStore:
     def add(self, name: str) -> str:
         """A new token for ``name``: returned once, never stored."""
         check_token_name(name)
-        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-        salt = secrets.token_hex(16)
+        token = TOKEN_PREFIX + token_urlsafe(32)
+        salt = token_hex(16)
         try:
             with self.lock:
                 self._table()
@@ -124,7 +123,7 @@ class TokenStore:
                 candidate = token_digest(row["salt"], presented)
             except ValueError:
                 continue  # a damaged row costs only itself
-            if hmac.compare_digest(candidate, row["digest"]):
+            if same_secret(candidate.encode(), str(row["digest"]).encode("utf-8", "surrogatepass")):
                 found = TokenHolder(row["name"], row["digest"])
         if found is not None:
             self._touch(found.name)

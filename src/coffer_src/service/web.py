@@ -16,7 +16,7 @@ ActivityLog (its lock).  ``WebAccess.lock`` guards the login tokens and sessions
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import hmac
 import html
 import json
@@ -25,10 +25,10 @@ import secrets
 import threading
 import time
 from http.cookies import CookieError, SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
+from coffer_src.digests import sha256
 from coffer_src.errors import CofferError, CofferException
 from coffer_src.resources import package_data
 from coffer_src.service.web_activity import ActivityLog
@@ -71,16 +71,21 @@ _WEB_LOGIN = package_data("service/web/login.html")
 
 def _asset_name(name: str, text: str) -> str:
     stem, _, extension = name.rpartition(".")
-    return f"{stem}.{hashlib.sha256(text.encode()).hexdigest()[:12]}.{extension}"
+    return f"{stem}.{sha256(text.encode()).hexdigest()[:12]}.{extension}"
 
 
-WEB_ASSETS = {_asset_name(name, text): (kind, text.encode()) for name, (kind, text) in _WEB_FILES.items()}
-WEB_ASSET_PATHS = {name: "/static/" + _asset_name(name, text) for name, (_, text) in _WEB_FILES.items()}
+@functools.cache
+def web_assets() -> tuple[dict[str, tuple[str, bytes]], dict[str, str]]:
+    """The page's files by their served name (type, bytes), and each file's path: made when the page is first
+    served, not by every process that loads Coffer."""
+    assets = {_asset_name(name, text): (kind, text.encode()) for name, (kind, text) in _WEB_FILES.items()}
+    paths = {name: "/static/" + _asset_name(name, text) for name, (_, text) in _WEB_FILES.items()}
+    return assets, paths
 
 
 def _fill(template: str, **values: str) -> str:
     """The page's templates hold {{name}} for an asset's path and {{key}} for values (escaped here)."""
-    for name, path in WEB_ASSET_PATHS.items():
+    for name, path in web_assets()[1].items():
         template = template.replace("{{" + name + "}}", path)
     for key, value in values.items():
         template = template.replace("{{" + key + "}}", html.escape(value, quote=True))
@@ -180,7 +185,7 @@ class WebServer:
         self.activity: ActivityLog | None = None   # made with the listener: a service nobody opens pays nothing
         self.views: WebViews | None = None
         self.lock = threading.Lock()   # guards httpd, views and activity (made once); a leaf
-        self.httpd: ThreadingHTTPServer | None = None
+        self.httpd = None  # a ThreadingHTTPServer (_web_classes) once the page is first asked for
         self.last_used = 0.0
         self.reads: dict[str, Callable[[dict], dict]] = {
             "overview": lambda q: self.views.overview(),
@@ -213,7 +218,8 @@ class WebServer:
             if self.httpd is None:
                 self.activity = ActivityLog(self.service.vault.path)
                 self.views = WebViews(self.service, self.activity)
-                self.httpd = _WebHTTPServer(("127.0.0.1", 0), _WebHandler)
+                server_class, handler_class = _web_classes()
+                self.httpd = server_class(("127.0.0.1", 0), handler_class)
                 self.httpd.web = self
                 start_thread(self.httpd.serve_forever, "coffer-web", 0.25)
                 web_log.info("the page listens on http://127.0.0.1:%d/", self.port)
@@ -239,7 +245,7 @@ class WebServer:
             self.views.close()
 
     # -- requests --------------------------------------------------------------------------------------------
-    def respond(self, handler: BaseHTTPRequestHandler, method: str) -> None:
+    def respond(self, handler, method: str) -> None:
         try:
             status, kind, body, headers = self._route(handler, method)
         except (OSError, ValueError):  # the browser went away mid-request, or sent a broken one
@@ -265,7 +271,7 @@ class WebServer:
     def _message(self, title: str, text: str) -> str:
         return _fill(_WEB_MESSAGE, title=title, message=text)
 
-    def _route(self, handler: BaseHTTPRequestHandler, method: str):
+    def _route(self, handler, method: str):
         host = handler.headers.get("Host") or ""
         if not loopback_host(host):
             raise WebRefusal(421, "Refused: this page answers only at a loopback address (127.0.0.1), and this "
@@ -275,12 +281,13 @@ class WebServer:
         url = urlsplit(handler.path)
         path = url.path
         if path.startswith("/static/") and method == "GET":
-            asset = WEB_ASSETS.get(path[len("/static/"):])
+            asset = web_assets()[0].get(path[len("/static/"):])
             if asset is None:
                 raise WebRefusal(404, "Not found.", "not-found")
             return 200, asset[0], asset[1], (("Cache-Control", "public, max-age=31536000, immutable"),)
         if path == "/favicon.ico" and method == "GET":
-            kind, data = WEB_ASSETS[WEB_ASSET_PATHS["icon.svg"][len("/static/"):]]
+            assets, paths = web_assets()
+            kind, data = assets[paths["icon.svg"][len("/static/"):]]
             return 200, kind, data, (("Cache-Control", "public, max-age=86400"),)
         if path == "/login" and method == "GET":
             return self._login(dict(parse_qsl(url.query)).get("t", ""))
@@ -324,7 +331,7 @@ class WebServer:
             return 500, "application/json", {"error": "internal error: see COFFER_HOME/logs/service.log"}, ()
 
     @staticmethod
-    def _cookie(handler: BaseHTTPRequestHandler) -> str | None:
+    def _cookie(handler) -> str | None:
         raw = handler.headers.get("Cookie")
         if not raw:
             return None
@@ -336,7 +343,7 @@ class WebServer:
         return morsel.value if morsel is not None else None
 
     @staticmethod
-    def _body(handler: BaseHTTPRequestHandler) -> dict:
+    def _body(handler) -> dict:
         if (handler.headers.get("Content-Type") or "").split(";")[0].strip().lower() != "application/json":
             raise WebRefusal(415, "A change is sent as JSON.", "content-type")
         try:
@@ -370,7 +377,7 @@ def _cookie_name(port: int) -> str:
     return f"coffer_{port}"
 
 
-def send_web_response(handler: BaseHTTPRequestHandler, status: int, kind: str, body: bytes,
+def send_web_response(handler, status: int, kind: str, body: bytes,
                       headers=()) -> None:
     """Every response goes out here, with the page's security headers (the CSP above all)."""
     handler.send_response(status)
@@ -390,37 +397,44 @@ def send_web_response(handler: BaseHTTPRequestHandler, status: int, kind: str, b
         handler.wfile.write(body)
 
 
-class _WebHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    web: WebServer
+@functools.cache
+def _web_classes() -> tuple[type, type]:
+    """The page's server and request handler classes, made on first use: http.server brings email, mimetypes and
+    ssl with it, which a relay and a service nobody opens the page of have no use for."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    class WebHTTPServer(ThreadingHTTPServer):
+        daemon_threads = True
+        block_on_close = False
+        web: WebServer
 
-class _WebHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "Coffer"
-    sys_version = ""
-    timeout = 60  # an idle keep-alive connection is closed after this
+    class WebHandler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "Coffer"
+        sys_version = ""
+        timeout = 60  # an idle keep-alive connection is closed after this
 
-    def do_GET(self):
-        self.server.web.respond(self, "GET")
+        def do_GET(self):
+            self.server.web.respond(self, "GET")
 
-    def do_POST(self):
-        self.server.web.respond(self, "POST")
+        def do_POST(self):
+            self.server.web.respond(self, "POST")
 
-    def _refuse_method(self):
-        self.server.web.respond(self, self.command)
+        def _refuse_method(self):
+            self.server.web.respond(self, self.command)
 
-    do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
+        do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
 
-    def send_error(self, code, message=None, explain=None):
-        """A request the parser refused (too long, malformed): still with the security headers."""
-        self.close_connection = True
-        text = html.escape(message or self.responses.get(code, ("Error",))[0])
-        send_web_response(self, code, "text/plain; charset=utf-8", text.encode())
+        def send_error(self, code, message=None, explain=None):
+            """A request the parser refused (too long, malformed): still with the security headers."""
+            self.close_connection = True
+            text = html.escape(message or self.responses.get(code, ("Error",))[0])
+            send_web_response(self, code, "text/plain; charset=utf-8", text.encode())
 
-    def log_message(self, format, *args):  # noqa: A002 - BaseHTTPRequestHandler's signature
-        web_log.debug("page: %s", format % args)
+        def log_message(self, format, *args):  # noqa: A002 - BaseHTTPRequestHandler's signature
+            web_log.debug("page: %s", format % args)
+
+    return WebHTTPServer, WebHandler
 
 
 def attach_web(service) -> None:

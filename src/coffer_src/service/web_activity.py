@@ -17,7 +17,7 @@ from datetime import datetime, timedelta, timezone
 
 from coffer_src.errors import CofferError, VaultError
 from coffer_src.names import RESERVED_SERVER
-from coffer_src.vault import Vault
+from coffer_src.vault import connect_vault_db
 
 #: The ranges a report covers, in hours.
 ACTIVITY_RANGES = {"day": 24, "week": 24 * 7}
@@ -92,7 +92,7 @@ class ActivityLog:
     def _query(self, sql: str, args: tuple = ()) -> list:
         try:
             if self._db is None:
-                self._db = Vault._connect(self.path)
+                self._db = connect_vault_db(self.path)
             return self._db.execute(sql, args).fetchall()
         except sqlite3.Error as exc:
             raise VaultError.wrap(exc, self.path) from exc
