@@ -175,7 +175,6 @@ import re
 import select
 import selectors
 import shlex
-import shutil
 import signal
 import socket
 import stat
@@ -213,6 +212,7 @@ hmac = _ImportedOnFirstUse('hmac')
 html = _ImportedOnFirstUse('html')
 ipaddress = _ImportedOnFirstUse('ipaddress')
 secrets = _ImportedOnFirstUse('secrets')
+shutil = _ImportedOnFirstUse('shutil')
 sqlite3 = _ImportedOnFirstUse('sqlite3')
 subprocess = _ImportedOnFirstUse('subprocess')
 tempfile = _ImportedOnFirstUse('tempfile')

@@ -109,7 +109,8 @@ NOT_AMALGAMATED = {"__main__"}
 #: Standard-library modules that cost a process real memory and start-up time to import and that most runs of
 #: coffer.py never use (the relay behind `coffer serve`, a quick `coffer list`): coffer.py binds each to a module
 #: object that imports it on first use.  Only `import X` may name them (a `from X import y` would load X at once).
-LAZY_STDLIB = ("difflib", "hashlib", "hmac", "html", "ipaddress", "secrets", "sqlite3", "subprocess", "tempfile")
+LAZY_STDLIB = ("difflib", "hashlib", "hmac", "html", "ipaddress", "secrets", "shutil", "sqlite3", "subprocess",
+               "tempfile")
 LAZY_HELPER = '''
 
 class _ImportedOnFirstUse:
