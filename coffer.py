@@ -25039,6 +25039,7 @@ def main(argv: list[str] | None = None) -> int:
         args.command = trailing
     if getattr(args, "limit", 1) is not None and getattr(args, "limit", 1) < 1:
         parser.error("--limit must be at least 1")
+    del parser  # every subcommand's parser: a relay or a service runs for hours without needing them
     vault = scratch = None
     try:
         if getattr(args, "dry_run", False) and not os.path.exists(os.path.join(coffer_home(), "coffer.db")):
