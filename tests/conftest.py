@@ -12,6 +12,7 @@ import os
 import py_compile
 import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def cli(*args, check=True, env=None, timeout=120, input=None, cwd=None):
 
 # -- waiting ---------------------------------------------------------------------------------------------------
 
-def wait_until(predicate, timeout=20.0, interval=0.05, what="condition"):
+def wait_until(predicate, timeout=30.0, interval=0.05, what="condition"):
     """Poll ``predicate`` until it returns something true and return that; fail after ``timeout`` seconds.
 
     For what can only be observed by looking (a file, `coffer list`, another process); a test waits for an event
@@ -155,6 +156,25 @@ def wait_until(predicate, timeout=20.0, interval=0.05, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+def service_pid(home):
+    """The pid the shared service of ``home`` wrote in service.json, or None when none runs."""
+    try:
+        return json.loads((Path(home) / "service.json").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def stop_service(home):
+    """Stop the shared service of ``home`` (a test's teardown): politely, then for sure."""
+    cli("service", "stop", check=False, timeout=60)
+    pid = service_pid(home)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def alive(pid: int) -> bool:

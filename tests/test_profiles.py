@@ -4,7 +4,6 @@ server-everything where Node is present).  What an agent sees and can call is wh
 
 import json
 import os
-import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.shared.exceptions import MCPError
 
-from conftest import COFFER, FAKE, PY, TIME_SERVER, cli, everything_cmd, needs_node
+from conftest import COFFER, FAKE, PY, TIME_SERVER, cli, everything_cmd, needs_node, wait_until
 
 TIMEOUT = 120
 
@@ -35,17 +34,6 @@ def text_of(result) -> str:
 
 def cli_json(*args):
     return json.loads(cli(*args, "--json").stdout)
-
-
-def wait_until(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 async def connect(stack: AsyncExitStack, profile=None, name="agent", mode="legacy", notices=None) -> Client:

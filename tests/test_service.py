@@ -15,7 +15,21 @@ import mcp_types as types
 import pytest
 from mcp import Client
 
-from conftest import COFFER, FAKE, PY, RawGateway, alive, call_msg, cli, coffer_cmd, gateway_params, text_of, wait_until
+from conftest import (
+    COFFER,
+    FAKE,
+    PY,
+    RawGateway,
+    alive,
+    call_msg,
+    cli,
+    coffer_cmd,
+    gateway_params,
+    service_pid,
+    stop_service,
+    text_of,
+    wait_until,
+)
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the service tests use POSIX process control")
 
@@ -26,20 +40,7 @@ def service_home(home, monkeypatch):
     monkeypatch.setenv("COFFER_SERVE_MODE", "service")
     home.mkdir(parents=True, exist_ok=True)
     yield home
-    cli("service", "stop", check=False, timeout=60)
-    pid = service_pid(home)
-    if pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def service_pid(home):
-    try:
-        return json.loads((Path(home) / "service.json").read_text())["pid"]
-    except (OSError, ValueError, KeyError):
-        return None
+    stop_service(home)
 
 
 def spawns(path):

@@ -6,7 +6,6 @@ import base64
 import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -24,7 +23,19 @@ from mcp.shared.exceptions import MCPError
 
 from coffer_src.service.http_wire import HostRule, decode_header_value, parameter_header_problem
 
-from conftest import COFFER, FAKE, NODE_MODULES, PY, ROOT, cli, everything_cmd, needs_node
+from conftest import (
+    COFFER,
+    FAKE,
+    NODE_MODULES,
+    PY,
+    ROOT,
+    cli,
+    everything_cmd,
+    needs_node,
+    service_pid,
+    stop_service,
+    wait_until,
+)
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the service tests use POSIX process control")
 
@@ -41,13 +52,6 @@ def add_token(name):
 
 def service_status():
     return json.loads(cli("status", "--json").stdout)
-
-
-def service_pid(home):
-    try:
-        return json.loads((Path(home) / "service.json").read_text())["pid"]
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 @pytest.fixture
@@ -67,24 +71,7 @@ def endpoint(home, monkeypatch):
     token = add_token("agent")
     state = SimpleNamespace(start=start, token=token, home=home)
     yield state
-    cli("service", "stop", check=False, timeout=60)
-    pid = service_pid(home)
-    if pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def wait_until(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+    stop_service(home)
 
 
 def spawns(path):

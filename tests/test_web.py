@@ -24,12 +24,10 @@ from web_helpers import (
     require_browser,
     scratch_profile,
     start_chromium,
-    stop_service,
     ten_thousand_tools,
-    wait_until,
 )
 
-from conftest import COFFER, FAKE, PY, cli
+from conftest import COFFER, FAKE, PY, cli, stop_service, wait_until
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the service tests use POSIX process control")
 

@@ -10,9 +10,9 @@ import sys
 import urllib.parse
 
 import pytest
-from web_helpers import Page, fake_browser, login_link, stop_service, wait_until
+from web_helpers import Page, fake_browser, login_link
 
-from conftest import COFFER, FAKE, PY, cli
+from conftest import COFFER, FAKE, PY, cli, stop_service, wait_until
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the service tests use POSIX process control")
 

@@ -6,9 +6,7 @@ import json
 import os
 import re
 import shutil
-import signal
 import tempfile
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -55,34 +53,6 @@ def start_chromium(profile: Path):
     options.add_argument(f"--user-data-dir={profile}")
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-
-
-def service_pid(home):
-    try:
-        return json.loads((Path(home) / "service.json").read_text())["pid"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def stop_service(home):
-    cli("service", "stop", check=False, timeout=60)
-    pid = service_pid(home)
-    if pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def wait_until(predicate, timeout=30.0, what="condition", interval=0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 def login_link(env=None) -> str:
