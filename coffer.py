@@ -127,23 +127,23 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      15127  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
      15797  service.channel       Service channel: the private local link between `coffer serve` and the service.
      16115  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16485  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     16972  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17115  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17565  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18009  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18540  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18910  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19086  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19754  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20619  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     20990  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21300  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21448  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21583  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21774  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22301  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24238  cli                   Command line: coffer's commands.
+     16503  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     16990  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17133  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17583  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18027  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18558  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     18928  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19104  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19772  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20637  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21008  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21318  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21466  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21601  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21792  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22319  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24256  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -16205,6 +16205,8 @@ PARSE_LIMIT = 1 << 20
 #: Client requests whose lines set the session up: replayed, in order, to a service the relay re-attaches to.
 SETUP_METHODS = ("initialize", "logging/setLevel", "resources/subscribe", "resources/unsubscribe")
 _ANSWER_HEAD = b'{"jsonrpc":"2.0","id":'
+#: How the service's own lines to the relay begin (a handover notice).
+_CONTROL_HEAD = b'{"coffer"'
 _DECODER = json.JSONDecoder()
 
 
@@ -16225,10 +16227,6 @@ def answered_id(line: bytes):
     return value
 
 
-def _id_key(msg_id) -> str:
-    return json.dumps(msg_id)
-
-
 class StandaloneWanted(Exception):  # noqa: N818 - a decision, not a failure: the caller serves in-process
     """The user's serve_mode setting says standalone: this `coffer serve` runs the gateway itself."""
 
@@ -16239,8 +16237,10 @@ class Attachment:
     def __init__(self, conn: socket.socket, hello: dict):
         self.conn = conn
         self.hello = hello
-        self.pending: dict[str, object] = {}     # _id_key(id) -> id, client requests sent on this connection
-        self.swallow: set[str] = set()           # ids of replayed requests whose answers the client must not see
+        # Ids are keys as they are: valid_request_id admits only str and int (no bool, no float), which never
+        # compare equal across types.
+        self.pending: set[str | int] = set()     # ids of client requests sent on this connection, unanswered
+        self.swallow: set[str | int] = set()     # ids of replayed requests whose answers the client must not see
         self.partial = b""
         self.initial = hello.pop("_rest", b"")   # service bytes that came with its hello
         self.draining = False                    # handed over: answers only, no new requests
@@ -16268,7 +16268,7 @@ class Relay:
         self.draining: list[Attachment] = []
         self.setup: list[dict] = []           # the client's session-setup requests, in order, for a replay
         self.initialized_line: bytes | None = None
-        self.listens: dict[str, bytes] = {}   # open subscriptions/listen requests, by _id_key(id)
+        self.listens: dict[str | int, bytes] = {}  # open subscriptions/listen requests, by id
         self.client_partial = b""
         self.client_passing = False           # the client line being read is too long to parse: passed on as is
         self._replay_seq = 0
@@ -16329,13 +16329,12 @@ class Relay:
         for request in self.setup:
             self._replay_seq += 1
             replay_id = f"coffer-relay-{self._replay_seq}"
-            attachment.swallow.add(_id_key(replay_id))
+            attachment.swallow.add(replay_id)
             lines.append(encode_line({**request, "id": replay_id}))
             if request.get("method") == "initialize" and self.initialized_line is not None:
                 lines.append(self.initialized_line)
         lines.extend(self.listens.values())
-        for key in self.listens:
-            attachment.pending[key] = json.loads(key)
+        attachment.pending.update(self.listens)
         if lines:
             attachment.conn.sendall(b"".join(lines))
 
@@ -16348,9 +16347,10 @@ class Relay:
                 view = view[written or 0:]
 
     def _from_client(self, data: bytes) -> None:
-        """Pass the client's bytes on, noting each complete line; a line longer than PARSE_LIMIT is passed on as
-        it arrives, its id read from its head."""
-        out = []
+        """Pass the client's bytes on, then note each complete line (the service has the request sooner, and its
+        answer is read only after this returns); a line longer than PARSE_LIMIT is passed on as it arrives, its id
+        read from its head."""
+        out, seen = [], []
         while data:
             end = data.find(b"\n")
             if end < 0:
@@ -16359,7 +16359,7 @@ class Relay:
                 else:
                     self.client_partial += data
                     if len(self.client_partial) > PARSE_LIMIT:
-                        self._note_client_line(self.client_partial[:4096], whole=False)
+                        seen.append((self.client_partial[:4096], False))
                         out.append(self.client_partial)
                         self.client_partial, self.client_passing = b"", True
                 break
@@ -16368,10 +16368,20 @@ class Relay:
                 self.client_passing = False
             else:
                 piece, self.client_partial = self.client_partial + piece, b""
-                self._note_client_line(piece[:-1])
+                seen.append((piece[:-1], True))
             out.append(piece)
-        if out:
-            self._send_to_service(b"".join(out))
+        if not out:
+            return
+        attachment = self.current
+        try:
+            attachment.conn.sendall(b"".join(out))
+            lost = False
+        except OSError:
+            lost = True
+        for line, whole in seen:
+            self._note_client_line(line, whole)
+        if lost:
+            self._service_lost(attachment)  # its requests (these among them) fail; the client may send them again
 
     def _note_client_line(self, line: bytes, whole: bool = True) -> None:
         """What of a client line the relay keeps: a request's id (and, for session setup, the request)."""
@@ -16380,7 +16390,7 @@ class Relay:
         if not whole or len(line) > PARSE_LIMIT:
             msg_id = request_id_in(line[:4096])
             if msg_id is not None and self.current is not None:
-                self.current.pending[_id_key(msg_id)] = msg_id
+                self.current.pending.add(msg_id)
             return
         if b'"method"' not in line:
             return  # an answer to a request of the service's: nothing to keep
@@ -16389,7 +16399,7 @@ class Relay:
         except ValueError:  # the service answers it with a parse error, under each request's own id
             if self.current is not None:
                 for msg_id in request_ids_in_unreadable(line):
-                    self.current.pending[_id_key(msg_id)] = msg_id
+                    self.current.pending.add(msg_id)
             return
         for item in message if isinstance(message, list) else [message]:
             if not isinstance(item, dict):
@@ -16399,47 +16409,55 @@ class Relay:
                 continue
             if "id" in item and valid_request_id(msg_id):
                 if self.current is not None:
-                    self.current.pending[_id_key(msg_id)] = msg_id
+                    self.current.pending.add(msg_id)
                 if method in SETUP_METHODS:
                     self.setup.append(item)
                 elif method == "subscriptions/listen":
-                    self.listens[_id_key(msg_id)] = line + b"\n"
+                    self.listens[msg_id] = line + b"\n"
             elif method == "notifications/initialized":
                 self.initialized_line = line + b"\n"
             elif method == "notifications/cancelled":
                 params = item.get("params") if isinstance(item.get("params"), dict) else {}
-                key = _id_key(params.get("requestId"))
-                self.listens.pop(key, None)
+                cancelled = params.get("requestId")
+                if not valid_request_id(cancelled):
+                    continue
+                self.listens.pop(cancelled, None)
                 for attachment in [self.current, *self.draining]:
                     if attachment is not None:
-                        attachment.pending.pop(key, None)
-
-    def _send_to_service(self, data: bytes) -> None:
-        attachment = self.current
-        try:
-            attachment.conn.sendall(data)
-        except OSError:
-            self._service_lost(attachment)  # its requests (these among them) fail; the client may send them again
+                        attachment.pending.discard(cancelled)
 
     # -- the service ----------------------------------------------------------------------------------------------
     def _from_service(self, attachment: Attachment, data: bytes) -> None:
-        lines = (attachment.partial + data).split(b"\n")
-        attachment.partial = lines.pop()
-        out = []
-        for line in lines:
-            if line.startswith(b'{"coffer"'):
-                self._control_line(attachment, line)
-                continue
-            answered = answered_id(line)
-            if answered is not None:
-                key = _id_key(answered)
-                attachment.pending.pop(key, None)
-                if key in attachment.swallow:
-                    attachment.swallow.discard(key)
+        buffered = attachment.partial + data
+        end = buffered.rfind(b"\n")
+        if end < 0:
+            attachment.partial = buffered
+            return
+        complete, attachment.partial = buffered[:end + 1], buffered[end + 1:]
+        lines = complete.split(b"\n")
+        lines.pop()
+        if not attachment.swallow and _CONTROL_HEAD not in complete:
+            # Nothing to hold back: the client has the bytes first, the bookkeeping comes after.
+            self.write_client(complete)
+            for line in lines:
+                answered = answered_id(line)
+                if answered is not None:
+                    attachment.pending.discard(answered)
+        else:
+            out = []
+            for line in lines:
+                if line.startswith(_CONTROL_HEAD):
+                    self._control_line(attachment, line)
                     continue
-            out.append(line + b"\n")
-        if out:
-            self.write_client(b"".join(out))
+                answered = answered_id(line)
+                if answered is not None:
+                    attachment.pending.discard(answered)
+                    if answered in attachment.swallow:
+                        attachment.swallow.discard(answered)
+                        continue
+                out.append(line + b"\n")
+            if out:
+                self.write_client(b"".join(out))
         if attachment.draining and not attachment.pending:
             self._close(attachment)
 
@@ -16469,13 +16487,13 @@ class Relay:
     def _service_lost(self, attachment: Attachment) -> None:
         """The service went away (killed, crashed): fail what it had in flight, start a new one, re-attach."""
         if attachment is not self.current:
-            for msg_id in attachment.pending.values():
+            for msg_id in attachment.pending:
                 self._fail_request(msg_id)
             self._close(attachment)
             return
         relay_log.warning("the Coffer service went away; starting it again")
-        failed = [msg_id for key, msg_id in attachment.pending.items()
-                  if key not in self.listens and key not in attachment.swallow]
+        failed = [msg_id for msg_id in attachment.pending
+                  if msg_id not in self.listens and msg_id not in attachment.swallow]
         self._close(attachment)
         for msg_id in failed:
             self._fail_request(msg_id)

@@ -445,3 +445,33 @@ def test_answers_queued_for_a_slow_relay_arrive_whole_and_never_interleaved():
     service_end.close()
     relay_end.close()
     assert sorted(received) == sorted(lines)
+
+
+def test_a_lost_service_fails_exactly_the_requests_it_left_unanswered(tmp_path):
+    """The relay notes each request after passing it on; when the service goes, the client gets an error for
+    each request still in flight (ids 1 and "1" are different requests), none for one answered or cancelled,
+    and a cancel naming no valid id changes nothing."""
+    import io
+    import selectors
+    import socket
+
+    from coffer_src.service.relay import Attachment, Relay
+
+    answers = io.BytesIO()
+    relay = Relay(str(tmp_path), "v", "b", lambda first: None, client_in=io.BytesIO(), client_out=answers)
+    relay.selector = selectors.DefaultSelector()
+    ours, theirs = socket.socketpair()
+    relay.current = Attachment(ours, {})
+    requests = [call_msg(msg_id, "a__echo", {"text": "x"}) for msg_id in (1, "1", 2, 3)]
+    relay._from_client(b"".join(json.dumps(r).encode() + b"\n" for r in requests))
+    assert theirs.recv(1 << 16).count(b"\n") == 4  # passed on whole, before any bookkeeping
+    relay._from_client(b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":true}}\n'
+                       b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":3}}\n')
+    relay._from_service(relay.current, b'{"jsonrpc":"2.0","id":"1","result":{"content":[]}}\n{"jsonrpc":"2.0",')
+    replacement, _ = socket.socketpair()
+    relay.attach = lambda first: Attachment(replacement, {})
+    relay._service_lost(relay.current)
+    seen = [json.loads(line) for line in answers.getvalue().splitlines()]
+    assert [m["id"] for m in seen if "result" in m] == ["1"]
+    assert sorted(m["id"] for m in seen if "error" in m) == [1, 2]
+    assert all("restarted" in m["error"]["message"] for m in seen if "error" in m)

@@ -36,6 +36,8 @@ PARSE_LIMIT = 1 << 20
 #: Client requests whose lines set the session up: replayed, in order, to a service the relay re-attaches to.
 SETUP_METHODS = ("initialize", "logging/setLevel", "resources/subscribe", "resources/unsubscribe")
 _ANSWER_HEAD = b'{"jsonrpc":"2.0","id":'
+#: How the service's own lines to the relay begin (a handover notice).
+_CONTROL_HEAD = b'{"coffer"'
 _DECODER = json.JSONDecoder()
 
 
@@ -56,10 +58,6 @@ def answered_id(line: bytes):
     return value
 
 
-def _id_key(msg_id) -> str:
-    return json.dumps(msg_id)
-
-
 class StandaloneWanted(Exception):  # noqa: N818 - a decision, not a failure: the caller serves in-process
     """The user's serve_mode setting says standalone: this `coffer serve` runs the gateway itself."""
 
@@ -70,8 +68,10 @@ class Attachment:
     def __init__(self, conn: socket.socket, hello: dict):
         self.conn = conn
         self.hello = hello
-        self.pending: dict[str, object] = {}     # _id_key(id) -> id, client requests sent on this connection
-        self.swallow: set[str] = set()           # ids of replayed requests whose answers the client must not see
+        # Ids are keys as they are: valid_request_id admits only str and int (no bool, no float), which never
+        # compare equal across types.
+        self.pending: set[str | int] = set()     # ids of client requests sent on this connection, unanswered
+        self.swallow: set[str | int] = set()     # ids of replayed requests whose answers the client must not see
         self.partial = b""
         self.initial = hello.pop("_rest", b"")   # service bytes that came with its hello
         self.draining = False                    # handed over: answers only, no new requests
@@ -99,7 +99,7 @@ class Relay:
         self.draining: list[Attachment] = []
         self.setup: list[dict] = []           # the client's session-setup requests, in order, for a replay
         self.initialized_line: bytes | None = None
-        self.listens: dict[str, bytes] = {}   # open subscriptions/listen requests, by _id_key(id)
+        self.listens: dict[str | int, bytes] = {}  # open subscriptions/listen requests, by id
         self.client_partial = b""
         self.client_passing = False           # the client line being read is too long to parse: passed on as is
         self._replay_seq = 0
@@ -160,13 +160,12 @@ class Relay:
         for request in self.setup:
             self._replay_seq += 1
             replay_id = f"coffer-relay-{self._replay_seq}"
-            attachment.swallow.add(_id_key(replay_id))
+            attachment.swallow.add(replay_id)
             lines.append(encode_line({**request, "id": replay_id}))
             if request.get("method") == "initialize" and self.initialized_line is not None:
                 lines.append(self.initialized_line)
         lines.extend(self.listens.values())
-        for key in self.listens:
-            attachment.pending[key] = json.loads(key)
+        attachment.pending.update(self.listens)
         if lines:
             attachment.conn.sendall(b"".join(lines))
 
@@ -179,9 +178,10 @@ class Relay:
                 view = view[written or 0:]
 
     def _from_client(self, data: bytes) -> None:
-        """Pass the client's bytes on, noting each complete line; a line longer than PARSE_LIMIT is passed on as
-        it arrives, its id read from its head."""
-        out = []
+        """Pass the client's bytes on, then note each complete line (the service has the request sooner, and its
+        answer is read only after this returns); a line longer than PARSE_LIMIT is passed on as it arrives, its id
+        read from its head."""
+        out, seen = [], []
         while data:
             end = data.find(b"\n")
             if end < 0:
@@ -190,7 +190,7 @@ class Relay:
                 else:
                     self.client_partial += data
                     if len(self.client_partial) > PARSE_LIMIT:
-                        self._note_client_line(self.client_partial[:4096], whole=False)
+                        seen.append((self.client_partial[:4096], False))
                         out.append(self.client_partial)
                         self.client_partial, self.client_passing = b"", True
                 break
@@ -199,10 +199,20 @@ class Relay:
                 self.client_passing = False
             else:
                 piece, self.client_partial = self.client_partial + piece, b""
-                self._note_client_line(piece[:-1])
+                seen.append((piece[:-1], True))
             out.append(piece)
-        if out:
-            self._send_to_service(b"".join(out))
+        if not out:
+            return
+        attachment = self.current
+        try:
+            attachment.conn.sendall(b"".join(out))
+            lost = False
+        except OSError:
+            lost = True
+        for line, whole in seen:
+            self._note_client_line(line, whole)
+        if lost:
+            self._service_lost(attachment)  # its requests (these among them) fail; the client may send them again
 
     def _note_client_line(self, line: bytes, whole: bool = True) -> None:
         """What of a client line the relay keeps: a request's id (and, for session setup, the request)."""
@@ -211,7 +221,7 @@ class Relay:
         if not whole or len(line) > PARSE_LIMIT:
             msg_id = request_id_in(line[:4096])
             if msg_id is not None and self.current is not None:
-                self.current.pending[_id_key(msg_id)] = msg_id
+                self.current.pending.add(msg_id)
             return
         if b'"method"' not in line:
             return  # an answer to a request of the service's: nothing to keep
@@ -220,7 +230,7 @@ class Relay:
         except ValueError:  # the service answers it with a parse error, under each request's own id
             if self.current is not None:
                 for msg_id in request_ids_in_unreadable(line):
-                    self.current.pending[_id_key(msg_id)] = msg_id
+                    self.current.pending.add(msg_id)
             return
         for item in message if isinstance(message, list) else [message]:
             if not isinstance(item, dict):
@@ -230,47 +240,55 @@ class Relay:
                 continue
             if "id" in item and valid_request_id(msg_id):
                 if self.current is not None:
-                    self.current.pending[_id_key(msg_id)] = msg_id
+                    self.current.pending.add(msg_id)
                 if method in SETUP_METHODS:
                     self.setup.append(item)
                 elif method == "subscriptions/listen":
-                    self.listens[_id_key(msg_id)] = line + b"\n"
+                    self.listens[msg_id] = line + b"\n"
             elif method == "notifications/initialized":
                 self.initialized_line = line + b"\n"
             elif method == "notifications/cancelled":
                 params = item.get("params") if isinstance(item.get("params"), dict) else {}
-                key = _id_key(params.get("requestId"))
-                self.listens.pop(key, None)
+                cancelled = params.get("requestId")
+                if not valid_request_id(cancelled):
+                    continue
+                self.listens.pop(cancelled, None)
                 for attachment in [self.current, *self.draining]:
                     if attachment is not None:
-                        attachment.pending.pop(key, None)
-
-    def _send_to_service(self, data: bytes) -> None:
-        attachment = self.current
-        try:
-            attachment.conn.sendall(data)
-        except OSError:
-            self._service_lost(attachment)  # its requests (these among them) fail; the client may send them again
+                        attachment.pending.discard(cancelled)
 
     # -- the service ----------------------------------------------------------------------------------------------
     def _from_service(self, attachment: Attachment, data: bytes) -> None:
-        lines = (attachment.partial + data).split(b"\n")
-        attachment.partial = lines.pop()
-        out = []
-        for line in lines:
-            if line.startswith(b'{"coffer"'):
-                self._control_line(attachment, line)
-                continue
-            answered = answered_id(line)
-            if answered is not None:
-                key = _id_key(answered)
-                attachment.pending.pop(key, None)
-                if key in attachment.swallow:
-                    attachment.swallow.discard(key)
+        buffered = attachment.partial + data
+        end = buffered.rfind(b"\n")
+        if end < 0:
+            attachment.partial = buffered
+            return
+        complete, attachment.partial = buffered[:end + 1], buffered[end + 1:]
+        lines = complete.split(b"\n")
+        lines.pop()
+        if not attachment.swallow and _CONTROL_HEAD not in complete:
+            # Nothing to hold back: the client has the bytes first, the bookkeeping comes after.
+            self.write_client(complete)
+            for line in lines:
+                answered = answered_id(line)
+                if answered is not None:
+                    attachment.pending.discard(answered)
+        else:
+            out = []
+            for line in lines:
+                if line.startswith(_CONTROL_HEAD):
+                    self._control_line(attachment, line)
                     continue
-            out.append(line + b"\n")
-        if out:
-            self.write_client(b"".join(out))
+                answered = answered_id(line)
+                if answered is not None:
+                    attachment.pending.discard(answered)
+                    if answered in attachment.swallow:
+                        attachment.swallow.discard(answered)
+                        continue
+                out.append(line + b"\n")
+            if out:
+                self.write_client(b"".join(out))
         if attachment.draining and not attachment.pending:
             self._close(attachment)
 
@@ -300,13 +318,13 @@ class Relay:
     def _service_lost(self, attachment: Attachment) -> None:
         """The service went away (killed, crashed): fail what it had in flight, start a new one, re-attach."""
         if attachment is not self.current:
-            for msg_id in attachment.pending.values():
+            for msg_id in attachment.pending:
                 self._fail_request(msg_id)
             self._close(attachment)
             return
         relay_log.warning("the Coffer service went away; starting it again")
-        failed = [msg_id for key, msg_id in attachment.pending.items()
-                  if key not in self.listens and key not in attachment.swallow]
+        failed = [msg_id for msg_id in attachment.pending
+                  if msg_id not in self.listens and msg_id not in attachment.swallow]
         self._close(attachment)
         for msg_id in failed:
             self._fail_request(msg_id)
