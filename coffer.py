@@ -93,57 +93,57 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       1975  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
       2089  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
       2226  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2412  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3227  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3349  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4115  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4512  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4952  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5851  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6539  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6702  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      6974  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7155  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7782  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9040  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9647  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9755  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10323  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10725  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10916  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11081  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11304  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11895  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12308  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12790  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12903  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13303  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13365  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13529  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13728  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14281  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14678  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15019  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15127  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15797  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16115  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16503  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     16990  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17133  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17583  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18027  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18558  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18928  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19104  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19772  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20637  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21008  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21318  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21466  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21601  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21792  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22319  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24256  cli                   Command line: coffer's commands.
+      2425  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3250  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3372  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4138  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4535  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      4975  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5874  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6562  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6725  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      6997  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7178  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7805  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9063  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9670  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9778  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10346  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10748  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10939  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11104  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11327  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11918  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12331  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12813  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12926  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13326  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13388  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13552  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13751  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14314  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14711  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15052  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15160  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15830  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16148  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16536  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17023  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17166  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17616  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18060  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18591  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     18961  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19137  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19805  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20670  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21041  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21351  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21499  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21634  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21825  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22352  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24289  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -2307,6 +2307,15 @@ def server_row(row) -> dict:
 
 # -- the schema: every table Coffer keeps in coffer.db, whoever writes it --------------------------------------
 
+
+def change_triggers(table: str, events: tuple[str, ...] = ("INSERT", "UPDATE", "DELETE")) -> str:
+    """Triggers bumping config_changes.generation on each of ``events`` on ``table``: a running gateway re-reads
+    what it serves from when the generation moves, not on every commit (its own logs commit several times a
+    second).  Triggers live in coffer.db, so every writer fires them, an older Coffer or a sqlite3 shell too."""
+    return "".join(f"CREATE TRIGGER IF NOT EXISTS {table}_{event.lower()}_changes AFTER {event} ON {table} "
+                   "BEGIN UPDATE config_changes SET generation = generation + 1; END;\n" for event in events)
+
+
 SERVERS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS servers (
@@ -2359,7 +2368,10 @@ CREATE TABLE IF NOT EXISTS overrides (       -- a tool renamed, redescribed, ann
     updated_at TEXT NOT NULL,
     PRIMARY KEY (profile, server, tool)
 );
-"""
+CREATE TABLE IF NOT EXISTS config_changes (  -- one row: bumped by the triggers below, read by a running gateway
+    one INTEGER PRIMARY KEY CHECK (one = 1), generation INTEGER NOT NULL);
+INSERT OR IGNORE INTO config_changes VALUES (1, 0);
+""" + "".join(change_triggers(table) for table in ("settings", "servers", "capabilities", "profiles", "overrides"))
 LOGS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS invocations (
     id INTEGER PRIMARY KEY,
@@ -2380,8 +2392,9 @@ CREATE TABLE IF NOT EXISTS search_feedback (  -- only while `coffer config searc
     chosen TEXT, chosen_ts TEXT                  -- the first tool the same session called after it, and when
 );
 CREATE INDEX IF NOT EXISTS search_feedback_ts ON search_feedback(ts);
-"""
+""" + change_triggers("audit", ("INSERT",))  # a change outside coffer.db (a secret) is audited: a gateway re-resolves
 SCHEMA = SERVERS_SCHEMA + LOGS_SCHEMA  # what every Vault creates on open
+SCHEMA_TRIGGERS = frozenset(re.findall(r"CREATE TRIGGER IF NOT EXISTS (\w+)", SCHEMA))
 # The knowledge base (knowledge/base.py) keeps its sources, files and passages here, its embedding cache too.
 KNOWLEDGE_SOURCES_SCHEMA = """
 CREATE TABLE IF NOT EXISTS knowledge_sources (
@@ -2670,8 +2683,9 @@ class Vault:
         missing = [(t, c, d) for t, c, d in MIGRATIONS if t in tables and c not in
                    {row["name"] for row in self.db.execute(f"PRAGMA table_info({t})")}]
         required = {"settings", "servers", "capabilities", "profiles", "overrides", "invocations", "audit",
-                    "search_feedback"}
-        if tables >= required and not missing:
+                    "search_feedback", "config_changes"}
+        triggers = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
+        if tables >= required and triggers >= SCHEMA_TRIGGERS and not missing:
             return  # nothing to write: a read-only vault opens without a write
         script = SCHEMA + "".join(f"ALTER TABLE {t} ADD COLUMN {c} {d};\n" for t, c, d in missing)
         try:
@@ -3145,6 +3159,15 @@ class Vault:
     def data_version(self) -> int:
         """Changes whenever another connection commits: how a running gateway notices CLI edits cheaply."""
         return self.db.execute("PRAGMA data_version").fetchone()[0]
+
+    def config_generation(self) -> int | None:
+        """Moves whenever what a gateway serves from changes (vault_schema.change_triggers), whoever wrote it; None
+        on a vault without the counter (read-only, from an earlier Coffer): then every commit may be a change."""
+        try:
+            row = self.db.execute("SELECT generation FROM config_changes").fetchone()
+        except sqlite3.OperationalError:
+            return None
+        return row[0] if row else None
 
     # -- logs ----------------------------------------------------------------------------------------------
     def audit(self, action: str, target: str, detail: str | None = None) -> None:
@@ -13881,6 +13904,7 @@ class Hub:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
+        self._config_generation = vault.config_generation()
         embedder = Embedder.from_settings(self.settings, vault.secrets)
         self.semantic = SemanticRanker(embedder, vault.path, float(self.settings["embedder_timeout"])) \
             if embedder else None
@@ -14120,6 +14144,15 @@ class Hub:
             if version == self._data_version:
                 return
             self._data_version = version
+            generation = self.vault.config_generation()
+            unchanged = generation is not None and generation == self._config_generation
+            self._config_generation = generation
+        if unchanged:  # another connection committed to a log, the knowledge index or a cache
+            if self._update_knowledge():  # a knowledge source added or removed (a cheap count)
+                self._force_tools_notice = True
+                self.rebuild()
+            return
+        with self.vault_lock:
             states = self.vault.capability_states()
             configs = self._serving(self.vault.servers())
             settings = self.vault.settings()

@@ -475,3 +475,38 @@ def test_a_read_only_vault_still_serves_read_only_commands(watched_gateway, monk
         assert not mode(home / "coffer.db") & 0o222, "Coffer made a read-only vault writable"
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_running_gateway_rereads_the_vault_on_changes_not_on_its_own_logs(home):
+    """The hub polls coffer.db once a second.  Its own invocation log, the search feedback and token use commit
+    several times a second under load: those must not make it re-read every server, capability and profile; a
+    change by another process (the CLI, the page, an older Coffer, a sqlite3 shell) must, and so must an audited
+    change outside coffer.db such as a secret."""
+    from coffer_src.gateway.hub import Hub
+
+    hub = Hub(Vault(str(home)))
+    reads = []
+    real_states = hub.vault.capability_states
+    hub.vault.capability_states = lambda: reads.append(1) or real_states()
+    log = InvocationLog(hub.vault.path)
+    for n in range(3):
+        log.record("client", "srv", f"tool{n}", "tool", time.monotonic(), "ok")
+        log.flush()
+        hub._reload_if_vault_changed()
+    assert reads == []
+    other = Vault(str(home))
+    other.set_setting("call_timeout", "42")
+    hub._reload_if_vault_changed()
+    assert len(reads) == 1 and float(hub.settings["call_timeout"]) == 42
+    shell = sqlite3.connect(hub.vault.path)  # a writer that knows nothing of Coffer's code
+    shell.execute("INSERT INTO servers(name, transport, command, position, created_at) "
+                  "VALUES ('raw', 'stdio', '[\"true\"]', 9, '2026-01-01')")
+    shell.commit()
+    hub._reload_if_vault_changed()
+    assert len(reads) == 2 and "raw" in hub.configs
+    other.audit("secret-set", "TOKEN")
+    hub._reload_if_vault_changed()
+    assert len(reads) == 3
+    shell.close()
+    other.close()
+    log.close()

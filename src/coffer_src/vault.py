@@ -37,7 +37,7 @@ from coffer_src.vault_rows import (
     server_row,
     vault_json,
 )
-from coffer_src.vault_schema import MIGRATIONS, SCHEMA
+from coffer_src.vault_schema import MIGRATIONS, SCHEMA, SCHEMA_TRIGGERS
 
 vault_log = logging.getLogger(__name__)
 
@@ -220,8 +220,9 @@ class Vault:
         missing = [(t, c, d) for t, c, d in MIGRATIONS if t in tables and c not in
                    {row["name"] for row in self.db.execute(f"PRAGMA table_info({t})")}]
         required = {"settings", "servers", "capabilities", "profiles", "overrides", "invocations", "audit",
-                    "search_feedback"}
-        if tables >= required and not missing:
+                    "search_feedback", "config_changes"}
+        triggers = {row["name"] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
+        if tables >= required and triggers >= SCHEMA_TRIGGERS and not missing:
             return  # nothing to write: a read-only vault opens without a write
         script = SCHEMA + "".join(f"ALTER TABLE {t} ADD COLUMN {c} {d};\n" for t, c, d in missing)
         try:
@@ -695,6 +696,15 @@ class Vault:
     def data_version(self) -> int:
         """Changes whenever another connection commits: how a running gateway notices CLI edits cheaply."""
         return self.db.execute("PRAGMA data_version").fetchone()[0]
+
+    def config_generation(self) -> int | None:
+        """Moves whenever what a gateway serves from changes (vault_schema.change_triggers), whoever wrote it; None
+        on a vault without the counter (read-only, from an earlier Coffer): then every commit may be a change."""
+        try:
+            row = self.db.execute("SELECT generation FROM config_changes").fetchone()
+        except sqlite3.OperationalError:
+            return None
+        return row[0] if row else None
 
     # -- logs ----------------------------------------------------------------------------------------------
     def audit(self, action: str, target: str, detail: str | None = None) -> None:

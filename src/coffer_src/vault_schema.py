@@ -6,9 +6,19 @@ index; the caches theirs); `coffer doctor` checks each part and says how to repa
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 # -- the schema: every table Coffer keeps in coffer.db, whoever writes it --------------------------------------
+
+
+def change_triggers(table: str, events: tuple[str, ...] = ("INSERT", "UPDATE", "DELETE")) -> str:
+    """Triggers bumping config_changes.generation on each of ``events`` on ``table``: a running gateway re-reads
+    what it serves from when the generation moves, not on every commit (its own logs commit several times a
+    second).  Triggers live in coffer.db, so every writer fires them, an older Coffer or a sqlite3 shell too."""
+    return "".join(f"CREATE TRIGGER IF NOT EXISTS {table}_{event.lower()}_changes AFTER {event} ON {table} "
+                   "BEGIN UPDATE config_changes SET generation = generation + 1; END;\n" for event in events)
+
 
 SERVERS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -62,7 +72,10 @@ CREATE TABLE IF NOT EXISTS overrides (       -- a tool renamed, redescribed, ann
     updated_at TEXT NOT NULL,
     PRIMARY KEY (profile, server, tool)
 );
-"""
+CREATE TABLE IF NOT EXISTS config_changes (  -- one row: bumped by the triggers below, read by a running gateway
+    one INTEGER PRIMARY KEY CHECK (one = 1), generation INTEGER NOT NULL);
+INSERT OR IGNORE INTO config_changes VALUES (1, 0);
+""" + "".join(change_triggers(table) for table in ("settings", "servers", "capabilities", "profiles", "overrides"))
 LOGS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS invocations (
     id INTEGER PRIMARY KEY,
@@ -83,8 +96,9 @@ CREATE TABLE IF NOT EXISTS search_feedback (  -- only while `coffer config searc
     chosen TEXT, chosen_ts TEXT                  -- the first tool the same session called after it, and when
 );
 CREATE INDEX IF NOT EXISTS search_feedback_ts ON search_feedback(ts);
-"""
+""" + change_triggers("audit", ("INSERT",))  # a change outside coffer.db (a secret) is audited: a gateway re-resolves
 SCHEMA = SERVERS_SCHEMA + LOGS_SCHEMA  # what every Vault creates on open
+SCHEMA_TRIGGERS = frozenset(re.findall(r"CREATE TRIGGER IF NOT EXISTS (\w+)", SCHEMA))
 # The knowledge base (knowledge/base.py) keeps its sources, files and passages here, its embedding cache too.
 KNOWLEDGE_SOURCES_SCHEMA = """
 CREATE TABLE IF NOT EXISTS knowledge_sources (

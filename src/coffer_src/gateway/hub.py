@@ -104,6 +104,7 @@ class Hub:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
+        self._config_generation = vault.config_generation()
         embedder = Embedder.from_settings(self.settings, vault.secrets)
         self.semantic = SemanticRanker(embedder, vault.path, float(self.settings["embedder_timeout"])) \
             if embedder else None
@@ -343,6 +344,15 @@ class Hub:
             if version == self._data_version:
                 return
             self._data_version = version
+            generation = self.vault.config_generation()
+            unchanged = generation is not None and generation == self._config_generation
+            self._config_generation = generation
+        if unchanged:  # another connection committed to a log, the knowledge index or a cache
+            if self._update_knowledge():  # a knowledge source added or removed (a cheap count)
+                self._force_tools_notice = True
+                self.rebuild()
+            return
+        with self.vault_lock:
             states = self.vault.capability_states()
             configs = self._serving(self.vault.servers())
             settings = self.vault.settings()
