@@ -94,56 +94,56 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       2089  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
       2226  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
       2425  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3250  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3372  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4138  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4535  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4975  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5874  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6562  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6725  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      6997  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7178  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7805  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9063  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9670  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9778  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10346  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10748  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10939  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11104  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11327  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11918  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12331  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12813  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12926  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13326  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13388  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13552  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13751  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14314  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14711  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15052  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15160  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15830  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16148  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16536  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17023  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17166  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17616  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18060  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18591  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18961  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19137  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19805  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20670  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21041  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21351  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21499  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21634  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21825  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22352  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24289  cli                   Command line: coffer's commands.
+      3252  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3374  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4140  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4537  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      4977  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5876  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6564  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6727  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      6999  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7180  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7807  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9065  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9672  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9780  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10348  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10750  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10941  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11106  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11329  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11920  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12333  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12815  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12928  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13328  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13390  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13554  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13753  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14316  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14713  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15054  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15162  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15832  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16150  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16538  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17025  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17175  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17625  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18069  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18600  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     18970  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19146  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19814  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20679  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21050  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21360  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21508  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21643  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21834  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22361  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24298  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -2515,6 +2515,7 @@ def iso_timestamp(epoch_seconds: float) -> str:
 
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+VAULT_BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another process's (a CLI command, an import)
 VAULT_CACHE_KIB = 512  # SQLite page cache per vault connection (SQLite's default is 2 MB)
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
@@ -2537,9 +2538,10 @@ def storable(text):
 def connect_vault_db(path: str, uri: bool = False) -> sqlite3.Connection:
     """A connection to coffer.db as every part of Coffer opens one (the vault, the logs, the knowledge base, the
     caches): rows by name, autocommit, a busy timeout, WAL, a small page cache."""
-    db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
+    db = sqlite3.connect(path, timeout=VAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False,
+                         uri=uri)
     db.row_factory = sqlite3.Row
-    db.execute("PRAGMA busy_timeout=10000")
+    db.execute(f"PRAGMA busy_timeout={VAULT_BUSY_TIMEOUT_MS}")
     # The vault's rows are few and read in full: a small page cache is enough, and a long-running service
     # holds several connections for hours.
     db.execute(f"PRAGMA cache_size=-{VAULT_CACHE_KIB}")
@@ -17112,6 +17114,7 @@ TOKEN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_TOKEN_LENGTH = 200
 #: How often a token's last use is written (a write per request would make every request wait on the vault).
 TOUCH_INTERVAL = 60.0
+TOUCH_BUSY_TIMEOUT_MS = 50
 
 
 class TokenHolder(NamedTuple):
@@ -17232,8 +17235,14 @@ class TokenStore:
         self._touched[name] = now
         try:
             with self.lock:
-                with _Transaction(self.db) as db:
-                    db.execute("UPDATE client_tokens SET last_used=? WHERE name=?", (utcnow(), name))
+                # The request waits on this write, and so does every other token check (the lock): a vault
+                # another process holds busy skips the update instead of waiting out the usual busy timeout.
+                self.db.execute(f"PRAGMA busy_timeout={TOUCH_BUSY_TIMEOUT_MS}")
+                try:
+                    with _Transaction(self.db) as db:
+                        db.execute("UPDATE client_tokens SET last_used=? WHERE name=?", (utcnow(), name))
+                finally:
+                    self.db.execute(f"PRAGMA busy_timeout={VAULT_BUSY_TIMEOUT_MS}")
         except (sqlite3.Error, VaultError):
             pass  # a busy or read-only vault: the last use is a convenience, never a reason to refuse a client
 
