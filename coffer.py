@@ -87,63 +87,63 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        292  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
        537  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
        801  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       903  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1448  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1619  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1975  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2089  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2226  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2425  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3252  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3374  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4140  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4537  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4977  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5876  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6564  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6727  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      6999  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7180  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7807  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9065  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9672  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9780  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10348  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10750  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10941  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11106  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11329  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11920  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12333  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12815  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12928  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13328  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13390  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13554  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13753  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14316  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14713  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15054  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15162  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15832  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16150  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16538  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17025  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17175  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17625  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18069  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18600  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18970  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19146  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19814  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20679  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21050  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21360  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21508  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21643  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21834  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22361  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24298  cli                   Command line: coffer's commands.
+       934  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1479  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1650  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      2006  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2120  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2257  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2456  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3283  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3405  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4171  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4568  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5008  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5907  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6595  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6758  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7030  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7211  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7838  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9096  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9703  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9811  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10379  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10781  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10972  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11137  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11360  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11951  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12364  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12846  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12959  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13359  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13421  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13585  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13784  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14347  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14744  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15085  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15193  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15863  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16181  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16569  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17056  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17206  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17656  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18100  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18631  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19001  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19177  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19845  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20710  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21081  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21391  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21539  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21674  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21865  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22392  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24329  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -895,59 +895,90 @@ def start_thread(target, name: str, *args) -> threading.Thread:
 
 
 class WorkerPool:
-    """At most ``size`` daemon threads running submitted jobs in arrival order; idle threads wait for more.
+    """At most ``size`` daemon threads running submitted jobs; idle threads wait for more.
 
     Used where work would otherwise cost a thread each (HTTP requests to one upstream, requests that wait for a
-    starting server): a burst of 5,000 is 5,000 queued jobs, not 5,000 threads.  A job's exception is logged with
-    its traceback and costs that job only.
+    starting server): a burst of 5,000 is 5,000 queued jobs, not 5,000 threads.  Jobs may name an ``owner`` (the
+    hub's pool: the client session): one owner's jobs run in the order submitted, and a free worker takes the
+    next job of the owner with the fewest jobs running (the longest waiting among equals), so a client that
+    queues a hundred slow asks does not hold another client's search until they are done.  Jobs of no owner
+    share one queue, in arrival order.  A job's exception is logged with its traceback and costs that job only.
+    ``_cond`` guards the queues and counts; it is a leaf.
     """
 
     def __init__(self, name: str, size: int):
         self.name, self.size = name, size
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._queues: dict[object, collections.deque] = {}  # owner -> its jobs not taken yet, oldest first
+        self._turns: collections.deque = collections.deque()  # owners with jobs waiting, longest waiting first
+        self._running: dict[object, int] = {}                # owner -> its jobs running now
         self._threads = 0
         self._waiting = 0   # jobs submitted and not yet taken by a worker
         self._busy = 0      # workers running a job
         self._closed = False
 
-    def submit(self, job, *args) -> None:
+    def submit(self, job, *args, owner: object = None) -> None:
         """Queue ``job(*args)``; a new worker starts when every worker is taken and the pool is below its size."""
-        with self._lock:
+        with self._cond:
             if self._closed:
                 return
+            jobs = self._queues.get(owner)
+            if jobs is None:
+                jobs = self._queues[owner] = collections.deque()
+                self._turns.append(owner)
+            jobs.append((job, args))
             self._waiting += 1
             spawn = self._waiting + self._busy > self._threads and self._threads < self.size
             if spawn:
                 self._threads += 1
             number = self._threads
-        self._jobs.put((job, args))
+            self._cond.notify()
         if spawn:
             threading.Thread(target=self._work, name=f"{self.name}-{number}", daemon=True).start()
 
     def close(self) -> None:
-        """Let every worker finish its job and end; later submits are dropped."""
-        with self._lock:
-            self._closed, threads = True, self._threads
-        for _ in range(threads):
-            self._jobs.put(None)
+        """Let the workers finish the jobs already queued and end; later submits are dropped."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _next_job(self):
+        """The next owner's oldest job (None once the pool is closed and drained); the caller holds _cond."""
+        while not self._turns:
+            if self._closed:
+                return None
+            self._cond.wait()
+        owner = min(self._turns, key=lambda candidate: self._running.get(candidate, 0))
+        self._turns.remove(owner)
+        jobs = self._queues[owner]
+        job, args = jobs.popleft()
+        if jobs:
+            self._turns.append(owner)  # behind every owner already waiting
+        else:
+            del self._queues[owner]
+        self._running[owner] = self._running.get(owner, 0) + 1
+        self._waiting -= 1
+        self._busy += 1
+        return owner, job, args
 
     def _work(self) -> None:
         while True:
-            item = self._jobs.get()
+            with self._cond:
+                item = self._next_job()
             if item is None:
                 return
-            job, args = item
-            with self._lock:
-                self._waiting -= 1
-                self._busy += 1
+            owner, job, args = item
             try:
                 job(*args)
             except Exception:  # noqa: BLE001 - one job's failure must not take the worker with it
                 threads_log.exception("internal error in %s", self.name)
             finally:
-                with self._lock:
+                with self._cond:
                     self._busy -= 1
+                    if self._running[owner] == 1:
+                        del self._running[owner]
+                    else:
+                        self._running[owner] -= 1
 
 
 def backoff_delay(attempt: int, base: float, ceiling: float) -> float:
@@ -14443,7 +14474,7 @@ class CallRouter:
         if name in (ASK_TOOL, REMEMBER_TOOL) and any(t["name"] == name for t in session.view.knowledge_tools):
             work = (lambda: session.tools.ask(arguments or {}, started, params)) if name == ASK_TOOL else (
                 lambda: session.tools.remember(arguments or {}, started))
-            self.hub.workers.submit(session.answer, msg_id, "tools/call", work)
+            self.hub.workers.submit(session.answer, msg_id, "tools/call", work, owner=session)
             return None
         if name in (ASK_TOOL, REMEMBER_TOOL) and not any(t["name"] == name for t in self.hub.knowledge_tools):
             # Coffer's own tool, turned off: say how to turn it on (one the client's profile leaves out is refused
@@ -15052,7 +15083,7 @@ class EraBridge:
         if claims.is_ask_round and self.hub.knowledge is not None:  # coffer__ask's rounds with the client's model
             arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
             self.hub.workers.submit(session.answer, msg_id, method, lambda: session.tools.ask(
-                arguments, started, params, claims, responses))
+                arguments, started, params, claims, responses), owner=session)
             return None
         if claims.is_upstream_round:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says
             upstream = session.upstream_named(claims.upstream)
@@ -15664,7 +15695,7 @@ class ClientSession:
         if not self.discovering(kind) or time.monotonic() >= self.discovery_deadline:
             if not background:
                 return work()
-            self.hub.workers.submit(self.answer, msg_id, method, work)
+            self.hub.workers.submit(self.answer, msg_id, method, work, owner=self)
             return None
         with self.lock:
             self._waiting.append(Waiting(msg_id, work, kind, method))
@@ -15696,7 +15727,7 @@ class ClientSession:
         if expired:
             self.hub.report_missing(discovering())
         for waiting in done:
-            self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work)
+            self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work, owner=self)
 
     def listed_tools(self) -> list[dict]:
         """The tools this client is shown (see expose_mode, and its profile's pins); the rest stay callable and

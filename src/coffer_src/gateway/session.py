@@ -493,7 +493,7 @@ class ClientSession:
         if not self.discovering(kind) or time.monotonic() >= self.discovery_deadline:
             if not background:
                 return work()
-            self.hub.workers.submit(self.answer, msg_id, method, work)
+            self.hub.workers.submit(self.answer, msg_id, method, work, owner=self)
             return None
         with self.lock:
             self._waiting.append(Waiting(msg_id, work, kind, method))
@@ -525,7 +525,7 @@ class ClientSession:
         if expired:
             self.hub.report_missing(discovering())
         for waiting in done:
-            self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work)
+            self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work, owner=self)
 
     def listed_tools(self) -> list[dict]:
         """The tools this client is shown (see expose_mode, and its profile's pins); the rest stay callable and
