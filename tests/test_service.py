@@ -467,6 +467,18 @@ def test_a_lost_service_fails_exactly_the_requests_it_left_unanswered(tmp_path):
     assert theirs.recv(1 << 16).count(b"\n") == 4  # passed on whole, before any bookkeeping
     relay._from_client(b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":true}}\n'
                        b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":3}}\n')
+    deep = b'{"jsonrpc":"2.0","id":9,"method":"tools/call","params":' + b"[" * 50_000 + b"]" * 50_000 + b"}\n"
+    passed = bytearray()
+
+    def service_reads():
+        while not passed.endswith(b"}\n"):
+            passed.extend(theirs.recv(1 << 20))
+
+    reader = threading.Thread(target=service_reads, daemon=True)
+    reader.start()
+    relay._from_client(deep)  # too deep to parse: passed on for the service to refuse, the relay lives on
+    reader.join(10)
+    assert bytes(passed).count(b"\n") == 3 and passed.endswith(deep)
     relay._from_service(relay.current, b'{"jsonrpc":"2.0","id":"1","result":{"content":[]}}\n{"jsonrpc":"2.0",')
     replacement, _ = socket.socketpair()
     relay.attach = lambda first: Attachment(replacement, {})
