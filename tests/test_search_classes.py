@@ -136,6 +136,12 @@ def test_a_request_for_the_news_in_general_is_not_answered_by_news_about_one_sto
     assert top[0] in web_tools(index) and "markets__get_news" in top, top
 
 
+@pytest.mark.parametrize("query", ["latest news on AAPL", "any recent news about TSLA"])
+def test_news_about_one_stock_answers_a_request_that_names_the_stock(query):
+    index = SearchIndex(sc.merged(*sc.NARROW_NEWS) + sc.STOCK_NEWS)
+    assert names(index.search(query, 1)) == ["markets__get_news"]
+
+
 @pytest.mark.parametrize("query", ["latest news", "the latest headlines today"])
 def test_a_request_for_the_news_in_general_keeps_a_news_feed_first(query):
     index = SearchIndex(sc.merged() + sc.STOCK_NEWS)
