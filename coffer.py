@@ -108,43 +108,43 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       7838  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       9096  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       9703  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9811  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10379  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10781  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10972  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11137  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11360  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11951  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12364  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12846  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12959  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13359  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13421  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13585  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13784  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14347  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14744  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15085  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15193  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15863  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16181  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16569  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17056  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17206  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17656  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18100  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18631  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19001  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19177  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19845  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20710  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21081  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21391  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21539  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21674  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21865  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22392  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24329  cli                   Command line: coffer's commands.
+      9814  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10412  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10814  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11005  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11170  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11393  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11984  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12397  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12879  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12992  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13392  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13454  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13618  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13817  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14380  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14777  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15118  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15226  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15896  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16214  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16602  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17089  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17239  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17689  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18133  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18664  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19034  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19210  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19878  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20743  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21114  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21424  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21572  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21707  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21898  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22425  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24362  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -9874,10 +9874,13 @@ background facts article articles happened happening wikipedia""".split())
 _INFO_MODIFIERS = frozenset(stem(w) for w in "latest recent happened happening".split())
 _QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", "wie", "was", "wann", "wo"))
 # The words that frame a request for general information rather than name its subject: the cues above (but not
-# a source the request names: "the Wikipedia article on X" is for a Wikipedia tool), the web itself and the verbs
-# of looking something up ("find the latest news on glacier melt in Norway": the subject is glacier melt in Norway).
+# a source the request names: "the Wikipedia article on X" is for a Wikipedia tool), the web itself, the verbs
+# of looking something up ("find the latest news on glacier melt in Norway": the subject is glacier melt in Norway),
+# and the words that say "now" or "what matters" as "latest" and "headlines" do ("the big news in AI today": the
+# subject is AI).
 _FRAMING_WORDS = (_INFO_CUES - {stem("wikipedia")}) | _WEB_WORDS | frozenset(stem(w) for w in """search find look
-lookup get show tell give fetch research update updates story stories""".split())
+lookup get show tell give fetch research update updates story stories today tonight now current currently lately
+top big biggest major important breaking""".split())
 # Parameter names of a tool that looks up free text (a query, keywords, a topic): such a tool can take the subject
 # of a request for information as its argument.
 _FREE_TEXT_PARAMETERS = frozenset(stem(w) for w in "query q search keyword keywords term terms topic question prompt "
@@ -10002,6 +10005,13 @@ class QueryReading(NamedTuple):
 
 # Entity kinds that name one existing thing: "open PR #42" reads it, "open a PR" creates one.
 _IDENTIFYING_KINDS = frozenset(("number_ref", "issue_key", "url", "sha"))
+
+
+# Keys of a parameter's schema that make it a choice the caller can make without being told anything (a default,
+# listed values): such a parameter does not ask the request for a subject.
+_CHOICE_KEYS = frozenset(("enum", "const", "anyOf", "oneOf", "default"))
+# The parameter-name cues of every typed argument kind: a parameter so named takes one identified thing.
+_ENTITY_CUES = frozenset(itertools.chain.from_iterable(kind.cues for kind in ENTITY_KINDS))
 
 
 class QueryPlan(NamedTuple):
@@ -10369,8 +10379,12 @@ class SearchIndex:
         if sum(term in self._doc_sets[doc_id] for term in plan.own) <= self.WEB_MAX_MATCHED and (
                 (set(plan.own) - _INFO_MODIFIERS).isdisjoint(names)):
             return False
-        if not self._declares_parameters or not (plan.subject or plan.entities):
+        if not self._declares_parameters:
             return True
+        if not (plan.subject or plan.entities):
+            # A request with no subject ("what happened in the news today") is what a feed serves, but not a tool
+            # that must be told what about (news for a stock symbol): the request gives it nothing to ask.
+            return not self._demands_a_subject(doc_id)
         if not _FREE_TEXT_PARAMETERS.isdisjoint(self._texts[doc_id][3].stems) or any(
                 self._entity_strengths(entity.kind).get(doc_id) for entity in plan.entities):
             return True
@@ -10378,6 +10392,25 @@ class SearchIndex:
         if not plan.subject.isdisjoint(itertools.chain(names, fields[1], fields[2])):  # name, server, title
             return True
         return len(plan.subject & self._doc_sets[doc_id]) >= min(2, len(plan.subject))
+
+    def _demands_a_subject(self, doc_id: int) -> bool:
+        """Whether a tool must be told which one thing it is about: it requires a parameter named for a typed
+        argument (a stock symbol, a path, a repository, an issue: see ENTITY_KINDS) that is neither free text nor
+        a choice among listed values nor has a default.  News for a stock symbol is not a news feed."""
+        schema = self.tools[doc_id].get("inputSchema")
+        if not isinstance(schema, dict):
+            return False
+        properties, required = schema.get("properties"), schema.get("required")
+        if not isinstance(properties, dict) or not isinstance(required, list):
+            return False
+        for name in required:
+            parameter = properties.get(name) if isinstance(name, str) else None
+            if not isinstance(parameter, dict) or not _CHOICE_KEYS.isdisjoint(parameter):
+                continue
+            terms = {stem(word) for word in _words(name)}
+            if _FREE_TEXT_PARAMETERS.isdisjoint(terms) and not _ENTITY_CUES.isdisjoint(terms):
+                return True
+        return False
 
     def reading(self, query: str) -> QueryReading:
         """What the lexical ranker read in ``query`` that an embedder may need: the English words of its foreign
