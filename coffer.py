@@ -86,64 +86,64 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        223  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
        292  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
        537  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       801  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       903  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1448  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1619  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1975  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2089  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2226  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2412  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3227  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3349  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4115  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4512  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4952  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5851  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6539  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6702  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      6974  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7155  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7782  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9040  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9647  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9755  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10323  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10725  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10916  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11081  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11304  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11895  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12308  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12790  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12903  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13303  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13365  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13529  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13728  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14281  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14678  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15019  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15127  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15797  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16115  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16485  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     16972  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17115  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17565  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18009  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18540  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18910  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19086  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19754  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20619  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     20990  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21300  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21448  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21583  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21774  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22301  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24238  cli                   Command line: coffer's commands.
+       859  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       961  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1506  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1677  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      2033  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2147  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2284  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2470  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3285  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3407  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4173  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4570  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5010  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5909  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6597  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6760  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7032  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7213  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7840  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9098  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9705  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9813  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10381  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10783  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10974  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11139  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11381  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11972  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12385  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12867  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12980  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13393  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13455  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13619  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13819  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14372  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14769  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15110  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15218  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15888  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16206  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16576  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17063  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17206  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17656  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18100  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18631  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19001  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19177  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19845  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20710  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21081  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21391  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21539  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21674  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21865  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22392  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24329  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -633,6 +633,13 @@ REQUEST_TIMEOUT = -32001
 dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
+def json_number(value) -> str:
+    """What ``dumps`` writes for ``value``, a number: a finite float's repr without the encoder's set-up."""
+    if type(value) is float and math.isfinite(value):
+        return float.__repr__(value)  # what the encoder itself writes for a float
+    return dumps(value)
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
@@ -702,14 +709,65 @@ class EncodeError(CofferException, ValueError):
     """A message Coffer cannot write as JSON (nested too deeply to encode, or holding a non-JSON value)."""
 
 
+class EncodedResult(dict):
+    """A result that carries its own JSON text (``json``, exactly what ``dumps`` makes of it), made by whoever
+    built the result for less than encoding it again: coffer__search_tools's reply repeats its payload as text
+    and its tools' definitions are encoded once per catalogue.  ``encode_line`` writes that text instead of
+    encoding the dict.  Any change to the dict itself drops the text; what it holds is never changed (a result
+    is built for one reply, and shaping it for a client copies it)."""
+
+    __slots__ = ("json",)
+
+    def __init__(self, result: dict, json_text: str):
+        super().__init__(result)
+        self.json: str | None = json_text
+
+    def __setitem__(self, key, value):
+        self.json = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.json = None
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self.json = None
+        return super().__ior__(other)
+
+    def clear(self):
+        self.json = None
+        super().clear()
+
+    def pop(self, *args):
+        self.json = None
+        return super().pop(*args)
+
+    def popitem(self):
+        self.json = None
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self.json = None
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        self.json = None
+        super().update(*args, **kwargs)
+
+
 def encode_line(message) -> bytes:
     """One JSON-RPC message as a newline-terminated UTF-8 line.
 
     A lone surrogate (legal in a JSON text as an escape, impossible in UTF-8) is written back as its \\uXXXX escape,
-    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.
+    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.  A reply whose
+    result is an EncodedResult (its last key, as rpc_result puts it) is written with the result's own text.
     """
     try:
-        text = dumps(message)
+        result = message.get("result") if isinstance(message, dict) else None
+        if type(result) is EncodedResult and result.json is not None and next(reversed(message)) == "result":
+            text = dumps({**message, "result": None})[:-5] + result.json + "}"  # "result":null} -> its text
+        else:
+            text = dumps(message)
     except (ValueError, TypeError, RecursionError) as exc:
         raise EncodeError(f"cannot encode a message: {exc.__class__.__name__}") from None
     try:
@@ -11287,6 +11345,7 @@ class Catalogue(OverrideEffects):
         self._index: SearchIndex | None = None
         self._index_lock = threading.Lock()
         self._fingerprint: dict | None = None
+        self._tool_json: tuple[dict, dict] = ({}, {})  # see tool_json
 
     def _override(self, overrides: dict) -> None:
         """Apply the global overrides: a tool is listed under its alias (both names route to it), with its new
@@ -11337,6 +11396,24 @@ class Catalogue(OverrideEffects):
                 if self._index is None:
                     self._index = SearchIndex(self.tools)
         return self._index
+
+    TOOL_JSON_MEMO = 1024  # definitions a catalogue keeps encoded; the memo is emptied when it is full
+
+    def tool_json(self, tool: dict, handshake: bool) -> str:
+        """``tool`` (one of ``tools``) as JSON, as a handshake-era client (``handshake``: shaped by
+        shape_handshake_tool) or a 2026-07-28 one is shown it.  Searches return the same definitions again and
+        again, so each is encoded once per catalogue.  The memo holds the tool itself beside its text, so the id
+        it is kept under cannot be another object's while it is there.  Any thread may call it: an entry is a
+        pure function of its key, and two threads encoding the same tool store the same text."""
+        memo = self._tool_json[handshake]
+        entry = memo.get(id(tool))
+        if entry is not None and entry[0] is tool:
+            return entry[1]
+        text = dumps(shape_handshake_tool(tool)[0] if handshake else tool)
+        if len(memo) >= self.TOOL_JSON_MEMO:
+            memo.clear()
+        memo[id(tool)] = (tool, text)
+        return text
 
     @property
     def index_ready(self) -> bool:
@@ -13177,6 +13254,17 @@ def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dic
     return sorted(chosen, key=lambda tool: order[id(tool)])
 
 
+def search_tools_result(tools: list[dict], encoded: list[str], total_searched: int, ranker: str) -> EncodedResult:
+    """coffer__search_tools's result: the payload as structuredContent and, as JSON, in a text block.  ``encoded``
+    is each of ``tools`` as JSON, so the payload is encoded once, from them, and the reply is written from that
+    text (jsonrpc.EncodedResult): a search returns whole input schemas, several kilobytes of them.  The texts
+    below spell out the dicts beside them, key for key."""
+    payload = {"tools": tools, "total_searched": total_searched, "ranker": ranker}
+    text = f'{{"tools":[{",".join(encoded)}],"total_searched":{dumps(total_searched)},"ranker":{dumps(ranker)}}}'
+    return EncodedResult({"content": [{"type": "text", "text": text}], "structuredContent": payload},
+                         f'{{"content":[{{"type":"text","text":{dumps(text)}}}],"structuredContent":{text}}}')
+
+
 class BuiltinTools:
     """Coffer's own tools for one session: coffer__search_tools over the hub's catalogue, coffer__ask and
     coffer__remember over the hub's knowledge base.  Each runs on a worker thread, or on the client's reader
@@ -13209,19 +13297,21 @@ class BuiltinTools:
         else:
             hits, ranker, note = index.search(query, top_k), "bm25", None
         # Each tool exactly as tools/list shows it to this client (a handshake-era client gets an outputSchema that
-        # is not an object wrapped), plus its score.
+        # is not an object wrapped), plus its score; its JSON from the catalogue's memo, the score spliced in.
         handshake = self.session.client_era != "modern" and catalogue.handshake_tools is not catalogue.tools
-        payload = {
-            "tools": [{**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
-                      for tool, score in hits],
-            "total_searched": len(index),
-            "ranker": ranker,
-        }
+        tools, encoded = [], []
+        for tool, score in hits:
+            shown = {**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
+            tools.append(shown)
+            definition = catalogue.tool_json(tool, handshake)
+            # (a tool's own "score" field is replaced in its place, as the dict above does)
+            encoded.append(dumps(shown) if "score" in tool or len(definition) < 3
+                           else f'{definition[:-1]},"score":{json_number(score)}}}')
         self._record(SEARCH_TOOL, started, "ok", note)
         if self.hub.settings["search_feedback"] == "on":  # the user's own labels for `coffer eval`
             feedback_recorder(self.hub.vault.path).searched(self.session, self.session.client_name, query, ranker,
                                                             [tool["name"] for tool, _ in hits])
-        return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
+        return search_tools_result(tools, encoded, len(index), ranker)
 
     @staticmethod
     def _sampling_params(prompt: str, max_tokens: int) -> dict:
@@ -13653,6 +13743,7 @@ class ProfileCatalogue(Catalogue):
         self._index = None
         self._index_lock = threading.Lock()
         self._fingerprint = None
+        self._tool_json = ({}, {})
 
     def _fingerprints(self) -> dict:
         """The lists' fingerprints, the tools' also covering the profile's own settings (expose, pins, knowledge):
