@@ -117,33 +117,33 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      12385  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
      12867  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
      12980  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13393  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13455  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13619  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13819  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14372  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14769  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15110  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15218  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15888  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16206  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16576  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17063  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17206  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17656  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18100  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18631  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19001  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19177  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19845  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20710  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21081  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21391  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21539  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21674  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21865  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22392  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24329  cli                   Command line: coffer's commands.
+     13394  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13456  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13620  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13820  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14373  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14770  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15111  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15219  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15889  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16207  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16577  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17064  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17207  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17657  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18101  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18632  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19002  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19178  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19846  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20711  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21082  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21392  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21540  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21675  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21866  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22393  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24330  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -13304,7 +13304,8 @@ class BuiltinTools:
             shown = {**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
             tools.append(shown)
             definition = catalogue.tool_json(tool, handshake)
-            # (a tool's own "score" field is replaced in its place, as the dict above does)
+            # (a tool's own "score" field is replaced in its place, as the dict above does; an empty definition
+            # has no field to put the score after)
             encoded.append(dumps(shown) if "score" in tool or len(definition) < 3
                            else f'{definition[:-1]},"score":{json_number(score)}}}')
         self._record(SEARCH_TOOL, started, "ok", note)

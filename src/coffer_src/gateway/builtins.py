@@ -262,7 +262,8 @@ class BuiltinTools:
             shown = {**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
             tools.append(shown)
             definition = catalogue.tool_json(tool, handshake)
-            # (a tool's own "score" field is replaced in its place, as the dict above does)
+            # (a tool's own "score" field is replaced in its place, as the dict above does; an empty definition
+            # has no field to put the score after)
             encoded.append(dumps(shown) if "score" in tool or len(definition) < 3
                            else f'{definition[:-1]},"score":{json_number(score)}}}')
         self._record(SEARCH_TOOL, started, "ok", note)
