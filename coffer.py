@@ -87,64 +87,64 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        223  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
        292  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
        537  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       801  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       934  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1479  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1650  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      2006  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2120  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2257  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2456  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3283  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3405  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4171  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4568  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      5008  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5907  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6595  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6758  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      7030  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7211  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7838  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9096  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9703  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9814  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10412  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10814  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     11005  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11170  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11393  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11984  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12397  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12879  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12992  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13392  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13454  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13618  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13817  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14380  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14777  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15118  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15226  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15896  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16214  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16602  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17089  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17239  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17689  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18133  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18664  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19034  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19210  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19878  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20743  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21114  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21424  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21572  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21707  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21898  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22425  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24362  cli                   Command line: coffer's commands.
+       859  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       992  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1537  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1708  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      2064  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2178  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2315  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2514  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3341  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3463  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4229  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4626  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5066  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5965  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6653  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6816  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7088  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7269  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7896  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9154  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9761  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9872  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10470  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10872  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11063  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11228  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11470  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12061  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12474  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12956  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13069  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13483  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13545  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13709  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13909  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14472  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14869  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15210  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15318  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15988  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16306  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16694  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17181  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17331  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17781  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18225  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18756  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19126  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19302  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19970  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20835  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21206  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21516  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21664  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21799  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21990  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22517  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24454  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -634,6 +634,13 @@ REQUEST_TIMEOUT = -32001
 dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
+def json_number(value) -> str:
+    """What ``dumps`` writes for ``value``, a number: a finite float's repr without the encoder's set-up."""
+    if type(value) is float and math.isfinite(value):
+        return float.__repr__(value)  # what the encoder itself writes for a float
+    return dumps(value)
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
@@ -703,14 +710,65 @@ class EncodeError(CofferException, ValueError):
     """A message Coffer cannot write as JSON (nested too deeply to encode, or holding a non-JSON value)."""
 
 
+class EncodedResult(dict):
+    """A result that carries its own JSON text (``json``, exactly what ``dumps`` makes of it), made by whoever
+    built the result for less than encoding it again: coffer__search_tools's reply repeats its payload as text
+    and its tools' definitions are encoded once per catalogue.  ``encode_line`` writes that text instead of
+    encoding the dict.  Any change to the dict itself drops the text; what it holds is never changed (a result
+    is built for one reply, and shaping it for a client copies it)."""
+
+    __slots__ = ("json",)
+
+    def __init__(self, result: dict, json_text: str):
+        super().__init__(result)
+        self.json: str | None = json_text
+
+    def __setitem__(self, key, value):
+        self.json = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.json = None
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self.json = None
+        return super().__ior__(other)
+
+    def clear(self):
+        self.json = None
+        super().clear()
+
+    def pop(self, *args):
+        self.json = None
+        return super().pop(*args)
+
+    def popitem(self):
+        self.json = None
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self.json = None
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        self.json = None
+        super().update(*args, **kwargs)
+
+
 def encode_line(message) -> bytes:
     """One JSON-RPC message as a newline-terminated UTF-8 line.
 
     A lone surrogate (legal in a JSON text as an escape, impossible in UTF-8) is written back as its \\uXXXX escape,
-    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.
+    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.  A reply whose
+    result is an EncodedResult (its last key, as rpc_result puts it) is written with the result's own text.
     """
     try:
-        text = dumps(message)
+        result = message.get("result") if isinstance(message, dict) else None
+        if type(result) is EncodedResult and result.json is not None and next(reversed(message)) == "result":
+            text = dumps({**message, "result": None})[:-5] + result.json + "}"  # "result":null} -> its text
+        else:
+            text = dumps(message)
     except (ValueError, TypeError, RecursionError) as exc:
         raise EncodeError(f"cannot encode a message: {exc.__class__.__name__}") from None
     try:
@@ -11377,6 +11435,7 @@ class Catalogue(OverrideEffects):
         self._index: SearchIndex | None = None
         self._index_lock = threading.Lock()
         self._fingerprint: dict | None = None
+        self._tool_json: tuple[dict, dict] = ({}, {})  # see tool_json
 
     def _override(self, overrides: dict) -> None:
         """Apply the global overrides: a tool is listed under its alias (both names route to it), with its new
@@ -11427,6 +11486,24 @@ class Catalogue(OverrideEffects):
                 if self._index is None:
                     self._index = SearchIndex(self.tools)
         return self._index
+
+    TOOL_JSON_MEMO = 1024  # definitions a catalogue keeps encoded; the memo is emptied when it is full
+
+    def tool_json(self, tool: dict, handshake: bool) -> str:
+        """``tool`` (one of ``tools``) as JSON, as a handshake-era client (``handshake``: shaped by
+        shape_handshake_tool) or a 2026-07-28 one is shown it.  Searches return the same definitions again and
+        again, so each is encoded once per catalogue.  The memo holds the tool itself beside its text, so the id
+        it is kept under cannot be another object's while it is there.  Any thread may call it: an entry is a
+        pure function of its key, and two threads encoding the same tool store the same text."""
+        memo = self._tool_json[handshake]
+        entry = memo.get(id(tool))
+        if entry is not None and entry[0] is tool:
+            return entry[1]
+        text = dumps(shape_handshake_tool(tool)[0] if handshake else tool)
+        if len(memo) >= self.TOOL_JSON_MEMO:
+            memo.clear()
+        memo[id(tool)] = (tool, text)
+        return text
 
     @property
     def index_ready(self) -> bool:
@@ -13267,6 +13344,17 @@ def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dic
     return sorted(chosen, key=lambda tool: order[id(tool)])
 
 
+def search_tools_result(tools: list[dict], encoded: list[str], total_searched: int, ranker: str) -> EncodedResult:
+    """coffer__search_tools's result: the payload as structuredContent and, as JSON, in a text block.  ``encoded``
+    is each of ``tools`` as JSON, so the payload is encoded once, from them, and the reply is written from that
+    text (jsonrpc.EncodedResult): a search returns whole input schemas, several kilobytes of them.  The texts
+    below spell out the dicts beside them, key for key."""
+    payload = {"tools": tools, "total_searched": total_searched, "ranker": ranker}
+    text = f'{{"tools":[{",".join(encoded)}],"total_searched":{dumps(total_searched)},"ranker":{dumps(ranker)}}}'
+    return EncodedResult({"content": [{"type": "text", "text": text}], "structuredContent": payload},
+                         f'{{"content":[{{"type":"text","text":{dumps(text)}}}],"structuredContent":{text}}}')
+
+
 class BuiltinTools:
     """Coffer's own tools for one session: coffer__search_tools over the hub's catalogue, coffer__ask and
     coffer__remember over the hub's knowledge base.  Each runs on a worker thread, or on the client's reader
@@ -13299,19 +13387,22 @@ class BuiltinTools:
         else:
             hits, ranker, note = index.search(query, top_k), "bm25", None
         # Each tool exactly as tools/list shows it to this client (a handshake-era client gets an outputSchema that
-        # is not an object wrapped), plus its score.
+        # is not an object wrapped), plus its score; its JSON from the catalogue's memo, the score spliced in.
         handshake = self.session.client_era != "modern" and catalogue.handshake_tools is not catalogue.tools
-        payload = {
-            "tools": [{**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
-                      for tool, score in hits],
-            "total_searched": len(index),
-            "ranker": ranker,
-        }
+        tools, encoded = [], []
+        for tool, score in hits:
+            shown = {**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
+            tools.append(shown)
+            definition = catalogue.tool_json(tool, handshake)
+            # (a tool's own "score" field is replaced in its place, as the dict above does; an empty definition
+            # has no field to put the score after)
+            encoded.append(dumps(shown) if "score" in tool or len(definition) < 3
+                           else f'{definition[:-1]},"score":{json_number(score)}}}')
         self._record(SEARCH_TOOL, started, "ok", note)
         if self.hub.settings["search_feedback"] == "on":  # the user's own labels for `coffer eval`
             feedback_recorder(self.hub.vault.path).searched(self.session, self.session.client_name, query, ranker,
                                                             [tool["name"] for tool, _ in hits])
-        return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
+        return search_tools_result(tools, encoded, len(index), ranker)
 
     @staticmethod
     def _sampling_params(prompt: str, max_tokens: int) -> dict:
@@ -13743,6 +13834,7 @@ class ProfileCatalogue(Catalogue):
         self._index = None
         self._index_lock = threading.Lock()
         self._fingerprint = None
+        self._tool_json = ({}, {})
 
     def _fingerprints(self) -> dict:
         """The lists' fingerprints, the tools' also covering the profile's own settings (expose, pins, knowledge):
