@@ -81,69 +81,69 @@ _closed, the remote transports' _stopped and _delivered, InvocationLog's flush r
 
 Contents: the line of coffer.py where each module starts, the module, what it holds.
 
-       148  errors                Errors: the one exception root every Coffer error derives from.
-       196  resources             Package data: the word lists and web assets that ship inside coffer.py.
-       223  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
-       292  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       537  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       801  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       903  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1448  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1619  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1975  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2089  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2226  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2412  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3227  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3349  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4115  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4512  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4952  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5851  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6539  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6702  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      6974  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7155  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7782  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9040  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9647  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9755  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10323  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10725  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10916  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11081  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11304  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11895  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12308  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12790  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12903  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13303  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13365  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13529  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13728  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14281  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14678  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15019  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15127  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15797  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16115  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16485  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     16972  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17115  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17565  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18009  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18540  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18910  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19086  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+       146  errors                Errors: the one exception root every Coffer error derives from.
+       194  resources             Package data: the word lists and web assets that ship inside coffer.py.
+       221  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
+       290  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
+       535  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       799  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       901  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1446  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1617  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1973  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2087  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2224  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2410  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3225  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3347  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4113  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4510  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      4950  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5849  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6537  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6700  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      6971  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7152  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7779  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9037  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9644  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9752  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10320  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10722  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10913  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11078  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11301  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11892  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12305  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12787  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12905  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13305  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13367  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13531  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13730  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14283  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14680  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15021  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15129  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15799  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16117  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16487  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     16974  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17117  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17567  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18011  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18542  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     18912  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19088  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
      19754  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20619  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     20990  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21300  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21448  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21583  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21774  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22301  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24238  cli                   Command line: coffer's commands.
+     20627  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     20998  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21308  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21456  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21591  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21782  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22309  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24246  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -154,7 +154,6 @@ import base64
 import binascii
 import collections
 import contextlib
-import dataclasses
 import enum
 import errno
 import fnmatch
@@ -163,7 +162,6 @@ import gc
 import heapq
 import http
 import importlib
-import inspect
 import itertools
 import json
 import logging
@@ -182,10 +180,10 @@ import struct
 import sys
 import threading
 import time
+import types
 import unicodedata
 import urllib.parse
 import weakref
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
@@ -2612,7 +2610,7 @@ def _at_the_vault_boundary(cls):
         return call
 
     for name, member in list(vars(cls).items()):
-        if (name == "__init__" or not name.startswith("_")) and inspect.isfunction(member):
+        if (name == "__init__" or not name.startswith("_")) and isinstance(member, types.FunctionType):
             setattr(cls, name, guarded(member))
     return cls
 
@@ -6790,18 +6788,17 @@ class Pending:
         self.deadline = deadline if deadline is not None else (time.monotonic() + timeout if timeout else None)
 
 
-@dataclass(eq=False)
 class QueuedRequest:
     """A request waiting for its server to be ready.  Its deadline started when it was asked for: waiting for a
     slow or failing server counts against the caller's call_timeout.  ``ticket`` is the caller's handle
     (supervisor.Ticket), by which a queued request is found and cancelled."""
-    method: str
-    params: object
-    on_reply: Callable
-    timeout: float
-    ticket: object
-    deadline: float | None
-    envelope: Envelope | None = None
+
+    __slots__ = ("method", "params", "on_reply", "timeout", "ticket", "deadline", "envelope")
+
+    def __init__(self, method: str, params: object, on_reply: Callable, timeout: float, ticket: object,
+                 deadline: float | None, envelope: Envelope | None = None):
+        self.method, self.params, self.on_reply, self.timeout = method, params, on_reply, timeout
+        self.ticket, self.deadline, self.envelope = ticket, deadline, envelope
 
 
 class RequestTable:
@@ -12890,17 +12887,14 @@ class CallState(enum.Enum):
     DONE = "done"
 
 
-@dataclass
 class Question:
     """A request an upstream asked the client mid-call, parked for a 2026-07-28 client (which answers it by
-    retrying the call with inputResponses)."""
-    upstream_id: object
-    method: str
-    params: dict
-    asked: bool = False     # already sent to the client in an input_required result
+    retrying the call with inputResponses).  ``asked``: already sent to the client in an input_required result."""
+
+    def __init__(self, upstream_id: object, method: str, params: dict, asked: bool = False):
+        self.upstream_id, self.method, self.params, self.asked = upstream_id, method, params, asked
 
 
-@dataclass
 class ForwardedCall:
     """A client request Coffer sent to an upstream, until its answer reaches the client.
 
@@ -12908,24 +12902,30 @@ class ForwardedCall:
     or, after the upstream asked the client something mid-call, the retry that answered it.  ``sent`` is False
     while questions the upstream asked before the call could carry them are answered first.
     """
-    upstream: Upstream
-    method: str
-    capability: str
-    kind: str | None
-    started: float
-    msg_id: object
-    client_params: dict                   # as the client sent them: what a sealed requestState is bound to
-    upstream_params: dict                 # as sent upstream (original name), for a multi-round-trip retry
-    state: CallState = CallState.ANSWERING
-    ticket: Ticket | None = None
-    held: Reply | None = None             # the upstream's answer, arrived while PARKED
-    exchange: str | None = None           # id in the session's parked exchanges while questions are out
-    questions: dict[str, Question] = dataclasses.field(default_factory=dict)
-    parked_until: float = 0.0
-    rounds: int = 0                       # input_required rounds driven for a handshake-era client
-    progress_token: object = None         # Coffer's own token upstream (2026-07-28 client), mapped to the current
-                                          # client request's token
-    sent: bool = False                    # the call itself has gone upstream
+
+    def __init__(self, upstream: Upstream, method: str, capability: str, kind: str | None, started: float,
+                 msg_id: object, client_params: dict, upstream_params: dict,
+                 state: CallState = CallState.ANSWERING, ticket: Ticket | None = None, held: Reply | None = None,
+                 exchange: str | None = None, questions: dict[str, Question] | None = None,
+                 parked_until: float = 0.0, rounds: int = 0, progress_token: object = None, sent: bool = False):
+        self.upstream = upstream
+        self.method = method
+        self.capability = capability
+        self.kind = kind
+        self.started = started
+        self.msg_id = msg_id
+        self.client_params = client_params      # as the client sent them: what a sealed requestState is bound to
+        self.upstream_params = upstream_params  # as sent upstream (original name), for a multi-round-trip retry
+        self.state = state
+        self.ticket = ticket
+        self.held = held                        # the upstream's answer, arrived while PARKED
+        self.exchange = exchange                # id in the session's parked exchanges while questions are out
+        self.questions: dict[str, Question] = {} if questions is None else questions
+        self.parked_until = parked_until
+        self.rounds = rounds                    # input_required rounds driven for a handshake-era client
+        self.progress_token = progress_token    # Coffer's own token upstream (2026-07-28 client), mapped to the
+                                                # current client request's token
+        self.sent = sent                        # the call itself has gone upstream
 
     @property
     def log_level(self) -> str | None:
@@ -12966,13 +12966,15 @@ class Waiting(NamedTuple):
     deadline: float = 0.0
 
 
-@dataclass
 class OwnRequest:
     """A request Coffer itself sent the client (sampling for coffer__ask): ``done`` is set when ``reply`` (the
     normalized answer) has arrived; ``callback(reply)``, if any, then runs on the client reader thread."""
-    callback: Callable[[dict], None] | None = None
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    reply: dict | None = None
+
+    def __init__(self, callback: Callable[[dict], None] | None = None, done: threading.Event | None = None,
+                 reply: dict | None = None):
+        self.callback = callback
+        self.done = threading.Event() if done is None else done
+        self.reply = reply
 
 
 # ============================================================================================================
@@ -19204,8 +19206,7 @@ def _line_col(text: str, offset: int) -> str:
     return f"line {line} column {offset - (text.rfind(chr(10), 0, offset) + 1) + 1}"
 
 
-@dataclasses.dataclass
-class _ObjectSpan:
+class _ObjectSpan(NamedTuple):
     open: int                  # offset of "{"
     close: int                 # offset of "}"
     members: list              # [(key, key_start, value_start, value_end)] in file order
@@ -19805,8 +19806,7 @@ def append_toml(text: str, block: str) -> str:
 
 # -- where each client keeps its servers ----------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class ClientContext:
+class ClientContext(NamedTuple):
     """The user's home, the project directory and the environment the client files are looked up with."""
     home: str
     cwd: str
@@ -19849,8 +19849,7 @@ GUI_CLIENTS = ("claude-desktop", "cursor", "vscode", "windsurf", "zed")
 
 # -- records -------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class ClientFile:
+class ClientFile(NamedTuple):
     """Where one client keeps MCP servers: a file, the key path of the servers map inside it, its format."""
     client: str
     path: str
@@ -19860,24 +19859,27 @@ class ClientFile:
     project_root: str | None = None
 
 
-@dataclasses.dataclass
 class ImportedServer:
     """One server entry from a client config, normalised to Coffer's shapes and ${NAME} references.
 
     Literal env/header values are still in ``env``/``headers``; the plan moves them to the SecretStore.
     Built and read by the CLI thread only, like every record in this section.
     """
-    name: str                  # as the client calls it
-    client: str
-    path: str
-    kind: str                  # "stdio", "http" or "sse"
-    command: list | None = None
-    env: dict = dataclasses.field(default_factory=dict)
-    cwd: str | None = None
-    url: str | None = None
-    headers: dict = dataclasses.field(default_factory=dict)
-    notes: list = dataclasses.field(default_factory=list)
-    needs: list = dataclasses.field(default_factory=list)   # ${NAME}s the user must still provide
+
+    def __init__(self, name: str, client: str, path: str, kind: str, command: list | None = None,
+                 env: dict | None = None, cwd: str | None = None, url: str | None = None,
+                 headers: dict | None = None, notes: list | None = None, needs: list | None = None):
+        self.name = name                   # as the client calls it
+        self.client = client
+        self.path = path
+        self.kind = kind                   # "stdio", "http" or "sse"
+        self.command = command
+        self.env = {} if env is None else env
+        self.cwd = cwd
+        self.url = url
+        self.headers = {} if headers is None else headers
+        self.notes = [] if notes is None else notes
+        self.needs = [] if needs is None else needs  # ${NAME}s the user must still provide
 
     def identity(self) -> tuple:
         """Same command+args+env, or same url: the same server, whichever client lists it."""
@@ -19886,21 +19888,23 @@ class ImportedServer:
         return ("remote", self.url)
 
 
-@dataclasses.dataclass
 class PlannedServer:
     """A server the import will write: its legal Coffer name and its env/headers with secrets as ${NAME}."""
-    server: ImportedServer
-    name: str                              # the legal Coffer name
-    renamed_because: str | None = None
-    overwrite: bool = False
-    env: dict = dataclasses.field(default_factory=dict)        # with secrets replaced by ${NAME}
-    headers: dict = dataclasses.field(default_factory=dict)
-    command: list | None = None                                # argv with secret-looking arguments as ${NAME}
-    secrets: dict = dataclasses.field(default_factory=dict)    # NAME -> value (never printed)
+
+    def __init__(self, server: ImportedServer, name: str, renamed_because: str | None = None,
+                 overwrite: bool = False, env: dict | None = None, headers: dict | None = None,
+                 command: list | None = None, secrets: dict | None = None):
+        self.server = server
+        self.name = name                                     # the legal Coffer name
+        self.renamed_because = renamed_because
+        self.overwrite = overwrite
+        self.env = {} if env is None else env                # with secrets replaced by ${NAME}
+        self.headers = {} if headers is None else headers
+        self.command = command                               # argv with secret-looking arguments as ${NAME}
+        self.secrets = {} if secrets is None else secrets    # NAME -> value (never printed)
 
 
-@dataclasses.dataclass
-class SkippedServer:
+class SkippedServer(NamedTuple):
     """A client entry the import leaves out, and why (said to the user as is)."""
     name: str
     client: str
@@ -19908,21 +19912,22 @@ class SkippedServer:
     reason: str
 
 
-@dataclasses.dataclass
-class FileProblem:
+class FileProblem(NamedTuple):
     """A whole config file that could not be read, and why; the file itself is left untouched."""
     client: str
     path: str
     reason: str
 
 
-@dataclasses.dataclass
 class ImportPlan:
     """What ``coffer import`` will do (or, with --dry-run, would do); apply_import carries it out."""
-    added: list = dataclasses.field(default_factory=list)       # PlannedServer
-    skipped: list = dataclasses.field(default_factory=list)     # SkippedServer
-    problems: list = dataclasses.field(default_factory=list)    # FileProblem
-    files_read: list = dataclasses.field(default_factory=list)  # ClientFile
+
+    def __init__(self, added: list | None = None, skipped: list | None = None, problems: list | None = None,
+                 files_read: list | None = None):
+        self.added = [] if added is None else added                  # PlannedServer
+        self.skipped = [] if skipped is None else skipped            # SkippedServer
+        self.problems = [] if problems is None else problems         # FileProblem
+        self.files_read = [] if files_read is None else files_read   # ClientFile
 
     @property
     def secrets_moved(self) -> list:
@@ -20476,20 +20481,23 @@ def write_config_file(path: str, text: str, backups: str) -> str | None:
     return backup
 
 
-@dataclasses.dataclass
 class EditResult:
     """What install/uninstall did (or would do) to one client config file."""
-    client: str
-    path: str
-    changed: bool
-    text: str = ""
-    backup: str | None = None
-    removed: list = dataclasses.field(default_factory=list)      # servers --replace took out
-    restored: list = dataclasses.field(default_factory=list)     # servers uninstall put back
-    kept_out: list = dataclasses.field(default_factory=list)     # (name, why) uninstall could not put back
-    stash: str | None = None
-    renamed: list = dataclasses.field(default_factory=list)      # what a --replace moved: sentences for the user
-    notes: list = dataclasses.field(default_factory=list)        # what the user should know about the entry
+
+    def __init__(self, client: str, path: str, changed: bool, text: str = "", backup: str | None = None,
+                 removed: list | None = None, restored: list | None = None, kept_out: list | None = None,
+                 stash: str | None = None, renamed: list | None = None, notes: list | None = None):
+        self.client = client
+        self.path = path
+        self.changed = changed
+        self.text = text
+        self.backup = backup
+        self.removed = [] if removed is None else removed        # servers --replace took out
+        self.restored = [] if restored is None else restored     # servers uninstall put back
+        self.kept_out = [] if kept_out is None else kept_out     # (name, why) uninstall could not put back
+        self.stash = stash
+        self.renamed = [] if renamed is None else renamed        # what a --replace moved: sentences for the user
+        self.notes = [] if notes is None else notes              # what the user should know about the entry
 
 
 def _toml_block(name: str, entry: dict) -> str:
