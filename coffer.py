@@ -90,60 +90,60 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        901  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
       1446  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
       1617  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1973  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2087  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2224  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2410  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3225  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3347  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4113  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4510  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4950  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5849  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6537  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6700  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      6971  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7152  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7779  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9037  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9644  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9752  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10320  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10722  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10913  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11078  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11301  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11892  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12305  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12787  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12905  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13305  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13367  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13531  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13730  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14283  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14680  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15021  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15129  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15799  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16117  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16487  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     16974  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17117  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17567  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18011  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18542  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18912  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19088  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19754  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20627  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     20998  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21308  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21456  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21591  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21782  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22309  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24246  cli                   Command line: coffer's commands.
+      1987  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2101  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2238  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2424  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3239  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3361  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4127  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4524  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      4964  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5863  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6551  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6714  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      6985  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7166  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7793  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9051  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9658  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9766  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10334  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10736  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10927  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11092  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11315  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11906  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12319  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12801  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12919  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13319  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13381  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13545  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13744  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14297  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14694  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15035  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15143  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15813  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16131  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16501  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17031  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17174  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17624  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18068  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18599  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     18969  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19145  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19811  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20684  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21055  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21365  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21513  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21648  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21839  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22366  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24303  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -1699,6 +1699,20 @@ secret_store_log = logging.getLogger('coffer.secret_store')
 # -- private files ----------------------------------------------------------------------------------------------
 
 
+def private_temporary_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file in ``directory``, created 0600 and exclusively (never an existing file or a link followed),
+    opened for writing: its descriptor and path.  tempfile.mkstemp's guarantees, without importing tempfile,
+    which brings shutil and random into a long-running service that has no other use for them."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        path = os.path.join(directory, f"{prefix}{os.urandom(6).hex()}{suffix}")
+        try:
+            return os.open(path, flags, 0o600), path
+        except FileExistsError:
+            continue  # another writer's name: draw again
+    raise FileExistsError(f"no free temporary name in {directory}")
+
+
 def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
     """Replace ``path`` with ``data`` atomically and durably: a reader sees the old file or the new one, never
     half of either, and after a crash the new one is there whole or not at all.
@@ -1709,7 +1723,7 @@ def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
     on failure, with the temporary file removed.  The one way Coffer writes a file it owns or a client config.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".coffer-", suffix=".tmp")
+    fd, temporary = private_temporary_file(directory, ".coffer-", ".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -15956,7 +15970,7 @@ def read_service_file(home: str) -> dict | None:
 def write_service_file(home: str, data: dict) -> None:
     """Write service.json 0600, atomically (a reader sees the old file or the new one, never half)."""
     path = service_file(home)
-    fd, temporary = tempfile.mkstemp(dir=home, prefix=".service-", suffix=".json")
+    fd, temporary = private_temporary_file(home, ".service-", ".json")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             if os.name == "posix":
@@ -16662,6 +16676,7 @@ class SocketOutput:
             with self.lock:
                 self.queue.popleft()
                 self.queued -= len(data)
+            del data  # not held while this thread waits for the next chunk: an answer can be a whole catalogue
 
     def close(self) -> None:
         with self.lock:
@@ -16673,6 +16688,50 @@ class SocketOutput:
             self.conn.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+class _RotatingLog(logging.FileHandler):
+    """A log file that is renamed to .1 (an older .1 to .2, and so on up to ``backups``) before a record would
+    take it to ``max_bytes``: what logging.handlers.RotatingFileHandler does, without importing that module,
+    which brings pickle and socket handlers a long-running service never uses.  Records are written under the
+    handler's lock (logging.Handler.handle), so a rotation is too."""
+
+    def __init__(self, path: str, max_bytes: int, backups: int):
+        super().__init__(path, mode="a", encoding="utf-8")
+        self.max_bytes, self.backups = max_bytes, backups
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if self._full(record):
+                self._rotate()
+            super().emit(record)
+        except Exception:  # noqa: BLE001 - logging's rule: a record that cannot be written is reported, not raised
+            self.handleError(record)
+
+    def _full(self, record: logging.LogRecord) -> bool:
+        if os.path.exists(self.baseFilename) and not os.path.isfile(self.baseFilename):
+            return False  # never rename what is not a regular file (a named pipe, /dev/null)
+        if self.stream is None:
+            self.stream = self._open()
+        self.stream.seek(0, 2)
+        return self.stream.tell() + len(self.format(record) + "\n") >= self.max_bytes
+
+    def _rotate(self) -> None:
+        if self.stream:
+            self.stream.close()
+            self.stream = None
+        for i in range(self.backups - 1, 0, -1):
+            older, newer = f"{self.baseFilename}.{i}", f"{self.baseFilename}.{i + 1}"
+            if os.path.exists(older):
+                if os.path.exists(newer):
+                    os.remove(newer)
+                os.rename(older, newer)
+        first = self.baseFilename + ".1"
+        if os.path.exists(first):
+            os.remove(first)
+        if os.path.exists(self.baseFilename):
+            os.rename(self.baseFilename, first)
+        self.stream = self._open()
 
 
 class _Redacted(logging.Formatter):
@@ -16687,9 +16746,7 @@ def log_to_file(home: str) -> str:
     path = os.path.join(folder, "service.log")
     if not os.path.exists(path):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-    import logging.handlers  # here: the rest of Coffer never needs it, and it costs memory to import
-    handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS,
-                                                   encoding="utf-8")
+    handler = _RotatingLog(path, LOG_BYTES, LOG_BACKUPS)
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
