@@ -92,58 +92,58 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       1617  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
       1987  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
       2101  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2238  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2424  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3239  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3361  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4127  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4524  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4964  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5863  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6551  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6714  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      6985  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7166  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7793  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9051  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9658  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9766  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10334  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10736  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10927  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11092  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11315  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11906  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12319  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12801  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12919  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13319  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13381  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13545  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13744  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14297  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14694  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15035  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15143  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15813  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16131  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16501  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17031  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17174  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17624  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18068  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18599  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18969  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19145  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19811  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20684  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21055  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21365  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21513  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21648  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21839  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22366  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24303  cli                   Command line: coffer's commands.
+      2252  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2438  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3253  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3375  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4141  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4538  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      4978  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5877  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6565  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6744  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7015  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7196  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7823  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9081  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9688  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9796  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10364  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10766  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10957  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11122  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11345  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11936  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12349  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12831  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12949  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13349  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13411  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13575  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13774  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14327  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14724  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15065  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15173  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15843  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16161  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16531  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17061  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17204  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17654  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18098  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18629  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     18999  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19175  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19841  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20714  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21085  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21395  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21543  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21678  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21869  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22396  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24333  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -2212,16 +2212,30 @@ def without_controls(text: str) -> str:
 
 
 def _schema_without_controls(node, depth: int = 0):
-    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is)."""
+    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is).  A
+    part with nothing to remove is returned itself, not copied (a caller that changes the result copies first)."""
     if depth > 64:
         return node
     if isinstance(node, list):
-        return [_schema_without_controls(item, depth + 1) for item in node]
+        cleaned = None
+        for i, item in enumerate(node):
+            new_item = _schema_without_controls(item, depth + 1)
+            if cleaned is None and new_item is not item:
+                cleaned = node[:i]
+            if cleaned is not None:
+                cleaned.append(new_item)
+        return node if cleaned is None else cleaned
     if not isinstance(node, dict):
         return node
-    return {key: (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
-                  value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
-            for key, value in node.items()}
+    cleaned = None
+    for i, (key, value) in enumerate(node.items()):
+        new_value = (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
+                     value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
+        if cleaned is None and new_value is not value:
+            cleaned = dict(itertools.islice(node.items(), i))
+        if cleaned is not None:
+            cleaned[key] = new_value
+    return node if cleaned is None else cleaned
 
 
 def definition_without_controls(kind: str, item: dict) -> dict:
@@ -6651,15 +6665,31 @@ class Rejected(CofferException, ValueError):
 
 
 def _clean_strings(value, depth: int = 0):
-    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep."""
+    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep.
+    A dict or list with nothing to replace is returned itself, not copied: a catalogue's definitions are then
+    the objects its listing was parsed into, not a second set of them (the caller copies what it changes)."""
     if depth > 64:
         raise Rejected("nested more than 64 levels deep")
     if isinstance(value, str):
         return storable(value)
     if isinstance(value, dict):
-        return {storable(k): _clean_strings(v, depth + 1) for k, v in value.items()}
+        cleaned = None
+        for i, (key, item) in enumerate(value.items()):
+            new_key, new_item = storable(key), _clean_strings(item, depth + 1)
+            if cleaned is None and (new_key is not key or new_item is not item):
+                cleaned = dict(itertools.islice(value.items(), i))
+            if cleaned is not None:
+                cleaned[new_key] = new_item
+        return value if cleaned is None else cleaned
     if isinstance(value, list):
-        return [_clean_strings(v, depth + 1) for v in value]
+        cleaned = None
+        for i, item in enumerate(value):
+            new_item = _clean_strings(item, depth + 1)
+            if cleaned is None and new_item is not item:
+                cleaned = value[:i]
+            if cleaned is not None:
+                cleaned.append(new_item)
+        return value if cleaned is None else cleaned
     return value
 
 
@@ -6711,7 +6741,7 @@ def check_definition(kind: str, item) -> dict:
             raise Rejected(f"larger than {MAX_DEFINITION_BYTES} bytes")
     except (ValueError, TypeError, RecursionError) as exc:
         raise Rejected(f"not plain JSON ({exc.__class__.__name__})") from None
-    item = _clean_strings(item)
+    item = dict(_clean_strings(item))  # its own top level: changed below; what it shares is not
     for text_field in ("title", "description", "mimeType"):
         if text_field in item and not isinstance(item[text_field], str):
             del item[text_field]
