@@ -81,69 +81,69 @@ _closed, the remote transports' _stopped and _delivered, InvocationLog's flush r
 
 Contents: the line of coffer.py where each module starts, the module, what it holds.
 
-       146  errors                Errors: the one exception root every Coffer error derives from.
-       194  resources             Package data: the word lists and web assets that ship inside coffer.py.
-       221  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
-       290  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       535  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       799  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       901  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1446  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1617  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1987  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2101  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2252  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2438  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3253  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3375  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4141  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4538  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4978  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5877  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6565  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6744  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      7015  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7196  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7823  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9081  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9688  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9796  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10364  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10766  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10957  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11122  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11345  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     11936  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12349  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12831  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     12949  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13349  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13411  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13575  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13774  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14327  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14724  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15065  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15173  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15843  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16161  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16531  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17061  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17204  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17654  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18098  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18629  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     18999  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19175  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19841  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20714  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21085  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21395  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21543  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21678  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21869  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22396  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24333  cli                   Command line: coffer's commands.
+       145  errors                Errors: the one exception root every Coffer error derives from.
+       193  resources             Package data: the word lists and web assets that ship inside coffer.py.
+       220  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
+       289  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
+       534  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       798  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       900  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1445  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1616  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      1986  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2100  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2251  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2437  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3252  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3374  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4140  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4568  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5008  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5907  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6595  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6774  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7045  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7226  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7853  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9111  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9718  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9826  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10394  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10796  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     10987  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11152  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11375  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     11966  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12379  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12861  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     12979  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13379  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13441  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13605  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13804  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14357  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14754  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15095  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15203  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15873  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16191  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16561  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17091  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17234  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17684  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18128  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18659  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19029  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19205  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19871  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20744  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21115  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21425  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21573  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21708  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21899  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22426  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24364  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -185,7 +185,6 @@ import unicodedata
 import urllib.parse
 import weakref
 from datetime import datetime, timedelta, timezone
-from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Protocol
 from urllib.parse import parse_qsl, urlsplit
@@ -4333,6 +4332,37 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def find_program(name: str, path: str | None) -> str | None:
+    """shutil.which(name, path=path).  On POSIX its lookup is done here, the same way, so that a service starting
+    its upstreams need not import shutil (which loads the bz2 and lzma modules with it); elsewhere (PATHEXT,
+    the current folder first) shutil's own."""
+    if os.name != "posix":
+        return shutil.which(name, path=path)
+    if os.path.dirname(name):
+        return name if _runnable(name) else None
+    if path is None:
+        path = os.environ.get("PATH")
+        if path is None:
+            try:
+                path = os.confstr("CS_PATH")
+            except (AttributeError, ValueError):
+                path = os.defpath
+    if not path:
+        return None  # PATH='' finds nothing, whereas PATH=':' looks in the current folder
+    seen = set()
+    for folder in os.fsdecode(path).split(os.pathsep):
+        if folder not in seen:
+            seen.add(folder)
+            candidate = os.path.join(folder, name)
+            if _runnable(candidate):
+                return candidate
+    return None
+
+
+def _runnable(path: str) -> bool:
+    return os.path.exists(path) and os.access(path, os.F_OK | os.X_OK) and not os.path.isdir(path)
+
+
 class StdioTransport(Transport):
     """An upstream MCP server as a subprocess speaking newline-delimited JSON-RPC on stdin/stdout.
 
@@ -4373,7 +4403,7 @@ class StdioTransport(Transport):
         if self._closed:
             raise UpstreamFailure("stopped before it started")
         argv = list(self.argv)
-        resolved = shutil.which(argv[0], path=self.env.get("PATH"))
+        resolved = find_program(argv[0], self.env.get("PATH"))
         if resolved:
             argv[0] = resolved  # Windows needs npx.cmd spelled out; elsewhere this is harmless
         elif not os.path.dirname(argv[0]):
@@ -24294,9 +24324,10 @@ class WebServer:
         raw = handler.headers.get("Cookie")
         if not raw:
             return None
+        import http.cookies  # here: only the page reads cookies, and most services never serve it
         try:
-            jar = SimpleCookie(raw)
-        except CookieError:
+            jar = http.cookies.SimpleCookie(raw)
+        except http.cookies.CookieError:
             return None
         morsel = jar.get(_cookie_name(handler.server.server_address[1]))
         return morsel.value if morsel is not None else None
@@ -25020,15 +25051,42 @@ package-manager settings) plus its own --env; --inherit-env NAME passes more.
 """
 
 
+def _help_width() -> int:
+    """The width argparse's help is wrapped to: what shutil.get_terminal_size() gives, found without importing
+    shutil (argparse's formatter would, for every parser and argument of every command, and with it the bz2
+    and lzma modules that a relay or the service would then keep for hours)."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
+        except (AttributeError, ValueError, OSError):
+            columns = 80
+    return columns - 2
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
+        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
+
+
+class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
+        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="coffer", description="Coffer: register MCP servers once, use them from every agent.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG, formatter_class=_RawDescriptionFormatter)
     parser.add_argument("--version", action="version", version=f"coffer {__version__}")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND")
 
     def command(name, handler, help_text, **kwargs):
-        p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
+        p = sub.add_parser(name, help=help_text, description=help_text, **{"formatter_class": _HelpFormatter,
+                                                                            **kwargs})
         p.set_defaults(handler=handler)
         return p
 
