@@ -121,29 +121,29 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      13441  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
      13605  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
      13804  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14357  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14754  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15095  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15203  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15873  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16191  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16561  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17091  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17234  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17684  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18128  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18659  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19029  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19205  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19871  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20744  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21115  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21425  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21573  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21708  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21899  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22426  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24364  cli                   Command line: coffer's commands.
+     14366  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14763  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15104  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15212  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     15883  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16201  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16571  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17101  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17244  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17694  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18138  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18669  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19039  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19215  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     19881  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20754  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21125  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21435  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21583  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21718  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     21909  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22436  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24374  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -13953,7 +13953,7 @@ class Hub:
         self.knowledge_tools: list[dict] = []
         self._upstream_client: tuple[dict, dict | None, str] | None = None  # what upstreams are started with
         self._reported_missing = False
-        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see rebuild)
+        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see below)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
@@ -14406,8 +14406,17 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
-        if self.shared:  # what the build and the listing it came from leave freed, once they are gone (ticker)
-            self._trim_at = time.monotonic() + 1.0
+        self.return_memory_when_quiet()  # what the build and the listing it came from leave freed, once gone
+
+    def return_memory_when_quiet(self) -> None:
+        """Shared mode: have the ticker hand freed heap back to the operating system once half a second has
+        passed without another call here.  A build, or an answer to a client (a first tools/list copies and
+        encodes the whole catalogue), leaves memory freed that glibc would otherwise keep for hours; each call
+        pushes the moment back, so a busy service trims in its pauses, not between requests.  Any thread; the
+        ticker may miss a request that races its own trim, which then takes that memory along or leaves it to
+        the next."""
+        if self.shared:
+            self._trim_at = time.monotonic() + 0.5
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind`` (a list waiting), only those with no remembered list of that kind
@@ -15439,6 +15448,7 @@ class ClientSession:
         if not verbatim:
             message = redact.scrub(message)
         self.stream.send(message)
+        self.hub.return_memory_when_quiet()
 
     def _lost_client(self) -> None:
         """The client closed its end (EPIPE): nobody can read an answer any more, so stop working for it."""
