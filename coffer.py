@@ -82,69 +82,69 @@ _closed, the remote transports' _stopped and _delivered, InvocationLog's flush r
 
 Contents: the line of coffer.py where each module starts, the module, what it holds.
 
-       148  errors                Errors: the one exception root every Coffer error derives from.
-       196  resources             Package data: the word lists and web assets that ship inside coffer.py.
-       223  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
-       292  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       537  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       859  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       992  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1537  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1708  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      2064  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2178  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2315  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2514  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3341  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3463  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4229  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4626  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      5066  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5965  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6653  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6816  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      7088  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7269  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7896  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9154  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9761  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9872  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10470  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10872  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     11063  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11228  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11470  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12061  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12474  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     12956  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13069  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13483  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13545  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13709  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13909  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14472  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14869  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15210  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15318  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     15988  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16306  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16694  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17181  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17331  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17781  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18225  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18756  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19126  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19302  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     19970  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20835  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21206  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21516  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21664  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21799  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     21990  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22517  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24454  cli                   Command line: coffer's commands.
+       145  errors                Errors: the one exception root every Coffer error derives from.
+       193  resources             Package data: the word lists and web assets that ship inside coffer.py.
+       220  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
+       289  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
+       534  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       856  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       989  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1534  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1705  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      2075  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2189  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2340  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2539  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3366  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3488  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4254  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4682  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5122  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      6021  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6709  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6888  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7159  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7340  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7967  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9225  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9832  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9943  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10541  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10943  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11134  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11299  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11541  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12132  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12545  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13027  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13145  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13559  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13621  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13785  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13985  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14557  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14954  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15295  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15403  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16074  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16392  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16780  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17310  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17460  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17910  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18354  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18885  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19255  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19431  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20097  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20970  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21341  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21651  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21799  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21934  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22125  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22652  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24590  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -155,7 +155,6 @@ import base64
 import binascii
 import collections
 import contextlib
-import dataclasses
 import enum
 import errno
 import fnmatch
@@ -164,7 +163,6 @@ import gc
 import heapq
 import http
 import importlib
-import inspect
 import itertools
 import json
 import logging
@@ -183,12 +181,11 @@ import struct
 import sys
 import threading
 import time
+import types
 import unicodedata
 import urllib.parse
 import weakref
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Protocol
 from urllib.parse import parse_qsl, urlsplit
@@ -1791,6 +1788,20 @@ secret_store_log = logging.getLogger('coffer.secret_store')
 # -- private files ----------------------------------------------------------------------------------------------
 
 
+def private_temporary_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file in ``directory``, created 0600 and exclusively (never an existing file or a link followed),
+    opened for writing: its descriptor and path.  tempfile.mkstemp's guarantees, without importing tempfile,
+    which brings shutil and random into a long-running service that has no other use for them."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        path = os.path.join(directory, f"{prefix}{os.urandom(6).hex()}{suffix}")
+        try:
+            return os.open(path, flags, 0o600), path
+        except FileExistsError:
+            continue  # another writer's name: draw again
+    raise FileExistsError(f"no free temporary name in {directory}")
+
+
 def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
     """Replace ``path`` with ``data`` atomically and durably: a reader sees the old file or the new one, never
     half of either, and after a crash the new one is there whole or not at all.
@@ -1801,7 +1812,7 @@ def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
     on failure, with the temporary file removed.  The one way Coffer writes a file it owns or a client config.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".coffer-", suffix=".tmp")
+    fd, temporary = private_temporary_file(directory, ".coffer-", ".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -2290,16 +2301,30 @@ def without_controls(text: str) -> str:
 
 
 def _schema_without_controls(node, depth: int = 0):
-    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is)."""
+    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is).  A
+    part with nothing to remove is returned itself, not copied (a caller that changes the result copies first)."""
     if depth > 64:
         return node
     if isinstance(node, list):
-        return [_schema_without_controls(item, depth + 1) for item in node]
+        cleaned = None
+        for i, item in enumerate(node):
+            new_item = _schema_without_controls(item, depth + 1)
+            if cleaned is None and new_item is not item:
+                cleaned = node[:i]
+            if cleaned is not None:
+                cleaned.append(new_item)
+        return node if cleaned is None else cleaned
     if not isinstance(node, dict):
         return node
-    return {key: (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
-                  value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
-            for key, value in node.items()}
+    cleaned = None
+    for i, (key, value) in enumerate(node.items()):
+        new_value = (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
+                     value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
+        if cleaned is None and new_value is not value:
+            cleaned = dict(itertools.islice(node.items(), i))
+        if cleaned is not None:
+            cleaned[key] = new_value
+    return node if cleaned is None else cleaned
 
 
 def definition_without_controls(kind: str, item: dict) -> dict:
@@ -2717,7 +2742,7 @@ def _at_the_vault_boundary(cls):
         return call
 
     for name, member in list(vars(cls).items()):
-        if (name == "__init__" or not name.startswith("_")) and inspect.isfunction(member):
+        if (name == "__init__" or not name.startswith("_")) and isinstance(member, types.FunctionType):
             setattr(cls, name, guarded(member))
     return cls
 
@@ -4422,6 +4447,37 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def find_program(name: str, path: str | None) -> str | None:
+    """shutil.which(name, path=path).  On POSIX its lookup is done here, the same way, so that a service starting
+    its upstreams need not import shutil (which loads the bz2 and lzma modules with it); elsewhere (PATHEXT,
+    the current folder first) shutil's own."""
+    if os.name != "posix":
+        return shutil.which(name, path=path)
+    if os.path.dirname(name):
+        return name if _runnable(name) else None
+    if path is None:
+        path = os.environ.get("PATH")
+        if path is None:
+            try:
+                path = os.confstr("CS_PATH")
+            except (AttributeError, ValueError):
+                path = os.defpath
+    if not path:
+        return None  # PATH='' finds nothing, whereas PATH=':' looks in the current folder
+    seen = set()
+    for folder in os.fsdecode(path).split(os.pathsep):
+        if folder not in seen:
+            seen.add(folder)
+            candidate = os.path.join(folder, name)
+            if _runnable(candidate):
+                return candidate
+    return None
+
+
+def _runnable(path: str) -> bool:
+    return os.path.exists(path) and os.access(path, os.F_OK | os.X_OK) and not os.path.isdir(path)
+
+
 class StdioTransport(Transport):
     """An upstream MCP server as a subprocess speaking newline-delimited JSON-RPC on stdin/stdout.
 
@@ -4462,7 +4518,7 @@ class StdioTransport(Transport):
         if self._closed:
             raise UpstreamFailure("stopped before it started")
         argv = list(self.argv)
-        resolved = shutil.which(argv[0], path=self.env.get("PATH"))
+        resolved = find_program(argv[0], self.env.get("PATH"))
         if resolved:
             argv[0] = resolved  # Windows needs npx.cmd spelled out; elsewhere this is harmless
         elif not os.path.dirname(argv[0]):
@@ -6754,15 +6810,31 @@ class Rejected(CofferException, ValueError):
 
 
 def _clean_strings(value, depth: int = 0):
-    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep."""
+    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep.
+    A dict or list with nothing to replace is returned itself, not copied: a catalogue's definitions are then
+    the objects its listing was parsed into, not a second set of them (the caller copies what it changes)."""
     if depth > 64:
         raise Rejected("nested more than 64 levels deep")
     if isinstance(value, str):
         return storable(value)
     if isinstance(value, dict):
-        return {storable(k): _clean_strings(v, depth + 1) for k, v in value.items()}
+        cleaned = None
+        for i, (key, item) in enumerate(value.items()):
+            new_key, new_item = storable(key), _clean_strings(item, depth + 1)
+            if cleaned is None and (new_key is not key or new_item is not item):
+                cleaned = dict(itertools.islice(value.items(), i))
+            if cleaned is not None:
+                cleaned[new_key] = new_item
+        return value if cleaned is None else cleaned
     if isinstance(value, list):
-        return [_clean_strings(v, depth + 1) for v in value]
+        cleaned = None
+        for i, item in enumerate(value):
+            new_item = _clean_strings(item, depth + 1)
+            if cleaned is None and new_item is not item:
+                cleaned = value[:i]
+            if cleaned is not None:
+                cleaned.append(new_item)
+        return value if cleaned is None else cleaned
     return value
 
 
@@ -6814,7 +6886,7 @@ def check_definition(kind: str, item) -> dict:
             raise Rejected(f"larger than {MAX_DEFINITION_BYTES} bytes")
     except (ValueError, TypeError, RecursionError) as exc:
         raise Rejected(f"not plain JSON ({exc.__class__.__name__})") from None
-    item = _clean_strings(item)
+    item = dict(_clean_strings(item))  # its own top level: changed below; what it shares is not
     for text_field in ("title", "description", "mimeType"):
         if text_field in item and not isinstance(item[text_field], str):
             del item[text_field]
@@ -6905,18 +6977,17 @@ class Pending:
         self.deadline = deadline if deadline is not None else (time.monotonic() + timeout if timeout else None)
 
 
-@dataclass(eq=False)
 class QueuedRequest:
     """A request waiting for its server to be ready.  Its deadline started when it was asked for: waiting for a
     slow or failing server counts against the caller's call_timeout.  ``ticket`` is the caller's handle
     (supervisor.Ticket), by which a queued request is found and cancelled."""
-    method: str
-    params: object
-    on_reply: Callable
-    timeout: float
-    ticket: object
-    deadline: float | None
-    envelope: Envelope | None = None
+
+    __slots__ = ("method", "params", "on_reply", "timeout", "ticket", "deadline", "envelope")
+
+    def __init__(self, method: str, params: object, on_reply: Callable, timeout: float, ticket: object,
+                 deadline: float | None, envelope: Envelope | None = None):
+        self.method, self.params, self.on_reply, self.timeout = method, params, on_reply, timeout
+        self.ticket, self.deadline, self.envelope = ticket, deadline, envelope
 
 
 class RequestTable:
@@ -13057,17 +13128,14 @@ class CallState(enum.Enum):
     DONE = "done"
 
 
-@dataclass
 class Question:
     """A request an upstream asked the client mid-call, parked for a 2026-07-28 client (which answers it by
-    retrying the call with inputResponses)."""
-    upstream_id: object
-    method: str
-    params: dict
-    asked: bool = False     # already sent to the client in an input_required result
+    retrying the call with inputResponses).  ``asked``: already sent to the client in an input_required result."""
+
+    def __init__(self, upstream_id: object, method: str, params: dict, asked: bool = False):
+        self.upstream_id, self.method, self.params, self.asked = upstream_id, method, params, asked
 
 
-@dataclass
 class ForwardedCall:
     """A client request Coffer sent to an upstream, until its answer reaches the client.
 
@@ -13075,24 +13143,30 @@ class ForwardedCall:
     or, after the upstream asked the client something mid-call, the retry that answered it.  ``sent`` is False
     while questions the upstream asked before the call could carry them are answered first.
     """
-    upstream: Upstream
-    method: str
-    capability: str
-    kind: str | None
-    started: float
-    msg_id: object
-    client_params: dict                   # as the client sent them: what a sealed requestState is bound to
-    upstream_params: dict                 # as sent upstream (original name), for a multi-round-trip retry
-    state: CallState = CallState.ANSWERING
-    ticket: Ticket | None = None
-    held: Reply | None = None             # the upstream's answer, arrived while PARKED
-    exchange: str | None = None           # id in the session's parked exchanges while questions are out
-    questions: dict[str, Question] = dataclasses.field(default_factory=dict)
-    parked_until: float = 0.0
-    rounds: int = 0                       # input_required rounds driven for a handshake-era client
-    progress_token: object = None         # Coffer's own token upstream (2026-07-28 client), mapped to the current
-                                          # client request's token
-    sent: bool = False                    # the call itself has gone upstream
+
+    def __init__(self, upstream: Upstream, method: str, capability: str, kind: str | None, started: float,
+                 msg_id: object, client_params: dict, upstream_params: dict,
+                 state: CallState = CallState.ANSWERING, ticket: Ticket | None = None, held: Reply | None = None,
+                 exchange: str | None = None, questions: dict[str, Question] | None = None,
+                 parked_until: float = 0.0, rounds: int = 0, progress_token: object = None, sent: bool = False):
+        self.upstream = upstream
+        self.method = method
+        self.capability = capability
+        self.kind = kind
+        self.started = started
+        self.msg_id = msg_id
+        self.client_params = client_params      # as the client sent them: what a sealed requestState is bound to
+        self.upstream_params = upstream_params  # as sent upstream (original name), for a multi-round-trip retry
+        self.state = state
+        self.ticket = ticket
+        self.held = held                        # the upstream's answer, arrived while PARKED
+        self.exchange = exchange                # id in the session's parked exchanges while questions are out
+        self.questions: dict[str, Question] = {} if questions is None else questions
+        self.parked_until = parked_until
+        self.rounds = rounds                    # input_required rounds driven for a handshake-era client
+        self.progress_token = progress_token    # Coffer's own token upstream (2026-07-28 client), mapped to the
+                                                # current client request's token
+        self.sent = sent                        # the call itself has gone upstream
 
     @property
     def log_level(self) -> str | None:
@@ -13133,13 +13207,15 @@ class Waiting(NamedTuple):
     deadline: float = 0.0
 
 
-@dataclass
 class OwnRequest:
     """A request Coffer itself sent the client (sampling for coffer__ask): ``done`` is set when ``reply`` (the
     normalized answer) has arrived; ``callback(reply)``, if any, then runs on the client reader thread."""
-    callback: Callable[[dict], None] | None = None
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    reply: dict | None = None
+
+    def __init__(self, callback: Callable[[dict], None] | None = None, done: threading.Event | None = None,
+                 reply: dict | None = None):
+        self.callback = callback
+        self.done = threading.Event() if done is None else done
+        self.reply = reply
 
 
 # ============================================================================================================
@@ -14059,7 +14135,7 @@ class Hub:
         self.knowledge_tools: list[dict] = []
         self._upstream_client: tuple[dict, dict | None, str] | None = None  # what upstreams are started with
         self._reported_missing = False
-        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see rebuild)
+        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see below)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
@@ -14522,8 +14598,17 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
-        if self.shared:  # what the build and the listing it came from leave freed, once they are gone (ticker)
-            self._trim_at = time.monotonic() + 1.0
+        self.return_memory_when_quiet()  # what the build and the listing it came from leave freed, once gone
+
+    def return_memory_when_quiet(self) -> None:
+        """Shared mode: have the ticker hand freed heap back to the operating system once half a second has
+        passed without another call here.  A build, or an answer to a client (a first tools/list copies and
+        encodes the whole catalogue), leaves memory freed that glibc would otherwise keep for hours; each call
+        pushes the moment back, so a busy service trims in its pauses, not between requests.  Any thread; the
+        ticker may miss a request that races its own trim, which then takes that memory along or leaves it to
+        the next."""
+        if self.shared:
+            self._trim_at = time.monotonic() + 0.5
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind`` (a list waiting), only those with no remembered list of that kind
@@ -15555,6 +15640,7 @@ class ClientSession:
         if not verbatim:
             message = redact.scrub(message)
         self.stream.send(message)
+        self.hub.return_memory_when_quiet()
 
     def _lost_client(self) -> None:
         """The client closed its end (EPIPE): nobody can read an answer any more, so stop working for it."""
@@ -16146,7 +16232,7 @@ def read_service_file(home: str) -> dict | None:
 def write_service_file(home: str, data: dict) -> None:
     """Write service.json 0600, atomically (a reader sees the old file or the new one, never half)."""
     path = service_file(home)
-    fd, temporary = tempfile.mkstemp(dir=home, prefix=".service-", suffix=".json")
+    fd, temporary = private_temporary_file(home, ".service-", ".json")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             if os.name == "posix":
@@ -16870,6 +16956,7 @@ class SocketOutput:
             with self.lock:
                 self.queue.popleft()
                 self.queued -= len(data)
+            del data  # not held while this thread waits for the next chunk: an answer can be a whole catalogue
 
     def close(self) -> None:
         with self.lock:
@@ -16881,6 +16968,50 @@ class SocketOutput:
             self.conn.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+class _RotatingLog(logging.FileHandler):
+    """A log file that is renamed to .1 (an older .1 to .2, and so on up to ``backups``) before a record would
+    take it to ``max_bytes``: what logging.handlers.RotatingFileHandler does, without importing that module,
+    which brings pickle and socket handlers a long-running service never uses.  Records are written under the
+    handler's lock (logging.Handler.handle), so a rotation is too."""
+
+    def __init__(self, path: str, max_bytes: int, backups: int):
+        super().__init__(path, mode="a", encoding="utf-8")
+        self.max_bytes, self.backups = max_bytes, backups
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if self._full(record):
+                self._rotate()
+            super().emit(record)
+        except Exception:  # noqa: BLE001 - logging's rule: a record that cannot be written is reported, not raised
+            self.handleError(record)
+
+    def _full(self, record: logging.LogRecord) -> bool:
+        if os.path.exists(self.baseFilename) and not os.path.isfile(self.baseFilename):
+            return False  # never rename what is not a regular file (a named pipe, /dev/null)
+        if self.stream is None:
+            self.stream = self._open()
+        self.stream.seek(0, 2)
+        return self.stream.tell() + len(self.format(record) + "\n") >= self.max_bytes
+
+    def _rotate(self) -> None:
+        if self.stream:
+            self.stream.close()
+            self.stream = None
+        for i in range(self.backups - 1, 0, -1):
+            older, newer = f"{self.baseFilename}.{i}", f"{self.baseFilename}.{i + 1}"
+            if os.path.exists(older):
+                if os.path.exists(newer):
+                    os.remove(newer)
+                os.rename(older, newer)
+        first = self.baseFilename + ".1"
+        if os.path.exists(first):
+            os.remove(first)
+        if os.path.exists(self.baseFilename):
+            os.rename(self.baseFilename, first)
+        self.stream = self._open()
 
 
 class _Redacted(logging.Formatter):
@@ -16895,9 +17026,7 @@ def log_to_file(home: str) -> str:
     path = os.path.join(folder, "service.log")
     if not os.path.exists(path):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-    import logging.handlers  # here: the rest of Coffer never needs it, and it costs memory to import
-    handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS,
-                                                   encoding="utf-8")
+    handler = _RotatingLog(path, LOG_BYTES, LOG_BACKUPS)
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -19421,8 +19550,7 @@ def _line_col(text: str, offset: int) -> str:
     return f"line {line} column {offset - (text.rfind(chr(10), 0, offset) + 1) + 1}"
 
 
-@dataclasses.dataclass
-class _ObjectSpan:
+class _ObjectSpan(NamedTuple):
     open: int                  # offset of "{"
     close: int                 # offset of "}"
     members: list              # [(key, key_start, value_start, value_end)] in file order
@@ -20022,8 +20150,7 @@ def append_toml(text: str, block: str) -> str:
 
 # -- where each client keeps its servers ----------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class ClientContext:
+class ClientContext(NamedTuple):
     """The user's home, the project directory and the environment the client files are looked up with."""
     home: str
     cwd: str
@@ -20066,8 +20193,7 @@ GUI_CLIENTS = ("claude-desktop", "cursor", "vscode", "windsurf", "zed")
 
 # -- records -------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class ClientFile:
+class ClientFile(NamedTuple):
     """Where one client keeps MCP servers: a file, the key path of the servers map inside it, its format."""
     client: str
     path: str
@@ -20077,24 +20203,27 @@ class ClientFile:
     project_root: str | None = None
 
 
-@dataclasses.dataclass
 class ImportedServer:
     """One server entry from a client config, normalised to Coffer's shapes and ${NAME} references.
 
     Literal env/header values are still in ``env``/``headers``; the plan moves them to the SecretStore.
     Built and read by the CLI thread only, like every record in this section.
     """
-    name: str                  # as the client calls it
-    client: str
-    path: str
-    kind: str                  # "stdio", "http" or "sse"
-    command: list | None = None
-    env: dict = dataclasses.field(default_factory=dict)
-    cwd: str | None = None
-    url: str | None = None
-    headers: dict = dataclasses.field(default_factory=dict)
-    notes: list = dataclasses.field(default_factory=list)
-    needs: list = dataclasses.field(default_factory=list)   # ${NAME}s the user must still provide
+
+    def __init__(self, name: str, client: str, path: str, kind: str, command: list | None = None,
+                 env: dict | None = None, cwd: str | None = None, url: str | None = None,
+                 headers: dict | None = None, notes: list | None = None, needs: list | None = None):
+        self.name = name                   # as the client calls it
+        self.client = client
+        self.path = path
+        self.kind = kind                   # "stdio", "http" or "sse"
+        self.command = command
+        self.env = {} if env is None else env
+        self.cwd = cwd
+        self.url = url
+        self.headers = {} if headers is None else headers
+        self.notes = [] if notes is None else notes
+        self.needs = [] if needs is None else needs  # ${NAME}s the user must still provide
 
     def identity(self) -> tuple:
         """Same command+args+env, or same url: the same server, whichever client lists it."""
@@ -20103,21 +20232,23 @@ class ImportedServer:
         return ("remote", self.url)
 
 
-@dataclasses.dataclass
 class PlannedServer:
     """A server the import will write: its legal Coffer name and its env/headers with secrets as ${NAME}."""
-    server: ImportedServer
-    name: str                              # the legal Coffer name
-    renamed_because: str | None = None
-    overwrite: bool = False
-    env: dict = dataclasses.field(default_factory=dict)        # with secrets replaced by ${NAME}
-    headers: dict = dataclasses.field(default_factory=dict)
-    command: list | None = None                                # argv with secret-looking arguments as ${NAME}
-    secrets: dict = dataclasses.field(default_factory=dict)    # NAME -> value (never printed)
+
+    def __init__(self, server: ImportedServer, name: str, renamed_because: str | None = None,
+                 overwrite: bool = False, env: dict | None = None, headers: dict | None = None,
+                 command: list | None = None, secrets: dict | None = None):
+        self.server = server
+        self.name = name                                     # the legal Coffer name
+        self.renamed_because = renamed_because
+        self.overwrite = overwrite
+        self.env = {} if env is None else env                # with secrets replaced by ${NAME}
+        self.headers = {} if headers is None else headers
+        self.command = command                               # argv with secret-looking arguments as ${NAME}
+        self.secrets = {} if secrets is None else secrets    # NAME -> value (never printed)
 
 
-@dataclasses.dataclass
-class SkippedServer:
+class SkippedServer(NamedTuple):
     """A client entry the import leaves out, and why (said to the user as is)."""
     name: str
     client: str
@@ -20125,21 +20256,22 @@ class SkippedServer:
     reason: str
 
 
-@dataclasses.dataclass
-class FileProblem:
+class FileProblem(NamedTuple):
     """A whole config file that could not be read, and why; the file itself is left untouched."""
     client: str
     path: str
     reason: str
 
 
-@dataclasses.dataclass
 class ImportPlan:
     """What ``coffer import`` will do (or, with --dry-run, would do); apply_import carries it out."""
-    added: list = dataclasses.field(default_factory=list)       # PlannedServer
-    skipped: list = dataclasses.field(default_factory=list)     # SkippedServer
-    problems: list = dataclasses.field(default_factory=list)    # FileProblem
-    files_read: list = dataclasses.field(default_factory=list)  # ClientFile
+
+    def __init__(self, added: list | None = None, skipped: list | None = None, problems: list | None = None,
+                 files_read: list | None = None):
+        self.added = [] if added is None else added                  # PlannedServer
+        self.skipped = [] if skipped is None else skipped            # SkippedServer
+        self.problems = [] if problems is None else problems         # FileProblem
+        self.files_read = [] if files_read is None else files_read   # ClientFile
 
     @property
     def secrets_moved(self) -> list:
@@ -20693,20 +20825,23 @@ def write_config_file(path: str, text: str, backups: str) -> str | None:
     return backup
 
 
-@dataclasses.dataclass
 class EditResult:
     """What install/uninstall did (or would do) to one client config file."""
-    client: str
-    path: str
-    changed: bool
-    text: str = ""
-    backup: str | None = None
-    removed: list = dataclasses.field(default_factory=list)      # servers --replace took out
-    restored: list = dataclasses.field(default_factory=list)     # servers uninstall put back
-    kept_out: list = dataclasses.field(default_factory=list)     # (name, why) uninstall could not put back
-    stash: str | None = None
-    renamed: list = dataclasses.field(default_factory=list)      # what a --replace moved: sentences for the user
-    notes: list = dataclasses.field(default_factory=list)        # what the user should know about the entry
+
+    def __init__(self, client: str, path: str, changed: bool, text: str = "", backup: str | None = None,
+                 removed: list | None = None, restored: list | None = None, kept_out: list | None = None,
+                 stash: str | None = None, renamed: list | None = None, notes: list | None = None):
+        self.client = client
+        self.path = path
+        self.changed = changed
+        self.text = text
+        self.backup = backup
+        self.removed = [] if removed is None else removed        # servers --replace took out
+        self.restored = [] if restored is None else restored     # servers uninstall put back
+        self.kept_out = [] if kept_out is None else kept_out     # (name, why) uninstall could not put back
+        self.stash = stash
+        self.renamed = [] if renamed is None else renamed        # what a --replace moved: sentences for the user
+        self.notes = [] if notes is None else notes              # what the user should know about the entry
 
 
 def _toml_block(name: str, entry: dict) -> str:
@@ -24416,9 +24551,10 @@ class WebServer:
         raw = handler.headers.get("Cookie")
         if not raw:
             return None
+        import http.cookies  # here: only the page reads cookies, and most services never serve it
         try:
-            jar = SimpleCookie(raw)
-        except CookieError:
+            jar = http.cookies.SimpleCookie(raw)
+        except http.cookies.CookieError:
             return None
         morsel = jar.get(_cookie_name(handler.server.server_address[1]))
         return morsel.value if morsel is not None else None
@@ -25142,15 +25278,42 @@ package-manager settings) plus its own --env; --inherit-env NAME passes more.
 """
 
 
+def _help_width() -> int:
+    """The width argparse's help is wrapped to: what shutil.get_terminal_size() gives, found without importing
+    shutil (argparse's formatter would, for every parser and argument of every command, and with it the bz2
+    and lzma modules that a relay or the service would then keep for hours)."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
+        except (AttributeError, ValueError, OSError):
+            columns = 80
+    return columns - 2
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
+        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
+
+
+class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
+        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="coffer", description="Coffer: register MCP servers once, use them from every agent.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG, formatter_class=_RawDescriptionFormatter)
     parser.add_argument("--version", action="version", version=f"coffer {__version__}")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND")
 
     def command(name, handler, help_text, **kwargs):
-        p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
+        p = sub.add_parser(name, help=help_text, description=help_text, **{"formatter_class": _HelpFormatter,
+                                                                            **kwargs})
         p.set_defaults(handler=handler)
         return p
 

@@ -320,6 +320,33 @@ def test_the_service_log_holds_no_secret(service_home, raw_gateway):
     assert (os.stat(service_home / "logs" / "service.log").st_mode & 0o777) == 0o600
 
 
+def test_the_service_log_rotates_keeping_its_last_backups(tmp_path, monkeypatch):
+    """Past its size the service's log moves to service.log.1 (.1 to .2, ...); only LOG_BACKUPS old files stay,
+    and no record is lost or reordered across them."""
+    import logging
+    import re
+
+    from coffer_src.service import server
+
+    monkeypatch.setattr(server, "LOG_BYTES", 500)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        server.log_to_file(str(tmp_path))
+        for n in range(60):
+            logging.getLogger("coffer_src.test").info("record %03d %s", n, "x" * 40)
+        root.handlers[0].close()
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    logs = tmp_path / "logs"
+    names = ["service.log.3", "service.log.2", "service.log.1", "service.log"]  # oldest first
+    assert sorted(os.listdir(logs)) == sorted(names)
+    assert all(os.path.getsize(logs / name) < 500 for name in names)
+    kept = [int(n) for name in names for n in re.findall(r"record (\d+)", (logs / name).read_text())]
+    assert kept == list(range(kept[0], 60)) and kept[0] > 0
+
+
 def test_a_newer_coffer_takes_over_without_dropping_a_session(service_home, tmp_path):
     log = tmp_path / "spawns"
     cli("add", "a", "--", *FAKE, "--spawn-log", str(log))

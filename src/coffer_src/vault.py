@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import inspect
 import json
 import logging
 import os
@@ -12,6 +11,7 @@ import shlex
 import sqlite3
 import stat
 import time
+import types
 from datetime import datetime, timedelta, timezone
 from typing import NamedTuple
 
@@ -164,7 +164,7 @@ def _at_the_vault_boundary(cls):
         return call
 
     for name, member in list(vars(cls).items()):
-        if (name == "__init__" or not name.startswith("_")) and inspect.isfunction(member):
+        if (name == "__init__" or not name.startswith("_")) and isinstance(member, types.FunctionType):
             setattr(cls, name, guarded(member))
     return cls
 

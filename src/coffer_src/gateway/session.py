@@ -227,6 +227,7 @@ class ClientSession:
         if not verbatim:
             message = redact.scrub(message)
         self.stream.send(message)
+        self.hub.return_memory_when_quiet()
 
     def _lost_client(self) -> None:
         """The client closed its end (EPIPE): nobody can read an answer any more, so stop working for it."""
