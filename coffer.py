@@ -98,53 +98,53 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       3366  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
       3488  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
       4254  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4682  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      5122  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      6021  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6709  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6888  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      7159  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7340  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7967  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9225  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9832  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9943  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10541  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10943  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     11134  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11299  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11541  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12132  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12545  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13027  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13145  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13559  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13621  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13785  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     13985  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14557  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14954  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15295  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15403  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16074  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16392  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16780  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17310  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17460  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17910  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18354  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18885  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19255  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19431  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20097  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20970  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21341  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21651  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21799  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21934  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22125  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22652  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24590  cli                   Command line: coffer's commands.
+      4651  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5091  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5990  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6678  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6857  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7128  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7309  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7936  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9194  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9801  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9912  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10510  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10912  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11103  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11268  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11510  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12101  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12514  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     12996  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13114  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13528  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13590  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13754  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     13954  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14526  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     14923  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15264  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15372  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16043  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16361  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16749  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17279  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17429  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17879  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18323  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18854  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19224  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19400  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20066  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20939  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21310  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21620  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21768  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21903  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22094  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22621  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24559  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -4447,37 +4447,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def find_program(name: str, path: str | None) -> str | None:
-    """shutil.which(name, path=path).  On POSIX its lookup is done here, the same way, so that a service starting
-    its upstreams need not import shutil (which loads the bz2 and lzma modules with it); elsewhere (PATHEXT,
-    the current folder first) shutil's own."""
-    if os.name != "posix":
-        return shutil.which(name, path=path)
-    if os.path.dirname(name):
-        return name if _runnable(name) else None
-    if path is None:
-        path = os.environ.get("PATH")
-        if path is None:
-            try:
-                path = os.confstr("CS_PATH")
-            except (AttributeError, ValueError):
-                path = os.defpath
-    if not path:
-        return None  # PATH='' finds nothing, whereas PATH=':' looks in the current folder
-    seen = set()
-    for folder in os.fsdecode(path).split(os.pathsep):
-        if folder not in seen:
-            seen.add(folder)
-            candidate = os.path.join(folder, name)
-            if _runnable(candidate):
-                return candidate
-    return None
-
-
-def _runnable(path: str) -> bool:
-    return os.path.exists(path) and os.access(path, os.F_OK | os.X_OK) and not os.path.isdir(path)
-
-
 class StdioTransport(Transport):
     """An upstream MCP server as a subprocess speaking newline-delimited JSON-RPC on stdin/stdout.
 
@@ -4518,7 +4487,7 @@ class StdioTransport(Transport):
         if self._closed:
             raise UpstreamFailure("stopped before it started")
         argv = list(self.argv)
-        resolved = find_program(argv[0], self.env.get("PATH"))
+        resolved = shutil.which(argv[0], path=self.env.get("PATH"))
         if resolved:
             argv[0] = resolved  # Windows needs npx.cmd spelled out; elsewhere this is harmless
         elif not os.path.dirname(argv[0]):
@@ -25278,42 +25247,15 @@ package-manager settings) plus its own --env; --inherit-env NAME passes more.
 """
 
 
-def _help_width() -> int:
-    """The width argparse's help is wrapped to: what shutil.get_terminal_size() gives, found without importing
-    shutil (argparse's formatter would, for every parser and argument of every command, and with it the bz2
-    and lzma modules that a relay or the service would then keep for hours)."""
-    try:
-        columns = int(os.environ["COLUMNS"])
-    except (KeyError, ValueError):
-        columns = 0
-    if columns <= 0:
-        try:
-            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
-        except (AttributeError, ValueError, OSError):
-            columns = 80
-    return columns - 2
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
-        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
-
-
-class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter):
-    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
-        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="coffer", description="Coffer: register MCP servers once, use them from every agent.",
-        epilog=EPILOG, formatter_class=_RawDescriptionFormatter)
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"coffer {__version__}")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND")
 
     def command(name, handler, help_text, **kwargs):
-        p = sub.add_parser(name, help=help_text, description=help_text, **{"formatter_class": _HelpFormatter,
-                                                                            **kwargs})
+        p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
         p.set_defaults(handler=handler)
         return p
 

@@ -700,42 +700,15 @@ package-manager settings) plus its own --env; --inherit-env NAME passes more.
 """
 
 
-def _help_width() -> int:
-    """The width argparse's help is wrapped to: what shutil.get_terminal_size() gives, found without importing
-    shutil (argparse's formatter would, for every parser and argument of every command, and with it the bz2
-    and lzma modules that a relay or the service would then keep for hours)."""
-    try:
-        columns = int(os.environ["COLUMNS"])
-    except (KeyError, ValueError):
-        columns = 0
-    if columns <= 0:
-        try:
-            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
-        except (AttributeError, ValueError, OSError):
-            columns = 80
-    return columns - 2
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
-        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
-
-
-class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter):
-    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
-        super().__init__(prog, indent_increment, max_help_position, _help_width() if width is None else width)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="coffer", description="Coffer: register MCP servers once, use them from every agent.",
-        epilog=EPILOG, formatter_class=_RawDescriptionFormatter)
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"coffer {__version__}")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND")
 
     def command(name, handler, help_text, **kwargs):
-        p = sub.add_parser(name, help=help_text, description=help_text, **{"formatter_class": _HelpFormatter,
-                                                                            **kwargs})
+        p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
         p.set_defaults(handler=handler)
         return p
 

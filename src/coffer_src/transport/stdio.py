@@ -134,37 +134,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def find_program(name: str, path: str | None) -> str | None:
-    """shutil.which(name, path=path).  On POSIX its lookup is done here, the same way, so that a service starting
-    its upstreams need not import shutil (which loads the bz2 and lzma modules with it); elsewhere (PATHEXT,
-    the current folder first) shutil's own."""
-    if os.name != "posix":
-        return shutil.which(name, path=path)
-    if os.path.dirname(name):
-        return name if _runnable(name) else None
-    if path is None:
-        path = os.environ.get("PATH")
-        if path is None:
-            try:
-                path = os.confstr("CS_PATH")
-            except (AttributeError, ValueError):
-                path = os.defpath
-    if not path:
-        return None  # PATH='' finds nothing, whereas PATH=':' looks in the current folder
-    seen = set()
-    for folder in os.fsdecode(path).split(os.pathsep):
-        if folder not in seen:
-            seen.add(folder)
-            candidate = os.path.join(folder, name)
-            if _runnable(candidate):
-                return candidate
-    return None
-
-
-def _runnable(path: str) -> bool:
-    return os.path.exists(path) and os.access(path, os.F_OK | os.X_OK) and not os.path.isdir(path)
-
-
 class StdioTransport(Transport):
     """An upstream MCP server as a subprocess speaking newline-delimited JSON-RPC on stdin/stdout.
 
@@ -205,7 +174,7 @@ class StdioTransport(Transport):
         if self._closed:
             raise UpstreamFailure("stopped before it started")
         argv = list(self.argv)
-        resolved = find_program(argv[0], self.env.get("PATH"))
+        resolved = shutil.which(argv[0], path=self.env.get("PATH"))
         if resolved:
             argv[0] = resolved  # Windows needs npx.cmd spelled out; elsewhere this is harmless
         elif not os.path.dirname(argv[0]):
