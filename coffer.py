@@ -129,22 +129,22 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      16043  service.channel       Service channel: the private local link between `coffer serve` and the service.
      16361  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
      16749  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17279  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17429  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17879  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18323  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18854  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19224  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19400  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20066  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20939  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21310  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21620  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21768  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21903  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22094  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22621  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24559  cli                   Command line: coffer's commands.
+     17284  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17434  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17884  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18328  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18859  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19229  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19405  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20071  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20944  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21315  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21625  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21773  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21908  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22099  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22626  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24564  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -16982,6 +16982,13 @@ class _RotatingLog(logging.FileHandler):
             os.rename(self.baseFilename, first)
         self.stream = self._open()
 
+    def _open(self):
+        """The file as logging opens it, but created private (0600) whatever the umask: a new file after each
+        rotation too."""
+        if not os.path.exists(self.baseFilename):
+            os.close(os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        return super()._open()
+
 
 class _Redacted(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -16993,8 +17000,6 @@ def log_to_file(home: str) -> str:
     folder = os.path.join(home, "logs")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, "service.log")
-    if not os.path.exists(path):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
     handler = _RotatingLog(path, LOG_BYTES, LOG_BACKUPS)
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()

@@ -325,10 +325,12 @@ def test_the_service_log_rotates_keeping_its_last_backups(tmp_path, monkeypatch)
     and no record is lost or reordered across them."""
     import logging
     import re
+    import stat
 
     from coffer_src.service import server
 
     monkeypatch.setattr(server, "LOG_BYTES", 500)
+    previous_umask = os.umask(0o022)  # what most users have: files 0644 unless made private
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     try:
@@ -337,6 +339,7 @@ def test_the_service_log_rotates_keeping_its_last_backups(tmp_path, monkeypatch)
             logging.getLogger("coffer_src.test").info("record %03d %s", n, "x" * 40)
         root.handlers[0].close()
     finally:
+        os.umask(previous_umask)
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
     logs = tmp_path / "logs"
@@ -345,6 +348,8 @@ def test_the_service_log_rotates_keeping_its_last_backups(tmp_path, monkeypatch)
     assert all(os.path.getsize(logs / name) < 500 for name in names)
     kept = [int(n) for name in names for n in re.findall(r"record (\d+)", (logs / name).read_text())]
     assert kept == list(range(kept[0], 60)) and kept[0] > 0
+    # each file is the user's alone, the ones opened after a rotation too, whatever the umask
+    assert all(stat.S_IMODE(os.stat(logs / name).st_mode) == 0o600 for name in names)
 
 
 def test_a_newer_coffer_takes_over_without_dropping_a_session(service_home, tmp_path):

@@ -191,6 +191,13 @@ class _RotatingLog(logging.FileHandler):
             os.rename(self.baseFilename, first)
         self.stream = self._open()
 
+    def _open(self):
+        """The file as logging opens it, but created private (0600) whatever the umask: a new file after each
+        rotation too."""
+        if not os.path.exists(self.baseFilename):
+            os.close(os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        return super()._open()
+
 
 class _Redacted(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -202,8 +209,6 @@ def log_to_file(home: str) -> str:
     folder = os.path.join(home, "logs")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, "service.log")
-    if not os.path.exists(path):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
     handler = _RotatingLog(path, LOG_BYTES, LOG_BACKUPS)
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
