@@ -28,6 +28,7 @@ from evals.bench import (
     COFFER,
     MODERN,
     PY,
+    RELAY,
     Path_,
     Upstream,
     base_catalog,
@@ -65,6 +66,13 @@ def serve_params(home: Path, mode: str):
     env = {**os.environ, "COFFER_HOME": str(home), "COFFER_SERVE_MODE": mode}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # the service is started from bytecode, as an installed one is
     return StdioServerParameters(command=PY, args=args, env=env)
+
+
+def floor_params(home: Path):
+    """`coffer serve --standalone` behind passthrough_relay.py (a relay that copies lines and parses nothing): what
+    any process hop in Python costs on this machine, measured beside the relay's own hop."""
+    params = serve_params(home, "standalone")
+    return type(params)(command=PY, args=[RELAY, params.command, *params.args], env=params.env)
 
 
 def make_home(workdir: Path, name: str, upstreams: list[Upstream], settings: dict | None = None) -> Path:
@@ -129,23 +137,26 @@ async def bench_service(args, report, workdir: Path, errlog) -> None:
     fx = make_upstream("fx", "fx", workdir)
     home = make_home(workdir, "service-hop", [fx])
     paths = [Path_("standalone", serve_params(home, "standalone"), "__"),
-             Path_("service", serve_params(home, "service"), "__")]
+             Path_("service", serve_params(home, "service"), "__"),
+             Path_("hop floor", floor_params(home), "__")]
     try:
         log(f"[7a] relay + service vs standalone: {args.calls} calls per path")
         samples = await bench_latency(paths, fx, args.calls, args.calls, args.batch, min(50, args.calls // 10),
                                       errlog)
         rows, latency = latency_rows("fx.echo", samples, baseline="standalone")
-        report.table("7a. call overhead of the relay hop (fixture echo; added vs standalone)",
+        report.table("7a. call overhead of the relay hop (fixture echo; added vs standalone; the hop floor: standalone "
+                     "behind a parse-nothing Python relay)",
                      ["tool", "path", "n", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "ratio"], rows)
         data["latency"] = latency
         data["added_p50_ms"] = latency["service"]["added_p50_ms"]
         levels = [int(x) for x in args.inflight.split(",")]
         log(f"[7b] throughput at {levels} in flight")
         rates = await bench_throughput(paths, fx, levels, args.throughput_calls, args.throughput_rounds, errlog)
-        report.table("7b. throughput (calls/s), service vs standalone",
-                     ["in flight", "standalone", "service", "ratio"],
+        report.table("7b. throughput (calls/s), service vs standalone (and the hop floor's)",
+                     ["in flight", "standalone", "service", "ratio", "hop floor", "its ratio"],
                      [[lv, rates["standalone"][lv], rates["service"][lv],
-                       f"{rates['service'][lv] / rates['standalone'][lv]:.2f}x"] for lv in levels])
+                       f"{rates['service'][lv] / rates['standalone'][lv]:.2f}x", rates["hop floor"][lv],
+                       f"{rates['hop floor'][lv] / rates['standalone'][lv]:.2f}x"] for lv in levels])
         data["throughput"] = rates
         for lv in levels:
             data[f"throughput_ratio_{lv}"] = rates["service"][lv] / rates["standalone"][lv]
