@@ -112,39 +112,39 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      10751  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
      10959  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
      11151  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11376  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11599  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12190  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12603  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13085  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13198  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13596  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13658  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13822  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14021  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14584  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     14981  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15322  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15430  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16100  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16418  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16806  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17293  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17436  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17886  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18330  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18861  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19231  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19407  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20075  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20940  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21311  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21621  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21769  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21904  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22095  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22623  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24560  cli                   Command line: coffer's commands.
+     11397  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11620  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12211  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12624  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13106  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13219  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13617  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13679  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13843  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14042  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14605  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15002  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15343  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15451  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16121  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16439  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16827  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17314  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17457  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17907  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18351  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18882  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19252  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19428  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20096  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20961  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21332  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21642  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21790  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21925  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22116  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22644  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24581  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -11286,7 +11286,7 @@ class SearchPreference:
         self.cap, self.similarity, self.smoothing = cap, similarity, smoothing
         self.candidates, self.memory = candidates, memory
         self._lock = threading.Lock()
-        self._entries: dict[int, tuple[frozenset, str]] = {}  # entry number -> (query terms, tool picked)
+        self._entries: dict[int, tuple[frozenset, str, float]] = {}  # number -> (query terms, tool picked, when)
         self._postings: dict[str, set[int]] = {}              # term -> the entries whose query has it
         self._keys: set[str] = set()                          # feedback rows already learnt (load vs listener)
         self._next = 0
@@ -11294,9 +11294,10 @@ class SearchPreference:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def learn(self, query: str, chosen: str, key: str | None = None) -> None:
-        """One labelled search: ``query`` led to a call of ``chosen``.  A row already learnt (``key``) is not
-        learnt twice; past ``memory`` entries the oldest is forgotten."""
+    def learn(self, query: str, chosen: str, key: str | None = None, when: float | None = None) -> None:
+        """One labelled search: ``query`` led to a call of ``chosen`` (at ``when``, epoch seconds: now unless
+        given).  A row already learnt (``key``) is not learnt twice; past ``memory`` entries the oldest is
+        forgotten."""
         if not chosen or chosen.startswith(_OWN_PREFIX):
             return
         terms = frozenset(tokenize(bounded_query(query)))
@@ -11309,14 +11310,24 @@ class SearchPreference:
                 self._keys.add(key)
             number = self._next
             self._next += 1
-            self._entries[number] = (terms, chosen)
+            self._entries[number] = (terms, chosen, time.time() if when is None else when)
             for term in terms:
                 self._postings.setdefault(term, set()).add(number)
             while len(self._entries) > self.memory:
                 self._forget(next(iter(self._entries)))
 
+    def expire(self, before: float) -> None:
+        """Forget what was learnt before ``before`` (epoch seconds), as the vault's retention prunes its rows;
+        entries are kept in the order learnt, which is the order of their searches but for a late label."""
+        with self._lock:
+            while self._entries:
+                number = next(iter(self._entries))
+                if self._entries[number][2] >= before:
+                    break
+                self._forget(number)
+
     def _forget(self, number: int) -> None:
-        terms, _ = self._entries.pop(number)
+        terms = self._entries.pop(number)[0]
         for term in terms:
             holders = self._postings[term]
             holders.discard(number)
@@ -11328,7 +11339,7 @@ class SearchPreference:
         try:
             db = connect_vault_db(path)
             try:
-                rows = db.execute("SELECT key, query, chosen FROM search_feedback WHERE chosen IS NOT NULL "
+                rows = db.execute("SELECT key, ts, query, chosen FROM search_feedback WHERE chosen IS NOT NULL "
                                   "ORDER BY id DESC LIMIT ?", (self.memory,)).fetchall()
             finally:
                 db.close()
@@ -11337,7 +11348,11 @@ class SearchPreference:
                                    "without it", exc)
             return
         for row in reversed(rows):
-            self.learn(row["query"], row["chosen"], row["key"])
+            try:
+                when = datetime.fromisoformat(row["ts"].replace("Z", "+00:00")).timestamp()
+            except (ValueError, AttributeError):
+                when = None
+            self.learn(row["query"], row["chosen"], row["key"], when)
 
     def _idf(self, term: str, documents: int) -> float:
         return math.log(1.0 + documents / (len(self._postings.get(term, ())) + 0.5))
@@ -11357,7 +11372,7 @@ class SearchPreference:
             for term in terms:
                 near.update(self._postings.get(term, ()))
             for number in near:
-                past, chosen = self._entries[number]
+                past, chosen, _ = self._entries[number]
                 shared = sum(weight[term] ** 2 for term in terms & past)
                 past_norm = math.sqrt(sum(self._idf(term, documents) ** 2 for term in past))
                 similarity = shared / (norm * past_norm) if norm and past_norm else 0.0
@@ -11421,6 +11436,9 @@ _PREFERENCES_LOCK = threading.Lock()
 def search_preference(path: str) -> SearchPreference:
     """The process's preference for the coffer.db at ``path``: loaded on first use, then taught by that
     coffer.db's feedback recorder each time a search is labelled."""
+    preference = _PREFERENCES.get(path)  # a search's usual case: no lock
+    if preference is not None:
+        return preference
     recorder = feedback_recorder(path)
     with _PREFERENCES_LOCK:
         preference = _PREFERENCES.get(path)
@@ -11434,10 +11452,13 @@ def search_preference(path: str) -> SearchPreference:
 
 def active_preference(settings: dict, path: str) -> SearchPreference | None:
     """The preference a gateway's searches get: None unless search_feedback (which teaches it) and
-    search_preference are on."""
+    search_preference are on; what it learnt longer ago than the search feedback is kept
+    (retention_invocations_days) forgotten."""
     if settings.get("search_feedback") != "on" or settings.get("search_preference") != "on":
         return None
-    return search_preference(path)
+    preference = search_preference(path)
+    preference.expire(time.time() - float(settings.get("retention_invocations_days", 30)) * 86400.0)
+    return preference
 
 
 def learnt_from(searches: Iterable[tuple[str, str]], **knobs) -> SearchPreference:

@@ -30,6 +30,8 @@ import logging
 import math
 import sqlite3
 import threading
+import time
+from datetime import datetime
 from typing import Iterable, NamedTuple
 
 from coffer_src.names import RESERVED_SERVER, SEPARATOR
@@ -76,7 +78,7 @@ class SearchPreference:
         self.cap, self.similarity, self.smoothing = cap, similarity, smoothing
         self.candidates, self.memory = candidates, memory
         self._lock = threading.Lock()
-        self._entries: dict[int, tuple[frozenset, str]] = {}  # entry number -> (query terms, tool picked)
+        self._entries: dict[int, tuple[frozenset, str, float]] = {}  # number -> (query terms, tool picked, when)
         self._postings: dict[str, set[int]] = {}              # term -> the entries whose query has it
         self._keys: set[str] = set()                          # feedback rows already learnt (load vs listener)
         self._next = 0
@@ -84,9 +86,10 @@ class SearchPreference:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def learn(self, query: str, chosen: str, key: str | None = None) -> None:
-        """One labelled search: ``query`` led to a call of ``chosen``.  A row already learnt (``key``) is not
-        learnt twice; past ``memory`` entries the oldest is forgotten."""
+    def learn(self, query: str, chosen: str, key: str | None = None, when: float | None = None) -> None:
+        """One labelled search: ``query`` led to a call of ``chosen`` (at ``when``, epoch seconds: now unless
+        given).  A row already learnt (``key``) is not learnt twice; past ``memory`` entries the oldest is
+        forgotten."""
         if not chosen or chosen.startswith(_OWN_PREFIX):
             return
         terms = frozenset(tokenize(bounded_query(query)))
@@ -99,14 +102,24 @@ class SearchPreference:
                 self._keys.add(key)
             number = self._next
             self._next += 1
-            self._entries[number] = (terms, chosen)
+            self._entries[number] = (terms, chosen, time.time() if when is None else when)
             for term in terms:
                 self._postings.setdefault(term, set()).add(number)
             while len(self._entries) > self.memory:
                 self._forget(next(iter(self._entries)))
 
+    def expire(self, before: float) -> None:
+        """Forget what was learnt before ``before`` (epoch seconds), as the vault's retention prunes its rows;
+        entries are kept in the order learnt, which is the order of their searches but for a late label."""
+        with self._lock:
+            while self._entries:
+                number = next(iter(self._entries))
+                if self._entries[number][2] >= before:
+                    break
+                self._forget(number)
+
     def _forget(self, number: int) -> None:
-        terms, _ = self._entries.pop(number)
+        terms = self._entries.pop(number)[0]
         for term in terms:
             holders = self._postings[term]
             holders.discard(number)
@@ -118,7 +131,7 @@ class SearchPreference:
         try:
             db = connect_vault_db(path)
             try:
-                rows = db.execute("SELECT key, query, chosen FROM search_feedback WHERE chosen IS NOT NULL "
+                rows = db.execute("SELECT key, ts, query, chosen FROM search_feedback WHERE chosen IS NOT NULL "
                                   "ORDER BY id DESC LIMIT ?", (self.memory,)).fetchall()
             finally:
                 db.close()
@@ -127,7 +140,11 @@ class SearchPreference:
                                    "without it", exc)
             return
         for row in reversed(rows):
-            self.learn(row["query"], row["chosen"], row["key"])
+            try:
+                when = datetime.fromisoformat(row["ts"].replace("Z", "+00:00")).timestamp()
+            except (ValueError, AttributeError):
+                when = None
+            self.learn(row["query"], row["chosen"], row["key"], when)
 
     def _idf(self, term: str, documents: int) -> float:
         return math.log(1.0 + documents / (len(self._postings.get(term, ())) + 0.5))
@@ -147,7 +164,7 @@ class SearchPreference:
             for term in terms:
                 near.update(self._postings.get(term, ()))
             for number in near:
-                past, chosen = self._entries[number]
+                past, chosen, _ = self._entries[number]
                 shared = sum(weight[term] ** 2 for term in terms & past)
                 past_norm = math.sqrt(sum(self._idf(term, documents) ** 2 for term in past))
                 similarity = shared / (norm * past_norm) if norm and past_norm else 0.0
@@ -211,6 +228,9 @@ _PREFERENCES_LOCK = threading.Lock()
 def search_preference(path: str) -> SearchPreference:
     """The process's preference for the coffer.db at ``path``: loaded on first use, then taught by that
     coffer.db's feedback recorder each time a search is labelled."""
+    preference = _PREFERENCES.get(path)  # a search's usual case: no lock
+    if preference is not None:
+        return preference
     recorder = feedback_recorder(path)
     with _PREFERENCES_LOCK:
         preference = _PREFERENCES.get(path)
@@ -224,10 +244,13 @@ def search_preference(path: str) -> SearchPreference:
 
 def active_preference(settings: dict, path: str) -> SearchPreference | None:
     """The preference a gateway's searches get: None unless search_feedback (which teaches it) and
-    search_preference are on."""
+    search_preference are on; what it learnt longer ago than the search feedback is kept
+    (retention_invocations_days) forgotten."""
     if settings.get("search_feedback") != "on" or settings.get("search_preference") != "on":
         return None
-    return search_preference(path)
+    preference = search_preference(path)
+    preference.expire(time.time() - float(settings.get("retention_invocations_days", 30)) * 86400.0)
+    return preference
 
 
 def learnt_from(searches: Iterable[tuple[str, str]], **knobs) -> SearchPreference:
