@@ -112,39 +112,39 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      10751  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
      10959  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
      11151  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11397  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11620  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12211  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12624  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13106  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13219  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13617  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13679  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13843  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14042  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14605  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15002  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15343  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15451  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16121  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16439  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16827  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17314  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17457  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17907  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18351  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18882  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19252  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19428  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20096  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20961  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21332  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21642  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21790  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21925  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22116  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22644  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24581  cli                   Command line: coffer's commands.
+     11419  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11642  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12233  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12646  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13128  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13241  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13639  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13701  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13865  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14064  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14627  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15024  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15365  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15473  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16143  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16461  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16849  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17336  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17479  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17929  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18373  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18904  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19274  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19450  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20118  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20983  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21354  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21664  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21812  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21947  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22138  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22666  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24603  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -11280,6 +11280,8 @@ class Lift(NamedTuple):
 class SearchPreference:
     """The labelled searches of one coffer.db (query terms and the tool picked), and the lift they give."""
 
+    _SQUARES_LIMIT = 1 << 16  # memoised idf² of query words no entry has grow the memo until a label empties it
+
     def __init__(self, cap: float = PREFERENCE_CAP, similarity: float = PREFERENCE_SIMILARITY,
                  smoothing: float = PREFERENCE_SMOOTHING, candidates: int = PREFERENCE_CANDIDATES,
                  memory: int = PREFERENCE_MEMORY):
@@ -11290,6 +11292,8 @@ class SearchPreference:
         self._postings: dict[str, set[int]] = {}              # term -> the entries whose query has it
         self._keys: set[str] = set()                          # feedback rows already learnt (load vs listener)
         self._next = 0
+        self._squares: dict[str, float] = {}  # term -> its idf², and entry -> its norm²: both for the entries
+        self._norms: dict[int, float] = {}    # as they are, emptied when they change
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -11311,6 +11315,8 @@ class SearchPreference:
             number = self._next
             self._next += 1
             self._entries[number] = (terms, chosen, time.time() if when is None else when)
+            self._squares.clear()
+            self._norms.clear()
             for term in terms:
                 self._postings.setdefault(term, set()).add(number)
             while len(self._entries) > self.memory:
@@ -11328,6 +11334,8 @@ class SearchPreference:
 
     def _forget(self, number: int) -> None:
         terms = self._entries.pop(number)[0]
+        self._squares.clear()
+        self._norms.clear()
         for term in terms:
             holders = self._postings[term]
             holders.discard(number)
@@ -11354,8 +11362,16 @@ class SearchPreference:
                 when = None
             self.learn(row["query"], row["chosen"], row["key"], when)
 
-    def _idf(self, term: str, documents: int) -> float:
-        return math.log(1.0 + documents / (len(self._postings.get(term, ())) + 0.5))
+    def _squared_idf(self, term: str) -> float:
+        """idf² of ``term`` over the entries as they are now (a term none has weighs most); memoised until the
+        entries change.  The caller holds the lock."""
+        value = self._squares.get(term)
+        if value is None:
+            if len(self._squares) >= self._SQUARES_LIMIT:
+                self._squares.clear()
+            idf = math.log(1.0 + len(self._entries) / (len(self._postings.get(term, ())) + 0.5))
+            value = self._squares[term] = idf * idf
+        return value
 
     def lifts(self, query: str) -> dict[str, tuple[float, int]]:
         """tool name -> (factor, picks) for the tools similar past searches picked; {} when none is similar."""
@@ -11365,17 +11381,23 @@ class SearchPreference:
         votes: dict[str, float] = {}
         picks: dict[str, int] = {}
         with self._lock:
-            documents = len(self._entries)
-            weight = {term: self._idf(term, documents) for term in terms}
-            norm = math.sqrt(sum(w * w for w in weight.values()))
-            near: set[int] = set()
-            for term in terms:
-                near.update(self._postings.get(term, ()))
-            for number in near:
+            weights = {term: self._squared_idf(term) for term in terms}
+            norm = sum(weights.values())
+            shared: dict[int, float] = {}
+            for term, weight in weights.items():
+                for number in self._postings.get(term, ()):
+                    shared[number] = shared.get(number, 0.0) + weight
+            # cosine >= s needs shared >= s * |query| * |past| >= s * |query| * sqrt(shared): most entries that
+            # share only a common word fail this before their own norm is summed
+            floor = self.similarity * self.similarity * norm
+            for number, common in shared.items():
+                if common < floor:
+                    continue
                 past, chosen, _ = self._entries[number]
-                shared = sum(weight[term] ** 2 for term in terms & past)
-                past_norm = math.sqrt(sum(self._idf(term, documents) ** 2 for term in past))
-                similarity = shared / (norm * past_norm) if norm and past_norm else 0.0
+                past_norm = self._norms.get(number)
+                if past_norm is None:
+                    past_norm = self._norms[number] = sum(map(self._squared_idf, past))
+                similarity = common / math.sqrt(norm * past_norm)
                 if similarity >= self.similarity:
                     votes[chosen] = votes.get(chosen, 0.0) + similarity
                     picks[chosen] = picks.get(chosen, 0) + 1
@@ -25215,8 +25237,8 @@ def cmd_eval(vault: Vault, args) -> int:
         f"{report['skipped']} skipped (their tool is gone).")
     _print_table([[name, f"{r['recall@1']:.3f}", f"{r['recall@5']:.3f}", f"{r['mrr@10']:.3f}"]
                   for name, r in rankers.items()], ["RANKER", "RECALL@1", "RECALL@5", "MRR@10"])
-    say(f"+preference: with the tools you picked for similar earlier searches (search_preference is "
-        f"{report['search_preference']}).")
+    say(f"+preference: with the tools you picked for similar searches, each search learning only from those "
+        f"before it (search_preference is {report['search_preference']}).")
     if report.get("note"):
         say(report["note"])
     for name in ("lexical", "hybrid"):

@@ -8,6 +8,7 @@ Run from the repo root::
     python -m evals.preference --sweep            # the grid the constants were chosen on (cap, similarity,
                                                   # smoothing, candidates), means over the sets
     python -m evals.preference --wrong 0.5        # a user whose picks are wrong half the time
+    python -m evals.preference --embedder URL     # the hybrid ranker's answers instead (evals.embed_server)
 
 Generated usage (seeded, so every run gives the same numbers): each query of a set, and one variant of each (a
 few words dropped and two neighbours swapped: the same need said again another way), in a shuffled order.  A
@@ -33,6 +34,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from evals import metrics, run  # noqa: E402
+from evals.rankers import EmbeddingRanker, make_embedder  # noqa: E402
 
 DEPTH = 50          # how deep each search's answer is kept for the replay (the largest depth swept)
 SEED = 27
@@ -55,9 +57,9 @@ def variant(query: str, rng: random.Random) -> str:
     return " ".join(kept)
 
 
-def usage(evalset, index, wrong: float, seed: int = SEED) -> list[dict]:
-    """The generated searches of one set, in order: query, groups, the ranker's answer (DEPTH deep), the pick
-    and whether it was wrong."""
+def usage(evalset, deep, wrong: float, seed: int = SEED) -> list[dict]:
+    """The generated searches of one set, in order: query, groups, the ranker's answer (``deep(query)``, DEPTH
+    deep), the pick and whether it was wrong."""
     rng = random.Random(f"{seed}:{evalset.name}")
     events = []
     for row in evalset.queries:
@@ -68,10 +70,11 @@ def usage(evalset, index, wrong: float, seed: int = SEED) -> list[dict]:
         events.append((row["query"], groups, label))
         events.append((variant(row["query"], rng), groups, label))
     rng.shuffle(events)
+    if hasattr(deep, "prepare"):  # a hybrid ranker embeds every query at once
+        deep.prepare([query for query, _, _ in events])
     out = []
-    relevant_names = set()
     for query, groups, label in events:
-        hits = [(index.tools[doc], round(score, 4)) for doc, score in index.rank(query, DEPTH)]
+        hits = deep(query)
         names = [tool["name"] for tool, _ in hits]
         relevant_names = set().union(*groups)
         pick, is_wrong = label, False
@@ -123,12 +126,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wrong", type=float, default=0.2, help="share of the simulated user's picks that are wrong")
     parser.add_argument("--sweep", action="store_true", help="the grid of constants, means over the sets")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--embedder", metavar="URL", help="replay the hybrid ranker instead, with this "
+                        "OpenAI-compatible endpoint (e.g. python -m evals.embed_server --port 0)")
+    parser.add_argument("--embedder-model", default="all-MiniLM-L6-v2")
     args = parser.parse_args(argv)
     import coffer
     replays = []
     for evalset in load_sets(args.set):
-        index = coffer.SearchIndex(evalset.tools)
-        replays.append((evalset.name, usage(evalset, index, args.wrong)))
+        if args.embedder:
+            hybrid = EmbeddingRanker(evalset.tools, make_embedder(args.embedder, args.embedder_model, "openai"),
+                                     "hybrid")
+
+            def deep(query, hybrid=hybrid):
+                return [(tool, round(score, 4)) for tool, score in hybrid.search(query, DEPTH)]
+            deep.prepare = hybrid.prepare
+        else:
+            index = coffer.SearchIndex(evalset.tools)
+
+            def deep(query, index=index):
+                return [(index.tools[doc], round(score, 4)) for doc, score in index.rank(query, DEPTH)]
+        replays.append((evalset.name, usage(evalset, deep, args.wrong)))
     if args.sweep:
         rows = []
         for cap, similarity, smoothing, candidates in itertools.product(*GRID.values()):
@@ -155,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"wrong": args.wrong, "seed": SEED, "sets": report}, indent=1))
         return 0
-    print(f"replay, {args.wrong:.0%} of picks wrong; cap {coffer.PREFERENCE_CAP}, similarity "
+    ranker = "hybrid" if args.embedder else "lexical"
+    print(f"replay ({ranker}), {args.wrong:.0%} of picks wrong; cap {coffer.PREFERENCE_CAP}, similarity "
           f"{coffer.PREFERENCE_SIMILARITY}, smoothing {coffer.PREFERENCE_SMOOTHING}, candidates "
           f"{coffer.PREFERENCE_CANDIDATES}")
     head = f"{'set':<16}{'searches':>9}" + "".join(f"{m + ' w/o':>14}{'with':>8}" for m in SCORED)

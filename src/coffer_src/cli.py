@@ -648,8 +648,8 @@ def cmd_eval(vault: Vault, args) -> int:
         f"{report['skipped']} skipped (their tool is gone).")
     _print_table([[name, f"{r['recall@1']:.3f}", f"{r['recall@5']:.3f}", f"{r['mrr@10']:.3f}"]
                   for name, r in rankers.items()], ["RANKER", "RECALL@1", "RECALL@5", "MRR@10"])
-    say(f"+preference: with the tools you picked for similar earlier searches (search_preference is "
-        f"{report['search_preference']}).")
+    say(f"+preference: with the tools you picked for similar searches, each search learning only from those "
+        f"before it (search_preference is {report['search_preference']}).")
     if report.get("note"):
         say(report["note"])
     for name in ("lexical", "hybrid"):

@@ -72,6 +72,8 @@ class Lift(NamedTuple):
 class SearchPreference:
     """The labelled searches of one coffer.db (query terms and the tool picked), and the lift they give."""
 
+    _SQUARES_LIMIT = 1 << 16  # memoised idf² of query words no entry has grow the memo until a label empties it
+
     def __init__(self, cap: float = PREFERENCE_CAP, similarity: float = PREFERENCE_SIMILARITY,
                  smoothing: float = PREFERENCE_SMOOTHING, candidates: int = PREFERENCE_CANDIDATES,
                  memory: int = PREFERENCE_MEMORY):
@@ -82,6 +84,8 @@ class SearchPreference:
         self._postings: dict[str, set[int]] = {}              # term -> the entries whose query has it
         self._keys: set[str] = set()                          # feedback rows already learnt (load vs listener)
         self._next = 0
+        self._squares: dict[str, float] = {}  # term -> its idf², and entry -> its norm²: both for the entries
+        self._norms: dict[int, float] = {}    # as they are, emptied when they change
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -103,6 +107,8 @@ class SearchPreference:
             number = self._next
             self._next += 1
             self._entries[number] = (terms, chosen, time.time() if when is None else when)
+            self._squares.clear()
+            self._norms.clear()
             for term in terms:
                 self._postings.setdefault(term, set()).add(number)
             while len(self._entries) > self.memory:
@@ -120,6 +126,8 @@ class SearchPreference:
 
     def _forget(self, number: int) -> None:
         terms = self._entries.pop(number)[0]
+        self._squares.clear()
+        self._norms.clear()
         for term in terms:
             holders = self._postings[term]
             holders.discard(number)
@@ -146,8 +154,16 @@ class SearchPreference:
                 when = None
             self.learn(row["query"], row["chosen"], row["key"], when)
 
-    def _idf(self, term: str, documents: int) -> float:
-        return math.log(1.0 + documents / (len(self._postings.get(term, ())) + 0.5))
+    def _squared_idf(self, term: str) -> float:
+        """idf² of ``term`` over the entries as they are now (a term none has weighs most); memoised until the
+        entries change.  The caller holds the lock."""
+        value = self._squares.get(term)
+        if value is None:
+            if len(self._squares) >= self._SQUARES_LIMIT:
+                self._squares.clear()
+            idf = math.log(1.0 + len(self._entries) / (len(self._postings.get(term, ())) + 0.5))
+            value = self._squares[term] = idf * idf
+        return value
 
     def lifts(self, query: str) -> dict[str, tuple[float, int]]:
         """tool name -> (factor, picks) for the tools similar past searches picked; {} when none is similar."""
@@ -157,17 +173,23 @@ class SearchPreference:
         votes: dict[str, float] = {}
         picks: dict[str, int] = {}
         with self._lock:
-            documents = len(self._entries)
-            weight = {term: self._idf(term, documents) for term in terms}
-            norm = math.sqrt(sum(w * w for w in weight.values()))
-            near: set[int] = set()
-            for term in terms:
-                near.update(self._postings.get(term, ()))
-            for number in near:
+            weights = {term: self._squared_idf(term) for term in terms}
+            norm = sum(weights.values())
+            shared: dict[int, float] = {}
+            for term, weight in weights.items():
+                for number in self._postings.get(term, ()):
+                    shared[number] = shared.get(number, 0.0) + weight
+            # cosine >= s needs shared >= s * |query| * |past| >= s * |query| * sqrt(shared): most entries that
+            # share only a common word fail this before their own norm is summed
+            floor = self.similarity * self.similarity * norm
+            for number, common in shared.items():
+                if common < floor:
+                    continue
                 past, chosen, _ = self._entries[number]
-                shared = sum(weight[term] ** 2 for term in terms & past)
-                past_norm = math.sqrt(sum(self._idf(term, documents) ** 2 for term in past))
-                similarity = shared / (norm * past_norm) if norm and past_norm else 0.0
+                past_norm = self._norms.get(number)
+                if past_norm is None:
+                    past_norm = self._norms[number] = sum(map(self._squared_idf, past))
+                similarity = common / math.sqrt(norm * past_norm)
                 if similarity >= self.similarity:
                     votes[chosen] = votes.get(chosen, 0.0) + similarity
                     picks[chosen] = picks.get(chosen, 0) + 1
