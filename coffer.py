@@ -112,39 +112,39 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      10751  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
      10959  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
      11151  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11419  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11642  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12233  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12646  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13128  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13241  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13639  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13701  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13865  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14064  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14627  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15024  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15365  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15473  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16143  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16461  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16849  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17336  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17479  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17929  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18373  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18904  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19274  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19450  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20118  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20983  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21354  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21664  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21812  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21947  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22138  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22666  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24603  cli                   Command line: coffer's commands.
+     11420  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11643  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12234  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12647  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13129  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13242  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13640  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13702  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13866  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14065  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14628  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15025  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15366  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15474  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16144  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16462  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16850  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17337  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17480  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17930  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18374  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18905  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19275  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19451  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20119  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20984  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21355  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21665  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21813  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21948  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22139  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22667  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24604  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -11242,7 +11242,7 @@ def evaluate_feedback(tools: list[dict], searches: list[LabelledSearch], embedde
 # replay on generated usage (``python -m evals.preference``); they are what the eval reports beside them.
 #
 # The model lives in memory: built once per process from the newest PREFERENCE_MEMORY labelled rows of coffer.db
-# (search_preference) and then taught in place by FeedbackRecorder.called (its listener), so a search reads no
+# (search_preference()) and then taught in place by FeedbackRecorder.called (its listener), so a search reads no
 # SQLite.  ``coffer eval`` replays it (each labelled search ranked with what the searches before it taught).
 #
 # Threads and locks: a SearchPreference's ``_lock`` guards its entries and is a leaf.  _PREFERENCES_LOCK guards
@@ -11253,7 +11253,7 @@ def evaluate_feedback(tools: list[dict], searches: list[LabelledSearch], embedde
 preference_log = logging.getLogger('coffer.search.preference')
 
 #: The largest factor a preference puts on a tool's score (never reached: see the smoothing).
-PREFERENCE_CAP = 1.25
+PREFERENCE_CAP = 1.35
 #: How similar (idf-weighted cosine of the analysed terms) a past query must be to the new one to vote.
 PREFERENCE_SIMILARITY = 0.5
 #: Pseudo-votes against every tool: a single similar pick gives a small lift, repeated ones approach the cap.
@@ -11288,9 +11288,9 @@ class SearchPreference:
         self.cap, self.similarity, self.smoothing = cap, similarity, smoothing
         self.candidates, self.memory = candidates, memory
         self._lock = threading.Lock()
-        self._entries: dict[int, tuple[frozenset, str, float]] = {}  # number -> (query terms, tool picked, when)
+        self._entries: dict[int, tuple] = {}        # number -> (query terms, tool picked, when, feedback row key)
         self._postings: dict[str, set[int]] = {}              # term -> the entries whose query has it
-        self._keys: set[str] = set()                          # feedback rows already learnt (load vs listener)
+        self._keys: set[str] = set()                # the feedback rows it holds (loading vs the listener)
         self._next = 0
         self._squares: dict[str, float] = {}  # term -> its idf², and entry -> its norm²: both for the entries
         self._norms: dict[int, float] = {}    # as they are, emptied when they change
@@ -11314,7 +11314,7 @@ class SearchPreference:
                 self._keys.add(key)
             number = self._next
             self._next += 1
-            self._entries[number] = (terms, chosen, time.time() if when is None else when)
+            self._entries[number] = (terms, chosen, time.time() if when is None else when, key)
             self._squares.clear()
             self._norms.clear()
             for term in terms:
@@ -11333,7 +11333,8 @@ class SearchPreference:
                 self._forget(number)
 
     def _forget(self, number: int) -> None:
-        terms = self._entries.pop(number)[0]
+        terms, _, _, key = self._entries.pop(number)
+        self._keys.discard(key)
         self._squares.clear()
         self._norms.clear()
         for term in terms:
@@ -11393,7 +11394,7 @@ class SearchPreference:
             for number, common in shared.items():
                 if common < floor:
                     continue
-                past, chosen, _ = self._entries[number]
+                past, chosen, _, _ = self._entries[number]
                 past_norm = self._norms.get(number)
                 if past_norm is None:
                     past_norm = self._norms[number] = sum(map(self._squared_idf, past))

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", help="only this set (repeatable)")
     parser.add_argument("--wrong", type=float, default=0.2, help="share of the simulated user's picks that are wrong")
     parser.add_argument("--sweep", action="store_true", help="the grid of constants, means over the sets")
+    parser.add_argument("--grid", help="narrow the sweep, e.g. 'cap=1.25,1.5;candidates=30'")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--embedder", metavar="URL", help="replay the hybrid ranker instead, with this "
                         "OpenAI-compatible endpoint (e.g. python -m evals.embed_server --port 0)")
@@ -148,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         replays.append((evalset.name, usage(evalset, deep, args.wrong)))
     if args.sweep:
         rows = []
-        for cap, similarity, smoothing, candidates in itertools.product(*GRID.values()):
+        grid = dict(GRID)
+        for part in (args.grid or "").split(";"):
+            if part.strip():
+                knob, _, values = part.partition("=")
+                grid[knob.strip()] = tuple(float(v) if "." in v else int(v) for v in values.split(","))
+        for cap, similarity, smoothing, candidates in itertools.product(*grid.values()):
             knobs = {"cap": cap, "similarity": similarity, "smoothing": smoothing, "candidates": candidates}
             results = [replay(coffer, events, **knobs) for _, events in replays]
             n = len(results)
@@ -156,17 +162,18 @@ def main(argv: list[str] | None = None) -> int:
                          "d_ndcg": round(sum(r["with"]["ndcg@10"] - r["without"]["ndcg@10"] for r in results) / n, 4),
                          "d_r1": round(sum(r["with"]["recall@1"] - r["without"]["recall@1"] for r in results) / n, 4),
                          "min_d_ndcg": round(min(r["with"]["ndcg@10"] - r["without"]["ndcg@10"] for r in results), 4),
-                         "worse": sum(r["worse"] for r in results), "better": sum(r["better"] for r in results)})
+                         "worse": sum(r["worse"] for r in results), "better": sum(r["better"] for r in results),
+                         "after_wrong": sum(r["worse_after_wrong"] for r in results)})
         rows.sort(key=lambda r: -r["d_ndcg"])
         if args.json:
             print(json.dumps(rows, indent=1))
         else:
             print(f"{'cap':>5} {'sim':>4} {'k':>4} {'cand':>4} {'dNDCG':>7} {'dR@1':>7} {'minD':>7} {'better':>6} "
-                  f"{'worse':>6}")
+                  f"{'worse':>6} {'after a wrong pick':>18}")
             for r in rows:
                 print(f"{r['cap']:>5} {r['similarity']:>4} {r['smoothing']:>4} {r['candidates']:>4} "
                       f"{r['d_ndcg']:>+7.4f} {r['d_r1']:>+7.4f} {r['min_d_ndcg']:>+7.4f} {r['better']:>6} "
-                      f"{r['worse']:>6}")
+                      f"{r['worse']:>6} {r['after_wrong']:>18}")
         return 0
     report = {name: replay(coffer, events) for name, events in replays}
     if args.json:

@@ -15,7 +15,7 @@ labelled search the ranker's answer is returned as it is, through the same call.
 replay on generated usage (``python -m evals.preference``); they are what the eval reports beside them.
 
 The model lives in memory: built once per process from the newest PREFERENCE_MEMORY labelled rows of coffer.db
-(search_preference) and then taught in place by FeedbackRecorder.called (its listener), so a search reads no
+(search_preference()) and then taught in place by FeedbackRecorder.called (its listener), so a search reads no
 SQLite.  ``coffer eval`` replays it (each labelled search ranked with what the searches before it taught).
 
 Threads and locks: a SearchPreference's ``_lock`` guards its entries and is a leaf.  _PREFERENCES_LOCK guards
@@ -45,7 +45,7 @@ from coffer_src.vault import connect_vault_db
 preference_log = logging.getLogger(__name__)
 
 #: The largest factor a preference puts on a tool's score (never reached: see the smoothing).
-PREFERENCE_CAP = 1.25
+PREFERENCE_CAP = 1.35
 #: How similar (idf-weighted cosine of the analysed terms) a past query must be to the new one to vote.
 PREFERENCE_SIMILARITY = 0.5
 #: Pseudo-votes against every tool: a single similar pick gives a small lift, repeated ones approach the cap.
@@ -80,9 +80,9 @@ class SearchPreference:
         self.cap, self.similarity, self.smoothing = cap, similarity, smoothing
         self.candidates, self.memory = candidates, memory
         self._lock = threading.Lock()
-        self._entries: dict[int, tuple[frozenset, str, float]] = {}  # number -> (query terms, tool picked, when)
+        self._entries: dict[int, tuple] = {}        # number -> (query terms, tool picked, when, feedback row key)
         self._postings: dict[str, set[int]] = {}              # term -> the entries whose query has it
-        self._keys: set[str] = set()                          # feedback rows already learnt (load vs listener)
+        self._keys: set[str] = set()                # the feedback rows it holds (loading vs the listener)
         self._next = 0
         self._squares: dict[str, float] = {}  # term -> its idf², and entry -> its norm²: both for the entries
         self._norms: dict[int, float] = {}    # as they are, emptied when they change
@@ -106,7 +106,7 @@ class SearchPreference:
                 self._keys.add(key)
             number = self._next
             self._next += 1
-            self._entries[number] = (terms, chosen, time.time() if when is None else when)
+            self._entries[number] = (terms, chosen, time.time() if when is None else when, key)
             self._squares.clear()
             self._norms.clear()
             for term in terms:
@@ -125,7 +125,8 @@ class SearchPreference:
                 self._forget(number)
 
     def _forget(self, number: int) -> None:
-        terms = self._entries.pop(number)[0]
+        terms, _, _, key = self._entries.pop(number)
+        self._keys.discard(key)
         self._squares.clear()
         self._norms.clear()
         for term in terms:
@@ -185,7 +186,7 @@ class SearchPreference:
             for number, common in shared.items():
                 if common < floor:
                     continue
-                past, chosen, _ = self._entries[number]
+                past, chosen, _, _ = self._entries[number]
                 past_norm = self._norms.get(number)
                 if past_norm is None:
                     past_norm = self._norms[number] = sum(map(self._squared_idf, past))
