@@ -52,7 +52,9 @@ Locks ("->": may be taken while holding it; a leaf takes no other lock of Coffer
 - search: CollectorPause._lock (a class attribute): the collector's pause depth; a leaf.  SemanticRanker.lock: the
   tools to embed and the published index; a leaf, no embedder request or database access under it.
   FeedbackRecorder._lock: its connection and each session's last search; a leaf (a write waits BUSY_TIMEOUT_MS
-  at most).  _RECORDERS_LOCK: one recorder per coffer.db; a leaf.
+  at most; its listeners are called after it is released).  _RECORDERS_LOCK: one recorder per coffer.db; a leaf.
+  _PREFERENCES_LOCK (one SearchPreference per coffer.db, loaded under it from SQLite) -> SearchPreference._lock
+  (its learnt searches; a leaf).
 - catalogue: Catalogue._index_lock: the first search builds the index, once, holding it -> CollectorPause._lock;
   taken with no other lock held.  ProfileCatalogue._index_lock (gateway/view.py) follows the same rule.
 - knowledge: KnowledgeBase._write_lock: the writer connection, one write transaction at a time (SQLite's write
@@ -112,39 +114,39 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      10751  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
      10959  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
      11151  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11420  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11643  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12234  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12647  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13129  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13242  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13640  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13702  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13866  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14065  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14628  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15025  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15366  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15474  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16144  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16462  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16850  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17337  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17480  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17930  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18374  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18905  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19275  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19451  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20119  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20984  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21355  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21665  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21813  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21948  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22139  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22667  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24604  cli                   Command line: coffer's commands.
+     11421  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11644  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12235  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12648  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13130  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13243  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13641  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13703  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     13867  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14066  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14629  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15026  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15367  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15475  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16145  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16463  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     16851  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17338  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17481  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     17931  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18375  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     18906  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19276  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19452  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20120  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     20985  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21356  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21666  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     21814  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     21949  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22140  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22668  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24605  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -11347,7 +11349,8 @@ class SearchPreference:
         """Learn the newest ``memory`` labelled searches of the coffer.db at ``path``, oldest first."""
         try:
             db = connect_vault_db(path)
-            try:
+            try:  # a search waits for this once: not long for a locked vault (then it learns from new labels only)
+                db.execute(f"PRAGMA busy_timeout={FeedbackRecorder.BUSY_TIMEOUT_MS}")
                 rows = db.execute("SELECT key, ts, query, chosen FROM search_feedback WHERE chosen IS NOT NULL "
                                   "ORDER BY id DESC LIMIT ?", (self.memory,)).fetchall()
             finally:

@@ -36,7 +36,7 @@ from typing import Iterable, NamedTuple
 
 from coffer_src.names import RESERVED_SERVER, SEPARATOR
 from coffer_src.search.explain import explain_search, search_like_an_agent
-from coffer_src.search.feedback import feedback_recorder
+from coffer_src.search.feedback import FeedbackRecorder, feedback_recorder
 from coffer_src.search.index import SearchIndex
 from coffer_src.search.semantic import SemanticRanker
 from coffer_src.search.text import bounded_query, tokenize
@@ -139,7 +139,8 @@ class SearchPreference:
         """Learn the newest ``memory`` labelled searches of the coffer.db at ``path``, oldest first."""
         try:
             db = connect_vault_db(path)
-            try:
+            try:  # a search waits for this once: not long for a locked vault (then it learns from new labels only)
+                db.execute(f"PRAGMA busy_timeout={FeedbackRecorder.BUSY_TIMEOUT_MS}")
                 rows = db.execute("SELECT key, ts, query, chosen FROM search_feedback WHERE chosen IS NOT NULL "
                                   "ORDER BY id DESC LIMIT ?", (self.memory,)).fetchall()
             finally:
