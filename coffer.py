@@ -15,8 +15,9 @@ Concurrency
 Threads (all daemons), named as they show in a traceback, by who starts them:
 - the main thread: `coffer serve --standalone` reads its client (ClientSession.serve); the service runs its accept
   loop (Service.run); the relay (`coffer serve` beside a service) its select loop; a CLI command its own work.
-- the hub: coffer-ticker (Hub.start: request timeouts, waiting requests, idle stops, vault reloads), coffer-work-1..4
-  (Hub.workers: requests that waited for discovery, searches off the reader, coffer__ask), coffer-log
+- the hub: coffer-ticker (Hub.start: request timeouts, waiting requests, idle stops, vault reloads when
+  config_changes moved), coffer-work-1..4 (Hub.workers: requests that waited for discovery, searches off the
+  reader, coffer__ask; the sessions take turns), coffer-log
   (InvocationLog: owns its connection), coffer-client-gone (ClientSession: a standalone shutdown).
 - an upstream: coffer-<name>-start per start attempt (Upstream.start; discovery writes era, capabilities and
   server_info before the move to ready), a threading.Timer per restart (Upstream) and listen reopening
@@ -83,70 +84,70 @@ _closed, the remote transports' _stopped and _delivered, InvocationLog's flush r
 
 Contents: the line of coffer.py where each module starts, the module, what it holds.
 
-       149  errors                Errors: the one exception root every Coffer error derives from.
-       197  resources             Package data: the word lists and web assets that ship inside coffer.py.
-       224  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
-       293  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       538  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       802  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       904  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1449  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1620  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      1976  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2092  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2229  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2428  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3253  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3375  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4141  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4538  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      4978  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5877  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6565  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6728  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      7000  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7181  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7808  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9066  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9673  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9781  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10349  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10751  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     10959  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11151  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11421  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11644  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12235  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12648  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13130  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13243  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13641  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13703  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     13867  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14066  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14629  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15026  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15367  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15475  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16145  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16463  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     16851  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17338  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17481  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     17931  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18375  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     18906  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19276  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19452  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20120  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     20985  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21356  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21666  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     21814  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     21949  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22140  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22668  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24605  cli                   Command line: coffer's commands.
+       146  errors                Errors: the one exception root every Coffer error derives from.
+       194  resources             Package data: the word lists and web assets that ship inside coffer.py.
+       221  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
+       290  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
+       535  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       857  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       990  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1535  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1706  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      2076  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2192  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2343  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2542  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3369  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3491  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4257  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4654  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5094  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      5993  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6681  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6860  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7131  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7312  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7939  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9197  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9804  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9915  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10513  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10915  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11123  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11315  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
+     11585  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11827  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12418  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12831  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13313  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13431  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13843  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13905  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     14069  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14269  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14841  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15238  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15579  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15687  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16358  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16676  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17064  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17599  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17749  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18199  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18643  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19174  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19544  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19720  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20386  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21259  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21630  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21940  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22088  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22223  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22414  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22942  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24880  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -157,7 +158,6 @@ import base64
 import binascii
 import collections
 import contextlib
-import dataclasses
 import enum
 import errno
 import fnmatch
@@ -166,7 +166,6 @@ import gc
 import heapq
 import http
 import importlib
-import inspect
 import itertools
 import json
 import logging
@@ -185,12 +184,11 @@ import struct
 import sys
 import threading
 import time
+import types
 import unicodedata
 import urllib.parse
 import weakref
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Protocol
 from urllib.parse import parse_qsl, urlsplit
@@ -636,6 +634,13 @@ REQUEST_TIMEOUT = -32001
 dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
+def json_number(value) -> str:
+    """What ``dumps`` writes for ``value``, a number: a finite float's repr without the encoder's set-up."""
+    if type(value) is float and math.isfinite(value):
+        return float.__repr__(value)  # what the encoder itself writes for a float
+    return dumps(value)
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
@@ -705,14 +710,65 @@ class EncodeError(CofferException, ValueError):
     """A message Coffer cannot write as JSON (nested too deeply to encode, or holding a non-JSON value)."""
 
 
+class EncodedResult(dict):
+    """A result that carries its own JSON text (``json``, exactly what ``dumps`` makes of it), made by whoever
+    built the result for less than encoding it again: coffer__search_tools's reply repeats its payload as text
+    and its tools' definitions are encoded once per catalogue.  ``encode_line`` writes that text instead of
+    encoding the dict.  Any change to the dict itself drops the text; what it holds is never changed (a result
+    is built for one reply, and shaping it for a client copies it)."""
+
+    __slots__ = ("json",)
+
+    def __init__(self, result: dict, json_text: str):
+        super().__init__(result)
+        self.json: str | None = json_text
+
+    def __setitem__(self, key, value):
+        self.json = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.json = None
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self.json = None
+        return super().__ior__(other)
+
+    def clear(self):
+        self.json = None
+        super().clear()
+
+    def pop(self, *args):
+        self.json = None
+        return super().pop(*args)
+
+    def popitem(self):
+        self.json = None
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self.json = None
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        self.json = None
+        super().update(*args, **kwargs)
+
+
 def encode_line(message) -> bytes:
     """One JSON-RPC message as a newline-terminated UTF-8 line.
 
     A lone surrogate (legal in a JSON text as an escape, impossible in UTF-8) is written back as its \\uXXXX escape,
-    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.
+    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.  A reply whose
+    result is an EncodedResult (its last key, as rpc_result puts it) is written with the result's own text.
     """
     try:
-        text = dumps(message)
+        result = message.get("result") if isinstance(message, dict) else None
+        if type(result) is EncodedResult and result.json is not None and next(reversed(message)) == "result":
+            text = dumps({**message, "result": None})[:-5] + result.json + "}"  # "result":null} -> its text
+        else:
+            text = dumps(message)
     except (ValueError, TypeError, RecursionError) as exc:
         raise EncodeError(f"cannot encode a message: {exc.__class__.__name__}") from None
     try:
@@ -898,59 +954,90 @@ def start_thread(target, name: str, *args) -> threading.Thread:
 
 
 class WorkerPool:
-    """At most ``size`` daemon threads running submitted jobs in arrival order; idle threads wait for more.
+    """At most ``size`` daemon threads running submitted jobs; idle threads wait for more.
 
     Used where work would otherwise cost a thread each (HTTP requests to one upstream, requests that wait for a
-    starting server): a burst of 5,000 is 5,000 queued jobs, not 5,000 threads.  A job's exception is logged with
-    its traceback and costs that job only.
+    starting server): a burst of 5,000 is 5,000 queued jobs, not 5,000 threads.  Jobs may name an ``owner`` (the
+    hub's pool: the client session): one owner's jobs run in the order submitted, and a free worker takes the
+    next job of the owner with the fewest jobs running (the longest waiting among equals), so a client that
+    queues a hundred slow asks does not hold another client's search until they are done.  Jobs of no owner
+    share one queue, in arrival order.  A job's exception is logged with its traceback and costs that job only.
+    ``_cond`` guards the queues and counts; it is a leaf.
     """
 
     def __init__(self, name: str, size: int):
         self.name, self.size = name, size
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._queues: dict[object, collections.deque] = {}  # owner -> its jobs not taken yet, oldest first
+        self._turns: collections.deque = collections.deque()  # owners with jobs waiting, longest waiting first
+        self._running: dict[object, int] = {}                # owner -> its jobs running now
         self._threads = 0
         self._waiting = 0   # jobs submitted and not yet taken by a worker
         self._busy = 0      # workers running a job
         self._closed = False
 
-    def submit(self, job, *args) -> None:
+    def submit(self, job, *args, owner: object = None) -> None:
         """Queue ``job(*args)``; a new worker starts when every worker is taken and the pool is below its size."""
-        with self._lock:
+        with self._cond:
             if self._closed:
                 return
+            jobs = self._queues.get(owner)
+            if jobs is None:
+                jobs = self._queues[owner] = collections.deque()
+                self._turns.append(owner)
+            jobs.append((job, args))
             self._waiting += 1
             spawn = self._waiting + self._busy > self._threads and self._threads < self.size
             if spawn:
                 self._threads += 1
             number = self._threads
-        self._jobs.put((job, args))
+            self._cond.notify()
         if spawn:
             threading.Thread(target=self._work, name=f"{self.name}-{number}", daemon=True).start()
 
     def close(self) -> None:
-        """Let every worker finish its job and end; later submits are dropped."""
-        with self._lock:
-            self._closed, threads = True, self._threads
-        for _ in range(threads):
-            self._jobs.put(None)
+        """Let the workers finish the jobs already queued and end; later submits are dropped."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _next_job(self):
+        """The next owner's oldest job (None once the pool is closed and drained); the caller holds _cond."""
+        while not self._turns:
+            if self._closed:
+                return None
+            self._cond.wait()
+        owner = min(self._turns, key=lambda candidate: self._running.get(candidate, 0))
+        self._turns.remove(owner)
+        jobs = self._queues[owner]
+        job, args = jobs.popleft()
+        if jobs:
+            self._turns.append(owner)  # behind every owner already waiting
+        else:
+            del self._queues[owner]
+        self._running[owner] = self._running.get(owner, 0) + 1
+        self._waiting -= 1
+        self._busy += 1
+        return owner, job, args
 
     def _work(self) -> None:
         while True:
-            item = self._jobs.get()
+            with self._cond:
+                item = self._next_job()
             if item is None:
                 return
-            job, args = item
-            with self._lock:
-                self._waiting -= 1
-                self._busy += 1
+            owner, job, args = item
             try:
                 job(*args)
             except Exception:  # noqa: BLE001 - one job's failure must not take the worker with it
                 threads_log.exception("internal error in %s", self.name)
             finally:
-                with self._lock:
+                with self._cond:
                     self._busy -= 1
+                    if self._running[owner] == 1:
+                        del self._running[owner]
+                    else:
+                        self._running[owner] -= 1
 
 
 def backoff_delay(attempt: int, base: float, ceiling: float) -> float:
@@ -1704,6 +1791,20 @@ secret_store_log = logging.getLogger('coffer.secret_store')
 # -- private files ----------------------------------------------------------------------------------------------
 
 
+def private_temporary_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file in ``directory``, created 0600 and exclusively (never an existing file or a link followed),
+    opened for writing: its descriptor and path.  tempfile.mkstemp's guarantees, without importing tempfile,
+    which brings shutil and random into a long-running service that has no other use for them."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        path = os.path.join(directory, f"{prefix}{os.urandom(6).hex()}{suffix}")
+        try:
+            return os.open(path, flags, 0o600), path
+        except FileExistsError:
+            continue  # another writer's name: draw again
+    raise FileExistsError(f"no free temporary name in {directory}")
+
+
 def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
     """Replace ``path`` with ``data`` atomically and durably: a reader sees the old file or the new one, never
     half of either, and after a crash the new one is there whole or not at all.
@@ -1714,7 +1815,7 @@ def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
     on failure, with the temporary file removed.  The one way Coffer writes a file it owns or a client config.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".coffer-", suffix=".tmp")
+    fd, temporary = private_temporary_file(directory, ".coffer-", ".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -2205,16 +2306,30 @@ def without_controls(text: str) -> str:
 
 
 def _schema_without_controls(node, depth: int = 0):
-    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is)."""
+    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is).  A
+    part with nothing to remove is returned itself, not copied (a caller that changes the result copies first)."""
     if depth > 64:
         return node
     if isinstance(node, list):
-        return [_schema_without_controls(item, depth + 1) for item in node]
+        cleaned = None
+        for i, item in enumerate(node):
+            new_item = _schema_without_controls(item, depth + 1)
+            if cleaned is None and new_item is not item:
+                cleaned = node[:i]
+            if cleaned is not None:
+                cleaned.append(new_item)
+        return node if cleaned is None else cleaned
     if not isinstance(node, dict):
         return node
-    return {key: (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
-                  value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
-            for key, value in node.items()}
+    cleaned = None
+    for i, (key, value) in enumerate(node.items()):
+        new_value = (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
+                     value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
+        if cleaned is None and new_value is not value:
+            cleaned = dict(itertools.islice(node.items(), i))
+        if cleaned is not None:
+            cleaned[key] = new_value
+    return node if cleaned is None else cleaned
 
 
 def definition_without_controls(kind: str, item: dict) -> dict:
@@ -2520,6 +2635,7 @@ def iso_timestamp(epoch_seconds: float) -> str:
 
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+VAULT_BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another process's (a CLI command, an import)
 VAULT_CACHE_KIB = 512  # SQLite page cache per vault connection (SQLite's default is 2 MB)
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
@@ -2542,9 +2658,10 @@ def storable(text):
 def connect_vault_db(path: str, uri: bool = False) -> sqlite3.Connection:
     """A connection to coffer.db as every part of Coffer opens one (the vault, the logs, the knowledge base, the
     caches): rows by name, autocommit, a busy timeout, WAL, a small page cache."""
-    db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
+    db = sqlite3.connect(path, timeout=VAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False,
+                         uri=uri)
     db.row_factory = sqlite3.Row
-    db.execute("PRAGMA busy_timeout=10000")
+    db.execute(f"PRAGMA busy_timeout={VAULT_BUSY_TIMEOUT_MS}")
     # The vault's rows are few and read in full: a small page cache is enough, and a long-running service
     # holds several connections for hours.
     db.execute(f"PRAGMA cache_size=-{VAULT_CACHE_KIB}")
@@ -2630,7 +2747,7 @@ def _at_the_vault_boundary(cls):
         return call
 
     for name, member in list(vars(cls).items()):
-        if (name == "__init__" or not name.startswith("_")) and inspect.isfunction(member):
+        if (name == "__init__" or not name.startswith("_")) and isinstance(member, types.FunctionType):
             setattr(cls, name, guarded(member))
     return cls
 
@@ -6667,15 +6784,31 @@ class Rejected(CofferException, ValueError):
 
 
 def _clean_strings(value, depth: int = 0):
-    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep."""
+    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep.
+    A dict or list with nothing to replace is returned itself, not copied: a catalogue's definitions are then
+    the objects its listing was parsed into, not a second set of them (the caller copies what it changes)."""
     if depth > 64:
         raise Rejected("nested more than 64 levels deep")
     if isinstance(value, str):
         return storable(value)
     if isinstance(value, dict):
-        return {storable(k): _clean_strings(v, depth + 1) for k, v in value.items()}
+        cleaned = None
+        for i, (key, item) in enumerate(value.items()):
+            new_key, new_item = storable(key), _clean_strings(item, depth + 1)
+            if cleaned is None and (new_key is not key or new_item is not item):
+                cleaned = dict(itertools.islice(value.items(), i))
+            if cleaned is not None:
+                cleaned[new_key] = new_item
+        return value if cleaned is None else cleaned
     if isinstance(value, list):
-        return [_clean_strings(v, depth + 1) for v in value]
+        cleaned = None
+        for i, item in enumerate(value):
+            new_item = _clean_strings(item, depth + 1)
+            if cleaned is None and new_item is not item:
+                cleaned = value[:i]
+            if cleaned is not None:
+                cleaned.append(new_item)
+        return value if cleaned is None else cleaned
     return value
 
 
@@ -6727,7 +6860,7 @@ def check_definition(kind: str, item) -> dict:
             raise Rejected(f"larger than {MAX_DEFINITION_BYTES} bytes")
     except (ValueError, TypeError, RecursionError) as exc:
         raise Rejected(f"not plain JSON ({exc.__class__.__name__})") from None
-    item = _clean_strings(item)
+    item = dict(_clean_strings(item))  # its own top level: changed below; what it shares is not
     for text_field in ("title", "description", "mimeType"):
         if text_field in item and not isinstance(item[text_field], str):
             del item[text_field]
@@ -6818,18 +6951,17 @@ class Pending:
         self.deadline = deadline if deadline is not None else (time.monotonic() + timeout if timeout else None)
 
 
-@dataclass(eq=False)
 class QueuedRequest:
     """A request waiting for its server to be ready.  Its deadline started when it was asked for: waiting for a
     slow or failing server counts against the caller's call_timeout.  ``ticket`` is the caller's handle
     (supervisor.Ticket), by which a queued request is found and cancelled."""
-    method: str
-    params: object
-    on_reply: Callable
-    timeout: float
-    ticket: object
-    deadline: float | None
-    envelope: Envelope | None = None
+
+    __slots__ = ("method", "params", "on_reply", "timeout", "ticket", "deadline", "envelope")
+
+    def __init__(self, method: str, params: object, on_reply: Callable, timeout: float, ticket: object,
+                 deadline: float | None, envelope: Envelope | None = None):
+        self.method, self.params, self.on_reply, self.timeout = method, params, on_reply, timeout
+        self.ticket, self.deadline, self.envelope = ticket, deadline, envelope
 
 
 class RequestTable:
@@ -9845,10 +9977,13 @@ background facts article articles happened happening wikipedia""".split())
 _INFO_MODIFIERS = frozenset(stem(w) for w in "latest recent happened happening".split())
 _QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", "wie", "was", "wann", "wo"))
 # The words that frame a request for general information rather than name its subject: the cues above (but not
-# a source the request names: "the Wikipedia article on X" is for a Wikipedia tool), the web itself and the verbs
-# of looking something up ("find the latest news on glacier melt in Norway": the subject is glacier melt in Norway).
+# a source the request names: "the Wikipedia article on X" is for a Wikipedia tool), the web itself, the verbs
+# of looking something up ("find the latest news on glacier melt in Norway": the subject is glacier melt in Norway),
+# and the words that say "now" or "what matters" as "latest" and "headlines" do ("the big news in AI today": the
+# subject is AI).
 _FRAMING_WORDS = (_INFO_CUES - {stem("wikipedia")}) | _WEB_WORDS | frozenset(stem(w) for w in """search find look
-lookup get show tell give fetch research update updates story stories""".split())
+lookup get show tell give fetch research update updates story stories today tonight now current currently lately
+top big biggest major important breaking""".split())
 # Parameter names of a tool that looks up free text (a query, keywords, a topic): such a tool can take the subject
 # of a request for information as its argument.
 _FREE_TEXT_PARAMETERS = frozenset(stem(w) for w in "query q search keyword keywords term terms topic question prompt "
@@ -9973,6 +10108,13 @@ class QueryReading(NamedTuple):
 
 # Entity kinds that name one existing thing: "open PR #42" reads it, "open a PR" creates one.
 _IDENTIFYING_KINDS = frozenset(("number_ref", "issue_key", "url", "sha"))
+
+
+# Keys of a parameter's schema that make it a choice the caller can make without being told anything (a default,
+# listed values): such a parameter does not ask the request for a subject.
+_CHOICE_KEYS = frozenset(("enum", "const", "anyOf", "oneOf", "default"))
+# The parameter-name cues of every typed argument kind: a parameter so named takes one identified thing.
+_ENTITY_CUES = frozenset(itertools.chain.from_iterable(kind.cues for kind in ENTITY_KINDS))
 
 
 class QueryPlan(NamedTuple):
@@ -10340,8 +10482,12 @@ class SearchIndex:
         if sum(term in self._doc_sets[doc_id] for term in plan.own) <= self.WEB_MAX_MATCHED and (
                 (set(plan.own) - _INFO_MODIFIERS).isdisjoint(names)):
             return False
-        if not self._declares_parameters or not (plan.subject or plan.entities):
+        if not self._declares_parameters:
             return True
+        if not (plan.subject or plan.entities):
+            # A request with no subject ("what happened in the news today") is what a feed serves, but not a tool
+            # that must be told what about (news for a stock symbol): the request gives it nothing to ask.
+            return not self._demands_a_subject(doc_id)
         if not _FREE_TEXT_PARAMETERS.isdisjoint(self._texts[doc_id][3].stems) or any(
                 self._entity_strengths(entity.kind).get(doc_id) for entity in plan.entities):
             return True
@@ -10349,6 +10495,25 @@ class SearchIndex:
         if not plan.subject.isdisjoint(itertools.chain(names, fields[1], fields[2])):  # name, server, title
             return True
         return len(plan.subject & self._doc_sets[doc_id]) >= min(2, len(plan.subject))
+
+    def _demands_a_subject(self, doc_id: int) -> bool:
+        """Whether a tool must be told which one thing it is about: it requires a parameter named for a typed
+        argument (a stock symbol, a path, a repository, an issue: see ENTITY_KINDS) that is neither free text nor
+        a choice among listed values nor has a default.  News for a stock symbol is not a news feed."""
+        schema = self.tools[doc_id].get("inputSchema")
+        if not isinstance(schema, dict):
+            return False
+        properties, required = schema.get("properties"), schema.get("required")
+        if not isinstance(properties, dict) or not isinstance(required, list):
+            return False
+        for name in required:
+            parameter = properties.get(name) if isinstance(name, str) else None
+            if not isinstance(parameter, dict) or not _CHOICE_KEYS.isdisjoint(parameter):
+                continue
+            terms = {stem(word) for word in _words(name)}
+            if _FREE_TEXT_PARAMETERS.isdisjoint(terms) and not _ENTITY_CUES.isdisjoint(terms):
+                return True
+        return False
 
     def reading(self, query: str) -> QueryReading:
         """What the lexical ranker read in ``query`` that an embedder may need: the English words of its foreign
@@ -11629,6 +11794,7 @@ class Catalogue(OverrideEffects):
         self._index: SearchIndex | None = None
         self._index_lock = threading.Lock()
         self._fingerprint: dict | None = None
+        self._tool_json: tuple[dict, dict] = ({}, {})  # see tool_json
 
     def _override(self, overrides: dict) -> None:
         """Apply the global overrides: a tool is listed under its alias (both names route to it), with its new
@@ -11679,6 +11845,24 @@ class Catalogue(OverrideEffects):
                 if self._index is None:
                     self._index = SearchIndex(self.tools)
         return self._index
+
+    TOOL_JSON_MEMO = 1024  # definitions a catalogue keeps encoded; the memo is emptied when it is full
+
+    def tool_json(self, tool: dict, handshake: bool) -> str:
+        """``tool`` (one of ``tools``) as JSON, as a handshake-era client (``handshake``: shaped by
+        shape_handshake_tool) or a 2026-07-28 one is shown it.  Searches return the same definitions again and
+        again, so each is encoded once per catalogue.  The memo holds the tool itself beside its text, so the id
+        it is kept under cannot be another object's while it is there.  Any thread may call it: an entry is a
+        pure function of its key, and two threads encoding the same tool store the same text."""
+        memo = self._tool_json[handshake]
+        entry = memo.get(id(tool))
+        if entry is not None and entry[0] is tool:
+            return entry[1]
+        text = dumps(shape_handshake_tool(tool)[0] if handshake else tool)
+        if len(memo) >= self.TOOL_JSON_MEMO:
+            memo.clear()
+        memo[id(tool)] = (tool, text)
+        return text
 
     @property
     def index_ready(self) -> bool:
@@ -13232,17 +13416,14 @@ class CallState(enum.Enum):
     DONE = "done"
 
 
-@dataclass
 class Question:
     """A request an upstream asked the client mid-call, parked for a 2026-07-28 client (which answers it by
-    retrying the call with inputResponses)."""
-    upstream_id: object
-    method: str
-    params: dict
-    asked: bool = False     # already sent to the client in an input_required result
+    retrying the call with inputResponses).  ``asked``: already sent to the client in an input_required result."""
+
+    def __init__(self, upstream_id: object, method: str, params: dict, asked: bool = False):
+        self.upstream_id, self.method, self.params, self.asked = upstream_id, method, params, asked
 
 
-@dataclass
 class ForwardedCall:
     """A client request Coffer sent to an upstream, until its answer reaches the client.
 
@@ -13250,24 +13431,30 @@ class ForwardedCall:
     or, after the upstream asked the client something mid-call, the retry that answered it.  ``sent`` is False
     while questions the upstream asked before the call could carry them are answered first.
     """
-    upstream: Upstream
-    method: str
-    capability: str
-    kind: str | None
-    started: float
-    msg_id: object
-    client_params: dict                   # as the client sent them: what a sealed requestState is bound to
-    upstream_params: dict                 # as sent upstream (original name), for a multi-round-trip retry
-    state: CallState = CallState.ANSWERING
-    ticket: Ticket | None = None
-    held: Reply | None = None             # the upstream's answer, arrived while PARKED
-    exchange: str | None = None           # id in the session's parked exchanges while questions are out
-    questions: dict[str, Question] = dataclasses.field(default_factory=dict)
-    parked_until: float = 0.0
-    rounds: int = 0                       # input_required rounds driven for a handshake-era client
-    progress_token: object = None         # Coffer's own token upstream (2026-07-28 client), mapped to the current
-                                          # client request's token
-    sent: bool = False                    # the call itself has gone upstream
+
+    def __init__(self, upstream: Upstream, method: str, capability: str, kind: str | None, started: float,
+                 msg_id: object, client_params: dict, upstream_params: dict,
+                 state: CallState = CallState.ANSWERING, ticket: Ticket | None = None, held: Reply | None = None,
+                 exchange: str | None = None, questions: dict[str, Question] | None = None,
+                 parked_until: float = 0.0, rounds: int = 0, progress_token: object = None, sent: bool = False):
+        self.upstream = upstream
+        self.method = method
+        self.capability = capability
+        self.kind = kind
+        self.started = started
+        self.msg_id = msg_id
+        self.client_params = client_params      # as the client sent them: what a sealed requestState is bound to
+        self.upstream_params = upstream_params  # as sent upstream (original name), for a multi-round-trip retry
+        self.state = state
+        self.ticket = ticket
+        self.held = held                        # the upstream's answer, arrived while PARKED
+        self.exchange = exchange                # id in the session's parked exchanges while questions are out
+        self.questions: dict[str, Question] = {} if questions is None else questions
+        self.parked_until = parked_until
+        self.rounds = rounds                    # input_required rounds driven for a handshake-era client
+        self.progress_token = progress_token    # Coffer's own token upstream (2026-07-28 client), mapped to the
+                                                # current client request's token
+        self.sent = sent                        # the call itself has gone upstream
 
     @property
     def log_level(self) -> str | None:
@@ -13308,13 +13495,15 @@ class Waiting(NamedTuple):
     deadline: float = 0.0
 
 
-@dataclass
 class OwnRequest:
     """A request Coffer itself sent the client (sampling for coffer__ask): ``done`` is set when ``reply`` (the
     normalized answer) has arrived; ``callback(reply)``, if any, then runs on the client reader thread."""
-    callback: Callable[[dict], None] | None = None
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    reply: dict | None = None
+
+    def __init__(self, callback: Callable[[dict], None] | None = None, done: threading.Event | None = None,
+                 reply: dict | None = None):
+        self.callback = callback
+        self.done = threading.Event() if done is None else done
+        self.reply = reply
 
 
 # ============================================================================================================
@@ -13519,6 +13708,17 @@ def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dic
     return sorted(chosen, key=lambda tool: order[id(tool)])
 
 
+def search_tools_result(tools: list[dict], encoded: list[str], total_searched: int, ranker: str) -> EncodedResult:
+    """coffer__search_tools's result: the payload as structuredContent and, as JSON, in a text block.  ``encoded``
+    is each of ``tools`` as JSON, so the payload is encoded once, from them, and the reply is written from that
+    text (jsonrpc.EncodedResult): a search returns whole input schemas, several kilobytes of them.  The texts
+    below spell out the dicts beside them, key for key."""
+    payload = {"tools": tools, "total_searched": total_searched, "ranker": ranker}
+    text = f'{{"tools":[{",".join(encoded)}],"total_searched":{dumps(total_searched)},"ranker":{dumps(ranker)}}}'
+    return EncodedResult({"content": [{"type": "text", "text": text}], "structuredContent": payload},
+                         f'{{"content":[{{"type":"text","text":{dumps(text)}}}],"structuredContent":{text}}}')
+
+
 class BuiltinTools:
     """Coffer's own tools for one session: coffer__search_tools over the hub's catalogue, coffer__ask and
     coffer__remember over the hub's knowledge base.  Each runs on a worker thread, or on the client's reader
@@ -13549,19 +13749,22 @@ class BuiltinTools:
         hits, ranker, note, _ = preferred_search(index, self.hub.semantic, query, top_k,
                                                  active_preference(self.hub.settings, self.hub.vault.path))
         # Each tool exactly as tools/list shows it to this client (a handshake-era client gets an outputSchema that
-        # is not an object wrapped), plus its score.
+        # is not an object wrapped), plus its score; its JSON from the catalogue's memo, the score spliced in.
         handshake = self.session.client_era != "modern" and catalogue.handshake_tools is not catalogue.tools
-        payload = {
-            "tools": [{**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
-                      for tool, score in hits],
-            "total_searched": len(index),
-            "ranker": ranker,
-        }
+        tools, encoded = [], []
+        for tool, score in hits:
+            shown = {**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
+            tools.append(shown)
+            definition = catalogue.tool_json(tool, handshake)
+            # (a tool's own "score" field is replaced in its place, as the dict above does; an empty definition
+            # has no field to put the score after)
+            encoded.append(dumps(shown) if "score" in tool or len(definition) < 3
+                           else f'{definition[:-1]},"score":{json_number(score)}}}')
         self._record(SEARCH_TOOL, started, "ok", note)
         if self.hub.settings["search_feedback"] == "on":  # the user's own labels for `coffer eval`
             feedback_recorder(self.hub.vault.path).searched(self.session, self.session.client_name, query, ranker,
                                                             [tool["name"] for tool, _ in hits])
-        return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
+        return search_tools_result(tools, encoded, len(index), ranker)
 
     @staticmethod
     def _sampling_params(prompt: str, max_tokens: int) -> dict:
@@ -13993,6 +14196,7 @@ class ProfileCatalogue(Catalogue):
         self._index = None
         self._index_lock = threading.Lock()
         self._fingerprint = None
+        self._tool_json = ({}, {})
 
     def _fingerprints(self) -> dict:
         """The lists' fingerprints, the tools' also covering the profile's own settings (expose, pins, knowledge):
@@ -14217,7 +14421,7 @@ class Hub:
         self.knowledge_tools: list[dict] = []
         self._upstream_client: tuple[dict, dict | None, str] | None = None  # what upstreams are started with
         self._reported_missing = False
-        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see rebuild)
+        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see below)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
@@ -14680,8 +14884,17 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
-        if self.shared:  # what the build and the listing it came from leave freed, once they are gone (ticker)
-            self._trim_at = time.monotonic() + 1.0
+        self.return_memory_when_quiet()  # what the build and the listing it came from leave freed, once gone
+
+    def return_memory_when_quiet(self) -> None:
+        """Shared mode: have the ticker hand freed heap back to the operating system once half a second has
+        passed without another call here.  A build, or an answer to a client (a first tools/list copies and
+        encodes the whole catalogue), leaves memory freed that glibc would otherwise keep for hours; each call
+        pushes the moment back, so a busy service trims in its pauses, not between requests.  Any thread; the
+        ticker may miss a request that races its own trim, which then takes that memory along or leaves it to
+        the next."""
+        if self.shared:
+            self._trim_at = time.monotonic() + 0.5
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind`` (a list waiting), only those with no remembered list of that kind
@@ -14758,7 +14971,7 @@ class CallRouter:
         if name in (ASK_TOOL, REMEMBER_TOOL) and any(t["name"] == name for t in session.view.knowledge_tools):
             work = (lambda: session.tools.ask(arguments or {}, started, params)) if name == ASK_TOOL else (
                 lambda: session.tools.remember(arguments or {}, started))
-            self.hub.workers.submit(session.answer, msg_id, "tools/call", work)
+            self.hub.workers.submit(session.answer, msg_id, "tools/call", work, owner=session)
             return None
         if name in (ASK_TOOL, REMEMBER_TOOL) and not any(t["name"] == name for t in self.hub.knowledge_tools):
             # Coffer's own tool, turned off: say how to turn it on (one the client's profile leaves out is refused
@@ -15367,7 +15580,7 @@ class EraBridge:
         if claims.is_ask_round and self.hub.knowledge is not None:  # coffer__ask's rounds with the client's model
             arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
             self.hub.workers.submit(session.answer, msg_id, method, lambda: session.tools.ask(
-                arguments, started, params, claims, responses))
+                arguments, started, params, claims, responses), owner=session)
             return None
         if claims.is_upstream_round:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says
             upstream = session.upstream_named(claims.upstream)
@@ -15713,6 +15926,7 @@ class ClientSession:
         if not verbatim:
             message = redact.scrub(message)
         self.stream.send(message)
+        self.hub.return_memory_when_quiet()
 
     def _lost_client(self) -> None:
         """The client closed its end (EPIPE): nobody can read an answer any more, so stop working for it."""
@@ -15979,7 +16193,7 @@ class ClientSession:
         if not self.discovering(kind) or time.monotonic() >= self.discovery_deadline:
             if not background:
                 return work()
-            self.hub.workers.submit(self.answer, msg_id, method, work)
+            self.hub.workers.submit(self.answer, msg_id, method, work, owner=self)
             return None
         with self.lock:
             self._waiting.append(Waiting(msg_id, work, kind, method))
@@ -16011,7 +16225,7 @@ class ClientSession:
         if expired:
             self.hub.report_missing(discovering())
         for waiting in done:
-            self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work)
+            self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work, owner=self)
 
     def listed_tools(self) -> list[dict]:
         """The tools this client is shown (see expose_mode, and its profile's pins); the rest stay callable and
@@ -16304,7 +16518,7 @@ def read_service_file(home: str) -> dict | None:
 def write_service_file(home: str, data: dict) -> None:
     """Write service.json 0600, atomically (a reader sees the old file or the new one, never half)."""
     path = service_file(home)
-    fd, temporary = tempfile.mkstemp(dir=home, prefix=".service-", suffix=".json")
+    fd, temporary = private_temporary_file(home, ".service-", ".json")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             if os.name == "posix":
@@ -16746,7 +16960,7 @@ class Relay:
             return  # an answer to a request of the service's: nothing to keep
         try:
             message = json.loads(line)
-        except ValueError:  # the service answers it with a parse error, under each request's own id
+        except (ValueError, RecursionError):  # the service answers it with an error, under each request's own id
             if self.current is not None:
                 for msg_id in request_ids_in_unreadable(line):
                     self.current.pending.add(msg_id)
@@ -16814,7 +17028,7 @@ class Relay:
     def _control_line(self, attachment: Attachment, line: bytes) -> None:
         try:
             message = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             return
         if message.get("coffer") == "handover" and attachment is self.current:
             relay_log.info("the Coffer service hands over to a newer one; moving this session")
@@ -17028,6 +17242,7 @@ class SocketOutput:
             with self.lock:
                 self.queue.popleft()
                 self.queued -= len(data)
+            del data  # not held while this thread waits for the next chunk: an answer can be a whole catalogue
 
     def close(self) -> None:
         with self.lock:
@@ -17041,6 +17256,57 @@ class SocketOutput:
             pass
 
 
+class _RotatingLog(logging.FileHandler):
+    """A log file that is renamed to .1 (an older .1 to .2, and so on up to ``backups``) before a record would
+    take it to ``max_bytes``: what logging.handlers.RotatingFileHandler does, without importing that module,
+    which brings pickle and socket handlers a long-running service never uses.  Records are written under the
+    handler's lock (logging.Handler.handle), so a rotation is too."""
+
+    def __init__(self, path: str, max_bytes: int, backups: int):
+        super().__init__(path, mode="a", encoding="utf-8")
+        self.max_bytes, self.backups = max_bytes, backups
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if self._full(record):
+                self._rotate()
+            super().emit(record)
+        except Exception:  # noqa: BLE001 - logging's rule: a record that cannot be written is reported, not raised
+            self.handleError(record)
+
+    def _full(self, record: logging.LogRecord) -> bool:
+        if os.path.exists(self.baseFilename) and not os.path.isfile(self.baseFilename):
+            return False  # never rename what is not a regular file (a named pipe, /dev/null)
+        if self.stream is None:
+            self.stream = self._open()
+        self.stream.seek(0, 2)
+        return self.stream.tell() + len(self.format(record) + "\n") >= self.max_bytes
+
+    def _rotate(self) -> None:
+        if self.stream:
+            self.stream.close()
+            self.stream = None
+        for i in range(self.backups - 1, 0, -1):
+            older, newer = f"{self.baseFilename}.{i}", f"{self.baseFilename}.{i + 1}"
+            if os.path.exists(older):
+                if os.path.exists(newer):
+                    os.remove(newer)
+                os.rename(older, newer)
+        first = self.baseFilename + ".1"
+        if os.path.exists(first):
+            os.remove(first)
+        if os.path.exists(self.baseFilename):
+            os.rename(self.baseFilename, first)
+        self.stream = self._open()
+
+    def _open(self):
+        """The file as logging opens it, but created private (0600) whatever the umask: a new file after each
+        rotation too."""
+        if not os.path.exists(self.baseFilename):
+            os.close(os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        return super()._open()
+
+
 class _Redacted(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         return printable(redact(super().format(record)))
@@ -17051,11 +17317,7 @@ def log_to_file(home: str) -> str:
     folder = os.path.join(home, "logs")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, "service.log")
-    if not os.path.exists(path):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-    import logging.handlers  # here: the rest of Coffer never needs it, and it costs memory to import
-    handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS,
-                                                   encoding="utf-8")
+    handler = _RotatingLog(path, LOG_BYTES, LOG_BACKUPS)
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -17429,6 +17691,7 @@ TOKEN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_TOKEN_LENGTH = 200
 #: How often a token's last use is written (a write per request would make every request wait on the vault).
 TOUCH_INTERVAL = 60.0
+TOUCH_BUSY_TIMEOUT_MS = 50
 
 
 class TokenHolder(NamedTuple):
@@ -17549,8 +17812,14 @@ class TokenStore:
         self._touched[name] = now
         try:
             with self.lock:
-                with _Transaction(self.db) as db:
-                    db.execute("UPDATE client_tokens SET last_used=? WHERE name=?", (utcnow(), name))
+                # The request waits on this write, and so does every other token check (the lock): a vault
+                # another process holds busy skips the update instead of waiting out the usual busy timeout.
+                self.db.execute(f"PRAGMA busy_timeout={TOUCH_BUSY_TIMEOUT_MS}")
+                try:
+                    with _Transaction(self.db) as db:
+                        db.execute("UPDATE client_tokens SET last_used=? WHERE name=?", (utcnow(), name))
+                finally:
+                    self.db.execute(f"PRAGMA busy_timeout={VAULT_BUSY_TIMEOUT_MS}")
         except (sqlite3.Error, VaultError):
             pass  # a busy or read-only vault: the last use is a convenience, never a reason to refuse a client
 
@@ -19572,8 +19841,7 @@ def _line_col(text: str, offset: int) -> str:
     return f"line {line} column {offset - (text.rfind(chr(10), 0, offset) + 1) + 1}"
 
 
-@dataclasses.dataclass
-class _ObjectSpan:
+class _ObjectSpan(NamedTuple):
     open: int                  # offset of "{"
     close: int                 # offset of "}"
     members: list              # [(key, key_start, value_start, value_end)] in file order
@@ -20173,8 +20441,7 @@ def append_toml(text: str, block: str) -> str:
 
 # -- where each client keeps its servers ----------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class ClientContext:
+class ClientContext(NamedTuple):
     """The user's home, the project directory and the environment the client files are looked up with."""
     home: str
     cwd: str
@@ -20217,8 +20484,7 @@ GUI_CLIENTS = ("claude-desktop", "cursor", "vscode", "windsurf", "zed")
 
 # -- records -------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class ClientFile:
+class ClientFile(NamedTuple):
     """Where one client keeps MCP servers: a file, the key path of the servers map inside it, its format."""
     client: str
     path: str
@@ -20228,24 +20494,27 @@ class ClientFile:
     project_root: str | None = None
 
 
-@dataclasses.dataclass
 class ImportedServer:
     """One server entry from a client config, normalised to Coffer's shapes and ${NAME} references.
 
     Literal env/header values are still in ``env``/``headers``; the plan moves them to the SecretStore.
     Built and read by the CLI thread only, like every record in this section.
     """
-    name: str                  # as the client calls it
-    client: str
-    path: str
-    kind: str                  # "stdio", "http" or "sse"
-    command: list | None = None
-    env: dict = dataclasses.field(default_factory=dict)
-    cwd: str | None = None
-    url: str | None = None
-    headers: dict = dataclasses.field(default_factory=dict)
-    notes: list = dataclasses.field(default_factory=list)
-    needs: list = dataclasses.field(default_factory=list)   # ${NAME}s the user must still provide
+
+    def __init__(self, name: str, client: str, path: str, kind: str, command: list | None = None,
+                 env: dict | None = None, cwd: str | None = None, url: str | None = None,
+                 headers: dict | None = None, notes: list | None = None, needs: list | None = None):
+        self.name = name                   # as the client calls it
+        self.client = client
+        self.path = path
+        self.kind = kind                   # "stdio", "http" or "sse"
+        self.command = command
+        self.env = {} if env is None else env
+        self.cwd = cwd
+        self.url = url
+        self.headers = {} if headers is None else headers
+        self.notes = [] if notes is None else notes
+        self.needs = [] if needs is None else needs  # ${NAME}s the user must still provide
 
     def identity(self) -> tuple:
         """Same command+args+env, or same url: the same server, whichever client lists it."""
@@ -20254,21 +20523,23 @@ class ImportedServer:
         return ("remote", self.url)
 
 
-@dataclasses.dataclass
 class PlannedServer:
     """A server the import will write: its legal Coffer name and its env/headers with secrets as ${NAME}."""
-    server: ImportedServer
-    name: str                              # the legal Coffer name
-    renamed_because: str | None = None
-    overwrite: bool = False
-    env: dict = dataclasses.field(default_factory=dict)        # with secrets replaced by ${NAME}
-    headers: dict = dataclasses.field(default_factory=dict)
-    command: list | None = None                                # argv with secret-looking arguments as ${NAME}
-    secrets: dict = dataclasses.field(default_factory=dict)    # NAME -> value (never printed)
+
+    def __init__(self, server: ImportedServer, name: str, renamed_because: str | None = None,
+                 overwrite: bool = False, env: dict | None = None, headers: dict | None = None,
+                 command: list | None = None, secrets: dict | None = None):
+        self.server = server
+        self.name = name                                     # the legal Coffer name
+        self.renamed_because = renamed_because
+        self.overwrite = overwrite
+        self.env = {} if env is None else env                # with secrets replaced by ${NAME}
+        self.headers = {} if headers is None else headers
+        self.command = command                               # argv with secret-looking arguments as ${NAME}
+        self.secrets = {} if secrets is None else secrets    # NAME -> value (never printed)
 
 
-@dataclasses.dataclass
-class SkippedServer:
+class SkippedServer(NamedTuple):
     """A client entry the import leaves out, and why (said to the user as is)."""
     name: str
     client: str
@@ -20276,21 +20547,22 @@ class SkippedServer:
     reason: str
 
 
-@dataclasses.dataclass
-class FileProblem:
+class FileProblem(NamedTuple):
     """A whole config file that could not be read, and why; the file itself is left untouched."""
     client: str
     path: str
     reason: str
 
 
-@dataclasses.dataclass
 class ImportPlan:
     """What ``coffer import`` will do (or, with --dry-run, would do); apply_import carries it out."""
-    added: list = dataclasses.field(default_factory=list)       # PlannedServer
-    skipped: list = dataclasses.field(default_factory=list)     # SkippedServer
-    problems: list = dataclasses.field(default_factory=list)    # FileProblem
-    files_read: list = dataclasses.field(default_factory=list)  # ClientFile
+
+    def __init__(self, added: list | None = None, skipped: list | None = None, problems: list | None = None,
+                 files_read: list | None = None):
+        self.added = [] if added is None else added                  # PlannedServer
+        self.skipped = [] if skipped is None else skipped            # SkippedServer
+        self.problems = [] if problems is None else problems         # FileProblem
+        self.files_read = [] if files_read is None else files_read   # ClientFile
 
     @property
     def secrets_moved(self) -> list:
@@ -20844,20 +21116,23 @@ def write_config_file(path: str, text: str, backups: str) -> str | None:
     return backup
 
 
-@dataclasses.dataclass
 class EditResult:
     """What install/uninstall did (or would do) to one client config file."""
-    client: str
-    path: str
-    changed: bool
-    text: str = ""
-    backup: str | None = None
-    removed: list = dataclasses.field(default_factory=list)      # servers --replace took out
-    restored: list = dataclasses.field(default_factory=list)     # servers uninstall put back
-    kept_out: list = dataclasses.field(default_factory=list)     # (name, why) uninstall could not put back
-    stash: str | None = None
-    renamed: list = dataclasses.field(default_factory=list)      # what a --replace moved: sentences for the user
-    notes: list = dataclasses.field(default_factory=list)        # what the user should know about the entry
+
+    def __init__(self, client: str, path: str, changed: bool, text: str = "", backup: str | None = None,
+                 removed: list | None = None, restored: list | None = None, kept_out: list | None = None,
+                 stash: str | None = None, renamed: list | None = None, notes: list | None = None):
+        self.client = client
+        self.path = path
+        self.changed = changed
+        self.text = text
+        self.backup = backup
+        self.removed = [] if removed is None else removed        # servers --replace took out
+        self.restored = [] if restored is None else restored     # servers uninstall put back
+        self.kept_out = [] if kept_out is None else kept_out     # (name, why) uninstall could not put back
+        self.stash = stash
+        self.renamed = [] if renamed is None else renamed        # what a --replace moved: sentences for the user
+        self.notes = [] if notes is None else notes              # what the user should know about the entry
 
 
 def _toml_block(name: str, entry: dict) -> str:
@@ -24568,9 +24843,10 @@ class WebServer:
         raw = handler.headers.get("Cookie")
         if not raw:
             return None
+        import http.cookies  # here: only the page reads cookies, and most services never serve it
         try:
-            jar = SimpleCookie(raw)
-        except CookieError:
+            jar = http.cookies.SimpleCookie(raw)
+        except http.cookies.CookieError:
             return None
         morsel = jar.get(_cookie_name(handler.server.server_address[1]))
         return morsel.value if morsel is not None else None

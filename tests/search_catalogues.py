@@ -22,9 +22,15 @@ def _schema(kind_text: str) -> dict:
 
 def server(name: str, *tools: tuple) -> list[dict]:
     """A server's tools, each ``(tool_name, description, {parameter: KIND:description})``, named server__tool."""
-    return [{"name": f"{name}__{tool}", "description": description,
-             "inputSchema": {"type": "object", "properties": {key: _schema(value) for key, value in params.items()}}}
-            for tool, description, params in tools]
+    listed = []
+    for tool, description, params in tools:
+        schema = {"type": "object", "properties": {key: _schema(value.removeprefix("!")) for key, value in
+                                                   params.items()}}
+        required = [key for key, value in params.items() if value.startswith("!")]
+        if required:
+            schema["required"] = required
+        listed.append({"name": f"{name}__{tool}", "description": description, "inputSchema": schema})
+    return listed
 
 
 def t(tool_name: str, description: str, /, **params: str) -> tuple:
@@ -526,3 +532,14 @@ MORE_WEB_SEARCH = (
     server("searxng",
            t("searxng_web_search", "Search the web through a SearXNG instance", query="s:", pageno="i:")),
 )
+
+
+# A news tool about one stock (it must be given a symbol) and a feed of technology headlines that covers AI: the
+# first cannot answer a request for the news in general, the second is what "the big news in AI today" asks for.
+STOCK_NEWS = server("markets",
+                    t("get_news", "Get news for a given stock symbol.", symbol="!s:Stock symbol"),
+                    t("get_stock_price", "Current price of a stock", symbol="!s:Stock symbol"))
+TECH_FEED = server("techwire",
+                   t("get_tech_news",
+                     "Latest technology news from TechWire: software, cloud computing, AI and startups",
+                     region="e:us|eu|asia:Edition"))

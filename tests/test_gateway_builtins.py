@@ -4,6 +4,7 @@ the tool budget a client that caps its list gets."""
 
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -33,6 +34,62 @@ def test_search_tool_contract_through_the_gateway(raw_gateway, home):
     for bad in ({"query": ""}, {"query": 3}, {"query": "x", "top_k": "5"}, {"query": "x", "top_k": 2.5},
                 {"query": "x", "top_k": True}, {}):
         assert search(bad).get("isError") is True, bad
+
+
+ODD_SERVER = r"""
+import json, sys
+TOOLS = [
+    {"name": "quote", "description": "Say \"hi\" back \\ with\u2028odd text, na\u00efve \u65e5\u672c",
+     "inputSchema": {"type": "object", "properties": {"text": {"type": "string", "description": "tab\there"}}}},
+    {"name": "scored", "score": "its own", "description": "Say hi with a score field of its own",
+     "inputSchema": {"type": "object"}},
+    {"name": "listing", "description": "Say hi as a list", "inputSchema": {"type": "object"},
+     "outputSchema": {"type": "array", "items": {"type": "string"}}},
+    {"name": "lone", "description": "Say hi \ud800 alone", "inputSchema": {"type": "object"}},
+]
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    if msg["method"] == "initialize":
+        result = {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "odd", "version": "1"}}
+    elif msg["method"] == "tools/list":
+        result = {"tools": TOOLS}
+    else:
+        result = {}
+    print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}), flush=True)
+"""
+
+
+def test_search_results_are_the_tools_as_listed_and_their_text_is_that_json(home, raw_gateway, tmp_path):
+    """The text block is, character for character, the compact JSON of structuredContent, whatever the tools'
+    definitions hold (quotes, line separators, non-ASCII; a lone surrogate, which listing replaces); each tool is
+    as tools/list shows it (a handshake-era client gets an array outputSchema wrapped), with its score -- which
+    replaces a field of that name in its place -- and asking again gives the same reply."""
+    server = tmp_path / "odd_server.py"
+    server.write_text(ODD_SERVER)
+    cli("add", "odd", "--", sys.executable, str(server))
+    gw = raw_gateway()
+    gw.initialize()
+    listed = {tool["name"]: tool for tool in gw.request("tools/list")["result"]["tools"]}
+
+    def search():
+        return gw.request("tools/call", {"name": "coffer__search_tools",
+                                         "arguments": {"query": "say hi", "top_k": 10}})["result"]
+
+    result = search()
+    payload = result["structuredContent"]
+    assert result["content"][0]["text"] == json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    found = {tool["name"]: tool for tool in payload["tools"]}
+    assert set(found) == {"odd__quote", "odd__scored", "odd__listing", "odd__lone"}
+    for name, tool in found.items():
+        assert isinstance(tool["score"], float) and tool["score"] > 0
+        assert {k: v for k, v in tool.items() if k != "score"} == {k: v for k, v in listed[name].items()
+                                                                   if k != "score"}
+    assert list(found["odd__scored"]) == list(listed["odd__scored"])      # its own "score" key, in its place
+    assert found["odd__listing"]["outputSchema"]["type"] == "object"      # wrapped, as tools/list shows it
+    assert search() == result
 
 
 # -- the tool budget ---------------------------------------------------------------------------------------------------

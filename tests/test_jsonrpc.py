@@ -11,7 +11,17 @@ import time
 
 import pytest
 
-from coffer_src.jsonrpc import defer_to_burst_end, handle_burst, negotiate_version, read_line_bursts
+from coffer_src.jsonrpc import (
+    EncodedResult,
+    defer_to_burst_end,
+    dumps,
+    encode_line,
+    handle_burst,
+    json_number,
+    negotiate_version,
+    read_line_bursts,
+    rpc_result,
+)
 
 from conftest import FAKE, cli, coffer_cmd, healthy, linux_only, proc_status, received, rss_kb, wait_until
 
@@ -64,6 +74,20 @@ def test_output_held_during_a_burst_is_written_once_at_its_end_even_on_error():
 
 
 # -- errors for bad input, and the session goes on ---------------------------------------------------------------------
+
+def test_a_result_that_carries_its_json_is_written_as_its_dict_would_be_and_a_change_to_it_is_written():
+    value = {"content": [{"type": "text", "text": 'say "hi" \\ \u2028 na\u00efve'}], "structuredContent": {"n": 1.5}}
+    for msg_id in (1, "a\"b", None):
+        assert encode_line(rpc_result(msg_id, EncodedResult(value, dumps(value)))) == \
+            encode_line(rpc_result(msg_id, value))
+    for change in (lambda r: r.update(isError=True), lambda r: r.__setitem__("isError", True),
+                   lambda r: r.setdefault("isError", True), lambda r: r.pop("structuredContent")):
+        result = EncodedResult(value, dumps(value))
+        change(result)
+        assert json.loads(encode_line(rpc_result(1, result)))["result"] == dict(result) != value
+    for number in (0.1, 3.9687, -0.0, 1e300, 5e-324, 7, True):
+        assert json_number(number) == dumps(number)
+
 
 def test_bad_input_gets_the_right_errors_and_the_session_survives(raw_gateway):
     gw = raw_gateway()

@@ -127,6 +127,35 @@ def test_a_tool_that_takes_or_covers_the_subject_keeps_its_place(catalogue, quer
     assert names(catalogue.search(query, 1))[0].startswith(expected)
 
 
+@pytest.mark.parametrize("query", ["latest news", "what's in the news", "show me the news"])
+def test_a_request_for_the_news_in_general_is_not_answered_by_news_about_one_stock(query):
+    # No subject, so no feed is outvoted; but a tool that must be told which stock cannot answer it either.
+    index = SearchIndex(sc.merged(*sc.NARROW_NEWS) + sc.STOCK_NEWS)
+    assert len(index.tools) >= 200
+    top = names(index.search(query, 5))
+    assert top[0] in web_tools(index) and "markets__get_news" in top, top
+
+
+@pytest.mark.parametrize("query", ["latest news on AAPL", "any recent news about TSLA"])
+def test_news_about_one_stock_answers_a_request_that_names_the_stock(query):
+    index = SearchIndex(sc.merged(*sc.NARROW_NEWS) + sc.STOCK_NEWS)
+    assert names(index.search(query, 1)) == ["markets__get_news"]
+
+
+@pytest.mark.parametrize("query", ["latest news", "the latest headlines today"])
+def test_a_request_for_the_news_in_general_keeps_a_news_feed_first(query):
+    index = SearchIndex(sc.merged() + sc.STOCK_NEWS)
+    assert names(index.search(query, 1)) == ["bugle__get_news"]
+
+
+@pytest.mark.parametrize("query", ["what's the big news in AI today", "major AI news today",
+                                   "tell me the current news in AI"])
+def test_words_that_say_now_or_what_matters_are_not_the_subject(query):
+    # The subject is AI, which the technology feed covers: it keeps its place ahead of general web search.
+    index = SearchIndex(sc.merged() + sc.STOCK_NEWS + sc.TECH_FEED)
+    assert names(index.search(query, 1)) == ["techwire__get_tech_news"]
+
+
 def test_the_lift_goes_to_the_best_web_search_tools_not_to_all_of_them():
     tools = sc.merged() + [tool for group in sc.MORE_WEB_SEARCH for tool in group]
     index = SearchIndex(tools)

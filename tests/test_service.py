@@ -320,6 +320,38 @@ def test_the_service_log_holds_no_secret(service_home, raw_gateway):
     assert (os.stat(service_home / "logs" / "service.log").st_mode & 0o777) == 0o600
 
 
+def test_the_service_log_rotates_keeping_its_last_backups(tmp_path, monkeypatch):
+    """Past its size the service's log moves to service.log.1 (.1 to .2, ...); only LOG_BACKUPS old files stay,
+    and no record is lost or reordered across them."""
+    import logging
+    import re
+    import stat
+
+    from coffer_src.service import server
+
+    monkeypatch.setattr(server, "LOG_BYTES", 500)
+    previous_umask = os.umask(0o022)  # what most users have: files 0644 unless made private
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        server.log_to_file(str(tmp_path))
+        for n in range(60):
+            logging.getLogger("coffer_src.test").info("record %03d %s", n, "x" * 40)
+        root.handlers[0].close()
+    finally:
+        os.umask(previous_umask)
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    logs = tmp_path / "logs"
+    names = ["service.log.3", "service.log.2", "service.log.1", "service.log"]  # oldest first
+    assert sorted(os.listdir(logs)) == sorted(names)
+    assert all(os.path.getsize(logs / name) < 500 for name in names)
+    kept = [int(n) for name in names for n in re.findall(r"record (\d+)", (logs / name).read_text())]
+    assert kept == list(range(kept[0], 60)) and kept[0] > 0
+    # each file is the user's alone, the ones opened after a rotation too, whatever the umask
+    assert all(stat.S_IMODE(os.stat(logs / name).st_mode) == 0o600 for name in names)
+
+
 def test_a_newer_coffer_takes_over_without_dropping_a_session(service_home, tmp_path):
     log = tmp_path / "spawns"
     cli("add", "a", "--", *FAKE, "--spawn-log", str(log))
@@ -467,6 +499,18 @@ def test_a_lost_service_fails_exactly_the_requests_it_left_unanswered(tmp_path):
     assert theirs.recv(1 << 16).count(b"\n") == 4  # passed on whole, before any bookkeeping
     relay._from_client(b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":true}}\n'
                        b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":3}}\n')
+    deep = b'{"jsonrpc":"2.0","id":9,"method":"tools/call","params":' + b"[" * 50_000 + b"]" * 50_000 + b"}\n"
+    passed = bytearray()
+
+    def service_reads():
+        while not passed.endswith(b"}\n"):
+            passed.extend(theirs.recv(1 << 20))
+
+    reader = threading.Thread(target=service_reads, daemon=True)
+    reader.start()
+    relay._from_client(deep)  # too deep to parse: passed on for the service to refuse, the relay lives on
+    reader.join(10)
+    assert bytes(passed).count(b"\n") == 3 and passed.endswith(deep)
     relay._from_service(relay.current, b'{"jsonrpc":"2.0","id":"1","result":{"content":[]}}\n{"jsonrpc":"2.0",')
     replacement, _ = socket.socketpair()
     relay.attach = lambda first: Attachment(replacement, {})

@@ -455,3 +455,25 @@ def test_cancellation_reaches_upstream_with_its_id_and_late_reply_is_dropped(hom
         assert not gw.responses.get(json.dumps(client_id)), "a cancelled request got a response"
     rows = wait_log(lambda rows: any(r["status"] == "cancelled" for r in rows))
     assert [r["capability"] for r in rows if r["status"] == "cancelled"] == ["up__slow"]
+
+
+def test_a_checked_definition_is_cleaned_at_every_depth_and_the_listed_one_left_as_it_was():
+    """Lone surrogates and control characters are repaired wherever they are, instance data (enum, default) is
+    kept as listed, and the listed object itself is never changed (the check copies what it repairs)."""
+    import copy
+
+    from coffer_src.upstream.definitions import check_definition
+
+    listed = {"name": "t", "description": "red \x1b[31m", "inputSchema": {"type": "object", "properties": {
+        "a": {"type": "string", "description": "x\x07y", "enum": ["\x07kept"], "default": "\x07kept"},
+        "b": {"type": "array", "items": [{"title": "lone \ud800"}, {"title": "plain"}]},
+        "c": {"type": "integer", "description": "clean"}}}}
+    before = copy.deepcopy(listed)
+    checked = check_definition("tool", listed)
+    assert listed == before
+    properties = checked["inputSchema"]["properties"]
+    assert checked["description"] == "red [31m"
+    assert properties["a"] == {"type": "string", "description": "xy", "enum": ["\x07kept"], "default": "\x07kept"}
+    assert properties["b"]["items"] == [{"title": "lone ?"}, {"title": "plain"}]
+    assert properties["c"] == {"type": "integer", "description": "clean"}
+    assert list(properties) == ["a", "b", "c"]

@@ -12,8 +12,9 @@ Concurrency
 Threads (all daemons), named as they show in a traceback, by who starts them:
 - the main thread: `coffer serve --standalone` reads its client (ClientSession.serve); the service runs its accept
   loop (Service.run); the relay (`coffer serve` beside a service) its select loop; a CLI command its own work.
-- the hub: coffer-ticker (Hub.start: request timeouts, waiting requests, idle stops, vault reloads), coffer-work-1..4
-  (Hub.workers: requests that waited for discovery, searches off the reader, coffer__ask), coffer-log
+- the hub: coffer-ticker (Hub.start: request timeouts, waiting requests, idle stops, vault reloads when
+  config_changes moved), coffer-work-1..4 (Hub.workers: requests that waited for discovery, searches off the
+  reader, coffer__ask; the sessions take turns), coffer-log
   (InvocationLog: owns its connection), coffer-client-gone (ClientSession: a standalone shutdown).
 - an upstream: coffer-<name>-start per start attempt (Upstream.start; discovery writes era, capabilities and
   server_info before the move to ready), a threading.Timer per restart (Upstream) and listen reopening

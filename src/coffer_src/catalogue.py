@@ -146,6 +146,7 @@ class Catalogue(OverrideEffects):
         self._index: SearchIndex | None = None
         self._index_lock = threading.Lock()
         self._fingerprint: dict | None = None
+        self._tool_json: tuple[dict, dict] = ({}, {})  # see tool_json
 
     def _override(self, overrides: dict) -> None:
         """Apply the global overrides: a tool is listed under its alias (both names route to it), with its new
@@ -196,6 +197,24 @@ class Catalogue(OverrideEffects):
                 if self._index is None:
                     self._index = SearchIndex(self.tools)
         return self._index
+
+    TOOL_JSON_MEMO = 1024  # definitions a catalogue keeps encoded; the memo is emptied when it is full
+
+    def tool_json(self, tool: dict, handshake: bool) -> str:
+        """``tool`` (one of ``tools``) as JSON, as a handshake-era client (``handshake``: shaped by
+        shape_handshake_tool) or a 2026-07-28 one is shown it.  Searches return the same definitions again and
+        again, so each is encoded once per catalogue.  The memo holds the tool itself beside its text, so the id
+        it is kept under cannot be another object's while it is there.  Any thread may call it: an entry is a
+        pure function of its key, and two threads encoding the same tool store the same text."""
+        memo = self._tool_json[handshake]
+        entry = memo.get(id(tool))
+        if entry is not None and entry[0] is tool:
+            return entry[1]
+        text = dumps(shape_handshake_tool(tool)[0] if handshake else tool)
+        if len(memo) >= self.TOOL_JSON_MEMO:
+            memo.clear()
+        memo[id(tool)] = (tool, text)
+        return text
 
     @property
     def index_ready(self) -> bool:

@@ -30,6 +30,13 @@ REQUEST_TIMEOUT = -32001
 dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
+def json_number(value) -> str:
+    """What ``dumps`` writes for ``value``, a number: a finite float's repr without the encoder's set-up."""
+    if type(value) is float and math.isfinite(value):
+        return float.__repr__(value)  # what the encoder itself writes for a float
+    return dumps(value)
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
@@ -99,14 +106,65 @@ class EncodeError(CofferException, ValueError):
     """A message Coffer cannot write as JSON (nested too deeply to encode, or holding a non-JSON value)."""
 
 
+class EncodedResult(dict):
+    """A result that carries its own JSON text (``json``, exactly what ``dumps`` makes of it), made by whoever
+    built the result for less than encoding it again: coffer__search_tools's reply repeats its payload as text
+    and its tools' definitions are encoded once per catalogue.  ``encode_line`` writes that text instead of
+    encoding the dict.  Any change to the dict itself drops the text; what it holds is never changed (a result
+    is built for one reply, and shaping it for a client copies it)."""
+
+    __slots__ = ("json",)
+
+    def __init__(self, result: dict, json_text: str):
+        super().__init__(result)
+        self.json: str | None = json_text
+
+    def __setitem__(self, key, value):
+        self.json = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.json = None
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self.json = None
+        return super().__ior__(other)
+
+    def clear(self):
+        self.json = None
+        super().clear()
+
+    def pop(self, *args):
+        self.json = None
+        return super().pop(*args)
+
+    def popitem(self):
+        self.json = None
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self.json = None
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        self.json = None
+        super().update(*args, **kwargs)
+
+
 def encode_line(message) -> bytes:
     """One JSON-RPC message as a newline-terminated UTF-8 line.
 
     A lone surrogate (legal in a JSON text as an escape, impossible in UTF-8) is written back as its \\uXXXX escape,
-    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.
+    so the peer decodes exactly the string Coffer was given instead of Coffer dying in the write.  A reply whose
+    result is an EncodedResult (its last key, as rpc_result puts it) is written with the result's own text.
     """
     try:
-        text = dumps(message)
+        result = message.get("result") if isinstance(message, dict) else None
+        if type(result) is EncodedResult and result.json is not None and next(reversed(message)) == "result":
+            text = dumps({**message, "result": None})[:-5] + result.json + "}"  # "result":null} -> its text
+        else:
+            text = dumps(message)
     except (ValueError, TypeError, RecursionError) as exc:
         raise EncodeError(f"cannot encode a message: {exc.__class__.__name__}") from None
     try:

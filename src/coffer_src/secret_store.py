@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import threading
 import urllib.parse
 
@@ -21,6 +20,20 @@ secret_store_log = logging.getLogger(__name__)
 # -- private files ----------------------------------------------------------------------------------------------
 
 
+def private_temporary_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file in ``directory``, created 0600 and exclusively (never an existing file or a link followed),
+    opened for writing: its descriptor and path.  tempfile.mkstemp's guarantees, without importing tempfile,
+    which brings shutil and random into a long-running service that has no other use for them."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        path = os.path.join(directory, f"{prefix}{os.urandom(6).hex()}{suffix}")
+        try:
+            return os.open(path, flags, 0o600), path
+        except FileExistsError:
+            continue  # another writer's name: draw again
+    raise FileExistsError(f"no free temporary name in {directory}")
+
+
 def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
     """Replace ``path`` with ``data`` atomically and durably: a reader sees the old file or the new one, never
     half of either, and after a crash the new one is there whole or not at all.
@@ -31,7 +44,7 @@ def write_private_file(path: str, data: bytes, mode: int = 0o600) -> None:
     on failure, with the temporary file removed.  The one way Coffer writes a file it owns or a client config.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".coffer-", suffix=".tmp")
+    fd, temporary = private_temporary_file(directory, ".coffer-", ".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import inspect
 import json
 import logging
 import os
@@ -12,6 +11,7 @@ import shlex
 import sqlite3
 import stat
 import time
+import types
 from datetime import datetime, timedelta, timezone
 from typing import NamedTuple
 
@@ -52,6 +52,7 @@ def iso_timestamp(epoch_seconds: float) -> str:
 
 
 CAPABILITY_KINDS = ("tool", "prompt", "resource", "template")
+VAULT_BUSY_TIMEOUT_MS = 10_000  # how long a write waits for another process's (a CLI command, an import)
 VAULT_CACHE_KIB = 512  # SQLite page cache per vault connection (SQLite's default is 2 MB)
 PRIVATE_FILES = ("coffer.db", "coffer.db-wal", "coffer.db-shm", "secrets.json")
 
@@ -74,9 +75,10 @@ def storable(text):
 def connect_vault_db(path: str, uri: bool = False) -> sqlite3.Connection:
     """A connection to coffer.db as every part of Coffer opens one (the vault, the logs, the knowledge base, the
     caches): rows by name, autocommit, a busy timeout, WAL, a small page cache."""
-    db = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False, uri=uri)
+    db = sqlite3.connect(path, timeout=VAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False,
+                         uri=uri)
     db.row_factory = sqlite3.Row
-    db.execute("PRAGMA busy_timeout=10000")
+    db.execute(f"PRAGMA busy_timeout={VAULT_BUSY_TIMEOUT_MS}")
     # The vault's rows are few and read in full: a small page cache is enough, and a long-running service
     # holds several connections for hours.
     db.execute(f"PRAGMA cache_size=-{VAULT_CACHE_KIB}")
@@ -162,7 +164,7 @@ def _at_the_vault_boundary(cls):
         return call
 
     for name, member in list(vars(cls).items()):
-        if (name == "__init__" or not name.startswith("_")) and inspect.isfunction(member):
+        if (name == "__init__" or not name.startswith("_")) and isinstance(member, types.FunctionType):
             setattr(cls, name, guarded(member))
     return cls
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import re
 
@@ -43,16 +44,30 @@ def without_controls(text: str) -> str:
 
 
 def _schema_without_controls(node, depth: int = 0):
-    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is)."""
+    """A JSON schema whose titles and descriptions hold no control characters (instance data left as it is).  A
+    part with nothing to remove is returned itself, not copied (a caller that changes the result copies first)."""
     if depth > 64:
         return node
     if isinstance(node, list):
-        return [_schema_without_controls(item, depth + 1) for item in node]
+        cleaned = None
+        for i, item in enumerate(node):
+            new_item = _schema_without_controls(item, depth + 1)
+            if cleaned is None and new_item is not item:
+                cleaned = node[:i]
+            if cleaned is not None:
+                cleaned.append(new_item)
+        return node if cleaned is None else cleaned
     if not isinstance(node, dict):
         return node
-    return {key: (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
-                  value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
-            for key, value in node.items()}
+    cleaned = None
+    for i, (key, value) in enumerate(node.items()):
+        new_value = (without_controls(value) if key in ("title", "description") and isinstance(value, str) else
+                     value if key in _INSTANCE_KEYS else _schema_without_controls(value, depth + 1))
+        if cleaned is None and new_value is not value:
+            cleaned = dict(itertools.islice(node.items(), i))
+        if cleaned is not None:
+            cleaned[key] = new_value
+    return node if cleaned is None else cleaned
 
 
 def definition_without_controls(kind: str, item: dict) -> dict:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
 import stat
 import sys
+from typing import NamedTuple
 
 from coffer_src.errors import CofferException
 
@@ -52,8 +52,7 @@ def _line_col(text: str, offset: int) -> str:
     return f"line {line} column {offset - (text.rfind(chr(10), 0, offset) + 1) + 1}"
 
 
-@dataclasses.dataclass
-class _ObjectSpan:
+class _ObjectSpan(NamedTuple):
     open: int                  # offset of "{"
     close: int                 # offset of "}"
     members: list              # [(key, key_start, value_start, value_end)] in file order
@@ -653,8 +652,7 @@ def append_toml(text: str, block: str) -> str:
 
 # -- where each client keeps its servers ----------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class ClientContext:
+class ClientContext(NamedTuple):
     """The user's home, the project directory and the environment the client files are looked up with."""
     home: str
     cwd: str

@@ -6,7 +6,6 @@ only when re-reading the result gives exactly the intended structure.  Everythin
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -15,6 +14,7 @@ import stat
 import sys
 import urllib.parse
 from datetime import datetime
+from typing import NamedTuple
 
 from coffer_src.clients.files import (
     ClientContext,
@@ -55,8 +55,7 @@ GUI_CLIENTS = ("claude-desktop", "cursor", "vscode", "windsurf", "zed")
 
 # -- records -------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class ClientFile:
+class ClientFile(NamedTuple):
     """Where one client keeps MCP servers: a file, the key path of the servers map inside it, its format."""
     client: str
     path: str
@@ -66,24 +65,27 @@ class ClientFile:
     project_root: str | None = None
 
 
-@dataclasses.dataclass
 class ImportedServer:
     """One server entry from a client config, normalised to Coffer's shapes and ${NAME} references.
 
     Literal env/header values are still in ``env``/``headers``; the plan moves them to the SecretStore.
     Built and read by the CLI thread only, like every record in this section.
     """
-    name: str                  # as the client calls it
-    client: str
-    path: str
-    kind: str                  # "stdio", "http" or "sse"
-    command: list | None = None
-    env: dict = dataclasses.field(default_factory=dict)
-    cwd: str | None = None
-    url: str | None = None
-    headers: dict = dataclasses.field(default_factory=dict)
-    notes: list = dataclasses.field(default_factory=list)
-    needs: list = dataclasses.field(default_factory=list)   # ${NAME}s the user must still provide
+
+    def __init__(self, name: str, client: str, path: str, kind: str, command: list | None = None,
+                 env: dict | None = None, cwd: str | None = None, url: str | None = None,
+                 headers: dict | None = None, notes: list | None = None, needs: list | None = None):
+        self.name = name                   # as the client calls it
+        self.client = client
+        self.path = path
+        self.kind = kind                   # "stdio", "http" or "sse"
+        self.command = command
+        self.env = {} if env is None else env
+        self.cwd = cwd
+        self.url = url
+        self.headers = {} if headers is None else headers
+        self.notes = [] if notes is None else notes
+        self.needs = [] if needs is None else needs  # ${NAME}s the user must still provide
 
     def identity(self) -> tuple:
         """Same command+args+env, or same url: the same server, whichever client lists it."""
@@ -92,21 +94,23 @@ class ImportedServer:
         return ("remote", self.url)
 
 
-@dataclasses.dataclass
 class PlannedServer:
     """A server the import will write: its legal Coffer name and its env/headers with secrets as ${NAME}."""
-    server: ImportedServer
-    name: str                              # the legal Coffer name
-    renamed_because: str | None = None
-    overwrite: bool = False
-    env: dict = dataclasses.field(default_factory=dict)        # with secrets replaced by ${NAME}
-    headers: dict = dataclasses.field(default_factory=dict)
-    command: list | None = None                                # argv with secret-looking arguments as ${NAME}
-    secrets: dict = dataclasses.field(default_factory=dict)    # NAME -> value (never printed)
+
+    def __init__(self, server: ImportedServer, name: str, renamed_because: str | None = None,
+                 overwrite: bool = False, env: dict | None = None, headers: dict | None = None,
+                 command: list | None = None, secrets: dict | None = None):
+        self.server = server
+        self.name = name                                     # the legal Coffer name
+        self.renamed_because = renamed_because
+        self.overwrite = overwrite
+        self.env = {} if env is None else env                # with secrets replaced by ${NAME}
+        self.headers = {} if headers is None else headers
+        self.command = command                               # argv with secret-looking arguments as ${NAME}
+        self.secrets = {} if secrets is None else secrets    # NAME -> value (never printed)
 
 
-@dataclasses.dataclass
-class SkippedServer:
+class SkippedServer(NamedTuple):
     """A client entry the import leaves out, and why (said to the user as is)."""
     name: str
     client: str
@@ -114,21 +118,22 @@ class SkippedServer:
     reason: str
 
 
-@dataclasses.dataclass
-class FileProblem:
+class FileProblem(NamedTuple):
     """A whole config file that could not be read, and why; the file itself is left untouched."""
     client: str
     path: str
     reason: str
 
 
-@dataclasses.dataclass
 class ImportPlan:
     """What ``coffer import`` will do (or, with --dry-run, would do); apply_import carries it out."""
-    added: list = dataclasses.field(default_factory=list)       # PlannedServer
-    skipped: list = dataclasses.field(default_factory=list)     # SkippedServer
-    problems: list = dataclasses.field(default_factory=list)    # FileProblem
-    files_read: list = dataclasses.field(default_factory=list)  # ClientFile
+
+    def __init__(self, added: list | None = None, skipped: list | None = None, problems: list | None = None,
+                 files_read: list | None = None):
+        self.added = [] if added is None else added                  # PlannedServer
+        self.skipped = [] if skipped is None else skipped            # SkippedServer
+        self.problems = [] if problems is None else problems         # FileProblem
+        self.files_read = [] if files_read is None else files_read   # ClientFile
 
     @property
     def secrets_moved(self) -> list:
@@ -682,20 +687,23 @@ def write_config_file(path: str, text: str, backups: str) -> str | None:
     return backup
 
 
-@dataclasses.dataclass
 class EditResult:
     """What install/uninstall did (or would do) to one client config file."""
-    client: str
-    path: str
-    changed: bool
-    text: str = ""
-    backup: str | None = None
-    removed: list = dataclasses.field(default_factory=list)      # servers --replace took out
-    restored: list = dataclasses.field(default_factory=list)     # servers uninstall put back
-    kept_out: list = dataclasses.field(default_factory=list)     # (name, why) uninstall could not put back
-    stash: str | None = None
-    renamed: list = dataclasses.field(default_factory=list)      # what a --replace moved: sentences for the user
-    notes: list = dataclasses.field(default_factory=list)        # what the user should know about the entry
+
+    def __init__(self, client: str, path: str, changed: bool, text: str = "", backup: str | None = None,
+                 removed: list | None = None, restored: list | None = None, kept_out: list | None = None,
+                 stash: str | None = None, renamed: list | None = None, notes: list | None = None):
+        self.client = client
+        self.path = path
+        self.changed = changed
+        self.text = text
+        self.backup = backup
+        self.removed = [] if removed is None else removed        # servers --replace took out
+        self.restored = [] if restored is None else restored     # servers uninstall put back
+        self.kept_out = [] if kept_out is None else kept_out     # (name, why) uninstall could not put back
+        self.stash = stash
+        self.renamed = [] if renamed is None else renamed        # what a --replace moved: sentences for the user
+        self.notes = [] if notes is None else notes              # what the user should know about the entry
 
 
 def _toml_block(name: str, entry: dict) -> str:

@@ -286,7 +286,7 @@ class EraBridge:
         if claims.is_ask_round and self.hub.knowledge is not None:  # coffer__ask's rounds with the client's model
             arguments = params.get("arguments") if isinstance(params.get("arguments"), dict) else {}
             self.hub.workers.submit(session.answer, msg_id, method, lambda: session.tools.ask(
-                arguments, started, params, claims, responses))
+                arguments, started, params, claims, responses), owner=session)
             return None
         if claims.is_upstream_round:  # a 2026-07-28 upstream's own round: back to it, whatever the catalogue says
             upstream = session.upstream_named(claims.upstream)

@@ -8,7 +8,7 @@ import time
 from typing import Callable
 
 from coffer_src.errors import CofferError
-from coffer_src.jsonrpc import dumps, tool_error_result
+from coffer_src.jsonrpc import EncodedResult, dumps, json_number, tool_error_result
 from coffer_src.modern import META_CLIENT_CAPABILITIES, RequestClaims, shape_handshake_tool
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, RESERVED_SERVER, SEARCH_TOOL, SEPARATOR
 from coffer_src.search.feedback import feedback_recorder
@@ -213,6 +213,17 @@ def budget_tools(tools: list[dict], cap: int, usage: dict[str, int]) -> list[dic
     return sorted(chosen, key=lambda tool: order[id(tool)])
 
 
+def search_tools_result(tools: list[dict], encoded: list[str], total_searched: int, ranker: str) -> EncodedResult:
+    """coffer__search_tools's result: the payload as structuredContent and, as JSON, in a text block.  ``encoded``
+    is each of ``tools`` as JSON, so the payload is encoded once, from them, and the reply is written from that
+    text (jsonrpc.EncodedResult): a search returns whole input schemas, several kilobytes of them.  The texts
+    below spell out the dicts beside them, key for key."""
+    payload = {"tools": tools, "total_searched": total_searched, "ranker": ranker}
+    text = f'{{"tools":[{",".join(encoded)}],"total_searched":{dumps(total_searched)},"ranker":{dumps(ranker)}}}'
+    return EncodedResult({"content": [{"type": "text", "text": text}], "structuredContent": payload},
+                         f'{{"content":[{{"type":"text","text":{dumps(text)}}}],"structuredContent":{text}}}')
+
+
 class BuiltinTools:
     """Coffer's own tools for one session: coffer__search_tools over the hub's catalogue, coffer__ask and
     coffer__remember over the hub's knowledge base.  Each runs on a worker thread, or on the client's reader
@@ -243,19 +254,22 @@ class BuiltinTools:
         hits, ranker, note, _ = preferred_search(index, self.hub.semantic, query, top_k,
                                                  active_preference(self.hub.settings, self.hub.vault.path))
         # Each tool exactly as tools/list shows it to this client (a handshake-era client gets an outputSchema that
-        # is not an object wrapped), plus its score.
+        # is not an object wrapped), plus its score; its JSON from the catalogue's memo, the score spliced in.
         handshake = self.session.client_era != "modern" and catalogue.handshake_tools is not catalogue.tools
-        payload = {
-            "tools": [{**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
-                      for tool, score in hits],
-            "total_searched": len(index),
-            "ranker": ranker,
-        }
+        tools, encoded = [], []
+        for tool, score in hits:
+            shown = {**(shape_handshake_tool(tool)[0] if handshake else tool), "score": score}
+            tools.append(shown)
+            definition = catalogue.tool_json(tool, handshake)
+            # (a tool's own "score" field is replaced in its place, as the dict above does; an empty definition
+            # has no field to put the score after)
+            encoded.append(dumps(shown) if "score" in tool or len(definition) < 3
+                           else f'{definition[:-1]},"score":{json_number(score)}}}')
         self._record(SEARCH_TOOL, started, "ok", note)
         if self.hub.settings["search_feedback"] == "on":  # the user's own labels for `coffer eval`
             feedback_recorder(self.hub.vault.path).searched(self.session, self.session.client_name, query, ranker,
                                                             [tool["name"] for tool, _ in hits])
-        return {"content": [{"type": "text", "text": dumps(payload)}], "structuredContent": payload}
+        return search_tools_result(tools, encoded, len(index), ranker)
 
     @staticmethod
     def _sampling_params(prompt: str, max_tokens: int) -> dict:

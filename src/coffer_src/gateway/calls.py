@@ -6,10 +6,8 @@ a field read or written without it says why in a comment.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import threading
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from coffer_src.jsonrpc import LOG_LEVELS
@@ -38,17 +36,14 @@ class CallState(enum.Enum):
     DONE = "done"
 
 
-@dataclass
 class Question:
     """A request an upstream asked the client mid-call, parked for a 2026-07-28 client (which answers it by
-    retrying the call with inputResponses)."""
-    upstream_id: object
-    method: str
-    params: dict
-    asked: bool = False     # already sent to the client in an input_required result
+    retrying the call with inputResponses).  ``asked``: already sent to the client in an input_required result."""
+
+    def __init__(self, upstream_id: object, method: str, params: dict, asked: bool = False):
+        self.upstream_id, self.method, self.params, self.asked = upstream_id, method, params, asked
 
 
-@dataclass
 class ForwardedCall:
     """A client request Coffer sent to an upstream, until its answer reaches the client.
 
@@ -56,24 +51,30 @@ class ForwardedCall:
     or, after the upstream asked the client something mid-call, the retry that answered it.  ``sent`` is False
     while questions the upstream asked before the call could carry them are answered first.
     """
-    upstream: Upstream
-    method: str
-    capability: str
-    kind: str | None
-    started: float
-    msg_id: object
-    client_params: dict                   # as the client sent them: what a sealed requestState is bound to
-    upstream_params: dict                 # as sent upstream (original name), for a multi-round-trip retry
-    state: CallState = CallState.ANSWERING
-    ticket: Ticket | None = None
-    held: Reply | None = None             # the upstream's answer, arrived while PARKED
-    exchange: str | None = None           # id in the session's parked exchanges while questions are out
-    questions: dict[str, Question] = dataclasses.field(default_factory=dict)
-    parked_until: float = 0.0
-    rounds: int = 0                       # input_required rounds driven for a handshake-era client
-    progress_token: object = None         # Coffer's own token upstream (2026-07-28 client), mapped to the current
-                                          # client request's token
-    sent: bool = False                    # the call itself has gone upstream
+
+    def __init__(self, upstream: Upstream, method: str, capability: str, kind: str | None, started: float,
+                 msg_id: object, client_params: dict, upstream_params: dict,
+                 state: CallState = CallState.ANSWERING, ticket: Ticket | None = None, held: Reply | None = None,
+                 exchange: str | None = None, questions: dict[str, Question] | None = None,
+                 parked_until: float = 0.0, rounds: int = 0, progress_token: object = None, sent: bool = False):
+        self.upstream = upstream
+        self.method = method
+        self.capability = capability
+        self.kind = kind
+        self.started = started
+        self.msg_id = msg_id
+        self.client_params = client_params      # as the client sent them: what a sealed requestState is bound to
+        self.upstream_params = upstream_params  # as sent upstream (original name), for a multi-round-trip retry
+        self.state = state
+        self.ticket = ticket
+        self.held = held                        # the upstream's answer, arrived while PARKED
+        self.exchange = exchange                # id in the session's parked exchanges while questions are out
+        self.questions: dict[str, Question] = {} if questions is None else questions
+        self.parked_until = parked_until
+        self.rounds = rounds                    # input_required rounds driven for a handshake-era client
+        self.progress_token = progress_token    # Coffer's own token upstream (2026-07-28 client), mapped to the
+                                                # current client request's token
+        self.sent = sent                        # the call itself has gone upstream
 
     @property
     def log_level(self) -> str | None:
@@ -114,10 +115,12 @@ class Waiting(NamedTuple):
     deadline: float = 0.0
 
 
-@dataclass
 class OwnRequest:
     """A request Coffer itself sent the client (sampling for coffer__ask): ``done`` is set when ``reply`` (the
     normalized answer) has arrived; ``callback(reply)``, if any, then runs on the client reader thread."""
-    callback: Callable[[dict], None] | None = None
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    reply: dict | None = None
+
+    def __init__(self, callback: Callable[[dict], None] | None = None, done: threading.Event | None = None,
+                 reply: dict | None = None):
+        self.callback = callback
+        self.done = threading.Event() if done is None else done
+        self.reply = reply

@@ -100,7 +100,7 @@ class Hub:
         self.knowledge_tools: list[dict] = []
         self._upstream_client: tuple[dict, dict | None, str] | None = None  # what upstreams are started with
         self._reported_missing = False
-        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see rebuild)
+        self._trim_at: float | None = None  # shared mode: when the ticker returns freed memory (see below)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._data_version = vault.data_version()
@@ -563,8 +563,17 @@ class Hub:
                        if old[key] != new[key] or (force and key == "tools")]
             for session in self.sessions:
                 session.lists_changed(changed)
-        if self.shared:  # what the build and the listing it came from leave freed, once they are gone (ticker)
-            self._trim_at = time.monotonic() + 1.0
+        self.return_memory_when_quiet()  # what the build and the listing it came from leave freed, once gone
+
+    def return_memory_when_quiet(self) -> None:
+        """Shared mode: have the ticker hand freed heap back to the operating system once half a second has
+        passed without another call here.  A build, or an answer to a client (a first tools/list copies and
+        encodes the whole catalogue), leaves memory freed that glibc would otherwise keep for hours; each call
+        pushes the moment back, so a busy service trims in its pauses, not between requests.  Any thread; the
+        ticker may miss a request that races its own trim, which then takes that memory along or leaves it to
+        the next."""
+        if self.shared:
+            self._trim_at = time.monotonic() + 0.5
 
     def discovering(self, kind: str | None = None) -> list[str]:
         """Upstreams still starting; with ``kind`` (a list waiting), only those with no remembered list of that kind

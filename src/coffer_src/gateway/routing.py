@@ -76,7 +76,7 @@ class CallRouter:
         if name in (ASK_TOOL, REMEMBER_TOOL) and any(t["name"] == name for t in session.view.knowledge_tools):
             work = (lambda: session.tools.ask(arguments or {}, started, params)) if name == ASK_TOOL else (
                 lambda: session.tools.remember(arguments or {}, started))
-            self.hub.workers.submit(session.answer, msg_id, "tools/call", work)
+            self.hub.workers.submit(session.answer, msg_id, "tools/call", work, owner=session)
             return None
         if name in (ASK_TOOL, REMEMBER_TOOL) and not any(t["name"] == name for t in self.hub.knowledge_tools):
             # Coffer's own tool, turned off: say how to turn it on (one the client's profile leaves out is refused

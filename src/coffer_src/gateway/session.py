@@ -227,6 +227,7 @@ class ClientSession:
         if not verbatim:
             message = redact.scrub(message)
         self.stream.send(message)
+        self.hub.return_memory_when_quiet()
 
     def _lost_client(self) -> None:
         """The client closed its end (EPIPE): nobody can read an answer any more, so stop working for it."""
@@ -493,7 +494,7 @@ class ClientSession:
         if not self.discovering(kind) or time.monotonic() >= self.discovery_deadline:
             if not background:
                 return work()
-            self.hub.workers.submit(self.answer, msg_id, method, work)
+            self.hub.workers.submit(self.answer, msg_id, method, work, owner=self)
             return None
         with self.lock:
             self._waiting.append(Waiting(msg_id, work, kind, method))
@@ -525,7 +526,7 @@ class ClientSession:
         if expired:
             self.hub.report_missing(discovering())
         for waiting in done:
-            self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work)
+            self.hub.workers.submit(self.answer, waiting.msg_id, waiting.method, waiting.work, owner=self)
 
     def listed_tools(self) -> list[dict]:
         """The tools this client is shown (see expose_mode, and its profile's pins); the rest stay callable and

@@ -60,6 +60,7 @@ class ProfileCatalogue(Catalogue):
         self._index = None
         self._index_lock = threading.Lock()
         self._fingerprint = None
+        self._tool_json = ({}, {})
 
     def _fingerprints(self) -> dict:
         """The lists' fingerprints, the tools' also covering the profile's own settings (expose, pins, knowledge):

@@ -100,10 +100,13 @@ background facts article articles happened happening wikipedia""".split())
 _INFO_MODIFIERS = frozenset(stem(w) for w in "latest recent happened happening".split())
 _QUESTION_STARTS = frozenset(("what", "whats", "which", "who", "when", "where", "wie", "was", "wann", "wo"))
 # The words that frame a request for general information rather than name its subject: the cues above (but not
-# a source the request names: "the Wikipedia article on X" is for a Wikipedia tool), the web itself and the verbs
-# of looking something up ("find the latest news on glacier melt in Norway": the subject is glacier melt in Norway).
+# a source the request names: "the Wikipedia article on X" is for a Wikipedia tool), the web itself, the verbs
+# of looking something up ("find the latest news on glacier melt in Norway": the subject is glacier melt in Norway),
+# and the words that say "now" or "what matters" as "latest" and "headlines" do ("the big news in AI today": the
+# subject is AI).
 _FRAMING_WORDS = (_INFO_CUES - {stem("wikipedia")}) | _WEB_WORDS | frozenset(stem(w) for w in """search find look
-lookup get show tell give fetch research update updates story stories""".split())
+lookup get show tell give fetch research update updates story stories today tonight now current currently lately
+top big biggest major important breaking""".split())
 # Parameter names of a tool that looks up free text (a query, keywords, a topic): such a tool can take the subject
 # of a request for information as its argument.
 _FREE_TEXT_PARAMETERS = frozenset(stem(w) for w in "query q search keyword keywords term terms topic question prompt "

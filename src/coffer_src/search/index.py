@@ -35,6 +35,7 @@ from coffer_src.search.entities import (
     _INFO_MODIFIERS,
     _QUESTION_STARTS,
     _WEB_WORDS,
+    ENTITY_KINDS,
     EntityKind,
     QueryEntity,
     query_entities,
@@ -156,6 +157,13 @@ class QueryReading(NamedTuple):
 
 # Entity kinds that name one existing thing: "open PR #42" reads it, "open a PR" creates one.
 _IDENTIFYING_KINDS = frozenset(("number_ref", "issue_key", "url", "sha"))
+
+
+# Keys of a parameter's schema that make it a choice the caller can make without being told anything (a default,
+# listed values): such a parameter does not ask the request for a subject.
+_CHOICE_KEYS = frozenset(("enum", "const", "anyOf", "oneOf", "default"))
+# The parameter-name cues of every typed argument kind: a parameter so named takes one identified thing.
+_ENTITY_CUES = frozenset(itertools.chain.from_iterable(kind.cues for kind in ENTITY_KINDS))
 
 
 class QueryPlan(NamedTuple):
@@ -523,8 +531,12 @@ class SearchIndex:
         if sum(term in self._doc_sets[doc_id] for term in plan.own) <= self.WEB_MAX_MATCHED and (
                 (set(plan.own) - _INFO_MODIFIERS).isdisjoint(names)):
             return False
-        if not self._declares_parameters or not (plan.subject or plan.entities):
+        if not self._declares_parameters:
             return True
+        if not (plan.subject or plan.entities):
+            # A request with no subject ("what happened in the news today") is what a feed serves, but not a tool
+            # that must be told what about (news for a stock symbol): the request gives it nothing to ask.
+            return not self._demands_a_subject(doc_id)
         if not _FREE_TEXT_PARAMETERS.isdisjoint(self._texts[doc_id][3].stems) or any(
                 self._entity_strengths(entity.kind).get(doc_id) for entity in plan.entities):
             return True
@@ -532,6 +544,25 @@ class SearchIndex:
         if not plan.subject.isdisjoint(itertools.chain(names, fields[1], fields[2])):  # name, server, title
             return True
         return len(plan.subject & self._doc_sets[doc_id]) >= min(2, len(plan.subject))
+
+    def _demands_a_subject(self, doc_id: int) -> bool:
+        """Whether a tool must be told which one thing it is about: it requires a parameter named for a typed
+        argument (a stock symbol, a path, a repository, an issue: see ENTITY_KINDS) that is neither free text nor
+        a choice among listed values nor has a default.  News for a stock symbol is not a news feed."""
+        schema = self.tools[doc_id].get("inputSchema")
+        if not isinstance(schema, dict):
+            return False
+        properties, required = schema.get("properties"), schema.get("required")
+        if not isinstance(properties, dict) or not isinstance(required, list):
+            return False
+        for name in required:
+            parameter = properties.get(name) if isinstance(name, str) else None
+            if not isinstance(parameter, dict) or not _CHOICE_KEYS.isdisjoint(parameter):
+                continue
+            terms = {stem(word) for word in _words(name)}
+            if _FREE_TEXT_PARAMETERS.isdisjoint(terms) and not _ENTITY_CUES.isdisjoint(terms):
+                return True
+        return False
 
     def reading(self, query: str) -> QueryReading:
         """What the lexical ranker read in ``query`` that an embedder may need: the English words of its foreign

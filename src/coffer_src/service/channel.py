@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from coffer_src.digests import same_secret, sha256, token_urlsafe
 from coffer_src.errors import CofferError
+from coffer_src.secret_store import private_temporary_file
 
 channel_log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def read_service_file(home: str) -> dict | None:
 def write_service_file(home: str, data: dict) -> None:
     """Write service.json 0600, atomically (a reader sees the old file or the new one, never half)."""
     path = service_file(home)
-    fd, temporary = tempfile.mkstemp(dir=home, prefix=".service-", suffix=".json")
+    fd, temporary = private_temporary_file(home, ".service-", ".json")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             if os.name == "posix":

@@ -227,7 +227,7 @@ class Relay:
             return  # an answer to a request of the service's: nothing to keep
         try:
             message = json.loads(line)
-        except ValueError:  # the service answers it with a parse error, under each request's own id
+        except (ValueError, RecursionError):  # the service answers it with an error, under each request's own id
             if self.current is not None:
                 for msg_id in request_ids_in_unreadable(line):
                     self.current.pending.add(msg_id)
@@ -295,7 +295,7 @@ class Relay:
     def _control_line(self, attachment: Attachment, line: bytes) -> None:
         try:
             message = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             return
         if message.get("coffer") == "handover" and attachment is self.current:
             relay_log.info("the Coffer service hands over to a newer one; moving this session")

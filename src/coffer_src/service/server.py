@@ -134,6 +134,7 @@ class SocketOutput:
             with self.lock:
                 self.queue.popleft()
                 self.queued -= len(data)
+            del data  # not held while this thread waits for the next chunk: an answer can be a whole catalogue
 
     def close(self) -> None:
         with self.lock:
@@ -147,6 +148,57 @@ class SocketOutput:
             pass
 
 
+class _RotatingLog(logging.FileHandler):
+    """A log file that is renamed to .1 (an older .1 to .2, and so on up to ``backups``) before a record would
+    take it to ``max_bytes``: what logging.handlers.RotatingFileHandler does, without importing that module,
+    which brings pickle and socket handlers a long-running service never uses.  Records are written under the
+    handler's lock (logging.Handler.handle), so a rotation is too."""
+
+    def __init__(self, path: str, max_bytes: int, backups: int):
+        super().__init__(path, mode="a", encoding="utf-8")
+        self.max_bytes, self.backups = max_bytes, backups
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if self._full(record):
+                self._rotate()
+            super().emit(record)
+        except Exception:  # noqa: BLE001 - logging's rule: a record that cannot be written is reported, not raised
+            self.handleError(record)
+
+    def _full(self, record: logging.LogRecord) -> bool:
+        if os.path.exists(self.baseFilename) and not os.path.isfile(self.baseFilename):
+            return False  # never rename what is not a regular file (a named pipe, /dev/null)
+        if self.stream is None:
+            self.stream = self._open()
+        self.stream.seek(0, 2)
+        return self.stream.tell() + len(self.format(record) + "\n") >= self.max_bytes
+
+    def _rotate(self) -> None:
+        if self.stream:
+            self.stream.close()
+            self.stream = None
+        for i in range(self.backups - 1, 0, -1):
+            older, newer = f"{self.baseFilename}.{i}", f"{self.baseFilename}.{i + 1}"
+            if os.path.exists(older):
+                if os.path.exists(newer):
+                    os.remove(newer)
+                os.rename(older, newer)
+        first = self.baseFilename + ".1"
+        if os.path.exists(first):
+            os.remove(first)
+        if os.path.exists(self.baseFilename):
+            os.rename(self.baseFilename, first)
+        self.stream = self._open()
+
+    def _open(self):
+        """The file as logging opens it, but created private (0600) whatever the umask: a new file after each
+        rotation too."""
+        if not os.path.exists(self.baseFilename):
+            os.close(os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+        return super()._open()
+
+
 class _Redacted(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         return printable(redact(super().format(record)))
@@ -157,11 +209,7 @@ def log_to_file(home: str) -> str:
     folder = os.path.join(home, "logs")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     path = os.path.join(folder, "service.log")
-    if not os.path.exists(path):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-    import logging.handlers  # here: the rest of Coffer never needs it, and it costs memory to import
-    handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS,
-                                                   encoding="utf-8")
+    handler = _RotatingLog(path, LOG_BYTES, LOG_BACKUPS)
     handler.setFormatter(_Redacted("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

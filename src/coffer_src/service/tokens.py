@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from coffer_src.digests import hmac_sha256, same_secret, token_hex, token_urlsafe
 from coffer_src.errors import CofferError, VaultError
-from coffer_src.vault import _Transaction, cannot_write, connect_vault_db, utcnow
+from coffer_src.vault import VAULT_BUSY_TIMEOUT_MS, _Transaction, cannot_write, connect_vault_db, utcnow
 from coffer_src.vault_schema import CLIENT_TOKENS_SCHEMA
 
 TOKEN_PREFIX = "coffer_"
@@ -28,6 +28,7 @@ TOKEN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_TOKEN_LENGTH = 200
 #: How often a token's last use is written (a write per request would make every request wait on the vault).
 TOUCH_INTERVAL = 60.0
+TOUCH_BUSY_TIMEOUT_MS = 50
 
 
 class TokenHolder(NamedTuple):
@@ -148,7 +149,13 @@ class TokenStore:
         self._touched[name] = now
         try:
             with self.lock:
-                with _Transaction(self.db) as db:
-                    db.execute("UPDATE client_tokens SET last_used=? WHERE name=?", (utcnow(), name))
+                # The request waits on this write, and so does every other token check (the lock): a vault
+                # another process holds busy skips the update instead of waiting out the usual busy timeout.
+                self.db.execute(f"PRAGMA busy_timeout={TOUCH_BUSY_TIMEOUT_MS}")
+                try:
+                    with _Transaction(self.db) as db:
+                        db.execute("UPDATE client_tokens SET last_used=? WHERE name=?", (utcnow(), name))
+                finally:
+                    self.db.execute(f"PRAGMA busy_timeout={VAULT_BUSY_TIMEOUT_MS}")
         except (sqlite3.Error, VaultError):
             pass  # a busy or read-only vault: the last use is a convenience, never a reason to refuse a client

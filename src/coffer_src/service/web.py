@@ -24,7 +24,6 @@ import logging
 import secrets
 import threading
 import time
-from http.cookies import CookieError, SimpleCookie
 from typing import Callable, NamedTuple
 from urllib.parse import parse_qsl, urlsplit
 
@@ -335,9 +334,10 @@ class WebServer:
         raw = handler.headers.get("Cookie")
         if not raw:
             return None
+        import http.cookies  # here: only the page reads cookies, and most services never serve it
         try:
-            jar = SimpleCookie(raw)
-        except CookieError:
+            jar = http.cookies.SimpleCookie(raw)
+        except http.cookies.CookieError:
             return None
         morsel = jar.get(_cookie_name(handler.server.server_address[1]))
         return morsel.value if morsel is not None else None

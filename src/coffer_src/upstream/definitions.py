@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from coffer_src.errors import CofferException
 from coffer_src.jsonrpc import UPSTREAM_ERROR, dumps, rpc_error
 from coffer_src.terminal import printable
@@ -32,15 +34,31 @@ class Rejected(CofferException, ValueError):
 
 
 def _clean_strings(value, depth: int = 0):
-    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep."""
+    """``value`` with every lone surrogate replaced (so it can be stored and relayed), at most 64 levels deep.
+    A dict or list with nothing to replace is returned itself, not copied: a catalogue's definitions are then
+    the objects its listing was parsed into, not a second set of them (the caller copies what it changes)."""
     if depth > 64:
         raise Rejected("nested more than 64 levels deep")
     if isinstance(value, str):
         return storable(value)
     if isinstance(value, dict):
-        return {storable(k): _clean_strings(v, depth + 1) for k, v in value.items()}
+        cleaned = None
+        for i, (key, item) in enumerate(value.items()):
+            new_key, new_item = storable(key), _clean_strings(item, depth + 1)
+            if cleaned is None and (new_key is not key or new_item is not item):
+                cleaned = dict(itertools.islice(value.items(), i))
+            if cleaned is not None:
+                cleaned[new_key] = new_item
+        return value if cleaned is None else cleaned
     if isinstance(value, list):
-        return [_clean_strings(v, depth + 1) for v in value]
+        cleaned = None
+        for i, item in enumerate(value):
+            new_item = _clean_strings(item, depth + 1)
+            if cleaned is None and new_item is not item:
+                cleaned = value[:i]
+            if cleaned is not None:
+                cleaned.append(new_item)
+        return value if cleaned is None else cleaned
     return value
 
 
@@ -92,7 +110,7 @@ def check_definition(kind: str, item) -> dict:
             raise Rejected(f"larger than {MAX_DEFINITION_BYTES} bytes")
     except (ValueError, TypeError, RecursionError) as exc:
         raise Rejected(f"not plain JSON ({exc.__class__.__name__})") from None
-    item = _clean_strings(item)
+    item = dict(_clean_strings(item))  # its own top level: changed below; what it shares is not
     for text_field in ("title", "description", "mimeType"):
         if text_field in item and not isinstance(item[text_field], str):
             del item[text_field]

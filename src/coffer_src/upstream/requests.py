@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from coffer_src.jsonrpc import EncodeError, valid_request_id, wire_log, wire_text
@@ -25,18 +24,17 @@ class Pending:
         self.deadline = deadline if deadline is not None else (time.monotonic() + timeout if timeout else None)
 
 
-@dataclass(eq=False)
 class QueuedRequest:
     """A request waiting for its server to be ready.  Its deadline started when it was asked for: waiting for a
     slow or failing server counts against the caller's call_timeout.  ``ticket`` is the caller's handle
     (supervisor.Ticket), by which a queued request is found and cancelled."""
-    method: str
-    params: object
-    on_reply: Callable
-    timeout: float
-    ticket: object
-    deadline: float | None
-    envelope: Envelope | None = None
+
+    __slots__ = ("method", "params", "on_reply", "timeout", "ticket", "deadline", "envelope")
+
+    def __init__(self, method: str, params: object, on_reply: Callable, timeout: float, ticket: object,
+                 deadline: float | None, envelope: Envelope | None = None):
+        self.method, self.params, self.on_reply, self.timeout = method, params, on_reply, timeout
+        self.ticket, self.deadline, self.envelope = ticket, deadline, envelope
 
 
 class RequestTable:
