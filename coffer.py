@@ -115,39 +115,39 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      10915  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
      11123  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
      11315  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11585  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11827  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12418  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12831  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13313  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13431  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13843  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13905  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     14069  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14269  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14841  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15238  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15579  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15687  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16358  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16676  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     17064  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17599  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17749  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     18199  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18643  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19174  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19544  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19720  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20386  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21259  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21630  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21940  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22088  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22223  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22414  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22942  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24880  cli                   Command line: coffer's commands.
+     11586  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11828  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12419  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12832  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13314  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13432  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13844  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13906  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     14070  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14270  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14842  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15239  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15580  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15688  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16359  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16677  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17065  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17600  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17750  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18200  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18644  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19175  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19545  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19721  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20387  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21260  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21631  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     21941  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22089  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22224  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22415  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     22943  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     24881  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -11406,7 +11406,8 @@ def evaluate_feedback(tools: list[dict], searches: list[LabelledSearch], embedde
 # The lift only re-orders the ranker's own best PREFERENCE_CANDIDATES tools (it makes no candidate of its own),
 # never touches Coffer's own coffer__ tools, and a picked tool that is gone does nothing.  With no similar
 # labelled search the ranker's answer is returned as it is, through the same call.  The constants were chosen by
-# replay on generated usage (``python -m evals.preference``); they are what the eval reports beside them.
+# replay on generated usage, where a share of the picks is wrong (``python -m evals.preference``; ``--sweep`` shows
+# the grid): a larger cap or less smoothing helped more when the picks were right and hurt more when they were not.
 #
 # The model lives in memory: built once per process from the newest PREFERENCE_MEMORY labelled rows of coffer.db
 # (search_preference()) and then taught in place by FeedbackRecorder.called (its listener), so a search reads no

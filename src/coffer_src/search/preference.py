@@ -12,7 +12,8 @@ the cap: a tool the ranker scored below 1/PREFERENCE_CAP of another cannot pass 
 The lift only re-orders the ranker's own best PREFERENCE_CANDIDATES tools (it makes no candidate of its own),
 never touches Coffer's own coffer__ tools, and a picked tool that is gone does nothing.  With no similar
 labelled search the ranker's answer is returned as it is, through the same call.  The constants were chosen by
-replay on generated usage (``python -m evals.preference``); they are what the eval reports beside them.
+replay on generated usage, where a share of the picks is wrong (``python -m evals.preference``; ``--sweep`` shows
+the grid): a larger cap or less smoothing helped more when the picks were right and hurt more when they were not.
 
 The model lives in memory: built once per process from the newest PREFERENCE_MEMORY labelled rows of coffer.db
 (search_preference()) and then taught in place by FeedbackRecorder.called (its listener), so a search reads no
