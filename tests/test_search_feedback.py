@@ -186,9 +186,11 @@ def test_coffer_eval_puts_hybrid_beside_lexical_and_says_when_the_embedder_is_do
     try:
         cli("config", "embedder_url", stub.url)
         report = json.loads(cli("eval", "--json").stdout)
-        assert set(report["rankers"]) == {"lexical", "hybrid", "then"} and report["rankers"]["hybrid"]["recall@5"] == 1
+        assert set(report["rankers"]) == {"lexical", "lexical+preference", "hybrid", "hybrid+preference", "then"}
+        assert report["rankers"]["hybrid"]["recall@5"] == 1
     finally:
         stub.server.shutdown()
     cli("config", "embedder_url", "http://127.0.0.1:9/v1")                # nothing listens there
     report = json.loads(cli("eval", "--json").stdout)
-    assert "hybrid" not in report["rankers"] and "unavailable" in report["note"]
+    assert "hybrid" not in report["rankers"] and "hybrid+preference" not in report["rankers"]
+    assert "unavailable" in report["note"]

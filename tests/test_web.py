@@ -435,6 +435,31 @@ def test_the_search_playground_agrees_with_coffer_search_tools(web_home, browser
             stub.close()
 
 
+def test_the_playground_shows_what_the_users_own_picks_did(web_home, browser, tmp_path):
+    cli("add", "fx", "--", *FAKE, "--tools", "echo,fail,big")
+    cli("config", "search_feedback", "on")
+    query = "give me text back as a result"
+    answers = {}
+
+    async def steps(client, notices):
+        answers["before"] = (await client.call_tool("coffer__search_tools", {"query": query})).structured_content
+        await client.call_tool("fx__big", {"mb": 0})                  # the agent picked big for this request
+        answers["after"] = (await client.call_tool("coffer__search_tools", {"query": query})).structured_content
+
+    run_agent(steps)
+    assert [t["name"] for t in answers["before"]["tools"]][:2] == ["fx__echo", "fx__big"]
+    assert answers["after"]["tools"][0]["name"] == "fx__big"
+    sign_in(browser, tmp_path, f"search?q={query.replace(' ', '%20')}")
+    wait(browser, shown("#search-results li"), "the playground's ranking")
+    shown_ranking = [(e.get_attribute("data-name"), float(e.get_attribute("data-score")))
+                     for e in css(browser, "#search-results li")]
+    assert shown_ranking == [(t["name"], t["score"]) for t in answers["after"]["tools"]]
+    first = css(browser, "#search-results li")[0].text
+    assert "picked by you for 1 similar search: ×1." in first, first
+    assert "do not add up" not in browser.find_element("id", "main").text
+    assert not console_errors(browser)
+
+
 # -- knowledge ---------------------------------------------------------------------------------------------------
 
 def test_a_knowledge_folder_is_added_reindexed_and_removed(web_home, browser, tmp_path):

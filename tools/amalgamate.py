@@ -71,6 +71,7 @@ LAYERS = (
     "search/semantic",
     "search/explain",
     "search/feedback",
+    "search/preference",
     "catalogue",
     "knowledge/documents",
     "knowledge/ranking",

@@ -50,7 +50,9 @@ Locks ("->": may be taken while holding it; a leaf takes no other lock of Coffer
 - search: CollectorPause._lock (a class attribute): the collector's pause depth; a leaf.  SemanticRanker.lock: the
   tools to embed and the published index; a leaf, no embedder request or database access under it.
   FeedbackRecorder._lock: its connection and each session's last search; a leaf (a write waits BUSY_TIMEOUT_MS
-  at most).  _RECORDERS_LOCK: one recorder per coffer.db; a leaf.
+  at most; its listeners are called after it is released).  _RECORDERS_LOCK: one recorder per coffer.db; a leaf.
+  _PREFERENCES_LOCK (one SearchPreference per coffer.db, loaded under it from SQLite) -> SearchPreference._lock
+  (its learnt searches; a leaf).
 - catalogue: Catalogue._index_lock: the first search builds the index, once, holding it -> CollectorPause._lock;
   taken with no other lock held.  ProfileCatalogue._index_lock (gateway/view.py) follows the same rule.
 - knowledge: KnowledgeBase._write_lock: the writer connection, one write transaction at a time (SQLite's write

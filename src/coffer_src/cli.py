@@ -64,6 +64,7 @@ from coffer_src.remote_commands import (
     report_remote_added,
 )
 from coffer_src.search.feedback import evaluate_feedback, labelled_searches
+from coffer_src.search.preference import SearchPreference
 from coffer_src.search.semantic import Embedder
 from coffer_src.secret_store import (
     SECRET_MAX_CHARS,
@@ -625,12 +626,15 @@ def cmd_audit(vault: Vault, args) -> int:
 
 def cmd_eval(vault: Vault, args) -> int:
     """Score the current ranker on the user's own labelled searches (search_feedback): recall@1/5 and MRR@10,
-    lexical and, with an embedder configured, hybrid; and the searches that missed."""
+    lexical and, with an embedder configured, hybrid, each also with the user's picks (search_preference,
+    replayed: each search ranked with what the searches before it taught); and the searches that missed."""
     searches, total = labelled_searches(vault)
     embedder = Embedder.from_settings(vault.settings(), vault.secrets)
-    report = {"searches": total, **evaluate_feedback(cached_tools(vault), searches, embedder, vault.path)} \
+    report = {"searches": total, **evaluate_feedback(cached_tools(vault), searches, embedder, vault.path,
+                                                     preference=SearchPreference)} \
         if searches else {"searches": total, "labelled": 0, "scored": 0, "rankers": {}}
     report["search_feedback"] = vault.setting("search_feedback")
+    report["search_preference"] = vault.setting("search_preference")
     if args.json:
         say_json(report)
         return 0
@@ -644,6 +648,8 @@ def cmd_eval(vault: Vault, args) -> int:
         f"{report['skipped']} skipped (their tool is gone).")
     _print_table([[name, f"{r['recall@1']:.3f}", f"{r['recall@5']:.3f}", f"{r['mrr@10']:.3f}"]
                   for name, r in rankers.items()], ["RANKER", "RECALL@1", "RECALL@5", "MRR@10"])
+    say(f"+preference: with the tools you picked for similar searches, each search learning only from those "
+        f"before it (search_preference is {report['search_preference']}).")
     if report.get("note"):
         say(report["note"])
     for name in ("lexical", "hybrid"):

@@ -32,6 +32,7 @@ DEFAULTS = {
     "memory": "off",                # on: coffer__remember keeps notes agents want kept, coffer__ask finds them
     "ask_synthesis": "on",          # on: coffer__ask may ask the client's own model (sampling) for an answer
     "search_feedback": "off",       # on: keep each tool search and the tool then called, for `coffer eval`
+    "search_preference": "on",      # on: with search_feedback on, lift the tools picked for similar searches
     "serve_mode": "service",        # service: `coffer serve` relays to the user's shared service; standalone: not
     "service_idle_exit": 600.0,     # seconds the service stays up with no client attached
     "upstream_idle_stop": "off",    # off, or seconds a shared upstream may go without a call before it is stopped
@@ -99,7 +100,8 @@ def check_setting(key: str, raw):
         raise CofferError("expose must be auto, all, search or budget:N (N at least 2)")
     if key == "embedder_api" and value not in ("openai", "ollama"):
         raise CofferError("embedder_api must be 'openai' or 'ollama'")
-    if key in ("memory", "ask_synthesis", "search_feedback", "redact") and value not in ("on", "off"):
+    if key in ("memory", "ask_synthesis", "search_feedback", "search_preference", "redact") and \
+            value not in ("on", "off"):
         raise CofferError(f"{key} must be on or off")
     if key == "serve_mode" and value not in ("service", "standalone"):
         raise CofferError("serve_mode must be service or standalone")

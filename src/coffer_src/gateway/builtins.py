@@ -12,6 +12,7 @@ from coffer_src.jsonrpc import EncodedResult, dumps, json_number, tool_error_res
 from coffer_src.modern import META_CLIENT_CAPABILITIES, RequestClaims, shape_handshake_tool
 from coffer_src.names import ASK_TOOL, REMEMBER_TOOL, RESERVED_SERVER, SEARCH_TOOL, SEPARATOR
 from coffer_src.search.feedback import feedback_recorder
+from coffer_src.search.preference import active_preference, preferred_search
 from coffer_src.search.text import bounded_top_k
 from coffer_src.terminal import redact
 
@@ -250,10 +251,8 @@ class BuiltinTools:
             return fail(str(exc))
         catalogue = self.session.catalogue  # the client's profile's tools only, under their overridden names
         index = catalogue.index
-        if self.hub.semantic is not None:
-            hits, ranker, note = self.hub.semantic.search(index, query, top_k)
-        else:
-            hits, ranker, note = index.search(query, top_k), "bm25", None
+        hits, ranker, note, _ = preferred_search(index, self.hub.semantic, query, top_k,
+                                                 active_preference(self.hub.settings, self.hub.vault.path))
         # Each tool exactly as tools/list shows it to this client (a handshake-era client gets an outputSchema that
         # is not an object wrapped), plus its score; its JSON from the catalogue's memo, the score spliced in.
         handshake = self.session.client_era != "modern" and catalogue.handshake_tools is not catalogue.tools

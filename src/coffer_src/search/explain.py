@@ -6,7 +6,9 @@ rank's arithmetic over the same index (its query plan, postings, weights and boo
 every score, so a person can see which words matched which field and what each was worth.  Each explained hit
 says whether the replay adds up to the ranker's own score (``exact``); the tests replay the dev sets' queries
 and fail when rank changes in a way this replay does not follow, so the page never shows a stale explanation
-as if it were the real one.  Read-only, lock-free: it reads the index the way concurrent searches do.
+as if it were the real one.  The user's own picks (search/preference.py), when they re-order the answer, are
+one more part of a lifted tool's score: its factor, and the similar searches behind it.  Read-only, lock-free:
+it reads the index the way concurrent searches do.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ EXACT_TOLERANCE = 1e-4
 
 
 class Contribution(NamedTuple):
-    """One part of a tool's score: a query term found in its fields, or a boost."""
+    """One part of a tool's score: a query term found in its fields, a boost, or the user's own picks."""
 
-    kind: str                   # "term", "argument", "web", "server"
+    kind: str                   # "term", "argument", "web", "server", "preference" (the user's picks)
     label: str                  # the index term, the argument kind, or what the boost is
     how: str                    # how the query led to it ("exact word", "same stem", "equivalent of create"...)
     words: tuple[str, ...]      # the query words behind it
@@ -61,11 +63,19 @@ def search_like_an_agent(index: SearchIndex, semantic: SemanticRanker | None, qu
     return index.search(query, top_k), "bm25", None
 
 
-def explain_search(index: SearchIndex, semantic: SemanticRanker | None, query: str, top_k=None) -> dict:
-    """The ranking an agent gets for ``query`` and, for each tool in it, the parts of its score."""
+def explain_search(index: SearchIndex, semantic: SemanticRanker | None, query: str, top_k=None,
+                   search=None) -> dict:
+    """The ranking an agent gets for ``query`` and, for each tool in it, the parts of its score.  ``search``
+    (index, semantic, query, top_k) -> (hits, ranker, note, lifts) is what answers the agent when it is not
+    search_like_an_agent alone (search/preference.py's preferred_search): a tool in ``lifts`` (name -> its
+    Lift: factor, picks, base) has the ranker's score ``base``, and the lift is a part of its own."""
     top_k = bounded_top_k(top_k)
     query = bounded_query(query)
-    hits, ranker, note = search_like_an_agent(index, semantic, query, top_k)
+    if search is None:
+        hits, ranker, note = search_like_an_agent(index, semantic, query, top_k)
+        lifts = {}
+    else:
+        hits, ranker, note, lifts = search(index, semantic, query, top_k)
     plan = index._query_plan(query)
     origins = term_origins(query, plan)
     parts = replay(index, query, plan, origins)
@@ -80,16 +90,23 @@ def explain_search(index: SearchIndex, semantic: SemanticRanker | None, query: s
         found = parts.get(doc_id, []) if doc_id is not None else []
         total = sum(part.points for part in found)
         name = str(tool.get("name", ""))
+        lift = lifts.get(name)
+        base = score if lift is None else lift.base
         entry = {"rank": position, "name": name, "server": name.partition(SEPARATOR)[0] if SEPARATOR in name else "",
                  "description": tool.get("description") if isinstance(tool.get("description"), str) else "",
                  "score": score, "bm25": round(total, 4),
                  "matches": [part.to_dict() for part in sorted(found, key=lambda p: (p.kind != "term", -p.points))]}
         if ranker == "hybrid":
             share = HYBRID_ALPHA * lexical.get(doc_id, 0.0) / best
-            entry["lexical_share"], entry["semantic_share"] = round(share, 4), round(score - share, 4)
+            entry["lexical_share"], entry["semantic_share"] = round(share, 4), round(base - share, 4)
             entry["exact"] = doc_id not in lexical or abs(lexical[doc_id] - total) <= EXACT_TOLERANCE
         else:
-            entry["exact"] = abs(total - score) <= EXACT_TOLERANCE
+            entry["exact"] = abs(total - base) <= EXACT_TOLERANCE
+        if lift is not None:  # the user's own picks: a factor on the ranker's score, shown as what it added
+            entry["preference"] = {"factor": lift.factor, "picks": lift.picks, "ranker_score": base,
+                                   "text": lift.describe()}
+            entry["matches"].append(Contribution("preference", "your picks", lift.describe(), (), {},
+                                                 score - base).to_dict())
         results.append(entry)
     return {"query": query, "top_k": top_k, "ranker": ranker, "note": note, "total_searched": len(index),
             "plan": plan_summary(plan, origins), "results": results}

@@ -7,7 +7,8 @@ session calls after it (an implicit label: the tool the agent wanted) go into co
 ``evaluate_feedback`` scores the current ranker on the labelled searches, lexical and hybrid side by side.
 
 Threads and locks: one FeedbackRecorder serves every session of a process (feedback_recorder); its lock guards
-its connection and each session's last search, and is a leaf: nothing else is taken while it is held.  A write
+its connection and each session's last search, and is a leaf: nothing else is taken while it is held (a label's
+listeners, search/preference.py's model, are called after it is released).  A write
 waits at most BUSY_TIMEOUT_MS for a locked vault and is then dropped, with one warning: a search or a call never
 waits long on feedback."""
 
@@ -20,7 +21,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from coffer_src.search.index import SearchIndex
 from coffer_src.search.semantic import Embedder, EmbedderError, SemanticRanker
@@ -44,8 +45,14 @@ class FeedbackRecorder:
         self.path = path
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
-        self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its last search's key
+        self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its last (key, query)
         self._warned = False
+        self._listeners: list[Callable[[str, str, str], None]] = []  # appended once each, read without the lock
+
+    def listen(self, listener: Callable[[str, str, str], None]) -> None:
+        """Call ``listener(query, tool, key)`` for each search this recorder labels from now on (after the label
+        is written, outside the lock)."""
+        self._listeners.append(listener)
 
     def _write(self, sql: str, args: tuple) -> bool:
         """One statement in its own transaction; False (and one warning per process) if it could not be written.
@@ -64,19 +71,22 @@ class FeedbackRecorder:
 
     def searched(self, session, client: str, query: str, ranker: str, names: list[str]) -> None:
         key = os.urandom(16).hex()
-        row = (key, utcnow(), storable(redact(client))[:64], storable(redact(query))[:SEARCH_QUERY_MAX_CHARS],
-               ranker, vault_json(names))
+        kept = storable(redact(query))[:SEARCH_QUERY_MAX_CHARS]
+        row = (key, utcnow(), storable(redact(client))[:64], kept, ranker, vault_json(names))
         with self._lock:
             if self._write("INSERT INTO search_feedback(key, ts, client, query, ranker, returned) "
                            "VALUES (?, ?, ?, ?, ?, ?)", row):
-                self._last[session] = key
+                self._last[session] = (key, kept)
 
     def called(self, session, tool: str) -> None:
         with self._lock:
-            key = self._last.pop(session, None)
-            if key is not None:
-                self._write("UPDATE search_feedback SET chosen=?, chosen_ts=? WHERE key=? AND chosen IS NULL",
-                            (tool, utcnow(), key))
+            last = self._last.pop(session, None)
+            labelled = last is not None and self._write(
+                "UPDATE search_feedback SET chosen=?, chosen_ts=? WHERE key=? AND chosen IS NULL",
+                (tool, utcnow(), last[0]))
+        if labelled:
+            for listener in tuple(self._listeners):
+                listener(last[1], tool, last[0])
 
 
 _RECORDERS: dict[str, FeedbackRecorder] = {}
@@ -128,17 +138,23 @@ def _rank_of(name: str, ranked: list[str]) -> int | None:
 
 
 def evaluate_feedback(tools: list[dict], searches: list[LabelledSearch], embedder: Embedder | None = None,
-                      db_path: str | None = None, timeout: float = 60.0) -> dict:
+                      db_path: str | None = None, timeout: float = 60.0, preference=None) -> dict:
     """How the current ranker does on the user's own labelled searches: for ``lexical`` (and ``hybrid`` with an
     embedder, through the gateway's own SemanticRanker, its vector cache in ``db_path``), recall@1/5 and MRR@10
     of the tool each search's session then called, and the searches that missed (not in the top 5).  ``then``
-    is what the recorded answers held.  A search whose chosen tool is no longer in ``tools`` is skipped."""
+    is what the recorded answers held.  A search whose chosen tool is no longer in ``tools`` is skipped.
+
+    ``preference``, a callable making an empty search/preference.py SearchPreference, adds each ranker with the
+    user's picks (``lexical+preference``...), replayed: each search is ranked with what only the searches before
+    it taught (every earlier labelled search, one whose tool is gone too), never itself or a later one."""
     names = {tool.get("name") for tool in tools}
     usable = [search for search in searches if search.chosen in names]
     report = {"labelled": len(searches), "scored": len(usable), "skipped": len(searches) - len(usable),
               "tools": len(tools), "rankers": {}}
     index = SearchIndex(tools)
-    rankers = {"lexical": lambda query: [tool["name"] for tool, _ in index.search(query, FEEDBACK_TOP)]}
+    depth = max(FEEDBACK_TOP, preference().candidates if preference is not None else 0)
+    rankers = {"lexical": lambda query: [(index.tools[doc], round(score, 4))
+                                         for doc, score in index.rank(query, depth)]}
     semantic = None
     if embedder is not None and db_path is not None:
         try:  # an endpoint that is down is said at once, not after waiting for the catalogue's vectors
@@ -155,21 +171,32 @@ def evaluate_feedback(tools: list[dict], searches: list[LabelledSearch], embedde
         notes = []
 
         def hybrid(query):
-            hits, _, note = semantic.search(index, query, FEEDBACK_TOP)
+            hits, _, note = semantic.search(index, query, depth)
             if note:
                 notes.append(note)
-            return [tool["name"] for tool, _ in hits]
+            return hits
         rankers["hybrid"] = hybrid
     try:
         for label, ranked_for in rankers.items():
-            ranks, missed = [], []
-            for search in usable:
-                ranked = ranked_for(search.query)
-                rank = _rank_of(search.chosen, ranked)
-                ranks.append(rank)
-                if rank is None or rank > 5:
-                    missed.append({"query": search.query, "chosen": search.chosen, "rank": rank, "top": ranked[:3]})
+            ranks, missed, preferred = [], [], []
+            learner = preference() if preference is not None else None
+            for search in searches:
+                if search.chosen in names:
+                    hits = ranked_for(search.query)
+                    ranked = [tool["name"] for tool, _ in hits[:FEEDBACK_TOP]]
+                    rank = _rank_of(search.chosen, ranked)
+                    ranks.append(rank)
+                    if rank is None or rank > 5:
+                        missed.append({"query": search.query, "chosen": search.chosen, "rank": rank,
+                                       "top": ranked[:3]})
+                    if learner is not None:
+                        lifted, _ = learner.rerank(hits, search.query, FEEDBACK_TOP)
+                        preferred.append(_rank_of(search.chosen, [tool["name"] for tool, _ in lifted]))
+                if learner is not None:
+                    learner.learn(search.query, search.chosen)
             report["rankers"][label] = {**_ranker_scores(ranks), "missed": missed}
+            if learner is not None:
+                report["rankers"][f"{label}+preference"] = _ranker_scores(preferred)
         report["rankers"]["then"] = _ranker_scores([_rank_of(search.chosen, search.returned) for search in usable])
         if semantic is not None and notes:
             report["note"] = f"hybrid answered some searches by BM25: {notes[-1]}"

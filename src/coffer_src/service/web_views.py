@@ -30,7 +30,7 @@ from coffer_src.errors import CofferError, NotListedYet, VaultError
 from coffer_src.knowledge.base import KnowledgeBase
 from coffer_src.knowledge.ranking import passage_embedding_text
 from coffer_src.names import SEPARATOR, exposed_names, qualify_uri
-from coffer_src.search.explain import explain_search
+from coffer_src.search.preference import active_preference, explain_preferred
 from coffer_src.search.semantic import Embedder, text_hash
 from coffer_src.search.text import bounded_top_k
 from coffer_src.secret_store import references
@@ -452,7 +452,8 @@ class WebViews:
             top_k = bounded_top_k(int(top_k) if isinstance(top_k, str) and top_k.isdigit() else top_k)
         except ValueError as exc:
             raise CofferError(str(exc)) from None
-        result = explain_search(self.hub.catalogue.index, self.hub.semantic, query, top_k)
+        result = explain_preferred(self.hub.catalogue.index, self.hub.semantic, query, top_k,
+                                   active_preference(self.hub.settings, self.hub.vault.path))
         result["embedder"] = self.hub.semantic is not None
         return result
 
