@@ -503,8 +503,11 @@ def test_a_lost_service_fails_exactly_the_requests_it_left_unanswered(tmp_path):
     passed = bytearray()
 
     def service_reads():
-        while not passed.endswith(b"}\n"):
-            passed.extend(theirs.recv(1 << 20))
+        while not passed.endswith(deep):
+            chunk = theirs.recv(1 << 20)
+            if not chunk:
+                return
+            passed.extend(chunk)
 
     reader = threading.Thread(target=service_reads, daemon=True)
     reader.start()
