@@ -130,24 +130,24 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      15580  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
      15688  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
      16359  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16677  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     17065  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17600  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17750  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     18200  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18644  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19175  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19545  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19721  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20387  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21260  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21631  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     21941  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22089  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22224  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22415  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     22943  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     24881  cli                   Command line: coffer's commands.
+     16733  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17165  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17773  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17923  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18373  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18817  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19348  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19718  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19894  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20560  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21433  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21804  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     22114  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22262  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22397  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22588  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     23116  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25054  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -16446,11 +16446,18 @@ class ClientSession:
 # Every connection starts with one JSON line each way (the hello), then carries what its kind says: "session" is
 # a client's MCP stream, byte for byte (its hello may name the client's "profile"; the service refuses one it does
 # not know with "refused": "profile"); "control" is one request and one reply (status, tools, stop, handover).
+# Where descriptors can be passed (POSIX), a session's hello offers "pipes" and a service that takes them says so in
+# its own: the relay then sends two pipes of its making (one byte carrying them, SCM_RIGHTS) and the stream runs
+# over those instead of the socket, since a pipe wakes the process at its other end more cheaply than a socket does.
+# The socket stays open beside them for the life of the session.
 
 channel_log = logging.getLogger('coffer.service.channel')
 
 #: What a hello line may hold at most: more is not a hello.
 MAX_HELLO_BYTES = 16 << 10
+#: Whether a session's stream may run over pipes passed on the socket (see the module's docstring).
+PIPES_SUPPORTED = os.name == "posix" and hasattr(socket, "send_fds") and hasattr(socket, "recv_fds")
+_PIPES_BYTE = b"P"
 #: A socket path longer than this does not fit a sockaddr_un on every POSIX system (macOS allows 104 bytes).
 MAX_SOCKET_PATH = 100
 SERVICE_FILE = "service.json"
@@ -16682,6 +16689,55 @@ def connect(home: str, hello: dict, timeout: float = 5.0) -> tuple[socket.socket
     return conn, answer
 
 
+def send_session_pipes(conn: socket.socket) -> tuple[int, int]:
+    """The relay's side: make the session's two pipes, pass the service its ends, keep ours: (the end to write
+    the client's bytes to, the end to read the service's from).  OSError if the service is gone meanwhile."""
+    to_service_read, to_service_write = os.pipe()
+    from_service_read, from_service_write = os.pipe()
+    try:
+        socket.send_fds(conn, [_PIPES_BYTE], [to_service_read, from_service_write])
+    except OSError:
+        for fd in (to_service_write, from_service_read):
+            os.close(fd)
+        raise
+    finally:
+        os.close(to_service_read)  # the service's ends: its copies are the only ones now, so each side sees
+        os.close(from_service_write)  # EOF (or EPIPE) when the other goes
+    return to_service_write, from_service_read
+
+
+def receive_session_pipes(conn: socket.socket, timeout: float = 5.0) -> tuple[int, int] | None:
+    """The service's side: the two pipes a relay passes after the hellos, checked (a pipe each, the first open
+    for reading, the second for writing): (read the client's bytes here, write the answers there), or None with
+    every descriptor received closed again."""
+    conn.settimeout(timeout)
+    try:  # room for more than two, so that a third is seen (and refused), not dropped by the kernel unseen
+        message, fds, flags, _ = socket.recv_fds(conn, 1, 8)
+    except (OSError, ValueError):
+        return None
+    finally:
+        conn.settimeout(None)
+    wanted = (os.O_RDONLY, os.O_WRONLY)
+    try:
+        usable = message == _PIPES_BYTE and len(fds) == 2 and not flags & getattr(socket, "MSG_CTRUNC", 0) and all(
+            stat.S_ISFIFO(os.fstat(fd).st_mode) and _pipe_access_mode(fd) == mode for fd, mode in zip(fds, wanted))
+    except OSError:
+        usable = False
+    if usable:
+        for fd in fds:
+            os.set_inheritable(fd, False)  # recvmsg gives them without close-on-exec: no upstream may inherit one
+        return fds[0], fds[1]
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
+def _pipe_access_mode(fd: int) -> int:
+    """How ``fd`` was opened: os.O_RDONLY, os.O_WRONLY or os.O_RDWR."""
+    import fcntl  # POSIX only, as the pipes are
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+
+
 def control(home: str, request: dict, timeout: float = 10.0) -> dict | None:
     """One control request to the running service and its reply, or None when no service runs."""
     connected = connect(home, {"coffer": 1, "kind": "control", **request}, timeout)
@@ -16797,7 +16853,9 @@ class StandaloneWanted(Exception):  # noqa: N818 - a decision, not a failure: th
 
 
 class Attachment:
-    """One connection to a service: its socket and the client requests it has not answered yet."""
+    """One connection to a service: its socket (and the session's pipes, when the service took them: see
+    service/channel.py) and the client requests it has not answered yet.  OSError from the constructor when the
+    service went away before it had its pipes."""
 
     def __init__(self, conn: socket.socket, hello: dict):
         self.conn = conn
@@ -16809,6 +16867,38 @@ class Attachment:
         self.partial = b""
         self.initial = hello.pop("_rest", b"")   # service bytes that came with its hello
         self.draining = False                    # handed over: answers only, no new requests
+        self.pipes: tuple[int, int] | None = None  # (to the service, from it)
+        if hello.get("pipes") is True and PIPES_SUPPORTED:
+            try:
+                self.pipes = send_session_pipes(conn)
+            except OSError:
+                conn.close()
+                raise
+
+    def fileno(self):
+        """What the relay's selector waits on for the service's bytes."""
+        return self.pipes[1] if self.pipes else self.conn
+
+    def send(self, data: bytes) -> None:
+        if self.pipes is None:
+            self.conn.sendall(data)
+            return
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.pipes[0], view):]
+
+    def recv(self, size: int) -> bytes:
+        try:
+            return os.read(self.pipes[1], size) if self.pipes else self.conn.recv(size)
+        except OSError:
+            return b""
+
+    def close(self) -> None:
+        if self.pipes is not None:
+            for fd in self.pipes:
+                os.close(fd)
+            self.pipes = None
+        self.conn.close()
 
 
 class Relay:
@@ -16842,7 +16932,7 @@ class Relay:
     # -- attaching ----------------------------------------------------------------------------------------------
     def _hello(self, handover: bool) -> dict:
         hello = {"coffer": 1, "kind": "session", "version": self.version, "build": self.build, "pid": os.getpid(),
-                 "handover": handover}
+                 "handover": handover, "pipes": PIPES_SUPPORTED}
         return {**hello, "profile": self.profile} if self.profile is not None else hello
 
     def _connect(self) -> tuple | None:
@@ -16853,6 +16943,14 @@ class Relay:
             connected[0].close()
             raise ChannelError(str(connected[1].get("error") or "the service refused this profile"))
         return connected
+
+    @staticmethod
+    def _attached(conn: socket.socket, answer: dict) -> Attachment | None:
+        """An attachment to the service that answered, or None when it went away before it had the pipes."""
+        try:
+            return Attachment(conn, answer)
+        except OSError:
+            return None
 
     def attach(self, first: bool) -> Attachment:
         """Connect to the service, starting it if none runs.  The first attach of a relay newer than (or
@@ -16865,14 +16963,18 @@ class Relay:
                 conn.close()
                 raise StandaloneWanted()
             if not first or answer.get("build") == self.build:
-                return Attachment(conn, answer)
+                attachment = self._attached(conn, answer)
+                if attachment is not None:
+                    return attachment
             conn.close()
         with StartLock(self.home):
             connected = self._connect()
             if connected is not None:
                 conn, answer = connected
                 if not first or answer.get("build") == self.build:
-                    return Attachment(conn, answer)
+                    attachment = self._attached(conn, answer)
+                    if attachment is not None:
+                        return attachment
                 conn.close()
                 relay_log.info("the running Coffer service is version %s; this is %s: it hands over",
                                answer.get("version"), self.version)
@@ -16880,8 +16982,9 @@ class Relay:
             self.start_service(first and self.honour_setting)
             while time.monotonic() < deadline:
                 connected = self._connect()
-                if connected is not None:
-                    return Attachment(*connected)
+                attachment = self._attached(*connected) if connected is not None else None
+                if attachment is not None:
+                    return attachment
                 time.sleep(0.02)
         raise ChannelError(f"the Coffer service did not start within {self.attach_timeout:g}s (its log: "
                            f"{os.path.join(self.home, 'logs', 'service.log')}); `coffer serve --standalone` runs "
@@ -16901,7 +17004,7 @@ class Relay:
         lines.extend(self.listens.values())
         attachment.pending.update(self.listens)
         if lines:
-            attachment.conn.sendall(b"".join(lines))
+            attachment.send(b"".join(lines))
 
     # -- the client ---------------------------------------------------------------------------------------------
     def write_client(self, data: bytes) -> None:
@@ -16939,7 +17042,7 @@ class Relay:
             return
         attachment = self.current
         try:
-            attachment.conn.sendall(b"".join(out))
+            attachment.send(b"".join(out))
             lost = False
         except OSError:
             lost = True
@@ -17044,10 +17147,10 @@ class Relay:
         if attachment in self.draining:
             self.draining.remove(attachment)
         try:
-            self.selector.unregister(attachment.conn)
+            self.selector.unregister(attachment.fileno())
         except (KeyError, ValueError, AttributeError):
             pass
-        attachment.conn.close()
+        attachment.close()
 
     def _service_lost(self, attachment: Attachment) -> None:
         """The service went away (killed, crashed): fail what it had in flight, start a new one, re-attach."""
@@ -17068,7 +17171,7 @@ class Relay:
     def _adopt(self, attachment: Attachment) -> None:
         """Make a new connection the current one: replay the session's setup, tell the client lists may differ."""
         self.current = attachment
-        self.selector.register(attachment.conn, selectors.EVENT_READ, attachment)
+        self.selector.register(attachment.fileno(), selectors.EVENT_READ, attachment)
         self._replay(attachment)
         self._notify_lists_changed()
         if attachment.initial:
@@ -17090,7 +17193,7 @@ class Relay:
     def run(self) -> int:
         self.selector = selectors.DefaultSelector()
         self.current = self.attach(first=True)
-        self.selector.register(self.current.conn, selectors.EVENT_READ, self.current)
+        self.selector.register(self.current.fileno(), selectors.EVENT_READ, self.current)
         if self.current.initial:
             self._from_service(self.current, self.current.initial)
         client_fd = self.client_in.fileno()
@@ -17112,10 +17215,7 @@ class Relay:
                         self._from_client(data)
                         continue
                     attachment = key.data
-                    try:
-                        data = attachment.conn.recv(1 << 16)
-                    except OSError:
-                        data = b""
+                    data = attachment.recv(1 << 16)
                     if data:
                         self._from_service(attachment, data)
                     else:
@@ -17126,7 +17226,7 @@ class Relay:
         finally:
             for attachment in [self.current, *self.draining]:
                 if attachment is not None:
-                    attachment.conn.close()
+                    attachment.close()
 
     def _pump_client(self, sink: socket.socket) -> None:
         """Windows: the client's pipe cannot be selected, so a thread copies it into a socket that can."""
@@ -17223,6 +17323,15 @@ class SocketOutput:
         return self.conn.send(data) if writable else 0
 
     def _drain(self) -> None:
+        try:
+            self._drain_queue()
+        finally:
+            self._drained()
+
+    def _drained(self) -> None:
+        """The writer thread is done: nothing more is sent."""
+
+    def _drain_queue(self) -> None:
         while True:
             with self.lock:
                 while not self.queue and not self.closed:
@@ -17233,7 +17342,7 @@ class SocketOutput:
                 # behind it instead of sending its bytes into the middle of this one.
                 data = self.queue[0]
             try:
-                self.conn.sendall(data)
+                self._send_all(data)
             except OSError:
                 with self.lock:
                     self.closed = True
@@ -17250,9 +17359,50 @@ class SocketOutput:
             self.closed = True
             self.wake.notify()
 
+    def _send_all(self, data: bytes) -> None:
+        """Send all of ``data``, waiting for room (the writer thread's way)."""
+        self.conn.sendall(data)
+
     def _shutdown(self) -> None:
         try:
             self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class PipeOutput(SocketOutput):
+    """A session's output to its relay over the pipe the relay passed (service/channel.py): the same queueing,
+    over a descriptor made non-blocking so that a write takes what fits at once.  Giving up on the client closes
+    the pipe: the relay reads its end, and ends the session's input from its side."""
+
+    def __init__(self, fd: int, name: str):
+        os.set_blocking(fd, False)
+        self.fd = fd
+        self.given_up = False
+        super().__init__(None, name)
+
+    def _send_now(self, data: bytes) -> int:
+        try:
+            return os.write(self.fd, data)
+        except BlockingIOError:
+            return 0
+
+    def _send_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            if self.given_up:
+                raise BrokenPipeError("the client leaves its answers unread")
+            _, writable, _ = select.select([], [self.fd], [], 0.5)
+            if writable:
+                view = view[self._send_now(view):]
+
+    def _shutdown(self) -> None:
+        # Only the writer thread closes the pipe (_drained), so no thread ever writes to a number reused meanwhile.
+        self.given_up = True
+
+    def _drained(self) -> None:
+        try:
+            os.close(self.fd)
         except OSError:
             pass
 
@@ -17477,8 +17627,11 @@ class Service:
             elif kind == "session" and (refusal := self.profile_refusal(hello.get("profile"))):
                 send_line(conn, {"coffer": 1, "error": refusal, "refused": "profile"})
             elif kind == "session" and not self.handing_over:
-                send_line(conn, answer)
-                self._session(conn, hello)
+                pipes = PIPES_SUPPORTED and hello.get("pipes") is True
+                send_line(conn, {**answer, "pipes": True} if pipes else answer)
+                received = receive_session_pipes(conn) if pipes else None
+                if not pipes or received is not None:  # a relay that sends no pipes after asking gets no session
+                    self._session(conn, hello, received)
             else:
                 send_line(conn, {"coffer": 1, "error": "this service is handing over to a newer one"})
         except OSError:
@@ -17515,14 +17668,21 @@ class Service:
             time.sleep(0.02)
         return None
 
-    def _session(self, conn: socket.socket, hello: dict) -> None:
-        output = SocketOutput(conn, str(hello.get("pid", "?")))
+    def _session(self, conn: socket.socket, hello: dict, pipes: tuple[int, int] | None = None) -> None:
+        """Serve one client's session: over its pipes (read, write) when the relay passed them, else the socket."""
+        name = str(hello.get("pid", "?"))
+        if pipes is not None:
+            output, source = PipeOutput(pipes[1], name), _PipeInput(pipes[0])
+        else:
+            output, source = SocketOutput(conn, name), _Prefixed(conn, hello.get("_rest", b""))
         session = ClientSession(self.hub, out=output, profile=hello.get("profile"))
         with self.lock:
             self.sessions[session] = conn
         try:
-            session.serve(_Prefixed(conn, hello.get("_rest", b"")))
+            session.serve(source)
         finally:
+            if pipes is not None:
+                os.close(pipes[0])
             output.close()
             with self.lock:
                 self.sessions.pop(session, None)
@@ -17628,6 +17788,19 @@ class Service:
                 "sessions": [{**session.status(), "transport": "stdio"} for session in sessions] +
                             [status for endpoint in endpoints for status in endpoint.statuses()],
                 "upstreams": upstreams}
+
+
+class _PipeInput:
+    """The session's input over the pipe its relay passed: read as a stream until the relay closes its end."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def recv(self, size: int) -> bytes:
+        try:
+            return os.read(self.fd, size)
+        except OSError:
+            return b""
 
 
 class _Prefixed:

@@ -437,24 +437,34 @@ def test_the_cli_uses_the_running_service_and_starts_no_server(service_home, tmp
     assert [s["client"] for s in sessions] == ["raw-test"]  # the CLI's own session has ended
 
 
-def test_answers_queued_for_a_slow_relay_arrive_whole_and_never_interleaved():
+@pytest.mark.parametrize("channel", ["socket", "pipe"])
+def test_answers_queued_for_a_slow_relay_arrive_whole_and_never_interleaved(channel):
     """A relay that reads slowly: the service's output queues some answers while it sends others, from several
-    threads at once; every line must still arrive intact (a write must never cut into a chunk being sent)."""
+    threads at once; every line must still arrive intact (a write must never cut into a chunk being sent), over
+    the socket and over the pipe a relay passes alike."""
     import socket
     import time
 
-    from coffer_src.service.server import SocketOutput
+    from coffer_src.service.server import PipeOutput, SocketOutput
 
-    service_end, relay_end = socket.socketpair()
-    output = SocketOutput(service_end, "test")
+    if channel == "socket":
+        service_end, relay_end = socket.socketpair()
+        output = SocketOutput(service_end, "test")
+        read_some = relay_end.recv
+    else:
+        relay_fd, service_fd = os.pipe()
+        output = PipeOutput(service_fd, "test")
+
+        def read_some(size):
+            return os.read(relay_fd, size)
     lines = [(json.dumps({"id": n, "text": chr(65 + n % 26) * 300_000}) + "\n").encode() for n in range(40)]
     received: list[bytes] = []
 
     def slow_reader():
         data = bytearray()
         while data.count(b"\n") < len(lines):
-            time.sleep(0.0005)  # a slow client: the socket fills, and room opens a little at a time
-            chunk = relay_end.recv(16384)
+            time.sleep(0.0005)  # a slow client: the channel fills, and room opens a little at a time
+            chunk = read_some(16384)
             if not chunk:
                 break
             data += chunk
@@ -474,9 +484,72 @@ def test_answers_queued_for_a_slow_relay_arrive_whole_and_never_interleaved():
         writer.join(60)
     reader.join(120)
     output.close()
-    service_end.close()
-    relay_end.close()
+    if channel == "socket":
+        service_end.close()
+        relay_end.close()
+    else:
+        assert read_some(1 << 16) == b"", "the writer thread keeps its end open after the session closed it"
+        os.close(relay_fd)
     assert sorted(received) == sorted(lines)
+
+
+def test_a_session_offered_bad_pipes_gets_none_and_the_service_goes_on(service_home, raw_gateway):
+    """A relay may pass the session's stream as two pipes (POSIX).  What arrives on the socket is hostile input:
+    descriptors that are not pipes, the wrong way round, too many or none end that connection, every descriptor
+    received is closed again (none leaks into the service), and the next client is served; a relay that offers
+    no pipes is served over the socket itself."""
+    import socket
+
+    from coffer_src.service.channel import PIPES_SUPPORTED, connect
+
+    if not PIPES_SUPPORTED or not os.path.isdir("/proc"):
+        pytest.skip("no descriptor passing here, or no /proc to count the service's descriptors")
+    cli("add", "a", "--", *FAKE)
+    gw = raw_gateway()
+    gw.initialize()  # starts the service
+    pid = service_pid(service_home)
+
+    def open_fds():
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    hello = {"coffer": 1, "kind": "session", "version": "0", "build": "x", "pid": os.getpid(), "handover": False,
+             "pipes": True}
+    baseline = open_fds()
+    file_fd = os.open(os.devnull, os.O_RDONLY)
+    read_end, write_end = os.pipe()
+    offers = [[file_fd, write_end],            # not a pipe
+              [write_end, read_end],           # the wrong way round
+              [read_end, write_end, file_fd],  # one too many
+              []]                              # none at all
+    for fds in offers:
+        conn, answer = connect(str(service_home), dict(hello))
+        assert answer.get("pipes") is True
+        if fds:
+            socket.send_fds(conn, [b"P"], fds)
+        else:
+            conn.sendall(b"P")
+        conn.settimeout(10)
+        assert conn.recv(1) == b"", "the service kept a session whose pipes it should have refused"
+        conn.close()
+    for fd in (file_fd, read_end, write_end):
+        os.close(fd)
+    wait_until(lambda: open_fds() <= baseline, what="every descriptor the service was sent to be closed again")
+    assert "still here" in text_of(gw.request("tools/call", {"name": "a__echo", "arguments": {"text": "still here"}}))
+    # A relay that cannot pass descriptors (Windows) offers none, and its session runs over the socket itself.
+    conn, answer = connect(str(service_home), {**hello, "pipes": False})
+    assert "pipes" not in answer
+    conn.sendall(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "socket", "version": "1"}}})
+        .encode() + b"\n" + json.dumps(call_msg(2, "a__echo", {"text": "over the socket"})).encode() + b"\n")
+    conn.settimeout(30)
+    data = b""
+    while data.count(b"\n") < 2:
+        chunk = conn.recv(1 << 16)
+        assert chunk, "the service closed a session that offered no pipes"
+        data += chunk
+    replies = {reply["id"]: reply for reply in map(json.loads, data.splitlines())}
+    assert "over the socket" in text_of(replies[2])
+    conn.close()
 
 
 def test_a_lost_service_fails_exactly_the_requests_it_left_unanswered(tmp_path):

@@ -8,6 +8,10 @@ the connecting side must send first; both are in COFFER_HOME/service.json, which
 Every connection starts with one JSON line each way (the hello), then carries what its kind says: "session" is
 a client's MCP stream, byte for byte (its hello may name the client's "profile"; the service refuses one it does
 not know with "refused": "profile"); "control" is one request and one reply (status, tools, stop, handover).
+Where descriptors can be passed (POSIX), a session's hello offers "pipes" and a service that takes them says so in
+its own: the relay then sends two pipes of its making (one byte carrying them, SCM_RIGHTS) and the stream runs
+over those instead of the socket, since a pipe wakes the process at its other end more cheaply than a socket does.
+The socket stays open beside them for the life of the session.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ channel_log = logging.getLogger(__name__)
 
 #: What a hello line may hold at most: more is not a hello.
 MAX_HELLO_BYTES = 16 << 10
+#: Whether a session's stream may run over pipes passed on the socket (see the module's docstring).
+PIPES_SUPPORTED = os.name == "posix" and hasattr(socket, "send_fds") and hasattr(socket, "recv_fds")
+_PIPES_BYTE = b"P"
 #: A socket path longer than this does not fit a sockaddr_un on every POSIX system (macOS allows 104 bytes).
 MAX_SOCKET_PATH = 100
 SERVICE_FILE = "service.json"
@@ -260,6 +267,55 @@ def connect(home: str, hello: dict, timeout: float = 5.0) -> tuple[socket.socket
         raise ChannelError("what answered on the service's address is not a Coffer service")
     conn.settimeout(None)
     return conn, answer
+
+
+def send_session_pipes(conn: socket.socket) -> tuple[int, int]:
+    """The relay's side: make the session's two pipes, pass the service its ends, keep ours: (the end to write
+    the client's bytes to, the end to read the service's from).  OSError if the service is gone meanwhile."""
+    to_service_read, to_service_write = os.pipe()
+    from_service_read, from_service_write = os.pipe()
+    try:
+        socket.send_fds(conn, [_PIPES_BYTE], [to_service_read, from_service_write])
+    except OSError:
+        for fd in (to_service_write, from_service_read):
+            os.close(fd)
+        raise
+    finally:
+        os.close(to_service_read)  # the service's ends: its copies are the only ones now, so each side sees
+        os.close(from_service_write)  # EOF (or EPIPE) when the other goes
+    return to_service_write, from_service_read
+
+
+def receive_session_pipes(conn: socket.socket, timeout: float = 5.0) -> tuple[int, int] | None:
+    """The service's side: the two pipes a relay passes after the hellos, checked (a pipe each, the first open
+    for reading, the second for writing): (read the client's bytes here, write the answers there), or None with
+    every descriptor received closed again."""
+    conn.settimeout(timeout)
+    try:  # room for more than two, so that a third is seen (and refused), not dropped by the kernel unseen
+        message, fds, flags, _ = socket.recv_fds(conn, 1, 8)
+    except (OSError, ValueError):
+        return None
+    finally:
+        conn.settimeout(None)
+    wanted = (os.O_RDONLY, os.O_WRONLY)
+    try:
+        usable = message == _PIPES_BYTE and len(fds) == 2 and not flags & getattr(socket, "MSG_CTRUNC", 0) and all(
+            stat.S_ISFIFO(os.fstat(fd).st_mode) and _pipe_access_mode(fd) == mode for fd, mode in zip(fds, wanted))
+    except OSError:
+        usable = False
+    if usable:
+        for fd in fds:
+            os.set_inheritable(fd, False)  # recvmsg gives them without close-on-exec: no upstream may inherit one
+        return fds[0], fds[1]
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
+def _pipe_access_mode(fd: int) -> int:
+    """How ``fd`` was opened: os.O_RDONLY, os.O_WRONLY or os.O_RDWR."""
+    import fcntl  # POSIX only, as the pipes are
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
 
 
 def control(home: str, request: dict, timeout: float = 10.0) -> dict | None:

@@ -27,7 +27,14 @@ from coffer_src.jsonrpc import (
     rpc_error,
     valid_request_id,
 )
-from coffer_src.service.channel import ChannelError, StartLock, connect, control
+from coffer_src.service.channel import (
+    PIPES_SUPPORTED,
+    ChannelError,
+    StartLock,
+    connect,
+    control,
+    send_session_pipes,
+)
 
 relay_log = logging.getLogger(__name__)
 
@@ -63,7 +70,9 @@ class StandaloneWanted(Exception):  # noqa: N818 - a decision, not a failure: th
 
 
 class Attachment:
-    """One connection to a service: its socket and the client requests it has not answered yet."""
+    """One connection to a service: its socket (and the session's pipes, when the service took them: see
+    service/channel.py) and the client requests it has not answered yet.  OSError from the constructor when the
+    service went away before it had its pipes."""
 
     def __init__(self, conn: socket.socket, hello: dict):
         self.conn = conn
@@ -75,6 +84,38 @@ class Attachment:
         self.partial = b""
         self.initial = hello.pop("_rest", b"")   # service bytes that came with its hello
         self.draining = False                    # handed over: answers only, no new requests
+        self.pipes: tuple[int, int] | None = None  # (to the service, from it)
+        if hello.get("pipes") is True and PIPES_SUPPORTED:
+            try:
+                self.pipes = send_session_pipes(conn)
+            except OSError:
+                conn.close()
+                raise
+
+    def fileno(self):
+        """What the relay's selector waits on for the service's bytes."""
+        return self.pipes[1] if self.pipes else self.conn
+
+    def send(self, data: bytes) -> None:
+        if self.pipes is None:
+            self.conn.sendall(data)
+            return
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.pipes[0], view):]
+
+    def recv(self, size: int) -> bytes:
+        try:
+            return os.read(self.pipes[1], size) if self.pipes else self.conn.recv(size)
+        except OSError:
+            return b""
+
+    def close(self) -> None:
+        if self.pipes is not None:
+            for fd in self.pipes:
+                os.close(fd)
+            self.pipes = None
+        self.conn.close()
 
 
 class Relay:
@@ -108,7 +149,7 @@ class Relay:
     # -- attaching ----------------------------------------------------------------------------------------------
     def _hello(self, handover: bool) -> dict:
         hello = {"coffer": 1, "kind": "session", "version": self.version, "build": self.build, "pid": os.getpid(),
-                 "handover": handover}
+                 "handover": handover, "pipes": PIPES_SUPPORTED}
         return {**hello, "profile": self.profile} if self.profile is not None else hello
 
     def _connect(self) -> tuple | None:
@@ -119,6 +160,14 @@ class Relay:
             connected[0].close()
             raise ChannelError(str(connected[1].get("error") or "the service refused this profile"))
         return connected
+
+    @staticmethod
+    def _attached(conn: socket.socket, answer: dict) -> Attachment | None:
+        """An attachment to the service that answered, or None when it went away before it had the pipes."""
+        try:
+            return Attachment(conn, answer)
+        except OSError:
+            return None
 
     def attach(self, first: bool) -> Attachment:
         """Connect to the service, starting it if none runs.  The first attach of a relay newer than (or
@@ -131,14 +180,18 @@ class Relay:
                 conn.close()
                 raise StandaloneWanted()
             if not first or answer.get("build") == self.build:
-                return Attachment(conn, answer)
+                attachment = self._attached(conn, answer)
+                if attachment is not None:
+                    return attachment
             conn.close()
         with StartLock(self.home):
             connected = self._connect()
             if connected is not None:
                 conn, answer = connected
                 if not first or answer.get("build") == self.build:
-                    return Attachment(conn, answer)
+                    attachment = self._attached(conn, answer)
+                    if attachment is not None:
+                        return attachment
                 conn.close()
                 relay_log.info("the running Coffer service is version %s; this is %s: it hands over",
                                answer.get("version"), self.version)
@@ -146,8 +199,9 @@ class Relay:
             self.start_service(first and self.honour_setting)
             while time.monotonic() < deadline:
                 connected = self._connect()
-                if connected is not None:
-                    return Attachment(*connected)
+                attachment = self._attached(*connected) if connected is not None else None
+                if attachment is not None:
+                    return attachment
                 time.sleep(0.02)
         raise ChannelError(f"the Coffer service did not start within {self.attach_timeout:g}s (its log: "
                            f"{os.path.join(self.home, 'logs', 'service.log')}); `coffer serve --standalone` runs "
@@ -167,7 +221,7 @@ class Relay:
         lines.extend(self.listens.values())
         attachment.pending.update(self.listens)
         if lines:
-            attachment.conn.sendall(b"".join(lines))
+            attachment.send(b"".join(lines))
 
     # -- the client ---------------------------------------------------------------------------------------------
     def write_client(self, data: bytes) -> None:
@@ -205,7 +259,7 @@ class Relay:
             return
         attachment = self.current
         try:
-            attachment.conn.sendall(b"".join(out))
+            attachment.send(b"".join(out))
             lost = False
         except OSError:
             lost = True
@@ -310,10 +364,10 @@ class Relay:
         if attachment in self.draining:
             self.draining.remove(attachment)
         try:
-            self.selector.unregister(attachment.conn)
+            self.selector.unregister(attachment.fileno())
         except (KeyError, ValueError, AttributeError):
             pass
-        attachment.conn.close()
+        attachment.close()
 
     def _service_lost(self, attachment: Attachment) -> None:
         """The service went away (killed, crashed): fail what it had in flight, start a new one, re-attach."""
@@ -334,7 +388,7 @@ class Relay:
     def _adopt(self, attachment: Attachment) -> None:
         """Make a new connection the current one: replay the session's setup, tell the client lists may differ."""
         self.current = attachment
-        self.selector.register(attachment.conn, selectors.EVENT_READ, attachment)
+        self.selector.register(attachment.fileno(), selectors.EVENT_READ, attachment)
         self._replay(attachment)
         self._notify_lists_changed()
         if attachment.initial:
@@ -356,7 +410,7 @@ class Relay:
     def run(self) -> int:
         self.selector = selectors.DefaultSelector()
         self.current = self.attach(first=True)
-        self.selector.register(self.current.conn, selectors.EVENT_READ, self.current)
+        self.selector.register(self.current.fileno(), selectors.EVENT_READ, self.current)
         if self.current.initial:
             self._from_service(self.current, self.current.initial)
         client_fd = self.client_in.fileno()
@@ -378,10 +432,7 @@ class Relay:
                         self._from_client(data)
                         continue
                     attachment = key.data
-                    try:
-                        data = attachment.conn.recv(1 << 16)
-                    except OSError:
-                        data = b""
+                    data = attachment.recv(1 << 16)
                     if data:
                         self._from_service(attachment, data)
                     else:
@@ -392,7 +443,7 @@ class Relay:
         finally:
             for attachment in [self.current, *self.draining]:
                 if attachment is not None:
-                    attachment.conn.close()
+                    attachment.close()
 
     def _pump_client(self, sink: socket.socket) -> None:
         """Windows: the client's pipe cannot be selected, so a thread copies it into a socket that can."""

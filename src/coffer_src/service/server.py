@@ -26,10 +26,12 @@ from coffer_src.gateway.sharing import return_freed_memory
 from coffer_src.names import did_you_mean
 from coffer_src.profiles import PROFILE_NAME_RE, ProfileStore
 from coffer_src.service.channel import (
+    PIPES_SUPPORTED,
     ChannelError,
     listen,
     peer_is_same_user,
     read_hello,
+    receive_session_pipes,
     remove_service_file,
     secret_matches,
     send_line,
@@ -114,6 +116,15 @@ class SocketOutput:
         return self.conn.send(data) if writable else 0
 
     def _drain(self) -> None:
+        try:
+            self._drain_queue()
+        finally:
+            self._drained()
+
+    def _drained(self) -> None:
+        """The writer thread is done: nothing more is sent."""
+
+    def _drain_queue(self) -> None:
         while True:
             with self.lock:
                 while not self.queue and not self.closed:
@@ -124,7 +135,7 @@ class SocketOutput:
                 # behind it instead of sending its bytes into the middle of this one.
                 data = self.queue[0]
             try:
-                self.conn.sendall(data)
+                self._send_all(data)
             except OSError:
                 with self.lock:
                     self.closed = True
@@ -141,9 +152,50 @@ class SocketOutput:
             self.closed = True
             self.wake.notify()
 
+    def _send_all(self, data: bytes) -> None:
+        """Send all of ``data``, waiting for room (the writer thread's way)."""
+        self.conn.sendall(data)
+
     def _shutdown(self) -> None:
         try:
             self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class PipeOutput(SocketOutput):
+    """A session's output to its relay over the pipe the relay passed (service/channel.py): the same queueing,
+    over a descriptor made non-blocking so that a write takes what fits at once.  Giving up on the client closes
+    the pipe: the relay reads its end, and ends the session's input from its side."""
+
+    def __init__(self, fd: int, name: str):
+        os.set_blocking(fd, False)
+        self.fd = fd
+        self.given_up = False
+        super().__init__(None, name)
+
+    def _send_now(self, data: bytes) -> int:
+        try:
+            return os.write(self.fd, data)
+        except BlockingIOError:
+            return 0
+
+    def _send_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            if self.given_up:
+                raise BrokenPipeError("the client leaves its answers unread")
+            _, writable, _ = select.select([], [self.fd], [], 0.5)
+            if writable:
+                view = view[self._send_now(view):]
+
+    def _shutdown(self) -> None:
+        # Only the writer thread closes the pipe (_drained), so no thread ever writes to a number reused meanwhile.
+        self.given_up = True
+
+    def _drained(self) -> None:
+        try:
+            os.close(self.fd)
         except OSError:
             pass
 
@@ -368,8 +420,11 @@ class Service:
             elif kind == "session" and (refusal := self.profile_refusal(hello.get("profile"))):
                 send_line(conn, {"coffer": 1, "error": refusal, "refused": "profile"})
             elif kind == "session" and not self.handing_over:
-                send_line(conn, answer)
-                self._session(conn, hello)
+                pipes = PIPES_SUPPORTED and hello.get("pipes") is True
+                send_line(conn, {**answer, "pipes": True} if pipes else answer)
+                received = receive_session_pipes(conn) if pipes else None
+                if not pipes or received is not None:  # a relay that sends no pipes after asking gets no session
+                    self._session(conn, hello, received)
             else:
                 send_line(conn, {"coffer": 1, "error": "this service is handing over to a newer one"})
         except OSError:
@@ -406,14 +461,21 @@ class Service:
             time.sleep(0.02)
         return None
 
-    def _session(self, conn: socket.socket, hello: dict) -> None:
-        output = SocketOutput(conn, str(hello.get("pid", "?")))
+    def _session(self, conn: socket.socket, hello: dict, pipes: tuple[int, int] | None = None) -> None:
+        """Serve one client's session: over its pipes (read, write) when the relay passed them, else the socket."""
+        name = str(hello.get("pid", "?"))
+        if pipes is not None:
+            output, source = PipeOutput(pipes[1], name), _PipeInput(pipes[0])
+        else:
+            output, source = SocketOutput(conn, name), _Prefixed(conn, hello.get("_rest", b""))
         session = ClientSession(self.hub, out=output, profile=hello.get("profile"))
         with self.lock:
             self.sessions[session] = conn
         try:
-            session.serve(_Prefixed(conn, hello.get("_rest", b"")))
+            session.serve(source)
         finally:
+            if pipes is not None:
+                os.close(pipes[0])
             output.close()
             with self.lock:
                 self.sessions.pop(session, None)
@@ -519,6 +581,19 @@ class Service:
                 "sessions": [{**session.status(), "transport": "stdio"} for session in sessions] +
                             [status for endpoint in endpoints for status in endpoint.statuses()],
                 "upstreams": upstreams}
+
+
+class _PipeInput:
+    """The session's input over the pipe its relay passed: read as a stream until the relay closes its end."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def recv(self, size: int) -> bytes:
+        try:
+            return os.read(self.fd, size)
+        except OSError:
+            return b""
 
 
 class _Prefixed:
