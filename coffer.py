@@ -130,24 +130,24 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      15580  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
      15688  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
      16359  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16733  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     17165  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17773  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17923  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     18373  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18817  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19348  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19718  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19894  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20560  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21433  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21804  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     22114  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22262  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22397  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22588  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     23116  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     25054  cli                   Command line: coffer's commands.
+     16748  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17180  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17788  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17938  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18388  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18832  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19363  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19733  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19909  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20575  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21448  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21819  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     22129  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22277  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22412  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22603  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     23131  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25069  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -16458,6 +16458,7 @@ MAX_HELLO_BYTES = 16 << 10
 #: Whether a session's stream may run over pipes passed on the socket (see the module's docstring).
 PIPES_SUPPORTED = os.name == "posix" and hasattr(socket, "send_fds") and hasattr(socket, "recv_fds")
 _PIPES_BYTE = b"P"
+PIPE_BUFFER_BYTES = 1 << 20  # Linux's default limit for an unprivileged process (/proc/sys/fs/pipe-max-size)
 #: A socket path longer than this does not fit a sockaddr_un on every POSIX system (macOS allows 104 bytes).
 MAX_SOCKET_PATH = 100
 SERVICE_FILE = "service.json"
@@ -16694,6 +16695,8 @@ def send_session_pipes(conn: socket.socket) -> tuple[int, int]:
     the client's bytes to, the end to read the service's from).  OSError if the service is gone meanwhile."""
     to_service_read, to_service_write = os.pipe()
     from_service_read, from_service_write = os.pipe()
+    for fd in (to_service_write, from_service_write):
+        _widen_pipe(fd)
     try:
         socket.send_fds(conn, [_PIPES_BYTE], [to_service_read, from_service_write])
     except OSError:
@@ -16704,6 +16707,18 @@ def send_session_pipes(conn: socket.socket) -> tuple[int, int]:
         os.close(to_service_read)  # the service's ends: its copies are the only ones now, so each side sees
         os.close(from_service_write)  # EOF (or EPIPE) when the other goes
     return to_service_write, from_service_read
+
+
+def _widen_pipe(fd: int) -> None:
+    """Where the system allows it (Linux), give the pipe a buffer like a socket's: a catalogue of megabytes then
+    crosses in a few wakeups instead of one per 64 KB.  Best effort: a smaller pipe still works."""
+    import fcntl  # POSIX only, as the pipes are
+    size_op = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if size_op is not None:
+        try:
+            fcntl.fcntl(fd, size_op, PIPE_BUFFER_BYTES)
+        except OSError:
+            pass
 
 
 def receive_session_pipes(conn: socket.socket, timeout: float = 5.0) -> tuple[int, int] | None:
