@@ -109,45 +109,45 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       7312  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
       7939  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       9197  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9804  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9915  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10513  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10915  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     11123  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11315  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11586  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11828  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12419  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12832  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13314  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13432  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13844  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13906  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     14070  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14270  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14842  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15239  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15580  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15688  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16359  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16748  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     17180  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17788  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17938  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     18388  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18832  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19363  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19733  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19909  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20575  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21448  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21819  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     22129  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22277  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22412  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22603  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     23131  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     25069  cli                   Command line: coffer's commands.
+      9803  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9914  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10512  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10914  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11122  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11314  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
+     11585  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11827  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12418  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12831  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13313  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13431  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13843  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13905  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     14069  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14269  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14841  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15238  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15579  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15687  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16358  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16747  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17179  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17787  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17937  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18387  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18831  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19362  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19732  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19908  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20574  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21447  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21818  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     22128  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22276  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22411  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22602  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     23130  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25068  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -9446,46 +9446,45 @@ _BATCH_SEPARATOR = "\x01"
 _FOREIGN_MARK = "\x02"
 
 
-class _TokenStems(dict):
-    """token -> its index terms (identifier-split, lowercased, stop words dropped, stemmed), filled on first
-    sight.  An index build analyses tens of thousands of texts whose words repeat: one dict look-up per token
-    (in C, through map) is most of what it then does per word.  Emptied when it outgrows LIMIT, so a catalogue
-    of random words cannot grow it without bound; a token looked up again is simply recomputed."""
+class _TokenMemo(dict):
+    """token -> what one analysis makes of it, filled on first sight.  An index build analyses tens of thousands
+    of texts whose words repeat: one dict look-up per token (in C, through map) is most of what it then does per
+    word.  Emptied when it outgrows LIMIT, so a catalogue of random words cannot grow it without bound; a token
+    looked up again is simply recomputed.  The batch separator stands for itself."""
 
     LIMIT = 1 << 17
 
     def __missing__(self, token: str) -> tuple[str, ...]:
         if len(self) >= self.LIMIT:
             self.clear()
-        if token == _BATCH_SEPARATOR:
-            found: tuple[str, ...] = (_BATCH_SEPARATOR,)
-        else:
-            words = _token_words(token)
-            found = tuple(map(stem, itertools.filterfalse(STOP_WORDS.__contains__, words)))
-            if not LEXICON.keys().isdisjoint(words) or any(map(_compound_terms, words)):  # Verzeichnisbaum too
-                found += (_FOREIGN_MARK,)
+        found = (_BATCH_SEPARATOR,) if token == _BATCH_SEPARATOR else self.analyse(token)
         self[token] = found
+        return found
+
+    def analyse(self, token: str) -> tuple[str, ...]:
+        raise NotImplementedError
+
+
+class _TokenStems(_TokenMemo):
+    """token -> its index terms (identifier-split, lowercased, stop words dropped, stemmed)."""
+
+    def analyse(self, token: str) -> tuple[str, ...]:
+        words = _token_words(token)
+        found = tuple(map(stem, itertools.filterfalse(STOP_WORDS.__contains__, words)))
+        if not LEXICON.keys().isdisjoint(words) or any(map(_compound_terms, words)):  # Verzeichnisbaum too
+            found += (_FOREIGN_MARK,)
         return found
 
 
 _TOKEN_STEMS = _TokenStems()
 
 
-class _TokenSurfaces(dict):
+class _TokenSurfaces(_TokenMemo):
     """token -> its surface words, plural-folded (``singular``), stop words dropped: what _TokenStems is to
-    stems, for surface_word_sets.  Emptied when it outgrows LIMIT, as _TokenStems is."""
+    stems, for surface_word_sets."""
 
-    LIMIT = 1 << 17
-
-    def __missing__(self, token: str) -> tuple[str, ...]:
-        if len(self) >= self.LIMIT:
-            self.clear()
-        if token == _BATCH_SEPARATOR:
-            found: tuple[str, ...] = (_BATCH_SEPARATOR,)
-        else:
-            found = tuple(map(singular, itertools.filterfalse(STOP_WORDS.__contains__, _token_words(token))))
-        self[token] = found
-        return found
+    def analyse(self, token: str) -> tuple[str, ...]:
+        return tuple(map(singular, itertools.filterfalse(STOP_WORDS.__contains__, _token_words(token))))
 
 
 _TOKEN_SURFACES = _TokenSurfaces()

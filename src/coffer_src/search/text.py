@@ -197,46 +197,45 @@ _BATCH_SEPARATOR = "\x01"
 _FOREIGN_MARK = "\x02"
 
 
-class _TokenStems(dict):
-    """token -> its index terms (identifier-split, lowercased, stop words dropped, stemmed), filled on first
-    sight.  An index build analyses tens of thousands of texts whose words repeat: one dict look-up per token
-    (in C, through map) is most of what it then does per word.  Emptied when it outgrows LIMIT, so a catalogue
-    of random words cannot grow it without bound; a token looked up again is simply recomputed."""
+class _TokenMemo(dict):
+    """token -> what one analysis makes of it, filled on first sight.  An index build analyses tens of thousands
+    of texts whose words repeat: one dict look-up per token (in C, through map) is most of what it then does per
+    word.  Emptied when it outgrows LIMIT, so a catalogue of random words cannot grow it without bound; a token
+    looked up again is simply recomputed.  The batch separator stands for itself."""
 
     LIMIT = 1 << 17
 
     def __missing__(self, token: str) -> tuple[str, ...]:
         if len(self) >= self.LIMIT:
             self.clear()
-        if token == _BATCH_SEPARATOR:
-            found: tuple[str, ...] = (_BATCH_SEPARATOR,)
-        else:
-            words = _token_words(token)
-            found = tuple(map(stem, itertools.filterfalse(STOP_WORDS.__contains__, words)))
-            if not LEXICON.keys().isdisjoint(words) or any(map(_compound_terms, words)):  # Verzeichnisbaum too
-                found += (_FOREIGN_MARK,)
+        found = (_BATCH_SEPARATOR,) if token == _BATCH_SEPARATOR else self.analyse(token)
         self[token] = found
+        return found
+
+    def analyse(self, token: str) -> tuple[str, ...]:
+        raise NotImplementedError
+
+
+class _TokenStems(_TokenMemo):
+    """token -> its index terms (identifier-split, lowercased, stop words dropped, stemmed)."""
+
+    def analyse(self, token: str) -> tuple[str, ...]:
+        words = _token_words(token)
+        found = tuple(map(stem, itertools.filterfalse(STOP_WORDS.__contains__, words)))
+        if not LEXICON.keys().isdisjoint(words) or any(map(_compound_terms, words)):  # Verzeichnisbaum too
+            found += (_FOREIGN_MARK,)
         return found
 
 
 _TOKEN_STEMS = _TokenStems()
 
 
-class _TokenSurfaces(dict):
+class _TokenSurfaces(_TokenMemo):
     """token -> its surface words, plural-folded (``singular``), stop words dropped: what _TokenStems is to
-    stems, for surface_word_sets.  Emptied when it outgrows LIMIT, as _TokenStems is."""
+    stems, for surface_word_sets."""
 
-    LIMIT = 1 << 17
-
-    def __missing__(self, token: str) -> tuple[str, ...]:
-        if len(self) >= self.LIMIT:
-            self.clear()
-        if token == _BATCH_SEPARATOR:
-            found: tuple[str, ...] = (_BATCH_SEPARATOR,)
-        else:
-            found = tuple(map(singular, itertools.filterfalse(STOP_WORDS.__contains__, _token_words(token))))
-        self[token] = found
-        return found
+    def analyse(self, token: str) -> tuple[str, ...]:
+        return tuple(map(singular, itertools.filterfalse(STOP_WORDS.__contains__, _token_words(token))))
 
 
 _TOKEN_SURFACES = _TokenSurfaces()
