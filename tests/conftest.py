@@ -166,6 +166,28 @@ def service_pid(home):
         return None
 
 
+def serve_a_newer_build(folder):
+    """`coffer serve` from another build of the same version (coffer.py with a comment added, in ``folder``),
+    attached as a handshake-era client named "new": its first start asks the running service to hand over.
+    The process is the caller's to kill."""
+    newer = Path(folder) / "coffer.py"
+    newer.parent.mkdir(parents=True, exist_ok=True)
+    newer.write_bytes(Path(COFFER).read_bytes() + b"\n# a different build of the same version\n")
+    proc = subprocess.Popen([PY, str(newer), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=dict(os.environ))
+    try:
+        proc.stdin.write((json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "new", "version": "1"}}})
+            + "\n").encode())
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["id"] == 1
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
 def stop_service(home):
     """Stop the shared service of ``home`` (a test's teardown): politely, then for sure."""
     cli("service", "stop", check=False, timeout=60)

@@ -4,7 +4,6 @@ each fake server writes at start."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -16,15 +15,14 @@ import pytest
 from mcp import Client
 
 from conftest import (
-    COFFER,
     FAKE,
-    PY,
     RawGateway,
     alive,
     call_msg,
     cli,
     coffer_cmd,
     gateway_params,
+    serve_a_newer_build,
     service_pid,
     stop_service,
     text_of,
@@ -355,11 +353,6 @@ def test_the_service_log_rotates_keeping_its_last_backups(tmp_path, monkeypatch)
 def test_a_newer_coffer_takes_over_without_dropping_a_session(service_home, tmp_path):
     log = tmp_path / "spawns"
     cli("add", "a", "--", *FAKE, "--spawn-log", str(log))
-    newer = tmp_path / "newer" / "coffer.py"
-    newer.parent.mkdir()
-    shutil.copy(COFFER, newer)
-    with newer.open("a") as handle:
-        handle.write("\n# a different build of the same version\n")
     old = RawGateway()
     try:
         old.initialize(name="old-client")
@@ -378,14 +371,9 @@ def test_a_newer_coffer_takes_over_without_dropping_a_session(service_home, tmp_
         worker = threading.Thread(target=load)
         worker.start()
         wait_until(lambda: len(answered) > 5, what="calls under way")
-        new = subprocess.Popen([PY, str(newer), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, env=dict(os.environ))
+        new = None
         try:
-            new.stdin.write((json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-                "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "new", "version": "1"}}})
-                + "\n").encode())
-            new.stdin.flush()
-            assert json.loads(new.stdout.readline())["id"] == 1
+            new = serve_a_newer_build(tmp_path / "newer")
             wait_until(lambda: service_pid(service_home) not in (None, first_service), what="the new service")
             wait_until(lambda: not alive(first_service), timeout=60, what="the old service to finish and exit")
             count = len(answered)
@@ -393,8 +381,9 @@ def test_a_newer_coffer_takes_over_without_dropping_a_session(service_home, tmp_
         finally:
             stop.set()
             worker.join(60)
-            new.kill()
-            new.wait()
+            if new is not None:
+                new.kill()
+                new.wait()
         assert failures == [], failures[:3]
     finally:
         old.close()

@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import anyio
@@ -32,6 +31,7 @@ from conftest import (
     cli,
     everything_cmd,
     needs_node,
+    serve_a_newer_build,
     service_pid,
     stop_service,
     wait_until,
@@ -657,17 +657,8 @@ def test_a_newer_coffer_takes_over_the_http_address(endpoint, tmp_path):
     cli("service", "start")
     first = service_pid(endpoint.home)
     session = initialize(port, endpoint.token)
-    newer = tmp_path / "newer" / "coffer.py"
-    newer.parent.mkdir()
-    newer.write_bytes(Path(COFFER).read_bytes() + b"\n# a different build of the same version\n")
-    new = subprocess.Popen([PY, str(newer), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, env=dict(os.environ))
+    new = serve_a_newer_build(tmp_path / "newer")
     try:
-        new.stdin.write((json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "new", "version": "1"}}})
-            + "\n").encode())
-        new.stdin.flush()
-        assert json.loads(new.stdout.readline())["id"] == 1
         wait_until(lambda: service_pid(endpoint.home) not in (None, first), what="the new service")
         status = service_status()
         assert status["service"]["pid"] != first and status["service"]["http"]["url"].endswith(f":{port}/mcp")
