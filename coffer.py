@@ -135,19 +135,19 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      17787  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
      17937  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
      18387  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18831  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19362  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19732  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19908  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20574  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21447  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21818  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     22128  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22276  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22411  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22602  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     23130  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     25068  cli                   Command line: coffer's commands.
+     18832  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19363  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19733  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19909  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20575  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21448  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21819  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     22129  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22277  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22412  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22603  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     23131  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25069  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -18554,6 +18554,15 @@ class Exchange:
                 and LOG_LEVELS.index(level) >= LOG_LEVELS.index(self.log_level))
 
 
+def _stream_what_was_held(conn: HttpConnection, headers: list[tuple[str, str]], held: list[bytes]) -> list[bytes]:
+    """Turn a response that was going to be one JSON body into an SSE stream: start it, send the answers held
+    back so far, first; what is held from now on is nothing (the returned empty list)."""
+    conn.start_stream(200, [*headers, *SSE_HEADERS])
+    for answered in held:
+        conn.send_chunk(sse_event(answered))
+    return []
+
+
 class HttpClient:
     """One HTTP client session and where each message its ClientSession sends goes.  It is that session's
     stream (``send``, ``flush``, ``gone``): ``send`` runs on whichever thread delivers (the connection's, an
@@ -18769,11 +18778,7 @@ class HttpClient:
                     if not answer and not exchange.sse:
                         continue  # a client that takes JSON only hears the answers alone
                     if not streaming:
-                        streaming = True
-                        conn.start_stream(200, [*headers, *SSE_HEADERS])
-                        for answered in held:
-                            conn.send_chunk(sse_event(answered))
-                        held = []
+                        streaming, held = True, _stream_what_was_held(conn, headers, held)
                     conn.send_chunk(sse_event(data))
                     last_write = time.monotonic()
                 if complete:
@@ -18788,11 +18793,7 @@ class HttpClient:
                     raise ClientGone("the client closed its end")
                 if exchange.sse and time.monotonic() - last_write >= KEEPALIVE_SECONDS:
                     if not streaming:
-                        streaming = True
-                        conn.start_stream(200, [*headers, *SSE_HEADERS])
-                        for answered in held:
-                            conn.send_chunk(sse_event(answered))
-                        held = []
+                        streaming, held = True, _stream_what_was_held(conn, headers, held)
                     conn.send_chunk(SSE_KEEPALIVE)
                     last_write = time.monotonic()
         except ClientGone:

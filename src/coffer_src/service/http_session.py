@@ -132,6 +132,15 @@ class Exchange:
                 and LOG_LEVELS.index(level) >= LOG_LEVELS.index(self.log_level))
 
 
+def _stream_what_was_held(conn: HttpConnection, headers: list[tuple[str, str]], held: list[bytes]) -> list[bytes]:
+    """Turn a response that was going to be one JSON body into an SSE stream: start it, send the answers held
+    back so far, first; what is held from now on is nothing (the returned empty list)."""
+    conn.start_stream(200, [*headers, *SSE_HEADERS])
+    for answered in held:
+        conn.send_chunk(sse_event(answered))
+    return []
+
+
 class HttpClient:
     """One HTTP client session and where each message its ClientSession sends goes.  It is that session's
     stream (``send``, ``flush``, ``gone``): ``send`` runs on whichever thread delivers (the connection's, an
@@ -347,11 +356,7 @@ class HttpClient:
                     if not answer and not exchange.sse:
                         continue  # a client that takes JSON only hears the answers alone
                     if not streaming:
-                        streaming = True
-                        conn.start_stream(200, [*headers, *SSE_HEADERS])
-                        for answered in held:
-                            conn.send_chunk(sse_event(answered))
-                        held = []
+                        streaming, held = True, _stream_what_was_held(conn, headers, held)
                     conn.send_chunk(sse_event(data))
                     last_write = time.monotonic()
                 if complete:
@@ -366,11 +371,7 @@ class HttpClient:
                     raise ClientGone("the client closed its end")
                 if exchange.sse and time.monotonic() - last_write >= KEEPALIVE_SECONDS:
                     if not streaming:
-                        streaming = True
-                        conn.start_stream(200, [*headers, *SSE_HEADERS])
-                        for answered in held:
-                            conn.send_chunk(sse_event(answered))
-                        held = []
+                        streaming, held = True, _stream_what_was_held(conn, headers, held)
                     conn.send_chunk(SSE_KEEPALIVE)
                     last_write = time.monotonic()
         except ClientGone:
