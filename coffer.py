@@ -121,33 +121,33 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      12831  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
      13313  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
      13431  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13843  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13905  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     14069  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14269  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14841  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15238  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15579  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15687  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16358  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16747  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     17179  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17787  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17937  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     18387  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18832  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19363  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19733  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19909  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20575  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21448  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21819  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     22129  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22277  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22412  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22603  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     23131  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     25069  cli                   Command line: coffer's commands.
+     13849  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13911  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     14075  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14275  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14847  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15244  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15585  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15693  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16364  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16753  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17185  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17793  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17943  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18393  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18838  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19369  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19739  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19915  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20581  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21454  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21825  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     22135  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22283  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22418  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22609  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     23137  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25075  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -13538,10 +13538,16 @@ SEARCH_TOOL_DEFINITION = {
     "outputSchema": {
         "type": "object",
         "properties": {
-            "tools": {"type": "array", "items": {"type": "object", "properties": {
-                "name": {"type": "string"}, "description": {"type": "string"},
-                "inputSchema": {"type": "object"}, "score": {"type": "number"}}}},
+            # Each item is said in words and only its keys are checked: the catalogue already holds every field
+            # to its type, and a client that validates results (the Python SDK does, on every search) pays for every
+            # nested keyword of every item returned.
+            "tools": {"type": "array", "items": {
+                "type": "object", "required": ["name", "inputSchema", "score"],
+                "description": "A tool exactly as tools/list shows it (name, inputSchema and, when it has them, "
+                               "title, description, outputSchema, annotations), plus 'score', its relevance to "
+                               "the query (a number; higher is better)."}},
             "total_searched": {"type": "integer"},
+            "ranker": {"type": "string"},
         },
         "required": ["tools", "total_searched"],
     },

@@ -43,10 +43,16 @@ SEARCH_TOOL_DEFINITION = {
     "outputSchema": {
         "type": "object",
         "properties": {
-            "tools": {"type": "array", "items": {"type": "object", "properties": {
-                "name": {"type": "string"}, "description": {"type": "string"},
-                "inputSchema": {"type": "object"}, "score": {"type": "number"}}}},
+            # Each item is said in words and only its keys are checked: the catalogue already holds every field
+            # to its type, and a client that validates results (the Python SDK does, on every search) pays for every
+            # nested keyword of every item returned.
+            "tools": {"type": "array", "items": {
+                "type": "object", "required": ["name", "inputSchema", "score"],
+                "description": "A tool exactly as tools/list shows it (name, inputSchema and, when it has them, "
+                               "title, description, outputSchema, annotations), plus 'score', its relevance to "
+                               "the query (a number; higher is better)."}},
             "total_searched": {"type": "integer"},
+            "ranker": {"type": "string"},
         },
         "required": ["tools", "total_searched"],
     },
