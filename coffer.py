@@ -91,63 +91,63 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        535  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
        857  threads               Threads: named daemon threads that never die silently, and a small worker pool.
        990  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1535  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1706  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      2076  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2192  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2343  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2542  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3369  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3491  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4257  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4654  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      5094  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      5993  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6681  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6860  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      7131  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7312  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7939  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9197  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9803  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9914  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10512  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10914  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     11122  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11314  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11585  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11827  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12418  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12831  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13313  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13431  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13849  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13911  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     14075  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14275  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14847  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15244  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15585  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15693  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16364  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16753  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     17185  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17793  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17943  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     18393  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18838  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19369  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19739  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19915  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20581  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21454  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21825  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     22135  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22283  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22418  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22609  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     23137  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     25075  cli                   Command line: coffer's commands.
+      1542  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1713  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      2083  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2199  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2350  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2549  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3376  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3498  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4264  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4661  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5101  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      6000  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6688  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6867  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7138  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7319  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7946  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9204  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9810  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9921  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10519  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10921  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11129  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11321  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
+     11592  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11834  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12425  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12838  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13320  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13438  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13856  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13918  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     14082  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14282  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14854  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15251  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15592  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15700  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16371  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16760  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17192  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17800  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17950  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18400  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18845  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19376  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19746  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19922  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20588  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21461  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21832  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     22142  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22290  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22425  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22616  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     23144  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25082  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -1190,6 +1190,13 @@ def coffer_server_info() -> dict:
 def shape_modern_result(method: str, result, ttl_ms: int = 0, cache_scope: str = "private") -> dict:
     """A result as a 2026-07-28 client must receive it: resultType always, Coffer's serverInfo in _meta, and cache
     hints on complete results of the cacheable methods (an upstream's valid hints win over the defaults)."""
+    if (type(result) is EncodedResult and result.json is not None and len(result) and "resultType" not in result
+            and "_meta" not in result and method not in CACHEABLE_METHODS):
+        # A result that carries its own text (coffer__search_tools's) keeps it: the keys added here go at the end
+        # of the text as of the dict, so the reply is not encoded again.
+        meta = {META_SERVER_INFO: coffer_server_info()}
+        return EncodedResult({**result, "resultType": "complete", "_meta": meta},
+                             f'{result.json[:-1]},"resultType":"complete","_meta":{dumps(meta)}}}')
     result = dict(result) if isinstance(result, dict) else {}
     kind = result.get("resultType")
     kind = "complete" if kind is None else kind  # a handshake upstream never sets it

@@ -36,6 +36,34 @@ def test_search_tool_contract_through_the_gateway(raw_gateway, home):
         assert search(bad).get("isError") is True, bad
 
 
+def test_a_2026_client_gets_the_same_search_reply_with_its_era_fields(raw_gateway, home):
+    """A 2026-07-28 client's search reply is the payload a handshake-era client gets, plus resultType and Coffer's
+    serverInfo; the reply is written from the search's own encoded text, and that text must be the same message
+    its dict would make."""
+    from coffer_src.gateway.builtins import search_tools_result
+    from coffer_src.jsonrpc import EncodedResult, dumps, encode_line, rpc_result
+    from coffer_src.modern import META_SERVER_INFO, shape_modern_result
+
+    cli("add", "fx", "--", *FAKE, "--tools", "echo,slow,crash")
+    envelope = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                "io.modelcontextprotocol/clientCapabilities": {},
+                "io.modelcontextprotocol/clientInfo": {"name": "modern-client", "version": "1"}}
+    gw = raw_gateway()
+    gw.request("server/discover", {"_meta": envelope})
+    result = gw.request("tools/call", {"name": "coffer__search_tools", "_meta": envelope,
+                                       "arguments": {"query": "echo the text back", "top_k": 2}})["result"]
+    assert result["resultType"] == "complete" and result["_meta"][META_SERVER_INFO]["name"] == "coffer"
+    payload = result["structuredContent"]
+    assert json.loads(result["content"][0]["text"]) == payload and payload["tools"][0]["name"] == "fx__echo"
+
+    tool = {"name": "fx__echo", "description": 'say "hi" \\ \u2028', "inputSchema": {"type": "object"}}
+    built = search_tools_result([{**tool, "score": 1.5}], [dumps({**tool, "score": 1.5})], 3, "bm25")
+    shaped = shape_modern_result("tools/call", built)
+    assert type(shaped) is EncodedResult and shaped.json is not None  # written from its text
+    assert encode_line(rpc_result(7, shaped)) == encode_line(rpc_result(7, dict(shaped)))
+    assert dict(shaped) == shape_modern_result("tools/call", dict(built))
+
+
 ODD_SERVER = r"""
 import json, sys
 TOOLS = [

@@ -11,7 +11,15 @@ from typing import NamedTuple
 
 from coffer_src import __version__
 from coffer_src.digests import hmac_sha256, same_secret, sha256
-from coffer_src.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, LOG_LEVELS, PROTOCOL_VERSIONS, RpcError
+from coffer_src.jsonrpc import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    LOG_LEVELS,
+    PROTOCOL_VERSIONS,
+    EncodedResult,
+    RpcError,
+    dumps,
+)
 
 modern_log = logging.getLogger(__name__)
 
@@ -133,6 +141,13 @@ def coffer_server_info() -> dict:
 def shape_modern_result(method: str, result, ttl_ms: int = 0, cache_scope: str = "private") -> dict:
     """A result as a 2026-07-28 client must receive it: resultType always, Coffer's serverInfo in _meta, and cache
     hints on complete results of the cacheable methods (an upstream's valid hints win over the defaults)."""
+    if (type(result) is EncodedResult and result.json is not None and len(result) and "resultType" not in result
+            and "_meta" not in result and method not in CACHEABLE_METHODS):
+        # A result that carries its own text (coffer__search_tools's) keeps it: the keys added here go at the end
+        # of the text as of the dict, so the reply is not encoded again.
+        meta = {META_SERVER_INFO: coffer_server_info()}
+        return EncodedResult({**result, "resultType": "complete", "_meta": meta},
+                             f'{result.json[:-1]},"resultType":"complete","_meta":{dumps(meta)}}}')
     result = dict(result) if isinstance(result, dict) else {}
     kind = result.get("resultType")
     kind = "complete" if kind is None else kind  # a handshake upstream never sets it
