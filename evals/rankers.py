@@ -151,6 +151,28 @@ def coffer_factory(tools: list[dict]):
     return coffer.SearchIndex(tools)
 
 
+class PreferenceReplay:
+    """coffer.SearchIndex with the user's picks (search/preference.py), replayed in the order the searches were
+    recorded: each search is ranked with what only the searches before it taught, then teaches its own pick,
+    as `coffer eval`'s +preference rows are.  ``labelled`` are the set's rows, searched in their order."""
+
+    def __init__(self, tools: list[dict], labelled: list[dict]):
+        import coffer
+        self.index = coffer.SearchIndex(tools)
+        self.preference = coffer.SearchPreference()
+        self.labelled = iter(labelled)
+
+    def search(self, query: str, top_k: int):
+        row = next(self.labelled)
+        if row["query"] != query:
+            raise RuntimeError("PreferenceReplay must search the set's queries in their order")
+        depth = max(top_k, self.preference.candidates)
+        hits = [(self.index.tools[doc], round(score, 4)) for doc, score in self.index.rank(query, depth)]
+        lifted, _ = self.preference.rerank(hits, query, top_k)
+        self.preference.learn(query, row["relevant"][0])
+        return lifted
+
+
 class EmbeddingRanker:
     """coffer's semantic ranking, alone ("semantic") or fused with BM25 ("hybrid"), against a real endpoint.
 

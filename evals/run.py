@@ -64,7 +64,14 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from evals import metrics  # noqa: E402  (needs the path above when run as a script)
-from evals.rankers import RankerUnavailable, available_rankers, draft_factories, load_draft, make_embedder  # noqa: E402
+from evals.rankers import (  # noqa: E402
+    PreferenceReplay,
+    RankerUnavailable,
+    available_rankers,
+    draft_factories,
+    load_draft,
+    make_embedder,
+)
 
 PROJECT_DIR = REPO_ROOT / "evals" / "data"
 SETS_DIR = REPO_ROOT / "evals" / "sets"  # further dev sets built by evals/build_sets.py from pinned public packages
@@ -490,7 +497,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", action="append", help="only this set (repeatable): project, livemcpbench, ...")
     p.add_argument("--vault", nargs="?", const="", metavar="COFFER_HOME",
                    help="only the set 'vault': the labelled searches recorded with search_feedback on, over the "
-                        "catalogue the last session saw (default $COFFER_HOME or ~/.coffer); never gated")
+                        "catalogue the last session saw (default $COFFER_HOME or ~/.coffer), with the ranker "
+                        "coffer+preference (the user's picks replayed, as `coffer eval` does); never gated")
     p.add_argument("--rankers", help="comma-separated subset of rankers (default: all available)")
     p.add_argument("--embedder", metavar="URL",
                    help="add 'semantic' and 'hybrid' rankers using this embeddings endpoint (e.g. "
@@ -521,10 +529,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def select_rankers(args: argparse.Namespace) -> dict:
+def select_rankers(args: argparse.Namespace, replayed: EvalSet | None = None) -> dict:
+    """The rankers to run; with ``replayed`` (the set 'vault', a user's searches in the order they were made),
+    also coffer+preference: the user's picks, each search learning only from those before it."""
     embedder = make_embedder(args.embedder, args.embedder_model, args.embedder_api, args.embed_cache) \
         if args.embedder else None
     rankers = available_rankers(None)
+    if replayed is not None:
+        rankers["coffer+preference"] = lambda tools: PreferenceReplay(tools, replayed.queries)
     if embedder is not None:
         from evals.rankers import EmbeddingRanker
         rankers.update({mode: (lambda tools, mode=mode: EmbeddingRanker(tools, embedder, mode))
@@ -563,10 +575,12 @@ def main(argv: list[str] | None = None) -> int:
         forwarded = ["--gate"] + (["--embedder", args.embedder] if args.embedder else []) + (
             ["--json", args.json] if args.json else [])
         return ask.main(forwarded)
-    rankers = select_rankers(args)
     if args.vault is not None:
-        args.gate, loaded, notes = False, [vault_set(args.vault)], []
+        mine = vault_set(args.vault)
+        rankers = select_rankers(args, mine)
+        args.gate, loaded, notes = False, [mine], []
     else:
+        rankers = select_rankers(args)
         to_run, notes = discover_sets(args)
         loaded = (load_set(name, catalog, queries) for name, catalog, queries in to_run)
     report, evalsets = [], {}

@@ -83,11 +83,14 @@ def test_coffer_eval_scores_the_current_ranker_on_the_labelled_searches(raw_gate
     text = cli("eval").stdout
     assert "2 labelled searches" in text and "RECALL@5" in text
     # the same for a developer, beside the comparators: python -m evals.run --vault
-    dev = subprocess.run([PY, "-m", "evals.run", "--vault", str(home), "--rankers", "coffer,bm25f", "--json", "-"],
-                         cwd=ROOT, capture_output=True, text=True, check=True)
+    dev = subprocess.run([PY, "-m", "evals.run", "--vault", str(home), "--rankers", "coffer,coffer+preference,bm25f",
+                          "--json", "-"], cwd=ROOT, capture_output=True, text=True, check=True)
     [entry] = json.loads(dev.stdout)["sets"]
     assert entry["set"] == "vault" and entry["n_queries"] == 2
     assert entry["rankers"]["coffer"]["overall"]["recall@5"] == lexical["recall@5"]
+    replayed = report["rankers"]["lexical+preference"]
+    assert entry["rankers"]["coffer+preference"]["overall"]["recall@1"] == replayed["recall@1"]
+    assert entry["rankers"]["coffer+preference"]["overall"]["mrr@10"] == replayed["mrr@10"]
 
 
 def test_coffer_eval_with_nothing_recorded_says_how_to_turn_it_on(home):
