@@ -88,66 +88,66 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        194  resources             Package data: the word lists and web assets that ship inside coffer.py.
        221  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
        290  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
-       535  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       857  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       990  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1542  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1713  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      2083  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2199  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2350  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2549  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3376  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3498  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4264  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4661  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      5101  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      6000  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6688  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
-      6867  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
-      7138  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7319  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7946  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9204  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9810  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9921  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10519  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10921  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     11129  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11321  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11592  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11834  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12425  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12838  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13320  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13438  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13856  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13918  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     14082  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14282  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14854  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15251  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15592  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15700  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16371  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16760  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     17192  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17800  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17950  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     18400  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18845  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19376  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19746  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19922  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20588  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21461  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21832  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     22142  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22290  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22425  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22616  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     23144  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     25082  cli                   Command line: coffer's commands.
+       541  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
+       863  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+       996  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1548  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1719  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      2089  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2205  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2356  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2555  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3382  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3504  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4270  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4667  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5107  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      6006  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6694  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+      6873  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
+      7144  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
+      7325  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7952  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9210  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9816  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9927  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10525  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10927  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11135  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11327  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
+     11598  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11840  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12431  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12844  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13326  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13444  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13862  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13924  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     14088  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14288  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14860  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15257  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15598  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15706  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16377  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16766  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17198  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17806  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17956  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18406  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18851  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19382  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19752  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19928  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20594  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21467  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21838  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     22148  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22296  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22431  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22622  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     23150  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25088  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -462,24 +462,30 @@ class Redactor:
         """A JSON value (a message for a client) with every known secret in its strings and keys replaced: the
         same object, untouched, when none holds one -- the usual case, which costs one look at each string."""
         search = self._search
-        if search is None or not _holds_secret(value, search, 0):
+        if search is None or not _holds_secret(value, search, self._values, 0):
             return value
         return _scrubbed(value, self, 0)
 
 
-def _holds_secret(value, search, depth: int) -> bool:
+def _holds_secret(value, search, values: tuple[str, ...], depth: int) -> bool:
     if isinstance(value, str):
         return search(value) is not None
     if depth > 200:
         return False
     if isinstance(value, dict):
+        text = getattr(value, "json", None)  # a result that carries the JSON text it is written as (EncodedResult)
+        if isinstance(text, str):
+            # That text is what the client receives.  JSON escapes a string character by character, so a string
+            # holding a secret holds the secret's JSON form there, one of the forms add() registered; a match
+            # across two strings only costs the walk that follows.  One long text: a substring test per form.
+            return any(form in text for form in values)
         for key, item in value.items():
-            if search(key) is not None or _holds_secret(item, search, depth + 1):
+            if search(key) is not None or _holds_secret(item, search, values, depth + 1):
                 return True
         return False
     if isinstance(value, list):
         for item in value:
-            if _holds_secret(item, search, depth + 1):
+            if _holds_secret(item, search, values, depth + 1):
                 return True
     return False
 

@@ -64,6 +64,39 @@ def test_a_2026_client_gets_the_same_search_reply_with_its_era_fields(raw_gatewa
     assert dict(shaped) == shape_modern_result("tools/call", dict(built))
 
 
+@pytest.mark.parametrize("era", ["2025-11-25", "2026-07-28"])
+def test_a_secret_in_a_tool_definition_is_redacted_from_every_search_reply(raw_gateway, home, era):
+    """An upstream whose tool description holds a stored secret (one JSON escapes, too): the search reply, its
+    structured payload and its text block alike, carries *** in its place, in either era."""
+    import subprocess
+    secret = 'sk-"quoted\\' + uuid.uuid4().hex
+    subprocess.run([sys.executable, str(Path(__file__).parent.parent / "coffer.py"), "secret", "set", "FX_API_KEY"],
+                   input=secret, text=True, check=True, capture_output=True)
+    cli("add", "fx", "--", *FAKE, "--tools", "echo,slow", "--schema-tag", f"(token {secret})")
+    envelope = {"io.modelcontextprotocol/protocolVersion": era, "io.modelcontextprotocol/clientCapabilities": {},
+                "io.modelcontextprotocol/clientInfo": {"name": "c", "version": "1"}}
+    gw = raw_gateway()
+    if era == "2026-07-28":
+        gw.request("server/discover", {"_meta": envelope})
+    else:
+        gw.initialize()
+    reply = gw.request("tools/call", {"name": "coffer__search_tools", "arguments": {"query": "echo the text"},
+                                      **({"_meta": envelope} if era == "2026-07-28" else {})})
+    result = reply["result"]
+    shown = [tool["description"] for tool in result["structuredContent"]["tools"] if tool["name"] == "fx__echo"]
+    texts = [tool["description"] for tool in json.loads(result["content"][0]["text"])["tools"]
+             if tool["name"] == "fx__echo"]
+    assert shown == texts and "(token ***)" in shown[0], shown
+
+    def strings(value):
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, (dict, list)):
+            for item in (value.items() if isinstance(value, dict) else value):
+                yield from strings(item)
+    assert not any(secret in text for text in strings([reply, json.loads(result["content"][0]["text"])]))
+
+
 ODD_SERVER = r"""
 import json, sys
 TOOLS = [

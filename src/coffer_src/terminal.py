@@ -101,24 +101,30 @@ class Redactor:
         """A JSON value (a message for a client) with every known secret in its strings and keys replaced: the
         same object, untouched, when none holds one -- the usual case, which costs one look at each string."""
         search = self._search
-        if search is None or not _holds_secret(value, search, 0):
+        if search is None or not _holds_secret(value, search, self._values, 0):
             return value
         return _scrubbed(value, self, 0)
 
 
-def _holds_secret(value, search, depth: int) -> bool:
+def _holds_secret(value, search, values: tuple[str, ...], depth: int) -> bool:
     if isinstance(value, str):
         return search(value) is not None
     if depth > 200:
         return False
     if isinstance(value, dict):
+        text = getattr(value, "json", None)  # a result that carries the JSON text it is written as (EncodedResult)
+        if isinstance(text, str):
+            # That text is what the client receives.  JSON escapes a string character by character, so a string
+            # holding a secret holds the secret's JSON form there, one of the forms add() registered; a match
+            # across two strings only costs the walk that follows.  One long text: a substring test per form.
+            return any(form in text for form in values)
         for key, item in value.items():
-            if search(key) is not None or _holds_secret(item, search, depth + 1):
+            if search(key) is not None or _holds_secret(item, search, values, depth + 1):
                 return True
         return False
     if isinstance(value, list):
         for item in value:
-            if _holds_secret(item, search, depth + 1):
+            if _holds_secret(item, search, values, depth + 1):
                 return True
     return False
 
