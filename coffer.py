@@ -146,8 +146,8 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
      22296  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
      22431  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
      22622  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     23150  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     25088  cli                   Command line: coffer's commands.
+     23162  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25125  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -22795,13 +22795,18 @@ def error_fixes(name: str, error: str | None) -> list[dict]:
     return []
 
 
-def profiles_view(hub) -> list | None:
-    """The profiles clients can be given (none before profiles exist: the page then says so).  Profiles plug in
-    here: a list of {"name", "servers", "tools", "clients"} dicts, shown on the Sessions and profiles view."""
-    profiles = getattr(hub, "profiles", None)
-    if profiles is None:
-        return None
-    return [dict(profile) if isinstance(profile, dict) else {"name": str(profile)} for profile in profiles]
+def profiles_view(hub, sessions) -> list[dict]:
+    """Every profile: what it includes and leaves out, how many tools its clients see now (its view of the hub's
+    catalogue, as a session of it gets), and which of the connected ``sessions`` use it."""
+    views, catalogue = hub.views, hub.catalogue
+    using: dict[str, set] = {}
+    for session in sessions:
+        if session.view.name is not None:
+            using.setdefault(session.view.name, set()).add(session.client_name)
+    return [{"name": name, "include": list(profile.include), "exclude": list(profile.exclude),
+             "expose": profile.expose, "tools": len(views.catalogue(name, catalogue).tools),
+             "clients": sorted(using.get(name, ()))}
+            for name, profile in sorted(views.profiles.items())]
 
 
 class WebViews:
@@ -23118,17 +23123,24 @@ class WebViews:
         self.hub.restart(name, config)
 
     # -- search --------------------------------------------------------------------------------------------
-    def search(self, query: str, top_k) -> dict:
-        """coffer__search_tools' ranking for ``query``, as an agent gets it, with the parts of every score."""
+    def search(self, query: str, top_k, profile=None) -> dict:
+        """coffer__search_tools' ranking for ``query``, as an agent gets it (an agent of ``profile``: that
+        profile's tools, under the names its clients see), with the parts of every score."""
         if not isinstance(query, str) or not query.strip():
             raise CofferError("type what you want to do")
         try:
             top_k = bounded_top_k(int(top_k) if isinstance(top_k, str) and top_k.isdigit() else top_k)
         except ValueError as exc:
             raise CofferError(str(exc)) from None
-        result = explain_preferred(self.hub.catalogue.index, self.hub.semantic, query, top_k,
+        catalogue = self.hub.catalogue
+        if profile:
+            if not isinstance(profile, str) or profile not in self.hub.views.profiles:
+                raise CofferError(f"there is no profile named {str(profile)[:80]!r}")
+            catalogue = self.hub.views.catalogue(profile, catalogue)
+        result = explain_preferred(catalogue.index, self.hub.semantic, query, top_k,
                                    active_preference(self.hub.settings, self.hub.vault.path))
         result["embedder"] = self.hub.semantic is not None
+        result["profile"] = profile or None
         return result
 
     # -- knowledge -----------------------------------------------------------------------------------------
@@ -23216,13 +23228,13 @@ class WebViews:
     # -- sessions ------------------------------------------------------------------------------------------
     def sessions(self) -> dict:
         """The connected clients (what `coffer status` lists, with the servers each has used) and the profiles."""
-        found = []
-        for session in self._sessions():
+        found, sessions = [], self._sessions()
+        for session in sessions:
             used = {up.name for up in self.hub.upstreams.values() if session.calls.used(up)}
             used |= set(session.instances.running)
             found.append({**session.status(), "servers": sorted(used),
                           "own_instances": sorted(session.instances.running)})
-        return {"sessions": found, "profiles": profiles_view(self.hub)}
+        return {"sessions": found, "profiles": profiles_view(self.hub, sessions)}
 
 
 # ============================================================================================================
@@ -24501,11 +24513,26 @@ _WEB_FILES = {
     '      this.topK = h("select", {"aria-label": "How many", on: {change: () => view.run()}},\n'
     '        [5, 10, 20].map((k) => h("option", {value: k, text: "top " + k, selected: String(k) === '
     '(query.get("top_k") || "5")})));\n'
+    "      // An agent with a profile searches that profile's tools, under the names it sees them by."
+    '\n'
+    '      const asked = query.get("profile") || "";\n'
+    '      this.profile = h("select", {"aria-label": "As which agent", id: "search-profile", hidden: '
+    '!asked, on: {change: () => view.run()}},\n'
+    '        h("option", {value: "", text: "any agent without a profile"}),\n'
+    '        asked ? h("option", {value: asked, text: "an agent of profile " + asked, selected: true}'
+    ') : null);\n'
+    '      C.get("sessions").then((data) => {\n'
+    '        const names = (data.profiles || []).map((p) => p.name).filter((name) => name !== asked);'
+    '\n'
+    '        for (const name of names) this.profile.append(h("option", {value: name, text: "an agent '
+    'of profile " + name}));\n'
+    '        this.profile.hidden = !(asked || names.length);\n'
+    '      }, () => {});\n'
     '      this.body = h("div", {});\n'
     '      root.append(head("Search playground", h("p", {class: "muted",\n'
     '        text: "The ranking coffer__search_tools gives an agent for a request, and why: which wor'
     'ds matched which field, and what each was worth."})),\n'
-    '        h("div", {class: "search-box"}, this.box, this.topK), this.body);\n'
+    '        h("div", {class: "search-box"}, this.box, this.profile, this.topK), this.body);\n'
     '      setTimeout(() => this.box.focus(), 0);\n'
     '      if (this.box.value) this.run();\n'
     '      else C.replace(this.body, panel(empty("Type a request to see how Coffer ranks its tools fo'
@@ -24514,14 +24541,17 @@ _WEB_FILES = {
     '    async load() { /* the playground answers what is typed; it does not poll */ },\n'
     '    async run() {\n'
     '      const q = this.box.value.trim();\n'
-    '      C.setQuery({q: q, top_k: this.topK.value === "5" ? "" : this.topK.value});\n'
+    '      const profile = this.profile.value;\n'
+    '      C.setQuery({q: q, top_k: this.topK.value === "5" ? "" : this.topK.value, profile: profile}'
+    ');\n'
     '      if (!q) { C.replace(this.body, panel(empty("Type a request to see how Coffer ranks its too'
     'ls for it."))); return; }\n'
     '      const asked = q;\n'
     '      let data;\n'
-    '      try { data = await C.get("search", {q: q, top_k: this.topK.value}); } catch (error) { C.to'
-    'ast(error.message, "bad"); return; }\n'
-    '      if (this.box.value.trim() !== asked) return;   // a newer request is on its way\n'
+    '      try { data = await C.get("search", {q: q, top_k: this.topK.value, profile: profile}); } ca'
+    'tch (error) { C.toast(error.message, "bad"); return; }\n'
+    '      if (this.box.value.trim() !== asked || this.profile.value !== profile) return;   // a newe'
+    'r request is on its way\n'
     '      this.draw(data);\n'
     '    },\n'
     '    draw(data) {\n'
@@ -24663,11 +24693,13 @@ _WEB_FILES = {
     '      if (!changed(this, "sessions", data)) return;\n'
     '      C.replace(this.body, panel(data.sessions.length ? h("div", {class: "table-wrap"}, h("table'
     '", {id: "sessions-table"},\n'
-    '        h("thead", {}, h("tr", {}, ["Client", "Protocol", "Connected", "Calls", "Servers used"].'
-    'map((text) => h("th", {text: text})))),\n'
+    '        h("thead", {}, h("tr", {}, ["Client", "Profile", "Protocol", "Connected", "Calls", "Serv'
+    'ers used"].map((text) => h("th", {text: text})))),\n'
     '        h("tbody", {}, data.sessions.map((s) => h("tr", {},\n'
     '          h("td", {}, h("b", {text: s.client}), s.version ? h("span", {class: "sub", text: "vers'
     'ion " + s.version}) : null),\n'
+    '          h("td", {}, s.profile ? h("span", {class: "pill", text: s.profile}) : h("span", {class'
+    ': "muted", text: "none: every tool"})),\n'
     '          h("td", {text: s.era === "modern" ? "2026-07-28" : s.era ? "handshake (2024–2025)" : "'
     'starting"}),\n'
     '          h("td", {class: "nowrap", title: C.local(s.since), text: C.when(s.since)}),\n'
@@ -24676,15 +24708,20 @@ _WEB_FILES = {
     ' name + (s.own_instances.includes(name) ? " (own)" : "")})) :\n'
     '            h("span", {class: "muted", text: "none yet"})))))))\n'
     '        : empty("No agent is connected. An agent connects when it starts `coffer serve`.")));\n'
-    '      // Profiles (the servers and tools a client is given) plug in here once Coffer has them.\n'
-    '      C.replace(this.profiles, panel(data.profiles === null || data.profiles === undefined ?\n'
-    '        empty("Profiles are not part of this Coffer yet. When they are, each profile (the server'
-    's and tools a client is given) is listed here.") :\n'
-    '        data.profiles.length ? h("table", {id: "profiles-table"}, h("tbody", {}, data.profiles.m'
-    'ap((p) =>\n'
-    '          h("tr", {}, h("td", {}, h("b", {text: p.name})), h("td", {text: (p.servers || []).join'
-    '(", ")}), h("td", {text: (p.clients || []).join(", ")}))))) :\n'
-    '          empty("No profiles yet.")));\n'
+    '      C.replace(this.profiles, panel(data.profiles.length ? h("div", {class: "table-wrap"}, h("t'
+    'able", {id: "profiles-table"},\n'
+    '        h("thead", {}, h("tr", {}, ["Profile", "Includes", "Leaves out", "Tools", "Connected cli'
+    'ents"].map((text) => h("th", {text: text})))),\n'
+    '        h("tbody", {}, data.profiles.map((p) => h("tr", {data: {profile: p.name}},\n'
+    '          h("td", {}, h("b", {text: p.name}), p.expose ? h("span", {class: "sub", text: "listed:'
+    ' " + p.expose}) : null),\n'
+    '          h("td", {class: "mono", text: p.include.join(" ")}),\n'
+    '          h("td", {class: "mono", text: p.exclude.join(" ")}),\n'
+    '          h("td", {class: "num", text: C.n(p.tools)}),\n'
+    '          h("td", {}, p.clients.length ? p.clients.map((name) => h("span", {class: "pill", text:'
+    ' name})) : h("span", {class: "muted", text: "none now"})))))))\n'
+    '        : empty("No profiles: every agent sees every tool. `coffer profile add NAME --include …`'
+    ' gives one kind of agent fewer.")));\n'
     '    },\n'
     '  };\n'
     '})();\n'
@@ -24912,7 +24949,7 @@ class WebServer:
             "activity": lambda q: {**self.activity.report(q.get("range") or "day", q.get("group") or "server",
                                                           q.get("only") or None),
                                    "choices": self.activity.choices()},
-            "search": lambda q: self.views.search(q.get("q", ""), q.get("top_k")),
+            "search": lambda q: self.views.search(q.get("q", ""), q.get("top_k"), q.get("profile")),
             "knowledge": lambda q: self.views.knowledge(),
             "sessions": lambda q: self.views.sessions(),
         }

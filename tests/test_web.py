@@ -124,13 +124,14 @@ def screenshot(browser, tmp_path, name):
     return path
 
 
-def relay_params():
-    return StdioServerParameters(command=PY, args=[COFFER, "serve"], env=dict(os.environ))
+def relay_params(profile=None):
+    return StdioServerParameters(command=PY, args=[COFFER, "serve", *(["--profile", profile] if profile else [])],
+                                 env=dict(os.environ))
 
 
-def run_agent(steps, name="web-test-agent"):
-    """Connect an SDK client through `coffer serve` (the relay to the service) and run ``steps(client, notices)``;
-    browser work inside goes through anyio.to_thread.run_sync."""
+def run_agent(steps, name="web-test-agent", profile=None):
+    """Connect an SDK client through `coffer serve` (the relay to the service; ``profile``: as that profile's
+    agent) and run ``steps(client, notices)``; browser work inside goes through anyio.to_thread.run_sync."""
     async def main():
         notices: list = []
 
@@ -139,8 +140,8 @@ def run_agent(steps, name="web-test-agent"):
                 notices.append(message)
 
         with anyio.fail_after(180):
-            async with Client(relay_params(), mode="legacy", client_info=types.Implementation(name=name, version="3"),
-                              message_handler=on_message) as client:
+            async with Client(relay_params(profile), mode="legacy", message_handler=on_message,
+                              client_info=types.Implementation(name=name, version="3")) as client:
                 await steps(client, notices)
 
     anyio.run(main)
@@ -458,6 +459,45 @@ def test_the_playground_shows_what_the_users_own_picks_did(web_home, browser, tm
     assert "picked by you for 1 similar search: ×1." in first, first
     assert "do not add up" not in browser.find_element("id", "main").text
     assert not console_errors(browser)
+
+
+def test_the_page_lists_each_profile_and_searches_as_its_agent_does(web_home, browser, tmp_path):
+    """Sessions shows each profile (what it includes, its tools, the clients using it) and each session's profile;
+    the playground, asked as a profile's agent, ranks that profile's tools under the names its agent sees."""
+    cli("add", "a", "--", *FAKE, "--tools", "echo,slow,crash")
+    cli("add", "b", "--", *FAKE, "--tools", "echo,fail", "--name", "b")
+    cli("profile", "add", "only-b", "--include", "b")
+    cli("override", "b__echo", "--profile", "only-b", "--name", "say_it_back")
+    query = "send the text back to me"
+    answers = {}
+
+    async def steps(client, notices):
+        answers["agent"] = (await client.call_tool("coffer__search_tools", {"query": query})).structured_content
+
+        def look():
+            sign_in(browser, tmp_path, "sessions")
+            wait(browser, shown("#profiles-table tr[data-profile=only-b]"), "the profile")
+            cells = [td.text for td in css(browser, "#profiles-table tr[data-profile=only-b] td")]
+            sessions = [td.text for td in css(browser, "#sessions-table td")]
+            browser.get(browser.current_url.split("#")[0] + f"#/search?q={query.replace(' ', '%20')}&profile=only-b")
+            wait(browser, shown("#search-results li"), "the playground's ranking")
+            ranking = [(e.get_attribute("data-name"), float(e.get_attribute("data-score")))
+                       for e in css(browser, "#search-results li")]
+            css(browser, "#search-profile")[0].find_element("css selector", "option[value='']").click()
+            wait(browser, lambda d: "a__echo" in [e.get_attribute("data-name") for e in css(d, "#search-results li")],
+                 "the ranking for an agent without a profile")
+            return cells, sessions, ranking, console_errors(browser)
+
+        answers["page"] = await anyio.to_thread.run_sync(look)
+
+    run_agent(steps, profile="only-b")
+    cells, sessions, ranking, errors = answers["page"]
+    assert cells[0] == "only-b" and cells[1] == "b" and cells[3] == "2" and "web-test-agent" in cells[4], cells
+    assert "only-b" in sessions, sessions
+    agent = answers["agent"]["tools"]
+    assert ranking == [(t["name"], t["score"]) for t in agent]
+    assert "say_it_back" in [name for name, _ in ranking] and not any(n.startswith("a__") for n, _ in ranking)
+    assert not errors, errors
 
 
 # -- knowledge ---------------------------------------------------------------------------------------------------

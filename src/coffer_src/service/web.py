@@ -195,7 +195,7 @@ class WebServer:
             "activity": lambda q: {**self.activity.report(q.get("range") or "day", q.get("group") or "server",
                                                           q.get("only") or None),
                                    "choices": self.activity.choices()},
-            "search": lambda q: self.views.search(q.get("q", ""), q.get("top_k")),
+            "search": lambda q: self.views.search(q.get("q", ""), q.get("top_k"), q.get("profile")),
             "knowledge": lambda q: self.views.knowledge(),
             "sessions": lambda q: self.views.sessions(),
         }

@@ -121,13 +121,18 @@ def error_fixes(name: str, error: str | None) -> list[dict]:
     return []
 
 
-def profiles_view(hub) -> list | None:
-    """The profiles clients can be given (none before profiles exist: the page then says so).  Profiles plug in
-    here: a list of {"name", "servers", "tools", "clients"} dicts, shown on the Sessions and profiles view."""
-    profiles = getattr(hub, "profiles", None)
-    if profiles is None:
-        return None
-    return [dict(profile) if isinstance(profile, dict) else {"name": str(profile)} for profile in profiles]
+def profiles_view(hub, sessions) -> list[dict]:
+    """Every profile: what it includes and leaves out, how many tools its clients see now (its view of the hub's
+    catalogue, as a session of it gets), and which of the connected ``sessions`` use it."""
+    views, catalogue = hub.views, hub.catalogue
+    using: dict[str, set] = {}
+    for session in sessions:
+        if session.view.name is not None:
+            using.setdefault(session.view.name, set()).add(session.client_name)
+    return [{"name": name, "include": list(profile.include), "exclude": list(profile.exclude),
+             "expose": profile.expose, "tools": len(views.catalogue(name, catalogue).tools),
+             "clients": sorted(using.get(name, ()))}
+            for name, profile in sorted(views.profiles.items())]
 
 
 class WebViews:
@@ -444,17 +449,24 @@ class WebViews:
         self.hub.restart(name, config)
 
     # -- search --------------------------------------------------------------------------------------------
-    def search(self, query: str, top_k) -> dict:
-        """coffer__search_tools' ranking for ``query``, as an agent gets it, with the parts of every score."""
+    def search(self, query: str, top_k, profile=None) -> dict:
+        """coffer__search_tools' ranking for ``query``, as an agent gets it (an agent of ``profile``: that
+        profile's tools, under the names its clients see), with the parts of every score."""
         if not isinstance(query, str) or not query.strip():
             raise CofferError("type what you want to do")
         try:
             top_k = bounded_top_k(int(top_k) if isinstance(top_k, str) and top_k.isdigit() else top_k)
         except ValueError as exc:
             raise CofferError(str(exc)) from None
-        result = explain_preferred(self.hub.catalogue.index, self.hub.semantic, query, top_k,
+        catalogue = self.hub.catalogue
+        if profile:
+            if not isinstance(profile, str) or profile not in self.hub.views.profiles:
+                raise CofferError(f"there is no profile named {str(profile)[:80]!r}")
+            catalogue = self.hub.views.catalogue(profile, catalogue)
+        result = explain_preferred(catalogue.index, self.hub.semantic, query, top_k,
                                    active_preference(self.hub.settings, self.hub.vault.path))
         result["embedder"] = self.hub.semantic is not None
+        result["profile"] = profile or None
         return result
 
     # -- knowledge -----------------------------------------------------------------------------------------
@@ -542,10 +554,10 @@ class WebViews:
     # -- sessions ------------------------------------------------------------------------------------------
     def sessions(self) -> dict:
         """The connected clients (what `coffer status` lists, with the servers each has used) and the profiles."""
-        found = []
-        for session in self._sessions():
+        found, sessions = [], self._sessions()
+        for session in sessions:
             used = {up.name for up in self.hub.upstreams.values() if session.calls.used(up)}
             used |= set(session.instances.running)
             found.append({**session.status(), "servers": sorted(used),
                           "own_instances": sorted(session.instances.running)})
-        return {"sessions": found, "profiles": profiles_view(self.hub)}
+        return {"sessions": found, "profiles": profiles_view(self.hub, sessions)}

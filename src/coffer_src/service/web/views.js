@@ -400,10 +400,20 @@
           keydown: (e) => { if (e.key === "Enter") { clearTimeout(timer); view.run(); } }}});
       this.topK = h("select", {"aria-label": "How many", on: {change: () => view.run()}},
         [5, 10, 20].map((k) => h("option", {value: k, text: "top " + k, selected: String(k) === (query.get("top_k") || "5")})));
+      // An agent with a profile searches that profile's tools, under the names it sees them by.
+      const asked = query.get("profile") || "";
+      this.profile = h("select", {"aria-label": "As which agent", id: "search-profile", hidden: !asked, on: {change: () => view.run()}},
+        h("option", {value: "", text: "any agent without a profile"}),
+        asked ? h("option", {value: asked, text: "an agent of profile " + asked, selected: true}) : null);
+      C.get("sessions").then((data) => {
+        const names = (data.profiles || []).map((p) => p.name).filter((name) => name !== asked);
+        for (const name of names) this.profile.append(h("option", {value: name, text: "an agent of profile " + name}));
+        this.profile.hidden = !(asked || names.length);
+      }, () => {});
       this.body = h("div", {});
       root.append(head("Search playground", h("p", {class: "muted",
         text: "The ranking coffer__search_tools gives an agent for a request, and why: which words matched which field, and what each was worth."})),
-        h("div", {class: "search-box"}, this.box, this.topK), this.body);
+        h("div", {class: "search-box"}, this.box, this.profile, this.topK), this.body);
       setTimeout(() => this.box.focus(), 0);
       if (this.box.value) this.run();
       else C.replace(this.body, panel(empty("Type a request to see how Coffer ranks its tools for it.")));
@@ -411,12 +421,13 @@
     async load() { /* the playground answers what is typed; it does not poll */ },
     async run() {
       const q = this.box.value.trim();
-      C.setQuery({q: q, top_k: this.topK.value === "5" ? "" : this.topK.value});
+      const profile = this.profile.value;
+      C.setQuery({q: q, top_k: this.topK.value === "5" ? "" : this.topK.value, profile: profile});
       if (!q) { C.replace(this.body, panel(empty("Type a request to see how Coffer ranks its tools for it."))); return; }
       const asked = q;
       let data;
-      try { data = await C.get("search", {q: q, top_k: this.topK.value}); } catch (error) { C.toast(error.message, "bad"); return; }
-      if (this.box.value.trim() !== asked) return;   // a newer request is on its way
+      try { data = await C.get("search", {q: q, top_k: this.topK.value, profile: profile}); } catch (error) { C.toast(error.message, "bad"); return; }
+      if (this.box.value.trim() !== asked || this.profile.value !== profile) return;   // a newer request is on its way
       this.draw(data);
     },
     draw(data) {
@@ -520,21 +531,25 @@
       const data = await C.get("sessions");
       if (!changed(this, "sessions", data)) return;
       C.replace(this.body, panel(data.sessions.length ? h("div", {class: "table-wrap"}, h("table", {id: "sessions-table"},
-        h("thead", {}, h("tr", {}, ["Client", "Protocol", "Connected", "Calls", "Servers used"].map((text) => h("th", {text: text})))),
+        h("thead", {}, h("tr", {}, ["Client", "Profile", "Protocol", "Connected", "Calls", "Servers used"].map((text) => h("th", {text: text})))),
         h("tbody", {}, data.sessions.map((s) => h("tr", {},
           h("td", {}, h("b", {text: s.client}), s.version ? h("span", {class: "sub", text: "version " + s.version}) : null),
+          h("td", {}, s.profile ? h("span", {class: "pill", text: s.profile}) : h("span", {class: "muted", text: "none: every tool"})),
           h("td", {text: s.era === "modern" ? "2026-07-28" : s.era ? "handshake (2024–2025)" : "starting"}),
           h("td", {class: "nowrap", title: C.local(s.since), text: C.when(s.since)}),
           h("td", {class: "num", text: C.n(s.calls)}),
           h("td", {}, s.servers.length ? s.servers.map((name) => h("span", {class: "pill", text: name + (s.own_instances.includes(name) ? " (own)" : "")})) :
             h("span", {class: "muted", text: "none yet"})))))))
         : empty("No agent is connected. An agent connects when it starts `coffer serve`.")));
-      // Profiles (the servers and tools a client is given) plug in here once Coffer has them.
-      C.replace(this.profiles, panel(data.profiles === null || data.profiles === undefined ?
-        empty("Profiles are not part of this Coffer yet. When they are, each profile (the servers and tools a client is given) is listed here.") :
-        data.profiles.length ? h("table", {id: "profiles-table"}, h("tbody", {}, data.profiles.map((p) =>
-          h("tr", {}, h("td", {}, h("b", {text: p.name})), h("td", {text: (p.servers || []).join(", ")}), h("td", {text: (p.clients || []).join(", ")}))))) :
-          empty("No profiles yet.")));
+      C.replace(this.profiles, panel(data.profiles.length ? h("div", {class: "table-wrap"}, h("table", {id: "profiles-table"},
+        h("thead", {}, h("tr", {}, ["Profile", "Includes", "Leaves out", "Tools", "Connected clients"].map((text) => h("th", {text: text})))),
+        h("tbody", {}, data.profiles.map((p) => h("tr", {data: {profile: p.name}},
+          h("td", {}, h("b", {text: p.name}), p.expose ? h("span", {class: "sub", text: "listed: " + p.expose}) : null),
+          h("td", {class: "mono", text: p.include.join(" ")}),
+          h("td", {class: "mono", text: p.exclude.join(" ")}),
+          h("td", {class: "num", text: C.n(p.tools)}),
+          h("td", {}, p.clients.length ? p.clients.map((name) => h("span", {class: "pill", text: name})) : h("span", {class: "muted", text: "none now"})))))))
+        : empty("No profiles: every agent sees every tool. `coffer profile add NAME --include …` gives one kind of agent fewer.")));
     },
   };
 })();
