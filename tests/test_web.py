@@ -486,12 +486,15 @@ def test_the_page_lists_each_profile_and_searches_as_its_agent_does(web_home, br
             css(browser, "#search-profile")[0].find_element("css selector", "option[value='']").click()
             wait(browser, lambda d: "a__echo" in [e.get_attribute("data-name") for e in css(d, "#search-results li")],
                  "the ranking for an agent without a profile")
-            return cells, sessions, ranking, console_errors(browser)
+            errors = console_errors(browser)  # before the refused request below, which the console reports
+            unknown = page_json(browser, "search?q=echo&profile=" + "x" * 5000)
+            return cells, sessions, ranking, errors, unknown
 
         answers["page"] = await anyio.to_thread.run_sync(look)
 
     run_agent(steps, profile="only-b")
-    cells, sessions, ranking, errors = answers["page"]
+    cells, sessions, ranking, errors, unknown = answers["page"]
+    assert unknown["error"].startswith("there is no profile named 'xxx") and len(unknown["error"]) < 200, unknown
     assert cells[0] == "only-b" and cells[1] == "b" and cells[3] == "2" and "web-test-agent" in cells[4], cells
     assert "only-b" in sessions, sessions
     agent = answers["agent"]["tools"]
