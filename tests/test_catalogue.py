@@ -389,3 +389,26 @@ def test_a_changed_resource_template_is_quarantined_too(home, tmp_path, watched_
     refused = gw.request("resources/read", {"uri": "notes://1"})
     assert "error" in refused and "coffer approve" in refused["error"]["message"], refused
     healthy(gw)
+
+
+def test_a_definition_is_cleaned_by_copying_only_what_changes():
+    """An upstream's definitions are checked and cleaned (lone surrogates, control characters in descriptions):
+    what needs nothing is kept as the very object the listing was parsed into, so a big catalogue is held once;
+    what changes is a copy, and the listing's own objects are left as they were."""
+    from coffer_src.upstream.definitions import check_definition
+    from coffer_src.vault_rows import definition_without_controls
+
+    clean_param = {"type": "string", "description": "a path"}
+    dirty_param = {"type": "string", "description": "a \x07bell and a lone \ud800 surrogate", "enum": ["\x07"]}
+    tool = {"name": "t", "description": "fine", "inputSchema": {"type": "object", "properties": {
+        "path": clean_param, "odd": dirty_param}, "required": ["path"]}}
+    checked = check_definition("tool", tool)
+    properties = checked["inputSchema"]["properties"]
+    assert properties["path"] is clean_param and checked["inputSchema"]["required"] is tool["inputSchema"]["required"]
+    assert "\ud800" not in properties["odd"]["description"] and "\ud800" in dirty_param["description"]
+    stored = definition_without_controls("tool", checked)
+    odd = stored["inputSchema"]["properties"]["odd"]
+    assert "\x07" not in odd["description"] and odd["enum"] == ["\x07"]  # instance data is kept as it is
+    assert stored["inputSchema"]["properties"]["path"] is clean_param
+    untouched = {"name": "u", "inputSchema": {"type": "object", "properties": {"path": clean_param}}}
+    assert check_definition("tool", untouched)["inputSchema"] is untouched["inputSchema"]
