@@ -110,44 +110,44 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       7952  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
       9210  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
       9816  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9927  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10525  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10927  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     11135  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11327  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11598  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11840  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12431  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12844  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13326  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13444  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13862  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13924  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     14088  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14288  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14860  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15257  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15598  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15706  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16377  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16766  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     17198  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17806  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17956  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     18406  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18851  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19382  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19752  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19928  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20594  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21467  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21838  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     22148  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22296  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22431  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22622  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     23162  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     25125  cli                   Command line: coffer's commands.
+      9957  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10559  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10961  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11169  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11361  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
+     11632  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11874  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12465  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12878  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13360  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13478  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13896  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13958  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     14122  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14322  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14894  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15291  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15632  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15740  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16411  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16800  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17232  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17840  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17990  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18440  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18885  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19416  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19786  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19962  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20628  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21501  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21872  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     22182  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22330  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22465  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22656  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     23196  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25159  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -9915,9 +9915,12 @@ def _kind(name: str, pattern: str, cues: str, formats: str = "", flags: int = 0,
                       frozenset(formats.split()), frozenset(stem(w) for w in weak.split()))
 
 
-_FILE_EXTENSIONS = ("py|js|mjs|ts|tsx|jsx|md|txt|json|jsonl|ya?ml|toml|csv|tsv|pdf|png|jpe?g|gif|svg|webp|html?|"
-                    "css|xml|log|sh|ini|cfg|conf|docx?|xlsx?|pptx?|zip|tar|gz|sql|rs|go|java|kt|c|cpp|h|rb|php|"
-                    "ipynb|wav|mp3|mp4|mov|db|sqlite")
+# Files that hold text (source, markup, data, logs) are written by writing text; the others (documents, images,
+# archives, recordings) are made by a tool of their format.
+_TEXT_EXTENSIONS = ("py|js|mjs|ts|tsx|jsx|md|txt|json|jsonl|ya?ml|toml|csv|tsv|svg|html?|css|xml|log|sh|ini|cfg|conf|"
+                    "sql|rs|go|java|kt|c|cpp|h|rb|php|ipynb")
+_FILE_EXTENSIONS = _TEXT_EXTENSIONS + "|pdf|png|jpe?g|gif|webp|docx?|xlsx?|pptx?|zip|tar|gz|wav|mp3|mp4|mov|db|sqlite"
+_TEXT_FILE_RE = re.compile(rf"\.(?:{_TEXT_EXTENSIONS})[.)!?:]*$", re.IGNORECASE)
 _COMMON_ACRONYMS = frozenset("""
 I A OK AI API APIS URL URI SQL PR PRS CSV PDF JSON HTML CSS HTTP HTTPS UTC GMT EU US USA UK ID IDS CLI UI UX DB
 FAQ TODO README LGTM ETA PM AM CEO CTO HR QA CI CD VM OS IO IP DNS SSH SSL TLS AWS GCP SDK MCP LLM GPT PNG JPG
@@ -9977,6 +9980,33 @@ def query_entities(query: str) -> list[QueryEntity]:
     if any(entity.kind.name == "sql" for entity in found):  # GROUP, WHERE, ORDER are its keywords, not tickers
         found = [entity for entity in found if entity.kind.name != "ticker"]
     return sorted(found, key=lambda e: e.start)
+
+
+# A clause's end: a request's next step, whose verb does not reach back ("Read notes.md. Save a summary").
+_CLAUSE_END_RE = re.compile(r"[.!?;](?:\s|$)")
+# The verbs that put content into a file: the equivalence line of "write" (write, save, store, ...).
+_WRITING_VERBS = frozenset(map(inflection_stem, next(group for group in _EQUIVALENCE_GROUPS if "write" in group)))
+# A verb with its subject said ("the notes I saved in notes.txt", "we've stored it in a.csv") tells what was done
+# to a file that exists; the step a request asks for is said without one ("save it to notes.md").
+_SUBJECT_PRONOUNS = frozenset("i we he she they".split())
+
+
+def writes_text_file(query: str, entities: list[QueryEntity]) -> bool:
+    """Whether the request writes text into a file it names: a path or file name with a text extension after a
+    writing verb in the same clause ("save it to /root/notes/report.md", "store the count in a new file
+    count.txt"), the verb not told of a file that exists ("the notes I saved in notes.txt").  A document, an
+    image or an archive (.docx, .png, .zip) is not written as text: its format's own tools make and save it."""
+    for entity in entities:
+        if entity.kind.name not in ("path", "file") or not _TEXT_FILE_RE.search(query[entity.start:entity.end]):
+            continue
+        before = query[:entity.start]
+        clause_start = max((match.end() for match in _CLAUSE_END_RE.finditer(before)), default=0)
+        words = _words(before[clause_start:])
+        for position, word in enumerate(words):
+            if inflection_stem(word) in _WRITING_VERBS and _SUBJECT_PRONOUNS.isdisjoint(
+                    words[max(0, position - 2):position]):
+                return True
+    return False
 
 
 # A general web-search tool (a search engine, not a search inside one product) and the words of a request
@@ -10448,7 +10478,11 @@ class SearchIndex:
             previous, surfaces = own.get(term, (0.0, set()))
             surfaces.add(singular(word))
             own[term] = (max(previous, weight), surfaces)
-        for word in itertools.chain.from_iterable(senses.values()):
+        # A text file the request saves to ("save it to /root/notes/report.md") is written: a tool that writes
+        # files is one of its steps, as if it said "write", however it says it ("save" keeps its own weight: a
+        # tool named for saving is still what it asks).
+        written = ("write",) if writes_text_file(query, entities) else ()
+        for word in itertools.chain(itertools.chain.from_iterable(senses.values()), written):
             previous, surfaces = own.get(stem(word), (0.0, set()))
             surfaces.add(word)
             own[stem(word)] = (1.0, surfaces)
@@ -10462,7 +10496,7 @@ class SearchIndex:
         for term in translated:
             other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
         expanding = [(word, own[stem(word)][0]) for position, word in enumerate(words) if position not in senses]
-        expanding += [(word, 1.0) for word in itertools.chain.from_iterable(senses.values())]
+        expanding += [(word, 1.0) for word in itertools.chain(itertools.chain.from_iterable(senses.values()), written)]
         expanding += [(word, TRANSLATION_WEIGHT) for word in implied]
         lowered = query.lower().replace("'", "").split()
         if self.QUESTION_WEIGHT and lowered and lowered[0].strip("¿?") in _QUESTION_STARTS:

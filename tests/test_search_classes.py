@@ -173,3 +173,32 @@ def test_where_no_tool_declares_parameters_a_tool_named_for_the_request_keeps_it
     bare = [{"name": tool["name"], "description": tool["description"]} for tool in sc.merged()]
     index = SearchIndex(bare)
     assert names(index.search("find the latest news on glacier melt in Norway", 1)) == ["bugle__get_news"]
+
+
+# ---------------------------------------------------------------- a text file the request saves to is written
+
+
+@pytest.mark.parametrize("query, first_step", [
+    ("summarize the open issues in octo/app and save the summary to /tmp/issues.md", "github__"),
+    ("get the weather forecast for Oslo and save it as forecast.txt", "weather__get_forecast"),
+    ("list the running pods and store the list in pods.json", "kubernetes__"),
+    ("fetch https://example.com/docs and save it to ./docs/page.html", "scraper__fetch"),
+    ("Find the latest news on battery recycling. Save a short report to /root/notes/battery.md", "brave__"),
+])
+def test_saving_to_a_text_file_is_a_step_for_the_tool_that_writes_files(catalogue, query, first_step):
+    # "save" stands for "write" only a little, so tools named for saving a page as PDF outranked the file writer,
+    # the one tool that can do the request's last step.  The request's first step stays in view.
+    top = names(catalogue.search(query, 5))
+    assert "filesystem__write_file" in top and any(name.startswith(first_step) for name in top), top
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("save a screenshot of the page to /tmp/shot.png", "playwright__browser_take_screenshot"),
+    ("merge a.pdf and b.pdf and save the result as c.pdf", "pdf__merge_pdfs"),
+    ("read the notes I saved in notes.txt", "filesystem__read_file"),
+])
+def test_an_image_a_document_or_a_file_that_exists_is_not_one_to_write(catalogue, query, expected):
+    # An image or a PDF is made and saved by a tool of its format, not written as text; and a file the user tells
+    # of ("the notes I saved") is read.
+    top = names(catalogue.search(query, 5))
+    assert expected in top[:2] and "filesystem__write_file" not in top, top

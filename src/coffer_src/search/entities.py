@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from coffer_src.search.text import stem
+from coffer_src.search.lexicon import _EQUIVALENCE_GROUPS
+from coffer_src.search.text import _words, inflection_stem, stem
 
 # ---- typed entities in a query, matched against what a tool's parameters accept
 
@@ -26,9 +27,12 @@ def _kind(name: str, pattern: str, cues: str, formats: str = "", flags: int = 0,
                       frozenset(formats.split()), frozenset(stem(w) for w in weak.split()))
 
 
-_FILE_EXTENSIONS = ("py|js|mjs|ts|tsx|jsx|md|txt|json|jsonl|ya?ml|toml|csv|tsv|pdf|png|jpe?g|gif|svg|webp|html?|"
-                    "css|xml|log|sh|ini|cfg|conf|docx?|xlsx?|pptx?|zip|tar|gz|sql|rs|go|java|kt|c|cpp|h|rb|php|"
-                    "ipynb|wav|mp3|mp4|mov|db|sqlite")
+# Files that hold text (source, markup, data, logs) are written by writing text; the others (documents, images,
+# archives, recordings) are made by a tool of their format.
+_TEXT_EXTENSIONS = ("py|js|mjs|ts|tsx|jsx|md|txt|json|jsonl|ya?ml|toml|csv|tsv|svg|html?|css|xml|log|sh|ini|cfg|conf|"
+                    "sql|rs|go|java|kt|c|cpp|h|rb|php|ipynb")
+_FILE_EXTENSIONS = _TEXT_EXTENSIONS + "|pdf|png|jpe?g|gif|webp|docx?|xlsx?|pptx?|zip|tar|gz|wav|mp3|mp4|mov|db|sqlite"
+_TEXT_FILE_RE = re.compile(rf"\.(?:{_TEXT_EXTENSIONS})[.)!?:]*$", re.IGNORECASE)
 _COMMON_ACRONYMS = frozenset("""
 I A OK AI API APIS URL URI SQL PR PRS CSV PDF JSON HTML CSS HTTP HTTPS UTC GMT EU US USA UK ID IDS CLI UI UX DB
 FAQ TODO README LGTM ETA PM AM CEO CTO HR QA CI CD VM OS IO IP DNS SSH SSL TLS AWS GCP SDK MCP LLM GPT PNG JPG
@@ -88,6 +92,33 @@ def query_entities(query: str) -> list[QueryEntity]:
     if any(entity.kind.name == "sql" for entity in found):  # GROUP, WHERE, ORDER are its keywords, not tickers
         found = [entity for entity in found if entity.kind.name != "ticker"]
     return sorted(found, key=lambda e: e.start)
+
+
+# A clause's end: a request's next step, whose verb does not reach back ("Read notes.md. Save a summary").
+_CLAUSE_END_RE = re.compile(r"[.!?;](?:\s|$)")
+# The verbs that put content into a file: the equivalence line of "write" (write, save, store, ...).
+_WRITING_VERBS = frozenset(map(inflection_stem, next(group for group in _EQUIVALENCE_GROUPS if "write" in group)))
+# A verb with its subject said ("the notes I saved in notes.txt", "we've stored it in a.csv") tells what was done
+# to a file that exists; the step a request asks for is said without one ("save it to notes.md").
+_SUBJECT_PRONOUNS = frozenset("i we he she they".split())
+
+
+def writes_text_file(query: str, entities: list[QueryEntity]) -> bool:
+    """Whether the request writes text into a file it names: a path or file name with a text extension after a
+    writing verb in the same clause ("save it to /root/notes/report.md", "store the count in a new file
+    count.txt"), the verb not told of a file that exists ("the notes I saved in notes.txt").  A document, an
+    image or an archive (.docx, .png, .zip) is not written as text: its format's own tools make and save it."""
+    for entity in entities:
+        if entity.kind.name not in ("path", "file") or not _TEXT_FILE_RE.search(query[entity.start:entity.end]):
+            continue
+        before = query[:entity.start]
+        clause_start = max((match.end() for match in _CLAUSE_END_RE.finditer(before)), default=0)
+        words = _words(before[clause_start:])
+        for position, word in enumerate(words):
+            if inflection_stem(word) in _WRITING_VERBS and _SUBJECT_PRONOUNS.isdisjoint(
+                    words[max(0, position - 2):position]):
+                return True
+    return False
 
 
 # A general web-search tool (a search engine, not a search inside one product) and the words of a request

@@ -39,6 +39,7 @@ from coffer_src.search.entities import (
     EntityKind,
     QueryEntity,
     query_entities,
+    writes_text_file,
 )
 from coffer_src.search.lexicon import _ABBREVIATION_WORDS, EQUIVALENCE_WEIGHT, STOP_WORDS, TRANSLATION_WEIGHT
 from coffer_src.search.text import (
@@ -485,7 +486,11 @@ class SearchIndex:
             previous, surfaces = own.get(term, (0.0, set()))
             surfaces.add(singular(word))
             own[term] = (max(previous, weight), surfaces)
-        for word in itertools.chain.from_iterable(senses.values()):
+        # A text file the request saves to ("save it to /root/notes/report.md") is written: a tool that writes
+        # files is one of its steps, as if it said "write", however it says it ("save" keeps its own weight: a
+        # tool named for saving is still what it asks).
+        written = ("write",) if writes_text_file(query, entities) else ()
+        for word in itertools.chain(itertools.chain.from_iterable(senses.values()), written):
             previous, surfaces = own.get(stem(word), (0.0, set()))
             surfaces.add(word)
             own[stem(word)] = (1.0, surfaces)
@@ -499,7 +504,7 @@ class SearchIndex:
         for term in translated:
             other[term] = max(other.get(term, 0.0), TRANSLATION_WEIGHT)
         expanding = [(word, own[stem(word)][0]) for position, word in enumerate(words) if position not in senses]
-        expanding += [(word, 1.0) for word in itertools.chain.from_iterable(senses.values())]
+        expanding += [(word, 1.0) for word in itertools.chain(itertools.chain.from_iterable(senses.values()), written)]
         expanding += [(word, TRANSLATION_WEIGHT) for word in implied]
         lowered = query.lower().replace("'", "").split()
         if self.QUESTION_WEIGHT and lowered and lowered[0].strip("¿?") in _QUESTION_STARTS:
