@@ -106,48 +106,48 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
       6694  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
       6873  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
       7144  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
-      7325  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
-      7952  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
-      9210  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
-      9816  search.entities       Search entities: typed values in a query, matched to what parameters accept.
-      9957  search.index          Search index: the BM25F ranker behind coffer__search_tools.
-     10559  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
-     10961  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
-     11169  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
-     11361  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
-     11632  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
-     11874  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
-     12465  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
-     12878  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
-     13360  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
-     13478  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
-     13896  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
-     13958  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
-     14122  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
-     14322  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
-     14894  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
-     15291  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
-     15632  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
-     15740  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
-     16411  service.channel       Service channel: the private local link between `coffer serve` and the service.
-     16800  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
-     17232  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
-     17840  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
-     17990  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
-     18440  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
-     18885  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
-     19416  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
-     19786  probe                 Probes: starting a server once to see what it offers, from the command line.
-     19962  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
-     20628  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
-     21501  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
-     21872  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
-     22182  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
-     22330  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
-     22465  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
-     22656  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
-     23196  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
-     25159  cli                   Command line: coffer's commands.
+      7333  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
+      7960  search.lexicon        Search lexicon: stop words, equivalences, abbreviations, the multilingual lexicon.
+      9218  search.text           Search text analysis: tokens, stems, translations and the analysed texts of a tool.
+      9824  search.entities       Search entities: typed values in a query, matched to what parameters accept.
+      9965  search.index          Search index: the BM25F ranker behind coffer__search_tools.
+     10567  search.semantic       Semantic ranking (optional): an embeddings endpoint, a vector cache, hybrid fusion.
+     10969  search.explain        Search explanation: why coffer__search_tools ranked each tool where it did.
+     11177  search.feedback       Search feedback: searches, their answers, the tool then called (for coffer eval).
+     11369  search.preference     Search preference: a bounded lift for the tools a user picked for similar requests.
+     11640  catalogue             Catalogue: the merged, namespaced, filtered view of every upstream.
+     11882  knowledge.documents   Knowledge documents: passages split along headings, a folder walked, memory notes.
+     12473  knowledge.ranking     Knowledge ranking: BM25F over passages (in memory or FTS5 re-scored), hybrid fusion.
+     12886  knowledge.base        Knowledge base: the user's documents and notes behind coffer__ask and __remember.
+     13368  gateway.calls         Gateway calls: named records of what a client session has in flight through Coffer.
+     13486  gateway.builtins      Gateway built-ins: Coffer's own tools (search, ask, remember), client-aware listing.
+     13904  gateway.pages         Gateway pages: long lists cut into pages, with cursors a client cannot forge.
+     13966  gateway.sharing       Gateway sharing: a server runs once for all, once per client, or not while unused.
+     14130  gateway.view          Gateway view: a session's part of the catalogue: all of it, or its profile's.
+     14330  gateway.hub           Gateway hub: what every client session shares (upstreams, catalogue, indexes, logs).
+     14902  gateway.routing       Gateway routing: a session's calls to upstreams, from the request to the answer.
+     15299  gateway.bridge        Gateway era bridge: multi-round-trip requests and listen streams across eras.
+     15640  gateway.instances     Gateway instances: a client session's own instances of servers run once per client.
+     15748  gateway.session       Gateway session: the MCP server one client talks to, over one connection.
+     16419  service.channel       Service channel: the private local link between `coffer serve` and the service.
+     16808  service.relay         Relay: `coffer serve` as a thin pipe between one client and the shared service.
+     17240  service.server        Service: the user's one Coffer, shared by every client's `coffer serve`.
+     17848  service.tokens        Service tokens: named bearer tokens of HTTP clients, stored only as keyed hashes.
+     17998  service.http_wire     Service HTTP wire: bounded HTTP/1.1 with deadlines, JSON and SSE, MCP header rules.
+     18448  service.http_session  Service HTTP session: an HTTP client's session; which response each message goes to.
+     18893  service.http          Service HTTP: the Streamable HTTP endpoint /mcp, both eras, for clients with tokens.
+     19424  service.commands      Service commands: `coffer serve` (relay or standalone), `coffer service`, `status`.
+     19794  probe                 Probes: starting a server once to see what it offers, from the command line.
+     19970  clients.files         Client config files: JSON with comments and a TOML subset, read and edited in place.
+     20636  clients.move_in       Moving in: import from the MCP clients a user has, and install Coffer into them.
+     21509  clients.doctor        Doctor: what is wrong with a user's setup, and the command that fixes it.
+     21880  profile_commands      Profile commands: `coffer profile`, `coffer override`; their part in `coffer tools`.
+     22190  knowledge_commands    Knowledge commands: `coffer knowledge` and `coffer memory`.
+     22338  remote_commands       Remote commands: `coffer auth`, and what `coffer add --url` asks a remote server.
+     22473  service.web_activity  Web activity: calls per hour, latency and errors from the invocation log.
+     22664  service.web_views     Web views: what the page shows and changes (from the service; written like the CLI).
+     23204  service.web           Web: the page's own loopback listener in the service: login, cookie, CSRF, CSP.
+     25167  cli                   Command line: coffer's commands.
 """
 
 from __future__ import annotations
@@ -7239,7 +7239,7 @@ class UpstreamLists:
     list_changed notification asks for a refresh on a helper thread, one pass at a time per kind; a 2026-07-28
     server, which has no list_changed, gets a subscriptions/listen stream instead, reopened with backoff when it
     ends.  ``remembered`` holds what the vault knew of the lists before this session's first start (the catalogue
-    lists it until the server is ready).
+    lists it until the server is ready); each kind's entry becomes the live list once one is fetched.
 
     Threads: the Upstream's start thread fetches every list once (``refresh``) and opens the listen stream; a
     coffer-<name>-refresh thread per kind runs the passes list_changed asks for; the listen stream's end is
@@ -7277,6 +7277,14 @@ class UpstreamLists:
                     self.log.warning("could not refresh %s: %s", key, exc)
                     return
                 raise
+        if kind in self.remembered:
+            # What the server lists now is what the vault will remember of it: one copy of each definition is
+            # kept, the remembered one where the server lists it unchanged (allocated first, it sits among the
+            # other long-lived objects; the fresh copy goes with the rest of the listing's garbage).
+            remembered = self.remembered[kind]
+            items = {ident: old if (old := remembered.get(ident)) == definition else definition
+                     for ident, definition in items.items()}
+            self.remembered = {**self.remembered, kind: items}  # replaced whole: the old dict may be shared
         self.lists[kind] = items
         self.rejected[kind] = rejected
         up.events.on_list_changed(up, kind, items, notify)

@@ -477,3 +477,33 @@ def test_a_checked_definition_is_cleaned_at_every_depth_and_the_listed_one_left_
     assert properties["b"]["items"] == [{"title": "lone ?"}, {"title": "plain"}]
     assert properties["c"] == {"type": "integer", "description": "clean"}
     assert list(properties) == ["a", "b", "c"]
+
+
+def test_a_restarted_coffer_holds_one_copy_of_a_server_it_remembers():
+    """After a restart the vault's remembered lists are listed while the server starts; once it lists them
+    itself, each definition it lists unchanged is kept once (the remembered object), a changed one is the new
+    definition, and what is remembered from then on is what it lists."""
+    import copy
+
+    settings = dict(DEFAULTS, call_timeout=5.0, init_timeout=10.0)
+    started = Events()
+    first = Upstream(stdio_config("fx", [*FAKE, "--tools", "echo,fail"]), settings, started)
+    first.start()
+    try:
+        assert started.ready.wait(20)
+        remembered = copy.deepcopy(first.lists["tool"])  # as the vault gives them back: other objects, equal
+    finally:
+        first.stop()
+    remembered["fail"] = {**remembered["fail"], "description": "what it said last time"}
+    events = Events()
+    again = Upstream(stdio_config("fx", [*FAKE, "--tools", "echo,fail"]), settings, events)
+    again.remembered = {"tool": remembered}
+    again.start()
+    try:
+        assert events.ready.wait(20)
+        listed = again.lists["tool"]
+        assert listed["echo"] is remembered["echo"]
+        assert listed["fail"] is not remembered["fail"] and listed["fail"]["description"] != "what it said last time"
+        assert again.remembered["tool"] is listed
+    finally:
+        again.stop()

@@ -26,7 +26,7 @@ class UpstreamLists:
     list_changed notification asks for a refresh on a helper thread, one pass at a time per kind; a 2026-07-28
     server, which has no list_changed, gets a subscriptions/listen stream instead, reopened with backoff when it
     ends.  ``remembered`` holds what the vault knew of the lists before this session's first start (the catalogue
-    lists it until the server is ready).
+    lists it until the server is ready); each kind's entry becomes the live list once one is fetched.
 
     Threads: the Upstream's start thread fetches every list once (``refresh``) and opens the listen stream; a
     coffer-<name>-refresh thread per kind runs the passes list_changed asks for; the listen stream's end is
@@ -64,6 +64,14 @@ class UpstreamLists:
                     self.log.warning("could not refresh %s: %s", key, exc)
                     return
                 raise
+        if kind in self.remembered:
+            # What the server lists now is what the vault will remember of it: one copy of each definition is
+            # kept, the remembered one where the server lists it unchanged (allocated first, it sits among the
+            # other long-lived objects; the fresh copy goes with the rest of the listing's garbage).
+            remembered = self.remembered[kind]
+            items = {ident: old if (old := remembered.get(ident)) == definition else definition
+                     for ident, definition in items.items()}
+            self.remembered = {**self.remembered, kind: items}  # replaced whole: the old dict may be shared
         self.lists[kind] = items
         self.rejected[kind] = rejected
         up.events.on_list_changed(up, kind, items, notify)
