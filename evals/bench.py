@@ -126,6 +126,8 @@ TARGETS = [
     ("search.gw_excess_ms_10000", "search via coffer serve at 10k, first pass, minus in-process and ping", "<=",
      0.5),
     ("search.gw_repeat_excess_ms_10000", "  the same, repeated queries", "<=", 0.5),
+    ("search.raw_excess_ms_10000", "  first pass with a raw JSON client (Coffer's part alone)", "<=", 0.5),
+    ("search.raw_repeat_excess_ms_10000", "  the same, repeated queries", "<=", 0.5),
     ("search.build_ms_10000", "index build at 10k distinct tools (cold caches)", "<=", 300.0),
     ("rss.idle_mb", "idle RSS of coffer serve at ~1k tools", "<=", 40.0),
     ("knowledge.fts5.index_s", "knowledge: index 10k passages, fts5 (s)", "<=", 10.0),
@@ -825,6 +827,64 @@ async def bench_search_gateway(gateways: Gateways, base: list[dict], size: int, 
     return out
 
 
+
+def bench_search_gateway_raw(gateways: Gateways, base: list[dict], size: int, calls: int, errlog) -> dict:
+    """The gateway row again, on a gateway of its own (so its first pass is a first pass too), with a client that
+    only frames and parses JSON lines instead of the SDK's: what Coffer itself adds to a search beyond a ping,
+    apart from what a client library spends on a reply of several kilobytes (parsing it into its models,
+    checking it against the tool's outputSchema)."""
+    catalog_file = gateways.workdir / f"catalog-{size}.jsonl"
+    upstream = Upstream("cat", "catalog", PY, [CATALOG_SERVER, str(catalog_file)])
+    path = gateways.coffer([upstream])
+    proc = subprocess.Popen([path.params.command, *path.params.args], env=path.params.env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=errlog)
+    ids = itertools.count(1)
+
+    def request(method: str, params: dict | None = None) -> dict:
+        msg_id = next(ids)
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": msg_id, "method": method,
+                                     **({"params": params} if params is not None else {})}).encode() + b"\n")
+        proc.stdin.flush()
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"coffer serve ended during {method}")
+            message = json.loads(line)
+            if message.get("id") == msg_id:
+                return message
+
+    texts = queries()
+    search, ping, again = [], [], []
+    try:
+        request("initialize", {"protocolVersion": "2025-11-25", "capabilities": {},
+                               "clientInfo": {"name": "bench-raw", "version": "1"}})
+        proc.stdin.write(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n')
+        proc.stdin.flush()
+        request("tools/list")
+        for i in range(2 * calls):
+            t1 = time.perf_counter()
+            request("ping")
+            t2 = time.perf_counter()
+            answer = request("tools/call", {"name": coffer.SEARCH_TOOL,
+                                            "arguments": {"query": texts[i % calls % len(texts)], "top_k": 5}})
+            t3 = time.perf_counter()
+            if "result" not in answer or answer["result"].get("isError"):
+                raise RuntimeError(f"search failed: {str(answer)[:300]}")
+            ping.append(t2 - t1)
+            (search if i < calls else again).append(t3 - t2)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    first = search[FIRST_PASS_WARMUP:] if len(search) > 2 * FIRST_PASS_WARMUP else search
+    out = {"calls": calls, "p50_ms": pct(first, 50) * 1000, "repeat_p50_ms": pct(again, 50) * 1000,
+           "ping_p50_ms": pct(ping, 50) * 1000}
+    log(f"  search via gateway {size} tools, raw JSON client: p50 {out['p50_ms']:.2f} ms first pass, "
+        f"{out['repeat_p50_ms']:.2f} ms repeated (ping {out['ping_p50_ms']:.2f} ms)")
+    return out
+
 # ------------------------------------------------------------------------------------------------- 5. knowledge
 
 def corpus_words() -> tuple[list[str], list[int]]:
@@ -1257,9 +1317,11 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
         sizes = ints(args.search_sizes)
         log(f"[4] search: base catalogue {len(base)} tools from {len(sources)} files; sizes {sizes}")
         inproc = bench_search_inprocess(base, sizes, args.search_queries, args.build_reps)
-        e2e = {}
+        e2e, raw = {}, {}
         for size in ints(args.e2e_sizes):
             e2e[size] = await bench_search_gateway(gateways, base, size, args.e2e_calls, size == 1000, errlog)
+            if args.e2e_calls:
+                raw[size] = bench_search_gateway_raw(gateways, base, size, args.e2e_calls, errlog)
         rows = []
         for size in sorted(set(sizes) | set(e2e)):
             i, e = inproc.get(size, {}), e2e.get(size, {})
@@ -1269,7 +1331,8 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
                          e.get("ready_s")])
         report.data["search"] = {"base_tools": len(base), "sources": sources, "queries": str(PROJECT_QUERIES),
                                  "in_process": {str(k): v for k, v in inproc.items()},
-                                 "gateway": {str(k): v for k, v in e2e.items()}}
+                                 "gateway": {str(k): v for k, v in e2e.items()},
+                                 "gateway_raw_client": {str(k): v for k, v in raw.items()}}
         for size in (1000, 10000, 30000):
             if size in inproc:
                 report.data["search"][f"p50_ms_{size}"] = inproc[size]["p50_ms"]
@@ -1282,6 +1345,12 @@ async def run(args: argparse.Namespace, report: Report, workdir: Path) -> None:
                 report.data["search"][f"gw_excess_ms_{size}"] = e["p50_ms"] - i["first_pass_p50_ms"] - e["ping_p50_ms"]
                 report.data["search"][f"gw_repeat_excess_ms_{size}"] = (e["repeat_p50_ms"] - i["p50_ms"]
                                                                         - e["ping_p50_ms"])
+                if size in raw:
+                    r = raw[size]
+                    report.data["search"][f"raw_excess_ms_{size}"] = (r["p50_ms"] - i["first_pass_p50_ms"]
+                                                                      - r["ping_p50_ms"])
+                    report.data["search"][f"raw_repeat_excess_ms_{size}"] = (r["repeat_p50_ms"] - i["p50_ms"]
+                                                                             - r["ping_p50_ms"])
         report.table("4. Search (coffer__search_tools; top_k=5)",
                      ["tools", "build ms", "rebuild ms", "copies build ms", "p50 ms", "p95 ms", "1st-pass p50 ms",
                       "gw 1st-pass p50 ms", "gw repeat p50 ms", "gw p95 ms",
