@@ -89,21 +89,21 @@ Contents: the line of coffer.py where each module starts, the module, what it ho
        221  digests               Digests and random tokens: SHA-256, HMAC-SHA256, constant-time equality, tokens.
        290  terminal              Terminal and logging: text safe for a terminal, secret redaction, the log's format.
        541  jsonrpc               JSON-RPC at the boundary: strict JSON, bounded line reading, protocol errors.
-       863  threads               Threads: named daemon threads that never die silently, and a small worker pool.
-       996  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
-      1548  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
-      1719  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
-      2089  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
-      2205  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
-      2356  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
-      2555  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
-      3382  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
-      3504  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
-      4270  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
-      4667  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
-      5107  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
-      6006  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
-      6694  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
+       877  threads               Threads: named daemon threads that never die silently, and a small worker pool.
+      1010  modern                MCP 2026-07-28, the stateless era: envelope, result shapes, listen, requestState.
+      1562  names                 Names and addresses: server names, exposed names, qualified URIs, remote URLs.
+      1733  secret_store          Secrets: ${VAR} references, the secret store, private files, upstream environments.
+      2103  settings              Settings: what `coffer config` knows, with their defaults, checks and hidden keys.
+      2219  vault_rows            Vault rows: a server's definition and a capability's pin, as coffer.db stores them.
+      2363  vault_schema          Vault schema: every table of coffer.db, whoever writes it; migrations and repairs.
+      2562  vault                 Vault: coffer.db: servers, choices, settings; reading the invocation and audit logs.
+      3389  invocations           Invocation log: who called what, when, how long, how it ended; never arguments.
+      3511  profiles              Profiles and overrides: what each agent sees; tools renamed, given fixed arguments.
+      4277  transport.stdio       Stdio transport: an upstream as a subprocess, and the transport interface.
+      4674  transport.http        HTTP plumbing: redirect-safe requests, origins, bounded bodies, SSE event streams.
+      5114  oauth                 OAuth 2.1 for remote upstreams: discovery, registration, login, refresh, revocation.
+      6013  transport.remote      Remote transports: Streamable HTTP, legacy HTTP+SSE, and which one a server speaks.
+      6701  upstream.definitions  Upstream definitions: the checks every tool, prompt and resource passes.
       6873  upstream.requests     Upstream requests: what Coffer asked a server and waits on, or waits to send.
       7144  upstream.listing      Upstream lists: what one server offers, fetched page by page and kept current.
       7333  upstream.supervisor   Upstream supervisor: one server's connection and restarts; what others call on it.
@@ -692,6 +692,20 @@ def decode_json(data):
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
+
+
+def walked_items(items: list, walk, depth: int) -> list:
+    """[walk(item, depth + 1) for item in items], or ``items`` itself when ``walk`` gives every item back as it was
+    (the same object): a walker of a JSON tree copies only the arrays it alters, so what it leaves is still
+    shared with whoever parsed it."""
+    changed = None
+    for i, item in enumerate(items):
+        new_item = walk(item, depth + 1)
+        if changed is None and new_item is not item:
+            changed = items[:i]
+        if changed is not None:
+            changed.append(new_item)
+    return items if changed is None else changed
 
 _lenient_decode = json.JSONDecoder().decode
 
@@ -2324,14 +2338,7 @@ def _schema_without_controls(node, depth: int = 0):
     if depth > 64:
         return node
     if isinstance(node, list):
-        cleaned = None
-        for i, item in enumerate(node):
-            new_item = _schema_without_controls(item, depth + 1)
-            if cleaned is None and new_item is not item:
-                cleaned = node[:i]
-            if cleaned is not None:
-                cleaned.append(new_item)
-        return node if cleaned is None else cleaned
+        return walked_items(node, _schema_without_controls, depth)
     if not isinstance(node, dict):
         return node
     cleaned = None
@@ -6814,14 +6821,7 @@ def _clean_strings(value, depth: int = 0):
                 cleaned[new_key] = new_item
         return value if cleaned is None else cleaned
     if isinstance(value, list):
-        cleaned = None
-        for i, item in enumerate(value):
-            new_item = _clean_strings(item, depth + 1)
-            if cleaned is None and new_item is not item:
-                cleaned = value[:i]
-            if cleaned is not None:
-                cleaned.append(new_item)
-        return value if cleaned is None else cleaned
+        return walked_items(value, _clean_strings, depth)
     return value
 
 

@@ -83,6 +83,20 @@ def decode_json(data):
         raise ValueError("nested too deeply") from None
 
 
+
+def walked_items(items: list, walk, depth: int) -> list:
+    """[walk(item, depth + 1) for item in items], or ``items`` itself when ``walk`` gives every item back as it was
+    (the same object): a walker of a JSON tree copies only the arrays it alters, so what it leaves is still
+    shared with whoever parsed it."""
+    changed = None
+    for i, item in enumerate(items):
+        new_item = walk(item, depth + 1)
+        if changed is None and new_item is not item:
+            changed = items[:i]
+        if changed is not None:
+            changed.append(new_item)
+    return items if changed is None else changed
+
 _lenient_decode = json.JSONDecoder().decode
 
 

@@ -8,6 +8,7 @@ import json
 import re
 
 from coffer_src.digests import sha256
+from coffer_src.jsonrpc import walked_items
 from coffer_src.names import RESERVED_SERVER, SERVER_NAME_RE
 
 TRANSPORTS = ("stdio", "http", "sse", "auto")
@@ -49,14 +50,7 @@ def _schema_without_controls(node, depth: int = 0):
     if depth > 64:
         return node
     if isinstance(node, list):
-        cleaned = None
-        for i, item in enumerate(node):
-            new_item = _schema_without_controls(item, depth + 1)
-            if cleaned is None and new_item is not item:
-                cleaned = node[:i]
-            if cleaned is not None:
-                cleaned.append(new_item)
-        return node if cleaned is None else cleaned
+        return walked_items(node, _schema_without_controls, depth)
     if not isinstance(node, dict):
         return node
     cleaned = None

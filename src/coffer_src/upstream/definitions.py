@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from coffer_src.errors import CofferException
-from coffer_src.jsonrpc import UPSTREAM_ERROR, dumps, rpc_error
+from coffer_src.jsonrpc import UPSTREAM_ERROR, dumps, rpc_error, walked_items
 from coffer_src.terminal import printable
 from coffer_src.transport.http import valid_header_name
 from coffer_src.vault import storable
@@ -51,14 +51,7 @@ def _clean_strings(value, depth: int = 0):
                 cleaned[new_key] = new_item
         return value if cleaned is None else cleaned
     if isinstance(value, list):
-        cleaned = None
-        for i, item in enumerate(value):
-            new_item = _clean_strings(item, depth + 1)
-            if cleaned is None and new_item is not item:
-                cleaned = value[:i]
-            if cleaned is not None:
-                cleaned.append(new_item)
-        return value if cleaned is None else cleaned
+        return walked_items(value, _clean_strings, depth)
     return value
 
 
