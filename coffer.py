@@ -8290,8 +8290,8 @@ _IRREGULAR = {word: terms[0] for word, terms in word_file_table((
     'canvas = canvas\n'
     'https = http\n'
 )).items()}
-_EQUIVALENCE_GROUPS = [tuple(entry.split())
-                       for _, entry in word_file_entries((
+EQUIVALENCE_LINES = [tuple(entry.split())
+                     for _, entry in word_file_entries((
     '# Equivalences of tool search: groups of words an agent uses for one another ("delete" / "remove'
     '" / "drop").  A\n'
     '# query word also counts as the other words of its group, at EQUIVALENCE_WEIGHT (search/lexicon.'
@@ -9412,7 +9412,7 @@ def _split_identifiers(text: str) -> str:
     return _CAMEL_RE.sub(" ", text)
 
 
-def _words(text: str) -> list[str]:
+def split_words(text: str) -> list[str]:
     """NFKC, identifier splitting, lowercase; CJK runs become overlapping bigrams so substrings can match."""
     if text.isascii():  # the common case: NFKC is the identity and there is no CJK to split
         tokens = text.encode("ascii").translate(_ASCII_TOKENS).decode("ascii").split()
@@ -9456,7 +9456,7 @@ def tokenize(text: str) -> list[str]:
 def surface_words(text: str) -> tuple[str, ...]:
     """A text's words as written (lowercased, stop words dropped): a query compares them, plural-folded, so an
     exact word can outrank one that merely shares its stem."""
-    return tuple(itertools.filterfalse(STOP_WORDS.__contains__, _words(text)))
+    return tuple(itertools.filterfalse(STOP_WORDS.__contains__, split_words(text)))
 
 
 # Two stems no word can produce (analysis yields letters and digits only): _BATCH_SEPARATOR stands between
@@ -9629,7 +9629,7 @@ def _analyse(text: str) -> TextTerms:
         stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, tokens)))
         if _FOREIGN_MARK not in stems:
             return TextTerms(stems, (), text)
-        raw = _words(text)
+        raw = split_words(text)
         foreign = tuple(map(stem, _lexicon_words(raw) + _german_terms(raw)))  # split verbs too
         return TextTerms(_without_mark(stems), foreign, text)
     normal = unicodedata.normalize("NFKC", text)
@@ -9784,7 +9784,7 @@ def _build_equivalences() -> dict[str, tuple[str, ...]]:
     expands only the lines that list one of its inflections: "located" (locate) is not "location", though the
     two share a stem, so it does not reach the line of places and addresses."""
     table: dict[str, set[str]] = collections.defaultdict(set)
-    for words in _EQUIVALENCE_GROUPS:
+    for words in EQUIVALENCE_LINES:
         group = {stem(word) for word in words}
         for word in words:
             table[inflection_stem(word)] |= group - {stem(word)}
@@ -9888,15 +9888,15 @@ def _collect_parameters(node, depth: int, names: list, texts: list, examples: li
 def knowledge_terms(text: str) -> tuple[str, ...]:
     """Index/query terms of a passage or question: Coffer's word splitting and stemmer, documentation stop words."""
     if text.isascii():
-        # _words treats each ASCII word on its own, so a cache per distinct word gives the same terms for less
+        # split_words treats each ASCII word on its own, so a cache per distinct word gives the same terms for less
         # work (documents repeat their words, and indexing a source is mostly this function).
         return tuple(itertools.chain.from_iterable(map(_word_terms, _WORD_RE.findall(text))))
-    return tuple(stem(word) for word in _words(text) if word not in KNOWLEDGE_STOP_WORDS)
+    return tuple(stem(word) for word in split_words(text) if word not in KNOWLEDGE_STOP_WORDS)
 
 
 @functools.lru_cache(maxsize=1 << 17)
 def _word_terms(word: str) -> tuple[str, ...]:
-    return tuple(stem(part) for part in _words(word) if part not in KNOWLEDGE_STOP_WORDS)
+    return tuple(stem(part) for part in split_words(word) if part not in KNOWLEDGE_STOP_WORDS)
 
 
 # ============================================================================================================
@@ -9993,7 +9993,7 @@ def query_entities(query: str) -> list[QueryEntity]:
 # A clause's end: a request's next step, whose verb does not reach back ("Read notes.md. Save a summary").
 _CLAUSE_END_RE = re.compile(r"[.!?;](?:\s|$)")
 # The verbs that put content into a file: the equivalence line of "write" (write, save, store, ...).
-_WRITING_VERBS = frozenset(map(inflection_stem, next(group for group in _EQUIVALENCE_GROUPS if "write" in group)))
+_WRITING_VERBS = frozenset(map(inflection_stem, next(group for group in EQUIVALENCE_LINES if "write" in group)))
 # A verb with its subject said ("the notes I saved in notes.txt", "we've stored it in a.csv") tells what was done
 # to a file that exists; the step a request asks for is said without one ("save it to notes.md").
 _SUBJECT_PRONOUNS = frozenset("i we he she they".split())
@@ -10009,7 +10009,7 @@ def writes_text_file(query: str, entities: list[QueryEntity]) -> bool:
             continue
         before = query[:entity.start]
         clause_start = max((match.end() for match in _CLAUSE_END_RE.finditer(before)), default=0)
-        words = _words(before[clause_start:])
+        words = split_words(before[clause_start:])
         for position, word in enumerate(words):
             if inflection_stem(word) in _WRITING_VERBS and _SUBJECT_PRONOUNS.isdisjoint(
                     words[max(0, position - 2):position]):
@@ -10457,14 +10457,14 @@ class SearchIndex:
         if entities:
             rest, last = [], 0
             for entity in entities:
-                inside.update(_words(query[entity.start:entity.end]))
+                inside.update(split_words(query[entity.start:entity.end]))
                 rest.append(query[last:entity.start])
                 last = entity.end
             rest.append(query[last:])
             rest_text = " ".join(rest)
-            outside = set(_words(rest_text))
+            outside = set(split_words(rest_text))
         own: dict[str, tuple[float, set]] = {}
-        every_word = _words(query)
+        every_word = split_words(query)
         words = [word for word in every_word if word not in STOP_WORDS]
         present = {stem(word) for word in words}
         # A verb its object gives another sense ("open" a pull request: create) stands for that sense's words, as
@@ -10564,7 +10564,7 @@ class SearchIndex:
             parameter = properties.get(name) if isinstance(name, str) else None
             if not isinstance(parameter, dict) or not _CHOICE_KEYS.isdisjoint(parameter):
                 continue
-            terms = {stem(word) for word in _words(name)}
+            terms = {stem(word) for word in split_words(name)}
             if _FREE_TEXT_PARAMETERS.isdisjoint(terms) and not _ENTITY_CUES.isdisjoint(terms):
                 return True
         return False
@@ -10582,7 +10582,7 @@ class SearchIndex:
                 rest.append(query[last:entity.start])
                 last = entity.end
             rest.append(query[last:])
-            only_arguments = all(word in STOP_WORDS for word in _words(" ".join(rest)))
+            only_arguments = all(word in STOP_WORDS for word in split_words(" ".join(rest)))
         return QueryReading(tuple(translated_words(query)), only_arguments)
 
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:
@@ -10759,7 +10759,7 @@ def embedding_text(tool: dict) -> str:
     """What a tool is embedded as: its words and its description, like an agent would describe the task."""
     name = str(tool.get("name") or "")
     server, sep, short = name.partition(SEPARATOR)
-    words = " ".join(_words(short if sep else name))
+    words = " ".join(split_words(short if sep else name))
     title = tool.get("title") if isinstance(tool.get("title"), str) else ""
     description = tool.get("description") if isinstance(tool.get("description"), str) else ""
     prefix = f"{server} " if sep else ""
@@ -11142,7 +11142,7 @@ def explain_search(index: SearchIndex, semantic: SemanticRanker | None, query: s
 
 def term_origins(query: str, plan) -> dict[str, tuple[str, tuple[str, ...]]]:
     """term -> (how the query led to it, the query words behind it), for the terms the query implies."""
-    words = [word for word in _words(query) if word not in STOP_WORDS]
+    words = [word for word in split_words(query) if word not in STOP_WORDS]
     origins: dict[str, tuple[str, tuple[str, ...]]] = {}
     for term, (_, surfaces) in plan.own.items():
         origins[term] = ("query word", tuple(sorted(surfaces)))

@@ -4,7 +4,7 @@ twice, keys written as the analyser yields them, and every target an index term.
 Definitions the checks rely on (the same words as the files' headers):
 
 - a *key* is what a table is looked up by: it must be written as the analyser yields it from a text (NFKC-normalised,
-  lowercase) and be something the analyser can yield at all: one word (``_words(key) == [key]``) or, in the
+  lowercase) and be something the analyser can yield at all: one word (``split_words(key) == [key]``) or, in the
   multilingual lexicon, a run of CJK characters (such keys match anywhere inside a longer run);
 - a *target* word W is an *index term* for an analyser when that analyser, reading W in a text, keeps it as exactly
   one term, the term the table contributes for it: ``tokenize(W) == [stem(W)]`` for tool search,
@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 
 from coffer_src.search import lexicon
-from coffer_src.search.text import ABBREVIATIONS, EQUIVALENCES, _words, inflection_stem, knowledge_terms, stem, tokenize
+from coffer_src.search.text import (
+    ABBREVIATIONS,
+    EQUIVALENCES,
+    inflection_stem,
+    knowledge_terms,
+    split_words,
+    stem,
+    tokenize,
+)
 
 WORDS_DIR = Path(lexicon.__file__).resolve().parent / "words"
 LEXICON_SOURCE = Path(lexicon.__file__).read_text(encoding="utf-8")
@@ -63,7 +71,7 @@ def knowledge_term(word: str) -> bool:
 
 def is_word(word: str) -> bool:
     """The analyser's splitter yields ``word`` from a text, as itself and whole."""
-    return _words(word) == [word]
+    return split_words(word) == [word]
 
 
 def parse(name: str, text: str) -> tuple[list[tuple[int, str, tuple[str, ...]]], list[str]]:
@@ -127,7 +135,8 @@ def problems_of(name: str, text: str, stop_words=lexicon.STOP_WORDS) -> list[str
         if kind == "words" or kind == "groups":
             for word in (words or (key,)):
                 if not is_word(word):
-                    problems.append(f"{where}: {word!r} is not one word as the analyser splits text ({_words(word)})")
+                    problems.append(f"{where}: {word!r} is not one word as the analyser splits text "
+                                    f"({split_words(word)})")
         elif kind == "senses":
             if not is_word(key.split()[0]):
                 problems.append(f"{where}: the verb {key.split()[0]!r} is not one word as the analyser splits text")
@@ -141,7 +150,7 @@ def problems_of(name: str, text: str, stop_words=lexicon.STOP_WORDS) -> list[str
         else:
             cjk = bool(CJK_KEY_RE.fullmatch(key))
             if not cjk and not is_word(key):
-                problems.append(f"{where}: the key {key!r} is neither one word nor a CJK run ({_words(key)})")
+                problems.append(f"{where}: the key {key!r} is neither one word nor a CJK run ({split_words(key)})")
             if cjk and not name.startswith("lexicon_"):
                 problems.append(f"{where}: a CJK key matches only in the multilingual lexicon")
             if name == "abbreviations.txt" and key in stop_words:

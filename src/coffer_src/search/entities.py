@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from coffer_src.search.lexicon import _EQUIVALENCE_GROUPS
-from coffer_src.search.text import _words, inflection_stem, stem
+from coffer_src.search.lexicon import EQUIVALENCE_LINES
+from coffer_src.search.text import inflection_stem, split_words, stem
 
 # ---- typed entities in a query, matched against what a tool's parameters accept
 
@@ -97,7 +97,7 @@ def query_entities(query: str) -> list[QueryEntity]:
 # A clause's end: a request's next step, whose verb does not reach back ("Read notes.md. Save a summary").
 _CLAUSE_END_RE = re.compile(r"[.!?;](?:\s|$)")
 # The verbs that put content into a file: the equivalence line of "write" (write, save, store, ...).
-_WRITING_VERBS = frozenset(map(inflection_stem, next(group for group in _EQUIVALENCE_GROUPS if "write" in group)))
+_WRITING_VERBS = frozenset(map(inflection_stem, next(group for group in EQUIVALENCE_LINES if "write" in group)))
 # A verb with its subject said ("the notes I saved in notes.txt", "we've stored it in a.csv") tells what was done
 # to a file that exists; the step a request asks for is said without one ("save it to notes.md").
 _SUBJECT_PRONOUNS = frozenset("i we he she they".split())
@@ -113,7 +113,7 @@ def writes_text_file(query: str, entities: list[QueryEntity]) -> bool:
             continue
         before = query[:entity.start]
         clause_start = max((match.end() for match in _CLAUSE_END_RE.finditer(before)), default=0)
-        words = _words(before[clause_start:])
+        words = split_words(before[clause_start:])
         for position, word in enumerate(words):
             if inflection_stem(word) in _WRITING_VERBS and _SUBJECT_PRONOUNS.isdisjoint(
                     words[max(0, position - 2):position]):

@@ -24,9 +24,9 @@ from coffer_src.search.semantic import HYBRID_ALPHA, SemanticRanker
 from coffer_src.search.text import (
     ABBREVIATIONS,
     EQUIVALENCES,
-    _words,
     bounded_query,
     bounded_top_k,
+    split_words,
     translations,
 )
 
@@ -114,7 +114,7 @@ def explain_search(index: SearchIndex, semantic: SemanticRanker | None, query: s
 
 def term_origins(query: str, plan) -> dict[str, tuple[str, tuple[str, ...]]]:
     """term -> (how the query led to it, the query words behind it), for the terms the query implies."""
-    words = [word for word in _words(query) if word not in STOP_WORDS]
+    words = [word for word in split_words(query) if word not in STOP_WORDS]
     origins: dict[str, tuple[str, tuple[str, ...]]] = {}
     for term, (_, surfaces) in plan.own.items():
         origins[term] = ("query word", tuple(sorted(surfaces)))

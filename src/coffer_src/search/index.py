@@ -46,13 +46,13 @@ from coffer_src.search.text import (
     EQUIVALENCES,
     ToolTexts,
     _collect_parameters,
-    _words,
     analyse_texts,
     bounded_query,
     bounded_top_k,
     document_surface_words,
     inflection_stem,
     singular,
+    split_words,
     stem,
     surface_word_sets,
     translated_words,
@@ -457,14 +457,14 @@ class SearchIndex:
         if entities:
             rest, last = [], 0
             for entity in entities:
-                inside.update(_words(query[entity.start:entity.end]))
+                inside.update(split_words(query[entity.start:entity.end]))
                 rest.append(query[last:entity.start])
                 last = entity.end
             rest.append(query[last:])
             rest_text = " ".join(rest)
-            outside = set(_words(rest_text))
+            outside = set(split_words(rest_text))
         own: dict[str, tuple[float, set]] = {}
-        every_word = _words(query)
+        every_word = split_words(query)
         words = [word for word in every_word if word not in STOP_WORDS]
         present = {stem(word) for word in words}
         # A verb its object gives another sense ("open" a pull request: create) stands for that sense's words, as
@@ -564,7 +564,7 @@ class SearchIndex:
             parameter = properties.get(name) if isinstance(name, str) else None
             if not isinstance(parameter, dict) or not _CHOICE_KEYS.isdisjoint(parameter):
                 continue
-            terms = {stem(word) for word in _words(name)}
+            terms = {stem(word) for word in split_words(name)}
             if _FREE_TEXT_PARAMETERS.isdisjoint(terms) and not _ENTITY_CUES.isdisjoint(terms):
                 return True
         return False
@@ -582,7 +582,7 @@ class SearchIndex:
                 rest.append(query[last:entity.start])
                 last = entity.end
             rest.append(query[last:])
-            only_arguments = all(word in STOP_WORDS for word in _words(" ".join(rest)))
+            only_arguments = all(word in STOP_WORDS for word in split_words(" ".join(rest)))
         return QueryReading(tuple(translated_words(query)), only_arguments)
 
     def rank(self, query: str, limit: int) -> list[tuple[int, float]]:

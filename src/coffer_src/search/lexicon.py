@@ -40,8 +40,8 @@ STOP_WORDS = frozenset(word_file_words(package_data("search/words/stop_words.txt
 KNOWLEDGE_STOP_WORDS = STOP_WORDS - frozenset(word_file_words(package_data("search/words/knowledge_keeps.txt")))
 
 _IRREGULAR = {word: terms[0] for word, terms in word_file_table(package_data("search/words/irregular.txt")).items()}
-_EQUIVALENCE_GROUPS = [tuple(entry.split())
-                       for _, entry in word_file_entries(package_data("search/words/equivalences.txt"))]
+EQUIVALENCE_LINES = [tuple(entry.split())
+                     for _, entry in word_file_entries(package_data("search/words/equivalences.txt"))]
 # Shorthand an agent writes for words a tool's description spells out ("open a PR" = pull request): in a query
 # they also count as the full words, at TRANSLATION_WEIGHT.
 _ABBREVIATION_WORDS = word_file_table(package_data("search/words/abbreviations.txt"))

@@ -30,7 +30,7 @@ from coffer_src.errors import CofferError, CofferException
 from coffer_src.jsonrpc import EncodeError, decode_json, encode_line
 from coffer_src.names import SEPARATOR, origin_text
 from coffer_src.search.index import QueryReading, SearchIndex
-from coffer_src.search.text import _words, bounded_query
+from coffer_src.search.text import bounded_query, split_words
 from coffer_src.secret_store import SecretStore
 from coffer_src.terminal import redact
 from coffer_src.threads import Backoff, start_thread
@@ -139,7 +139,7 @@ def embedding_text(tool: dict) -> str:
     """What a tool is embedded as: its words and its description, like an agent would describe the task."""
     name = str(tool.get("name") or "")
     server, sep, short = name.partition(SEPARATOR)
-    words = " ".join(_words(short if sep else name))
+    words = " ".join(split_words(short if sep else name))
     title = tool.get("title") if isinstance(tool.get("title"), str) else ""
     description = tool.get("description") if isinstance(tool.get("description"), str) else ""
     prefix = f"{server} " if sep else ""

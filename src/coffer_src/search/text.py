@@ -20,13 +20,13 @@ from coffer_src.jsonrpc import TOP_K_DEFAULT, TOP_K_MAX
 from coffer_src.search.lexicon import (
     _ABBREVIATION_WORDS,
     _CJK_RE,
-    _EQUIVALENCE_GROUPS,
     _GERMAN_PARTICLE_SET,
     _GERMAN_PARTICLES,
     _IRREGULAR,
     _LEXICON_CJK,
     _LEXICON_ENDINGS,
     _VERB_SENSE_LINES,
+    EQUIVALENCE_LINES,
     KNOWLEDGE_STOP_WORDS,
     LEXICON,
     SEPARABLE_VERBS,
@@ -142,7 +142,7 @@ def _split_identifiers(text: str) -> str:
     return _CAMEL_RE.sub(" ", text)
 
 
-def _words(text: str) -> list[str]:
+def split_words(text: str) -> list[str]:
     """NFKC, identifier splitting, lowercase; CJK runs become overlapping bigrams so substrings can match."""
     if text.isascii():  # the common case: NFKC is the identity and there is no CJK to split
         tokens = text.encode("ascii").translate(_ASCII_TOKENS).decode("ascii").split()
@@ -186,7 +186,7 @@ def tokenize(text: str) -> list[str]:
 def surface_words(text: str) -> tuple[str, ...]:
     """A text's words as written (lowercased, stop words dropped): a query compares them, plural-folded, so an
     exact word can outrank one that merely shares its stem."""
-    return tuple(itertools.filterfalse(STOP_WORDS.__contains__, _words(text)))
+    return tuple(itertools.filterfalse(STOP_WORDS.__contains__, split_words(text)))
 
 
 # Two stems no word can produce (analysis yields letters and digits only): _BATCH_SEPARATOR stands between
@@ -359,7 +359,7 @@ def _analyse(text: str) -> TextTerms:
         stems = tuple(itertools.chain.from_iterable(map(_TOKEN_STEMS.__getitem__, tokens)))
         if _FOREIGN_MARK not in stems:
             return TextTerms(stems, (), text)
-        raw = _words(text)
+        raw = split_words(text)
         foreign = tuple(map(stem, _lexicon_words(raw) + _german_terms(raw)))  # split verbs too
         return TextTerms(_without_mark(stems), foreign, text)
     normal = unicodedata.normalize("NFKC", text)
@@ -514,7 +514,7 @@ def _build_equivalences() -> dict[str, tuple[str, ...]]:
     expands only the lines that list one of its inflections: "located" (locate) is not "location", though the
     two share a stem, so it does not reach the line of places and addresses."""
     table: dict[str, set[str]] = collections.defaultdict(set)
-    for words in _EQUIVALENCE_GROUPS:
+    for words in EQUIVALENCE_LINES:
         group = {stem(word) for word in words}
         for word in words:
             table[inflection_stem(word)] |= group - {stem(word)}
@@ -618,12 +618,12 @@ def _collect_parameters(node, depth: int, names: list, texts: list, examples: li
 def knowledge_terms(text: str) -> tuple[str, ...]:
     """Index/query terms of a passage or question: Coffer's word splitting and stemmer, documentation stop words."""
     if text.isascii():
-        # _words treats each ASCII word on its own, so a cache per distinct word gives the same terms for less
+        # split_words treats each ASCII word on its own, so a cache per distinct word gives the same terms for less
         # work (documents repeat their words, and indexing a source is mostly this function).
         return tuple(itertools.chain.from_iterable(map(_word_terms, _WORD_RE.findall(text))))
-    return tuple(stem(word) for word in _words(text) if word not in KNOWLEDGE_STOP_WORDS)
+    return tuple(stem(word) for word in split_words(text) if word not in KNOWLEDGE_STOP_WORDS)
 
 
 @functools.lru_cache(maxsize=1 << 17)
 def _word_terms(word: str) -> tuple[str, ...]:
-    return tuple(stem(part) for part in _words(word) if part not in KNOWLEDGE_STOP_WORDS)
+    return tuple(stem(part) for part in split_words(word) if part not in KNOWLEDGE_STOP_WORDS)
